@@ -1,0 +1,331 @@
+"""Training data for the pipeline scripts: documents -> BPE tokenizer -> packed windows -> batches.
+
+``--data`` names where documents come from:
+
+    builtin                    the .py sources of this Python's standard library: ~11 MB of real text that is
+                               on every machine, so the default run needs no download
+    PATH[,PATH...]             local .txt (one document per paragraph), .jsonl/.json or .parquet files (a "text"
+                               column), read with the `datasets` builders of the same names
+    hf:NAME[:CONFIG[:SPLIT]]   a Hugging Face dataset, streamed (e.g. hf:HuggingFaceFW/fineweb:sample-10BT):
+                               training starts as soon as the first documents arrive
+
+Documents are wrapped in [BOT] ... [EOT], joined into one token stream and cut into windows of seq_len + 1
+tokens (inputs = window[:-1], targets = window[1:]); consecutive windows share one token so every token is a
+target exactly once. No position is spent on padding. Attention is causal across the whole window, so a
+document may attend to the end of the previous one, as is usual for packed pretraining.
+
+Order is deterministic: the builtin corpus is tokenized once (cached) and its windows are shuffled with a
+permutation drawn from (seed, epoch); streamed sources are read in their own order. Either loader reports its
+position with ``state_dict()`` and continues from it with ``load_state_dict()``. The first and the last
+pipeline stage each run their own loader with the same arguments and so see identical batches.
+"""
+
+import copy
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+
+import torch
+from torch import Tensor
+
+from runtime import UsageError
+
+SPECIAL_TOKENS = ("[PAD]", "[BOT]", "[EOT]")
+IGNORE_INDEX = -100  # target value that the loss skips; [PAD] targets are mapped to it
+TOKENIZER_TRAIN_CHARS = 20_000_000  # a trained tokenizer sees at most this much text
+_FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Document sources
+
+def builtin_files() -> list[str]:
+    """The standard library's .py files in a fixed order (tests and vendored packages left out)."""
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip)
+        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    return files
+
+
+def check_data_spec(spec: str) -> None:
+    """Raise UsageError for a --data value that cannot work, before any heavy work starts."""
+    if spec == "builtin" or (spec.startswith("hf:") and len(spec) > 3):
+        return
+    paths = [p for p in spec.split(",") if p]
+    if not paths:
+        raise UsageError("--data: empty; use builtin, local files or hf:NAME[:CONFIG]")
+    for path in paths:
+        if not os.path.isfile(path):
+            raise UsageError(f"--data: no such file {path!r}; give existing .txt/.jsonl/.parquet files, "
+                             "builtin, or hf:NAME[:CONFIG]")
+    exts = {os.path.splitext(p)[1].lower() for p in paths}
+    if len(exts) != 1 or next(iter(exts)) not in _FILE_BUILDERS:
+        raise UsageError(f"--data: files must share one extension out of {sorted(_FILE_BUILDERS)}, "
+                         f"got {sorted(exts)}")
+
+
+def open_stream(spec: str):
+    """A `datasets` IterableDataset of {"text": ...} documents for a local-file or hf: spec."""
+    import datasets  # imported here: the builtin corpus and --help do not need it
+
+    if spec.startswith("hf:"):
+        name, config, split = (spec[3:].split(":") + [None, None])[:3]
+        try:
+            ds = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
+        except Exception as e:  # network, unknown name or config: the user's input, not our bug
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UsageError(f"--data {spec}: cannot open the dataset ({first_line})") from None
+    else:
+        paths = spec.split(",")
+        builder = _FILE_BUILDERS[os.path.splitext(paths[0])[1].lower()]
+        kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+        ds = datasets.load_dataset(builder, data_files=paths, split="train", streaming=True, **kwargs)
+    if ds.features is not None and "text" not in ds.features:
+        raise UsageError(f"--data {spec}: documents need a 'text' column, found {sorted(ds.features)}")
+    return ds.select_columns(["text"])
+
+
+def _read_file(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def iter_documents(spec: str):
+    """The texts of a source in order. Opens the source now, so a bad spec fails here and not mid-iteration."""
+    if spec == "builtin":
+        return map(_read_file, builtin_files())
+    return (example["text"] or "" for example in open_stream(spec))
+
+
+def _source_fingerprint(spec: str) -> str:
+    """Changes when the documents behind a spec change, so stale caches are not reused."""
+    if spec == "builtin":
+        files = builtin_files()
+        return f"builtin:{sys.version}:{len(files)}:{sum(os.path.getsize(f) for f in files)}"
+    if spec.startswith("hf:"):
+        return spec
+    return ";".join(f"{os.path.abspath(p)}:{os.path.getsize(p)}:{os.path.getmtime(p)}" for p in spec.split(","))
+
+
+def _atomic_write(path: str, write) -> None:
+    # Several processes (one per node, or a user's second run) may build the same cache file at once:
+    # each writes its own temporary file and renames it, so readers never see half a file.
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tokenizer
+
+def load_tokenizer(path: str):
+    from tokenizers import Tokenizer
+
+    if not os.path.isfile(path):
+        raise UsageError(f"--tokenizer: no such file {path!r}; give a tokenizers JSON file or leave the flag out "
+                         "to train one on --data")
+    try:
+        tokenizer = Tokenizer.from_file(path)
+    except Exception:
+        raise UsageError(f"--tokenizer: {path!r} is not a tokenizers JSON file") from None
+    missing = [t for t in ("[BOT]", "[EOT]") if tokenizer.token_to_id(t) is None]
+    if missing:
+        raise UsageError(f"--tokenizer: {path!r} lacks the special tokens {missing}; documents are wrapped in them")
+    return tokenizer
+
+
+def tokenizer_cache_path(spec: str, vocab_size: int, cache_dir: str) -> str:
+    key = hashlib.sha256(f"v1|{_source_fingerprint(spec)}|{vocab_size}".encode()).hexdigest()[:16]
+    return os.path.join(cache_dir, f"tokenizer-{key}.json")
+
+
+def train_tokenizer(spec: str, vocab_size: int):
+    """A byte-level BPE tokenizer with [PAD], [BOT], [EOT], trained on the first documents of the source."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    documents = iter_documents(spec)
+
+    def sample():
+        seen = 0
+        for text in documents:
+            yield text
+            seen += len(text)
+            if seen >= TOKENIZER_TRAIN_CHARS:
+                return
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(sample(), trainer)
+    return tokenizer
+
+
+def get_tokenizer(spec: str, tokenizer_path: str | None, vocab_size: int, cache_dir: str):
+    """The tokenizer at --tokenizer, else the one trained on --data before (cached), else train it now."""
+    if tokenizer_path:
+        return load_tokenizer(tokenizer_path)
+    path = tokenizer_cache_path(spec, vocab_size, cache_dir)
+    if not os.path.isfile(path):
+        tokenizer = train_tokenizer(spec, vocab_size)
+        _atomic_write(path, lambda tmp: tokenizer.save(tmp))
+    return load_tokenizer(path)
+
+
+def _encode_documents(tokenizer, texts: list[str]) -> list[list[int]]:
+    bot, eot = tokenizer.token_to_id("[BOT]"), tokenizer.token_to_id("[EOT]")
+    return [[bot, *enc.ids, eot] for enc in tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loaders: both hand out batches (inputs, targets), each [batch_size, seq_len] int64, and know their position.
+
+class _Windows:
+    def __init__(self, seq_len: int, batch_size: int, pad_id: int | None):
+        self.seq_len, self.batch_size, self.pad_id = seq_len, batch_size, pad_id
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        windows = torch.stack([self._next_window() for _ in range(self.batch_size)])
+        inputs, targets = windows[:, :-1].clone(), windows[:, 1:].clone()
+        if self.pad_id is not None:  # only text brought with its own [PAD]s has any; packing adds none
+            targets[targets == self.pad_id] = IGNORE_INDEX
+        return inputs, targets
+
+
+class ShuffledWindows(_Windows):
+    """A fixed token array cut into windows, visited in a fresh seeded permutation each epoch."""
+
+    def __init__(self, tokens: Tensor, seq_len: int, batch_size: int, seed: int, pad_id: int | None = None):
+        super().__init__(seq_len, batch_size, pad_id)
+        self.tokens, self.seed = tokens, seed
+        self.num_windows = (len(tokens) - 1) // seq_len
+        if self.num_windows < 1:
+            raise UsageError(f"--seq-len {seq_len}: the data holds only {len(tokens)} tokens; use a shorter --seq-len")
+        self.epoch, self.index = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_windows, generator=gen)
+
+    def _next_window(self) -> Tensor:
+        if self.index == self.num_windows:
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        start = int(self._order[self.index]) * self.seq_len
+        self.index += 1
+        return self.tokens[start:start + self.seq_len + 1].long()
+
+    def describe(self) -> str:
+        return (f"{len(self.tokens):,} tokens packed into {self.num_windows:,} windows of {self.seq_len + 1}, "
+                f"shuffled with seed {self.seed}, no padding")
+
+    def state_dict(self) -> dict:
+        return {"kind": "shuffled", "epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._order = self._permutation(self.epoch)
+
+
+class StreamedWindows(_Windows):
+    """Documents streamed in order, tokenized a few at a time, joined and cut; the source repeats at its end."""
+
+    DOCS_PER_READ = 32  # documents tokenized together (encode_batch runs them in parallel)
+
+    def __init__(self, spec: str, tokenizer, seq_len: int, batch_size: int, pad_id: int | None = None):
+        super().__init__(seq_len, batch_size, pad_id)
+        self.spec, self.tokenizer = spec, tokenizer
+        self.buffer: list[int] = []
+        self.epoch = 0
+        self._start_epoch(None)
+
+    def _start_epoch(self, stream_state: dict | None) -> None:
+        self._dataset = open_stream(self.spec)
+        if stream_state is not None:
+            self._dataset.load_state_dict(stream_state)
+        self._iter = iter(self._dataset)
+        self._stream_state = copy.deepcopy(self._dataset.state_dict())
+        self._from_start = stream_state is None
+        self._docs_this_epoch = 0
+
+    def _read(self) -> None:
+        texts = []
+        for example in self._iter:
+            texts.append(example["text"] or "")
+            if len(texts) == self.DOCS_PER_READ:
+                break
+        # The saved position must match the tokens now buffered: take it right after the documents were read.
+        self._stream_state = copy.deepcopy(self._dataset.state_dict())
+        if not texts:
+            if self._from_start and self._docs_this_epoch == 0:
+                raise UsageError(f"--data {self.spec}: no documents found")
+            self.epoch += 1
+            self._start_epoch(None)
+            return
+        self._docs_this_epoch += len(texts)
+        for ids in _encode_documents(self.tokenizer, texts):
+            self.buffer.extend(ids)
+
+    def _next_window(self) -> Tensor:
+        while len(self.buffer) < self.seq_len + 1:
+            self._read()
+        window = torch.tensor(self.buffer[:self.seq_len + 1])
+        del self.buffer[:self.seq_len]  # the last target is the next window's first input
+        return window
+
+    def describe(self) -> str:
+        return f"{self.spec} streamed in order, packed into windows of {self.seq_len + 1}, no padding"
+
+    def state_dict(self) -> dict:
+        return {"kind": "streamed", "epoch": self.epoch, "stream": self._stream_state, "buffer": list(self.buffer)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.buffer = state["epoch"], list(state["buffer"])
+        self._start_epoch(state["stream"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Entry points for the training scripts
+
+def builtin_tokens(tokenizer, cache_dir: str) -> tuple[Tensor, Tensor]:
+    """The builtin corpus as one int32 token stream and its per-document lengths, tokenized once and cached."""
+    vocab = json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    key = hashlib.sha256(f"v1|{_source_fingerprint('builtin')}|{vocab}".encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir, f"builtin-{key}.pt")
+    if not os.path.isfile(path):
+        docs = _encode_documents(tokenizer, list(iter_documents("builtin")))
+        tokens = torch.tensor([t for d in docs for t in d], dtype=torch.int32)
+        lengths = torch.tensor([len(d) for d in docs], dtype=torch.int64)
+        _atomic_write(path, lambda tmp: torch.save({"tokens": tokens, "lengths": lengths}, tmp))
+    cached = torch.load(path, weights_only=True)
+    return cached["tokens"], cached["lengths"]
+
+
+def prepare(spec: str, tokenizer_path: str | None, vocab_size: int, cache_dir: str):
+    """Build every cache the loaders need. Run it on one process per machine before the others start reading."""
+    tokenizer = get_tokenizer(spec, tokenizer_path, vocab_size, cache_dir)
+    if spec == "builtin":
+        builtin_tokens(tokenizer, cache_dir)
+    return tokenizer
+
+
+def make_loader(spec: str, tokenizer, seq_len: int, batch_size: int, seed: int, cache_dir: str):
+    pad_id = tokenizer.token_to_id("[PAD]")
+    if spec == "builtin":
+        tokens, _ = builtin_tokens(tokenizer, cache_dir)
+        return ShuffledWindows(tokens, seq_len, batch_size, seed, pad_id)
+    return StreamedWindows(spec, tokenizer, seq_len, batch_size, pad_id)
+
+
+def padded_useful_share(doc_lengths: Tensor, seq_len: int) -> float:
+    """Share of target positions holding text if every document were padded/cut to seq_len, as the seed does."""
+    useful = (doc_lengths.clamp(max=seq_len + 1) - 1).sum().item()
+    return useful / (len(doc_lengths) * seq_len)

@@ -1,0 +1,307 @@
+"""What every training script in this collection does the same way, so the scripts can keep to their pipeline.
+
+Flags, argument checks, the one place that picks device/backend/dtype, process-group setup and teardown, the
+LR schedule, gradient clipping across stages, metrics and the end-of-run summary.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from model import PRESETS
+
+
+class UsageError(Exception):
+    """A mistake in the command line or its inputs: reported in one line, exit status 2, no traceback."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Flags: the same in every script
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of the usage block; --help has the rest
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def build_parser(doc: str, schedules: list[str]) -> argparse.ArgumentParser:
+    p = _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", choices=sorted(PRESETS), default=None,
+                   help="model preset (default: tiny on CPU, small on GPU)")
+    g.add_argument("--layers", type=int, default=None, help="override the preset's number of decoder layers")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=300, help="optimizer steps to train for (default: %(default)s)")
+    g.add_argument("--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)")
+    g.add_argument("--microbatches", type=int, default=4,
+                   help="microbatches each step's batch is split into (default: %(default)s)")
+    g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: %(default)s)")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
+    g.add_argument("--warmup-steps", type=int, default=30,
+                   help="linear warmup steps, then cosine decay to 10%% of --lr (default: %(default)s)")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default: %(default)s)")
+    g.add_argument("--grad-clip", type=float, default=1.0,
+                   help="clip the global gradient norm to this; 0 turns clipping off (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default: %(default)s)")
+    g.add_argument("--schedule", choices=schedules, default=schedules[0],
+                   help="pipeline schedule (default: %(default)s)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default="builtin",
+                   help="builtin | PATH[,PATH...] (.txt/.jsonl/.parquet) | hf:NAME[:CONFIG[:SPLIT]] "
+                        "(default: %(default)s, the Python standard library's source)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizers JSON file with [BOT] and [EOT] (default: train one on --data and cache it)")
+    g.add_argument("--vocab-size", type=int, default=8192,
+                   help="vocabulary of a tokenizer trained on --data (default: %(default)s)")
+    g.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "pipeline-llama"),
+                   help="where trained tokenizers and tokenized data are kept (default: %(default)s)")
+    g = p.add_argument_group("checkpoints and output")
+    g.add_argument("--checkpoint-dir", default="checkpoints",
+                   help="where checkpoints are written and resumed from (default: %(default)s)")
+    g.add_argument("--checkpoint-every", type=int, default=0,
+                   help="save after every N steps; 0: only at the end (default: %(default)s)")
+    g.add_argument("--metrics", default=None, help="write one JSON line per step (and a summary) to this file")
+    g = p.add_argument_group("system")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda:LOCAL_RANK with NCCL and bf16 when a GPU is present, else CPU, gloo, fp32")
+    return p
+
+
+def model_preset(args, device_type: str) -> str:
+    return args.model or ("small" if device_type == "cuda" else "tiny")
+
+
+def check_args(args, world_size: int, device_type: str) -> None:
+    """Every mistake that can be seen from the flags alone, checked identically on every rank before any work."""
+    import data  # late: data imports UsageError from here
+
+    positive = {"--steps": args.steps, "--batch-size": args.batch_size, "--microbatches": args.microbatches,
+                "--seq-len": args.seq_len, "--vocab-size": args.vocab_size}
+    for flag, value in positive.items():
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    for flag, value in {"--warmup-steps": args.warmup_steps, "--checkpoint-every": args.checkpoint_every}.items():
+        if value < 0:
+            raise UsageError(f"{flag} must be 0 or more, got {value}")
+    for flag, value in {"--lr": args.lr, "--weight-decay": args.weight_decay, "--grad-clip": args.grad_clip}.items():
+        if not math.isfinite(value) or value < 0 or (flag == "--lr" and value == 0):
+            raise UsageError(f"{flag} must be a finite {'positive' if flag == '--lr' else 'non-negative'} "
+                             f"number, got {value}")
+    if args.batch_size % args.microbatches:
+        raise UsageError(f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}; "
+                         "make the batch a multiple of the microbatch count")
+    preset = PRESETS[model_preset(args, device_type)]
+    num_layers = args.layers if args.layers is not None else preset.get("num_hidden_layers", 12)
+    if num_layers < 1:
+        raise UsageError(f"--layers must be at least 1, got {num_layers}")
+    if world_size > num_layers:
+        raise UsageError(f"{world_size} processes but the model has {num_layers} layers: each stage needs a layer; "
+                         f"run at most {num_layers} processes or raise --layers")
+    max_positions = preset.get("max_position_embeddings", 2048)
+    if args.seq_len > max_positions:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {max_positions} positions; "
+                         f"use --seq-len {max_positions} or less")
+    data.check_data_spec(args.data)
+    if args.tokenizer is not None and not os.path.isfile(args.tokenizer):
+        raise UsageError(f"--tokenizer: no such file {args.tokenizer!r}; give a tokenizers JSON file or leave the "
+                         "flag out to train one on --data")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Processes, devices, dtypes
+
+@dataclasses.dataclass
+class Env:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    dtype: torch.dtype  # compute dtype: bf16 autocast on GPU, plain fp32 on CPU
+
+
+def launch_env(device_flag: str) -> Env:
+    """Read what torchrun set (or a single process when run with plain python) and choose device, backend, dtype.
+
+    This is the only place that looks at the environment or at CUDA.
+    """
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    use_cuda = device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no GPU is visible; use --device cpu")
+        if local_world > torch.cuda.device_count():
+            # NCCL refuses two ranks on one GPU, so say so now instead of failing at the first send.
+            raise UsageError(f"--device cuda: {local_world} processes on this node but {torch.cuda.device_count()} "
+                             "GPUs; start one process per GPU (--nproc_per_node) or use --device cpu")
+        return Env(rank, world_size, local_rank, local_world, torch.device("cuda", local_rank), "nccl",
+                   torch.bfloat16)
+    return Env(rank, world_size, local_rank, local_world, torch.device("cpu"), "gloo", torch.float32)
+
+
+def init_process_group(env: Env) -> None:
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
+    if "MASTER_ADDR" in os.environ:  # started by torchrun (or a user-set rendezvous)
+        kwargs = {"device_id": env.device} if env.device.type == "cuda" else {}
+        dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, **kwargs)
+    else:  # plain `python script.py`: a group of one, no network rendezvous needed
+        dist.init_process_group(env.backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def autocast(env: Env):
+    """bf16 autocast on GPU (weights and optimizer stay fp32), nothing on CPU where everything is fp32."""
+    if env.dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(env.device.type, dtype=env.dtype)
+
+
+def run(main, args) -> None:
+    """Call main(args); turn a UsageError into one line on stderr and exit status 2; always tear down."""
+    try:
+        main(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def layer_split(num_layers: int, num_stages: int) -> list[range]:
+    """Contiguous layer ranges, one per stage, sizes differing by at most one (earlier stages get the extra)."""
+    base, extra = divmod(num_layers, num_stages)
+    bounds = [0]
+    for stage in range(num_stages):
+        bounds.append(bounds[-1] + base + (1 if stage < extra else 0))
+    return [range(bounds[i], bounds[i + 1]) for i in range(num_stages)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Optimizer, LR schedule, clipping
+
+def make_optimizer(module: torch.nn.Module, args) -> torch.optim.Optimizer:
+    # Decay matrices only; norm gains stay undecayed. Grouping is per parameter, so it is the same on any split.
+    params = [p for p in module.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> float:
+    """Multiplier of --lr for 1-based optimizer step `step`: linear warmup, then cosine down to min_ratio."""
+    if step <= warmup_steps:
+        return step / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def set_lr(optimizer, step: int, args) -> float:
+    """Set and return the LR of 1-based step `step`. A pure function of the step: resuming needs no LR state."""
+    lr = args.lr * lr_factor(step, args.warmup_steps, args.steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def clip_grad_norm_(params, max_norm: float, group=None) -> torch.Tensor:
+    """Clip by the norm of the *whole model's* gradient and return that norm.
+
+    Each stage holds only part of the gradient; clipping each part by its own norm would change the update.
+    The squared local norms are summed across stages first, as one process holding the full model would.
+    """
+    params = [p for p in params if p.grad is not None]
+    local = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    squared = local.float() ** 2
+    dist.all_reduce(squared, group=group)
+    total = squared.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Metrics and summary
+
+class Metrics:
+    """JSON lines: one row per optimizer step, then one summary row. Only the rank holding the loss writes."""
+
+    def __init__(self, path: str | None, enabled: bool, append: bool = False):
+        self.file = None
+        if path and enabled:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a" if append else "w")
+        self.step_times: list[float] = []
+
+    def log(self, row: dict) -> None:
+        self.step_times.append(row["step_time"])
+        if self.file:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+
+    def close(self, summary: dict | None = None) -> None:
+        if self.file:
+            if summary is not None:
+                self.file.write(json.dumps({"summary": summary}) + "\n")
+            self.file.close()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB: peak resident memory
+
+
+def summarize(env: Env, step_times: list[float], tokens_per_step: float) -> dict | None:
+    """Gather every stage's peak memory; return the run summary on the rank that holds the loss.
+
+    tokens_per_step: mean number of real (not ignored) target tokens per step.
+    """
+    peaks = [None] * env.world_size
+    dist.all_gather_object(peaks, peak_memory_bytes(env.device))
+    if env.rank != env.world_size - 1 or not step_times:
+        return None
+    # The first step includes one-time costs (shape inference, allocator warmup): leave it out when we can.
+    steady = step_times[1:] or step_times
+    median = sorted(steady)[len(steady) // 2]
+    return {
+        "steps": len(step_times),
+        "median_step_time": median,
+        "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
+        "peak_memory_bytes_per_stage": peaks,
+        "memory_kind": "cuda max allocated" if env.device.type == "cuda" else "process peak RSS",
+    }
+
+
+class Timer:
+    """Wall time of one step; on GPU it waits for queued kernels so the time is the step's, not its launch's."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        self._sync()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self._sync()
+        self.seconds = time.perf_counter() - self.start
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

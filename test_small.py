@@ -1,0 +1,381 @@
+"""Tests for the collection, on CPU with gloo and real processes.
+
+The central claim: a pipeline is the same model. Gradients and loss trajectories of the pipelined scripts are
+compared with the unsplit model on one process. Run with:  pytest -q test_small.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import data
+import runtime
+import train_pipeline_gpipe as gpipe
+from model import LlamaConfig, LlamaForPretraining, config_from_preset
+
+ROOT = Path(__file__).resolve().parent
+RTOL = 1e-5
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Helpers
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """A cache with the builtin corpus' tokenizer and tokens, built once for every test that runs a script."""
+    path = str(tmp_path_factory.mktemp("cache"))
+    data.prepare("builtin", None, 8192, path)
+    return path
+
+
+def script_env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env.pop("RANK", None)  # a test run from inside torchrun must not make the scripts think they are ranks
+    return env
+
+
+def launch(nproc: int, script: str, *args, cwd, timeout=240, wait=True):
+    """Run a script as `python` (nproc=1 without torchrun) or under torchrun with nproc processes."""
+    if nproc == 0:
+        cmd = [sys.executable, str(ROOT / script), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(ROOT / script), *args]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL)
+    return finish(proc, timeout) if wait else proc
+
+
+def finish(proc, timeout=240):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"timed out (a hang?)\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def read_metrics(path):
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return [r for r in rows if "summary" not in r], [r["summary"] for r in rows if "summary" in r]
+
+
+def assert_close_rel(a, b, rtol=RTOL, what=""):
+    assert abs(a - b) <= rtol * abs(b), f"{what}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e})"
+
+
+def small_config(vocab=97, layers=4) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, max_position_embeddings=64, hidden_size=32, intermediate_size=48,
+                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# model.py
+
+def test_meta_init_equals_direct_build():
+    config = small_config()
+    direct = LlamaForPretraining(config)
+    direct.init_weights(seed=7)
+    via_meta = gpipe.build_stage_model(config, stage=0, num_stages=1, device=torch.device("cpu"), seed=7)
+    a = dict(direct.named_parameters()) | dict(direct.named_buffers())
+    b = dict(via_meta.named_parameters()) | dict(via_meta.named_buffers())
+    assert sorted(a) == sorted(b) and any(k.endswith("inv_freq") for k in a)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    # Different seeds give different weights: the comparison above is not trivially true.
+    other = LlamaForPretraining(config)
+    other.init_weights(seed=8)
+    assert not torch.equal(other.lm_head.weight, direct.lm_head.weight)
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_each_stage_gets_the_full_models_weights(num_stages):
+    config = small_config(layers=4)
+    full = LlamaForPretraining(config)
+    full.init_weights(seed=3)
+    full_state = full.state_dict()
+    seen = set()
+    for stage in range(num_stages):
+        part = gpipe.build_stage_model(config, stage, num_stages, torch.device("cpu"), seed=3).state_dict()
+        assert set(part) <= set(full_state)
+        for name, tensor in part.items():
+            assert torch.equal(tensor, full_state[name]), name
+        seen |= set(part)
+    assert seen == set(full_state)  # the stages together hold every parameter exactly once
+
+
+def test_layer_split_is_balanced():
+    assert runtime.layer_split(4, 3) == [range(0, 2), range(2, 3), range(3, 4)]
+    for layers in range(1, 13):
+        for stages in range(1, layers + 1):
+            sizes = [len(r) for r in runtime.layer_split(layers, stages)]
+            assert sum(sizes) == layers and max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+def test_same_math_as_hugging_face_llama():
+    transformers = pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
+    config = LlamaConfig(vocab_size=97, max_position_embeddings=64, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0)
+    ours = LlamaForPretraining(config)
+    ours.init_weights(seed=0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False)).eval()
+    # Same names but for the prefix: a strict load proves it.
+    hf.load_state_dict({k.replace("base_model.", "model.", 1): v for k, v in ours.state_dict().items()}, strict=True)
+    tokens = torch.randint(0, 97, (2, 33), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One pipelined step: every gradient equals the unsplit model's
+
+def _grad_worker(rank, world_size, store_path, out_dir, config, batch, microbatches):
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    try:
+        env = runtime.Env(rank, world_size, rank, world_size, torch.device("cpu"), "gloo", torch.float32)
+        model = gpipe.build_stage_model(config, rank, world_size, env.device, seed=11)
+        stage = gpipe.PipelineStage(model, rank, world_size, env.device)
+        schedule = gpipe.ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=gpipe.loss_fn)
+        inputs, targets = batch
+        loss = gpipe.train_step(schedule, env, inputs if rank == 0 else None,
+                                targets if rank == world_size - 1 else None)
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        torch.save({"grads": grads, "loss": loss}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layers,world_size", [(4, 2), (4, 3), (6, 3)])
+def test_pipeline_gradients_equal_unsplit_model(tmp_path, layers, world_size):
+    config, microbatches = small_config(layers=layers), 4
+    gen = torch.Generator().manual_seed(5)
+    inputs = torch.randint(0, config.vocab_size, (8, 16), generator=gen)
+    targets = torch.randint(0, config.vocab_size, (8, 16), generator=gen)
+    targets[0, :3] = data.IGNORE_INDEX  # ignored targets must stay ignored through the pipeline
+
+    mp.start_processes(_grad_worker, nprocs=world_size, start_method="spawn", join=True,
+                       args=(world_size, str(tmp_path / "store"), str(tmp_path), config, (inputs, targets),
+                             microbatches))
+
+    # Reference: the whole model on this process, the same microbatches one after another.
+    reference = LlamaForPretraining(config)
+    reference.init_weights(seed=11)
+    losses = []
+    for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches)):
+        loss = gpipe.loss_fn(reference(x), y)
+        (loss / microbatches).backward()
+        losses.append(loss.detach())
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
+    assert_close_rel(results[-1]["loss"].item(), torch.stack(losses).mean().item(), what="loss")
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    got = {name: g for result in results for name, g in result["grads"].items()}
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-8, msg=name)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The script itself: losses, the README command, bad input
+
+TRAIN_ARGS = ["--layers", "4", "--steps", "5", "--batch-size", "8", "--microbatches", "4", "--seq-len", "32",
+              "--warmup-steps", "2", "--lr", "1e-2"]
+
+
+def test_loss_trajectory_is_the_same_at_1_2_3_stages(tmp_path, cache_dir):
+    tokenizer_file = data.tokenizer_cache_path("builtin", 8192, cache_dir)
+    runs = {}
+    procs = {}
+    for nproc in (0, 2, 3):  # 0: plain python, one process; the 1-stage run also loads the tokenizer by path
+        extra = ["--tokenizer", tokenizer_file] if nproc == 0 else []
+        out = tmp_path / f"run{nproc}"
+        procs[nproc] = launch(nproc, "train_pipeline_gpipe.py", *TRAIN_ARGS, *extra, "--cache-dir", cache_dir,
+                              "--metrics", str(out / "m.jsonl"), "--checkpoint-dir", str(out / "ckpt"),
+                              cwd=tmp_path, wait=False)
+    for nproc, proc in procs.items():
+        result = finish(proc)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[nproc], summary = read_metrics(tmp_path / f"run{nproc}" / "m.jsonl")
+        assert [r["step"] for r in runs[nproc]] == [1, 2, 3, 4, 5]
+        assert len(summary[0]["peak_memory_bytes_per_stage"]) == max(nproc, 1)
+    for nproc in (2, 3):
+        for a, b in zip(runs[nproc], runs[0]):
+            assert_close_rel(a["loss"], b["loss"], what=f"{nproc} stages, step {a['step']} loss")
+            assert_close_rel(a["grad_norm"], b["grad_norm"], what=f"{nproc} stages, step {a['step']} grad norm")
+    assert runs[0][0]["grad_norm"] > 1.0  # clipping was active, so the cross-stage norm was exercised
+
+
+def test_readme_command_trains_saves_and_resumes(tmp_path, cache_dir):
+    # The README's main command, shortened: loss must fall, a checkpoint must appear, a rerun must resume.
+    args = ["--steps", "12", "--warmup-steps", "3", "--cache-dir", cache_dir, "--metrics", "m.jsonl"]
+    result = launch(3, "train_pipeline_gpipe.py", *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done: 12 steps" in result.stdout
+    rows, _ = read_metrics(tmp_path / "m.jsonl")
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, [r["loss"] for r in rows]
+    assert (tmp_path / "checkpoints" / "step-00000012" / "meta.json").is_file()
+
+    args[1] = "14"
+    result = launch(3, "train_pipeline_gpipe.py", *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from checkpoints/step-00000012 at step 12" in result.stdout
+    rows, _ = read_metrics(tmp_path / "m.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 15))
+
+
+def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, cache_dir):
+    bad_tokenizer = tmp_path / "bad.json"
+    bad_tokenizer.write_text("not a tokenizer")
+    ckpt = tmp_path / "ckpt" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text("{}")
+    common = ["--cache-dir", cache_dir, "--checkpoint-dir", str(tmp_path / "ckpt")]
+    cases = {  # flags -> the flag the message must name
+        ("--batch-size", "10", "--microbatches", "4"): "--microbatches",
+        ("--steps", "0"): "--steps",
+        ("--microbatches", "-1"): "--microbatches",
+        ("--lr", "nan"): "--lr",
+        ("--lr", "inf"): "--lr",
+        ("--seq-len", "5000"): "--seq-len",
+        ("--model", "huge"): "--model",
+        ("--data", "missing.txt"): "--data",
+        ("--data", "hf:no-such-user/no-such-dataset"): "--data",
+        ("--tokenizer", "missing.json"): "--tokenizer",
+        ("--tokenizer", str(bad_tokenizer)): "--tokenizer",
+        ("--steps", "ten"): "--steps",
+    }
+    procs = {flags: launch(0, "train_pipeline_gpipe.py", *flags, *common, cwd=tmp_path, wait=False)
+             for flags in cases}
+    # More processes than layers, under torchrun: every rank must stop, none may hang.
+    procs[("torchrun", "--layers", "2")] = launch(3, "train_pipeline_gpipe.py", "--layers", "2", *common,
+                                                  cwd=tmp_path, wait=False)
+    cases[("torchrun", "--layers", "2")] = "--layers"
+    for flags, proc in procs.items():
+        result = finish(proc, timeout=120)
+        assert result.returncode != 0, flags
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert errors and cases[flags] in errors[0], (flags, result.stderr[-2000:])
+        if flags[0] != "torchrun":
+            assert result.stderr.strip() == errors[0], (flags, result.stderr)  # one line, no traceback
+            assert result.returncode == 2
+    assert (ckpt / "meta.json").read_text() == "{}"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000001"]
+
+
+def test_help_works_without_torchrun(tmp_path):
+    result = launch(0, "train_pipeline_gpipe.py", "--help", cwd=tmp_path)
+    assert result.returncode == 0
+    for flag in ["--model", "--steps", "--batch-size", "--microbatches", "--seq-len", "--lr", "--warmup-steps",
+                 "--seed", "--data", "--tokenizer", "--checkpoint-dir", "--checkpoint-every", "--metrics",
+                 "--schedule"]:
+        assert flag in result.stdout
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data.py
+
+DOCS = [f"document {i}: " + " ".join(f"word{(i * 7 + j) % 50}" for j in range(5 + i % 17)) for i in range(60)]
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("docs") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    return data.train_tokenizer(str(path), vocab_size=300)
+
+
+def write_docs(directory: Path, kind: str) -> str:
+    if kind == "jsonl":
+        (directory / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    elif kind == "txt":  # one document per paragraph
+        (directory / "d.txt").write_text("\n\n".join(DOCS) + "\n")
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.table({"text": DOCS, "id": list(range(len(DOCS)))}), directory / "d.parquet")
+    return str(directory / f"d.{kind}")
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "txt", "parquet"])
+def test_local_files_are_read_as_documents(tmp_path, kind):
+    assert [t.strip() for t in data.iter_documents(write_docs(tmp_path, kind))] == DOCS
+
+
+def test_packing_joins_documents_without_padding(tmp_path, small_tokenizer):
+    spec = write_docs(tmp_path, "jsonl")
+    seq_len, batch = 16, 4
+    loader = data.StreamedWindows(spec, small_tokenizer, seq_len, batch, small_tokenizer.token_to_id("[PAD]"))
+    bot, eot = small_tokenizer.token_to_id("[BOT]"), small_tokenizer.token_to_id("[EOT]")
+    expected = [t for d in DOCS for t in [bot, *small_tokenizer.encode(d, add_special_tokens=False).ids, eot]]
+    stream = []
+    for _ in range(5):
+        inputs, targets = loader.next_batch()
+        assert inputs.shape == targets.shape == (batch, seq_len)
+        assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are the inputs shifted by one
+        for x, y in zip(inputs, targets):
+            stream += x.tolist()
+            assert y[-1] == expected[len(stream)]  # the last target is the next window's first input
+    assert stream == expected[:len(stream)]  # every token used once, in order, nothing inserted
+    assert small_tokenizer.token_to_id("[PAD]") not in stream
+
+
+def test_streamed_loader_resumes_exactly_and_wraps_around(tmp_path, small_tokenizer):
+    spec = write_docs(tmp_path, "parquet")
+    loader = data.StreamedWindows(spec, small_tokenizer, 16, 4)
+    for _ in range(3):
+        loader.next_batch()
+    state = json.loads(json.dumps(loader.state_dict()))  # must survive JSON (it goes into meta.json)
+    ahead = [loader.next_batch() for _ in range(40)]  # runs past the end of the 60 documents
+    assert loader.epoch >= 1
+    resumed = data.StreamedWindows(spec, small_tokenizer, 16, 4)
+    resumed.load_state_dict(state)
+    for a, b in zip(ahead, [resumed.next_batch() for _ in range(40)]):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_shuffled_loader_is_seeded_covers_each_window_once_and_resumes():
+    tokens = torch.arange(1001, dtype=torch.int32)  # 100 windows of 10
+    loader = data.ShuffledWindows(tokens, seq_len=10, batch_size=5, seed=1)
+    first_epoch = torch.cat([loader.next_batch()[0][:, 0] for _ in range(20)])
+    assert sorted(first_epoch.tolist()) == list(range(0, 1000, 10))
+    same = data.ShuffledWindows(tokens, 10, 5, seed=1)
+    assert torch.equal(torch.cat([same.next_batch()[0][:, 0] for _ in range(20)]), first_epoch)
+    other = data.ShuffledWindows(tokens, 10, 5, seed=2)
+    assert not torch.equal(torch.cat([other.next_batch()[0][:, 0] for _ in range(20)]), first_epoch)
+    state = loader.state_dict()
+    ahead = [loader.next_batch()[0] for _ in range(7)]
+    assert loader.epoch == 1
+    same.load_state_dict(json.loads(json.dumps(state)))
+    assert all(torch.equal(a, same.next_batch()[0]) for a in ahead)
+
+
+def test_tokenizer_is_trained_once_then_loaded_from_cache(tmp_path, monkeypatch):
+    spec = write_docs(tmp_path, "jsonl")
+    first = data.get_tokenizer(spec, None, 300, str(tmp_path / "cache"))
+    assert all(first.token_to_id(t) is not None for t in data.SPECIAL_TOKENS)
+
+    def no_training(*args):
+        raise AssertionError("trained again instead of using the cache")
+
+    monkeypatch.setattr(data, "train_tokenizer", no_training)
+    second = data.get_tokenizer(spec, None, 300, str(tmp_path / "cache"))
+    assert second.get_vocab() == first.get_vocab()
+    with pytest.raises(AssertionError):  # another vocabulary size is another tokenizer
+        data.get_tokenizer(spec, None, 400, str(tmp_path / "cache"))
+
+
+def test_builtin_corpus_and_useful_token_share(cache_dir):
+    tokenizer = data.get_tokenizer("builtin", None, 8192, cache_dir)
+    tokens, lengths = data.builtin_tokens(tokenizer, cache_dir)
+    assert len(lengths) > 300 and tokens.numel() == lengths.sum() > 1_000_000
+    assert data.padded_useful_share(torch.tensor([3, 9, 20]), seq_len=8) == (2 + 8 + 8) / 24

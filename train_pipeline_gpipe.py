@@ -1,0 +1,170 @@
+"""Pretrain a Llama model split across processes with torch.distributed.pipelining (GPipe schedule).
+
+    torchrun --nproc_per_node 3 train_pipeline_gpipe.py             # tiny model, builtin data, CPU or GPUs
+    python train_pipeline_gpipe.py --steps 20                        # one process holds the whole model
+    torchrun --nproc_per_node 4 train_pipeline_gpipe.py --model llama-1b \\
+        --data hf:HuggingFaceFW/fineweb:sample-10BT --tokenizer bpe_50K.json
+
+How the model is split: every rank builds the *full* model on the meta device (shapes only, no memory),
+deletes the parts other stages own, and only then allocates and initializes what is left. Stage 0 keeps the
+embedding and the first layers, the last stage the last layers, the final norm and the head; layers are spread
+as evenly as possible. Each stage is wrapped in a PipelineStage, and ScheduleGPipe runs every microbatch
+forward through the pipeline, then every microbatch backward, exchanging activations and their gradients
+between neighbouring ranks.
+"""
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import tqdm
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+import checkpoint
+import data
+import runtime
+from model import LlamaForPretraining, config_from_preset, num_parameters
+
+SCHEDULES = {"gpipe": ScheduleGPipe}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The split: one stage of the model, built without ever allocating the rest
+
+def build_stage_model(config, stage: int, num_stages: int, device: torch.device, seed: int) -> LlamaForPretraining:
+    with torch.device("meta"):
+        model = LlamaForPretraining(config)
+    keep = runtime.layer_split(config.num_hidden_layers, num_stages)[stage]
+    for i in range(config.num_hidden_layers):
+        if i not in keep:
+            del model.base_model.layers[str(i)]  # keys stay global indices: "layers.4" is layer 4 on any stage
+    if stage != 0:
+        model.base_model.embed_tokens = None
+    if stage != num_stages - 1:
+        model.base_model.norm = None
+        model.lm_head = None
+    model.to_empty(device=device)  # allocates, uninitialized: init_weights must set every parameter and buffer
+    model.init_weights(seed)
+    return model
+
+
+def describe_split(num_layers: int, num_stages: int) -> str:
+    parts = []
+    for stage, layers in enumerate(runtime.layer_split(num_layers, num_stages)):
+        text = f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"
+        text = ("embed + " if stage == 0 else "") + text + (" + norm + head" if stage == num_stages - 1 else "")
+        parts.append(f"[{text}]")
+    return " ".join(parts)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # Mean over the microbatch's real targets. The schedule divides gradients by the number of microbatches,
+    # so a step's gradient is that of the mean of the microbatch losses, as on one process.
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=data.IGNORE_INDEX)
+
+
+def train_step(schedule, env: runtime.Env, inputs, targets) -> torch.Tensor | None:
+    """Forward and backward of one batch through the pipeline; the mean microbatch loss on the last stage."""
+    is_first, is_last = env.rank == 0, env.rank == env.world_size - 1
+    losses: list[torch.Tensor] = []
+    args = (inputs,) if is_first else ()
+    kwargs = {"target": targets, "losses": losses} if is_last else {}
+    with runtime.autocast(env):
+        # return_outputs=False: the logits are not needed after the loss, so do not keep them for the step.
+        schedule.step(*args, return_outputs=False, **kwargs)
+    return torch.stack(losses).mean().detach() if is_last else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def main(args):
+    env = runtime.launch_env(args.device)
+    runtime.check_args(args, env.world_size, env.device.type)
+    runtime.init_process_group(env)
+    is_first, is_last = env.rank == 0, env.rank == env.world_size - 1
+    say = print if is_first else (lambda *a, **k: None)
+
+    # --- data: one process per machine builds the caches, then every rank reads them
+    if env.local_rank == 0:
+        data.prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
+    dist.barrier()
+    tokenizer = data.prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
+    loader = None
+    if is_first or is_last:  # inputs go to the first stage, targets to the last; middle stages read nothing
+        loader = data.make_loader(args.data, tokenizer, args.seq_len, args.batch_size, args.seed, args.cache_dir)
+
+    # --- model, split, schedule
+    preset = runtime.model_preset(args, env.device.type)
+    config = config_from_preset(preset, tokenizer.get_vocab_size(), args.layers)
+    model = build_stage_model(config, env.rank, env.world_size, env.device, args.seed)
+    model.train()
+    stage = PipelineStage(model, env.rank, env.world_size, env.device)
+    schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
+    say(f"model {preset}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}"
+        f" | {env.world_size} stage(s): {describe_split(config.num_hidden_layers, env.world_size)}"
+        f" | {env.device.type} {str(env.dtype).removeprefix('torch.')} {env.backend}", flush=True)
+    if loader is not None:
+        say(f"data: {loader.describe()}", flush=True)
+
+    # --- optimizer
+    optimizer = runtime.make_optimizer(model, args)
+
+    # --- resume from the newest complete checkpoint, if any
+    step = 0
+    resume_from = checkpoint.latest(args.checkpoint_dir)
+    if resume_from:
+        meta = checkpoint.load(resume_from, model, optimizer)
+        step = meta["step"]
+        if loader is not None:
+            loader.load_state_dict(meta["data"])
+        say(f"resumed from {resume_from} at step {step}", flush=True)
+
+    # --- training loop
+    metrics = runtime.Metrics(args.metrics, enabled=is_last, append=resume_from is not None)
+    bar = tqdm.tqdm(total=args.steps, initial=step, disable=not is_last, unit="step", mininterval=1.0)
+    tokens_seen = step * args.batch_size * args.seq_len
+    run_tokens = 0  # real targets trained on in this run: with packing, every position
+    while step < args.steps:
+        step += 1
+        lr = runtime.set_lr(optimizer, step, args)
+        with runtime.Timer(env.device) as timer:
+            inputs, targets = loader.next_batch() if loader is not None else (None, None)
+            if inputs is not None:
+                inputs, targets = inputs.to(env.device), targets.to(env.device)
+            optimizer.zero_grad(set_to_none=True)
+            loss = train_step(schedule, env, inputs, targets)
+            grad_norm = runtime.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+        if is_last:
+            tokens = int((targets != data.IGNORE_INDEX).sum())
+            tokens_seen += tokens
+            run_tokens += tokens
+            row = {"step": step, "loss": loss.item(), "lr": lr, "tokens": tokens_seen,
+                   "step_time": timer.seconds, "tokens_per_s": tokens / timer.seconds,
+                   "grad_norm": grad_norm.item()}
+            metrics.log(row)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+            bar.update()
+        if step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0):
+            meta = {"data": loader.state_dict() if loader is not None else None, "model": preset,
+                    "config": dataclasses.asdict(config)}
+            path = checkpoint.save(args.checkpoint_dir, step, model, optimizer, meta, env.rank)
+            bar.write(f"saved {path}") if is_last else None
+    bar.close()
+
+    # --- summary
+    positions = len(metrics.step_times) * args.batch_size * args.seq_len
+    summary = runtime.summarize(env, metrics.step_times, run_tokens / max(1, len(metrics.step_times)))
+    if summary:
+        summary["useful_token_share"] = run_tokens / max(1, positions)
+    metrics.close(summary)
+    if summary:
+        peaks = ", ".join(f"{b / 2**20:.0f}" for b in summary["peak_memory_bytes_per_stage"])
+        print(f"done: {summary['steps']} steps, median step {summary['median_step_time'] * 1e3:.0f} ms, "
+              f"{summary['tokens_per_s']:.0f} tokens/s, {summary['useful_token_share']:.0%} of positions are text, peak memory per stage (MiB, {summary['memory_kind']}): "
+              f"{peaks}", flush=True)
+
+
+if __name__ == "__main__":
+    runtime.run(main, runtime.build_parser(__doc__, list(SCHEDULES)).parse_args())
