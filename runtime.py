@@ -7,6 +7,7 @@ LR schedule, gradient clipping across stages, metrics and the end-of-run summary
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -68,10 +69,18 @@ def build_parser(doc: str, schedules: list[str]) -> argparse.ArgumentParser:
                    help="where checkpoints are written and resumed from (default: %(default)s)")
     g.add_argument("--checkpoint-every", type=int, default=0,
                    help="save after every N steps; 0: only at the end (default: %(default)s)")
+    g.add_argument("--keep-checkpoints", type=int, default=3,
+                   help="keep the newest K complete checkpoints, delete older ones (default: %(default)s)")
+    g.add_argument("--fresh", action="store_true",
+                   help="start at step 0 even if --checkpoint-dir holds checkpoints (they are moved aside to "
+                        "DIR.previous-TIME, not deleted)")
     g.add_argument("--metrics", default=None, help="write one JSON line per step (and a summary) to this file")
     g = p.add_argument_group("system")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda:LOCAL_RANK with NCCL and bf16 when a GPU is present, else CPU, gloo, fp32")
+    g.add_argument("--timeout", type=float, default=600,
+                   help="seconds a rank waits for its peers in any communication before the job stops with an "
+                        "error instead of hanging (default: %(default)s)")
     return p
 
 
@@ -88,6 +97,10 @@ def check_args(args, world_size: int, device_type: str) -> None:
     for flag, value in positive.items():
         if value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
+    if args.keep_checkpoints < 1:
+        raise UsageError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     for flag, value in {"--warmup-steps": args.warmup_steps, "--checkpoint-every": args.checkpoint_every}.items():
         if value < 0:
             raise UsageError(f"{flag} must be 0 or more, got {value}")
@@ -127,6 +140,7 @@ class Env:
     device: torch.device
     backend: str
     dtype: torch.dtype  # compute dtype: bf16 autocast on GPU, plain fp32 on CPU
+    restart: int = 0  # how often torchrun --max-restarts has restarted this job
 
 
 def launch_env(device_flag: str) -> Env:
@@ -136,6 +150,7 @@ def launch_env(device_flag: str) -> Env:
     """
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     use_cuda = device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available())
     if use_cuda:
         if not torch.cuda.is_available():
@@ -145,18 +160,27 @@ def launch_env(device_flag: str) -> Env:
             raise UsageError(f"--device cuda: {local_world} processes on this node but {torch.cuda.device_count()} "
                              "GPUs; start one process per GPU (--nproc_per_node) or use --device cpu")
         return Env(rank, world_size, local_rank, local_world, torch.device("cuda", local_rank), "nccl",
-                   torch.bfloat16)
-    return Env(rank, world_size, local_rank, local_world, torch.device("cpu"), "gloo", torch.float32)
+                   torch.bfloat16, restart)
+    return Env(rank, world_size, local_rank, local_world, torch.device("cpu"), "gloo", torch.float32, restart)
 
 
-def init_process_group(env: Env) -> None:
+def init_process_group(env: Env, timeout_s: float) -> None:
+    # The timeout bounds every collective and send/recv: a peer that died or hangs stops the job with an
+    # error after timeout_s instead of leaving the other ranks waiting forever.
+    timeout = datetime.timedelta(seconds=timeout_s)
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
     if "MASTER_ADDR" in os.environ:  # started by torchrun (or a user-set rendezvous)
+        store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+        # After torchrun --max-restarts restarts the job, the new processes meet in the same store as the dead
+        # ones, whose addresses are still in it: gloo would connect to those and fail. A key prefix per restart
+        # keeps each attempt to itself.
+        store = dist.PrefixStore(f"attempt{env.restart}", store)
         kwargs = {"device_id": env.device} if env.device.type == "cuda" else {}
-        dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, **kwargs)
+        dist.init_process_group(env.backend, store=store, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout, **kwargs)
     else:  # plain `python script.py`: a group of one, no network rendezvous needed
-        dist.init_process_group(env.backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(env.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def autocast(env: Env):
@@ -176,9 +200,24 @@ def run(main, args) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except (dist.DistError, RuntimeError) as e:
+        if not _lost_peer(e):
+            raise  # a bug, not a dead peer: keep the traceback
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        print(f"error: lost contact with another rank ({first}); rerun the same command, or launch with "
+              "torchrun --max-restarts N, to resume from the newest checkpoint", file=sys.stderr)
+        sys.exit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _lost_peer(e: Exception) -> bool:
+    # gloo reports a timeout or a dead peer as a plain RuntimeError from its transport; NCCL as a DistError.
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(
+        marker in text for marker in ("gloo/transport", "Timed out", "Connection closed by peer",
+                                      "Connection reset by peer"))
 
 
 def layer_split(num_layers: int, num_stages: int) -> list[range]:
@@ -240,11 +279,18 @@ def clip_grad_norm_(params, max_norm: float, group=None) -> torch.Tensor:
 class Metrics:
     """JSON lines: one row per optimizer step, then one summary row. Only the rank holding the loss writes."""
 
-    def __init__(self, path: str | None, enabled: bool, append: bool = False):
+    def __init__(self, path: str | None, enabled: bool, resume_step: int | None = None):
+        """resume_step: continuing a run from that step; rows after it (steps done after the checkpoint by a
+        run that was then killed) are dropped, so the file reads as one uninterrupted run."""
         self.file = None
         if path and enabled:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.file = open(path, "a" if append else "w")
+            kept = []
+            if resume_step is not None and os.path.isfile(path):
+                with open(path) as f:
+                    kept = [line for line in f if json.loads(line).get("step", math.inf) <= resume_step]
+            self.file = open(path, "w")
+            self.file.writelines(kept)
         self.step_times: list[float] = []
 
     def log(self, row: dict) -> None:

@@ -6,8 +6,11 @@ compared with the unsplit model on one process. Run with:  pytest -q test_small.
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import checkpoint
 import data
 import runtime
 import train_pipeline_gpipe as gpipe
@@ -41,15 +45,18 @@ def script_env():
     return env
 
 
-def launch(nproc: int, script: str, *args, cwd, timeout=240, wait=True):
-    """Run a script as `python` (nproc=1 without torchrun) or under torchrun with nproc processes."""
+def launch(nproc: int, script: str, *args, cwd, timeout=240, wait=True, torchrun_args=(), env=None):
+    """Run a script with plain python (nproc=0) or under torchrun with nproc processes.
+
+    The process starts a session of its own, so it can be stopped without touching pytest.
+    """
     if nproc == 0:
         cmd = [sys.executable, str(ROOT / script), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(ROOT / script), *args]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, stdin=subprocess.DEVNULL)
+               *torchrun_args, str(ROOT / script), *args]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env or script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL, start_new_session=True)
     return finish(proc, timeout) if wait else proc
 
 
@@ -57,10 +64,37 @@ def finish(proc, timeout=240):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        kill_job(proc)
         out, err = proc.communicate()
         pytest.fail(f"timed out (a hang?)\n{out[-3000:]}\n{err[-3000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def worker_pids(parent: int) -> list[int]:
+    """Child processes of a torchrun agent, read from /proc."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                children.append(int(entry))
+    return children
+
+
+def kill_job(proc) -> None:
+    """SIGKILL a launched job and every worker at once, like a machine that lost power.
+
+    torchrun starts each worker in a session of its own, so killing torchrun's process group would leave the
+    workers running: find them first, then kill them all.
+    """
+    for pid in [*worker_pids(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def read_metrics(path):
@@ -379,3 +413,192 @@ def test_builtin_corpus_and_useful_token_share(cache_dir):
     tokens, lengths = data.builtin_tokens(tokenizer, cache_dir)
     assert len(lengths) > 300 and tokens.numel() == lengths.sum() > 1_000_000
     assert data.padded_useful_share(torch.tensor([3, 9, 20]), seq_len=8) == (2 + 8 + 8) / 24
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checkpoint.py: exact resume after SIGKILL, reshard, restarts, damaged input, export
+
+RESUME_ARGS = ["--layers", "4", "--steps", "16", "--batch-size", "8", "--microbatches", "4", "--seq-len", "32",
+               "--warmup-steps", "2", "--lr", "1e-2"]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, cache_dir):
+    """3 stages, 16 steps, never interrupted; checkpoints after steps 4, 8, 12, 16."""
+    directory = tmp_path_factory.mktemp("reference")
+    result = launch(3, "train_pipeline_gpipe.py", *RESUME_ARGS, "--checkpoint-every", "4", "--keep-checkpoints",
+                    "4", "--cache-dir", cache_dir, "--metrics", "m.jsonl", cwd=directory)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows, _ = read_metrics(directory / "m.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    return directory, rows
+
+
+def complete_and_partial(checkpoint_dir: Path):
+    names = sorted(p.name for p in checkpoint_dir.iterdir()) if checkpoint_dir.is_dir() else []
+    return [n for n in names if not n.endswith(".tmp")], [n for n in names if n.endswith(".tmp")]
+
+
+def test_sigkill_during_a_save_then_rerun_gives_bit_identical_losses(tmp_path, cache_dir, reference_run):
+    args = [*RESUME_ARGS, "--checkpoint-every", "1", "--keep-checkpoints", "2", "--cache-dir", cache_dir,
+            "--metrics", "m.jsonl"]
+    ckpt = tmp_path / "checkpoints"
+    # Kill the whole job at once while a save is in progress and an earlier checkpoint is complete. The test
+    # process competes for the CPU with the job, so a kill may land just after a save finished: then the same
+    # command (which resumes) is started again and killed again, a few times at most.
+    for _ in range(4):
+        proc = launch(3, "train_pipeline_gpipe.py", *args, cwd=tmp_path, wait=False)
+        while proc.poll() is None:
+            complete, partial = complete_and_partial(ckpt)
+            if complete and partial:
+                kill_job(proc)
+                break
+            time.sleep(0.001)
+        proc.communicate()
+        assert proc.returncode == -signal.SIGKILL, "the run ended before a save could be interrupted"
+        complete, partial = complete_and_partial(ckpt)
+        if partial:
+            break
+    assert partial, "no kill landed inside a save"
+    killed_at = int(complete[-1].split("-")[1])
+    assert killed_at < 16
+
+    result = launch(3, "train_pipeline_gpipe.py", *args, cwd=tmp_path)  # the same command again
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from checkpoints/step-{killed_at:08d} at step {killed_at}" in result.stdout
+    rows, _ = read_metrics(tmp_path / "m.jsonl")
+    _, reference = reference_run
+    assert [r["step"] for r in rows] == list(range(1, 17))  # no step repeated or skipped
+    assert [r["loss"] for r in rows] == [r["loss"] for r in reference]  # bit for bit
+    assert [r["lr"] for r in rows] == [r["lr"] for r in reference]
+    assert complete_and_partial(ckpt) == (["step-00000015", "step-00000016"], [])  # keep-K, no leftovers
+
+
+def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, cache_dir, reference_run):
+    reference_dir, reference = reference_run
+    procs = {}
+    for nproc in (2, 0):  # 3 -> 2 stages and 3 -> 1 process
+        run_dir = tmp_path / f"run{nproc}"
+        shutil.copytree(reference_dir / "checkpoints" / "step-00000008", run_dir / "checkpoints" / "step-00000008")
+        procs[nproc] = launch(nproc, "train_pipeline_gpipe.py", *RESUME_ARGS, "--cache-dir", cache_dir,
+                              "--metrics", "m.jsonl", cwd=run_dir, wait=False)
+    for nproc, proc in procs.items():
+        result = finish(proc)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "(saved with 3 stage(s))" in result.stdout
+        rows, _ = read_metrics(tmp_path / f"run{nproc}" / "m.jsonl")
+        assert [r["step"] for r in rows] == list(range(9, 17))
+        for got, want in zip(rows, reference[8:]):
+            assert_close_rel(got["loss"], want["loss"], what=f"{nproc or 1} stage(s), step {got['step']}")
+
+
+def test_dead_rank_with_max_restarts_resumes_and_finishes(tmp_path, cache_dir, reference_run):
+    args = [*RESUME_ARGS, "--checkpoint-every", "2", "--cache-dir", cache_dir, "--metrics", "m.jsonl"]
+    proc = launch(3, "train_pipeline_gpipe.py", *args, cwd=tmp_path, wait=False, torchrun_args=["--max-restarts=1"])
+    while proc.poll() is None and "step-00000004" not in complete_and_partial(tmp_path / "checkpoints")[0]:
+        time.sleep(0.01)
+    victims = worker_pids(proc.pid)
+    assert len(victims) == 3, "the job ended before a rank could be killed"
+    os.kill(victims[1], signal.SIGKILL)
+    result = finish(proc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from checkpoints/step-" in result.stdout
+    rows, _ = read_metrics(tmp_path / "m.jsonl")
+    _, reference = reference_run
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    assert [r["loss"] for r in rows] == [r["loss"] for r in reference]
+
+
+def test_a_hung_peer_stops_the_job_after_the_timeout(tmp_path, cache_dir):
+    # Ranks started by hand (as torchrun would), so nothing but --timeout can stop the waiting ones.
+    port = str(29500 + os.getpid() % 1000)
+    procs = []
+    for rank in range(3):
+        env = dict(script_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="3", LOCAL_WORLD_SIZE="3",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(launch(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--steps", "1000", "--timeout", "3",
+                            "--cache-dir", cache_dir, "--metrics", "m.jsonl", cwd=tmp_path, wait=False, env=env))
+    while not (tmp_path / "m.jsonl").is_file() or not (tmp_path / "m.jsonl").read_text():
+        assert all(p.poll() is None for p in procs), [finish(p).stderr[-2000:] for p in procs]
+        time.sleep(0.05)
+    os.kill(procs[1].pid, signal.SIGSTOP)  # rank 1 hangs: alive, but never answers again
+    try:
+        for rank in (0, 2):
+            result = finish(procs[rank], timeout=60)
+            assert result.returncode == 1
+            # One line says what happened (rank 2 also shows its progress bar); no traceback.
+            assert "error: lost contact with another rank" in result.stderr, result.stderr[-2000:]
+            assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    finally:
+        for proc in procs:
+            kill_job(proc)
+            proc.communicate()
+
+
+def test_wrong_model_damaged_or_tampered_checkpoints_fail_in_one_line(tmp_path, cache_dir, reference_run):
+    reference_dir, _ = reference_run
+    source = reference_dir / "checkpoints" / "step-00000016"
+    runs = {}
+    for name in ("wrong_model", "truncated", "tampered"):
+        shutil.copytree(source, tmp_path / name / "checkpoints" / source.name)
+    shard = next((tmp_path / "truncated" / "checkpoints" / source.name).glob("__1_*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    payload = tmp_path / "payload-ran"
+    evil = tmp_path / "tampered" / "checkpoints" / source.name / ".metadata"
+    evil.write_bytes(b"cos\nsystem\n(S'touch " + str(payload).encode() + b"'\ntR.")  # pickle: os.system(...)
+    meta_file = evil.parent / "meta.json"  # an attacker would fix the recorded size too
+    meta = json.loads(meta_file.read_text())
+    meta["files"][".metadata"] = evil.stat().st_size
+    meta_file.write_text(json.dumps(meta))
+    expected = {"wrong_model": "num_hidden_layers=4 (now 3)", "truncated": "is damaged", "tampered": "refusing"}
+    for name in expected:
+        layers = ["--layers", "3"] if name == "wrong_model" else []
+        runs[name] = launch(0, "train_pipeline_gpipe.py", *RESUME_ARGS, *layers, "--cache-dir", cache_dir,
+                            cwd=tmp_path / name, wait=False)
+    for name, proc in runs.items():
+        result = finish(proc)
+        assert result.returncode == 2, (name, result.stderr[-2000:])
+        assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert expected[name] in result.stderr, result.stderr
+    assert not payload.exists()
+
+    # --fresh starts over and moves the old checkpoints aside instead of deleting them.
+    result = launch(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--layers", "3", "--steps", "1", "--fresh",
+                    "--cache-dir", cache_dir, cwd=tmp_path / "wrong_model")
+    assert result.returncode == 0, result.stderr[-2000:]
+    aside = list((tmp_path / "wrong_model").glob("checkpoints.previous-*"))
+    assert len(aside) == 1 and (aside[0] / source.name / "meta.json").is_file()
+    assert complete_and_partial(tmp_path / "wrong_model" / "checkpoints")[0] == ["step-00000001"]
+
+
+def readme_python_block(marker: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index(marker):]
+    return block[block.index("```python\n") + 10:block.index("\n```", block.index("```python"))]
+
+
+def test_export_writes_the_pipelines_weights_for_one_process(tmp_path, reference_run):
+    reference_dir, _ = reference_run
+    result = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), "export", str(reference_dir / "checkpoints"),
+                             str(tmp_path / "tiny.pt")], capture_output=True, text=True, env=script_env())
+    assert result.returncode == 0, result.stderr
+    assert "step-00000016" in result.stdout  # the newest checkpoint of the run
+    exported = torch.load(tmp_path / "tiny.pt", weights_only=True)
+
+    # Independent route: the library's own converter of the whole DCP checkpoint to one torch.save file.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(str(reference_dir / "checkpoints" / "step-00000016"), str(tmp_path / "all.pt"))
+    everything = torch.load(tmp_path / "all.pt", weights_only=False)  # our own file, written just above
+    model_state = everything["model"]
+    assert sorted(exported) == sorted(model_state)
+    for name in exported:
+        assert torch.equal(exported[name], model_state[name]), name
+    config = LlamaConfig(**json.loads((tmp_path / "tiny.pt.config.json").read_text()))
+    LlamaForPretraining(config).load_state_dict(exported, strict=True)
+
+    # The README's inference example runs on the exported files, one process, no process group.
+    env = dict(script_env(), PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", readme_python_block("<!-- example: generate -->")],
+                            cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("def read_config(path):") and len(result.stdout) > 30, result.stdout

@@ -13,8 +13,6 @@ forward through the pipeline, then every microbatch backward, exchanging activat
 between neighbouring ranks.
 """
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -81,7 +79,7 @@ def train_step(schedule, env: runtime.Env, inputs, targets) -> torch.Tensor | No
 def main(args):
     env = runtime.launch_env(args.device)
     runtime.check_args(args, env.world_size, env.device.type)
-    runtime.init_process_group(env)
+    runtime.init_process_group(env, args.timeout)
     is_first, is_last = env.rank == 0, env.rank == env.world_size - 1
     say = print if is_first else (lambda *a, **k: None)
 
@@ -111,17 +109,13 @@ def main(args):
     optimizer = runtime.make_optimizer(model, args)
 
     # --- resume from the newest complete checkpoint, if any
-    step = 0
-    resume_from = checkpoint.latest(args.checkpoint_dir)
-    if resume_from:
-        meta = checkpoint.load(resume_from, model, optimizer)
-        step = meta["step"]
-        if loader is not None:
-            loader.load_state_dict(meta["data"])
-        say(f"resumed from {resume_from} at step {step}", flush=True)
+    step = checkpoint.resume(args, env, model, optimizer, config, loader, say)
+    resumed = step > 0
+    if step >= args.steps:
+        say(f"already trained {step} steps (--steps {args.steps}): nothing to do", flush=True)
 
     # --- training loop
-    metrics = runtime.Metrics(args.metrics, enabled=is_last, append=resume_from is not None)
+    metrics = runtime.Metrics(args.metrics, enabled=is_last, resume_step=step if resumed else None)
     bar = tqdm.tqdm(total=args.steps, initial=step, disable=not is_last, unit="step", mininterval=1.0)
     tokens_seen = step * args.batch_size * args.seq_len
     run_tokens = 0  # real targets trained on in this run: with packing, every position
@@ -147,10 +141,9 @@ def main(args):
             bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
             bar.update()
         if step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0):
-            meta = {"data": loader.state_dict() if loader is not None else None, "model": preset,
-                    "config": dataclasses.asdict(config)}
-            path = checkpoint.save(args.checkpoint_dir, step, model, optimizer, meta, env.rank)
-            bar.write(f"saved {path}") if is_last else None
+            path = checkpoint.save_run(args, env, step, model, optimizer, config, loader, tokenizer)
+            if is_last:
+                bar.write(f"saved {path}")
     bar.close()
 
     # --- summary
