@@ -292,17 +292,38 @@ class Metrics:
             self.file = open(path, "w")
             self.file.writelines(kept)
         self.step_times: list[float] = []
+        self.tokens = 0  # real (not ignored) targets trained on in this run
 
-    def log(self, row: dict) -> None:
+    def log(self, row: dict, tokens: int) -> None:
         self.step_times.append(row["step_time"])
+        self.tokens += tokens
         if self.file:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
 
-    def close(self, summary: dict | None = None) -> None:
-        if self.file:
-            if summary is not None:
+    def finish(self, env: Env, positions_per_step: int) -> None:
+        """Collectively gather every stage's peak memory; the rank holding the loss prints and writes a summary."""
+        peaks = [None] * env.world_size
+        dist.all_gather_object(peaks, peak_memory_bytes(env.device))
+        if self.step_times:
+            # The first step includes one-time costs (shape inference, allocator warmup): leave it out if we can.
+            steady = self.step_times[1:] or self.step_times
+            tokens_per_step = self.tokens / len(self.step_times)
+            summary = {
+                "steps": len(self.step_times),
+                "median_step_time": sorted(steady)[len(steady) // 2],
+                "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
+                "useful_token_share": tokens_per_step / positions_per_step,
+                "peak_memory_bytes_per_stage": peaks,
+                "memory_kind": "cuda max allocated" if env.device.type == "cuda" else "process peak RSS",
+            }
+            if self.file:
                 self.file.write(json.dumps({"summary": summary}) + "\n")
+            print(f"done: {summary['steps']} steps, median step {summary['median_step_time'] * 1e3:.0f} ms, "
+                  f"{summary['tokens_per_s']:.0f} tokens/s, {summary['useful_token_share']:.0%} of positions are "
+                  f"text; peak memory per stage ({summary['memory_kind']}, MiB): "
+                  + ", ".join(f"{b / 2**20:.0f}" for b in peaks), flush=True)
+        if self.file:
             self.file.close()
 
 
@@ -310,27 +331,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB: peak resident memory
-
-
-def summarize(env: Env, step_times: list[float], tokens_per_step: float) -> dict | None:
-    """Gather every stage's peak memory; return the run summary on the rank that holds the loss.
-
-    tokens_per_step: mean number of real (not ignored) target tokens per step.
-    """
-    peaks = [None] * env.world_size
-    dist.all_gather_object(peaks, peak_memory_bytes(env.device))
-    if env.rank != env.world_size - 1 or not step_times:
-        return None
-    # The first step includes one-time costs (shape inference, allocator warmup): leave it out when we can.
-    steady = step_times[1:] or step_times
-    median = sorted(steady)[len(steady) // 2]
-    return {
-        "steps": len(step_times),
-        "median_step_time": median,
-        "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
-        "peak_memory_bytes_per_stage": peaks,
-        "memory_kind": "cuda max allocated" if env.device.type == "cuda" else "process peak RSS",
-    }
 
 
 class Timer:

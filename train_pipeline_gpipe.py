@@ -117,8 +117,7 @@ def main(args):
     # --- training loop
     metrics = runtime.Metrics(args.metrics, enabled=is_last, resume_step=step if resumed else None)
     bar = tqdm.tqdm(total=args.steps, initial=step, disable=not is_last, unit="step", mininterval=1.0)
-    tokens_seen = step * args.batch_size * args.seq_len
-    run_tokens = 0  # real targets trained on in this run: with packing, every position
+    tokens_seen = step * args.batch_size * args.seq_len  # exact: packing makes every position a real target
     while step < args.steps:
         step += 1
         lr = runtime.set_lr(optimizer, step, args)
@@ -133,11 +132,10 @@ def main(args):
         if is_last:
             tokens = int((targets != data.IGNORE_INDEX).sum())
             tokens_seen += tokens
-            run_tokens += tokens
             row = {"step": step, "loss": loss.item(), "lr": lr, "tokens": tokens_seen,
                    "step_time": timer.seconds, "tokens_per_s": tokens / timer.seconds,
                    "grad_norm": grad_norm.item()}
-            metrics.log(row)
+            metrics.log(row, tokens)
             bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
             bar.update()
         if step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0):
@@ -146,17 +144,8 @@ def main(args):
                 bar.write(f"saved {path}")
     bar.close()
 
-    # --- summary
-    positions = len(metrics.step_times) * args.batch_size * args.seq_len
-    summary = runtime.summarize(env, metrics.step_times, run_tokens / max(1, len(metrics.step_times)))
-    if summary:
-        summary["useful_token_share"] = run_tokens / max(1, positions)
-    metrics.close(summary)
-    if summary:
-        peaks = ", ".join(f"{b / 2**20:.0f}" for b in summary["peak_memory_bytes_per_stage"])
-        print(f"done: {summary['steps']} steps, median step {summary['median_step_time'] * 1e3:.0f} ms, "
-              f"{summary['tokens_per_s']:.0f} tokens/s, {summary['useful_token_share']:.0%} of positions are text, peak memory per stage (MiB, {summary['memory_kind']}): "
-              f"{peaks}", flush=True)
+    # --- summary (collective: every rank reports its peak memory)
+    metrics.finish(env, positions_per_step=args.batch_size * args.seq_len)
 
 
 if __name__ == "__main__":
