@@ -177,23 +177,33 @@ class LlamaForPretraining(nn.Module):
         h = self.base_model(input_ids)
         return self.lm_head(h) if self.lm_head is not None else h
 
-    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Give every parameter and buffer its initial value, the same for a given seed on any stage layout.
 
-        Linear and embedding weights ~ N(0, initializer_range) as in HF Llama, norm weights = 1, RoPE
-        frequencies recomputed. Each module draws from its own generator seeded by (seed, module name), so
-        the values do not depend on which other modules exist in this process or in what order they are
-        visited. Works on real devices only: call it after ``to_empty``.
+        Works on real devices only: call it after ``to_empty``. See ``init_tensor_``.
         """
-        std = self.config.initializer_range
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std, generator=_module_generator(seed, name, module.weight.device))
-            elif isinstance(module, nn.RMSNorm):
-                module.weight.fill_(1.0)
-            elif isinstance(module, LlamaAttention):
-                module.inv_freq.copy_(rope_inv_freq(self.config, device=module.inv_freq.device))
+        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            init_tensor_(name, tensor, seed, self.config)
+
+
+@torch.no_grad()
+def init_tensor_(name: str, tensor: Tensor, seed: int, config: LlamaConfig) -> None:
+    """Initialize one parameter or buffer in place, from its name in the full model alone.
+
+    Linear and embedding weights ~ N(0, initializer_range) as in HF Llama, norm weights = 1, RoPE frequencies
+    recomputed. Each tensor draws from its own generator seeded by (seed, module name), so its value does not
+    depend on which other tensors exist in this process or in what order they are visited: any split of the
+    model, by hand or by a tracer, starts from the same weights as long as it knows the full-model names.
+    """
+    if name.endswith("inv_freq"):
+        tensor.copy_(rope_inv_freq(config, device=tensor.device))
+    elif name.endswith("norm.weight"):  # input_layernorm, post_attention_layernorm, base_model.norm
+        tensor.fill_(1.0)
+    elif name.endswith(".weight"):  # every Linear and the embedding
+        module_name = name.removesuffix(".weight")
+        tensor.normal_(0.0, config.initializer_range, generator=_module_generator(seed, module_name, tensor.device))
+    else:
+        raise ValueError(f"no initializer for {name!r}")
 
 
 def _module_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
