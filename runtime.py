@@ -351,3 +351,64 @@ class Timer:
     def _sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+class ActivationMeter:
+    """Peak bytes of activations saved for backward while active, counted through autograd's saved-tensor hooks.
+
+    Parameters (which autograd also saves, e.g. a linear's weight) are not activations and are not counted;
+    a storage saved by several ops counts once.
+
+        meter = ActivationMeter(model.parameters())
+        with meter:
+            train_step(...)
+        meter.peak_bytes
+    """
+
+    def __init__(self, params):
+        self._params = {p.untyped_storage().data_ptr() for p in params}
+        self._live: dict[int, list] = {}  # storage pointer -> [bytes, number of saves still alive]
+        self.current = self.peak_bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor):
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self._params or tensor.device.type == "meta":
+            return tensor
+        entry = self._live.setdefault(ptr, [storage.nbytes(), 0])
+        if entry[1] == 0:
+            self.current += entry[0]
+            self.peak_bytes = max(self.peak_bytes, self.current)
+        entry[1] += 1
+        return _Saved(self, ptr, tensor)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, ptr):
+        entry = self._live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self._live[ptr]
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+class _Saved:
+    # Autograd drops this object when it frees the graph node that saved the tensor; that is when the
+    # activation stops being held for backward.
+    __slots__ = ("meter", "ptr", "tensor")
+
+    def __init__(self, meter, ptr, tensor):
+        self.meter, self.ptr, self.tensor = meter, ptr, tensor
+
+    def __del__(self):
+        self.meter._release(self.ptr)

@@ -226,27 +226,40 @@ TRAIN_ARGS = ["--layers", "4", "--steps", "5", "--batch-size", "8", "--microbatc
               "--warmup-steps", "2", "--lr", "1e-2"]
 
 
-def test_loss_trajectory_is_the_same_at_1_2_3_stages(tmp_path, cache_dir):
+def test_loss_trajectory_is_the_same_at_1_2_3_stages_and_by_hand(tmp_path, cache_dir):
     tokenizer_file = data.tokenizer_cache_path("builtin", 8192, cache_dir)
-    runs = {}
-    procs = {}
-    for nproc in (0, 2, 3):  # 0: plain python, one process; the 1-stage run also loads the tokenizer by path
-        extra = ["--tokenizer", tokenizer_file] if nproc == 0 else []
-        out = tmp_path / f"run{nproc}"
-        procs[nproc] = launch(nproc, "train_pipeline_gpipe.py", *TRAIN_ARGS, *extra, "--cache-dir", cache_dir,
-                              "--metrics", str(out / "m.jsonl"), "--checkpoint-dir", str(out / "ckpt"),
-                              cwd=tmp_path, wait=False)
-    for nproc, proc in procs.items():
+    runs = {
+        # name: (processes (0: plain python), script, extra flags)
+        "gpipe1": (0, "train_pipeline_gpipe.py", ["--tokenizer", tokenizer_file]),  # also loads it by path
+        "gpipe2": (2, "train_pipeline_gpipe.py", []),
+        "gpipe3": (3, "train_pipeline_gpipe.py", []),
+        "afab3": (3, "train_pipeline_afab_manual.py", ["--trace", str(tmp_path / "trace.json")]),
+        "1f1b2": (2, "train_pipeline_afab_manual.py", ["--schedule", "1f1b"]),
+    }
+    procs = {name: launch(nproc, script, *TRAIN_ARGS, *extra, "--cache-dir", cache_dir,
+                          "--metrics", str(tmp_path / name / "m.jsonl"),
+                          "--checkpoint-dir", str(tmp_path / name / "ckpt"), cwd=tmp_path, wait=False)
+             for name, (nproc, script, extra) in runs.items()}
+    rows = {}
+    for name, proc in procs.items():
         result = finish(proc)
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[nproc], summary = read_metrics(tmp_path / f"run{nproc}" / "m.jsonl")
-        assert [r["step"] for r in runs[nproc]] == [1, 2, 3, 4, 5]
-        assert len(summary[0]["peak_memory_bytes_per_stage"]) == max(nproc, 1)
-    for nproc in (2, 3):
-        for a, b in zip(runs[nproc], runs[0]):
-            assert_close_rel(a["loss"], b["loss"], what=f"{nproc} stages, step {a['step']} loss")
-            assert_close_rel(a["grad_norm"], b["grad_norm"], what=f"{nproc} stages, step {a['step']} grad norm")
-    assert runs[0][0]["grad_norm"] > 1.0  # clipping was active, so the cross-stage norm was exercised
+        assert result.returncode == 0, (name, result.stderr[-3000:])
+        rows[name], summary = read_metrics(tmp_path / name / "m.jsonl")
+        assert [r["step"] for r in rows[name]] == [1, 2, 3, 4, 5]
+        assert len(summary[0]["peak_memory_bytes_per_stage"]) == max(runs[name][0], 1)
+        if name == "afab3":
+            assert "bubble: measured" in result.stdout and "theory (p-1)/(m+p-1) = 33.3%" in result.stdout
+    for name in runs:
+        for a, b in zip(rows[name], rows["gpipe1"]):
+            assert_close_rel(a["loss"], b["loss"], what=f"{name}, step {a['step']} loss")
+            assert_close_rel(a["grad_norm"], b["grad_norm"], what=f"{name}, step {a['step']} grad norm")
+    assert rows["gpipe1"][0]["grad_norm"] > 1.0  # clipping was active, so the cross-stage norm was exercised
+    # The trace has every rank, and forwards, backwards, sends and recvs of every microbatch.
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["tid"] for e in spans} == {0, 1, 2}
+    assert {e["cat"] for e in spans if e["tid"] == 1} == {"forward", "backward", "send", "recv"}
+    assert {e["name"] for e in spans if e["cat"] == "forward"} == {"F0", "F1", "F2", "F3"}
 
 
 def test_readme_command_trains_saves_and_resumes(tmp_path, cache_dir):
@@ -290,6 +303,11 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, cache_dir):
     }
     procs = {flags: launch(0, "train_pipeline_gpipe.py", *flags, *common, cwd=tmp_path, wait=False)
              for flags in cases}
+    # The hand-written script shares the checks; its own flag is checked too.
+    for flags, flag in {("--schedule", "gpipe"): "--schedule", ("--microbatches", "0"): "--microbatches"}.items():
+        procs["manual", *flags] = launch(0, "train_pipeline_afab_manual.py", *flags, *common, cwd=tmp_path,
+                                         wait=False)
+        cases["manual", *flags] = flag
     # More processes than layers, under torchrun: every rank must stop, none may hang.
     procs[("torchrun", "--layers", "2")] = launch(3, "train_pipeline_gpipe.py", "--layers", "2", *common,
                                                   cwd=tmp_path, wait=False)
@@ -306,8 +324,9 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, cache_dir):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000001"]
 
 
-def test_help_works_without_torchrun(tmp_path):
-    result = launch(0, "train_pipeline_gpipe.py", "--help", cwd=tmp_path)
+@pytest.mark.parametrize("script", ["train_pipeline_gpipe.py", "train_pipeline_afab_manual.py"])
+def test_help_works_without_torchrun(tmp_path, script):
+    result = launch(0, script, "--help", cwd=tmp_path)
     assert result.returncode == 0
     for flag in ["--model", "--steps", "--batch-size", "--microbatches", "--seq-len", "--lr", "--warmup-steps",
                  "--seed", "--data", "--tokenizer", "--checkpoint-dir", "--checkpoint-every", "--metrics",
@@ -477,10 +496,11 @@ def test_sigkill_during_a_save_then_rerun_gives_bit_identical_losses(tmp_path, c
 def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, cache_dir, reference_run):
     reference_dir, reference = reference_run
     procs = {}
-    for nproc in (2, 0):  # 3 -> 2 stages and 3 -> 1 process
+    # 3 -> 2 stages, in the hand-written script (checkpoints are shared by all scripts), and 3 -> 1 process.
+    for nproc, script in ((2, "train_pipeline_afab_manual.py"), (0, "train_pipeline_gpipe.py")):
         run_dir = tmp_path / f"run{nproc}"
         shutil.copytree(reference_dir / "checkpoints" / "step-00000008", run_dir / "checkpoints" / "step-00000008")
-        procs[nproc] = launch(nproc, "train_pipeline_gpipe.py", *RESUME_ARGS, "--cache-dir", cache_dir,
+        procs[nproc] = launch(nproc, script, *RESUME_ARGS, "--cache-dir", cache_dir,
                               "--metrics", "m.jsonl", cwd=run_dir, wait=False)
     for nproc, proc in procs.items():
         result = finish(proc)
@@ -602,3 +622,122 @@ def test_export_writes_the_pipelines_weights_for_one_process(tmp_path, reference
                             cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("def read_config(path):") and len(result.stdout) > 30, result.stdout
+
+
+# ----------------------------------------------------------------------------------------------------------
+# train_pipeline_afab_manual.py: the pipeline by hand, on our model and on Hugging Face's Llama
+
+def _hf_config(layers=4):
+    import transformers
+    return transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    tie_word_embeddings=False, pad_token_id=0, attn_implementation="eager")
+
+
+def _build(kind: str, layers: int):
+    """The same full model on every process: ours from (seed, names), HF's from the global seed."""
+    if kind == "ours":
+        model = LlamaForPretraining(small_config(layers=layers))
+        model.init_weights(seed=2)
+        return model
+    import transformers
+    torch.manual_seed(2)
+    return transformers.LlamaForCausalLM(_hf_config(layers))
+
+
+def _batches(seq_len: int, microbatches: int = 6):
+    gen = torch.Generator().manual_seed(seq_len)
+    inputs = torch.randint(1, 97, (microbatches * 2, seq_len), generator=gen)
+    targets = torch.randint(0, 97, (microbatches * 2, seq_len), generator=gen)  # HF: token 0 is the pad id
+    targets[0, :3] = data.IGNORE_INDEX
+    return list(inputs.chunk(microbatches)), list(targets.chunk(microbatches))
+
+
+def _manual_worker(rank, world_size, store_path, out_dir, kinds, layers):
+    import train_pipeline_afab_manual as manual
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    try:
+        results = {}
+        for kind in kinds:
+            model = _build(kind, layers)
+            partition = manual.partition_model(model, rank, world_size)
+            runs = {}
+            for name, step, seq_len in [("afab", manual.train_step_pipeline_afab, 16),
+                                        ("1f1b", manual.train_step_pipeline_1f1b, 16),
+                                        ("afab_short", manual.train_step_pipeline_afab, 9)]:
+                model.zero_grad(set_to_none=True)
+                inputs, targets = _batches(seq_len)
+                capture = {}
+                meter = runtime.ActivationMeter(model.parameters())
+                with meter:
+                    loss = step(partition, inputs, targets, torch.device("cpu"), torch.float32, capture=capture)
+                runs[name] = {"loss": loss, "capture": capture, "activation_bytes": meter.peak_bytes,
+                              "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+            results[kind] = runs
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _reference(kind: str, layers: int, world_size: int, seq_len: int):
+    """The whole model on one process, the same microbatches one after another: loss, gradients, and each
+    stage's per-microbatch output and input gradient, taken from the model's own forward."""
+    model = _build(kind, layers)
+    inputs, targets = _batches(seq_len)
+    bounds = [r.stop for r in runtime.layer_split(layers, world_size)]
+    outputs, input_grads, losses = {}, {}, []
+    for i, (x, y) in enumerate(zip(inputs, targets)):
+        if kind == "ours":
+            h = [model.base_model.embed_tokens(x)]
+            for layer in model.base_model.layers.values():
+                h.append(layer(h[-1]))
+            logits = model.lm_head(model.base_model.norm(h[-1]))
+        else:
+            out = model(x, output_hidden_states=True)
+            h, logits = list(out.hidden_states), out.logits
+            y = y.masked_fill(y == 0, data.IGNORE_INDEX)  # the pad id is ignored like -100
+        for t in h:
+            t.retain_grad()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=data.IGNORE_INDEX)
+        (loss / len(inputs)).backward()
+        losses.append(loss.detach())
+        for stage, end in enumerate(bounds):
+            outputs[stage, i] = logits.detach() if stage == world_size - 1 else h[end].detach()
+            if stage > 0:
+                input_grads[stage, i] = h[bounds[stage - 1]].grad
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return torch.stack(losses).mean(), grads, outputs, input_grads
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_manual_pipeline_equals_single_process_on_our_model_and_hf_llama(tmp_path, world_size):
+    pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
+    layers, kinds = 4, ("ours", "hf")  # 4 layers on 3 stages: 2, 1, 1
+    mp.start_processes(_manual_worker, nprocs=world_size, start_method="spawn", join=True,
+                       args=(world_size, str(tmp_path / "store"), str(tmp_path), kinds, layers))
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
+    for kind in kinds:
+        loss, grads, outputs, input_grads = _reference(kind, layers, world_size, 16)
+        short_loss = _reference(kind, layers, world_size, 9)[0]
+        assert_close_rel(results[-1][kind]["afab"]["loss"].item(), loss.item(), what=f"{kind} loss")
+        assert_close_rel(results[-1][kind]["afab_short"]["loss"].item(), short_loss.item(), what="seq 9")
+        seen = set()
+        for rank, result in enumerate(results):
+            afab, one_f_one_b = result[kind]["afab"], result[kind]["1f1b"]
+            if rank != world_size - 1:
+                assert afab["loss"] is None
+            for i in range(6):
+                torch.testing.assert_close(afab["capture"]["outputs"][i], outputs[rank, i], rtol=0, atol=1e-5)
+                if rank > 0:
+                    torch.testing.assert_close(afab["capture"]["input_grads"][i], input_grads[rank, i],
+                                               rtol=0, atol=1e-5)
+            for name, grad in afab["grads"].items():
+                torch.testing.assert_close(grad, grads[name], rtol=RTOL, atol=1e-6, msg=f"{kind} {name}")
+                assert torch.equal(one_f_one_b["grads"][name], grad), f"1F1B differs from AFAB: {name}"
+            seen |= set(afab["grads"])
+            # AFAB holds every microbatch; 1F1B at most world_size - rank, and measurably fewer bytes.
+            assert afab["capture"]["in_flight_peak"] == 6
+            assert one_f_one_b["capture"]["in_flight_peak"] == world_size - rank
+            if world_size > 1:
+                assert one_f_one_b["activation_bytes"] < afab["activation_bytes"], (rank, one_f_one_b, afab)
+        assert seen == set(grads)

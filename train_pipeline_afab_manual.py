@@ -1,0 +1,433 @@
+"""Pretrain a Llama model with a pipeline written by hand over torch.distributed send/recv: AFAB and 1F1B.
+
+    torchrun --nproc_per_node 3 train_pipeline_afab_manual.py                  # All-Forward-All-Backward
+    torchrun --nproc_per_node 3 train_pipeline_afab_manual.py --schedule 1f1b  # one forward, one backward
+    torchrun --nproc_per_node 2 train_pipeline_afab_manual.py --trace trace.json   # open in ui.perfetto.dev
+
+No torch.distributed.pipelining here: this is what that library does for you. Each rank keeps a slice of the
+layers (partition_model), runs it on every microbatch (forward_stage), and passes activations forward and
+their gradients backward with point-to-point messages. Training is the same as train_pipeline_gpipe.py (same
+flags, data, checkpoints, and for the same --seed the same losses).
+
+The functions also train a Hugging Face `LlamaForCausalLM` that a user brings:
+
+    partition = partition_model(hf_model, rank, world_size)   # after dist.init_process_group
+    loss = train_step_pipeline_afab(partition, inputs, targets, device, torch.float32)  # then optimizer.step()
+"""
+
+import collections
+import dataclasses
+import json
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+import tqdm
+
+import checkpoint
+import data
+import runtime
+from model import LlamaForPretraining, config_from_preset
+from train_pipeline_gpipe import describe_split
+
+IGNORE_INDEX = data.IGNORE_INDEX
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The split: this rank's slice of the model, and how to run it
+
+@dataclasses.dataclass
+class Partition:
+    """One rank's part of a model. `model` is the trimmed model itself: its parameters are exactly this stage's,
+    under the full model's names, so the optimizer and checkpoints use it directly."""
+    model: nn.Module
+    rank: int
+    world_size: int
+    layers: list[nn.Module]
+    embed: nn.Module | None  # first stage only
+    norm: nn.Module | None  # last stage only
+    head: nn.Module | None  # last stage only
+    rotary: nn.Module | None  # HF: computes (cos, sin) from positions; our layers build their own tables
+    pad_id: int | None  # targets equal to it are ignored by the loss, like IGNORE_INDEX
+    explicit_causal_mask: bool  # HF's eager attention applies no causal mask unless given one
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
+
+
+def partition_model(model: nn.Module, rank: int, world_size: int) -> Partition:
+    """Keep this rank's balanced slice of the layers (sizes differ by at most one), with the embedding on the
+    first rank and the final norm and head on the last. The model is trimmed in place, so the other layers can
+    be freed; calling it again with the same rank and world size returns the same slice.
+
+    Works with model.py's LlamaForPretraining and with a Hugging Face LlamaForCausalLM
+    (model.model.embed_tokens / layers / norm / rotary_emb, lm_head).
+    """
+    if isinstance(model, LlamaForPretraining):
+        base, owner, rotary, pad_id, eager = model.base_model, model, None, None, False
+    elif hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(model, "lm_head"):
+        base, owner, rotary = model.model, model, model.model.rotary_emb
+        pad_id = getattr(model.config, "pad_token_id", None)
+        eager = getattr(model.config, "_attn_implementation", "eager") == "eager"
+    else:
+        raise TypeError(f"partition_model: unsupported model {type(model).__name__}")
+    keys = list(base.layers.keys()) if isinstance(base.layers, nn.ModuleDict) else list(range(len(base.layers)))
+    num_layers = int(max(keys)) + 1 if isinstance(base.layers, nn.ModuleDict) else len(keys)
+    keep = runtime.layer_split(num_layers, world_size)[rank]
+    for key in keys:
+        if int(key) not in keep:
+            if isinstance(base.layers, nn.ModuleDict):
+                del base.layers[key]  # names stay global: "layers.4" is layer 4 on any stage
+            else:
+                base.layers[key] = None  # a ModuleList cannot delete from the middle without renumbering
+    layers = [base.layers[str(i)] if isinstance(base.layers, nn.ModuleDict) else base.layers[i] for i in keep]
+    if any(layer is None for layer in layers):
+        raise ValueError(f"partition_model: the model was already partitioned for another layout")
+    if rank != 0:
+        base.embed_tokens = None
+    if rank != world_size - 1:
+        base.norm = None
+        owner.lm_head = None
+    return Partition(owner, rank, world_size, layers, base.embed_tokens, base.norm, owner.lm_head, rotary,
+                     pad_id, eager)
+
+
+def forward_stage(partition: Partition, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Run this rank's slice. The first stage takes token ids [mb, seq]; the others hidden states
+    [mb, seq, hidden]. Returns hidden states, or logits on the last stage.
+
+    Positions are 0..seq-1 on every stage: each stage sees whole sequences, so it can rebuild positions (and
+    the rotary tables) from the sequence length and nothing but hidden states needs to travel.
+    """
+    h = partition.embed(hidden_states) if partition.embed is not None else hidden_states
+    kwargs = {}
+    if partition.rotary is not None:  # Hugging Face layers take precomputed (cos, sin) and optionally a mask
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        kwargs["position_embeddings"] = partition.rotary(h, positions)
+        if partition.explicit_causal_mask:
+            kwargs["attention_mask"] = torch.full((h.shape[1], h.shape[1]), float("-inf"), device=h.device,
+                                                  dtype=h.dtype).triu(1)[None, None]
+    for layer in partition.layers:
+        h = layer(h, **kwargs)
+        h = h[0] if isinstance(h, tuple) else h  # older transformers return (hidden_states, ...)
+    if partition.norm is not None:
+        h = partition.norm(h)
+    return partition.head(h) if partition.head is not None else h
+
+
+def microbatch_loss(partition: Partition, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if partition.pad_id is not None:
+        targets = targets.masked_fill(targets == partition.pad_id, IGNORE_INDEX)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Point-to-point messages with a shape/dtype handshake
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+_MAX_DIMS = 6
+
+
+class Timeline:
+    """What each rank did and when (forward, backward, send, recv per microbatch), for --trace and the bubble."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.events = device, []
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # time the work, not its launch
+        return time.perf_counter()
+
+    def add(self, kind: str, mb: int, start: float) -> None:
+        self.events.append((kind, mb, start, self.now()))
+
+
+class _Comm:
+    """Sends and receives of one training step. Sends are non-blocking so that two neighbours sending to each
+    other at the same moment (1F1B's steady state) cannot deadlock; they are waited for at the end of the step,
+    and the tensors are kept alive until then."""
+
+    def __init__(self, device: torch.device, timeline: Timeline | None):
+        self.device, self.timeline, self.pending = device, timeline, []
+
+    def _now(self) -> float:
+        return self.timeline.now() if self.timeline else 0.0
+
+    def send(self, tensor: torch.Tensor, dst: int, mb: int) -> None:
+        start = self._now()
+        tensor = tensor.contiguous()
+        # The receiver cannot know the shape (the sequence length may change from batch to batch) nor the
+        # dtype, and a receive buffer must match the sender's dtype byte for byte: send both first.
+        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+        header = header.to(self.device)
+        self.pending += [(dist.isend(header, dst), header), (dist.isend(tensor, dst), tensor)]
+        if self.timeline:
+            self.timeline.add("send", mb, start)
+
+    def recv(self, src: int, mb: int) -> torch.Tensor:
+        start = self._now()
+        header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
+        dist.recv(header, src)
+        dtype_index, ndim, *shape = header.tolist()
+        tensor = torch.empty(shape[:ndim], dtype=_DTYPES[dtype_index], device=self.device)
+        dist.recv(tensor, src)
+        if self.timeline:
+            self.timeline.add("recv", mb, start)
+        return tensor
+
+    def wait_all(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The schedules
+
+class _Step:
+    """Per-step state shared by AFAB and 1F1B: one forward and one backward per microbatch."""
+
+    def __init__(self, partition, inputs, targets, device, dtype, timeline, capture):
+        self.p, self.inputs, self.targets, self.device, self.dtype = partition, inputs, targets, device, dtype
+        self.m = len(inputs)
+        self.comm = _Comm(device, timeline)
+        self.timeline, self.capture = timeline, capture
+        self.saved: dict[int, tuple] = {}  # microbatch -> (stage input, stage output or scaled loss)
+        self.loss = torch.zeros((), device=device)
+        self.in_flight_peak = 0
+
+    def forward(self, i: int) -> None:
+        p = self.p
+        if p.is_first:
+            x = self.inputs[i].to(self.device)
+        else:
+            # A received tensor has no autograd history. Making it a leaf that requires grad lets this stage's
+            # backward stop here and leave d(loss)/d(input) in x.grad, which is what the previous stage needs.
+            x = self.comm.recv(p.rank - 1, i).to(self.dtype).requires_grad_()
+        start = self.comm._now()
+        out = forward_stage(p, x)
+        if self.capture is not None:
+            self.capture.setdefault("outputs", {})[i] = out.detach().clone()  # hidden states, or logits
+        if p.is_last:
+            # Divide by the number of microbatches so the accumulated gradient is that of the mean loss.
+            out = microbatch_loss(p, out, self.targets[i].to(self.device)) / self.m
+            self.loss += out.detach()
+        if self.timeline:
+            self.timeline.add("forward", i, start)
+        if not p.is_last:
+            self.comm.send(out.detach().to(self.dtype), p.rank + 1, i)
+        self.saved[i] = (x, out)
+        self.in_flight_peak = max(self.in_flight_peak, len(self.saved))
+
+    def backward(self, i: int) -> None:
+        p = self.p
+        x, out = self.saved.pop(i)  # dropping it frees this microbatch's activations after the backward
+        grad = None if p.is_last else self.comm.recv(p.rank + 1, i).to(out.dtype)
+        start = self.comm._now()
+        out.backward(grad)  # the last stage starts from its scaled loss, the others from the received gradient
+        if self.timeline:
+            self.timeline.add("backward", i, start)
+        if not p.is_first:
+            if self.capture is not None:
+                self.capture.setdefault("input_grads", {})[i] = x.grad.detach().clone()
+            self.comm.send(x.grad.to(self.dtype), p.rank - 1, i)
+
+    def finish(self) -> torch.Tensor | None:
+        self.comm.wait_all()
+        if self.capture is not None:
+            self.capture["in_flight_peak"] = self.in_flight_peak
+        return self.loss if self.p.is_last else None
+
+
+def _as_partition(model) -> Partition:
+    if isinstance(model, Partition):
+        return model
+    return partition_model(model, dist.get_rank(), dist.get_world_size())
+
+
+def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, timeline=None, capture=None):
+    """One training step with All-Forward-All-Backward: every microbatch forward, then every one backward in
+    microbatch order (0, 1, ...). The caller zeroes gradients before and runs the optimizer after.
+
+    Args:
+        model: a Partition from partition_model, or a model that is partitioned here (rank and world size
+            from the default process group, which must be initialized).
+        inputs, targets: lists of [mb, seq] token-id tensors, one per microbatch. Only the first rank reads
+            inputs and only the last reads targets; other ranks may pass lists of None of the same length.
+        device: where this stage computes. dtype: dtype of the activations and gradients sent between stages.
+        timeline: optional Timeline that records every forward, backward, send and recv.
+        capture: optional dict that receives this stage's per-microbatch outputs and input gradients.
+
+    Returns the step's loss (mean over microbatches of the cross-entropy, ignoring -100 and the pad id) on the
+    last rank; None on the other ranks. All m microbatches' activations are held at the peak.
+    """
+    step = _Step(_as_partition(model), inputs, targets, device, dtype, timeline, capture)
+    for i in range(step.m):
+        step.forward(i)
+    for i in range(step.m):
+        step.backward(i)
+    return step.finish()
+
+
+def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, timeline=None, capture=None):
+    """One training step with 1F1B (PipeDream-flush): same arguments, result and gradients as AFAB, but a
+    rank holds the activations of at most world_size - rank microbatches instead of all of them."""
+    step = _Step(_as_partition(model), inputs, targets, device, dtype, timeline, capture)
+    p = step.p
+    # Warmup: enough forwards to fill the pipeline below this rank. The last rank needs none.
+    warmup = min(p.world_size - p.rank - 1, step.m)
+    for i in range(warmup):
+        step.forward(i)
+    # Steady state: each new forward is followed by the backward of the oldest microbatch still held,
+    # so the number held stays at warmup + 1.
+    for i in range(step.m - warmup):
+        step.forward(warmup + i)
+        step.backward(i)
+    # Cooldown: drain the microbatches still held.
+    for i in range(step.m - warmup, step.m):
+        step.backward(i)
+    return step.finish()
+
+
+SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Timeline output: Chrome trace and bubble
+
+def bubble_fraction(step_events: list[list], step_times: list[float]) -> float:
+    """Share of a step a rank spends not computing (waiting for neighbours), averaged over steps and ranks."""
+    idle = []
+    for events, seconds in zip(step_events, step_times):
+        busy = sum(end - start for kind, _, start, end in events if kind in ("forward", "backward"))
+        idle.append(1 - busy / seconds)
+    return sum(idle) / len(idle)
+
+
+def write_chrome_trace(path: str, per_rank: list[list]) -> None:
+    trace = []
+    for rank, events in enumerate(per_rank):
+        for kind, mb, start, end in events:
+            trace.append({"name": f"{kind[0].upper()}{mb}" if kind in ("forward", "backward") else f"{kind} {mb}",
+                          "cat": kind, "ph": "X", "pid": 0, "tid": rank, "ts": start * 1e6,
+                          "dur": (end - start) * 1e6})
+        trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
+    with open(path, "w") as f:
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def main(args):
+    env = runtime.launch_env(args.device)
+    runtime.check_args(args, env.world_size, env.device.type)
+    runtime.init_process_group(env, args.timeout)
+    is_first, is_last = env.rank == 0, env.rank == env.world_size - 1
+    say = print if is_first else (lambda *a, **k: None)
+
+    # --- data: one process per machine builds the caches, then every rank reads them
+    if env.local_rank == 0:
+        data.prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
+    dist.barrier()
+    tokenizer = data.prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
+    loader = None
+    if is_first or is_last:  # inputs go to the first stage, targets to the last; middle stages read nothing
+        loader = data.make_loader(args.data, tokenizer, args.seq_len, args.batch_size, args.seed, args.cache_dir)
+
+    # --- model, split, schedule: the full model on meta, this rank's slice kept, then materialized
+    preset = runtime.model_preset(args, env.device.type)
+    config = config_from_preset(preset, tokenizer.get_vocab_size(), args.layers)
+    with torch.device("meta"):
+        model = LlamaForPretraining(config)
+    partition = partition_model(model, env.rank, env.world_size)
+    model.to_empty(device=env.device)
+    model.init_weights(args.seed)
+    model.train()
+    train_step = SCHEDULES[args.schedule]
+    say(f"model {preset}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}"
+        f" | {env.world_size} stage(s): {describe_split(config.num_hidden_layers, env.world_size)}"
+        f" | {args.schedule} by hand | {env.device.type} {str(env.dtype).removeprefix('torch.')} {env.backend}",
+        flush=True)
+    if loader is not None:
+        say(f"data: {loader.describe()}", flush=True)
+
+    # --- optimizer
+    optimizer = runtime.make_optimizer(model, args)
+
+    # --- resume from the newest complete checkpoint, if any
+    step = checkpoint.resume(args, env, model, optimizer, config, loader, say)
+    resumed = step > 0
+    if step >= args.steps:
+        say(f"already trained {step} steps (--steps {args.steps}): nothing to do", flush=True)
+
+    # --- training loop
+    metrics = runtime.Metrics(args.metrics, enabled=is_last, resume_step=step if resumed else None)
+    bar = tqdm.tqdm(total=args.steps, initial=step, disable=not is_last, unit="step", mininterval=1.0)
+    tokens_seen = step * args.batch_size * args.seq_len  # exact: packing makes every position a real target
+    recent = collections.deque(maxlen=10)  # (events, step time) of the last steps, for the bubble and --trace
+    dist.barrier()
+    clock_zero = time.perf_counter()  # ranks leave the barrier together: a shared zero for the trace
+    while step < args.steps:
+        step += 1
+        lr = runtime.set_lr(optimizer, step, args)
+        timeline = Timeline(env.device)
+        with runtime.Timer(env.device) as timer:
+            inputs, targets = loader.next_batch() if loader is not None else (None, None)
+            inputs = inputs.chunk(args.microbatches) if is_first else [None] * args.microbatches
+            targets_mb = targets.chunk(args.microbatches) if is_last else [None] * args.microbatches
+            optimizer.zero_grad(set_to_none=True)
+            with runtime.autocast(env):
+                # fp32 between stages: the residual stream is fp32 under autocast too, as in the GPipe script.
+                loss = train_step(partition, inputs, targets_mb, env.device, torch.float32, timeline=timeline)
+            grad_norm = runtime.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+        if step > 1:  # the first step pays one-time costs
+            recent.append(([(k, mb, s - clock_zero, e - clock_zero) for k, mb, s, e in timeline.events],
+                           timer.seconds))
+        if is_last:
+            tokens = int((targets != data.IGNORE_INDEX).sum())
+            tokens_seen += tokens
+            row = {"step": step, "loss": loss.item(), "lr": lr, "tokens": tokens_seen,
+                   "step_time": timer.seconds, "tokens_per_s": tokens / timer.seconds,
+                   "grad_norm": grad_norm.item()}
+            metrics.log(row, tokens)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+            bar.update()
+        if step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0):
+            path = checkpoint.save_run(args, env, step, model, optimizer, config, loader, tokenizer)
+            if is_last:
+                bar.write(f"saved {path}")
+    bar.close()
+
+    # --- timeline: measured bubble next to the theoretical one, and the Chrome trace
+    per_rank = [None] * env.world_size
+    dist.all_gather_object(per_rank, list(recent))
+    if is_first and recent:
+        p, m = env.world_size, args.microbatches
+        measured = sum(bubble_fraction([e for e, _ in r], [t for _, t in r]) for r in per_rank) / p
+        print(f"bubble: measured {measured:.1%} of each step idle per rank (last {len(recent)} steps), "
+              f"theory (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.1%}", flush=True)
+        if args.trace:
+            write_chrome_trace(args.trace, [[ev for events, _ in r for ev in events] for r in per_rank])
+            print(f"trace of the last {len(recent)} steps written to {args.trace}", flush=True)
+
+    # --- summary (collective: every rank reports its peak memory)
+    metrics.finish(env, positions_per_step=args.batch_size * args.seq_len)
+
+
+if __name__ == "__main__":
+    parser = runtime.build_parser(__doc__, list(SCHEDULES))
+    parser.add_argument("--trace", default=None,
+                        help="write a Chrome trace (JSON) of the last 10 steps' forwards, backwards, sends and "
+                             "recvs per rank; open it in ui.perfetto.dev")
+    runtime.run(main, parser.parse_args())
