@@ -281,7 +281,16 @@ def resume(args, env, model, optimizer, config, loader, say=print) -> int:
     if loader is not None:
         loader.load_state_dict(meta["data"])
     say(f"resumed from {path} at step {meta['step']} (saved with {meta['world_size']} stage(s))", flush=True)
+    if meta["step"] >= args.steps:
+        say(f"already trained {meta['step']} steps (--steps {args.steps}): nothing to do", flush=True)
     return meta["step"]
+
+
+def save_if_due(args, env, step: int, model, optimizer, config, loader, tokenizer) -> str | None:
+    """Save after every --checkpoint-every steps and at the end of the run; return the path if it saved."""
+    if step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0):
+        return save_run(args, env, step, model, optimizer, config, loader, tokenizer)
+    return None
 
 
 def save_run(args, env, step: int, model, optimizer, config, loader, tokenizer) -> str:

@@ -317,6 +317,24 @@ def prepare(spec: str, tokenizer_path: str | None, vocab_size: int, cache_dir: s
     return tokenizer
 
 
+def setup(args, rank: int, world_size: int, local_rank: int):
+    """The tokenizer on every rank, and a loader on the ranks that need batches (first: inputs, last: targets).
+
+    One process per machine builds the caches (tokenizer training, tokenized corpus) while the others wait,
+    then every rank reads them. Collective: call it on every rank.
+    """
+    import torch.distributed as dist
+
+    if local_rank == 0:
+        prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
+    dist.barrier()
+    tokenizer = prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
+    loader = None
+    if rank in (0, world_size - 1):  # middle stages read nothing
+        loader = make_loader(args.data, tokenizer, args.seq_len, args.batch_size, args.seed, args.cache_dir)
+    return tokenizer, loader
+
+
 def make_loader(spec: str, tokenizer, seq_len: int, batch_size: int, seed: int, cache_dir: str):
     pad_id = tokenizer.token_to_id("[PAD]")
     if spec == "builtin":

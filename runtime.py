@@ -75,6 +75,9 @@ def build_parser(doc: str, schedules: list[str]) -> argparse.ArgumentParser:
                    help="start at step 0 even if --checkpoint-dir holds checkpoints (they are moved aside to "
                         "DIR.previous-TIME, not deleted)")
     g.add_argument("--metrics", default=None, help="write one JSON line per step (and a summary) to this file")
+    g.add_argument("--measure-activations", action="store_true",
+                   help="count the bytes of activations held for backward (saved-tensor hooks) and report "
+                        "each stage's peak in the summary")
     g = p.add_argument_group("system")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda:LOCAL_RANK with NCCL and bf16 when a GPU is present, else CPU, gloo, fp32")
@@ -220,6 +223,18 @@ def _lost_peer(e: Exception) -> bool:
                                       "Connection reset by peer"))
 
 
+def describe_run(preset: str, config, env: Env, how: str) -> str:
+    """One line: the model, how it is split over the stages, and where it runs."""
+    stages = []
+    for stage, layers in enumerate(layer_split(config.num_hidden_layers, env.world_size)):
+        text = f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"
+        text = ("embed + " if stage == 0 else "") + text + (" + norm + head" if stage == env.world_size - 1 else "")
+        stages.append(f"[{text}]")
+    return (f"model {preset}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
+            f"{config.vocab_size} | {env.world_size} stage(s): {' '.join(stages)} | {how} | {env.device.type} "
+            f"{str(env.dtype).removeprefix('torch.')} {env.backend}")
+
+
 def layer_split(num_layers: int, num_stages: int) -> list[range]:
     """Contiguous layer ranges, one per stage, sizes differing by at most one (earlier stages get the extra)."""
     base, extra = divmod(num_layers, num_stages)
@@ -279,9 +294,10 @@ def clip_grad_norm_(params, max_norm: float, group=None) -> torch.Tensor:
 class Metrics:
     """JSON lines: one row per optimizer step, then one summary row. Only the rank holding the loss writes."""
 
-    def __init__(self, path: str | None, enabled: bool, resume_step: int | None = None):
+    def __init__(self, path: str | None, enabled: bool, resume_step: int | None = None, tokens_seen: int = 0):
         """resume_step: continuing a run from that step; rows after it (steps done after the checkpoint by a
-        run that was then killed) are dropped, so the file reads as one uninterrupted run."""
+        run that was then killed) are dropped, so the file reads as one uninterrupted run. tokens_seen: tokens
+        trained on before this run."""
         self.file = None
         if path and enabled:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -293,18 +309,27 @@ class Metrics:
             self.file.writelines(kept)
         self.step_times: list[float] = []
         self.tokens = 0  # real (not ignored) targets trained on in this run
+        self.tokens_seen = tokens_seen
 
-    def log(self, row: dict, tokens: int) -> None:
-        self.step_times.append(row["step_time"])
+    def log(self, step: int, loss: torch.Tensor, lr: float, targets: torch.Tensor, seconds: float,
+            grad_norm: torch.Tensor, ignore_index: int = -100) -> dict:
+        """Record one optimizer step (on the rank holding the loss) and return its row."""
+        tokens = int((targets != ignore_index).sum())
+        self.tokens_seen += tokens
         self.tokens += tokens
+        self.step_times.append(seconds)
+        row = {"step": step, "loss": loss.item(), "lr": lr, "tokens": self.tokens_seen, "step_time": seconds,
+               "tokens_per_s": tokens / seconds, "grad_norm": grad_norm.item()}
         if self.file:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
+        return row
 
-    def finish(self, env: Env, positions_per_step: int) -> None:
+    def finish(self, env: Env, positions_per_step: int, meter: "ActivationMeter | None" = None) -> None:
         """Collectively gather every stage's peak memory; the rank holding the loss prints and writes a summary."""
-        peaks = [None] * env.world_size
-        dist.all_gather_object(peaks, peak_memory_bytes(env.device))
+        gathered = [None] * env.world_size
+        dist.all_gather_object(gathered, (peak_memory_bytes(env.device), meter.peak_bytes if meter else None))
+        peaks = [memory for memory, _ in gathered]
         if self.step_times:
             # The first step includes one-time costs (shape inference, allocator warmup): leave it out if we can.
             steady = self.step_times[1:] or self.step_times
@@ -317,12 +342,17 @@ class Metrics:
                 "peak_memory_bytes_per_stage": peaks,
                 "memory_kind": "cuda max allocated" if env.device.type == "cuda" else "process peak RSS",
             }
+            if meter is not None:
+                summary["activation_bytes_per_stage"] = [activations for _, activations in gathered]
             if self.file:
                 self.file.write(json.dumps({"summary": summary}) + "\n")
             print(f"done: {summary['steps']} steps, median step {summary['median_step_time'] * 1e3:.0f} ms, "
                   f"{summary['tokens_per_s']:.0f} tokens/s, {summary['useful_token_share']:.0%} of positions are "
                   f"text; peak memory per stage ({summary['memory_kind']}, MiB): "
                   + ", ".join(f"{b / 2**20:.0f}" for b in peaks), flush=True)
+            if meter is not None:
+                print("peak activations held per stage (MiB): " + ", ".join(
+                    f"{b / 2**20:.2f}" for b in summary["activation_bytes_per_stage"]), flush=True)
         if self.file:
             self.file.close()
 

@@ -16,8 +16,8 @@ The functions also train a Hugging Face `LlamaForCausalLM` that a user brings:
 """
 
 import collections
+import contextlib
 import dataclasses
-import json
 import time
 
 import torch
@@ -29,8 +29,8 @@ import tqdm
 import checkpoint
 import data
 import runtime
+import timeline
 from model import LlamaForPretraining, config_from_preset
-from train_pipeline_gpipe import describe_split
 
 IGNORE_INDEX = data.IGNORE_INDEX
 
@@ -78,24 +78,22 @@ def partition_model(model: nn.Module, rank: int, world_size: int) -> Partition:
         eager = getattr(model.config, "_attn_implementation", "eager") == "eager"
     else:
         raise TypeError(f"partition_model: unsupported model {type(model).__name__}")
-    keys = list(base.layers.keys()) if isinstance(base.layers, nn.ModuleDict) else list(range(len(base.layers)))
-    num_layers = int(max(keys)) + 1 if isinstance(base.layers, nn.ModuleDict) else len(keys)
-    keep = runtime.layer_split(num_layers, world_size)[rank]
-    for key in keys:
-        if int(key) not in keep:
-            if isinstance(base.layers, nn.ModuleDict):
-                del base.layers[key]  # names stay global: "layers.4" is layer 4 on any stage
-            else:
-                base.layers[key] = None  # a ModuleList cannot delete from the middle without renumbering
-    layers = [base.layers[str(i)] if isinstance(base.layers, nn.ModuleDict) else base.layers[i] for i in keep]
-    if any(layer is None for layer in layers):
-        raise ValueError(f"partition_model: the model was already partitioned for another layout")
+    layers, as_dict = base.layers, isinstance(base.layers, nn.ModuleDict)
+    keep = runtime.layer_split(model.config.num_hidden_layers, world_size)[rank]
+    for key in [int(k) for k in layers.keys()] if as_dict else range(len(layers)):
+        if key not in keep and as_dict:
+            del layers[str(key)]  # names stay global: "layers.4" is layer 4 on any stage
+        elif key not in keep:
+            layers[key] = None  # a ModuleList cannot delete from the middle without renumbering the rest
+    kept = [layers[str(i)] if as_dict else layers[i] for i in keep]
+    if any(layer is None for layer in kept):
+        raise ValueError("partition_model: the model was already partitioned for another layout")
     if rank != 0:
         base.embed_tokens = None
     if rank != world_size - 1:
         base.norm = None
         owner.lm_head = None
-    return Partition(owner, rank, world_size, layers, base.embed_tokens, base.norm, owner.lm_head, rotary,
+    return Partition(owner, rank, world_size, kept, base.embed_tokens, base.norm, owner.lm_head, rotary,
                      pad_id, eager)
 
 
@@ -135,34 +133,19 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _MAX_DIMS = 6
 
 
-class Timeline:
-    """What each rank did and when (forward, backward, send, recv per microbatch), for --trace and the bubble."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.events = device, []
-
-    def now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # time the work, not its launch
-        return time.perf_counter()
-
-    def add(self, kind: str, mb: int, start: float) -> None:
-        self.events.append((kind, mb, start, self.now()))
-
-
 class _Comm:
     """Sends and receives of one training step. Sends are non-blocking so that two neighbours sending to each
     other at the same moment (1F1B's steady state) cannot deadlock; they are waited for at the end of the step,
     and the tensors are kept alive until then."""
 
-    def __init__(self, device: torch.device, timeline: Timeline | None):
+    def __init__(self, device: torch.device, timeline: "timeline.Timeline | None"):
         self.device, self.timeline, self.pending = device, timeline, []
 
-    def _now(self) -> float:
+    def now(self) -> float:
         return self.timeline.now() if self.timeline else 0.0
 
     def send(self, tensor: torch.Tensor, dst: int, mb: int) -> None:
-        start = self._now()
+        start = self.now()
         tensor = tensor.contiguous()
         # The receiver cannot know the shape (the sequence length may change from batch to batch) nor the
         # dtype, and a receive buffer must match the sender's dtype byte for byte: send both first.
@@ -175,7 +158,7 @@ class _Comm:
             self.timeline.add("send", mb, start)
 
     def recv(self, src: int, mb: int) -> torch.Tensor:
-        start = self._now()
+        start = self.now()
         header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
         dist.recv(header, src)
         dtype_index, ndim, *shape = header.tolist()
@@ -214,7 +197,7 @@ class _Step:
             # A received tensor has no autograd history. Making it a leaf that requires grad lets this stage's
             # backward stop here and leave d(loss)/d(input) in x.grad, which is what the previous stage needs.
             x = self.comm.recv(p.rank - 1, i).to(self.dtype).requires_grad_()
-        start = self.comm._now()
+        start = self.comm.now()
         out = forward_stage(p, x)
         if self.capture is not None:
             self.capture.setdefault("outputs", {})[i] = out.detach().clone()  # hidden states, or logits
@@ -233,7 +216,7 @@ class _Step:
         p = self.p
         x, out = self.saved.pop(i)  # dropping it frees this microbatch's activations after the backward
         grad = None if p.is_last else self.comm.recv(p.rank + 1, i).to(out.dtype)
-        start = self.comm._now()
+        start = self.comm.now()
         out.backward(grad)  # the last stage starts from its scaled loss, the others from the received gradient
         if self.timeline:
             self.timeline.add("backward", i, start)
@@ -303,30 +286,6 @@ SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Timeline output: Chrome trace and bubble
-
-def bubble_fraction(step_events: list[list], step_times: list[float]) -> float:
-    """Share of a step a rank spends not computing (waiting for neighbours), averaged over steps and ranks."""
-    idle = []
-    for events, seconds in zip(step_events, step_times):
-        busy = sum(end - start for kind, _, start, end in events if kind in ("forward", "backward"))
-        idle.append(1 - busy / seconds)
-    return sum(idle) / len(idle)
-
-
-def write_chrome_trace(path: str, per_rank: list[list]) -> None:
-    trace = []
-    for rank, events in enumerate(per_rank):
-        for kind, mb, start, end in events:
-            trace.append({"name": f"{kind[0].upper()}{mb}" if kind in ("forward", "backward") else f"{kind} {mb}",
-                          "cat": kind, "ph": "X", "pid": 0, "tid": rank, "ts": start * 1e6,
-                          "dur": (end - start) * 1e6})
-        trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
-    with open(path, "w") as f:
-        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
-
-
-# ----------------------------------------------------------------------------------------------------------
 
 def main(args):
     env = runtime.launch_env(args.device)
@@ -335,14 +294,8 @@ def main(args):
     is_first, is_last = env.rank == 0, env.rank == env.world_size - 1
     say = print if is_first else (lambda *a, **k: None)
 
-    # --- data: one process per machine builds the caches, then every rank reads them
-    if env.local_rank == 0:
-        data.prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
-    dist.barrier()
-    tokenizer = data.prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
-    loader = None
-    if is_first or is_last:  # inputs go to the first stage, targets to the last; middle stages read nothing
-        loader = data.make_loader(args.data, tokenizer, args.seq_len, args.batch_size, args.seed, args.cache_dir)
+    # --- data: inputs for the first stage, targets for the last
+    tokenizer, loader = data.setup(args, env.rank, env.world_size, env.local_rank)
 
     # --- model, split, schedule: the full model on meta, this rank's slice kept, then materialized
     preset = runtime.model_preset(args, env.device.type)
@@ -354,10 +307,7 @@ def main(args):
     model.init_weights(args.seed)
     model.train()
     train_step = SCHEDULES[args.schedule]
-    say(f"model {preset}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}"
-        f" | {env.world_size} stage(s): {describe_split(config.num_hidden_layers, env.world_size)}"
-        f" | {args.schedule} by hand | {env.device.type} {str(env.dtype).removeprefix('torch.')} {env.backend}",
-        flush=True)
+    say(runtime.describe_run(preset, config, env, f"{args.schedule} by hand"), flush=True)
     if loader is not None:
         say(f"data: {loader.describe()}", flush=True)
 
@@ -367,62 +317,46 @@ def main(args):
     # --- resume from the newest complete checkpoint, if any
     step = checkpoint.resume(args, env, model, optimizer, config, loader, say)
     resumed = step > 0
-    if step >= args.steps:
-        say(f"already trained {step} steps (--steps {args.steps}): nothing to do", flush=True)
 
     # --- training loop
-    metrics = runtime.Metrics(args.metrics, enabled=is_last, resume_step=step if resumed else None)
+    # With packing every position is a real target, so the tokens trained on so far follow from the step.
+    metrics = runtime.Metrics(args.metrics, enabled=is_last, resume_step=step if resumed else None,
+                              tokens_seen=step * args.batch_size * args.seq_len)
+    meter = runtime.ActivationMeter(model.parameters()) if args.measure_activations else None
     bar = tqdm.tqdm(total=args.steps, initial=step, disable=not is_last, unit="step", mininterval=1.0)
-    tokens_seen = step * args.batch_size * args.seq_len  # exact: packing makes every position a real target
     recent = collections.deque(maxlen=10)  # (events, step time) of the last steps, for the bubble and --trace
     dist.barrier()
     clock_zero = time.perf_counter()  # ranks leave the barrier together: a shared zero for the trace
     while step < args.steps:
         step += 1
         lr = runtime.set_lr(optimizer, step, args)
-        timeline = Timeline(env.device)
+        events = timeline.Timeline(env.device, zero=clock_zero)
         with runtime.Timer(env.device) as timer:
             inputs, targets = loader.next_batch() if loader is not None else (None, None)
             inputs = inputs.chunk(args.microbatches) if is_first else [None] * args.microbatches
             targets_mb = targets.chunk(args.microbatches) if is_last else [None] * args.microbatches
             optimizer.zero_grad(set_to_none=True)
-            with runtime.autocast(env):
+            with runtime.autocast(env), meter or contextlib.nullcontext():
                 # fp32 between stages: the residual stream is fp32 under autocast too, as in the GPipe script.
-                loss = train_step(partition, inputs, targets_mb, env.device, torch.float32, timeline=timeline)
+                loss = train_step(partition, inputs, targets_mb, env.device, torch.float32, timeline=events)
             grad_norm = runtime.clip_grad_norm_(model.parameters(), args.grad_clip)
             optimizer.step()
         if step > 1:  # the first step pays one-time costs
-            recent.append(([(k, mb, s - clock_zero, e - clock_zero) for k, mb, s, e in timeline.events],
-                           timer.seconds))
+            recent.append((events.events, timer.seconds))
         if is_last:
-            tokens = int((targets != data.IGNORE_INDEX).sum())
-            tokens_seen += tokens
-            row = {"step": step, "loss": loss.item(), "lr": lr, "tokens": tokens_seen,
-                   "step_time": timer.seconds, "tokens_per_s": tokens / timer.seconds,
-                   "grad_norm": grad_norm.item()}
-            metrics.log(row, tokens)
+            row = metrics.log(step, loss, lr, targets, timer.seconds, grad_norm, data.IGNORE_INDEX)
             bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
             bar.update()
-        if step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0):
-            path = checkpoint.save_run(args, env, step, model, optimizer, config, loader, tokenizer)
-            if is_last:
-                bar.write(f"saved {path}")
+        path = checkpoint.save_if_due(args, env, step, model, optimizer, config, loader, tokenizer)
+        if path and is_last:
+            bar.write(f"saved {path}")
     bar.close()
 
     # --- timeline: measured bubble next to the theoretical one, and the Chrome trace
-    per_rank = [None] * env.world_size
-    dist.all_gather_object(per_rank, list(recent))
-    if is_first and recent:
-        p, m = env.world_size, args.microbatches
-        measured = sum(bubble_fraction([e for e, _ in r], [t for _, t in r]) for r in per_rank) / p
-        print(f"bubble: measured {measured:.1%} of each step idle per rank (last {len(recent)} steps), "
-              f"theory (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.1%}", flush=True)
-        if args.trace:
-            write_chrome_trace(args.trace, [[ev for events, _ in r for ev in events] for r in per_rank])
-            print(f"trace of the last {len(recent)} steps written to {args.trace}", flush=True)
+    timeline.report(env.rank, env.world_size, list(recent), args.microbatches, args.trace)
 
     # --- summary (collective: every rank reports its peak memory)
-    metrics.finish(env, positions_per_step=args.batch_size * args.seq_len)
+    metrics.finish(env, positions_per_step=args.batch_size * args.seq_len, meter=meter)
 
 
 if __name__ == "__main__":

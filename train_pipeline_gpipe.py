@@ -13,6 +13,7 @@ forward through the pipeline, then every microbatch backward, exchanging activat
 between neighbouring ranks.
 """
 
+import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -22,7 +23,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 import checkpoint
 import data
 import runtime
-from model import LlamaForPretraining, config_from_preset, num_parameters
+from model import LlamaForPretraining, config_from_preset
 
 SCHEDULES = {"gpipe": ScheduleGPipe}
 
@@ -45,15 +46,6 @@ def build_stage_model(config, stage: int, num_stages: int, device: torch.device,
     model.to_empty(device=device)  # allocates, uninitialized: init_weights must set every parameter and buffer
     model.init_weights(seed)
     return model
-
-
-def describe_split(num_layers: int, num_stages: int) -> str:
-    parts = []
-    for stage, layers in enumerate(runtime.layer_split(num_layers, num_stages)):
-        text = f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"
-        text = ("embed + " if stage == 0 else "") + text + (" + norm + head" if stage == num_stages - 1 else "")
-        parts.append(f"[{text}]")
-    return " ".join(parts)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -83,14 +75,8 @@ def main(args):
     is_first, is_last = env.rank == 0, env.rank == env.world_size - 1
     say = print if is_first else (lambda *a, **k: None)
 
-    # --- data: one process per machine builds the caches, then every rank reads them
-    if env.local_rank == 0:
-        data.prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
-    dist.barrier()
-    tokenizer = data.prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
-    loader = None
-    if is_first or is_last:  # inputs go to the first stage, targets to the last; middle stages read nothing
-        loader = data.make_loader(args.data, tokenizer, args.seq_len, args.batch_size, args.seed, args.cache_dir)
+    # --- data: inputs for the first stage, targets for the last
+    tokenizer, loader = data.setup(args, env.rank, env.world_size, env.local_rank)
 
     # --- model, split, schedule
     preset = runtime.model_preset(args, env.device.type)
@@ -99,9 +85,7 @@ def main(args):
     model.train()
     stage = PipelineStage(model, env.rank, env.world_size, env.device)
     schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
-    say(f"model {preset}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}"
-        f" | {env.world_size} stage(s): {describe_split(config.num_hidden_layers, env.world_size)}"
-        f" | {env.device.type} {str(env.dtype).removeprefix('torch.')} {env.backend}", flush=True)
+    say(runtime.describe_run(preset, config, env, "GPipe (torch.distributed.pipelining)"), flush=True)
     if loader is not None:
         say(f"data: {loader.describe()}", flush=True)
 
@@ -111,13 +95,13 @@ def main(args):
     # --- resume from the newest complete checkpoint, if any
     step = checkpoint.resume(args, env, model, optimizer, config, loader, say)
     resumed = step > 0
-    if step >= args.steps:
-        say(f"already trained {step} steps (--steps {args.steps}): nothing to do", flush=True)
 
     # --- training loop
-    metrics = runtime.Metrics(args.metrics, enabled=is_last, resume_step=step if resumed else None)
+    # With packing every position is a real target, so the tokens trained on so far follow from the step.
+    metrics = runtime.Metrics(args.metrics, enabled=is_last, resume_step=step if resumed else None,
+                              tokens_seen=step * args.batch_size * args.seq_len)
+    meter = runtime.ActivationMeter(model.parameters()) if args.measure_activations else None
     bar = tqdm.tqdm(total=args.steps, initial=step, disable=not is_last, unit="step", mininterval=1.0)
-    tokens_seen = step * args.batch_size * args.seq_len  # exact: packing makes every position a real target
     while step < args.steps:
         step += 1
         lr = runtime.set_lr(optimizer, step, args)
@@ -126,26 +110,21 @@ def main(args):
             if inputs is not None:
                 inputs, targets = inputs.to(env.device), targets.to(env.device)
             optimizer.zero_grad(set_to_none=True)
-            loss = train_step(schedule, env, inputs, targets)
+            with meter or contextlib.nullcontext():
+                loss = train_step(schedule, env, inputs, targets)
             grad_norm = runtime.clip_grad_norm_(model.parameters(), args.grad_clip)
             optimizer.step()
         if is_last:
-            tokens = int((targets != data.IGNORE_INDEX).sum())
-            tokens_seen += tokens
-            row = {"step": step, "loss": loss.item(), "lr": lr, "tokens": tokens_seen,
-                   "step_time": timer.seconds, "tokens_per_s": tokens / timer.seconds,
-                   "grad_norm": grad_norm.item()}
-            metrics.log(row, tokens)
+            row = metrics.log(step, loss, lr, targets, timer.seconds, grad_norm, data.IGNORE_INDEX)
             bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
             bar.update()
-        if step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0):
-            path = checkpoint.save_run(args, env, step, model, optimizer, config, loader, tokenizer)
-            if is_last:
-                bar.write(f"saved {path}")
+        path = checkpoint.save_if_due(args, env, step, model, optimizer, config, loader, tokenizer)
+        if path and is_last:
+            bar.write(f"saved {path}")
     bar.close()
 
     # --- summary (collective: every rank reports its peak memory)
-    metrics.finish(env, positions_per_step=args.batch_size * args.seq_len)
+    metrics.finish(env, positions_per_step=args.batch_size * args.seq_len, meter=meter)
 
 
 if __name__ == "__main__":
