@@ -6,8 +6,10 @@ compared with the unsplit model on one process. Run with:  pytest -q test_small.
 
 import json
 import os
+import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -741,3 +743,185 @@ def test_manual_pipeline_equals_single_process_on_our_model_and_hf_llama(tmp_pat
             if world_size > 1:
                 assert one_f_one_b["activation_bytes"] < afab["activation_bytes"], (rank, one_f_one_b, afab)
         assert seen == set(grads)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# run.sh: the launcher for one node, several nodes and SLURM
+
+RUN_SH = str(ROOT / "run.sh")
+SCRIPT = "train_pipeline_gpipe.py"
+LAUNCH_ARGS = ["--layers", "4", "--steps", "4", "--batch-size", "8", "--microbatches", "4", "--seq-len", "32",
+              "--warmup-steps", "2", "--lr", "1e-2"]
+LAUNCHER_VARS = ["NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "MAX_RESTARTS", "LOG_DIR",
+                 "RDZV_ID", "DRY_RUN", "PYTHON"]
+
+
+def launcher_env(**overrides) -> dict:
+    """The scripts' test environment without anything run.sh would pick up from the machine running pytest."""
+    env = script_env()
+    for name in [*LAUNCHER_VARS, *(k for k in env if k.startswith("SLURM_"))]:
+        env.pop(name, None)
+    env["PYTHON"] = sys.executable  # this venv's torch, whatever python3 is on PATH
+    env.update({k: str(v) for k, v in overrides.items()})
+    return env
+
+
+def run_sh(*args, cwd, wait=True, timeout=240, **env):
+    proc = subprocess.Popen([RUN_SH, *args], cwd=cwd, env=launcher_env(**env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+    return finish(proc, timeout) if wait else proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dry_run(tmp_path, *args, **env) -> tuple[list[str], str]:
+    """The torchrun command run.sh would execute, as a list, and its one-line report on stderr."""
+    result = run_sh(SCRIPT, *args, cwd=tmp_path, timeout=30, DRY_RUN=1, **env)
+    assert result.returncode == 0, result.stderr
+    return shlex.split(result.stdout), result.stderr.strip()
+
+
+def option(cmd: list[str], flag: str) -> str:
+    assert flag in cmd, (flag, cmd)
+    return cmd[cmd.index(flag) + 1]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Real runs
+
+def test_two_nodes_train_like_one_node(tmp_path, cache_dir):
+    # Two "nodes" on this machine: two run.sh launches meeting at 127.0.0.1, each in a directory of its own.
+    # The checkpoint directory is shared, as it must be on a real cluster.
+    common = [*LAUNCH_ARGS, "--cache-dir", cache_dir, "--metrics", "m.jsonl"]
+    port = free_port()
+    nodes = [tmp_path / "node0", tmp_path / "node1", tmp_path / "single"]
+    for d in nodes:
+        d.mkdir()
+    procs = [run_sh(SCRIPT, *common, "--checkpoint-dir", str(tmp_path / "shared-ckpt"), cwd=nodes[rank],
+                    wait=False, NNODES=2, NODE_RANK=rank, NPROC_PER_NODE=2, MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=port)
+             for rank in (0, 1)]
+    # The reference, one node with 4 ranks, at the same time; LOG_DIR gives one log per rank.
+    procs.append(run_sh(SCRIPT, *common, "--checkpoint-dir", "ckpt", cwd=nodes[2], wait=False, NPROC_PER_NODE=4,
+                        LOG_DIR=tmp_path / "logs"))
+    try:
+        results = [finish(p, timeout=180) for p in procs]
+    finally:  # a node that failed leaves the other waiting at the rendezvous: stop every launch
+        for p in procs:
+            if p.poll() is None:
+                kill_job(p)
+    for d, result in zip(nodes, results):
+        assert result.returncode == 0, (d.name, result.stderr[-3000:])
+    assert "NNODES=2 NODE_RANK=1, rendezvous at 127.0.0.1" in results[1].stderr.splitlines()[0]
+
+    # The rendezvous decides which node gets the last rank; only that node writes metrics.
+    written = [d / "m.jsonl" for d in nodes[:2] if (d / "m.jsonl").exists()]
+    assert len(written) == 1, written
+    two_nodes, summary = read_metrics(written[0])
+    one_node, _ = read_metrics(nodes[2] / "m.jsonl")
+    assert len(summary[0]["peak_memory_bytes_per_stage"]) == 4  # 2 nodes x 2 ranks made one 4-stage pipeline
+    assert [r["step"] for r in two_nodes] == [r["step"] for r in one_node] == [1, 2, 3, 4]
+    for a, b in zip(two_nodes, one_node):
+        assert_close_rel(a["loss"], b["loss"], what=f"step {a['step']} loss")
+    assert (tmp_path / "shared-ckpt" / "step-00000004" / "meta.json").is_file()
+
+    per_rank = sorted(p.parent.name for p in (tmp_path / "logs").rglob("stderr.log"))
+    assert per_rank == ["0", "1", "2", "3"], per_rank
+
+
+def test_a_failed_job_fails_run_sh(tmp_path, cache_dir):
+    result = run_sh(SCRIPT, "--steps", "0", "--cache-dir", cache_dir, cwd=tmp_path, timeout=120, NPROC_PER_NODE=1)
+    assert result.returncode != 0
+    assert "error: --steps must be at least 1" in result.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The command run.sh builds
+
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "node[07-08]"}
+
+
+def test_slurm_environment_sets_nodes_rank_and_master(tmp_path):
+    port = free_port()
+    cmd, report = dry_run(tmp_path, "--steps", "3", "two words", "--nnodes", "9", MASTER_PORT=port,
+                          NPROC_PER_NODE=2, **SLURM)
+    assert "SLURM job 4242" in report and "\n" not in report
+    assert option(cmd, "--nnodes") == "2"
+    assert option(cmd, "--node-rank") == "1"
+    assert option(cmd, "--rdzv-backend") == "c10d"
+    assert option(cmd, "--rdzv-endpoint") == f"node07:{port}"
+    assert option(cmd, "--rdzv-id") == "4242"
+    assert option(cmd, "--nproc-per-node") == "2"
+    assert "--standalone" not in cmd
+    script_at = next(i for i, a in enumerate(cmd) if a.endswith(SCRIPT))
+    assert cmd[script_at + 1:] == ["--steps", "3", "two words", "--nnodes", "9"]  # the script's, unchanged
+
+
+def test_explicit_variables_win_over_slurm(tmp_path):
+    cmd, _ = dry_run(tmp_path, NODE_RANK=0, MASTER_ADDR="10.0.0.5", NNODES=3, **SLURM)
+    assert (option(cmd, "--nnodes"), option(cmd, "--node-rank")) == ("3", "0")
+    assert option(cmd, "--rdzv-endpoint") == "10.0.0.5:29500"
+
+
+NODELISTS = [("node[07-08]", "node07"), ("gpu-a[007-010,012]-ib,login1", "gpu-a007-ib"), ("alpha,beta", "alpha"),
+             ("rack[2-3]-n[01-02]", "rack2-n01")]
+
+
+@pytest.mark.parametrize("nodelist,first", NODELISTS)
+def test_first_host_of_a_slurm_node_list(tmp_path, nodelist, first):
+    cmd, _ = dry_run(tmp_path, **dict(SLURM, SLURM_JOB_NODELIST=nodelist))
+    assert option(cmd, "--rdzv-endpoint") == f"{first}:29500"
+
+
+def test_one_node_is_standalone_with_restarts_and_logs(tmp_path):
+    cmd, report = dry_run(tmp_path, "--steps", "3", MAX_RESTARTS=1, NPROC_PER_NODE=3, LOG_DIR=tmp_path / "logs")
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--standalone" in cmd and "--rdzv-endpoint" not in cmd and "--nnodes" not in cmd
+    assert option(cmd, "--max-restarts") == "1"
+    assert option(cmd, "--nproc-per-node") == "3"
+    assert option(cmd, "--log-dir") == str(tmp_path / "logs") and option(cmd, "--tee") == "3"
+    assert cmd[-3:] == [str(ROOT / SCRIPT), "--steps", "3"]  # found next to run.sh from another directory
+    assert not (tmp_path / "logs").exists()  # a dry run creates nothing
+    assert "one node" in report
+
+
+def test_defaults(tmp_path):
+    cmd, _ = dry_run(tmp_path, CUDA_VISIBLE_DEVICES="")  # no GPU visible: 3 processes, the CPU default
+    assert option(cmd, "--nproc-per-node") == "3" and option(cmd, "--max-restarts") == "0"
+    cmd, _ = dry_run(tmp_path, CUDA_VISIBLE_DEVICES="0,1")  # one process per visible GPU
+    assert option(cmd, "--nproc-per-node") == "2"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bad input: one line, exit status 2, nothing started
+
+BAD = [  # (script, environment) -> what the one line must name
+    ("no_such_script.py", {}, "no_such_script.py"),
+    (SCRIPT, {"NNODES": "2"}, "MASTER_ADDR"),
+    (SCRIPT, {"NPROC_PER_NODE": "abc"}, "NPROC_PER_NODE"),
+    (SCRIPT, {"NNODES": "0"}, "NNODES"),
+    (SCRIPT, {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "NODE_RANK": "2"}, "NODE_RANK"),
+    (SCRIPT, {"MASTER_PORT": "http"}, "MASTER_PORT"),
+    (SCRIPT, {"MAX_RESTARTS": "-1"}, "MAX_RESTARTS"),
+    (SCRIPT, {"PYTHON": "no-such-python"}, "PYTHON"),
+]
+
+
+@pytest.mark.parametrize("script,env,named", BAD, ids=[b[2] for b in BAD])
+def test_bad_input_is_one_line_before_anything_starts(tmp_path, script, env, named):
+    result = run_sh(script, "--steps", "1", cwd=tmp_path, timeout=30, **env)
+    assert result.returncode == 2, result
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("run.sh: error: ") and named in lines[0], result.stderr
+    assert result.stdout == "" and list(tmp_path.iterdir()) == []  # no torchrun, no checkpoint, no metrics
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_shellcheck_is_clean():
+    result = subprocess.run(["shellcheck", RUN_SH], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+    assert os.access(RUN_SH, os.X_OK)

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# Launch a training script of this collection with torchrun: one node, several nodes, or inside SLURM.
+#
+#   ./run.sh SCRIPT [SCRIPT ARGS...]
+#
+# Environment (defaults): NNODES (1), NODE_RANK (0), NPROC_PER_NODE (GPUs, else 3), MASTER_ADDR (needed for
+# NNODES > 1), MASTER_PORT (29500), MAX_RESTARTS (0), LOG_DIR (none: one log file per rank when set),
+# RDZV_ID (SLURM_JOB_ID, else "pipeline"), PYTHON (python3), DRY_RUN (1: print the command, start nothing).
+# Under SLURM, NNODES, NODE_RANK and MASTER_ADDR default to what the allocation says; set ones win.
+set -euo pipefail
+
+die() { echo "run.sh: error: $*" >&2; exit 2; }
+
+# The first host of a SLURM node list such as "node[07-08,10],login1" is node07. scontrol knows every
+# syntax; the fallback covers plain names and bracket ranges, so the launcher also works where scontrol is
+# missing (and in tests).
+first_host() {
+    local list=$1 hosts
+    if command -v scontrol >/dev/null 2>&1 && hosts=$(scontrol show hostnames "$list" 2>/dev/null) \
+        && [[ -n $hosts ]]; then
+        echo "${hosts%%$'\n'*}"
+        return
+    fi
+    local first="" depth=0 i c re='^([^[]*)\[([^],-]*)[^]]*\](.*)$'
+    for ((i = 0; i < ${#list}; i++)); do
+        c=${list:i:1}
+        case $c in
+            '[') depth=1 ;;
+            ']') depth=0 ;;
+            ',') ((depth)) || break ;;
+            *) ;;
+        esac
+        first+=$c
+    done
+    while [[ $first =~ $re ]]; do
+        first=${BASH_REMATCH[1]}${BASH_REMATCH[2]}${BASH_REMATCH[3]}
+    done
+    echo "$first"
+}
+
+# Must be a whole number; prints it without leading zeros (which bash arithmetic would read as octal).
+count() {
+    local name=$1 value=$2 min=$3
+    [[ $value =~ ^[0-9]+$ ]] || die "$name='$value' is not a whole number; set $name to an integer >= $min"
+    value=$((10#$value))
+    ((value >= min)) || die "$name=$value is too small; set $name to an integer >= $min"
+    echo "$value"
+}
+
+(($# >= 1)) || die "no script given; usage: ./run.sh SCRIPT [SCRIPT ARGS...]"
+script=$1 && shift
+# Relative to the current directory first, else next to run.sh, so `srun /path/run.sh train_x.py` works
+# from any working directory (where checkpoints and metrics then go).
+if [[ ! -f $script && $script != /* && -f "$(dirname "${BASH_SOURCE[0]}")/$script" ]]; then
+    script="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$script"
+fi
+[[ -f $script ]] || die "no such script '$script'; give a training script such as train_pipeline_gpipe.py"
+
+slurm=""
+if [[ -n ${SLURM_JOB_ID:-} ]]; then
+    nodelist=${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}
+    : "${NNODES:=${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-1}}}"
+    : "${NODE_RANK:=${SLURM_NODEID:-${SLURM_PROCID:-0}}}"
+    if [[ -z ${MASTER_ADDR:-} && -n $nodelist ]]; then
+        MASTER_ADDR=$(first_host "$nodelist")
+    fi
+    slurm="SLURM job $SLURM_JOB_ID"
+fi
+
+if [[ -z ${NPROC_PER_NODE:-} ]]; then
+    # One process per visible GPU. CUDA_VISIBLE_DEVICES first: nvidia-smi ignores it, so it can list GPUs a
+    # scheduler did not give us.
+    if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
+        IFS=, read -ra gpus <<<"$CUDA_VISIBLE_DEVICES"
+        NPROC_PER_NODE=${#gpus[@]}
+    elif command -v nvidia-smi >/dev/null 2>&1 && gpu_list=$(nvidia-smi -L 2>/dev/null) && [[ -n $gpu_list ]]; then
+        NPROC_PER_NODE=$(grep -c '^GPU' <<<"$gpu_list" || true)
+    fi
+    ((${NPROC_PER_NODE:-0} > 0)) || NPROC_PER_NODE=3 # CPU: the collection's default of 3 stages
+fi
+
+NNODES=$(count NNODES "${NNODES:-1}" 1)
+NODE_RANK=$(count NODE_RANK "${NODE_RANK:-0}" 0)
+NPROC_PER_NODE=$(count NPROC_PER_NODE "$NPROC_PER_NODE" 1)
+MASTER_PORT=$(count MASTER_PORT "${MASTER_PORT:-29500}" 1)
+MAX_RESTARTS=$(count MAX_RESTARTS "${MAX_RESTARTS:-0}" 0)
+((MASTER_PORT <= 65535)) || die "MASTER_PORT=$MASTER_PORT is not a port; set MASTER_PORT between 1 and 65535"
+((NODE_RANK < NNODES)) || die "NODE_RANK=$NODE_RANK but NNODES=$NNODES; set NODE_RANK between 0 and $((NNODES - 1))"
+if ((NNODES > 1)) && [[ -z ${MASTER_ADDR:-} ]]; then
+    die "NNODES=$NNODES needs MASTER_ADDR; set MASTER_ADDR to the host name or IP of one of the nodes"
+fi
+PYTHON=${PYTHON:-python3}
+command -v "$PYTHON" >/dev/null 2>&1 || die "PYTHON='$PYTHON' not found; set PYTHON to a Python with torch"
+
+# torchrun via the interpreter, not the `torchrun` entry point, so it is the torch of $PYTHON (e.g. a venv).
+cmd=("$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS")
+if ((NNODES > 1)); then
+    # c10d: the agents meet at MASTER_ADDR:MASTER_PORT and, unlike the static backend, notice a failed
+    # node, so MAX_RESTARTS restarts the whole job. Global ranks are assigned by the rendezvous.
+    cmd+=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --rdzv-backend c10d
+        --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-pipeline}}")
+    where="NNODES=$NNODES NODE_RANK=$NODE_RANK, rendezvous at $MASTER_ADDR:$MASTER_PORT"
+else
+    cmd+=(--standalone) # a free local port: several single-node jobs can share a machine
+    where="one node"
+fi
+if [[ -n ${LOG_DIR:-} ]]; then
+    if [[ ${DRY_RUN:-0} != 1 ]] && ! mkdir -p "$LOG_DIR" 2>/dev/null; then
+        die "LOG_DIR='$LOG_DIR' cannot be created; set LOG_DIR to a writable directory"
+    fi
+    cmd+=(--log-dir "$LOG_DIR" --tee 3) # per-rank files, and still on the console
+fi
+cmd+=("$script" "$@")
+
+echo "run.sh: ${slurm:+$slurm: }$where, NPROC_PER_NODE=$NPROC_PER_NODE, MAX_RESTARTS=$MAX_RESTARTS" >&2
+if [[ ${DRY_RUN:-0} == 1 ]]; then
+    printf '%q ' "${cmd[@]}" && echo && exit 0
+fi
+# exec: torchrun's exit status is ours, and signals (Ctrl-C, SLURM's SIGTERM) reach it directly.
+exec "${cmd[@]}"
