@@ -52,7 +52,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict)
 
 from model import LlamaConfig, LlamaForPretraining
-import runtime
 from runtime import UsageError
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -125,7 +124,12 @@ def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a save that was killed
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
-    dcp.save(_state(model, optimizer), checkpoint_id=tmp)  # writes and fsyncs this rank's shard
+    state = _state(model, optimizer)
+    # The layout: which layers each rank held (a rank may hold several stages), for the record in meta.json.
+    layers = sorted({int(k.split(".")[2]) for k in state["model"] if k.startswith("base_model.layers.")})
+    layout = [None] * dist.get_world_size()
+    dist.all_gather_object(layout, layers)
+    dcp.save(state, checkpoint_id=tmp)  # writes and fsyncs this rank's shard
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
     dist.barrier()  # every shard is on disk before the checkpoint can become visible
     if rank == 0:
@@ -133,7 +137,8 @@ def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int
             tokenizer.save(os.path.join(tmp, "tokenizer.json"))
         files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
                  for d, _, fs in os.walk(tmp) for f in fs}
-        _write_synced(os.path.join(tmp, "meta.json"), json.dumps(dict(meta, step=step, files=files), indent=1))
+        meta = dict(meta, step=step, world_size=len(layout), layers_per_rank=layout, files=files)
+        _write_synced(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         os.replace(tmp, final)
         _fsync_dir(checkpoint_dir)
         for old in complete_checkpoints(checkpoint_dir)[:-keep] if keep > 0 else []:
@@ -280,7 +285,7 @@ def resume(args, env, model, optimizer, config, loader, say=print) -> int:
     meta = load(path, model, optimizer, config, env.rank, env.world_size)
     if loader is not None:
         loader.load_state_dict(meta["data"])
-    say(f"resumed from {path} at step {meta['step']} (saved with {meta['world_size']} stage(s))", flush=True)
+    say(f"resumed from {path} at step {meta['step']} (saved by {meta['world_size']} process(es))", flush=True)
     if meta["step"] >= args.steps:
         say(f"already trained {meta['step']} steps (--steps {args.steps}): nothing to do", flush=True)
     return meta["step"]
@@ -294,9 +299,7 @@ def save_if_due(args, env, step: int, model, optimizer, config, loader, tokenize
 
 
 def save_run(args, env, step: int, model, optimizer, config, loader, tokenizer) -> str:
-    layers = runtime.layer_split(config.num_hidden_layers, env.world_size)
-    meta = {"config": dataclasses.asdict(config), "world_size": env.world_size,
-            "stage_layers": [[r.start, r.stop] for r in layers],
+    meta = {"config": dataclasses.asdict(config),
             "data": loader.state_dict() if loader is not None else None,  # rank 0 (first stage) always has one
             "args": vars(args), "torch": torch.__version__}
     return save(args.checkpoint_dir, step, model, optimizer, meta, env.rank, args.keep_checkpoints, tokenizer)

@@ -317,8 +317,9 @@ def prepare(spec: str, tokenizer_path: str | None, vocab_size: int, cache_dir: s
     return tokenizer
 
 
-def setup(args, rank: int, world_size: int, local_rank: int):
-    """The tokenizer on every rank, and a loader on the ranks that need batches (first: inputs, last: targets).
+def setup(args, local_rank: int, needs_batches: bool):
+    """The tokenizer on every rank, and a loader on the ranks that need batches (first stage: inputs, last
+    stage: targets; middle stages read nothing).
 
     One process per machine builds the caches (tokenizer training, tokenized corpus) while the others wait,
     then every rank reads them. Collective: call it on every rank.
@@ -330,7 +331,7 @@ def setup(args, rank: int, world_size: int, local_rank: int):
     dist.barrier()
     tokenizer = prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
     loader = None
-    if rank in (0, world_size - 1):  # middle stages read nothing
+    if needs_batches:
         loader = make_loader(args.data, tokenizer, args.seq_len, args.batch_size, args.seed, args.cache_dir)
     return tokenizer, loader
 

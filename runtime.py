@@ -223,16 +223,17 @@ def _lost_peer(e: Exception) -> bool:
                                       "Connection reset by peer"))
 
 
-def describe_run(preset: str, config, env: Env, how: str) -> str:
+def describe_run(preset: str, config, env: Env, how: str, num_stages: int | None = None) -> str:
     """One line: the model, how it is split over the stages, and where it runs."""
+    num_stages = num_stages or env.world_size
     stages = []
-    for stage, layers in enumerate(layer_split(config.num_hidden_layers, env.world_size)):
+    for stage, layers in enumerate(layer_split(config.num_hidden_layers, num_stages)):
         text = f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"
-        text = ("embed + " if stage == 0 else "") + text + (" + norm + head" if stage == env.world_size - 1 else "")
+        text = ("embed + " if stage == 0 else "") + text + (" + norm + head" if stage == num_stages - 1 else "")
         stages.append(f"[{text}]")
     return (f"model {preset}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
-            f"{config.vocab_size} | {env.world_size} stage(s): {' '.join(stages)} | {how} | {env.device.type} "
-            f"{str(env.dtype).removeprefix('torch.')} {env.backend}")
+            f"{config.vocab_size} | {num_stages} stage(s) on {env.world_size} process(es): {' '.join(stages)} | "
+            f"{how} | {env.device.type} {str(env.dtype).removeprefix('torch.')} {env.backend}")
 
 
 def layer_split(num_layers: int, num_stages: int) -> list[range]:

@@ -264,6 +264,27 @@ def test_loss_trajectory_is_the_same_at_1_2_3_stages_and_by_hand(tmp_path, cache
     assert {e["name"] for e in spans if e["cat"] == "forward"} == {"F0", "F1", "F2", "F3"}
 
 
+def test_every_library_schedule_gives_the_same_losses(tmp_path, cache_dir):
+    # 2 processes; the multi-stage schedules cut the 4 layers into 4 stages (looped or V-shaped placement).
+    schedules = ["1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"]
+    reference = None
+    for batch in (["gpipe", *schedules[:2]], schedules[2:4], schedules[4:]):  # 2 cores: a few at a time
+        procs = {name: launch(2, "train_pipeline_gpipe.py", *TRAIN_ARGS, "--schedule", name, "--cache-dir",
+                              cache_dir, "--metrics", str(tmp_path / name / "m.jsonl"), "--checkpoint-dir",
+                              str(tmp_path / name / "ckpt"), cwd=tmp_path, wait=False) for name in batch}
+        for name, proc in procs.items():
+            result = finish(proc)
+            assert result.returncode == 0, (name, result.stderr[-3000:])
+            if name != "gpipe":
+                assert "4 stage(s) on 2 process(es)" in result.stdout or name == "1f1b", result.stdout
+        reference = reference or read_metrics(tmp_path / "gpipe" / "m.jsonl")[0]
+        for name in batch:
+            rows, _ = read_metrics(tmp_path / name / "m.jsonl")
+            assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+            for a, b in zip(rows, reference):
+                assert_close_rel(a["loss"], b["loss"], what=f"{name}, step {a['step']}")
+
+
 def test_readme_command_trains_saves_and_resumes(tmp_path, cache_dir):
     # The README's main command, shortened: loss must fall, a checkpoint must appear, a rerun must resume.
     args = ["--steps", "12", "--warmup-steps", "3", "--cache-dir", cache_dir, "--metrics", "m.jsonl"]
@@ -302,6 +323,9 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, cache_dir):
         ("--tokenizer", "missing.json"): "--tokenizer",
         ("--tokenizer", str(bad_tokenizer)): "--tokenizer",
         ("--steps", "ten"): "--steps",
+        ("--schedule", "dualpipev", "--microbatches", "1", "--batch-size", "4"): "--microbatches",
+        ("--schedule", "zbvzerobubble", "--stages-per-rank", "3"): "--stages-per-rank",
+        ("--schedule", "interleaved1f1b", "--stages-per-rank", "5", "--layers", "4"): "--stages-per-rank",
     }
     procs = {flags: launch(0, "train_pipeline_gpipe.py", *flags, *common, cwd=tmp_path, wait=False)
              for flags in cases}
@@ -498,20 +522,23 @@ def test_sigkill_during_a_save_then_rerun_gives_bit_identical_losses(tmp_path, c
 def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, cache_dir, reference_run):
     reference_dir, reference = reference_run
     procs = {}
-    # 3 -> 2 stages, in the hand-written script (checkpoints are shared by all scripts), and 3 -> 1 process.
-    for nproc, script in ((2, "train_pipeline_afab_manual.py"), (0, "train_pipeline_gpipe.py")):
-        run_dir = tmp_path / f"run{nproc}"
+    # 3 -> 2 stages in the hand-written script (checkpoints are shared by all scripts), 3 -> 1 process, and
+    # 3 -> 2 processes holding 2 stages each in a V (the rank's stages share one set of full-model names).
+    variants = {"manual2": (2, "train_pipeline_afab_manual.py", []), "one": (0, "train_pipeline_gpipe.py", []),
+                "zbv2": (2, "train_pipeline_gpipe.py", ["--schedule", "zbvzerobubble"])}
+    for name, (nproc, script, extra) in variants.items():
+        run_dir = tmp_path / name
         shutil.copytree(reference_dir / "checkpoints" / "step-00000008", run_dir / "checkpoints" / "step-00000008")
-        procs[nproc] = launch(nproc, script, *RESUME_ARGS, "--cache-dir", cache_dir,
-                              "--metrics", "m.jsonl", cwd=run_dir, wait=False)
-    for nproc, proc in procs.items():
+        procs[name] = launch(nproc, script, *RESUME_ARGS, *extra, "--cache-dir", cache_dir,
+                             "--metrics", "m.jsonl", cwd=run_dir, wait=False)
+    for name, proc in procs.items():
         result = finish(proc)
         assert result.returncode == 0, result.stderr[-3000:]
-        assert "(saved with 3 stage(s))" in result.stdout
-        rows, _ = read_metrics(tmp_path / f"run{nproc}" / "m.jsonl")
+        assert "(saved by 3 process(es))" in result.stdout
+        rows, _ = read_metrics(tmp_path / name / "m.jsonl")
         assert [r["step"] for r in rows] == list(range(9, 17))
         for got, want in zip(rows, reference[8:]):
-            assert_close_rel(got["loss"], want["loss"], what=f"{nproc or 1} stage(s), step {got['step']}")
+            assert_close_rel(got["loss"], want["loss"], what=f"{name}, step {got['step']}")
 
 
 def test_dead_rank_with_max_restarts_resumes_and_finishes(tmp_path, cache_dir, reference_run):

@@ -295,7 +295,7 @@ def main(args):
     say = print if is_first else (lambda *a, **k: None)
 
     # --- data: inputs for the first stage, targets for the last
-    tokenizer, loader = data.setup(args, env.rank, env.world_size, env.local_rank)
+    tokenizer, loader = data.setup(args, env.local_rank, needs_batches=is_first or is_last)
 
     # --- model, split, schedule: the full model on meta, this rank's slice kept, then materialized
     preset = runtime.model_preset(args, env.device.type)

@@ -1,7 +1,9 @@
-"""Pretrain a Llama model split across processes with torch.distributed.pipelining (GPipe schedule).
+"""Pretrain a Llama model split across processes with torch.distributed.pipelining (GPipe and every other
+schedule torch ships).
 
     torchrun --nproc_per_node 3 train_pipeline_gpipe.py             # tiny model, builtin data, CPU or GPUs
     python train_pipeline_gpipe.py --steps 20                        # one process holds the whole model
+    torchrun --nproc_per_node 2 train_pipeline_gpipe.py --schedule interleaved1f1b --stages-per-rank 2
     torchrun --nproc_per_node 4 train_pipeline_gpipe.py --model llama-1b \\
         --data hf:HuggingFaceFW/fineweb:sample-10BT --tokenizer bpe_50K.json
 
@@ -11,6 +13,11 @@ embedding and the first layers, the last stage the last layers, the final norm a
 as evenly as possible. Each stage is wrapped in a PipelineStage, and ScheduleGPipe runs every microbatch
 forward through the pipeline, then every microbatch backward, exchanging activations and their gradients
 between neighbouring ranks.
+
+Schedules with several stages per rank (--stages-per-rank V) cut the model into p * V stages. Looped ones
+(interleaved1f1b, loopedbfs, interleavedzerobubble) give rank r the stages r, r + p, r + 2p, ...; the V-shaped
+ones (zbvzerobubble, dualpipev) give it stages r and 2p - 1 - r, so rank 0 holds both the first and the last.
+A rank's stages share one trimmed model, so its optimizer and checkpoint see one set of full-model names.
 """
 
 import contextlib
@@ -18,34 +25,115 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import tqdm
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble)
 
 import checkpoint
 import data
 import runtime
-from model import LlamaForPretraining, config_from_preset
+from model import PRESETS, LlamaForPretraining, config_from_preset
 
-SCHEDULES = {"gpipe": ScheduleGPipe}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
+             "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
+             "zbvzerobubble": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+SINGLE_STAGE = {"gpipe", "1f1b"}  # one stage per rank; the others take a list of stages
+V_SHAPED = {"zbvzerobubble", "dualpipev"}
+
+
+def stage_ids(schedule: str, rank: int, world_size: int, stages_per_rank: int) -> list[int]:
+    """The global indices of the stages this rank holds."""
+    if schedule in SINGLE_STAGE:
+        return [rank]
+    if schedule in V_SHAPED:  # down the ranks and back up: the first and last stage meet on rank 0
+        return [rank, 2 * world_size - 1 - rank]
+    return [rank + v * world_size for v in range(stages_per_rank)]  # looped
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The split: one stage of the model, built without ever allocating the rest
 
-def build_stage_model(config, stage: int, num_stages: int, device: torch.device, seed: int) -> LlamaForPretraining:
+def check_schedule(args, world_size: int, num_layers: int) -> None:
+    """What each schedule requires of the flags, checked before any work (torch 2.13's own checks)."""
+    name, m = args.schedule, args.microbatches
+    if name in SINGLE_STAGE:
+        per_rank = 1
+    elif name in V_SHAPED:
+        if args.stages_per_rank != 2:
+            raise runtime.UsageError(f"--stages-per-rank {args.stages_per_rank}: {name} places exactly 2 stages "
+                                     "on each rank in a V; use --stages-per-rank 2")
+        per_rank = 2
+    else:
+        per_rank = args.stages_per_rank
+        if per_rank < 1:
+            raise runtime.UsageError(f"--stages-per-rank must be at least 1, got {per_rank}")
+    stages = world_size * per_rank
+    if stages > num_layers:
+        raise runtime.UsageError(f"{world_size} processes x {per_rank} stages per rank = {stages} stages, but the "
+                                 f"model has {num_layers} layers; lower --stages-per-rank or raise --layers")
+    if name in ("1f1b", "dualpipev") and m < stages:
+        raise runtime.UsageError(f"--microbatches {m}: {name} needs at least as many microbatches as stages "
+                                 f"({stages}); use --microbatches {stages} or more")
+    rounds = max(1, m // world_size)
+    if name in ("interleaved1f1b", "interleavedzerobubble") and m % rounds:
+        raise runtime.UsageError(f"--microbatches {m}: {name} needs a multiple of max(1, microbatches // "
+                                 f"processes) = {rounds}; use a multiple of {world_size}")
+
+
+def build_stage_model(config, stage: int | list[int], num_stages: int, device: torch.device,
+                      seed: int) -> LlamaForPretraining:
+    """This rank's part of the model: the layers of its stage(s), plus the embedding if it holds stage 0 and the
+    norm and head if it holds the last stage. Built on meta, trimmed, then allocated and initialized."""
+    stages = [stage] if isinstance(stage, int) else stage
     with torch.device("meta"):
         model = LlamaForPretraining(config)
-    keep = runtime.layer_split(config.num_hidden_layers, num_stages)[stage]
-    for i in range(config.num_hidden_layers):
-        if i not in keep:
-            del model.base_model.layers[str(i)]  # keys stay global indices: "layers.4" is layer 4 on any stage
-    if stage != 0:
-        model.base_model.embed_tokens = None
-    if stage != num_stages - 1:
-        model.base_model.norm = None
-        model.lm_head = None
+    splits = runtime.layer_split(config.num_hidden_layers, num_stages)
+    _trim(model, {i for s in stages for i in splits[s]}, 0 in stages, num_stages - 1 in stages)
     model.to_empty(device=device)  # allocates, uninitialized: init_weights must set every parameter and buffer
     model.init_weights(seed)
     return model
+
+
+def _trim(model: LlamaForPretraining, keep: set[int], embed: bool, head: bool) -> None:
+    for i in range(model.config.num_hidden_layers):
+        if i not in keep:
+            del model.base_model.layers[str(i)]  # keys stay global indices: "layers.4" is layer 4 on any stage
+    if not embed:
+        model.base_model.embed_tokens = None
+    if not head:
+        model.base_model.norm = None
+        model.lm_head = None
+
+
+def stage_views(model: LlamaForPretraining, stages: list[int], num_stages: int) -> list[LlamaForPretraining]:
+    """One module per stage of this rank, sharing the parameters of `model` (the rank's whole part)."""
+    if len(stages) == 1:
+        return [model]
+    splits = runtime.layer_split(model.config.num_hidden_layers, num_stages)
+    views = []
+    for s in stages:
+        with torch.device("meta"):  # only a skeleton: every part kept below is replaced by the real one
+            view = LlamaForPretraining(model.config)
+        _trim(view, set(splits[s]), s == 0, s == num_stages - 1)
+        for i in splits[s]:
+            view.base_model.layers[str(i)] = model.base_model.layers[str(i)]
+        if s == 0:
+            view.base_model.embed_tokens = model.base_model.embed_tokens
+        if s == num_stages - 1:
+            view.base_model.norm, view.lm_head = model.base_model.norm, model.lm_head
+        views.append(view)
+    return views
+
+
+def make_schedule(name: str, model, stages: list[int], num_stages: int, env: runtime.Env, microbatches: int):
+    pipeline_stages = [PipelineStage(view, s, num_stages, env.device)
+                       for view, s in zip(stage_views(model, stages, num_stages), stages)]
+    try:
+        if name in SINGLE_STAGE:
+            return SCHEDULES[name](pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+        return SCHEDULES[name](pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    except ValueError as e:  # a requirement check_args does not know about (a newer torch, say)
+        raise runtime.UsageError(f"--schedule {name} with --microbatches {microbatches}: {e}") from None
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -55,15 +143,15 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(schedule, env: runtime.Env, inputs, targets) -> torch.Tensor | None:
-    """Forward and backward of one batch through the pipeline; the mean microbatch loss on the last stage."""
-    is_first, is_last = env.rank == 0, env.rank == env.world_size - 1
+    """Forward and backward of one batch through the pipeline. inputs: on the rank holding the first stage, else
+    None; targets: on the rank holding the last stage, else None. Returns the mean microbatch loss there."""
     losses: list[torch.Tensor] = []
-    args = (inputs,) if is_first else ()
-    kwargs = {"target": targets, "losses": losses} if is_last else {}
+    args = (inputs,) if inputs is not None else ()
+    kwargs = {"target": targets, "losses": losses} if targets is not None else {}
     with runtime.autocast(env):
         # return_outputs=False: the logits are not needed after the loss, so do not keep them for the step.
         schedule.step(*args, return_outputs=False, **kwargs)
-    return torch.stack(losses).mean().detach() if is_last else None
+    return torch.stack(losses).mean().detach() if targets is not None else None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -72,20 +160,23 @@ def main(args):
     env = runtime.launch_env(args.device)
     runtime.check_args(args, env.world_size, env.device.type)
     runtime.init_process_group(env, args.timeout)
-    is_first, is_last = env.rank == 0, env.rank == env.world_size - 1
-    say = print if is_first else (lambda *a, **k: None)
+    preset = runtime.model_preset(args, env.device.type)
+    check_schedule(args, env.world_size, args.layers or PRESETS[preset].get("num_hidden_layers", 12))
+    stages = stage_ids(args.schedule, env.rank, env.world_size, args.stages_per_rank)
+    num_stages = env.world_size * len(stages)
+    has_first, has_last = 0 in stages, num_stages - 1 in stages  # V-shaped: rank 0 holds both
+    say = print if env.rank == 0 else (lambda *a, **k: None)
 
     # --- data: inputs for the first stage, targets for the last
-    tokenizer, loader = data.setup(args, env.rank, env.world_size, env.local_rank)
+    tokenizer, loader = data.setup(args, env.local_rank, needs_batches=has_first or has_last)
 
     # --- model, split, schedule
-    preset = runtime.model_preset(args, env.device.type)
     config = config_from_preset(preset, tokenizer.get_vocab_size(), args.layers)
-    model = build_stage_model(config, env.rank, env.world_size, env.device, args.seed)
+    model = build_stage_model(config, stages, num_stages, env.device, args.seed)
     model.train()
-    stage = PipelineStage(model, env.rank, env.world_size, env.device)
-    schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
-    say(runtime.describe_run(preset, config, env, "GPipe (torch.distributed.pipelining)"), flush=True)
+    schedule = make_schedule(args.schedule, model, stages, num_stages, env, args.microbatches)
+    say(runtime.describe_run(preset, config, env, f"{args.schedule} (torch.distributed.pipelining)", num_stages),
+        flush=True)
     if loader is not None:
         say(f"data: {loader.describe()}", flush=True)
 
@@ -98,28 +189,28 @@ def main(args):
 
     # --- training loop
     # With packing every position is a real target, so the tokens trained on so far follow from the step.
-    metrics = runtime.Metrics(args.metrics, enabled=is_last, resume_step=step if resumed else None,
+    metrics = runtime.Metrics(args.metrics, enabled=has_last, resume_step=step if resumed else None,
                               tokens_seen=step * args.batch_size * args.seq_len)
     meter = runtime.ActivationMeter(model.parameters()) if args.measure_activations else None
-    bar = tqdm.tqdm(total=args.steps, initial=step, disable=not is_last, unit="step", mininterval=1.0)
+    bar = tqdm.tqdm(total=args.steps, initial=step, disable=not has_last, unit="step", mininterval=1.0)
     while step < args.steps:
         step += 1
         lr = runtime.set_lr(optimizer, step, args)
         with runtime.Timer(env.device) as timer:
             inputs, targets = loader.next_batch() if loader is not None else (None, None)
-            if inputs is not None:
-                inputs, targets = inputs.to(env.device), targets.to(env.device)
+            inputs = inputs.to(env.device) if has_first else None
+            targets = targets.to(env.device) if has_last else None
             optimizer.zero_grad(set_to_none=True)
             with meter or contextlib.nullcontext():
                 loss = train_step(schedule, env, inputs, targets)
             grad_norm = runtime.clip_grad_norm_(model.parameters(), args.grad_clip)
             optimizer.step()
-        if is_last:
+        if has_last:
             row = metrics.log(step, loss, lr, targets, timer.seconds, grad_norm, data.IGNORE_INDEX)
             bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
             bar.update()
         path = checkpoint.save_if_due(args, env, step, model, optimizer, config, loader, tokenizer)
-        if path and is_last:
+        if path and has_last:
             bar.write(f"saved {path}")
     bar.close()
 
@@ -128,4 +219,8 @@ def main(args):
 
 
 if __name__ == "__main__":
-    runtime.run(main, runtime.build_parser(__doc__, list(SCHEDULES)).parse_args())
+    parser = runtime.build_parser(__doc__, list(SCHEDULES))
+    parser.add_argument("--stages-per-rank", type=int, default=2,
+                        help="stages each rank holds with the interleaved, looped and V-shaped schedules "
+                             "(default: %(default)s; gpipe and 1f1b hold one)")
+    runtime.run(main, parser.parse_args())
