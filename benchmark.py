@@ -1,18 +1,25 @@
-"""Side-by-side benchmark of the pipeline variants on the same model, data and machine, in one run.
+"""Every pipeline variant side by side on the same model, data and machine, in one run.
 
-    OMP_NUM_THREADS=1 python benchmark.py                    # 2 ranks, 8 microbatches, tiny model
-    python benchmark.py --ranks 3 --microbatches 4 --repeats 5 --out bench/
+    OMP_NUM_THREADS=1 python benchmark.py                     # 2 ranks, 8 microbatches, tiny model
+    python benchmark.py --ranks 3 --microbatches 6 --repeats 5 --out bench/
+    python benchmark.py --sweep                               # GPipe step time for m = 1, 2, 4, 8, 16
 
-Each variant is a real training run (torchrun, CPU or GPU as the scripts choose). Runs alternate between
-variants, repeat after repeat, so that drift of a shared machine hits every variant alike; the median step
-time of each variant is the median over its runs of each run's median step time (first step excluded). A
-separate short run per variant with --measure-activations gives the peak activation bytes per stage.
-Writes a Markdown table to stdout and to OUT/results.md, and the raw numbers to OUT/results.json.
+Variants: every schedule of torch.distributed.pipelining (train_pipeline_gpipe.py), the hand-written AFAB
+and 1F1B (train_pipeline_afab_manual.py), and the tracer split (train_pipeline_tracer.py, when present). Each
+is a real training run under torchrun. Runs alternate between variants, repeat after repeat, so drift of a
+shared machine hits every variant alike; a variant's step time is the median over its runs of each run's
+median step (first step excluded). The last run of each variant records a trace (--trace), from which come
+the measured bubble, the share of time in send/recv, and a timeline picture; a separate short run with
+--measure-activations gives the peak activation bytes per stage.
+
+Writes OUT/results.md (Markdown table), OUT/results.json, OUT/<variant>.trace.json and, when matplotlib is
+installed, OUT/<variant>.png (forward / backward / waiting per rank over time).
 """
 
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -20,18 +27,26 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = {  # name: (script, schedule)
-    "gpipe (library)": ("train_pipeline_gpipe.py", "gpipe"),
+    "gpipe": ("train_pipeline_gpipe.py", "gpipe"),
+    "1f1b": ("train_pipeline_gpipe.py", "1f1b"),
+    "interleaved1f1b": ("train_pipeline_gpipe.py", "interleaved1f1b"),
+    "loopedbfs": ("train_pipeline_gpipe.py", "loopedbfs"),
+    "interleavedzerobubble": ("train_pipeline_gpipe.py", "interleavedzerobubble"),
+    "zbvzerobubble": ("train_pipeline_gpipe.py", "zbvzerobubble"),
+    "dualpipev": ("train_pipeline_gpipe.py", "dualpipev"),
     "afab (by hand)": ("train_pipeline_afab_manual.py", "afab"),
     "1f1b (by hand)": ("train_pipeline_afab_manual.py", "1f1b"),
+    "gpipe (tracer)": ("train_pipeline_tracer.py", "gpipe"),
 }
+BUBBLE = re.compile(r"bubble: measured ([\d.]+)% .*; ([\d.]+)% of each step in send/recv")
 
 
-def run_variant(args, script: str, schedule: str, steps: int, workdir: str, extra=()) -> dict:
-    """One training run; returns its summary row."""
+def run(args, script, schedule, steps, workdir, microbatches=None, extra=()) -> tuple[dict, str]:
+    """One training run; returns its summary row and stdout."""
     metrics = os.path.join(workdir, "metrics.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
            os.path.join(ROOT, script), "--schedule", schedule, "--steps", str(steps), "--warmup-steps", "2",
-           "--batch-size", str(args.batch_size), "--microbatches", str(args.microbatches),
+           "--batch-size", str(args.batch_size), "--microbatches", str(microbatches or args.microbatches),
            "--seq-len", str(args.seq_len), "--metrics", metrics, "--checkpoint-dir", os.path.join(workdir, "ckpt"),
            "--fresh", *args.script_args, *extra]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -39,54 +54,149 @@ def run_variant(args, script: str, schedule: str, steps: int, workdir: str, extr
     if result.returncode != 0:
         sys.exit(f"benchmark: {script} --schedule {schedule} failed:\n{result.stderr[-3000:]}")
     with open(metrics) as f:
-        return [json.loads(line)["summary"] for line in f if line.startswith('{"summary"')][-1]
+        return [json.loads(line)["summary"] for line in f if line.startswith('{"summary"')][-1], result.stdout
+
+
+def spans(trace_path: str) -> dict[int, list[dict]]:
+    with open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    by_rank = {}
+    for e in events:
+        by_rank.setdefault(e["tid"], []).append(e)
+    return by_rank
+
+
+def ideal_gpipe_step(trace_path: str, p: int, m: int) -> float:
+    """(m + p - 1) x (t_forward + t_backward) of the slowest stage, each the median measured in the trace."""
+    per_stage = []
+    for events in spans(trace_path).values():
+        t_f = statistics.median(e["dur"] for e in events if e["cat"] == "forward")
+        t_b = statistics.median(e["dur"] for e in events if e["cat"] == "backward")
+        per_stage.append((t_f + t_b) / 1e6)
+    return (m + p - 1) * max(per_stage)
+
+
+def draw(trace_path: str, png_path: str, title: str, step_seconds: float) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    by_rank = spans(trace_path)
+    end = max(e["ts"] + e["dur"] for events in by_rank.values() for e in events)
+    start = end - 2 * step_seconds * 1e6  # the last two steps
+    colors = {"forward": "#4c72b0", "backward": "#55a868", "send": "#c0c0c0", "recv": "#c0c0c0", "wait": "#c0c0c0"}
+    fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * len(by_rank)))
+    for rank, events in sorted(by_rank.items()):
+        for e in events:
+            if e["ts"] >= start:
+                ax.broken_barh([((e["ts"] - start) / 1e3, e["dur"] / 1e3)], (rank - 0.4, 0.8),
+                               facecolors=colors.get(e["cat"], "#c0c0c0"))
+    ax.set_yticks(sorted(by_rank), [f"rank {r}" for r in sorted(by_rank)])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (blue: forward, green: backward, grey: send/recv, white: idle)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=90)
+    plt.close(fig)
+    return True
 
 
 def main(args):
-    results = {name: {"step_times": []} for name in VARIANTS}
+    os.makedirs(args.out, exist_ok=True)
+    p, m = args.ranks, args.microbatches
+    variants = {k: v for k, v in VARIANTS.items() if os.path.isfile(os.path.join(ROOT, v[0]))}
+    if args.variants:
+        variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
+    results = {name: {"step_times": []} for name in variants}
     with tempfile.TemporaryDirectory() as workdir:
+        if args.sweep:
+            return sweep(args, workdir)
         for repeat in range(args.repeats):
-            for name, (script, schedule) in VARIANTS.items():
-                summary = run_variant(args, script, schedule, args.steps, workdir)
-                results[name]["step_times"].append(summary["median_step_time"])
+            for name, (script, schedule) in variants.items():
+                last = repeat == args.repeats - 1
+                trace = os.path.join(args.out, re.sub(r"[^\w]+", "_", name).strip("_") + ".trace.json")
+                summary, stdout = run(args, script, schedule, args.steps, workdir,
+                                      extra=["--trace", os.path.abspath(trace)] if last else [])
+                r = results[name]
+                r["step_times"].append(summary["median_step_time"])
+                r["tokens_per_s"] = summary["tokens_per_s"]
+                if last and (found := BUBBLE.search(stdout)):
+                    r["bubble"], r["comm_share"] = float(found.group(1)) / 100, float(found.group(2)) / 100
+                    r["trace"] = trace
                 print(f"repeat {repeat + 1}/{args.repeats} {name}: median step "
                       f"{summary['median_step_time'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
-        for name, (script, schedule) in VARIANTS.items():
-            summary = run_variant(args, script, schedule, 3, workdir, ["--measure-activations"])
+        for name, (script, schedule) in variants.items():
+            summary, _ = run(args, script, schedule, 3, workdir, extra=["--measure-activations"])
             results[name]["activation_bytes_per_stage"] = summary["activation_bytes_per_stage"]
 
-    p, m = args.ranks, args.microbatches
-    base = statistics.median(results["gpipe (library)"]["step_times"])
-    afab_activations = results["afab (by hand)"]["activation_bytes_per_stage"]
-    lines = [f"{p} ranks, {m} microbatches, batch {args.batch_size} x {args.seq_len} tokens, "
-             f"{args.repeats} alternating runs of {args.steps} steps per variant "
-             f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}); theoretical bubble (p-1)/(m+p-1) = "
-             f"{(p - 1) / (m + p - 1):.1%}", "",
-             "| variant | median step (ms) | vs library GPipe | peak activations per stage (MiB) | vs AFAB, stage 0 |",
-             "|---|---|---|---|---|"]
+    base = statistics.median(results["gpipe"]["step_times"])
+    gpipe_act = results["gpipe"]["activation_bytes_per_stage"][0]
+    lines = [f"{p} ranks, {m} microbatches, batch {args.batch_size} x {args.seq_len} tokens, {args.repeats} "
+             f"alternating runs of {args.steps} steps per variant (OMP_NUM_THREADS="
+             f"{os.environ.get('OMP_NUM_THREADS', '1')}). GPipe's theoretical bubble (p-1)/(m+p-1) = "
+             f"{(p - 1) / (m + p - 1):.1%}.", "",
+             "| variant | median step (ms) | vs gpipe | tokens/s | bubble (measured) | in send/recv "
+             "| peak activations per stage (MiB) | stage 0 vs gpipe |", "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
-        median = statistics.median(r["step_times"])
-        r["median_step_time"] = median
-        mib = ", ".join(f"{b / 2**20:.2f}" for b in r["activation_bytes_per_stage"])
-        lines.append(f"| {name} | {median * 1e3:.1f} | {median / base:.3f} | {mib} | "
-                     f"{r['activation_bytes_per_stage'][0] / afab_activations[0]:.3f} |")
-    table = "\n".join(lines)
+        r["median_step_time"] = median = statistics.median(r["step_times"])
+        mib = ", ".join(f"{b / 2**20:.1f}" for b in r["activation_bytes_per_stage"])
+        lines.append(f"| {name} | {median * 1e3:.1f} | {median / base:.2f} | {r['tokens_per_s']:.0f} | "
+                     f"{r.get('bubble', float('nan')):.1%} | {r.get('comm_share', float('nan')):.1%} | {mib} | "
+                     f"{r['activation_bytes_per_stage'][0] / gpipe_act:.2f} |")
+        if "trace" in r and draw(r["trace"], r["trace"].replace(".trace.json", ".png"), name, median):
+            r["picture"] = r["trace"].replace(".trace.json", ".png")
+    if "trace" in results["gpipe"]:
+        ideal = ideal_gpipe_step(results["gpipe"]["trace"], p, m)
+        lines += ["", f"GPipe step vs the bubble-limited ideal (m + p - 1) x (t_f + t_b) of the slowest stage, "
+                      f"timed in the same run: {base * 1e3:.1f} ms / {ideal * 1e3:.1f} ms = {base / ideal:.2f}"]
+    if "1f1b" in results:
+        ratio = results["1f1b"]["activation_bytes_per_stage"][0] / gpipe_act
+        lines.append(f"Stage-0 activations, 1F1B / GPipe = {ratio:.3f}; p/m = {p / m:.3f} "
+                     f"({(ratio / (p / m) - 1):+.0%})")
+    finish(args, "\n".join(lines), results)
+
+
+def sweep(args, workdir):
+    """GPipe step time against the microbatch count, next to the bubble model (m + p - 1) / m."""
+    p, times = args.ranks, {}
+    for repeat in range(args.repeats):
+        for m in (1, 2, 4, 8, 16):
+            summary, _ = run(args, "train_pipeline_gpipe.py", "gpipe", args.steps, workdir, microbatches=m)
+            times.setdefault(m, []).append(summary["median_step_time"])
+            print(f"repeat {repeat + 1}/{args.repeats} m={m}: {summary['median_step_time'] * 1e3:.1f} ms",
+                  file=sys.stderr, flush=True)
+    ref = statistics.median(times[16]) / ((16 + p - 1) / 16)
+    lines = [f"GPipe, {p} ranks, batch {args.batch_size} x {args.seq_len}: step time vs microbatches m; the model "
+             f"predicts T(m) = T_work x (m + p - 1) / m (bubble (p-1)/(m+p-1)), T_work fitted at m = 16.", "",
+             "| m | bubble (p-1)/(m+p-1) | measured step (ms) | predicted (ms) | measured / predicted |",
+             "|---|---|---|---|---|"]
+    for m, t in times.items():
+        measured, predicted = statistics.median(t), ref * (m + p - 1) / m
+        lines.append(f"| {m} | {(p - 1) / (m + p - 1):.1%} | {measured * 1e3:.1f} | {predicted * 1e3:.1f} | "
+                     f"{measured / predicted:.2f} |")
+    finish(args, "\n".join(lines), {str(m): t for m, t in times.items()}, name="sweep")
+
+
+def finish(args, table: str, results: dict, name: str = "results") -> None:
     print(table)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
         f.write(table + "\n")
-    with open(os.path.join(args.out, "results.json"), "w") as f:
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump({"config": vars(args), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=2, help="processes (stages) per run (default: %(default)s)")
+    parser.add_argument("--ranks", type=int, default=2, help="processes per run (default: %(default)s)")
     parser.add_argument("--microbatches", type=int, default=8, help="(default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=16, help="(default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=128, help="(default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=20, help="steps per timed run (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=12, help="steps per timed run (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (default: %(default)s)")
+    parser.add_argument("--variants", default=None, help="comma-separated subset of: " + ", ".join(VARIANTS))
+    parser.add_argument("--sweep", action="store_true", help="time GPipe at m = 1, 2, 4, 8, 16 instead")
     parser.add_argument("--out", default="bench", help="output folder (default: %(default)s)")
     parser.add_argument("script_args", nargs="*", help="more flags for every run, after --")
     main(parser.parse_args())

@@ -75,6 +75,9 @@ def build_parser(doc: str, schedules: list[str]) -> argparse.ArgumentParser:
                    help="start at step 0 even if --checkpoint-dir holds checkpoints (they are moved aside to "
                         "DIR.previous-TIME, not deleted)")
     g.add_argument("--metrics", default=None, help="write one JSON line per step (and a summary) to this file")
+    g.add_argument("--trace", default=None,
+                   help="write a Chrome trace (JSON) of the last 10 steps: every forward, backward and "
+                        "send/recv per rank (open it in ui.perfetto.dev); also prints the measured bubble")
     g.add_argument("--measure-activations", action="store_true",
                    help="count the bytes of activations held for backward (saved-tensor hooks) and report "
                         "each stage's peak in the summary")

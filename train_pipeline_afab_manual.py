@@ -360,8 +360,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = runtime.build_parser(__doc__, list(SCHEDULES))
-    parser.add_argument("--trace", default=None,
-                        help="write a Chrome trace (JSON) of the last 10 steps' forwards, backwards, sends and "
-                             "recvs per rank; open it in ui.perfetto.dev")
-    runtime.run(main, parser.parse_args())
+    runtime.run(main, runtime.build_parser(__doc__, list(SCHEDULES)).parse_args())

@@ -20,7 +20,10 @@ ones (zbvzerobubble, dualpipev) give it stages r and 2p - 1 - r, so rank 0 holds
 A rank's stages share one trimmed model, so its optimizer and checkpoint see one set of full-model names.
 """
 
+import collections
 import contextlib
+import time
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -32,6 +35,7 @@ from torch.distributed.pipelining import (
 import checkpoint
 import data
 import runtime
+import timeline
 from model import PRESETS, LlamaForPretraining, config_from_preset
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
@@ -125,9 +129,12 @@ def stage_views(model: LlamaForPretraining, stages: list[int], num_stages: int) 
     return views
 
 
-def make_schedule(name: str, model, stages: list[int], num_stages: int, env: runtime.Env, microbatches: int):
+def make_schedule(name: str, model, stages: list[int], num_stages: int, env: runtime.Env, microbatches: int,
+                  recorder: timeline.Recorder | None = None):
     pipeline_stages = [PipelineStage(view, s, num_stages, env.device)
                        for view, s in zip(stage_views(model, stages, num_stages), stages)]
+    if recorder is not None:
+        recorder.instrument(pipeline_stages)
     try:
         if name in SINGLE_STAGE:
             return SCHEDULES[name](pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
@@ -174,7 +181,8 @@ def main(args):
     config = config_from_preset(preset, tokenizer.get_vocab_size(), args.layers)
     model = build_stage_model(config, stages, num_stages, env.device, args.seed)
     model.train()
-    schedule = make_schedule(args.schedule, model, stages, num_stages, env, args.microbatches)
+    recorder = timeline.Recorder() if args.trace else None
+    schedule = make_schedule(args.schedule, model, stages, num_stages, env, args.microbatches, recorder)
     say(runtime.describe_run(preset, config, env, f"{args.schedule} (torch.distributed.pipelining)", num_stages),
         flush=True)
     if loader is not None:
@@ -193,9 +201,14 @@ def main(args):
                               tokens_seen=step * args.batch_size * args.seq_len)
     meter = runtime.ActivationMeter(model.parameters()) if args.measure_activations else None
     bar = tqdm.tqdm(total=args.steps, initial=step, disable=not has_last, unit="step", mininterval=1.0)
+    recent = collections.deque(maxlen=10)  # (events, step time) of the last steps, for --trace
+    dist.barrier()
+    clock_zero = time.perf_counter()  # ranks leave the barrier together: a shared zero for the trace
     while step < args.steps:
         step += 1
         lr = runtime.set_lr(optimizer, step, args)
+        if recorder is not None:
+            recorder.current = timeline.Timeline(env.device, zero=clock_zero)
         with runtime.Timer(env.device) as timer:
             inputs, targets = loader.next_batch() if loader is not None else (None, None)
             inputs = inputs.to(env.device) if has_first else None
@@ -205,6 +218,8 @@ def main(args):
                 loss = train_step(schedule, env, inputs, targets)
             grad_norm = runtime.clip_grad_norm_(model.parameters(), args.grad_clip)
             optimizer.step()
+        if recorder is not None and step > 1:  # the first step pays one-time costs
+            recent.append((recorder.current.events, timer.seconds))
         if has_last:
             row = metrics.log(step, loss, lr, targets, timer.seconds, grad_norm, data.IGNORE_INDEX)
             bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
@@ -213,6 +228,8 @@ def main(args):
         if path and has_last:
             bar.write(f"saved {path}")
     bar.close()
+    if recorder is not None:  # measured bubble next to the theoretical one, and the Chrome trace
+        timeline.report(env.rank, env.world_size, list(recent), args.microbatches, args.trace)
 
     # --- summary (collective: every rank reports its peak memory)
     metrics.finish(env, positions_per_step=args.batch_size * args.seq_len, meter=meter)
