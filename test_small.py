@@ -6,6 +6,7 @@ compared with the unsplit model on one process. Run with:  pytest -q test_small.
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -19,11 +20,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.pipelining import SplitPoint, pipeline
 
 import checkpoint
 import data
+import model as model_module
 import runtime
 import train_pipeline_gpipe as gpipe
+import train_pipeline_tracer as tracer
 from model import LlamaConfig, LlamaForPretraining, config_from_preset
 
 ROOT = Path(__file__).resolve().parent
@@ -268,15 +274,16 @@ def test_every_library_schedule_gives_the_same_losses(tmp_path, cache_dir):
     # 2 processes; the multi-stage schedules cut the 4 layers into 4 stages (looped or V-shaped placement).
     schedules = ["1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"]
     reference = None
-    for batch in (["gpipe", *schedules[:2]], schedules[2:4], schedules[4:]):  # 2 cores: a few at a time
-        procs = {name: launch(2, "train_pipeline_gpipe.py", *TRAIN_ARGS, "--schedule", name, "--cache-dir",
+    for batch in (["gpipe", *schedules[:2]], schedules[2:4], [*schedules[4:], "tracer-1f1b"]):  # 2 cores
+        procs = {name: launch(2, "train_pipeline_tracer.py" if name.startswith("tracer") else "train_pipeline_gpipe.py",
+                              *TRAIN_ARGS, "--schedule", name.removeprefix("tracer-"), "--cache-dir",
                               cache_dir, "--metrics", str(tmp_path / name / "m.jsonl"), "--checkpoint-dir",
                               str(tmp_path / name / "ckpt"), cwd=tmp_path, wait=False) for name in batch}
         for name, proc in procs.items():
             result = finish(proc)
             assert result.returncode == 0, (name, result.stderr[-3000:])
-            if name != "gpipe":
-                assert "4 stage(s) on 2 process(es)" in result.stdout or name == "1f1b", result.stdout
+            if name not in ("gpipe", "1f1b", "tracer-1f1b"):
+                assert "4 stage(s) on 2 process(es)" in result.stdout, result.stdout
         reference = reference or read_metrics(tmp_path / "gpipe" / "m.jsonl")[0]
         for name in batch:
             rows, _ = read_metrics(tmp_path / name / "m.jsonl")
@@ -770,6 +777,283 @@ def test_manual_pipeline_equals_single_process_on_our_model_and_hf_llama(tmp_pat
             if world_size > 1:
                 assert one_f_one_b["activation_bytes"] < afab["activation_bytes"], (rank, one_f_one_b, afab)
         assert seen == set(grads)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# train_pipeline_tracer.py: the split made by pipeline() and SplitPoint
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    """build_stage asks the process group for its rank: a group of one, in this process, for in-process tests."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def meta_model(config) -> LlamaForPretraining:
+    with torch.device("meta"):
+        return LlamaForPretraining(config)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The split: the same stages as the hand split
+
+def test_traced_stages_hold_exactly_what_the_hand_split_holds():
+    assert tracer.split_spec(4, 3) == {"base_model.layers.2": SplitPoint.BEGINNING,
+                                       "base_model.layers.3": SplitPoint.BEGINNING}
+    assert tracer.split_spec(4, 1) == {}  # one process: no split point, one stage
+    config = small_config(layers=4)
+    example = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    for num_stages in range(1, 5):
+        _, names = tracer.trace(meta_model(config), example, tracer.split_spec(4, num_stages))
+        for stage in range(num_stages):
+            hand = gpipe.build_stage_model(config, stage, num_stages, torch.device("cpu"), seed=0)
+            expected = {name for name, _ in [*hand.named_parameters(), *hand.named_buffers()]}
+            assert names[stage] == {name: name for name in expected}, (num_stages, stage)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One pipelined step: weights and gradients equal the unsplit model's
+
+def _traced_grad_worker(rank, world_size, store_path, out_dir, config, batch, microbatches):
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    try:
+        env = runtime.Env(rank, world_size, rank, world_size, torch.device("cpu"), "gloo", torch.float32)
+        inputs, targets = batch
+        stage, module = tracer.build_traced_stage(config, rank, world_size, env.device, seed=11,
+                                                  microbatch_shape=(len(inputs) // microbatches, inputs.shape[1]))
+        initial = {name: t.detach().clone() for name, t in [*module.named_parameters(), *module.named_buffers()]}
+        schedule = tracer.ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=gpipe.loss_fn)
+        loss = gpipe.train_step(schedule, env, inputs if rank == 0 else None,
+                                targets if rank == world_size - 1 else None)
+        torch.save({"grads": {name: p.grad for name, p in module.named_parameters()}, "loss": loss,
+                    "initial": initial, "state_keys": list(module.state_dict())},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layers,world_size", [(4, 2), (4, 3)])  # 4 layers on 3 stages: 2, 1, 1
+def test_traced_pipeline_gradients_equal_unsplit_model(tmp_path, layers, world_size):
+    config, microbatches = small_config(layers=layers), 4
+    gen = torch.Generator().manual_seed(5)
+    inputs = torch.randint(0, config.vocab_size, (8, 16), generator=gen)
+    targets = torch.randint(0, config.vocab_size, (8, 16), generator=gen)
+    targets[0, :3] = data.IGNORE_INDEX
+
+    mp.start_processes(_traced_grad_worker, nprocs=world_size, start_method="spawn", join=True,
+                       args=(world_size, str(tmp_path / "store"), str(tmp_path), config, (inputs, targets),
+                             microbatches))
+
+    reference = LlamaForPretraining(config)
+    reference.init_weights(seed=11)
+    reference_tensors = dict(reference.named_parameters()) | dict(reference.named_buffers())
+    losses = []
+    for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches)):
+        loss = gpipe.loss_fn(reference(x), y)
+        (loss / microbatches).backward()
+        losses.append(loss.detach())
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
+    # Every stage started from exactly the full model's weights and RoPE buffers for the seed.
+    initial = {name: t for result in results for name, t in result["initial"].items()}
+    assert sorted(initial) == sorted(reference_tensors)
+    for name, tensor in initial.items():
+        assert torch.equal(tensor, reference_tensors[name]), name
+    # What a checkpoint saves: the full model's state_dict keys, split across the stages, nothing more.
+    assert sorted(k for result in results for k in result["state_keys"]) == sorted(reference.state_dict())
+    assert_close_rel(results[-1]["loss"].item(), torch.stack(losses).mean().item(), what="loss")
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    got = {name: g for result in results for name, g in result["grads"].items()}
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-8, msg=name)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The script: losses equal the GPipe script's; checkpoints move between the two scripts
+
+def test_losses_equal_gpipe_script_and_checkpoints_cross_over(tmp_path, cache_dir):
+    args = [*TRAIN_ARGS, "--steps", "8", "--checkpoint-every", "4", "--cache-dir", cache_dir, "--metrics", "m.jsonl"]
+    fresh = {"tracer3": (3, "train_pipeline_tracer.py"), "gpipe2": (2, "train_pipeline_gpipe.py")}
+    procs = {}
+    for name, (nproc, script) in fresh.items():
+        (tmp_path / name).mkdir()
+        procs[name] = launch(nproc, script, *args, cwd=tmp_path / name, wait=False)
+    rows = {}
+    for name, proc in procs.items():
+        result = finish(proc)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows[name], _ = read_metrics(tmp_path / name / "m.jsonl")
+        assert [r["step"] for r in rows[name]] == list(range(1, 9))
+        if name == "tracer3":  # the one-time cost, reported for every rank
+            assert re.search(r"traced and built the stages in [\d.]+, [\d.]+, [\d.]+ s", result.stdout), result.stdout
+    reference = rows["gpipe2"]
+    for got, want in zip(rows["tracer3"], reference):
+        assert_close_rel(got["loss"], want["loss"], what=f"step {got['step']} loss")
+        assert_close_rel(got["grad_norm"], want["grad_norm"], what=f"step {got['step']} grad norm")
+
+    # Both scripts save the same keys (model and flattened AdamW state under full-model names, no RoPE buffers).
+    def saved_keys(run):
+        return set(FileSystemReader(str(tmp_path / run / "checkpoints" / "step-00000004")).read_metadata()
+                   .state_dict_metadata)
+    assert saved_keys("tracer3") == saved_keys("gpipe2")
+
+    # Tracer (3 stages) -> GPipe script (2 stages), and GPipe script -> tracer, which then runs on 2 stages.
+    crossings = {"to_gpipe": ("tracer3", 2, "train_pipeline_gpipe.py"),
+                 "to_tracer": ("gpipe2", 2, "train_pipeline_tracer.py")}
+    for name, (source, nproc, script) in crossings.items():
+        shutil.copytree(tmp_path / source / "checkpoints" / "step-00000004",
+                        tmp_path / name / "checkpoints" / "step-00000004")
+        procs[name] = launch(nproc, script, *args, cwd=tmp_path / name, wait=False)
+    for name in crossings:
+        result = finish(procs[name])
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "resumed from checkpoints/step-00000004 at step 4" in result.stdout, result.stdout
+        resumed, _ = read_metrics(tmp_path / name / "m.jsonl")
+        assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+        for got, want in zip(resumed, reference[4:]):
+            assert_close_rel(got["loss"], want["loss"], what=f"{name}, step {got['step']} loss")
+
+
+def test_help_works_and_every_flag_is_the_gpipe_scripts(tmp_path):
+    procs = [launch(0, script, "--help", cwd=tmp_path, wait=False)
+             for script in ("train_pipeline_tracer.py", "train_pipeline_gpipe.py")]
+    helps = [finish(proc) for proc in procs]
+    assert all(h.returncode == 0 for h in helps)
+    ours, theirs = (set(re.findall(r"--[a-z][a-z-]+", h.stdout[h.stdout.index("options:"):])) for h in helps)
+    assert {"--model", "--steps", "--microbatches", "--seed", "--checkpoint-dir", "--metrics", "--schedule"} <= ours
+    assert ours <= theirs  # the same flags (the GPipe script may have more, for schedules the tracer lacks)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bf16: autocast reaches the traced graph; the one difference from eager is a dtype frozen at trace time
+
+def test_bf16_autocast_runs_the_traced_stages_in_bf16(one_process_group, monkeypatch):
+    config = small_config(layers=4)
+    stages = [tracer.build_traced_stage(config, s, 2, torch.device("cpu"), 3, (2, 16))[1] for s in range(2)]
+    eager = LlamaForPretraining(config)
+    eager.init_weights(seed=3)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 97, (2, 16), generator=gen), torch.randint(0, 97, (2, 16), generator=gen)
+
+    def run(forward, autocast):
+        for module in (eager, *stages):
+            module.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = forward(x)
+            gpipe.loss_fn(logits, y).backward()
+        grads = {n: p.grad for m in (eager, *stages) for n, p in m.named_parameters() if p.grad is not None}
+        return logits.detach(), grads
+
+    traced = lambda tokens: stages[1](stages[0](tokens))  # noqa: E731
+    fp32_logits, fp32_grads = run(eager, autocast=False)
+    traced_fp32, traced_fp32_grads = run(traced, autocast=False)
+    assert torch.equal(traced_fp32, fp32_logits)  # without autocast: bit for bit the eager model
+    for name in fp32_grads:
+        assert torch.equal(traced_fp32_grads[name], fp32_grads[name]), name
+
+    eager_bf16, _ = run(eager, autocast=True)
+    traced_bf16, traced_bf16_grads = run(traced, autocast=True)
+    assert traced_bf16.dtype == eager_bf16.dtype == torch.bfloat16  # autocast applies to the graph's ops
+    # Not bit for bit the eager bf16 model: tracing froze `q.dtype` (fp32 then) into the RoPE tables' cast, so
+    # the traced stages rotate q and k in fp32 where eager bf16 rotates in bf16. Just as close to fp32, though.
+    assert not torch.equal(traced_bf16, eager_bf16)
+    eager_error = (eager_bf16.float() - fp32_logits).abs().max()
+    assert (traced_bf16.float() - fp32_logits).abs().max() <= 1.5 * eager_error
+    # ... and exactly eager bf16 with the RoPE tables kept in fp32: that cast is the only difference.
+    original = model_module.rope_tables
+    monkeypatch.setattr(model_module, "rope_tables", lambda inv_freq, seq_len, dtype: original(
+        inv_freq, seq_len, torch.float32))
+    eager_fp32_rope, eager_fp32_rope_grads = run(eager, autocast=True)
+    assert torch.equal(traced_bf16, eager_fp32_rope)
+    for name in eager_fp32_rope_grads:
+        assert torch.equal(traced_bf16_grads[name], eager_fp32_rope_grads[name]), name
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What the tracer needs from a model: each case with the message a user gets (quoted in the README notes)
+
+class _Rope(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.ones(4), persistent=False)
+
+    def forward(self, x):
+        return x * self.inv_freq.sum()
+
+
+class _LayerTakingAModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, rope):
+        return rope(self.proj(x))
+
+
+class _SharedRopeModel(nn.Module):
+    """The seed article's layout: one RoPE module owned by the model, passed to every layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.rope = _Rope()
+        self.layers = nn.ModuleDict({str(i): _LayerTakingAModule() for i in range(2)})
+
+    def forward(self, x):
+        for layer in self.layers.values():
+            x = layer(x, self.rope)
+        return x
+
+
+class _BranchingModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): nn.Linear(8, 8) for i in range(2)})
+
+    def forward(self, x):
+        for layer in self.layers.values():
+            x = layer(x)
+            if x.sum() > 0:  # Python control flow on a tensor's value
+                x = -x
+        return x
+
+
+def test_tracer_needs_no_module_passed_as_an_argument():
+    with pytest.raises(RuntimeError, match="Child module 'rope' is not a descendant of parent module 'layers.0'"):
+        pipeline(_SharedRopeModel(), mb_args=(torch.zeros(2, 8),), split_spec={"layers.1": SplitPoint.BEGINNING})
+
+
+def test_tracer_needs_no_data_dependent_control_flow():
+    with pytest.raises(RuntimeError, match="we cannot capture your model as a full graph") as failure:
+        pipeline(_BranchingModel(), mb_args=(torch.zeros(2, 8),), split_spec={"layers.1": SplitPoint.BEGINNING})
+    assert "Could not guard on data-dependent expression" in str(failure.value.__cause__)
+
+
+def test_split_point_must_name_an_existing_module():
+    with pytest.raises(AttributeError, match="referenced nonexistent module base_model.layer"):
+        pipeline(meta_model(small_config()), mb_args=(torch.zeros(2, 8, dtype=torch.long, device="meta"),),
+                 split_spec={"base_model.layer.2": SplitPoint.BEGINNING})
+
+
+def test_weights_shared_across_stages_are_refused():
+    # pipeline() itself accepts tied weights split over two stages and gives each stage a copy of its own.
+    example = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    tied = meta_model(small_config())
+    tied.lm_head.weight = tied.base_model.embed_tokens.weight
+    with pytest.raises(RuntimeError, match=r"base_model.embed_tokens.weight is held as 3 separate tensors by "
+                                           r"stages \[0, 1\] \(tied weights\?\)"):
+        tracer.trace(tied, example, tracer.split_spec(4, 2))
+    tied = meta_model(small_config())  # a fresh model: pipeline() patched the split points into the last one
+    tied.lm_head.weight = tied.base_model.embed_tokens.weight
+    _, names = tracer.trace(tied, example, tracer.split_spec(4, 1))  # on one stage the tie survives
+    assert "base_model.embed_tokens.weight" in names[0].values()
+
+
+def test_traced_stage_only_takes_the_traced_microbatch_shape(one_process_group):
+    _, module = tracer.build_traced_stage(small_config(layers=2), 0, 1, torch.device("cpu"), 0, (2, 16))
+    assert module(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 97)
+    with pytest.raises(RuntimeError, match=r"shape '\[2, 16, 4, 8\]' is invalid for input of size"):
+        module(torch.zeros(2, 24, dtype=torch.long))  # a longer sequence: the trace baked in 16
 
 
 # ----------------------------------------------------------------------------------------------------------

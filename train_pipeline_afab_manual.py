@@ -9,10 +9,7 @@ layers (partition_model), runs it on every microbatch (forward_stage), and passe
 their gradients backward with point-to-point messages. Training is the same as train_pipeline_gpipe.py (same
 flags, data, checkpoints, and for the same --seed the same losses).
 
-The functions also train a Hugging Face `LlamaForCausalLM` that a user brings:
-
-    partition = partition_model(hf_model, rank, world_size)   # after dist.init_process_group
-    loss = train_step_pipeline_afab(partition, inputs, targets, device, torch.float32)  # then optimizer.step()
+The functions also train a Hugging Face `LlamaForCausalLM` that a user brings: partition_model(hf_model, ...).
 """
 
 import collections
@@ -32,8 +29,6 @@ import runtime
 import timeline
 from model import LlamaForPretraining, config_from_preset
 
-IGNORE_INDEX = data.IGNORE_INDEX
-
 
 # ----------------------------------------------------------------------------------------------------------
 # The split: this rank's slice of the model, and how to run it
@@ -50,7 +45,7 @@ class Partition:
     norm: nn.Module | None  # last stage only
     head: nn.Module | None  # last stage only
     rotary: nn.Module | None  # HF: computes (cos, sin) from positions; our layers build their own tables
-    pad_id: int | None  # targets equal to it are ignored by the loss, like IGNORE_INDEX
+    pad_id: int | None  # targets equal to it are ignored by the loss, like data.IGNORE_INDEX
     explicit_causal_mask: bool  # HF's eager attention applies no causal mask unless given one
 
     @property
@@ -122,8 +117,8 @@ def forward_stage(partition: Partition, hidden_states: torch.Tensor) -> torch.Te
 
 def microbatch_loss(partition: Partition, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     if partition.pad_id is not None:
-        targets = targets.masked_fill(targets == partition.pad_id, IGNORE_INDEX)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+        targets = targets.masked_fill(targets == partition.pad_id, data.IGNORE_INDEX)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=data.IGNORE_INDEX)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -207,7 +202,7 @@ class _Step:
             self.loss += out.detach()
         if self.timeline:
             self.timeline.add("forward", i, start)
-        if not p.is_last:
+        if not p.is_last:  # values only travel; the graph stays here in `out` for this stage's backward
             self.comm.send(out.detach().to(self.dtype), p.rank + 1, i)
         self.saved[i] = (x, out)
         self.in_flight_peak = max(self.in_flight_peak, len(self.saved))

@@ -188,6 +188,13 @@ def main(args):
     if loader is not None:
         say(f"data: {loader.describe()}", flush=True)
 
+    train(args, env, model, schedule, config, tokenizer, loader, has_first, has_last, recorder, say)
+
+
+def train(args, env, model, schedule, config, tokenizer, loader, has_first: bool, has_last: bool,
+          recorder: timeline.Recorder | None, say) -> None:
+    """Everything after the split, the same for every library schedule (the tracer script calls it too):
+    optimizer, resume, the training loop with checkpoints, and the summary."""
     # --- optimizer
     optimizer = runtime.make_optimizer(model, args)
 
@@ -233,6 +240,7 @@ def main(args):
 
     # --- summary (collective: every rank reports its peak memory)
     metrics.finish(env, positions_per_step=args.batch_size * args.seq_len, meter=meter)
+
 
 
 if __name__ == "__main__":

@@ -1,0 +1,145 @@
+"""Pretrain a Llama model split across processes by the pipeline tracer: pipeline() + SplitPoint + build_stage.
+
+    torchrun --nproc_per_node 3 train_pipeline_tracer.py            # tiny model, builtin data, CPU or GPUs
+    python train_pipeline_tracer.py --steps 20                       # one process, one stage
+    torchrun --nproc_per_node 4 train_pipeline_tracer.py --model llama-1b \\
+        --data hf:HuggingFaceFW/fineweb:sample-10BT --tokenizer bpe_50K.json
+
+How the model is split: every rank builds the *full* model on the meta device and traces one microbatch of
+it with torch.export (meta tensors: shapes only, no memory, no compute). pipeline() cuts the graph before the
+first layer of every stage but the first (SplitPoint.BEGINNING at "base_model.layers.K", layers spread as in
+the other scripts); the parts keep the full model's parameter names. Each rank then allocates only its own
+part and initializes every tensor from its full-model name, so the weights, losses and checkpoints are those of
+train_pipeline_gpipe.py. The traced graph is fixed to the microbatch shape (--batch-size / --microbatches,
+--seq-len) and to what the model's Python code computed while tracing; the README says what that means.
+"""
+
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+
+import data
+import runtime
+import timeline
+from model import LlamaForPretraining, config_from_preset, init_tensor_
+from train_pipeline_gpipe import loss_fn, train
+
+# One stage per rank: the schedules that place several stages on a rank are the library script's only.
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The split: trace the whole model on the meta device, materialize only this rank's part
+
+def split_spec(num_layers: int, num_stages: int) -> dict[str, SplitPoint]:
+    """A split before the first layer of every stage but the first: the same layout as the hand-split script."""
+    return {f"base_model.layers.{layers.start}": SplitPoint.BEGINNING
+            for layers in runtime.layer_split(num_layers, num_stages)[1:]}
+
+
+def trace(model: torch.nn.Module, example: torch.Tensor, spec: dict[str, SplitPoint]):
+    """Trace a (meta) model into a pipeline; also each stage's {traced name: full-model name}, checked."""
+    full_name = {id(t): name for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    canonical = {name: full_name[id(t)] for name, t in [*model.named_parameters(remove_duplicate=False),
+                                                        *model.named_buffers(remove_duplicate=False)]}
+    with warnings.catch_warnings():  # torch.export's own use of a deprecated pytree class, not ours to fix
+        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+        pipe = pipeline(model, mb_args=(example,), split_spec=spec)
+    if pipe.num_stages != len(spec) + 1:
+        raise RuntimeError(f"the tracer made {pipe.num_stages} stages out of {len(spec)} split points")
+    # The stages hold the model's own tensor objects (still on meta), so identity gives each traced name its
+    # full-model name whatever the tracer calls it; a tensor it copied is known by its name. A tensor the model
+    # does not own (a lifted constant) would have no initializer, and one weight held as two tensors (tied
+    # weights used by two stages) would be trained as two copies that nothing keeps equal.
+    names, holders = [], {}
+    for i in range(pipe.num_stages):
+        tensors = [*pipe.get_stage_module(i).named_parameters(), *pipe.get_stage_module(i).named_buffers()]
+        names.append({name: full_name.get(id(t), canonical.get(name)) for name, t in tensors})
+        strangers = [name for name, full in names[-1].items() if full is None]
+        if strangers:
+            raise RuntimeError(f"stage {i} holds tensors that are not the model's: {strangers}")
+        for name, t in tensors:
+            holders.setdefault(names[-1][name], set()).add((i, id(t)))
+    for full, held in holders.items():
+        if len(held) > 1:
+            raise RuntimeError(f"{full} is held as {len(held)} separate tensors by stages "
+                               f"{sorted({i for i, _ in held})} (tied weights?): each copy would be trained on "
+                               "its own; untie it or keep every use of it in one stage")
+    if missing := set(full_name.values()) - holders.keys():
+        raise RuntimeError(f"no stage holds {sorted(missing)}")
+    return pipe, names
+
+
+def build_traced_stage(config, stage: int, num_stages: int, device: torch.device, seed: int,
+                       microbatch_shape: tuple[int, int]):
+    """This rank's PipelineStage and its module, with the weights the full model would have for the same seed."""
+    with torch.device("meta"):  # shapes only: neither the model nor the trace allocates or computes anything
+        model = LlamaForPretraining(config)
+        example = torch.zeros(microbatch_shape, dtype=torch.long)
+    not_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())
+    pipe, names = trace(model, example, split_spec(config.num_hidden_layers, num_stages))
+    module, names = pipe.get_stage_module(stage), names[stage]
+    renamed = {k: v for k, v in names.items() if k != v}
+    if renamed:  # checkpoint.py saves under the module's own names; they must be the full model's
+        raise RuntimeError(f"the tracer renamed tensors, checkpoints would not match the other scripts: {renamed}")
+    # The tracer re-registers every buffer as persistent; inv_freq is derived from the config and the other
+    # scripts do not save it, so restore the original flag or checkpoints would differ by those keys.
+    for prefix, sub in module.named_modules():
+        for buffer in sub._buffers:
+            if (f"{prefix}.{buffer}" if prefix else buffer) in not_persistent:
+                sub._non_persistent_buffers_set.add(buffer)
+    module.to_empty(device=device)  # allocates this stage only, uninitialized: every tensor is set just below
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        init_tensor_(names[name], tensor, seed, config)
+    # build_stage also rewrites the device that tracing burned into ops like arange (meta) to this rank's.
+    built = pipe.build_stage(stage, device)
+    # The stage's submodules run their graphs through torch.fx.Interpreter, some microseconds of Python per op
+    # (5 ms per forward + backward of the tiny model); their generated code runs the same graph at eager speed.
+    # A private switch in torch 2.13; without it the stage is only slower.
+    for sub in module.modules():
+        if hasattr(sub, "_run_with_interpreter"):
+            sub._run_with_interpreter = False
+    return built, module
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def main(args):
+    env = runtime.launch_env(args.device)
+    runtime.check_args(args, env.world_size, env.device.type)
+    runtime.init_process_group(env, args.timeout)
+    is_first, is_last = env.rank == 0, env.rank == env.world_size - 1
+    say = print if is_first else (lambda *a, **k: None)
+
+    # --- data: inputs for the first stage, targets for the last
+    tokenizer, loader = data.setup(args, env.local_rank, needs_batches=is_first or is_last)
+
+    # --- model, split, schedule
+    preset = runtime.model_preset(args, env.device.type)
+    config = config_from_preset(preset, tokenizer.get_vocab_size(), args.layers)
+    started = time.perf_counter()
+    stage, model = build_traced_stage(config, env.rank, env.world_size, env.device, args.seed,
+                                      (args.batch_size // args.microbatches, args.seq_len))
+    trace_seconds = [None] * env.world_size  # the one-time cost of tracing and building, every rank's
+    dist.all_gather_object(trace_seconds, time.perf_counter() - started)
+    model.train()
+    recorder = timeline.Recorder() if args.trace else None
+    if recorder is not None:
+        recorder.instrument([stage])
+    schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
+    say(runtime.describe_run(preset, config, env, f"{args.schedule}, split by the tracer (pipeline + SplitPoint)"),
+        flush=True)
+    say("traced and built the stages in " + ", ".join(f"{t:.2f}" for t in trace_seconds) + " s (per rank)",
+        flush=True)
+    if loader is not None:
+        say(f"data: {loader.describe()}", flush=True)
+
+    # --- optimizer, resume, training loop, checkpoints, summary: exactly the GPipe script's
+    train(args, env, model, schedule, config, tokenizer, loader, is_first, is_last, recorder, say)
+
+
+if __name__ == "__main__":
+    runtime.run(main, runtime.build_parser(__doc__, list(SCHEDULES)).parse_args())
