@@ -329,8 +329,10 @@ class Metrics:
             self.file.flush()
         return row
 
-    def finish(self, env: Env, positions_per_step: int, meter: "ActivationMeter | None" = None) -> None:
-        """Collectively gather every stage's peak memory; the rank holding the loss prints and writes a summary."""
+    def finish(self, env: Env, positions_per_step: int, meter: "ActivationMeter | None" = None,
+               flops_per_token: float | None = None) -> None:
+        """Collectively gather every stage's peak memory; the rank holding the loss prints and writes a summary.
+        flops_per_token (see model_flops_per_token) adds the MFU on GPUs whose peak is known."""
         gathered = [None] * env.world_size
         dist.all_gather_object(gathered, (peak_memory_bytes(env.device), meter.peak_bytes if meter else None))
         peaks = [memory for memory, _ in gathered]
@@ -348,17 +350,44 @@ class Metrics:
             }
             if meter is not None:
                 summary["activation_bytes_per_stage"] = [activations for _, activations in gathered]
+            peak_flops = gpu_peak_flops(env.device)
+            if flops_per_token and peak_flops:  # every rank of the pipeline is one GPU of that kind
+                summary["mfu"] = summary["tokens_per_s"] * flops_per_token / (peak_flops * env.world_size)
             if self.file:
                 self.file.write(json.dumps({"summary": summary}) + "\n")
             print(f"done: {summary['steps']} steps, median step {summary['median_step_time'] * 1e3:.0f} ms, "
                   f"{summary['tokens_per_s']:.0f} tokens/s, {summary['useful_token_share']:.0%} of positions are "
                   f"text; peak memory per stage ({summary['memory_kind']}, MiB): "
                   + ", ".join(f"{b / 2**20:.0f}" for b in peaks), flush=True)
+            if "mfu" in summary:
+                print(f"MFU {summary['mfu']:.1%} ({flops_per_token / 1e9:.2f} GFLOP per token, bf16 dense peak "
+                      f"{gpu_peak_flops(env.device) / 1e12:.0f} TFLOP/s per GPU)", flush=True)
             if meter is not None:
                 print("peak activations held per stage (MiB): " + ", ".join(
                     f"{b / 2**20:.2f}" for b in summary["activation_bytes_per_stage"]), flush=True)
         if self.file:
             self.file.close()
+
+
+def model_flops_per_token(config, seq_len: int) -> float:
+    """Training FLOPs per token, 6N + 12·L·H·Q·T (PaLM, appendix B): N the parameters outside the embedding
+    lookup (it does no multiply), L layers, H query heads, Q head size, T sequence length (attention)."""
+    per_layer = (2 * config.hidden_size * config.num_attention_heads * config.head_dim  # q and o
+                 + 2 * config.hidden_size * config.num_key_value_heads * config.head_dim  # k and v
+                 + 3 * config.hidden_size * config.intermediate_size + 2 * config.hidden_size)  # mlp, norms
+    n = config.num_hidden_layers * per_layer + config.hidden_size * (config.vocab_size + 1)  # + head, final norm
+    return 6 * n + 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
+
+
+# Dense bf16 peak per GPU, from the vendors' data sheets (without sparsity). Unknown GPUs get no MFU.
+_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
+
+
+def gpu_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in _PEAK_BF16.items() if key in name), None)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

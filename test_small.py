@@ -1236,3 +1236,11 @@ def test_shellcheck_is_clean():
     result = subprocess.run(["shellcheck", RUN_SH], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
     assert os.access(RUN_SH, os.X_OK)
+
+
+def test_model_flops_per_token_counts_every_matmul_once():
+    config = small_config(vocab=97, layers=2)  # hidden 32, 4 heads of 8, 2 KV heads, MLP 48
+    model = LlamaForPretraining(config)
+    n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    assert runtime.model_flops_per_token(config, seq_len=16) == 6 * n + 12 * 2 * 4 * 8 * 16
+    assert runtime.gpu_peak_flops(torch.device("cpu")) is None  # MFU only where a GPU's peak is known

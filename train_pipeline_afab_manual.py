@@ -351,7 +351,8 @@ def main(args):
     timeline.report(env.rank, env.world_size, list(recent), args.microbatches, args.trace)
 
     # --- summary (collective: every rank reports its peak memory)
-    metrics.finish(env, positions_per_step=args.batch_size * args.seq_len, meter=meter)
+    metrics.finish(env, positions_per_step=args.batch_size * args.seq_len, meter=meter,
+                   flops_per_token=runtime.model_flops_per_token(config, args.seq_len))
 
 
 if __name__ == "__main__":

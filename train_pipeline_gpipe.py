@@ -239,7 +239,8 @@ def train(args, env, model, schedule, config, tokenizer, loader, has_first: bool
         timeline.report(env.rank, env.world_size, list(recent), args.microbatches, args.trace)
 
     # --- summary (collective: every rank reports its peak memory)
-    metrics.finish(env, positions_per_step=args.batch_size * args.seq_len, meter=meter)
+    metrics.finish(env, positions_per_step=args.batch_size * args.seq_len, meter=meter,
+                   flops_per_token=runtime.model_flops_per_token(config, args.seq_len))
 
 
 
