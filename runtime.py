@@ -33,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
-def build_parser(doc: str, schedules: list[str]) -> argparse.ArgumentParser:
+def build_parser(doc: str, schedules: list[str], stages_per_rank: bool = False) -> argparse.ArgumentParser:
     p = _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=sorted(PRESETS), default=None,
@@ -54,6 +54,10 @@ def build_parser(doc: str, schedules: list[str]) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default: %(default)s)")
     g.add_argument("--schedule", choices=schedules, default=schedules[0],
                    help="pipeline schedule (default: %(default)s)")
+    if stages_per_rank:  # only where the library's multi-stage schedules are offered
+        g.add_argument("--stages-per-rank", type=int, default=2,
+                       help="stages each rank holds with the interleaved, looped and V-shaped schedules "
+                            "(default: %(default)s; gpipe and 1f1b hold one)")
     g = p.add_argument_group("data")
     g.add_argument("--data", default="builtin",
                    help="builtin | PATH[,PATH...] (.txt/.jsonl/.parquet) | hf:NAME[:CONFIG[:SPLIT]] "

@@ -274,7 +274,8 @@ def test_every_library_schedule_gives_the_same_losses(tmp_path, cache_dir):
     # 2 processes; the multi-stage schedules cut the 4 layers into 4 stages (looped or V-shaped placement).
     schedules = ["1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"]
     reference = None
-    for batch in (["gpipe", *schedules[:2]], schedules[2:4], [*schedules[4:], "tracer-1f1b"]):  # 2 cores
+    tracer = ["tracer-1f1b", "tracer-interleaved1f1b", "tracer-loopedbfs"]  # the traced split, same schedules
+    for batch in (["gpipe", *schedules[:2]], [*schedules[2:4], tracer[0]], [*schedules[4:], *tracer[1:]]):
         procs = {name: launch(2, "train_pipeline_tracer.py" if name.startswith("tracer") else "train_pipeline_gpipe.py",
                               *TRAIN_ARGS, "--schedule", name.removeprefix("tracer-"), "--cache-dir",
                               cache_dir, "--metrics", str(tmp_path / name / "m.jsonl"), "--checkpoint-dir",
@@ -282,7 +283,7 @@ def test_every_library_schedule_gives_the_same_losses(tmp_path, cache_dir):
         for name, proc in procs.items():
             result = finish(proc)
             assert result.returncode == 0, (name, result.stderr[-3000:])
-            if name not in ("gpipe", "1f1b", "tracer-1f1b"):
+            if name.removeprefix("tracer-") not in ("gpipe", "1f1b"):
                 assert "4 stage(s) on 2 process(es)" in result.stdout, result.stdout
         reference = reference or read_metrics(tmp_path / "gpipe" / "m.jsonl")[0]
         for name in batch:
@@ -336,11 +337,12 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, cache_dir):
     }
     procs = {flags: launch(0, "train_pipeline_gpipe.py", *flags, *common, cwd=tmp_path, wait=False)
              for flags in cases}
-    # The hand-written script shares the checks; its own flag is checked too.
-    for flags, flag in {("--schedule", "gpipe"): "--schedule", ("--microbatches", "0"): "--microbatches"}.items():
-        procs["manual", *flags] = launch(0, "train_pipeline_afab_manual.py", *flags, *common, cwd=tmp_path,
-                                         wait=False)
-        cases["manual", *flags] = flag
+    # The other scripts share the checks; their own choices are checked too (the tracer has no V schedules).
+    for script, flags, flag in [("train_pipeline_afab_manual.py", ("--schedule", "gpipe"), "--schedule"),
+                                ("train_pipeline_afab_manual.py", ("--microbatches", "0"), "--microbatches"),
+                                ("train_pipeline_tracer.py", ("--schedule", "zbvzerobubble"), "--schedule")]:
+        procs[script, *flags] = launch(0, script, *flags, *common, cwd=tmp_path, wait=False)
+        cases[script, *flags] = flag
     # More processes than layers, under torchrun: every rank must stop, none may hang.
     procs[("torchrun", "--layers", "2")] = launch(3, "train_pipeline_gpipe.py", "--layers", "2", *common,
                                                   cwd=tmp_path, wait=False)
@@ -532,7 +534,8 @@ def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, cache_dir, refe
     # 3 -> 2 stages in the hand-written script (checkpoints are shared by all scripts), 3 -> 1 process, and
     # 3 -> 2 processes holding 2 stages each in a V (the rank's stages share one set of full-model names).
     variants = {"manual2": (2, "train_pipeline_afab_manual.py", []), "one": (0, "train_pipeline_gpipe.py", []),
-                "zbv2": (2, "train_pipeline_gpipe.py", ["--schedule", "zbvzerobubble"])}
+                "zbv2": (2, "train_pipeline_gpipe.py", ["--schedule", "zbvzerobubble"]),
+                "traced_interleaved2": (2, "train_pipeline_tracer.py", ["--schedule", "interleaved1f1b"])}
     for name, (nproc, script, extra) in variants.items():
         run_dir = tmp_path / name
         shutil.copytree(reference_dir / "checkpoints" / "step-00000008", run_dir / "checkpoints" / "step-00000008")
@@ -823,7 +826,7 @@ def _traced_grad_worker(rank, world_size, store_path, out_dir, config, batch, mi
         stage, module = tracer.build_traced_stage(config, rank, world_size, env.device, seed=11,
                                                   microbatch_shape=(len(inputs) // microbatches, inputs.shape[1]))
         initial = {name: t.detach().clone() for name, t in [*module.named_parameters(), *module.named_buffers()]}
-        schedule = tracer.ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=gpipe.loss_fn)
+        schedule = gpipe.ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=gpipe.loss_fn)
         loss = gpipe.train_step(schedule, env, inputs if rank == 0 else None,
                                 targets if rank == world_size - 1 else None)
         torch.save({"grads": {name: p.grad for name, p in module.named_parameters()}, "loss": loss,

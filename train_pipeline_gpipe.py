@@ -135,11 +135,16 @@ def make_schedule(name: str, model, stages: list[int], num_stages: int, env: run
                        for view, s in zip(stage_views(model, stages, num_stages), stages)]
     if recorder is not None:
         recorder.instrument(pipeline_stages)
+    return schedule_for(name, pipeline_stages, microbatches)
+
+
+def schedule_for(name: str, pipeline_stages: list, microbatches: int):
+    """The schedule driving this rank's stages (one for gpipe/1f1b, a list for the others)."""
     try:
         if name in SINGLE_STAGE:
             return SCHEDULES[name](pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
         return SCHEDULES[name](pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn)
-    except ValueError as e:  # a requirement check_args does not know about (a newer torch, say)
+    except ValueError as e:  # a requirement check_schedule does not know about (a newer torch, say)
         raise runtime.UsageError(f"--schedule {name} with --microbatches {microbatches}: {e}") from None
 
 
@@ -245,8 +250,4 @@ def train(args, env, model, schedule, config, tokenizer, loader, has_first: bool
 
 
 if __name__ == "__main__":
-    parser = runtime.build_parser(__doc__, list(SCHEDULES))
-    parser.add_argument("--stages-per-rank", type=int, default=2,
-                        help="stages each rank holds with the interleaved, looped and V-shaped schedules "
-                             "(default: %(default)s; gpipe and 1f1b hold one)")
-    runtime.run(main, parser.parse_args())
+    runtime.run(main, runtime.build_parser(__doc__, list(SCHEDULES), stages_per_rank=True).parse_args())

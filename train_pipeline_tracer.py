@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 3 train_pipeline_tracer.py            # tiny model, builtin data, CPU or GPUs
     python train_pipeline_tracer.py --steps 20                       # one process, one stage
+    torchrun --nproc_per_node 2 train_pipeline_tracer.py --schedule interleaved1f1b   # 2 stages per rank
     torchrun --nproc_per_node 4 train_pipeline_tracer.py --model llama-1b \\
         --data hf:HuggingFaceFW/fineweb:sample-10BT --tokenizer bpe_50K.json
 
@@ -12,6 +13,9 @@ the other scripts); the parts keep the full model's parameter names. Each rank t
 part and initializes every tensor from its full-model name, so the weights, losses and checkpoints are those of
 train_pipeline_gpipe.py. The traced graph is fixed to the microbatch shape (--batch-size / --microbatches,
 --seq-len) and to what the model's Python code computed while tracing; the README says what that means.
+The GPipe script's schedules work here too, but for the V-shaped ones (see SCHEDULES): with several stages
+per rank, the model is traced into p * V stages and the rank builds each of its own, then gathers their
+parameters into one module for the optimizer and checkpoints.
 """
 
 import time
@@ -19,16 +23,19 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+from torch.distributed.pipelining import SplitPoint, pipeline
 
 import data
 import runtime
 import timeline
-from model import LlamaForPretraining, config_from_preset, init_tensor_
-from train_pipeline_gpipe import loss_fn, train
+from model import PRESETS, LlamaForPretraining, config_from_preset, init_tensor_
+from train_pipeline_gpipe import SCHEDULES as LIBRARY_SCHEDULES
+from train_pipeline_gpipe import V_SHAPED, check_schedule, schedule_for, stage_ids, train
 
-# One stage per rank: the schedules that place several stages on a rank are the library script's only.
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# The V-shaped schedules (zbvzerobubble, dualpipev) put two consecutive stages on one rank. torch 2.13's
+# traced stages then try to send activations from one to the other over the network, to their own rank, and
+# gloo fails ("Pair is not connected"); the hand-split PipelineStage passes them locally. So they are left out.
+SCHEDULES = {name: cls for name, cls in LIBRARY_SCHEDULES.items() if name not in V_SHAPED}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -75,34 +82,61 @@ def trace(model: torch.nn.Module, example: torch.Tensor, spec: dict[str, SplitPo
 
 def build_traced_stage(config, stage: int, num_stages: int, device: torch.device, seed: int,
                        microbatch_shape: tuple[int, int]):
-    """This rank's PipelineStage and its module, with the weights the full model would have for the same seed."""
+    """One PipelineStage and its module, with the weights the full model would have for the same seed."""
+    built, module = build_traced_stages(config, [stage], num_stages, device, seed, microbatch_shape)
+    return built[0], module
+
+
+def build_traced_stages(config, stages: list[int], num_stages: int, device: torch.device, seed: int,
+                        microbatch_shape: tuple[int, int]):
+    """This rank's PipelineStages, and one module holding all their parameters under full-model names."""
     with torch.device("meta"):  # shapes only: neither the model nor the trace allocates or computes anything
         model = LlamaForPretraining(config)
         example = torch.zeros(microbatch_shape, dtype=torch.long)
     not_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())
-    pipe, names = trace(model, example, split_spec(config.num_hidden_layers, num_stages))
-    module, names = pipe.get_stage_module(stage), names[stage]
-    renamed = {k: v for k, v in names.items() if k != v}
-    if renamed:  # checkpoint.py saves under the module's own names; they must be the full model's
-        raise RuntimeError(f"the tracer renamed tensors, checkpoints would not match the other scripts: {renamed}")
-    # The tracer re-registers every buffer as persistent; inv_freq is derived from the config and the other
-    # scripts do not save it, so restore the original flag or checkpoints would differ by those keys.
-    for prefix, sub in module.named_modules():
-        for buffer in sub._buffers:
-            if (f"{prefix}.{buffer}" if prefix else buffer) in not_persistent:
-                sub._non_persistent_buffers_set.add(buffer)
-    module.to_empty(device=device)  # allocates this stage only, uninitialized: every tensor is set just below
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        init_tensor_(names[name], tensor, seed, config)
-    # build_stage also rewrites the device that tracing burned into ops like arange (meta) to this rank's.
-    built = pipe.build_stage(stage, device)
-    # The stage's submodules run their graphs through torch.fx.Interpreter, some microseconds of Python per op
-    # (5 ms per forward + backward of the tiny model); their generated code runs the same graph at eager speed.
-    # A private switch in torch 2.13; without it the stage is only slower.
-    for sub in module.modules():
-        if hasattr(sub, "_run_with_interpreter"):
-            sub._run_with_interpreter = False
-    return built, module
+    pipe, all_names = trace(model, example, split_spec(config.num_hidden_layers, num_stages))
+    built, modules = [], []
+    for stage in stages:
+        module, names = pipe.get_stage_module(stage), all_names[stage]
+        renamed = {k: v for k, v in names.items() if k != v}
+        if renamed:  # checkpoint.py saves under the module's own names; they must be the full model's
+            raise RuntimeError(f"the tracer renamed tensors, checkpoints would not match the other scripts: "
+                               f"{renamed}")
+        # The tracer re-registers every buffer as persistent; inv_freq is derived from the config and the other
+        # scripts do not save it, so restore the original flag or checkpoints would differ by those keys.
+        for prefix, sub in module.named_modules():
+            for buffer in sub._buffers:
+                if (f"{prefix}.{buffer}" if prefix else buffer) in not_persistent:
+                    sub._non_persistent_buffers_set.add(buffer)
+        module.to_empty(device=device)  # allocates this stage only, uninitialized: every tensor is set below
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            init_tensor_(names[name], tensor, seed, config)
+        # build_stage also rewrites the device that tracing burned into ops like arange (meta) to this rank's.
+        built.append(pipe.build_stage(stage, device))
+        # The stage's submodules run their graphs through torch.fx.Interpreter, some microseconds of Python per
+        # op (5 ms per forward + backward of the tiny model); their generated code runs the same graph at eager
+        # speed. A private switch in torch 2.13; without it the stage is only slower.
+        for sub in module.modules():
+            if hasattr(sub, "_run_with_interpreter"):
+                sub._run_with_interpreter = False
+        modules.append(module)
+    return built, modules[0] if len(modules) == 1 else _merged(modules)
+
+
+def _merged(modules: list[torch.nn.Module]) -> torch.nn.Module:
+    """One module holding the parameters of several stage modules under their (full-model) names, for the
+    optimizer and checkpoints. The parameters are shared, not copied: training the stages trains these."""
+    root = torch.nn.Module()
+    for module in modules:
+        for name, param in module.named_parameters():
+            *path, leaf = name.split(".")
+            node = root
+            for part in path:
+                if part not in node._modules:
+                    node.add_module(part, torch.nn.Module())
+                node = node._modules[part]
+            node.register_parameter(leaf, param)
+    return root
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -111,35 +145,38 @@ def main(args):
     env = runtime.launch_env(args.device)
     runtime.check_args(args, env.world_size, env.device.type)
     runtime.init_process_group(env, args.timeout)
-    is_first, is_last = env.rank == 0, env.rank == env.world_size - 1
-    say = print if is_first else (lambda *a, **k: None)
+    preset = runtime.model_preset(args, env.device.type)
+    check_schedule(args, env.world_size, args.layers or PRESETS[preset].get("num_hidden_layers", 12))
+    stages = stage_ids(args.schedule, env.rank, env.world_size, args.stages_per_rank)
+    num_stages = env.world_size * len(stages)
+    has_first, has_last = 0 in stages, num_stages - 1 in stages  # V-shaped: rank 0 holds both
+    say = print if env.rank == 0 else (lambda *a, **k: None)
 
     # --- data: inputs for the first stage, targets for the last
-    tokenizer, loader = data.setup(args, env.local_rank, needs_batches=is_first or is_last)
+    tokenizer, loader = data.setup(args, env.local_rank, needs_batches=has_first or has_last)
 
     # --- model, split, schedule
-    preset = runtime.model_preset(args, env.device.type)
     config = config_from_preset(preset, tokenizer.get_vocab_size(), args.layers)
     started = time.perf_counter()
-    stage, model = build_traced_stage(config, env.rank, env.world_size, env.device, args.seed,
-                                      (args.batch_size // args.microbatches, args.seq_len))
+    built, model = build_traced_stages(config, stages, num_stages, env.device, args.seed,
+                                       (args.batch_size // args.microbatches, args.seq_len))
     trace_seconds = [None] * env.world_size  # the one-time cost of tracing and building, every rank's
     dist.all_gather_object(trace_seconds, time.perf_counter() - started)
     model.train()
     recorder = timeline.Recorder() if args.trace else None
     if recorder is not None:
-        recorder.instrument([stage])
-    schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
-    say(runtime.describe_run(preset, config, env, f"{args.schedule}, split by the tracer (pipeline + SplitPoint)"),
-        flush=True)
+        recorder.instrument(built)
+    schedule = schedule_for(args.schedule, built, args.microbatches)
+    say(runtime.describe_run(preset, config, env, f"{args.schedule}, split by the tracer (pipeline + SplitPoint)",
+                             num_stages), flush=True)
     say("traced and built the stages in " + ", ".join(f"{t:.2f}" for t in trace_seconds) + " s (per rank)",
         flush=True)
     if loader is not None:
         say(f"data: {loader.describe()}", flush=True)
 
     # --- optimizer, resume, training loop, checkpoints, summary: exactly the GPipe script's
-    train(args, env, model, schedule, config, tokenizer, loader, is_first, is_last, recorder, say)
+    train(args, env, model, schedule, config, tokenizer, loader, has_first, has_last, recorder, say)
 
 
 if __name__ == "__main__":
-    runtime.run(main, runtime.build_parser(__doc__, list(SCHEDULES)).parse_args())
+    runtime.run(main, runtime.build_parser(__doc__, list(SCHEDULES), stages_per_rank=True).parse_args())
