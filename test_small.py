@@ -210,7 +210,12 @@ def test_pipeline_gradients_equal_unsplit_model(tmp_path, layers, world_size):
                        args=(world_size, str(tmp_path / "store"), str(tmp_path), config, (inputs, targets),
                              microbatches))
 
-    # Reference: the whole model on this process, the same microbatches one after another.
+    check_against_unsplit(tmp_path, config, inputs, targets, microbatches, world_size)
+
+
+def check_against_unsplit(tmp_path, config, inputs, targets, microbatches, world_size):
+    """The ranks' saved loss and gradients equal the whole model's on this process, fed the same microbatches
+    one after another. Returns the ranks' results and the reference model, for further checks."""
     reference = LlamaForPretraining(config)
     reference.init_weights(seed=11)
     losses = []
@@ -225,6 +230,7 @@ def test_pipeline_gradients_equal_unsplit_model(tmp_path, layers, world_size):
     assert sorted(got) == sorted(expected)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-8, msg=name)
+    return results, reference
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -777,8 +783,8 @@ def test_manual_pipeline_equals_single_process_on_our_model_and_hf_llama(tmp_pat
             # AFAB holds every microbatch; 1F1B at most world_size - rank, and measurably fewer bytes.
             assert afab["capture"]["in_flight_peak"] == 6
             assert one_f_one_b["capture"]["in_flight_peak"] == world_size - rank
-            if world_size > 1:
-                assert one_f_one_b["activation_bytes"] < afab["activation_bytes"], (rank, one_f_one_b, afab)
+            ratio = one_f_one_b["activation_bytes"] / afab["activation_bytes"]
+            assert abs(ratio - (world_size - rank) / 6) < 0.02, (rank, ratio)  # (p - r) / m, as README says
         assert seen == set(grads)
 
 
@@ -848,15 +854,8 @@ def test_traced_pipeline_gradients_equal_unsplit_model(tmp_path, layers, world_s
                        args=(world_size, str(tmp_path / "store"), str(tmp_path), config, (inputs, targets),
                              microbatches))
 
-    reference = LlamaForPretraining(config)
-    reference.init_weights(seed=11)
+    results, reference = check_against_unsplit(tmp_path, config, inputs, targets, microbatches, world_size)
     reference_tensors = dict(reference.named_parameters()) | dict(reference.named_buffers())
-    losses = []
-    for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches)):
-        loss = gpipe.loss_fn(reference(x), y)
-        (loss / microbatches).backward()
-        losses.append(loss.detach())
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
     # Every stage started from exactly the full model's weights and RoPE buffers for the seed.
     initial = {name: t for result in results for name, t in result["initial"].items()}
     assert sorted(initial) == sorted(reference_tensors)
@@ -864,12 +863,6 @@ def test_traced_pipeline_gradients_equal_unsplit_model(tmp_path, layers, world_s
         assert torch.equal(tensor, reference_tensors[name]), name
     # What a checkpoint saves: the full model's state_dict keys, split across the stages, nothing more.
     assert sorted(k for result in results for k in result["state_keys"]) == sorted(reference.state_dict())
-    assert_close_rel(results[-1]["loss"].item(), torch.stack(losses).mean().item(), what="loss")
-    expected = {name: p.grad for name, p in reference.named_parameters()}
-    got = {name: g for result in results for name, g in result["grads"].items()}
-    assert sorted(got) == sorted(expected)
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-8, msg=name)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -84,6 +84,13 @@ def check_schedule(args, world_size: int, num_layers: int) -> None:
                                  f"processes) = {rounds}; use a multiple of {world_size}")
 
 
+def rank_stages(args, env: runtime.Env, preset: str) -> tuple[list[int], int]:
+    """Check what --schedule requires, then this rank's stage indices and the total number of stages."""
+    check_schedule(args, env.world_size, args.layers or PRESETS[preset].get("num_hidden_layers", 12))
+    stages = stage_ids(args.schedule, env.rank, env.world_size, args.stages_per_rank)
+    return stages, env.world_size * len(stages)
+
+
 def build_stage_model(config, stage: int | list[int], num_stages: int, device: torch.device,
                       seed: int) -> LlamaForPretraining:
     """This rank's part of the model: the layers of its stage(s), plus the embedding if it holds stage 0 and the
@@ -173,9 +180,7 @@ def main(args):
     runtime.check_args(args, env.world_size, env.device.type)
     runtime.init_process_group(env, args.timeout)
     preset = runtime.model_preset(args, env.device.type)
-    check_schedule(args, env.world_size, args.layers or PRESETS[preset].get("num_hidden_layers", 12))
-    stages = stage_ids(args.schedule, env.rank, env.world_size, args.stages_per_rank)
-    num_stages = env.world_size * len(stages)
+    stages, num_stages = rank_stages(args, env, preset)
     has_first, has_last = 0 in stages, num_stages - 1 in stages  # V-shaped: rank 0 holds both
     say = print if env.rank == 0 else (lambda *a, **k: None)
 

@@ -28,9 +28,9 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 import data
 import runtime
 import timeline
-from model import PRESETS, LlamaForPretraining, config_from_preset, init_tensor_
+from model import LlamaForPretraining, config_from_preset, init_tensor_
 from train_pipeline_gpipe import SCHEDULES as LIBRARY_SCHEDULES
-from train_pipeline_gpipe import V_SHAPED, check_schedule, schedule_for, stage_ids, train
+from train_pipeline_gpipe import V_SHAPED, rank_stages, schedule_for, train
 
 # The V-shaped schedules (zbvzerobubble, dualpipev) put two consecutive stages on one rank. torch 2.13's
 # traced stages then try to send activations from one to the other over the network, to their own rank, and
@@ -146,9 +146,7 @@ def main(args):
     runtime.check_args(args, env.world_size, env.device.type)
     runtime.init_process_group(env, args.timeout)
     preset = runtime.model_preset(args, env.device.type)
-    check_schedule(args, env.world_size, args.layers or PRESETS[preset].get("num_hidden_layers", 12))
-    stages = stage_ids(args.schedule, env.rank, env.world_size, args.stages_per_rank)
-    num_stages = env.world_size * len(stages)
+    stages, num_stages = rank_stages(args, env, preset)
     has_first, has_last = 0 in stages, num_stages - 1 in stages  # V-shaped: rank 0 holds both
     say = print if env.rank == 0 else (lambda *a, **k: None)
 
