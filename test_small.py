@@ -280,8 +280,9 @@ def test_every_library_schedule_gives_the_same_losses(tmp_path, cache_dir):
     # 2 processes; the multi-stage schedules cut the 4 layers into 4 stages (looped or V-shaped placement).
     schedules = ["1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"]
     reference = None
-    tracer = ["tracer-1f1b", "tracer-interleaved1f1b", "tracer-loopedbfs"]  # the traced split, same schedules
-    for batch in (["gpipe", *schedules[:2]], [*schedules[2:4], tracer[0]], [*schedules[4:], *tracer[1:]]):
+    tracer = [f"tracer-{name}" for name in schedules]  # the traced split, same schedules
+    runs = ["gpipe", *schedules, *tracer]
+    for batch in (runs[i:i + 3] for i in range(0, len(runs), 3)):  # 3 jobs at a time on 2 cores
         procs = {name: launch(2, "train_pipeline_tracer.py" if name.startswith("tracer") else "train_pipeline_gpipe.py",
                               *TRAIN_ARGS, "--schedule", name.removeprefix("tracer-"), "--cache-dir",
                               cache_dir, "--metrics", str(tmp_path / name / "m.jsonl"), "--checkpoint-dir",
@@ -343,10 +344,11 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, cache_dir):
     }
     procs = {flags: launch(0, "train_pipeline_gpipe.py", *flags, *common, cwd=tmp_path, wait=False)
              for flags in cases}
-    # The other scripts share the checks; their own choices are checked too (the tracer has no V schedules).
+    # The other scripts share the checks; their own choices are checked too.
     for script, flags, flag in [("train_pipeline_afab_manual.py", ("--schedule", "gpipe"), "--schedule"),
                                 ("train_pipeline_afab_manual.py", ("--microbatches", "0"), "--microbatches"),
-                                ("train_pipeline_tracer.py", ("--schedule", "zbvzerobubble"), "--schedule")]:
+                                ("train_pipeline_tracer.py", ("--schedule", "zbvzerobubble", "--stages-per-rank",
+                                                              "3"), "--stages-per-rank")]:
         procs[script, *flags] = launch(0, script, *flags, *common, cwd=tmp_path, wait=False)
         cases[script, *flags] = flag
     # More processes than layers, under torchrun: every rank must stop, none may hang.
@@ -538,10 +540,11 @@ def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, cache_dir, refe
     reference_dir, reference = reference_run
     procs = {}
     # 3 -> 2 stages in the hand-written script (checkpoints are shared by all scripts), 3 -> 1 process, and
-    # 3 -> 2 processes holding 2 stages each in a V (the rank's stages share one set of full-model names).
+    # 3 -> 2 processes holding 2 stages each in a V, split by hand and by the tracer (the rank's stages share
+    # one set of full-model names; rank 0 holds both the embedding and the head).
     variants = {"manual2": (2, "train_pipeline_afab_manual.py", []), "one": (0, "train_pipeline_gpipe.py", []),
                 "zbv2": (2, "train_pipeline_gpipe.py", ["--schedule", "zbvzerobubble"]),
-                "traced_interleaved2": (2, "train_pipeline_tracer.py", ["--schedule", "interleaved1f1b"])}
+                "traced_dualpipev2": (2, "train_pipeline_tracer.py", ["--schedule", "dualpipev"])}
     for name, (nproc, script, extra) in variants.items():
         run_dir = tmp_path / name
         shutil.copytree(reference_dir / "checkpoints" / "step-00000008", run_dir / "checkpoints" / "step-00000008")

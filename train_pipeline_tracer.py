@@ -13,8 +13,8 @@ the other scripts); the parts keep the full model's parameter names. Each rank t
 part and initializes every tensor from its full-model name, so the weights, losses and checkpoints are those of
 train_pipeline_gpipe.py. The traced graph is fixed to the microbatch shape (--batch-size / --microbatches,
 --seq-len) and to what the model's Python code computed while tracing; the README says what that means.
-The GPipe script's schedules work here too, but for the V-shaped ones (see SCHEDULES): with several stages
-per rank, the model is traced into p * V stages and the rank builds each of its own, then gathers their
+Every schedule of the GPipe script works here too: with several stages per rank, the model is traced into
+p * V stages and the rank builds each of its own (looped or V-shaped placement, as there), then gathers their
 parameters into one module for the optimizer and checkpoints.
 """
 
@@ -29,13 +29,7 @@ import data
 import runtime
 import timeline
 from model import LlamaForPretraining, config_from_preset, init_tensor_
-from train_pipeline_gpipe import SCHEDULES as LIBRARY_SCHEDULES
-from train_pipeline_gpipe import V_SHAPED, rank_stages, schedule_for, train
-
-# The V-shaped schedules (zbvzerobubble, dualpipev) put two consecutive stages on one rank. torch 2.13's
-# traced stages then try to send activations from one to the other over the network, to their own rank, and
-# gloo fails ("Pair is not connected"); the hand-split PipelineStage passes them locally. So they are left out.
-SCHEDULES = {name: cls for name, cls in LIBRARY_SCHEDULES.items() if name not in V_SHAPED}
+from train_pipeline_gpipe import SCHEDULES, rank_stages, schedule_for, train
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -112,7 +106,7 @@ def build_traced_stages(config, stages: list[int], num_stages: int, device: torc
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             init_tensor_(names[name], tensor, seed, config)
         # build_stage also rewrites the device that tracing burned into ops like arange (meta) to this rank's.
-        built.append(pipe.build_stage(stage, device))
+        built.append(_without_self_sends(pipe.build_stage(stage, device)))
         # The stage's submodules run their graphs through torch.fx.Interpreter, some microseconds of Python per
         # op (5 ms per forward + backward of the tiny model); their generated code runs the same graph at eager
         # speed. A private switch in torch 2.13; without it the stage is only slower.
@@ -121,6 +115,19 @@ def build_traced_stages(config, stages: list[int], num_stages: int, device: torc
                 sub._run_with_interpreter = False
         modules.append(module)
     return built, modules[0] if len(modules) == 1 else _merged(modules)
+
+
+def _without_self_sends(stage):
+    """The stage, made to skip the links to neighbours on its own rank when it warms up its links.
+
+    Before the first step, torch 2.13's traced stage opens the link to each neighbouring stage with a small
+    send/recv, also when that neighbour is on this same rank (the V-shaped schedules put stages r and
+    2p - 1 - r on rank r, so p - 1 and p meet on the last rank). A rank cannot send to itself over gloo
+    ("Pair is not connected"); the schedules pass tensors between same-rank stages in memory anyway, and the
+    hand-split PipelineStage skips those links the same way."""
+    open_links, me = stage._get_init_p2p_neighbors_ops, dist.get_rank()
+    stage._get_init_p2p_neighbors_ops = lambda: [op for op in open_links() if op.peer != me]
+    return stage
 
 
 def _merged(modules: list[torch.nn.Module]) -> torch.nn.Module:
