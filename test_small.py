@@ -286,7 +286,8 @@ def test_every_library_schedule_gives_the_same_losses(tmp_path, cache_dir):
         procs = {name: launch(2, "train_pipeline_tracer.py" if name.startswith("tracer") else "train_pipeline_gpipe.py",
                               *TRAIN_ARGS, "--schedule", name.removeprefix("tracer-"), "--cache-dir",
                               cache_dir, "--metrics", str(tmp_path / name / "m.jsonl"), "--checkpoint-dir",
-                              str(tmp_path / name / "ckpt"), cwd=tmp_path, wait=False) for name in batch}
+                              str(tmp_path / name / "ckpt"), "--measure-activations", cwd=tmp_path, wait=False)
+                 for name in batch}
         for name, proc in procs.items():
             result = finish(proc)
             assert result.returncode == 0, (name, result.stderr[-3000:])
@@ -298,6 +299,31 @@ def test_every_library_schedule_gives_the_same_losses(tmp_path, cache_dir):
             assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
             for a, b in zip(rows, reference):
                 assert_close_rel(a["loss"], b["loss"], what=f"{name}, step {a['step']}")
+    # 1F1B holds (p - r) of the m = 4 microbatches' activations on rank r, GPipe all of them: nothing more
+    # (e.g. no activations left over from torch's own shape inference, which stage_io makes unnecessary).
+    held = {name: read_metrics(tmp_path / name / "m.jsonl")[1][-1]["activation_bytes_per_stage"]
+            for name in ("gpipe", "1f1b", "tracer-1f1b")}
+    for name in ("1f1b", "tracer-1f1b"):
+        ratios = [a / b for a, b in zip(held[name], held["gpipe"])]
+        assert ratios == pytest.approx([2 / 4, 1 / 4], abs=0.01), (name, ratios)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_declared_stage_inputs_and_outputs_are_what_the_stages_compute(dtype):
+    # The library script tells each PipelineStage its input and output up front (gpipe.stage_io); ranks size
+    # their receive buffers by it, so a wrong shape or dtype would garble or stall the exchange. bf16 autocast
+    # on the CPU stands in for the GPU's.
+    config, num_stages, shape = small_config(layers=3), 3, (2, 16)
+    env = runtime.Env(0, 1, 0, 1, torch.device("cpu"), "gloo", dtype)
+    x = torch.randint(0, config.vocab_size, shape)
+    with runtime.autocast(env):
+        for s in range(num_stages):
+            declared = gpipe.stage_io(config, s, num_stages, shape, env)
+            y = gpipe.build_stage_model(config, s, num_stages, env.device, seed=0)(x)
+            for want, got in ((declared["input_args"], x), (declared["output_args"], y)):
+                assert (want.shape, want.dtype) == (got.shape, got.dtype), s
+            assert y.requires_grad and declared["output_args"].requires_grad
+            x = y
 
 
 def test_readme_command_trains_saves_and_resumes(tmp_path, cache_dir):

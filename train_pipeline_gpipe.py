@@ -136,9 +136,26 @@ def stage_views(model: LlamaForPretraining, stages: list[int], num_stages: int) 
     return views
 
 
+def stage_io(config, stage: int, num_stages: int, microbatch_shape: tuple[int, int],
+             env: runtime.Env) -> dict[str, torch.Tensor]:
+    """What a stage takes in and gives out for one microbatch, as meta tensors (shape and dtype, no memory).
+
+    Declared up front, PipelineStage need not find it out itself: otherwise torch 2.13 runs a real microbatch
+    through each stage before the first step, and on the first stage it never frees that forward's
+    activations (0.8 of a microbatch's, held for the whole run; see README). Token ids come in; hidden states
+    stay in the weights' dtype under autocast (fp32 embedding, fp32 residual additions); logits come out in
+    the compute dtype. test_small.py checks these against a real forward under bf16 autocast."""
+    batch, seq = microbatch_shape
+    hidden = torch.empty(batch, seq, config.hidden_size, device="meta", requires_grad=True)
+    return {"input_args": torch.empty(batch, seq, dtype=torch.long, device="meta") if stage == 0 else hidden,
+            "output_args": torch.empty(batch, seq, config.vocab_size, dtype=env.dtype, device="meta",
+                                       requires_grad=True) if stage == num_stages - 1 else hidden}
+
+
 def make_schedule(name: str, model, stages: list[int], num_stages: int, env: runtime.Env, microbatches: int,
-                  recorder: timeline.Recorder | None = None):
-    pipeline_stages = [PipelineStage(view, s, num_stages, env.device)
+                  microbatch_shape: tuple[int, int], recorder: timeline.Recorder | None = None):
+    pipeline_stages = [PipelineStage(view, s, num_stages, env.device,
+                                     **stage_io(model.config, s, num_stages, microbatch_shape, env))
                        for view, s in zip(stage_views(model, stages, num_stages), stages)]
     if recorder is not None:
         recorder.instrument(pipeline_stages)
@@ -192,7 +209,8 @@ def main(args):
     model = build_stage_model(config, stages, num_stages, env.device, args.seed)
     model.train()
     recorder = timeline.Recorder() if args.trace else None
-    schedule = make_schedule(args.schedule, model, stages, num_stages, env, args.microbatches, recorder)
+    schedule = make_schedule(args.schedule, model, stages, num_stages, env, args.microbatches,
+                             (args.batch_size // args.microbatches, args.seq_len), recorder)
     say(runtime.describe_run(preset, config, env, f"{args.schedule} (torch.distributed.pipelining)", num_stages),
         flush=True)
     if loader is not None:
