@@ -70,7 +70,9 @@ def ideal_gpipe_step(trace_path: str, p: int, m: int) -> float:
     """(m + p - 1) x (t_forward + t_backward) of the slowest stage, each the median measured in the trace."""
     per_stage = []
     for events in spans(trace_path).values():
-        t_f = statistics.median(e["dur"] for e in events if e["cat"] == "forward")
+        losses = [e["dur"] for e in events if e["cat"] == "loss"]  # the last stage's, once per microbatch
+        t_f = statistics.median(e["dur"] for e in events if e["cat"] == "forward") + (
+            statistics.median(losses) if losses else 0)
         t_b = statistics.median(e["dur"] for e in events if e["cat"] == "backward")
         per_stage.append((t_f + t_b) / 1e6)
     return (m + p - 1) * max(per_stage)
@@ -86,7 +88,7 @@ def draw(trace_path: str, png_path: str, title: str, step_seconds: float) -> boo
     by_rank = spans(trace_path)
     end = max(e["ts"] + e["dur"] for events in by_rank.values() for e in events)
     start = end - 2 * step_seconds * 1e6  # the last two steps
-    colors = {"forward": "#4c72b0", "backward": "#55a868", "send": "#c0c0c0", "recv": "#c0c0c0", "wait": "#c0c0c0"}
+    colors = {"forward": "#4c72b0", "loss": "#4c72b0", "backward": "#55a868", "send": "#c0c0c0", "recv": "#c0c0c0", "wait": "#c0c0c0"}
     fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * len(by_rank)))
     for rank, events in sorted(by_rank.items()):
         for e in events:
@@ -124,7 +126,7 @@ def main(args):
                 r["tokens_per_s"] = summary["tokens_per_s"]
                 if last and (found := BUBBLE.search(stdout)):
                     r["bubble"], r["comm_share"] = float(found.group(1)) / 100, float(found.group(2)) / 100
-                    r["trace"] = trace
+                    r["trace"], r["traced_step_time"] = trace, summary["median_step_time"]
                 print(f"repeat {repeat + 1}/{args.repeats} {name}: median step "
                       f"{summary['median_step_time'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
         for name, (script, schedule) in variants.items():
@@ -147,10 +149,11 @@ def main(args):
                      f"{r['activation_bytes_per_stage'][0] / gpipe_act:.2f} |")
         if "trace" in r and draw(r["trace"], r["trace"].replace(".trace.json", ".png"), name, median):
             r["picture"] = r["trace"].replace(".trace.json", ".png")
-    if "trace" in results["gpipe"]:
+    if "trace" in results["gpipe"]:  # step, t_f and t_b all from the one traced run
         ideal = ideal_gpipe_step(results["gpipe"]["trace"], p, m)
+        step = results["gpipe"]["traced_step_time"]
         lines += ["", f"GPipe step vs the bubble-limited ideal (m + p - 1) x (t_f + t_b) of the slowest stage, "
-                      f"timed in the same run: {base * 1e3:.1f} ms / {ideal * 1e3:.1f} ms = {base / ideal:.2f}"]
+                      f"timed in the same run: {step * 1e3:.1f} ms / {ideal * 1e3:.1f} ms = {step / ideal:.2f}"]
     if "1f1b" in results:
         ratio = results["1f1b"]["activation_bytes_per_stage"][0] / gpipe_act
         lines.append(f"Stage-0 activations, 1F1B / GPipe = {ratio:.3f}; p/m = {p / m:.3f} "

@@ -245,7 +245,7 @@ def test_loss_trajectory_is_the_same_at_1_2_3_stages_and_by_hand(tmp_path, cache
     runs = {
         # name: (processes (0: plain python), script, extra flags)
         "gpipe1": (0, "train_pipeline_gpipe.py", ["--tokenizer", tokenizer_file]),  # also loads it by path
-        "gpipe2": (2, "train_pipeline_gpipe.py", []),
+        "gpipe2": (2, "train_pipeline_gpipe.py", ["--trace", str(tmp_path / "gpipe_trace.json")]),
         "gpipe3": (3, "train_pipeline_gpipe.py", []),
         "afab3": (3, "train_pipeline_afab_manual.py", ["--trace", str(tmp_path / "trace.json")]),
         "1f1b2": (2, "train_pipeline_afab_manual.py", ["--schedule", "1f1b"]),
@@ -274,6 +274,11 @@ def test_loss_trajectory_is_the_same_at_1_2_3_stages_and_by_hand(tmp_path, cache
     assert {e["tid"] for e in spans} == {0, 1, 2}
     assert {e["cat"] for e in spans if e["tid"] == 1} == {"forward", "backward", "send", "recv"}
     assert {e["name"] for e in spans if e["cat"] == "forward"} == {"F0", "F1", "F2", "F3"}
+    # The library script's trace, from the stages' own methods: the last rank also computes each loss.
+    spans = [e for e in json.loads((tmp_path / "gpipe_trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    kinds = {rank: [e["cat"] for e in spans if e["tid"] == rank] for rank in (0, 1)}
+    assert set(kinds[0]) == {"forward", "backward", "wait"} and set(kinds[1]) == {*kinds[0], "loss"}
+    assert kinds[1].count("loss") == kinds[1].count("forward") == kinds[0].count("backward") == 4 * 4
 
 
 def test_every_library_schedule_gives_the_same_losses(tmp_path, cache_dir):

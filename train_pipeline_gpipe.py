@@ -159,15 +159,16 @@ def make_schedule(name: str, model, stages: list[int], num_stages: int, env: run
                        for view, s in zip(stage_views(model, stages, num_stages), stages)]
     if recorder is not None:
         recorder.instrument(pipeline_stages)
-    return schedule_for(name, pipeline_stages, microbatches)
+    return schedule_for(name, pipeline_stages, microbatches, recorder)
 
 
-def schedule_for(name: str, pipeline_stages: list, microbatches: int):
+def schedule_for(name: str, pipeline_stages: list, microbatches: int, recorder: timeline.Recorder | None = None):
     """The schedule driving this rank's stages (one for gpipe/1f1b, a list for the others)."""
+    loss = recorder.timed_loss(loss_fn) if recorder is not None else loss_fn  # the last stage's work too
     try:
         if name in SINGLE_STAGE:
-            return SCHEDULES[name](pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
-        return SCHEDULES[name](pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn)
+            return SCHEDULES[name](pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss)
+        return SCHEDULES[name](pipeline_stages, n_microbatches=microbatches, loss_fn=loss)
     except ValueError as e:  # a requirement check_schedule does not know about (a newer torch, say)
         raise runtime.UsageError(f"--schedule {name} with --microbatches {microbatches}: {e}") from None
 

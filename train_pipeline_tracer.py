@@ -171,7 +171,7 @@ def main(args):
     recorder = timeline.Recorder() if args.trace else None
     if recorder is not None:
         recorder.instrument(built)
-    schedule = schedule_for(args.schedule, built, args.microbatches)
+    schedule = schedule_for(args.schedule, built, args.microbatches, recorder)
     say(runtime.describe_run(preset, config, env, f"{args.schedule}, split by the tracer (pipeline + SplitPoint)",
                              num_stages), flush=True)
     say("traced and built the stages in " + ", ".join(f"{t:.2f}" for t in trace_seconds) + " s (per rank)",
