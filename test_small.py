@@ -24,10 +24,12 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.pipelining import SplitPoint, pipeline
 
+import benchmark
 import checkpoint
 import data
 import model as model_module
 import runtime
+import timeline
 import train_pipeline_gpipe as gpipe
 import train_pipeline_tracer as tracer
 from model import LlamaConfig, LlamaForPretraining, config_from_preset
@@ -1274,3 +1276,50 @@ def test_model_flops_per_token_counts_every_matmul_once():
     n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
     assert runtime.model_flops_per_token(config, seq_len=16) == 6 * n + 12 * 2 * 4 * 8 * 16
     assert runtime.gpu_peak_flops(torch.device("cpu")) is None  # MFU only where a GPU's peak is known
+
+
+# ----------------------------------------------------------------------------------------------------------
+# benchmark.py: the bounds it reports, and one small run of each kind of variant
+
+def test_bubble_bounds_from_a_trace(tmp_path):
+    # Per microbatch, rank 0 spends 1 ms forward + 2 ms backward, rank 1 2 ms + 1 ms loss + 4 ms.
+    per_rank = []
+    for f, loss, b in [(0.001, 0.0, 0.002), (0.002, 0.001, 0.004)]:
+        events = []
+        for mb in range(4):
+            events += [("forward", mb, 0.0, f), ("send", mb, 0.0, 0.0005), ("backward", mb, 0.0, b)]
+            if loss:
+                events.append(("loss", -1, 0.0, loss))
+        per_rank.append(events)
+    path = str(tmp_path / "trace.json")
+    timeline.write_chrome_trace(path, per_rank)
+    assert benchmark.stage_times(path) == pytest.approx([0.003, 0.007])
+    assert benchmark.ideal_gpipe_step(path, p=2, m=4) == pytest.approx(5 * 0.007)
+    assert benchmark.unequal_stages_bound(path, m=4) == pytest.approx(0.003 + 0.007 + 3 * 0.007)
+
+
+def test_benchmark_and_sweep_write_their_tables(tmp_path, cache_dir):
+    small = ["--repeats", "1", "--steps", "3", "--seq-len", "16", "--", "--layers", "2", "--cache-dir", cache_dir]
+    variants = ["gpipe", "1f1b", "1f1b (by hand)", "gpipe (tracer)"]
+    jobs = {"bench": launch(0, "benchmark.py", "--variants", ",".join(variants[1:]), "--batch-size", "4",
+                            "--microbatches", "2", "--out", "bench", *small, cwd=tmp_path, wait=False),
+            "sweep": launch(0, "benchmark.py", "--sweep", "--batch-size", "16", "--out", "sweep", *small,
+                            cwd=tmp_path, wait=False),
+            "bad": launch(0, "benchmark.py", "--variants", "1f1b,nope", cwd=tmp_path, wait=False)}
+    results = {name: finish(job, timeout=400) for name, job in jobs.items()}
+    assert results["bad"].returncode != 0 and results["bad"].stderr.startswith("benchmark: error: --variants")
+    for name in ("bench", "sweep"):
+        assert results[name].returncode == 0, results[name].stderr[-3000:]
+
+    table = (tmp_path / "bench" / "results.md").read_text()
+    rows = [line.split(" | ")[0].removeprefix("| ") for line in table.splitlines() if line.startswith("| ")]
+    assert rows == ["variant", *variants]  # gpipe runs even when not asked for: it is the reference
+    assert re.search(r"bubble-limited ideal .* = \d\.\d\d\n", table), table
+    assert re.search(r"tighter bound for unequal stages.* = \d\.\d\d\n", table), table
+    assert "Stage-0 activations, 1F1B / GPipe = 1.000; p/m = 1.000 (+0%)" in table  # m = p: both hold all
+    for name in ("gpipe", "1f1b", "1f1b_by_hand", "gpipe_tracer"):
+        assert len(benchmark.stage_times(str(tmp_path / "bench" / f"{name}.trace.json"))) == 2
+
+    table = (tmp_path / "sweep" / "sweep.md").read_text()
+    assert [line.split(" | ")[0] for line in table.splitlines() if re.match(r"\| \d", line)] == \
+        ["| 1", "| 2", "| 4", "| 8", "| 16"]
