@@ -101,7 +101,7 @@ def draw(trace_path: str, png_path: str, title: str, step_seconds: float) -> boo
     by_rank = spans(trace_path)
     end = max(e["ts"] + e["dur"] for events in by_rank.values() for e in events)
     start = end - 2 * step_seconds * 1e6  # the last two steps
-    colors = {"forward": "#4c72b0", "loss": "#4c72b0", "backward": "#55a868", "send": "#c0c0c0", "recv": "#c0c0c0", "wait": "#c0c0c0"}
+    colors = {"forward": "#4c72b0", "loss": "#4c72b0", "backward": "#55a868"}  # the rest: send/recv, grey
     fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * len(by_rank)))
     for rank, events in sorted(by_rank.items()):
         for e in events:
@@ -226,8 +226,13 @@ if __name__ == "__main__":
     parser.add_argument("--seq-len", type=int, default=128, help="(default: %(default)s)")
     parser.add_argument("--steps", type=int, default=12, help="steps per timed run (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (default: %(default)s)")
-    parser.add_argument("--variants", default=None, help="comma-separated subset of (gpipe always runs): " + ", ".join(VARIANTS))
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated subset of (gpipe always runs): " + ", ".join(VARIANTS))
     parser.add_argument("--sweep", action="store_true", help="time GPipe at m = 1, 2, 4, 8, 16 instead")
     parser.add_argument("--out", default="bench", help="output folder (default: %(default)s)")
     parser.add_argument("script_args", nargs="*", help="more flags for every run, after --")
-    main(parser.parse_args())
+    args = parser.parse_args()
+    # Every run's first step is left out of its median and of its trace: a run needs a second step.
+    if args.repeats < 1 or args.steps < 2:
+        parser.error("--repeats must be at least 1 and --steps at least 2")
+    main(args)

@@ -1302,12 +1302,14 @@ def test_benchmark_and_sweep_write_their_tables(tmp_path, cache_dir):
     small = ["--repeats", "1", "--steps", "3", "--seq-len", "16", "--", "--layers", "2", "--cache-dir", cache_dir]
     variants = ["gpipe", "1f1b", "1f1b (by hand)", "gpipe (tracer)"]
     jobs = {"bench": launch(0, "benchmark.py", "--variants", ",".join(variants[1:]), "--batch-size", "4",
-                            "--microbatches", "2", "--out", "bench", *small, cwd=tmp_path, wait=False),
+                            "--microbatches", "4", "--out", "bench", *small, cwd=tmp_path, wait=False),
             "sweep": launch(0, "benchmark.py", "--sweep", "--batch-size", "16", "--out", "sweep", *small,
                             cwd=tmp_path, wait=False),
-            "bad": launch(0, "benchmark.py", "--variants", "1f1b,nope", cwd=tmp_path, wait=False)}
+            "bad": launch(0, "benchmark.py", "--variants", "1f1b,nope", cwd=tmp_path, wait=False),
+            "one_step": launch(0, "benchmark.py", "--steps", "1", cwd=tmp_path, wait=False)}
     results = {name: finish(job, timeout=400) for name, job in jobs.items()}
     assert results["bad"].returncode != 0 and results["bad"].stderr.startswith("benchmark: error: --variants")
+    assert results["one_step"].returncode == 2 and "--steps at least 2" in results["one_step"].stderr
     for name in ("bench", "sweep"):
         assert results[name].returncode == 0, results[name].stderr[-3000:]
 
@@ -1316,7 +1318,7 @@ def test_benchmark_and_sweep_write_their_tables(tmp_path, cache_dir):
     assert rows == ["variant", *variants]  # gpipe runs even when not asked for: it is the reference
     assert re.search(r"bubble-limited ideal .* = \d\.\d\d\n", table), table
     assert re.search(r"tighter bound for unequal stages.* = \d\.\d\d\n", table), table
-    assert "Stage-0 activations, 1F1B / GPipe = 1.000; p/m = 1.000 (+0%)" in table  # m = p: both hold all
+    assert "Stage-0 activations, 1F1B / GPipe = 0.500; p/m = 0.500 (+0%)" in table  # 2 of 4 microbatches
     for name in ("gpipe", "1f1b", "1f1b_by_hand", "gpipe_tracer"):
         assert len(benchmark.stage_times(str(tmp_path / "bench" / f"{name}.trace.json"))) == 2
 
