@@ -27,6 +27,7 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 import benchmark
 import checkpoint
 import data
+import metrics
 import model as model_module
 import runtime
 import timeline
@@ -749,7 +750,7 @@ def _manual_worker(rank, world_size, store_path, out_dir, kinds, layers):
                 model.zero_grad(set_to_none=True)
                 inputs, targets = _batches(seq_len)
                 capture = {}
-                meter = runtime.ActivationMeter(model.parameters())
+                meter = metrics.ActivationMeter(model.parameters())
                 with meter:
                     loss = step(partition, inputs, targets, torch.device("cpu"), torch.float32, capture=capture)
                 runs[name] = {"loss": loss, "capture": capture, "activation_bytes": meter.peak_bytes,
@@ -1274,8 +1275,8 @@ def test_model_flops_per_token_counts_every_matmul_once():
     config = small_config(vocab=97, layers=2)  # hidden 32, 4 heads of 8, 2 KV heads, MLP 48
     model = LlamaForPretraining(config)
     n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
-    assert runtime.model_flops_per_token(config, seq_len=16) == 6 * n + 12 * 2 * 4 * 8 * 16
-    assert runtime.gpu_peak_flops(torch.device("cpu")) is None  # MFU only where a GPU's peak is known
+    assert metrics.model_flops_per_token(config, seq_len=16) == 6 * n + 12 * 2 * 4 * 8 * 16
+    assert metrics.gpu_peak_flops(torch.device("cpu")) is None  # MFU only where a GPU's peak is known
 
 
 # ----------------------------------------------------------------------------------------------------------

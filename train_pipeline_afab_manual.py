@@ -12,21 +12,18 @@ flags, data, checkpoints, and for the same --seed the same losses).
 The functions also train a Hugging Face `LlamaForCausalLM` that a user brings: partition_model(hf_model, ...).
 """
 
-import collections
-import contextlib
 import dataclasses
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import tqdm
 
-import checkpoint
 import data
+import flags
 import runtime
 import timeline
+import training
 from model import LlamaForPretraining, config_from_preset
 
 
@@ -284,7 +281,7 @@ SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 
 def main(args):
     env = runtime.launch_env(args.device)
-    runtime.check_args(args, env.world_size, env.device.type)
+    flags.check_args(args, env.world_size, env.device.type)
     runtime.init_process_group(env, args.timeout)
     is_first, is_last = env.rank == 0, env.rank == env.world_size - 1
     say = print if is_first else (lambda *a, **k: None)
@@ -293,7 +290,7 @@ def main(args):
     tokenizer, loader = data.setup(args, env.local_rank, needs_batches=is_first or is_last)
 
     # --- model, split, schedule: the full model on meta, this rank's slice kept, then materialized
-    preset = runtime.model_preset(args, env.device.type)
+    preset = flags.model_preset(args, env.device.type)
     config = config_from_preset(preset, tokenizer.get_vocab_size(), args.layers)
     with torch.device("meta"):
         model = LlamaForPretraining(config)
@@ -306,54 +303,19 @@ def main(args):
     if loader is not None:
         say(f"data: {loader.describe()}", flush=True)
 
-    # --- optimizer
-    optimizer = runtime.make_optimizer(model, args)
+    # --- optimizer, resume, training loop, checkpoints, summary: the same for every script. record=True: this
+    # script always times its forwards, backwards, sends and receives, and prints the measured bubble.
+    def step(inputs, targets, events):
+        m = args.microbatches
+        input_mbs = inputs.chunk(m) if is_first else [None] * m
+        target_mbs = targets.chunk(m) if is_last else [None] * m
+        with runtime.autocast(env):
+            # fp32 between stages: the residual stream is fp32 under autocast too, as in the library scripts.
+            return train_step(partition, input_mbs, target_mbs, env.device, torch.float32, timeline=events)
 
-    # --- resume from the newest complete checkpoint, if any
-    step = checkpoint.resume(args, env, model, optimizer, config, loader, say)
-    resumed = step > 0
-
-    # --- training loop
-    # With packing every position is a real target, so the tokens trained on so far follow from the step.
-    metrics = runtime.Metrics(args.metrics, enabled=is_last, resume_step=step if resumed else None,
-                              tokens_seen=step * args.batch_size * args.seq_len)
-    meter = runtime.ActivationMeter(model.parameters()) if args.measure_activations else None
-    bar = tqdm.tqdm(total=args.steps, initial=step, disable=not is_last, unit="step", mininterval=1.0)
-    recent = collections.deque(maxlen=10)  # (events, step time) of the last steps, for the bubble and --trace
-    dist.barrier()
-    clock_zero = time.perf_counter()  # ranks leave the barrier together: a shared zero for the trace
-    while step < args.steps:
-        step += 1
-        lr = runtime.set_lr(optimizer, step, args)
-        events = timeline.Timeline(env.device, zero=clock_zero)
-        with runtime.Timer(env.device) as timer:
-            inputs, targets = loader.next_batch() if loader is not None else (None, None)
-            inputs = inputs.chunk(args.microbatches) if is_first else [None] * args.microbatches
-            targets_mb = targets.chunk(args.microbatches) if is_last else [None] * args.microbatches
-            optimizer.zero_grad(set_to_none=True)
-            with runtime.autocast(env), meter or contextlib.nullcontext():
-                # fp32 between stages: the residual stream is fp32 under autocast too, as in the GPipe script.
-                loss = train_step(partition, inputs, targets_mb, env.device, torch.float32, timeline=events)
-            grad_norm = runtime.clip_grad_norm_(model.parameters(), args.grad_clip)
-            optimizer.step()
-        if step > 1:  # the first step pays one-time costs
-            recent.append((events.events, timer.seconds))
-        if is_last:
-            row = metrics.log(step, loss, lr, targets, timer.seconds, grad_norm, data.IGNORE_INDEX)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
-            bar.update()
-        path = checkpoint.save_if_due(args, env, step, model, optimizer, config, loader, tokenizer)
-        if path and is_last:
-            bar.write(f"saved {path}")
-    bar.close()
-
-    # --- timeline: measured bubble next to the theoretical one, and the Chrome trace
-    timeline.report(env.rank, env.world_size, list(recent), args.microbatches, args.trace)
-
-    # --- summary (collective: every rank reports its peak memory)
-    metrics.finish(env, positions_per_step=args.batch_size * args.seq_len, meter=meter,
-                   flops_per_token=runtime.model_flops_per_token(config, args.seq_len))
+    training.train(args, env, model, step, config, tokenizer, loader, has_first=is_first, has_last=is_last,
+                   say=say, record=True)
 
 
 if __name__ == "__main__":
-    runtime.run(main, runtime.build_parser(__doc__, list(SCHEDULES)).parse_args())
+    runtime.run(main, flags.build_parser(__doc__, list(SCHEDULES)).parse_args())

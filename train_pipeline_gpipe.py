@@ -20,22 +20,17 @@ ones (zbvzerobubble, dualpipev) give it stages r and 2p - 1 - r, so rank 0 holds
 A rank's stages share one trimmed model, so its optimizer and checkpoint see one set of full-model names.
 """
 
-import collections
-import contextlib
-import time
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-import tqdm
 from torch.distributed.pipelining import (
     PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble)
 
-import checkpoint
 import data
+import flags
 import runtime
 import timeline
+import training
 from model import PRESETS, LlamaForPretraining, config_from_preset
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
@@ -179,6 +174,15 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=data.IGNORE_INDEX)
 
 
+def step_function(schedule, env: runtime.Env, recorder: timeline.Recorder | None):
+    """The step the shared training loop calls: train_step, recording into the loop's timeline when tracing."""
+    def step(inputs, targets, events):
+        if recorder is not None:
+            recorder.current = events
+        return train_step(schedule, env, inputs, targets)
+    return step
+
+
 def train_step(schedule, env: runtime.Env, inputs, targets) -> torch.Tensor | None:
     """Forward and backward of one batch through the pipeline. inputs: on the rank holding the first stage, else
     None; targets: on the rank holding the last stage, else None. Returns the mean microbatch loss there."""
@@ -195,9 +199,9 @@ def train_step(schedule, env: runtime.Env, inputs, targets) -> torch.Tensor | No
 
 def main(args):
     env = runtime.launch_env(args.device)
-    runtime.check_args(args, env.world_size, env.device.type)
+    flags.check_args(args, env.world_size, env.device.type)
     runtime.init_process_group(env, args.timeout)
-    preset = runtime.model_preset(args, env.device.type)
+    preset = flags.model_preset(args, env.device.type)
     stages, num_stages = rank_stages(args, env, preset)
     has_first, has_last = 0 in stages, num_stages - 1 in stages  # V-shaped: rank 0 holds both
     say = print if env.rank == 0 else (lambda *a, **k: None)
@@ -217,61 +221,11 @@ def main(args):
     if loader is not None:
         say(f"data: {loader.describe()}", flush=True)
 
-    train(args, env, model, schedule, config, tokenizer, loader, has_first, has_last, recorder, say)
-
-
-def train(args, env, model, schedule, config, tokenizer, loader, has_first: bool, has_last: bool,
-          recorder: timeline.Recorder | None, say) -> None:
-    """Everything after the split, the same for every library schedule (the tracer script calls it too):
-    optimizer, resume, the training loop with checkpoints, and the summary."""
-    # --- optimizer
-    optimizer = runtime.make_optimizer(model, args)
-
-    # --- resume from the newest complete checkpoint, if any
-    step = checkpoint.resume(args, env, model, optimizer, config, loader, say)
-    resumed = step > 0
-
-    # --- training loop
-    # With packing every position is a real target, so the tokens trained on so far follow from the step.
-    metrics = runtime.Metrics(args.metrics, enabled=has_last, resume_step=step if resumed else None,
-                              tokens_seen=step * args.batch_size * args.seq_len)
-    meter = runtime.ActivationMeter(model.parameters()) if args.measure_activations else None
-    bar = tqdm.tqdm(total=args.steps, initial=step, disable=not has_last, unit="step", mininterval=1.0)
-    recent = collections.deque(maxlen=10)  # (events, step time) of the last steps, for --trace
-    dist.barrier()
-    clock_zero = time.perf_counter()  # ranks leave the barrier together: a shared zero for the trace
-    while step < args.steps:
-        step += 1
-        lr = runtime.set_lr(optimizer, step, args)
-        if recorder is not None:
-            recorder.current = timeline.Timeline(env.device, zero=clock_zero)
-        with runtime.Timer(env.device) as timer:
-            inputs, targets = loader.next_batch() if loader is not None else (None, None)
-            inputs = inputs.to(env.device) if has_first else None
-            targets = targets.to(env.device) if has_last else None
-            optimizer.zero_grad(set_to_none=True)
-            with meter or contextlib.nullcontext():
-                loss = train_step(schedule, env, inputs, targets)
-            grad_norm = runtime.clip_grad_norm_(model.parameters(), args.grad_clip)
-            optimizer.step()
-        if recorder is not None and step > 1:  # the first step pays one-time costs
-            recent.append((recorder.current.events, timer.seconds))
-        if has_last:
-            row = metrics.log(step, loss, lr, targets, timer.seconds, grad_norm, data.IGNORE_INDEX)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
-            bar.update()
-        path = checkpoint.save_if_due(args, env, step, model, optimizer, config, loader, tokenizer)
-        if path and has_last:
-            bar.write(f"saved {path}")
-    bar.close()
-    if recorder is not None:  # measured bubble next to the theoretical one, and the Chrome trace
-        timeline.report(env.rank, env.world_size, list(recent), args.microbatches, args.trace)
-
-    # --- summary (collective: every rank reports its peak memory)
-    metrics.finish(env, positions_per_step=args.batch_size * args.seq_len, meter=meter,
-                   flops_per_token=runtime.model_flops_per_token(config, args.seq_len))
+    # --- optimizer, resume, training loop, checkpoints, summary: the same for every script
+    training.train(args, env, model, step_function(schedule, env, recorder), config, tokenizer, loader,
+                   has_first=has_first, has_last=has_last, say=say)
 
 
 
 if __name__ == "__main__":
-    runtime.run(main, runtime.build_parser(__doc__, list(SCHEDULES), stages_per_rank=True).parse_args())
+    runtime.run(main, flags.build_parser(__doc__, list(SCHEDULES), stages_per_rank=True).parse_args())

@@ -26,10 +26,12 @@ import torch.distributed as dist
 from torch.distributed.pipelining import SplitPoint, pipeline
 
 import data
+import flags
 import runtime
 import timeline
+import training
 from model import LlamaForPretraining, config_from_preset, init_tensor_
-from train_pipeline_gpipe import SCHEDULES, rank_stages, schedule_for, train
+from train_pipeline_gpipe import SCHEDULES, rank_stages, schedule_for, step_function
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -151,9 +153,9 @@ def _merged(modules: list[torch.nn.Module]) -> torch.nn.Module:
 
 def main(args):
     env = runtime.launch_env(args.device)
-    runtime.check_args(args, env.world_size, env.device.type)
+    flags.check_args(args, env.world_size, env.device.type)
     runtime.init_process_group(env, args.timeout)
-    preset = runtime.model_preset(args, env.device.type)
+    preset = flags.model_preset(args, env.device.type)
     stages, num_stages = rank_stages(args, env, preset)
     has_first, has_last = 0 in stages, num_stages - 1 in stages  # V-shaped: rank 0 holds both
     say = print if env.rank == 0 else (lambda *a, **k: None)
@@ -180,9 +182,10 @@ def main(args):
     if loader is not None:
         say(f"data: {loader.describe()}", flush=True)
 
-    # --- optimizer, resume, training loop, checkpoints, summary: exactly the GPipe script's
-    train(args, env, model, schedule, config, tokenizer, loader, has_first, has_last, recorder, say)
+    # --- optimizer, resume, training loop, checkpoints, summary: the same for every script
+    training.train(args, env, model, step_function(schedule, env, recorder), config, tokenizer, loader,
+                   has_first=has_first, has_last=has_last, say=say)
 
 
 if __name__ == "__main__":
-    runtime.run(main, runtime.build_parser(__doc__, list(SCHEDULES), stages_per_rank=True).parse_args())
+    runtime.run(main, flags.build_parser(__doc__, list(SCHEDULES), stages_per_rank=True).parse_args())

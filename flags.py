@@ -1,0 +1,119 @@
+"""The command line every training script shares: the same flags, and every mistake that can be seen from the
+flags alone, checked identically on every rank before any work."""
+
+import argparse
+import math
+import os
+
+import data
+from model import PRESETS
+from runtime import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of the usage block; --help has the rest
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def build_parser(doc: str, schedules: list[str], stages_per_rank: bool = False) -> argparse.ArgumentParser:
+    p = _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", choices=sorted(PRESETS), default=None,
+                   help="model preset (default: tiny on CPU, small on GPU)")
+    g.add_argument("--layers", type=int, default=None, help="override the preset's number of decoder layers")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=300, help="optimizer steps to train for (default: %(default)s)")
+    g.add_argument("--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)")
+    g.add_argument("--microbatches", type=int, default=4,
+                   help="microbatches each step's batch is split into (default: %(default)s)")
+    g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: %(default)s)")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
+    g.add_argument("--warmup-steps", type=int, default=30,
+                   help="linear warmup steps, then cosine decay to 10%% of --lr (default: %(default)s)")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default: %(default)s)")
+    g.add_argument("--grad-clip", type=float, default=1.0,
+                   help="clip the global gradient norm to this; 0 turns clipping off (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default: %(default)s)")
+    g.add_argument("--schedule", choices=schedules, default=schedules[0],
+                   help="pipeline schedule (default: %(default)s)")
+    if stages_per_rank:  # only where the library's multi-stage schedules are offered
+        g.add_argument("--stages-per-rank", type=int, default=2,
+                       help="stages each rank holds with the interleaved, looped and V-shaped schedules "
+                            "(default: %(default)s; gpipe and 1f1b hold one)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default="builtin",
+                   help="builtin | PATH[,PATH...] (.txt/.jsonl/.parquet) | hf:NAME[:CONFIG[:SPLIT]] "
+                        "(default: %(default)s, the Python standard library's source)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizers JSON file with [BOT] and [EOT] (default: train one on --data and cache it)")
+    g.add_argument("--vocab-size", type=int, default=8192,
+                   help="vocabulary of a tokenizer trained on --data (default: %(default)s)")
+    g.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "pipeline-llama"),
+                   help="where trained tokenizers and tokenized data are kept (default: %(default)s)")
+    g = p.add_argument_group("checkpoints and output")
+    g.add_argument("--checkpoint-dir", default="checkpoints",
+                   help="where checkpoints are written and resumed from (default: %(default)s)")
+    g.add_argument("--checkpoint-every", type=int, default=0,
+                   help="save after every N steps; 0: only at the end (default: %(default)s)")
+    g.add_argument("--keep-checkpoints", type=int, default=3,
+                   help="keep the newest K complete checkpoints, delete older ones (default: %(default)s)")
+    g.add_argument("--fresh", action="store_true",
+                   help="start at step 0 even if --checkpoint-dir holds checkpoints (they are moved aside to "
+                        "DIR.previous-TIME, not deleted)")
+    g.add_argument("--metrics", default=None, help="write one JSON line per step (and a summary) to this file")
+    g.add_argument("--trace", default=None,
+                   help="write a Chrome trace (JSON) of the last 10 steps: every forward, backward and "
+                        "send/recv per rank (open it in ui.perfetto.dev); also prints the measured bubble")
+    g.add_argument("--measure-activations", action="store_true",
+                   help="count the bytes of activations held for backward (saved-tensor hooks) and report "
+                        "each stage's peak in the summary")
+    g = p.add_argument_group("system")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda:LOCAL_RANK with NCCL and bf16 when a GPU is present, else CPU, gloo, fp32")
+    g.add_argument("--timeout", type=float, default=600,
+                   help="seconds a rank waits for its peers in any communication before the job stops with an "
+                        "error instead of hanging (default: %(default)s)")
+    return p
+
+
+def model_preset(args, device_type: str) -> str:
+    return args.model or ("small" if device_type == "cuda" else "tiny")
+
+
+def check_args(args, world_size: int, device_type: str) -> None:
+    """Every mistake that can be seen from the flags alone, checked identically on every rank before any work."""
+    positive = {"--steps": args.steps, "--batch-size": args.batch_size, "--microbatches": args.microbatches,
+                "--seq-len": args.seq_len, "--vocab-size": args.vocab_size}
+    for flag, value in positive.items():
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    if args.keep_checkpoints < 1:
+        raise UsageError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    for flag, value in {"--warmup-steps": args.warmup_steps, "--checkpoint-every": args.checkpoint_every}.items():
+        if value < 0:
+            raise UsageError(f"{flag} must be 0 or more, got {value}")
+    for flag, value in {"--lr": args.lr, "--weight-decay": args.weight_decay, "--grad-clip": args.grad_clip}.items():
+        if not math.isfinite(value) or value < 0 or (flag == "--lr" and value == 0):
+            raise UsageError(f"{flag} must be a finite {'positive' if flag == '--lr' else 'non-negative'} "
+                             f"number, got {value}")
+    if args.batch_size % args.microbatches:
+        raise UsageError(f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}; "
+                         "make the batch a multiple of the microbatch count")
+    preset = PRESETS[model_preset(args, device_type)]
+    num_layers = args.layers if args.layers is not None else preset.get("num_hidden_layers", 12)
+    if num_layers < 1:
+        raise UsageError(f"--layers must be at least 1, got {num_layers}")
+    if world_size > num_layers:
+        raise UsageError(f"{world_size} processes but the model has {num_layers} layers: each stage needs a layer; "
+                         f"run at most {num_layers} processes or raise --layers")
+    max_positions = preset.get("max_position_embeddings", 2048)
+    if args.seq_len > max_positions:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {max_positions} positions; "
+                         f"use --seq-len {max_positions} or less")
+    data.check_data_spec(args.data)
+    if args.tokenizer is not None and not os.path.isfile(args.tokenizer):
+        raise UsageError(f"--tokenizer: no such file {args.tokenizer!r}; give a tokenizers JSON file or leave the "
+                         "flag out to train one on --data")
+
