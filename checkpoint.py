@@ -28,7 +28,10 @@ on one process without any process group.
 """
 
 import argparse
+import contextlib
 import dataclasses
+import errno
+import hashlib
 import io
 import json
 import os
@@ -51,8 +54,10 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
 
-from model import LlamaConfig, LlamaForPretraining
-from runtime import UsageError
+import data
+import flags
+from model import LlamaConfig, LlamaForPretraining, config_from_preset
+from runtime import UsageError, collective_errors
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 # Optimizer state and hyperparameters keyed by parameter name ("optim.state.<fqn>.exp_avg",
@@ -82,30 +87,38 @@ def latest(checkpoint_dir: str) -> str | None:
     return found[-1] if found else None
 
 
-def resolve(path: str) -> str:
+def resolve(path: str, flag: str = "checkpoint") -> str:
     """A checkpoint given either itself or a run's --checkpoint-dir (then its newest complete checkpoint)."""
     if os.path.isfile(os.path.join(path, "meta.json")):
         return path
     found = latest(path)
     if found is None:
-        raise UsageError(f"{path}: no complete checkpoint here (a step-N directory with meta.json)")
+        raise UsageError(f"{flag} {path}: no complete checkpoint there (a step-N directory with meta.json, or a "
+                         "--checkpoint-dir holding some)")
     return found
 
 
 def read_meta(path: str) -> dict:
     try:
         with open(os.path.join(path, "meta.json")) as f:
-            return json.load(f)
+            meta = json.load(f)
+        if not isinstance(meta, dict) or not {"step", "config", "files"} <= meta.keys():
+            raise ValueError("meta.json lacks step, config or files")
+        return meta
     except (OSError, ValueError) as e:
         raise UsageError(f"{path}: not a complete checkpoint ({e}); delete it to resume from an older one") from None
 
 
 def set_aside(checkpoint_dir: str) -> str | None:
-    """Rename an existing checkpoint directory out of the way (for --fresh); nothing is deleted."""
-    if not os.path.isdir(checkpoint_dir) or not os.listdir(checkpoint_dir):
+    """Move what checkpoint_dir holds into DIR.previous-TIME (for --fresh); nothing is deleted. The run's lock
+    (preflight.LOCK_NAME) stays where it is."""
+    entries = [n for n in os.listdir(checkpoint_dir) if n != "run.lock"] if os.path.isdir(checkpoint_dir) else []
+    if not entries:
         return None
     aside = f"{checkpoint_dir.rstrip(os.sep)}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
-    os.replace(checkpoint_dir, aside)
+    os.makedirs(aside)
+    for name in entries:
+        os.replace(os.path.join(checkpoint_dir, name), os.path.join(aside, name))
     return aside
 
 
@@ -116,35 +129,76 @@ def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int
          tokenizer=None) -> str:
     """Save this rank's stage, collectively with every rank; return the finished checkpoint's path.
 
-    meta (JSON-able) must hold at least "config"; rank 0's copy is the one written.
+    meta (JSON-able) must hold at least "config"; rank 0's copy is the one written. A save that fails on any
+    rank (a full disk, a permission) raises the same UsageError on every rank, after the partial step-N.tmp is
+    removed; the complete checkpoints are never touched before the new one is complete.
     """
     final = step_dir(checkpoint_dir, step)
     tmp = final + ".tmp"
+    try:
+        with collective_errors(), _save_errors(tmp):
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # left over from a save that was killed
+                os.makedirs(os.path.join(tmp, "rng"))
+        state = _state(model, optimizer)
+        # The layout: which layers each rank held (a rank may hold several stages), for the record in meta.json.
+        layers = sorted({int(k.split(".")[2]) for k in state["model"] if k.startswith("base_model.layers.")})
+        layout = [None] * dist.get_world_size()
+        dist.all_gather_object(layout, layers)
+        with collective_errors(), _save_errors(tmp):  # DCP itself raises on every rank if a rank failed
+            dcp.save(state, checkpoint_id=tmp)  # writes and fsyncs this rank's shard
+            torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
+        # Every shard is on disk before the checkpoint can become visible.
+        with collective_errors(), _save_errors(tmp):
+            if rank == 0:
+                if tokenizer is not None:
+                    tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+                files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
+                         for d, _, fs in os.walk(tmp) for f in fs}
+                meta = dict(meta, step=step, world_size=len(layout), layers_per_rank=layout, files=files)
+                _write_synced(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+                os.replace(tmp, final)
+                _fsync_dir(checkpoint_dir)
+    except UsageError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees what the failed save took; nothing else is touched
+        raise
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left over from a save that was killed
-        os.makedirs(os.path.join(tmp, "rng"))
-    dist.barrier()
-    state = _state(model, optimizer)
-    # The layout: which layers each rank held (a rank may hold several stages), for the record in meta.json.
-    layers = sorted({int(k.split(".")[2]) for k in state["model"] if k.startswith("base_model.layers.")})
-    layout = [None] * dist.get_world_size()
-    dist.all_gather_object(layout, layers)
-    dcp.save(state, checkpoint_id=tmp)  # writes and fsyncs this rank's shard
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
-    dist.barrier()  # every shard is on disk before the checkpoint can become visible
-    if rank == 0:
-        if tokenizer is not None:
-            tokenizer.save(os.path.join(tmp, "tokenizer.json"))
-        files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
-                 for d, _, fs in os.walk(tmp) for f in fs}
-        meta = dict(meta, step=step, world_size=len(layout), layers_per_rank=layout, files=files)
-        _write_synced(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
-        os.replace(tmp, final)
-        _fsync_dir(checkpoint_dir)
         for old in complete_checkpoints(checkpoint_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+@contextlib.contextmanager
+def _save_errors(tmp: str):
+    """Turn a failed write into one line: the cause, and what state the checkpoint directory is left in."""
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointException) as e:
+        directory = os.path.dirname(tmp) or "."
+        cause = _root_cause(e)
+        try:  # torch.save reports a full disk as "unexpected pos ...": say what it means
+            usage = shutil.disk_usage(directory)
+            if usage.free < max(64 * 2**20, usage.total // 100):
+                cause = f"the disk is full: {usage.free / 2**20:.0f} MiB free of {usage.total / 2**20:.0f} MiB"
+        except OSError:
+            pass
+        newest = latest(directory)
+        kept = f"the newest complete one, {newest}, is untouched" if newest else "there is no complete one yet"
+        raise UsageError(f"--checkpoint-dir: saving {tmp} failed ({cause}); the partial save is removed and {kept}; "
+                         "free space (or choose another --checkpoint-dir) and rerun the same command to resume") \
+            from None
+
+
+def _root_cause(e: BaseException) -> str:
+    if isinstance(e, CheckpointException):  # DCP collects each failed rank's exception
+        first = next(iter(e.failures.values()), None)
+        e = first[0] if isinstance(first, tuple) else (first or e)
+    if isinstance(e, OSError):
+        return "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
 
 
 def _write_synced(path: str, text: str) -> None:
@@ -177,16 +231,6 @@ def _rng_state() -> dict:
 # ----------------------------------------------------------------------------------------------------------
 # Loading
 
-def check_compatible(path: str, meta: dict, config: LlamaConfig) -> None:
-    saved = meta.get("config", {})
-    current = dataclasses.asdict(config)
-    diff = [f"{k}={saved.get(k)!r} (now {v!r})" for k, v in current.items() if saved.get(k) != v]
-    if diff:
-        raise UsageError(f"--checkpoint-dir: {path} holds another model: {', '.join(diff)}; use the flags it was "
-                         "trained with (--model, --layers, --tokenizer/--vocab-size), another --checkpoint-dir, "
-                         "or --fresh")
-
-
 def verify_files(path: str, meta: dict) -> None:
     """Every file the save wrote is there with its size, and the index holds only DCP's own classes.
 
@@ -206,11 +250,10 @@ def verify_files(path: str, meta: dict) -> None:
         raise UsageError(f"--checkpoint-dir: refusing {path}/.metadata: {e}") from None
 
 
-def load(path: str, model, optimizer, config: LlamaConfig, rank: int, world_size: int) -> dict:
-    """Load this rank's stage from the checkpoint at path, collectively. Returns its meta.json."""
+def load(path: str, model, optimizer, rank: int, world_size: int) -> dict:
+    """Load this rank's stage, AdamW state and RNG from the checkpoint at path, collectively. Returns its meta.json.
+    The caller has checked that the checkpoint is of this run (resume)."""
     meta = read_meta(path)
-    check_compatible(path, meta, config)
-    verify_files(path, meta)
     state = _state(model, optimizer)
     _dcp_load(state, path)
     set_model_state_dict(model, state["model"], options=_OPTIONS)
@@ -272,23 +315,109 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 # ----------------------------------------------------------------------------------------------------------
 # What the training scripts call
 
-def resume(args, env, model, optimizer, config, loader, say=print) -> int:
-    """Continue from the newest complete checkpoint (or move old ones aside with --fresh). Returns the step."""
+# The flags that define what a run computes, besides the model itself (meta.json's "config"). A rerun on the same
+# --checkpoint-dir must have the checkpoint's values, or it would continue another run with this one's weights,
+# AdamW state and data position. --steps is among them because the LR schedule is a function of it: a cosine
+# recomputed for a longer run would jump the LR back up. The other flags (--microbatches, the number of
+# processes, --schedule, --trace, --metrics, ...) change how the same numbers are computed, and are free.
+RUN_FLAGS = ("seed", "data", "seq_len", "batch_size", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip",
+             "init_from")
+
+
+def run_identity(args, tokenizer=None) -> dict:
+    """What a checkpoint records of its run, to compare on resume: RUN_FLAGS, the data files' sizes and (when
+    given) the tokenizer."""
+    identity = {**{flag: getattr(args, flag) for flag in RUN_FLAGS},
+                "data_files": {path: os.path.getsize(path) for path in data.local_files(args.data)}}
+    if tokenizer is not None:
+        identity["tokenizer"] = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
+    return identity
+
+
+def check_same_run(args, path: str, config: LlamaConfig | None = None, tokenizer=None) -> dict:
+    """Raise a one-line UsageError naming each flag (old → new) in which this run differs from the checkpoint
+    at path; compares the model and the tokenizer too when given. Returns the checkpoint's meta.json."""
+    meta = read_meta(path)
+    identity = run_identity(args, tokenizer)
+    saved = meta.get("run", identity)  # checkpoints from before this record existed are compared by model only
+    found = []
+    if config is not None:
+        found += [f"model {field} {meta['config'].get(field)} → {value} (--model, --layers, --init-from)"
+                  for field, value in dataclasses.asdict(config).items() if meta["config"].get(field) != value]
+    for flag in RUN_FLAGS:
+        old, new = saved.get(flag), identity[flag]
+        if old != new and not (flag == "steps" and new <= meta["step"]):  # fewer steps than done: nothing to run
+            found.append(f"--{flag.replace('_', '-')} {old} → {new}")
+    if tokenizer is not None and saved.get("tokenizer", identity["tokenizer"]) != identity["tokenizer"]:
+        found.append("--tokenizer/--vocab-size: another tokenizer")
+    for file, size in identity["data_files"].items():
+        if saved.get("data_files", {}).get(file, size) != size:
+            found.append(f"--data {file}: {saved['data_files'][file]} → {size} bytes (the file changed)")
+    if found:
+        raise UsageError(f"--checkpoint-dir {args.checkpoint_dir}: {os.path.basename(path)} is another run: "
+                         f"{'; '.join(found)}. Rerun with its flags to continue it, add --fresh to start over "
+                         f"(its checkpoints are moved aside), or start a new run from its weights with "
+                         f"--init-from {path} --checkpoint-dir NEW_DIR")
+    return meta
+
+
+def resume(args, env, model, optimizer, config, tokenizer, loader, say=print) -> int:
+    """Continue the run in --checkpoint-dir from its newest complete checkpoint, exactly, or refuse one line
+    naming each changed flag. With --fresh, move its checkpoints aside first; with nothing to resume and
+    --init-from, start from those weights. Collective. Returns the step done (>= --steps: nothing left to do)."""
     if args.fresh:
-        if env.rank == 0 and (aside := set_aside(args.checkpoint_dir)):
-            say(f"--fresh: moved the previous checkpoints to {aside}", flush=True)
-        dist.barrier()
-        return 0
-    path = latest(args.checkpoint_dir)
+        with collective_errors():
+            if env.rank == 0:
+                try:
+                    aside = set_aside(args.checkpoint_dir)
+                except OSError as e:
+                    raise UsageError(f"--fresh: cannot move the checkpoints in {args.checkpoint_dir} aside "
+                                     f"({e.strerror})") from None
+                if aside:
+                    say(f"--fresh: moved the previous checkpoints to {aside}", flush=True)
+    path = None if args.fresh else latest(args.checkpoint_dir)
     if path is None:
+        if args.init_from is not None:
+            source = load_weights(args.init_from, model)
+            say(f"initialized from the weights of {source} (a new run: new AdamW state, LR schedule and data "
+                "order)", flush=True)
         return 0
-    meta = load(path, model, optimizer, config, env.rank, env.world_size)
+    with collective_errors():
+        meta = check_same_run(args, path, config, tokenizer)
+        verify_files(path, meta)
+    if meta["step"] >= args.steps:
+        say(f"{path} is step {meta['step']}: --steps {args.steps} are done, nothing to train", flush=True)
+        return meta["step"]
+    load(path, model, optimizer, env.rank, env.world_size)
     if loader is not None:
         loader.load_state_dict(meta["data"])
     say(f"resumed from {path} at step {meta['step']} (saved by {meta['world_size']} process(es))", flush=True)
-    if meta["step"] >= args.steps:
-        say(f"already trained {meta['step']} steps (--steps {args.steps}): nothing to do", flush=True)
     return meta["step"]
+
+
+def load_weights(source: str, model) -> str:
+    """Only the model's weights from a checkpoint (--init-from), each rank its own stage's; collective."""
+    with collective_errors():
+        path = resolve(source, "--init-from")
+        verify_files(path, read_meta(path))
+    state = {"model": get_model_state_dict(model, options=_OPTIONS)}
+    _dcp_load(state, path)
+    set_model_state_dict(model, state["model"], options=_OPTIONS)
+    return path
+
+
+def model_config(args, vocab_size: int, device_type: str) -> tuple[LlamaConfig, str]:
+    """The model to train, and a name for it: --init-from's model, else the preset's with the tokenizer's
+    vocabulary and --layers."""
+    if args.init_from is None:
+        preset = flags.model_preset(args, device_type)
+        return config_from_preset(preset, vocab_size, args.layers), preset
+    path = resolve(args.init_from, "--init-from")
+    config = LlamaConfig(**read_meta(path)["config"])
+    if config.vocab_size != vocab_size:
+        raise UsageError(f"--tokenizer: {vocab_size} tokens, but --init-from {args.init_from} has a vocabulary of "
+                         f"{config.vocab_size}; leave --tokenizer out to use its own tokenizer")
+    return config, f"from {path}"
 
 
 def save_if_due(args, env, step: int, model, optimizer, config, loader, tokenizer) -> str | None:
@@ -299,7 +428,7 @@ def save_if_due(args, env, step: int, model, optimizer, config, loader, tokenize
 
 
 def save_run(args, env, step: int, model, optimizer, config, loader, tokenizer) -> str:
-    meta = {"config": dataclasses.asdict(config),
+    meta = {"config": dataclasses.asdict(config), "run": run_identity(args, tokenizer),
             "data": loader.state_dict() if loader is not None else None,  # rank 0 (first stage) always has one
             "args": vars(args), "torch": torch.__version__}
     return save(args.checkpoint_dir, step, model, optimizer, meta, env.rank, args.keep_checkpoints, tokenizer)
@@ -318,13 +447,18 @@ def export(checkpoint: str, output_file: str) -> str:
     model.to_empty(device="cpu")  # every saved tensor is loaded below; buffers are not part of the export
     state = {"model": model.state_dict()}
     _dcp_load(state, path, no_dist=True)
-    os.makedirs(os.path.dirname(os.path.abspath(output_file)), exist_ok=True)
-    torch.save(state["model"], output_file + ".tmp")
-    os.replace(output_file + ".tmp", output_file)
-    with open(output_file + ".config.json", "w") as f:
-        json.dump(meta["config"], f, indent=1)
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        shutil.copyfile(os.path.join(path, "tokenizer.json"), output_file + ".tokenizer.json")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(output_file)), exist_ok=True)
+        torch.save(state["model"], output_file + ".tmp")
+        os.replace(output_file + ".tmp", output_file)
+        with open(output_file + ".config.json", "w") as f:
+            json.dump(meta["config"], f, indent=1)
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            shutil.copyfile(os.path.join(path, "tokenizer.json"), output_file + ".tokenizer.json")
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        if os.path.exists(output_file + ".tmp"):
+            os.remove(output_file + ".tmp")
+        raise UsageError(f"cannot write {output_file} ({_root_cause(e)}); choose another output file") from None
     return path
 
 

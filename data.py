@@ -4,8 +4,10 @@
 
     builtin                    the .py sources of this Python's standard library: ~11 MB of real text that is
                                on every machine, so the default run needs no download
-    PATH[,PATH...]             local .txt (one document per paragraph), .jsonl/.json or .parquet files (a "text"
-                               column), read with the `datasets` builders of the same names
+    PATH[,PATH...]             local .txt (UTF-8, one document per paragraph), .jsonl (one JSON object per line,
+                               its "text" string is the document) or .parquet files (a string "text" column),
+                               read with the `datasets` builders of the same names; every file is checked
+                               before training (validate_files)
     hf:NAME[:CONFIG[:SPLIT]]   a Hugging Face dataset, streamed (e.g. hf:HuggingFaceFW/fineweb:sample-10BT):
                                training starts as soon as the first documents arrive
 
@@ -30,12 +32,12 @@ import sysconfig
 import torch
 from torch import Tensor
 
-from runtime import UsageError
+from runtime import FlagError, UsageError, collective_errors
 
 SPECIAL_TOKENS = ("[PAD]", "[BOT]", "[EOT]")
 IGNORE_INDEX = -100  # target value that the loss skips; [PAD] targets are mapped to it
 TOKENIZER_TRAIN_CHARS = 20_000_000  # a trained tokenizer sees at most this much text
-_FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -53,20 +55,99 @@ def builtin_files() -> list[str]:
 
 
 def check_data_spec(spec: str) -> None:
-    """Raise UsageError for a --data value that cannot work, before any heavy work starts."""
+    """Raise FlagError for a --data value that cannot work whatever the files hold."""
     if spec == "builtin" or (spec.startswith("hf:") and len(spec) > 3):
         return
     paths = [p for p in spec.split(",") if p]
     if not paths:
-        raise UsageError("--data: empty; use builtin, local files or hf:NAME[:CONFIG]")
-    for path in paths:
+        raise FlagError("--data: empty; use builtin, local files or hf:NAME[:CONFIG]")
+    exts = {os.path.splitext(p)[1].lower() for p in paths}
+    if len(exts) != 1 or next(iter(exts)) not in _FILE_BUILDERS:
+        raise FlagError(f"--data: files must share one extension out of {sorted(_FILE_BUILDERS)}, "
+                        f"got {sorted(exts)}")
+
+
+def local_files(spec: str) -> list[str]:
+    return [] if spec == "builtin" or spec.startswith("hf:") else [p for p in spec.split(",") if p]
+
+
+def check_files(spec: str) -> None:
+    """Every local file of --data exists and can be opened (cheap; the contents: validate_files)."""
+    for path in local_files(spec):
         if not os.path.isfile(path):
             raise UsageError(f"--data: no such file {path!r}; give existing .txt/.jsonl/.parquet files, "
                              "builtin, or hf:NAME[:CONFIG]")
-    exts = {os.path.splitext(p)[1].lower() for p in paths}
-    if len(exts) != 1 or next(iter(exts)) not in _FILE_BUILDERS:
-        raise UsageError(f"--data: files must share one extension out of {sorted(_FILE_BUILDERS)}, "
-                         f"got {sorted(exts)}")
+        try:
+            open(path, "rb").close()
+        except OSError as e:
+            raise UsageError(f"--data {path}: cannot be read ({e.strerror})") from None
+
+
+def validate_files(spec: str, cache_dir: str) -> None:
+    """Check every local file of --data through to its end, before training: .txt decodes as UTF-8, each .jsonl
+    line is a JSON object with a "text" string, each .parquet file has a string "text" column. The first problem
+    is a UsageError naming the file and line. A file that passed is remembered (by path, size and modification
+    time) under cache_dir, so a rerun does not read it again."""
+    for path in local_files(spec):
+        stat = os.stat(path)
+        key = hashlib.sha256(f"v1|{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+        marker = os.path.join(cache_dir, "validated", key[:16])
+        if os.path.isfile(marker):
+            continue
+        {".txt": _validate_text, ".jsonl": _validate_jsonl, ".parquet": _validate_parquet}[
+            os.path.splitext(path)[1].lower()](path)
+        _atomic_write(marker, lambda tmp: open(tmp, "w").close())
+
+
+def _validate_text(path: str) -> None:
+    lines_before = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            chunk += f.readline()  # end on a line break, so no character is cut in two
+            try:
+                chunk.decode("utf-8")
+            except UnicodeDecodeError as e:
+                line = lines_before + chunk.count(b"\n", 0, e.start) + 1
+                column = e.start - (chunk.rfind(b"\n", 0, e.start) + 1)
+                raise UsageError(f"--data {path}, line {line}: not UTF-8 text ({e.reason} at byte {column} of the "
+                                 "line); give text files in UTF-8") from None
+            lines_before += chunk.count(b"\n")
+
+
+def _validate_jsonl(path: str) -> None:
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue  # blank lines are skipped by the reader too
+            where = f"--data {path}, line {number}"
+            try:
+                row = json.loads(raw)
+            except UnicodeDecodeError as e:
+                raise UsageError(f"{where}: not UTF-8 ({e.reason})") from None
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one "
+                                 "JSON object") from None
+            if not isinstance(row, dict):
+                raise UsageError(f"{where}: a JSON {type(row).__name__}, not an object with a \"text\" string")
+            if not isinstance(row.get("text"), str):
+                found = f"\"text\" is {json.dumps(row['text'])[:40]}" if "text" in row else \
+                    f"no \"text\" field (it has {sorted(row)[:5]})"
+                raise UsageError(f"{where}: {found}; every row needs a \"text\" string (fix or drop that row)")
+
+
+def _validate_parquet(path: str) -> None:
+    import pyarrow as pa  # comes with datasets
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError) as e:
+        raise UsageError(f"--data {path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
+    if "text" not in schema.names:
+        raise UsageError(f"--data {path}: no \"text\" column (it has {schema.names[:5]}); documents are read "
+                         "from a string column named text")
+    if not pa.types.is_string(schema.field("text").type) and not pa.types.is_large_string(schema.field("text").type):
+        raise UsageError(f"--data {path}: the \"text\" column holds {schema.field('text').type}, not strings")
 
 
 def open_stream(spec: str):
@@ -99,7 +180,26 @@ def iter_documents(spec: str):
     """The texts of a source in order. Opens the source now, so a bad spec fails here and not mid-iteration."""
     if spec == "builtin":
         return map(_read_file, builtin_files())
-    return (example["text"] or "" for example in open_stream(spec))
+    return _documents(open_stream(spec), spec)
+
+
+def _documents(dataset, spec: str, read: int = 0):
+    """The "text" of each row of a streamed dataset, checked as it arrives: a row without a text string, or a
+    row the source cannot deliver, is a UsageError that says which document (counted from the epoch's start)."""
+    rows = iter(dataset)
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except Exception as e:  # a streamed source that breaks mid-way (a bad shard, the network)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise UsageError(f"--data {spec}: cannot read document {read + 1} ({first})") from None
+        read += 1
+        if not isinstance(row.get("text"), str):
+            raise UsageError(f"--data {spec}: document {read} has no text ({row.get('text')!r}); every row needs "
+                             "a \"text\" string")
+        yield row["text"]
 
 
 def _source_fingerprint(spec: str) -> str:
@@ -245,34 +345,41 @@ class StreamedWindows(_Windows):
         self.spec, self.tokenizer = spec, tokenizer
         self.buffer: list[int] = []
         self.epoch = 0
-        self._start_epoch(None)
+        self._start_epoch(None, 0)
+        while len(self.buffer) < seq_len + 1:  # read the first window now: an unreadable source fails here
+            self._read()
 
-    def _start_epoch(self, stream_state: dict | None) -> None:
+    def _start_epoch(self, stream_state: dict | None, documents: int) -> None:
         self._dataset = open_stream(self.spec)
         if stream_state is not None:
             self._dataset.load_state_dict(stream_state)
-        self._iter = iter(self._dataset)
+        self._iter = _documents(self._dataset, self.spec, documents)
         self._stream_state = copy.deepcopy(self._dataset.state_dict())
         self._from_start = stream_state is None
-        self._docs_this_epoch = 0
+        self._documents = documents  # read so far in this epoch, so an error can say which one
+        self._tokens_this_epoch = 0
 
     def _read(self) -> None:
         texts = []
-        for example in self._iter:
-            texts.append(example["text"] or "")
+        for text in self._iter:
+            texts.append(text)
             if len(texts) == self.DOCS_PER_READ:
                 break
         # The saved position must match the tokens now buffered: take it right after the documents were read.
         self._stream_state = copy.deepcopy(self._dataset.state_dict())
         if not texts:
-            if self._from_start and self._docs_this_epoch == 0:
-                raise UsageError(f"--data {self.spec}: no documents found")
+            if self._from_start and self._tokens_this_epoch < self.seq_len + 1:
+                # Like the builtin loader: a window must fit, or every batch would repeat the same few tokens.
+                raise UsageError(f"--data {self.spec}: {self._tokens_this_epoch} tokens in all"
+                                 f"{' (no documents)' if not self._documents else ''}, less than one window of "
+                                 f"--seq-len + 1 = {self.seq_len + 1}; use a shorter --seq-len or more data")
             self.epoch += 1
-            self._start_epoch(None)
+            self._start_epoch(None, 0)
             return
-        self._docs_this_epoch += len(texts)
+        self._documents += len(texts)
         for ids in _encode_documents(self.tokenizer, texts):
             self.buffer.extend(ids)
+            self._tokens_this_epoch += len(ids)
 
     def _next_window(self) -> Tensor:
         while len(self.buffer) < self.seq_len + 1:
@@ -285,11 +392,12 @@ class StreamedWindows(_Windows):
         return f"{self.spec} streamed in order, packed into windows of {self.seq_len + 1}, no padding"
 
     def state_dict(self) -> dict:
-        return {"kind": "streamed", "epoch": self.epoch, "stream": self._stream_state, "buffer": list(self.buffer)}
+        return {"kind": "streamed", "epoch": self.epoch, "stream": self._stream_state, "buffer": list(self.buffer),
+                "documents": self._documents}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.buffer = state["epoch"], list(state["buffer"])
-        self._start_epoch(state["stream"])
+        self._start_epoch(state["stream"], state.get("documents", 0))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -322,17 +430,16 @@ def setup(args, local_rank: int, needs_batches: bool):
     stage: targets; middle stages read nothing).
 
     One process per machine builds the caches (tokenizer training, tokenized corpus) while the others wait,
-    then every rank reads them. Collective: call it on every rank.
+    then every rank reads them. Collective: call it on every rank; a problem any rank finds stops them all.
     """
-    import torch.distributed as dist
-
-    if local_rank == 0:
-        prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
-    dist.barrier()
-    tokenizer = prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
+    with collective_errors():  # also the barrier the other processes of a machine wait in
+        if local_rank == 0:
+            prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
     loader = None
-    if needs_batches:
-        loader = make_loader(args.data, tokenizer, args.seq_len, args.batch_size, args.seed, args.cache_dir)
+    with collective_errors():
+        tokenizer = prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
+        if needs_batches:  # reads the first window now, so a source too small for one fails here
+            loader = make_loader(args.data, tokenizer, args.seq_len, args.batch_size, args.seed, args.cache_dir)
     return tokenizer, loader
 
 

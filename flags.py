@@ -7,7 +7,7 @@ import os
 
 import data
 from model import PRESETS
-from runtime import UsageError
+from runtime import FlagError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -21,6 +21,11 @@ def build_parser(doc: str, schedules: list[str], stages_per_rank: bool = False) 
     g.add_argument("--model", choices=sorted(PRESETS), default=None,
                    help="model preset (default: tiny on CPU, small on GPU)")
     g.add_argument("--layers", type=int, default=None, help="override the preset's number of decoder layers")
+    g.add_argument("--init-from", default=None, metavar="CHECKPOINT",
+                   help="start a new run from the weights of a checkpoint of this project (a step-N directory, or "
+                        "a --checkpoint-dir: its newest): the model's shape and tokenizer come from it; optimizer, "
+                        "LR schedule and data order start afresh. Ignored once --checkpoint-dir holds checkpoints "
+                        "of this run (they are resumed)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=300, help="optimizer steps to train for (default: %(default)s)")
     g.add_argument("--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)")
@@ -80,40 +85,50 @@ def model_preset(args, device_type: str) -> str:
     return args.model or ("small" if device_type == "cuda" else "tiny")
 
 
+def num_layers(args, device_type: str) -> int | None:
+    """The model's decoder layers: --layers, else the preset's; None while --init-from's is not read yet
+    (preflight sets --layers from it)."""
+    if args.layers is not None or args.init_from is not None:
+        return args.layers
+    return PRESETS[model_preset(args, device_type)].get("num_hidden_layers", 12)
+
+
 def check_args(args, world_size: int, device_type: str) -> None:
-    """Every mistake that can be seen from the flags alone, checked identically on every rank before any work."""
+    """Every mistake that can be seen from the flags alone, checked identically on every rank before any work.
+    (What needs the files the flags name, preflight.py checks next, on every rank.)"""
     positive = {"--steps": args.steps, "--batch-size": args.batch_size, "--microbatches": args.microbatches,
                 "--seq-len": args.seq_len, "--vocab-size": args.vocab_size}
     for flag, value in positive.items():
         if value < 1:
-            raise UsageError(f"{flag} must be at least 1, got {value}")
+            raise FlagError(f"{flag} must be at least 1, got {value}")
     if args.keep_checkpoints < 1:
-        raise UsageError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
+        raise FlagError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
     if not math.isfinite(args.timeout) or args.timeout <= 0:
-        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+        raise FlagError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     for flag, value in {"--warmup-steps": args.warmup_steps, "--checkpoint-every": args.checkpoint_every}.items():
         if value < 0:
-            raise UsageError(f"{flag} must be 0 or more, got {value}")
+            raise FlagError(f"{flag} must be 0 or more, got {value}")
     for flag, value in {"--lr": args.lr, "--weight-decay": args.weight_decay, "--grad-clip": args.grad_clip}.items():
         if not math.isfinite(value) or value < 0 or (flag == "--lr" and value == 0):
-            raise UsageError(f"{flag} must be a finite {'positive' if flag == '--lr' else 'non-negative'} "
-                             f"number, got {value}")
+            raise FlagError(f"{flag} must be a finite {'positive' if flag == '--lr' else 'non-negative'} "
+                            f"number, got {value}")
     if args.batch_size % args.microbatches:
-        raise UsageError(f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}; "
-                         "make the batch a multiple of the microbatch count")
-    preset = PRESETS[model_preset(args, device_type)]
-    num_layers = args.layers if args.layers is not None else preset.get("num_hidden_layers", 12)
-    if num_layers < 1:
-        raise UsageError(f"--layers must be at least 1, got {num_layers}")
-    if world_size > num_layers:
-        raise UsageError(f"{world_size} processes but the model has {num_layers} layers: each stage needs a layer; "
-                         f"run at most {num_layers} processes or raise --layers")
-    max_positions = preset.get("max_position_embeddings", 2048)
-    if args.seq_len > max_positions:
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {max_positions} positions; "
-                         f"use --seq-len {max_positions} or less")
+        raise FlagError(f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}; "
+                        "make the batch a multiple of the microbatch count")
+    if args.layers is not None and args.layers < 1:
+        raise FlagError(f"--layers must be at least 1, got {args.layers}")
+    if args.init_from is None:  # else the model's shape comes from there, and preflight checks it
+        check_model(num_layers(args, device_type),
+                    PRESETS[model_preset(args, device_type)].get("max_position_embeddings", 2048), world_size,
+                    args.seq_len)
     data.check_data_spec(args.data)
-    if args.tokenizer is not None and not os.path.isfile(args.tokenizer):
-        raise UsageError(f"--tokenizer: no such file {args.tokenizer!r}; give a tokenizers JSON file or leave the "
-                         "flag out to train one on --data")
 
+
+def check_model(num_layers: int, max_positions: int, world_size: int, seq_len: int) -> None:
+    """What the model's shape allows: a layer per stage, and --seq-len within its positions."""
+    if world_size > num_layers:
+        raise FlagError(f"{world_size} processes but the model has {num_layers} layers: each stage needs a layer; "
+                        f"run at most {num_layers} processes or raise --layers")
+    if seq_len > max_positions:
+        raise FlagError(f"--seq-len {seq_len} exceeds the model's {max_positions} positions; "
+                        f"use --seq-len {max_positions} or less")

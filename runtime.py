@@ -12,7 +12,49 @@ import torch.distributed as dist
 
 
 class UsageError(Exception):
-    """A mistake in the command line or its inputs: reported in one line, exit status 2, no traceback."""
+    """A mistake in the command line or its inputs: reported in one line, exit status 2, no traceback.
+
+    on_every_rank: every rank raises this same error, so one line per node is enough (see collective_errors)."""
+
+    def __init__(self, message: str, on_every_rank: bool = False):
+        super().__init__(message)
+        self.on_every_rank = on_every_rank
+
+
+class FlagError(UsageError):
+    """A mistake seen in the flags alone. Every rank got the same command line, so every rank raises it."""
+
+    def __init__(self, message: str):
+        super().__init__(message, on_every_rank=True)
+
+
+@contextlib.contextmanager
+def collective_errors(group=None):
+    """Run a block on every rank; if it raises a UsageError on any rank, raise that error on every rank.
+
+    A problem that one rank finds (a file its node cannot read, a tokenizer only the rank that builds the
+    caches opens, a checkpoint directory that one node cannot write) would otherwise end that rank alone: the
+    others would wait for it until --timeout and report a lost peer, and torchrun would name a rank that did
+    nothing wrong. The block itself must not start a collective that a failing rank would skip. Costs one
+    all-reduce of one number when nothing failed.
+    """
+    error = None
+    try:
+        yield
+    except UsageError as e:
+        error = e
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    failed = torch.tensor([error is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if not failed.item():
+        return
+    messages = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, None if error is None else str(error), group=group)
+    found = [rank for rank, message in enumerate(messages) if message is not None]
+    message = messages[found[0]]
+    if len(found) < len(messages):  # say where, when only some ranks (nodes) have the problem
+        message += f" (found on rank{'s' if len(found) > 1 else ''} {', '.join(map(str, found))})"
+    raise UsageError(message, on_every_rank=True) from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -82,7 +124,9 @@ def run(main, args) -> None:
     try:
         main(args)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        # An error every rank raised is printed once per node (by its first process), any other by its rank.
+        if not e.on_every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

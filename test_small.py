@@ -29,6 +29,7 @@ import checkpoint
 import data
 import metrics
 import model as model_module
+import preflight
 import runtime
 import timeline
 import train_pipeline_gpipe as gpipe
@@ -344,12 +345,13 @@ def test_readme_command_trains_saves_and_resumes(tmp_path, cache_dir):
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, [r["loss"] for r in rows]
     assert (tmp_path / "checkpoints" / "step-00000012" / "meta.json").is_file()
 
-    args[1] = "14"
+    # The same command again: the run is done, nothing is trained and the metrics file keeps its summary.
+    written = (tmp_path / "m.jsonl").read_text()
     result = launch(3, "train_pipeline_gpipe.py", *args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from checkpoints/step-00000012 at step 12" in result.stdout
-    rows, _ = read_metrics(tmp_path / "m.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, 15))
+    assert "checkpoints/step-00000012 is step 12: --steps 12 are done, nothing to train" in result.stdout
+    assert (tmp_path / "m.jsonl").read_text() == written
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000012"]  # lock released
 
 
 def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, cache_dir):
@@ -357,7 +359,7 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, cache_dir):
     bad_tokenizer.write_text("not a tokenizer")
     ckpt = tmp_path / "ckpt" / "step-00000001"
     ckpt.mkdir(parents=True)
-    (ckpt / "meta.json").write_text("{}")
+    (ckpt / "meta.json").write_text('{"step": 1, "config": {}, "files": {}}')
     common = ["--cache-dir", cache_dir, "--checkpoint-dir", str(tmp_path / "ckpt")]
     cases = {  # flags -> the flag the message must name
         ("--batch-size", "10", "--microbatches", "4"): "--microbatches",
@@ -397,7 +399,7 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, cache_dir):
         if flags[0] != "torchrun":
             assert result.stderr.strip() == errors[0], (flags, result.stderr)  # one line, no traceback
             assert result.returncode == 2
-    assert (ckpt / "meta.json").read_text() == "{}"
+    assert (ckpt / "meta.json").read_text() == '{"step": 1, "config": {}, "files": {}}'
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000001"]
 
 
@@ -531,7 +533,7 @@ def reference_run(tmp_path_factory, cache_dir):
 
 
 def complete_and_partial(checkpoint_dir: Path):
-    names = sorted(p.name for p in checkpoint_dir.iterdir()) if checkpoint_dir.is_dir() else []
+    names = sorted(p.name for p in checkpoint_dir.glob("step-*")) if checkpoint_dir.is_dir() else []
     return [n for n in names if not n.endswith(".tmp")], [n for n in names if n.endswith(".tmp")]
 
 
@@ -611,15 +613,19 @@ def test_dead_rank_with_max_restarts_resumes_and_finishes(tmp_path, cache_dir, r
     assert [r["loss"] for r in rows] == [r["loss"] for r in reference]
 
 
+def launch_ranks(world_size: int, script: str, *args, cwd) -> list:
+    """Start every rank by hand, as torchrun would, so each one's exit status and output can be seen."""
+    port = str(free_port())
+    return [launch(0, script, *args, cwd=cwd, wait=False,
+                   env=dict(script_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+            for rank in range(world_size)]
+
+
 def test_a_hung_peer_stops_the_job_after_the_timeout(tmp_path, cache_dir):
-    # Ranks started by hand (as torchrun would), so nothing but --timeout can stop the waiting ones.
-    port = str(29500 + os.getpid() % 1000)
-    procs = []
-    for rank in range(3):
-        env = dict(script_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="3", LOCAL_WORLD_SIZE="3",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(launch(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--steps", "1000", "--timeout", "3",
-                            "--cache-dir", cache_dir, "--metrics", "m.jsonl", cwd=tmp_path, wait=False, env=env))
+    # Ranks started by hand, so nothing but --timeout can stop the waiting ones.
+    procs = launch_ranks(3, "train_pipeline_gpipe.py", *RESUME_ARGS, "--steps", "1000", "--timeout", "3",
+                         "--cache-dir", cache_dir, "--metrics", "m.jsonl", cwd=tmp_path)
     while not (tmp_path / "m.jsonl").is_file() or not (tmp_path / "m.jsonl").read_text():
         assert all(p.poll() is None for p in procs), [finish(p).stderr[-2000:] for p in procs]
         time.sleep(0.05)
@@ -652,7 +658,7 @@ def test_wrong_model_damaged_or_tampered_checkpoints_fail_in_one_line(tmp_path, 
     meta = json.loads(meta_file.read_text())
     meta["files"][".metadata"] = evil.stat().st_size
     meta_file.write_text(json.dumps(meta))
-    expected = {"wrong_model": "num_hidden_layers=4 (now 3)", "truncated": "is damaged", "tampered": "refusing"}
+    expected = {"wrong_model": "model num_hidden_layers 4 → 3", "truncated": "is damaged", "tampered": "refusing"}
     for name in expected:
         layers = ["--layers", "3"] if name == "wrong_model" else []
         runs[name] = launch(0, "train_pipeline_gpipe.py", *RESUME_ARGS, *layers, "--cache-dir", cache_dir,
@@ -704,6 +710,244 @@ def test_export_writes_the_pipelines_weights_for_one_process(tmp_path, reference
                             cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("def read_config(path):") and len(result.stdout) > 30, result.stdout
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Never lose a run: checks before training, one run per checkpoint directory, exact resume or a refusal
+
+def one_line_error(result, *expected):
+    """A plain-python run that stopped with exit status 2 and one line on stderr that names what is wrong."""
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    for text in expected:
+        assert text in result.stderr, (text, result.stderr)
+
+
+def mount_tmpfs(path: Path, options: str):
+    """A tmpfs at path (root only: permissions do not stop root, a read-only or full filesystem does)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small or read-only tmpfs")
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True,
+                            text=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    path = tmp_path / "read-only"
+    if os.geteuid() != 0:  # an ordinary user is stopped by permissions
+        path.mkdir()
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    mount_tmpfs(path, "ro,size=1m")
+    yield path
+    subprocess.run(["umount", str(path)])
+
+
+def test_unusable_output_paths_stop_every_script_before_any_work(tmp_path, cache_dir, read_only_dir,
+                                                                 reference_run):
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-dir").mkdir()
+    quick = ["--layers", "2", "--steps", "1", "--batch-size", "2", "--microbatches", "1", "--seq-len", "16",
+             "--cache-dir", cache_dir]
+    cases = {  # (script, flags) -> what the line must say
+        ("train_pipeline_gpipe.py", "--checkpoint-dir", "a-file"): ["--checkpoint-dir a-file", "is a file"],
+        ("train_pipeline_afab_manual.py", "--checkpoint-dir", "a-file"): ["--checkpoint-dir a-file", "is a file"],
+        ("train_pipeline_tracer.py", "--checkpoint-dir", "a-file"): ["--checkpoint-dir a-file", "is a file"],
+        ("train_pipeline_gpipe.py", "--checkpoint-dir", str(read_only_dir)): ["--checkpoint-dir", "cannot write"],
+        ("train_pipeline_gpipe.py", "--checkpoint-dir", str(read_only_dir / "new")): ["--checkpoint-dir",
+                                                                                        "cannot be created"],
+        ("train_pipeline_gpipe.py", "--metrics", str(read_only_dir / "m.jsonl")): ["--metrics", "cannot be created"],
+        ("train_pipeline_gpipe.py", "--trace", str(read_only_dir / "t.json")): ["--trace", "cannot be created"],
+        ("train_pipeline_gpipe.py", "--metrics", "a-dir"): ["--metrics a-dir", "is a directory"],
+        ("train_pipeline_gpipe.py", "--trace", "a-file/t.json"): ["--trace", "a-file is a file"],
+    }
+    procs = {case: launch(0, case[0], *quick, *case[1:], cwd=tmp_path, wait=False) for case in cases}
+    export = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), "export",
+                             str(reference_run[0] / "checkpoints"), str(read_only_dir / "tiny.pt")],
+                            capture_output=True, text=True, env=script_env())
+    for case, proc in procs.items():
+        one_line_error(finish(proc), *cases[case])
+    one_line_error(export, "cannot write", "tiny.pt")
+    # Nothing was written: no default checkpoint directory, no lock, no metrics file.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-dir", "a-file", "read-only"]
+    assert list((tmp_path / "a-dir").iterdir()) == []
+
+
+def test_one_run_per_checkpoint_directory(tmp_path, cache_dir):
+    args = [*RESUME_ARGS, "--steps", "1000", "--cache-dir", cache_dir, "--checkpoint-dir", "shared"]
+    first = launch(0, "train_pipeline_gpipe.py", *args, "--metrics", "m.jsonl", cwd=tmp_path, wait=False)
+    try:
+        while not (tmp_path / "m.jsonl").is_file() or not (tmp_path / "m.jsonl").read_text():
+            assert first.poll() is None, finish(first).stderr[-2000:]
+            time.sleep(0.05)
+        second = launch(0, "train_pipeline_gpipe.py", *args, cwd=tmp_path)
+        one_line_error(second, "--checkpoint-dir shared: another run is using it",
+                       f"pid {first.pid} on {socket.gethostname()}")
+        assert first.poll() is None  # the first run goes on undisturbed
+    finally:
+        kill_job(first)  # like a machine losing power: the lock stays behind
+        first.communicate()
+    assert (tmp_path / "shared" / "run.lock").is_file()
+    # Its holder is gone (same host, dead pid): the next run takes the lock over at once and releases it.
+    result = launch(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--steps", "2", "--cache-dir", cache_dir,
+                    "--checkpoint-dir", "shared", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["step-00000002"]
+
+
+def test_a_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path, monkeypatch):
+    lock_file = tmp_path / "run.lock"
+    # A lock of a run on another host: refused while its heartbeat is fresh, taken over once it is stale.
+    lock_file.write_text(json.dumps({"host": "node-elsewhere", "pid": 4242, "started": "2026-01-01 00:00:00"}))
+    with pytest.raises(runtime.UsageError, match="another run is using it \\(pid 4242 on node-elsewhere"):
+        preflight.RunLock.acquire(str(tmp_path))
+    stale = time.time() - preflight.STALE_SECONDS - 5
+    os.utime(lock_file, (stale, stale))
+    monkeypatch.setattr(preflight, "HEARTBEAT_SECONDS", 0.05)
+    lock = preflight.RunLock.acquire(str(tmp_path))
+    assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+    os.utime(lock_file, (stale, stale))
+    time.sleep(0.5)
+    assert time.time() - lock_file.stat().st_mtime < preflight.STALE_SECONDS  # the holder's heartbeat
+    lock.release()
+    assert not lock_file.exists()
+    # An earlier attempt of the same torchrun job (a lower restart count) is taken over at once, wherever it ran.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    lock_file.write_text(json.dumps({"host": "node-elsewhere", "pid": 4242, "started": "2026-01-01 00:00:00",
+                                     "run_id": "job-7", "restart": 0}))
+    with pytest.raises(runtime.UsageError, match="another run"):  # a new launch with the same id is not a restart
+        preflight.RunLock.acquire(str(tmp_path), restart=0)
+    preflight.RunLock.acquire(str(tmp_path), restart=1).release()
+    assert not lock_file.exists()
+
+
+def test_resume_refuses_changed_flags_and_touches_nothing(tmp_path, cache_dir, reference_run):
+    reference_dir, _ = reference_run
+    other = tmp_path / "other.txt"
+    other.write_text("\n\n".join(DOCS * 20))
+    cases = {  # the run was --steps 16 --seq-len 32 --batch-size 8 --lr 1e-2 --seed 0 on builtin, stopped at 8
+        "longer": (["--steps", "32"], ["--steps 16 → 32"]),
+        "several": (["--seq-len", "64", "--seed", "1", "--batch-size", "16", "--lr", "0.02"],
+                    ["--seq-len 32 → 64", "--seed 0 → 1", "--batch-size 8 → 16", "--lr 0.01 → 0.02"]),
+        "data": (["--data", str(other)], [f"--data builtin → {other}"]),
+    }
+    procs = {}
+    for name, (flags, _) in cases.items():
+        shutil.copytree(reference_dir / "checkpoints" / "step-00000008", tmp_path / name / "step-00000008")
+        procs[name] = launch(0, "train_pipeline_gpipe.py", *RESUME_ARGS, *flags, "--cache-dir", cache_dir,
+                             "--checkpoint-dir", name, cwd=tmp_path, wait=False)
+    for name, proc in procs.items():
+        result = finish(proc)
+        one_line_error(result, "--checkpoint-dir", "step-00000008 is another run", *cases[name][1], "--fresh",
+                       f"--init-from {name}/step-00000008 --checkpoint-dir NEW_DIR")
+        assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["step-00000008"]  # no lock left behind
+
+
+def test_a_text_file_run_refuses_other_data_and_restarts_from_its_weights(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(DOCS * 10))
+    args = ["--layers", "2", "--steps", "2", "--batch-size", "4", "--microbatches", "2", "--seq-len", "16",
+            "--vocab-size", "300", "--cache-dir", str(tmp_path / "cache"), "--data", str(corpus)]
+    result = launch(0, "train_pipeline_gpipe.py", *args, "--checkpoint-every", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    shutil.rmtree(tmp_path / "checkpoints" / "step-00000002")  # as if stopped after step 1
+    builtin = launch(0, "train_pipeline_gpipe.py", *args[:-2], cwd=tmp_path, wait=False)
+    with corpus.open("a") as f:
+        f.write("\n\nmore text")
+    grown = launch(0, "train_pipeline_gpipe.py", *args, cwd=tmp_path, wait=False)
+    one_line_error(finish(builtin), f"--data {corpus} → builtin")
+    one_line_error(finish(grown), f"--data {corpus}:", "bytes (the file changed)")
+    # The way out it names: a new run from the checkpoint's weights (shape and tokenizer come from it).
+    result = launch(0, "train_pipeline_gpipe.py", *args[:-2], "--init-from", "checkpoints", "--checkpoint-dir", "new",
+                    "--steps", "1", "--metrics", "m.jsonl", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "initialized from the weights of checkpoints/step-00000001" in result.stdout
+    assert "model from checkpoints/step-00000001: 2 layers" in result.stdout
+
+
+def test_bad_data_is_one_line_naming_file_and_line_before_training(tmp_path, cache_dir):
+    good = write_docs(tmp_path, "jsonl")
+    (tmp_path / "binary.txt").write_bytes(b"fine text\n\nmore\n\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c", oops}\n')
+    (tmp_path / "no-text.jsonl").write_text('{"text": "a"}\n\n{"content": "b"}\n')
+    (tmp_path / "null-text.jsonl").write_text('{"text": null}\n')
+    (tmp_path / "tiny.txt").write_text("too short for one window")
+    quick = ["--layers", "2", "--steps", "1", "--batch-size", "2", "--microbatches", "1", "--seq-len", "64",
+             "--vocab-size", "300", "--cache-dir", cache_dir]
+    cases = {
+        "binary.txt": ["binary.txt, line 4: not UTF-8 text"],
+        "broken.jsonl": ["broken.jsonl, line 3: not valid JSON"],
+        f"{good},no-text.jsonl": ["no-text.jsonl, line 3: no \"text\" field (it has ['content'])"],  # a later file
+        "null-text.jsonl": ["null-text.jsonl, line 1: \"text\" is null"],
+        "tiny.txt": ["--data tiny.txt:", "tokens in all, less than one window of --seq-len + 1 = 65"],
+    }
+    procs = {spec: launch(0, "train_pipeline_gpipe.py", *quick, "--data", spec, "--checkpoint-dir", f"ckpt{i}",
+                          cwd=tmp_path, wait=False) for i, spec in enumerate(cases)}
+    for spec, proc in procs.items():
+        one_line_error(finish(proc), *cases[spec])
+    assert not list(tmp_path.glob("ckpt*"))  # the checkpoint directories they created for their lock are gone
+
+
+def test_a_problem_one_rank_finds_ends_every_rank_with_the_same_line(tmp_path, cache_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "bad-tokenizer.json").write_text("not a tokenizer")
+    pq.write_table(pa.table({"content": DOCS}), tmp_path / "no-text.parquet")
+    # A null text far into the file: the files are checked only for their columns, so the streamed reader
+    # finds it mid-run, on the ranks that read data (the first and last of 3); the middle one must not hang.
+    pq.write_table(pa.table({"text": DOCS + [None] + DOCS}), tmp_path / "late-null.parquet")
+    tokenizer = data.tokenizer_cache_path("builtin", 8192, cache_dir)
+    quick = ["--layers", "3", "--steps", "100", "--batch-size", "4", "--microbatches", "2", "--seq-len", "32",
+             "--cache-dir", cache_dir, "--timeout", "60"]
+    cases = {  # name: (ranks, flags, what every rank's line says)
+        "tokenizer": (2, ["--tokenizer", "bad-tokenizer.json"], "--tokenizer: 'bad-tokenizer.json' is not"),
+        "column": (2, ["--data", "no-text.parquet"], "no \"text\" column (it has ['content'])"),
+        "mid-run": (3, ["--data", "late-null.parquet", "--tokenizer", tokenizer, "--metrics", "m.jsonl"],
+                    "late-null.parquet: document 61 has no text (None)"),
+    }
+    jobs = {}
+    for name, (ranks, flags, _) in cases.items():
+        (tmp_path / name).mkdir()
+        for f in ("bad-tokenizer.json", "no-text.parquet", "late-null.parquet"):
+            os.link(tmp_path / f, tmp_path / name / f)
+        jobs[name] = launch_ranks(ranks, "train_pipeline_gpipe.py", *quick, *flags, cwd=tmp_path / name)
+    for name, procs in jobs.items():
+        results = [finish(proc, timeout=120) for proc in procs]
+        assert [r.returncode for r in results] == [2] * len(procs), (name, [r.stderr[-1500:] for r in results])
+        errors = [line for r in results for line in r.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and cases[name][2] in errors[0], (name, errors)  # one line per node
+        assert not any("lost contact" in r.stderr or "Traceback" in r.stderr for r in results), name
+    rows, _ = read_metrics(tmp_path / "mid-run" / "m.jsonl")
+    assert len(rows) >= 2  # it did fail mid-run
+
+
+def test_a_full_disk_stops_the_save_cleanly_and_the_rerun_resumes(tmp_path, cache_dir):
+    # Each checkpoint of this run takes about 36 MB: room for two, not three.
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "size=95m")
+    try:
+        args = [*RESUME_ARGS, "--steps", "4", "--checkpoint-every", "1", "--cache-dir", cache_dir,
+                "--checkpoint-dir", str(disk / "ckpt")]
+        result = launch(2, "train_pipeline_gpipe.py", *args, "--keep-checkpoints", "2", cwd=tmp_path)
+        assert result.returncode != 0
+        errors = re.findall(r"error: .*", result.stderr)  # after the last rank's progress bar, maybe on its line
+        assert len(errors) == 1 and "step-00000003.tmp failed (the disk is full" in errors[0], result.stderr[-3000:]
+        assert f"the newest complete one, {disk}/ckpt/step-00000002, is untouched" in errors[0]
+        assert "lost contact" not in result.stderr
+        assert complete_and_partial(disk / "ckpt") == (["step-00000001", "step-00000002"], [])  # no partial save
+        shutil.rmtree(disk / "ckpt" / "step-00000001")  # the user frees space
+        result = launch(2, "train_pipeline_gpipe.py", *args, "--keep-checkpoints", "1", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"resumed from {disk}/ckpt/step-00000002 at step 2" in result.stdout
+        assert complete_and_partial(disk / "ckpt") == (["step-00000004"], [])
+    finally:
+        subprocess.run(["umount", str(disk)])
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -19,12 +19,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checkpoint
 import data
 import flags
+import preflight
 import runtime
 import timeline
 import training
-from model import LlamaForPretraining, config_from_preset
+from model import LlamaForPretraining
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -283,6 +285,7 @@ def main(args):
     env = runtime.launch_env(args.device)
     flags.check_args(args, env.world_size, env.device.type)
     runtime.init_process_group(env, args.timeout)
+    preflight.check(args, env)  # paths, inputs, one run per --checkpoint-dir: one line on every rank if wrong
     is_first, is_last = env.rank == 0, env.rank == env.world_size - 1
     say = print if is_first else (lambda *a, **k: None)
 
@@ -290,8 +293,8 @@ def main(args):
     tokenizer, loader = data.setup(args, env.local_rank, needs_batches=is_first or is_last)
 
     # --- model, split, schedule: the full model on meta, this rank's slice kept, then materialized
-    preset = flags.model_preset(args, env.device.type)
-    config = config_from_preset(preset, tokenizer.get_vocab_size(), args.layers)
+    with runtime.collective_errors():
+        config, name = checkpoint.model_config(args, tokenizer.get_vocab_size(), env.device.type)
     with torch.device("meta"):
         model = LlamaForPretraining(config)
     partition = partition_model(model, env.rank, env.world_size)
@@ -299,7 +302,7 @@ def main(args):
     model.init_weights(args.seed)
     model.train()
     train_step = SCHEDULES[args.schedule]
-    say(runtime.describe_run(preset, config, env, f"{args.schedule} by hand"), flush=True)
+    say(runtime.describe_run(name, config, env, f"{args.schedule} by hand"), flush=True)
     if loader is not None:
         say(f"data: {loader.describe()}", flush=True)
 

@@ -26,12 +26,14 @@ from torch.distributed.pipelining import (
     PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble)
 
+import checkpoint
 import data
 import flags
+import preflight
 import runtime
 import timeline
 import training
-from model import PRESETS, LlamaForPretraining, config_from_preset
+from model import LlamaForPretraining
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
              "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
@@ -52,36 +54,37 @@ def stage_ids(schedule: str, rank: int, world_size: int, stages_per_rank: int) -
 # ----------------------------------------------------------------------------------------------------------
 # The split: one stage of the model, built without ever allocating the rest
 
-def check_schedule(args, world_size: int, num_layers: int) -> None:
-    """What each schedule requires of the flags, checked before any work (torch 2.13's own checks)."""
+def check_schedule(args, world_size: int, num_layers: int | None = None) -> None:
+    """What each schedule requires of the flags, checked before any work (torch 2.13's own checks); the stage
+    count against the layers too, once num_layers is known (--init-from: after preflight)."""
     name, m = args.schedule, args.microbatches
     if name in SINGLE_STAGE:
         per_rank = 1
     elif name in V_SHAPED:
         if args.stages_per_rank != 2:
-            raise runtime.UsageError(f"--stages-per-rank {args.stages_per_rank}: {name} places exactly 2 stages "
-                                     "on each rank in a V; use --stages-per-rank 2")
+            raise runtime.FlagError(f"--stages-per-rank {args.stages_per_rank}: {name} places exactly 2 stages "
+                                    "on each rank in a V; use --stages-per-rank 2")
         per_rank = 2
     else:
         per_rank = args.stages_per_rank
         if per_rank < 1:
-            raise runtime.UsageError(f"--stages-per-rank must be at least 1, got {per_rank}")
+            raise runtime.FlagError(f"--stages-per-rank must be at least 1, got {per_rank}")
     stages = world_size * per_rank
-    if stages > num_layers:
-        raise runtime.UsageError(f"{world_size} processes x {per_rank} stages per rank = {stages} stages, but the "
-                                 f"model has {num_layers} layers; lower --stages-per-rank or raise --layers")
+    if num_layers is not None and stages > num_layers:
+        raise runtime.FlagError(f"{world_size} processes x {per_rank} stages per rank = {stages} stages, but the "
+                                f"model has {num_layers} layers; lower --stages-per-rank or raise --layers")
     if name in ("1f1b", "dualpipev") and m < stages:
-        raise runtime.UsageError(f"--microbatches {m}: {name} needs at least as many microbatches as stages "
-                                 f"({stages}); use --microbatches {stages} or more")
+        raise runtime.FlagError(f"--microbatches {m}: {name} needs at least as many microbatches as stages "
+                                f"({stages}); use --microbatches {stages} or more")
     rounds = max(1, m // world_size)
     if name in ("interleaved1f1b", "interleavedzerobubble") and m % rounds:
-        raise runtime.UsageError(f"--microbatches {m}: {name} needs a multiple of max(1, microbatches // "
-                                 f"processes) = {rounds}; use a multiple of {world_size}")
+        raise runtime.FlagError(f"--microbatches {m}: {name} needs a multiple of max(1, microbatches // "
+                                f"processes) = {rounds}; use a multiple of {world_size}")
 
 
-def rank_stages(args, env: runtime.Env, preset: str) -> tuple[list[int], int]:
+def rank_stages(args, env: runtime.Env) -> tuple[list[int], int]:
     """Check what --schedule requires, then this rank's stage indices and the total number of stages."""
-    check_schedule(args, env.world_size, args.layers or PRESETS[preset].get("num_hidden_layers", 12))
+    check_schedule(args, env.world_size, flags.num_layers(args, env.device.type))
     stages = stage_ids(args.schedule, env.rank, env.world_size, args.stages_per_rank)
     return stages, env.world_size * len(stages)
 
@@ -165,7 +168,7 @@ def schedule_for(name: str, pipeline_stages: list, microbatches: int, recorder: 
             return SCHEDULES[name](pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss)
         return SCHEDULES[name](pipeline_stages, n_microbatches=microbatches, loss_fn=loss)
     except ValueError as e:  # a requirement check_schedule does not know about (a newer torch, say)
-        raise runtime.UsageError(f"--schedule {name} with --microbatches {microbatches}: {e}") from None
+        raise runtime.FlagError(f"--schedule {name} with --microbatches {microbatches}: {e}") from None
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -200,9 +203,10 @@ def train_step(schedule, env: runtime.Env, inputs, targets) -> torch.Tensor | No
 def main(args):
     env = runtime.launch_env(args.device)
     flags.check_args(args, env.world_size, env.device.type)
+    check_schedule(args, env.world_size, flags.num_layers(args, env.device.type))
     runtime.init_process_group(env, args.timeout)
-    preset = flags.model_preset(args, env.device.type)
-    stages, num_stages = rank_stages(args, env, preset)
+    preflight.check(args, env)  # paths, inputs, one run per --checkpoint-dir: one line on every rank if wrong
+    stages, num_stages = rank_stages(args, env)
     has_first, has_last = 0 in stages, num_stages - 1 in stages  # V-shaped: rank 0 holds both
     say = print if env.rank == 0 else (lambda *a, **k: None)
 
@@ -210,13 +214,14 @@ def main(args):
     tokenizer, loader = data.setup(args, env.local_rank, needs_batches=has_first or has_last)
 
     # --- model, split, schedule
-    config = config_from_preset(preset, tokenizer.get_vocab_size(), args.layers)
+    with runtime.collective_errors():
+        config, name = checkpoint.model_config(args, tokenizer.get_vocab_size(), env.device.type)
     model = build_stage_model(config, stages, num_stages, env.device, args.seed)
     model.train()
     recorder = timeline.Recorder() if args.trace else None
     schedule = make_schedule(args.schedule, model, stages, num_stages, env, args.microbatches,
                              (args.batch_size // args.microbatches, args.seq_len), recorder)
-    say(runtime.describe_run(preset, config, env, f"{args.schedule} (torch.distributed.pipelining)", num_stages),
+    say(runtime.describe_run(name, config, env, f"{args.schedule} (torch.distributed.pipelining)", num_stages),
         flush=True)
     if loader is not None:
         say(f"data: {loader.describe()}", flush=True)

@@ -25,13 +25,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import SplitPoint, pipeline
 
+import checkpoint
 import data
 import flags
+import preflight
 import runtime
 import timeline
 import training
-from model import LlamaForPretraining, config_from_preset, init_tensor_
-from train_pipeline_gpipe import SCHEDULES, rank_stages, schedule_for, step_function
+from model import LlamaForPretraining, init_tensor_
+from train_pipeline_gpipe import SCHEDULES, check_schedule, rank_stages, schedule_for, step_function
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -154,9 +156,10 @@ def _merged(modules: list[torch.nn.Module]) -> torch.nn.Module:
 def main(args):
     env = runtime.launch_env(args.device)
     flags.check_args(args, env.world_size, env.device.type)
+    check_schedule(args, env.world_size, flags.num_layers(args, env.device.type))
     runtime.init_process_group(env, args.timeout)
-    preset = flags.model_preset(args, env.device.type)
-    stages, num_stages = rank_stages(args, env, preset)
+    preflight.check(args, env)  # paths, inputs, one run per --checkpoint-dir: one line on every rank if wrong
+    stages, num_stages = rank_stages(args, env)
     has_first, has_last = 0 in stages, num_stages - 1 in stages  # V-shaped: rank 0 holds both
     say = print if env.rank == 0 else (lambda *a, **k: None)
 
@@ -164,7 +167,8 @@ def main(args):
     tokenizer, loader = data.setup(args, env.local_rank, needs_batches=has_first or has_last)
 
     # --- model, split, schedule
-    config = config_from_preset(preset, tokenizer.get_vocab_size(), args.layers)
+    with runtime.collective_errors():
+        config, name = checkpoint.model_config(args, tokenizer.get_vocab_size(), env.device.type)
     started = time.perf_counter()
     built, model = build_traced_stages(config, stages, num_stages, env.device, args.seed,
                                        (args.batch_size // args.microbatches, args.seq_len))
@@ -175,7 +179,7 @@ def main(args):
     if recorder is not None:
         recorder.instrument(built)
     schedule = schedule_for(args.schedule, built, args.microbatches, recorder)
-    say(runtime.describe_run(preset, config, env, f"{args.schedule}, split by the tracer (pipeline + SplitPoint)",
+    say(runtime.describe_run(name, config, env, f"{args.schedule}, split by the tracer (pipeline + SplitPoint)",
                              num_stages), flush=True)
     say("traced and built the stages in " + ", ".join(f"{t:.2f}" for t in trace_seconds) + " s (per rank)",
         flush=True)

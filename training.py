@@ -13,6 +13,7 @@ import tqdm
 import checkpoint
 import data
 import metrics
+import runtime
 import timeline
 
 
@@ -75,8 +76,10 @@ def train(args, env, model, step_fn, config, tokenizer, loader, *, has_first: bo
     # --- optimizer
     optimizer = make_optimizer(model, args)
 
-    # --- resume from the newest complete checkpoint, if any
-    step = checkpoint.resume(args, env, model, optimizer, config, loader, say)
+    # --- resume from the newest complete checkpoint, if any (or start from --init-from's weights)
+    step = checkpoint.resume(args, env, model, optimizer, config, tokenizer, loader, say)
+    if step >= args.steps:
+        return  # nothing to train: the metrics file, and everything else, stays as it was
     resumed = step > 0
 
     # --- training loop
@@ -85,33 +88,36 @@ def train(args, env, model, step_fn, config, tokenizer, loader, *, has_first: bo
                           tokens_seen=step * args.batch_size * args.seq_len)
     meter = metrics.ActivationMeter(model.parameters()) if args.measure_activations else None
     record = record or args.trace is not None
-    bar = tqdm.tqdm(total=args.steps, initial=step, disable=not has_last, unit="step", mininterval=1.0)
     recent = collections.deque(maxlen=10)  # (events, step time) of the last steps, for the bubble and --trace
     dist.barrier()
     clock_zero = time.perf_counter()  # ranks leave the barrier together: a shared zero for the trace
-    while step < args.steps:
-        step += 1
-        lr = set_lr(optimizer, step, args)
-        events = timeline.Timeline(env.device, zero=clock_zero) if record else None
-        with metrics.Timer(env.device) as timer:
-            inputs, targets = loader.next_batch() if loader is not None else (None, None)
-            inputs = inputs.to(env.device) if has_first else None
-            targets = targets.to(env.device) if has_last else None
-            optimizer.zero_grad(set_to_none=True)
-            with meter or contextlib.nullcontext():
-                loss = step_fn(inputs, targets, events)
-            grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip)
-            optimizer.step()
-        if record and step > 1:  # the first step pays one-time costs
-            recent.append((events.events, timer.seconds))
-        if has_last:
-            row = log.log(step, loss, lr, targets, timer.seconds, grad_norm, data.IGNORE_INDEX)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
-            bar.update()
-        path = checkpoint.save_if_due(args, env, step, model, optimizer, config, loader, tokenizer)
-        if path and has_last:
-            bar.write(f"saved {path}")
-    bar.close()
+    # As a context, the bar ends its line also when the run stops with an error, which then reads on its own.
+    with tqdm.tqdm(total=args.steps, initial=step, disable=not has_last, unit="step", mininterval=1.0) as bar:
+        while step < args.steps:
+            step += 1
+            lr = set_lr(optimizer, step, args)
+            events = timeline.Timeline(env.device, zero=clock_zero) if record else None
+            with metrics.Timer(env.device) as timer:
+                # A streamed source can fail mid-run (a row without text, a broken shard); the ranks that read it
+                # must not leave the others waiting in the pipeline for a batch that never comes.
+                with runtime.collective_errors():
+                    inputs, targets = loader.next_batch() if loader is not None else (None, None)
+                inputs = inputs.to(env.device) if has_first else None
+                targets = targets.to(env.device) if has_last else None
+                optimizer.zero_grad(set_to_none=True)
+                with meter or contextlib.nullcontext():
+                    loss = step_fn(inputs, targets, events)
+                grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip)
+                optimizer.step()
+            if record and step > 1:  # the first step pays one-time costs
+                recent.append((events.events, timer.seconds))
+            if has_last:
+                row = log.log(step, loss, lr, targets, timer.seconds, grad_norm, data.IGNORE_INDEX)
+                bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+                bar.update()
+            path = checkpoint.save_if_due(args, env, step, model, optimizer, config, loader, tokenizer)
+            if path and has_last:
+                bar.write(f"saved {path}")
     if record:  # measured bubble next to the theoretical one, and the Chrome trace
         timeline.report(env.rank, env.world_size, list(recent), args.microbatches, args.trace)
 
