@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python benchmark.py                     # 2 ranks, 8 microbatches, tiny model
     python benchmark.py --ranks 3 --microbatches 6 --repeats 5 --out bench/
     python benchmark.py --sweep                               # GPipe step time for m = 1, 2, 4, 8, 16
+    python benchmark.py --dp 2                                # 2 stages alone vs 2 stages x 2 replicas
 
 Variants: every schedule of torch.distributed.pipelining (train_pipeline_gpipe.py), the hand-written AFAB
 and 1F1B (train_pipeline_afab_manual.py), and the tracer split (train_pipeline_tracer.py, when present). Each
@@ -41,10 +42,10 @@ VARIANTS = {  # name: (script, schedule)
 BUBBLE = re.compile(r"bubble: measured ([\d.]+)% .*; ([\d.]+)% of each step in send/recv")
 
 
-def run(args, script, schedule, steps, workdir, microbatches=None, extra=()) -> tuple[dict, str]:
+def run(args, script, schedule, steps, workdir, microbatches=None, extra=(), ranks=None) -> tuple[dict, str]:
     """One training run; returns its summary row and stdout."""
     metrics = os.path.join(workdir, "metrics.jsonl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks or args.ranks}",
            os.path.join(ROOT, script), "--schedule", schedule, "--steps", str(steps), "--warmup-steps", "2",
            "--batch-size", str(args.batch_size), "--microbatches", str(microbatches or args.microbatches),
            "--seq-len", str(args.seq_len), "--metrics", metrics, "--checkpoint-dir", os.path.join(workdir, "ckpt"),
@@ -132,6 +133,8 @@ def main(args):
     with tempfile.TemporaryDirectory() as workdir:
         if args.sweep:
             return sweep(args, workdir)
+        if args.dp > 1:
+            return data_parallel(args, workdir)
         for repeat in range(args.repeats):
             for name, (script, schedule) in variants.items():
                 last = repeat == args.repeats - 1
@@ -148,10 +151,10 @@ def main(args):
                       f"{summary['median_step_time'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
         for name, (script, schedule) in variants.items():
             summary, _ = run(args, script, schedule, 3, workdir, extra=["--measure-activations"])
-            results[name]["activation_bytes_per_stage"] = summary["activation_bytes_per_stage"]
+            results[name]["activation_bytes_per_rank"] = summary["activation_bytes_per_rank"]
 
     base = statistics.median(results["gpipe"]["step_times"])
-    gpipe_act = results["gpipe"]["activation_bytes_per_stage"][0]
+    gpipe_act = results["gpipe"]["activation_bytes_per_rank"][0]
     lines = [f"{p} ranks, {m} microbatches, batch {args.batch_size} x {args.seq_len} tokens, {args.repeats} "
              f"alternating runs of {args.steps} steps per variant (OMP_NUM_THREADS="
              f"{os.environ.get('OMP_NUM_THREADS', '1')}). GPipe's theoretical bubble (p-1)/(m+p-1) = "
@@ -160,10 +163,10 @@ def main(args):
              "| peak activations per stage (MiB) | stage 0 vs gpipe |", "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         r["median_step_time"] = median = statistics.median(r["step_times"])
-        mib = ", ".join(f"{b / 2**20:.1f}" for b in r["activation_bytes_per_stage"])
+        mib = ", ".join(f"{b / 2**20:.1f}" for b in r["activation_bytes_per_rank"])
         lines.append(f"| {name} | {median * 1e3:.1f} | {median / base:.2f} | {r['tokens_per_s']:.0f} | "
                      f"{r.get('bubble', float('nan')):.1%} | {r.get('comm_share', float('nan')):.1%} | {mib} | "
-                     f"{r['activation_bytes_per_stage'][0] / gpipe_act:.2f} |")
+                     f"{r['activation_bytes_per_rank'][0] / gpipe_act:.2f} |")
         if "trace" in r and draw(r["trace"], r["trace"].replace(".trace.json", ".png"), name, median):
             r["picture"] = r["trace"].replace(".trace.json", ".png")
     if "trace" in results["gpipe"]:  # step, t_f and t_b all from the one traced run
@@ -175,7 +178,7 @@ def main(args):
         lines.append(f"Against the tighter bound for unequal stages, sum of t_f + t_b + (m - 1) x the slowest's: "
                      f"{step * 1e3:.1f} ms / {bound * 1e3:.1f} ms = {step / bound:.2f}")
     if "1f1b" in results:
-        ratio = results["1f1b"]["activation_bytes_per_stage"][0] / gpipe_act
+        ratio = results["1f1b"]["activation_bytes_per_rank"][0] / gpipe_act
         lines.append(f"Stage-0 activations, 1F1B / GPipe = {ratio:.3f}; p/m = {p / m:.3f} "
                      f"({(ratio / (p / m) - 1):+.0%})")
     finish(args, "\n".join(lines), results)
@@ -187,7 +190,7 @@ def sweep(args, workdir):
     p, times, bounds = args.ranks, {}, {}
     for repeat in range(args.repeats):
         last = repeat == args.repeats - 1
-        for m in (1, 2, 4, 8, 16):
+        for m in args.sweep_microbatches:
             trace = os.path.join(os.path.abspath(args.out), f"sweep_m{m}.trace.json")
             summary, _ = run(args, "train_pipeline_gpipe.py", "gpipe", args.steps, workdir, microbatches=m,
                              extra=["--trace", trace] if last else [])
@@ -196,9 +199,10 @@ def sweep(args, workdir):
                 bounds[m] = (summary["median_step_time"], unequal_stages_bound(trace, m))
             print(f"repeat {repeat + 1}/{args.repeats} m={m}: {summary['median_step_time'] * 1e3:.1f} ms",
                   file=sys.stderr, flush=True)
-    ref = statistics.median(times[16]) / ((16 + p - 1) / 16)
+    top = max(times)
+    ref = statistics.median(times[top]) / ((top + p - 1) / top)
     lines = [f"GPipe, {p} ranks, batch {args.batch_size} x {args.seq_len}: step time vs microbatches m. Model: "
-             f"T(m) = T_work x (m + p - 1) / m (bubble (p-1)/(m+p-1)), T_work fitted at m = 16. Bound: "
+             f"T(m) = T_work x (m + p - 1) / m (bubble (p-1)/(m+p-1)), T_work fitted at m = {top}. Bound: "
              f"sum of the stages' t_f + t_b + (m - 1) x the slowest's, timed in the last run at each m.", "",
              "| m | bubble (p-1)/(m+p-1) | measured step (ms) | model (ms) | measured / model "
              "| traced step (ms) | bound (ms) | traced / bound |", "|---|---|---|---|---|---|---|---|"]
@@ -208,6 +212,34 @@ def sweep(args, workdir):
         lines.append(f"| {m} | {(p - 1) / (m + p - 1):.1%} | {measured * 1e3:.1f} | {predicted * 1e3:.1f} | "
                      f"{measured / predicted:.2f} | {traced * 1e3:.1f} | {bound * 1e3:.1f} | {traced / bound:.2f} |")
     finish(args, "\n".join(lines), {str(m): t for m, t in times.items()}, name="sweep")
+
+
+def data_parallel(args, workdir):
+    """--ranks pipeline stages alone, then the same stages x --dp replicas (FSDP2), at the same global batch,
+    alternating: step time, and the bytes of parameters, gradients and AdamW state each rank holds."""
+    p, dp = args.ranks, args.dp
+    layouts = {f"{p} stages": (p, []), f"{p} stages x {dp} replicas": (p * dp, ["--dp", str(dp)])}
+    results = {name: {"step_times": []} for name in layouts}
+    for repeat in range(args.repeats):
+        for name, (ranks, extra) in layouts.items():
+            summary, _ = run(args, "train_pipeline_gpipe.py", "gpipe", args.steps, workdir, extra=extra, ranks=ranks)
+            results[name]["step_times"].append(summary["median_step_time"])
+            results[name]["summary"] = summary
+            print(f"repeat {repeat + 1}/{args.repeats} {name}: median step {summary['median_step_time'] * 1e3:.1f} "
+                  "ms", file=sys.stderr, flush=True)
+    base = statistics.median(results[f"{p} stages"]["step_times"])
+    lines = [f"GPipe, {p} stages, batch {args.batch_size} x {args.seq_len} (global), {args.microbatches} microbatches "
+             f"per replica, {args.repeats} alternating runs of {args.steps} steps; {os.cpu_count()} CPU cores shared "
+             "by all processes.", "",
+             "| layout | processes | median step (ms) | vs no replicas | tokens/s | params per rank (MiB) "
+             "| grads per rank (MiB) | AdamW state per rank (MiB) |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        r["median_step_time"] = median = statistics.median(r["step_times"])
+        held = [", ".join(f"{b / 2**20:.2f}" for b in r["summary"][f"{kind}_bytes_per_rank"])
+                for kind in ("param", "grad", "optimizer")]
+        lines.append(f"| {name} | {layouts[name][0]} | {median * 1e3:.1f} | {median / base:.2f} | "
+                     f"{r['summary']['tokens_per_s']:.0f} | {' | '.join(held)} |")
+    finish(args, "\n".join(lines), results, name="data_parallel")
 
 
 def finish(args, table: str, results: dict, name: str = "results") -> None:
@@ -228,11 +260,20 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (default: %(default)s)")
     parser.add_argument("--variants", default=None,
                         help="comma-separated subset of (gpipe always runs): " + ", ".join(VARIANTS))
-    parser.add_argument("--sweep", action="store_true", help="time GPipe at m = 1, 2, 4, 8, 16 instead")
+    parser.add_argument("--sweep", action="store_true", help="time GPipe against the microbatch count instead")
+    parser.add_argument("--sweep-microbatches", default="1,2,4,8,16",
+                        help="the microbatch counts --sweep runs (default: %(default)s)")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="compare --ranks stages alone with --ranks stages x DP data-parallel replicas "
+                             "(FSDP2) at the same global batch instead")
     parser.add_argument("--out", default="bench", help="output folder (default: %(default)s)")
     parser.add_argument("script_args", nargs="*", help="more flags for every run, after --")
     args = parser.parse_args()
     # Every run's first step is left out of its median and of its trace: a run needs a second step.
-    if args.repeats < 1 or args.steps < 2:
-        parser.error("--repeats must be at least 1 and --steps at least 2")
+    if args.repeats < 1 or args.steps < 2 or args.dp < 1:
+        parser.error("--repeats and --dp must be at least 1 and --steps at least 2")
+    try:
+        args.sweep_microbatches = [int(m) for m in args.sweep_microbatches.split(",")]
+    except ValueError:
+        parser.error(f"--sweep-microbatches: {args.sweep_microbatches!r} is not a comma-separated list of counts")
     main(args)

@@ -28,9 +28,10 @@ def build_parser(doc: str, schedules: list[str], stages_per_rank: bool = False) 
                         "of this run (they are resumed)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=300, help="optimizer steps to train for (default: %(default)s)")
-    g.add_argument("--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)")
+    g.add_argument("--batch-size", type=int, default=16,
+                   help="sequences per step, over all data-parallel replicas (default: %(default)s)")
     g.add_argument("--microbatches", type=int, default=4,
-                   help="microbatches each step's batch is split into (default: %(default)s)")
+                   help="microbatches each replica's share of the batch is split into (default: %(default)s)")
     g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: %(default)s)")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
     g.add_argument("--warmup-steps", type=int, default=30,
@@ -72,6 +73,10 @@ def build_parser(doc: str, schedules: list[str], stages_per_rank: bool = False) 
     g.add_argument("--measure-activations", action="store_true",
                    help="count the bytes of activations held for backward (saved-tensor hooks) and report "
                         "each stage's peak in the summary")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas of the pipeline, each stage sharded over them with FSDP2; the "
+                        "processes must be a multiple: pipeline stages = processes / dp (default: %(default)s)")
     g = p.add_argument_group("system")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda:LOCAL_RANK with NCCL and bf16 when a GPU is present, else CPU, gloo, fp32")
@@ -112,23 +117,28 @@ def check_args(args, world_size: int, device_type: str) -> None:
         if not math.isfinite(value) or value < 0 or (flag == "--lr" and value == 0):
             raise FlagError(f"{flag} must be a finite {'positive' if flag == '--lr' else 'non-negative'} "
                             f"number, got {value}")
-    if args.batch_size % args.microbatches:
-        raise FlagError(f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}; "
-                        "make the batch a multiple of the microbatch count")
+    if args.dp < 1:
+        raise FlagError(f"--dp must be at least 1, got {args.dp}")
+    if world_size % args.dp:
+        raise FlagError(f"--dp {args.dp}: {world_size} processes cannot be split into {args.dp} replicas; start a "
+                        f"multiple of {args.dp} processes (stages x replicas) or change --dp")
+    if args.batch_size % (args.dp * args.microbatches):
+        raise FlagError(f"--batch-size {args.batch_size} is not divisible by --dp {args.dp} x --microbatches "
+                        f"{args.microbatches}; each replica splits its equal share of the batch into the microbatches")
     if args.layers is not None and args.layers < 1:
         raise FlagError(f"--layers must be at least 1, got {args.layers}")
     if args.init_from is None:  # else the model's shape comes from there, and preflight checks it
         check_model(num_layers(args, device_type),
-                    PRESETS[model_preset(args, device_type)].get("max_position_embeddings", 2048), world_size,
-                    args.seq_len)
+                    PRESETS[model_preset(args, device_type)].get("max_position_embeddings", 2048),
+                    world_size // args.dp, args.seq_len)
     data.check_data_spec(args.data)
 
 
-def check_model(num_layers: int, max_positions: int, world_size: int, seq_len: int) -> None:
-    """What the model's shape allows: a layer per stage, and --seq-len within its positions."""
-    if world_size > num_layers:
-        raise FlagError(f"{world_size} processes but the model has {num_layers} layers: each stage needs a layer; "
-                        f"run at most {num_layers} processes or raise --layers")
+def check_model(num_layers: int, max_positions: int, stages: int, seq_len: int) -> None:
+    """What the model's shape allows: a layer per pipeline stage, and --seq-len within its positions."""
+    if stages > num_layers:
+        raise FlagError(f"{stages} pipeline stages (processes / --dp) but the model has {num_layers} layers: each "
+                        f"stage needs a layer; run at most {num_layers} stages, raise --dp or raise --layers")
     if seq_len > max_positions:
         raise FlagError(f"--seq-len {seq_len} exceeds the model's {max_positions} positions; "
                         f"use --seq-len {max_positions} or less")

@@ -9,6 +9,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import runtime
 
@@ -48,12 +49,14 @@ class Metrics:
         return row
 
     def finish(self, env: "runtime.Env", positions_per_step: int, meter: "ActivationMeter | None" = None,
-               flops_per_token: float | None = None) -> None:
-        """Collectively gather every stage's peak memory; the rank holding the loss prints and writes a summary.
-        flops_per_token (see model_flops_per_token) adds the MFU on GPUs whose peak is known."""
+               flops_per_token: float | None = None, state_bytes: dict | None = None) -> None:
+        """Collectively gather every rank's peak memory (and what it holds: state_bytes); the rank holding the loss
+        prints and writes a summary. flops_per_token (see model_flops_per_token) adds the MFU on GPUs whose peak
+        is known. Lists "..._per_rank" are in rank order (rank = stage * dp + replica)."""
         gathered = [None] * env.world_size
-        dist.all_gather_object(gathered, (peak_memory_bytes(env.device), meter.peak_bytes if meter else None))
-        peaks = [memory for memory, _ in gathered]
+        dist.all_gather_object(gathered, (peak_memory_bytes(env.device), meter.peak_bytes if meter else None,
+                                          state_bytes))
+        peaks = [memory for memory, _, _ in gathered]
         if self.step_times:
             # The first step includes one-time costs (shape inference, allocator warmup): leave it out if we can.
             steady = self.step_times[1:] or self.step_times
@@ -63,28 +66,47 @@ class Metrics:
                 "median_step_time": sorted(steady)[len(steady) // 2],
                 "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
                 "useful_token_share": tokens_per_step / positions_per_step,
-                "peak_memory_bytes_per_stage": peaks,
+                "peak_memory_bytes_per_rank": peaks,
                 "memory_kind": "cuda max allocated" if env.device.type == "cuda" else "process peak RSS",
             }
             if meter is not None:
-                summary["activation_bytes_per_stage"] = [activations for _, activations in gathered]
+                summary["activation_bytes_per_rank"] = [activations for _, activations, _ in gathered]
+            if state_bytes is not None:
+                for kind in state_bytes:
+                    summary[f"{kind}_bytes_per_rank"] = [held[kind] for _, _, held in gathered]
             peak_flops = gpu_peak_flops(env.device)
             if flops_per_token and peak_flops:  # every rank of the pipeline is one GPU of that kind
                 summary["mfu"] = summary["tokens_per_s"] * flops_per_token / (peak_flops * env.world_size)
             if self.file:
                 self.file.write(json.dumps({"summary": summary}) + "\n")
+            mib = lambda values: ", ".join(f"{b / 2**20:.1f}" for b in values)  # noqa: E731
             print(f"done: {summary['steps']} steps, median step {summary['median_step_time'] * 1e3:.0f} ms, "
                   f"{summary['tokens_per_s']:.0f} tokens/s, {summary['useful_token_share']:.0%} of positions are "
-                  f"text; peak memory per stage ({summary['memory_kind']}, MiB): "
-                  + ", ".join(f"{b / 2**20:.0f}" for b in peaks), flush=True)
+                  f"text; peak memory per rank ({summary['memory_kind']}, MiB): {mib(peaks)}", flush=True)
+            if state_bytes is not None:
+                print("held per rank (MiB): " + "; ".join(f"{kind} {mib(summary[f'{kind}_bytes_per_rank'])}"
+                                                          for kind in state_bytes), flush=True)
             if "mfu" in summary:
                 print(f"MFU {summary['mfu']:.1%} ({flops_per_token / 1e9:.2f} GFLOP per token, bf16 dense peak "
                       f"{gpu_peak_flops(env.device) / 1e12:.0f} TFLOP/s per GPU)", flush=True)
             if meter is not None:
-                print("peak activations held per stage (MiB): " + ", ".join(
-                    f"{b / 2**20:.2f}" for b in summary["activation_bytes_per_stage"]), flush=True)
+                print(f"peak activations held per rank (MiB): {mib(summary['activation_bytes_per_rank'])}",
+                      flush=True)
         if self.file:
             self.file.close()
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this rank holds: with FSDP, its shards only."""
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def size(tensors):
+        return sum(local(t).numel() * local(t).element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    params = list(model.parameters())
+    return {"param": size(params), "grad": size(p.grad for p in params if p.grad is not None),
+            "optimizer": size(v for state in optimizer.state.values() for v in state.values())}
 
 
 def model_flops_per_token(config, seq_len: int) -> float:
@@ -137,8 +159,8 @@ class Timer:
 class ActivationMeter:
     """Peak bytes of activations saved for backward while active, counted through autograd's saved-tensor hooks.
 
-    Parameters (which autograd also saves, e.g. a linear's weight) are not activations and are not counted;
-    a storage saved by several ops counts once.
+    Parameters (which autograd also saves, e.g. a linear's weight) are not activations and are not counted,
+    nor are the unsharded parameters FSDP gathers for the step; a storage saved by several ops counts once.
 
         meter = ActivationMeter(model.parameters())
         with meter:
@@ -147,15 +169,18 @@ class ActivationMeter:
     """
 
     def __init__(self, params):
-        self._params = {p.untyped_storage().data_ptr() for p in params}
+        self._params = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr() for p in params}
         self._live: dict[int, list] = {}  # storage pointer -> [bytes, number of saves still alive]
         self.current = self.peak_bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor):
+        if tensor.device.type == "meta" or isinstance(tensor, torch.nn.Parameter) or \
+                isinstance(tensor._base, torch.nn.Parameter):  # FSDP's gathered parameters (or a view of one)
+            return tensor
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr in self._params or tensor.device.type == "meta":
+        if ptr in self._params:
             return tensor
         entry = self._live.setdefault(ptr, [storage.nbytes(), 0])
         if entry[1] == 0:

@@ -46,7 +46,7 @@ def check(args, env: runtime.Env) -> None:
         for flag, path in (("--metrics", args.metrics), ("--trace", args.trace)):
             if path:
                 check_output_file(flag, path)
-        check_inputs(args, env.world_size)
+        check_inputs(args, env.mesh.pp)
     token = [None]
     with runtime.collective_errors():  # 2. one run per checkpoint directory
         if env.rank == 0:
@@ -138,7 +138,7 @@ def probe_directory(flag: str, path: str, lock_token: str) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # Inputs
 
-def check_inputs(args, world_size: int) -> None:
+def check_inputs(args, stages: int) -> None:
     """Data, tokenizer and --init-from exist and are readable; --init-from fills in the model's shape and the
     tokenizer (its own, unless --tokenizer is given)."""
     data.check_files(args.data)
@@ -153,7 +153,7 @@ def check_inputs(args, world_size: int) -> None:
             raise UsageError(f"--model {args.model}: the model's shape comes from --init-from {args.init_from}; "
                              "leave --model out")
         args.layers = config["num_hidden_layers"]
-        flags.check_model(config["num_hidden_layers"], config["max_position_embeddings"], world_size, args.seq_len)
+        flags.check_model(config["num_hidden_layers"], config["max_position_embeddings"], stages, args.seq_len)
         if args.tokenizer is None and os.path.isfile(os.path.join(source, "tokenizer.json")):
             args.tokenizer = os.path.join(source, "tokenizer.json")
     if args.tokenizer is not None:

@@ -9,6 +9,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 class UsageError(Exception):
@@ -70,6 +71,7 @@ class Env:
     backend: str
     dtype: torch.dtype  # compute dtype: bf16 autocast on GPU, plain fp32 on CPU
     restart: int = 0  # how often torchrun --max-restarts has restarted this job
+    mesh: "Mesh | None" = None  # this process's place among the others; set by init_process_group
 
 
 def launch_env(device_flag: str) -> Env:
@@ -93,7 +95,8 @@ def launch_env(device_flag: str) -> Env:
     return Env(rank, world_size, local_rank, local_world, torch.device("cpu"), "gloo", torch.float32, restart)
 
 
-def init_process_group(env: Env, timeout_s: float) -> None:
+def init_process_group(env: Env, timeout_s: float, dp: int = 1) -> None:
+    """Join the other processes, then arrange them in a mesh of pipeline stages x dp replicas (env.mesh)."""
     # The timeout bounds every collective and send/recv: a peer that died or hangs stops the job with an
     # error after timeout_s instead of leaving the other ranks waiting forever.
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -110,6 +113,58 @@ def init_process_group(env: Env, timeout_s: float) -> None:
                                 timeout=timeout, **kwargs)
     else:  # plain `python script.py`: a group of one, no network rendezvous needed
         dist.init_process_group(env.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    env.mesh = Mesh.build(env, {"pp": env.world_size // dp, "dp": dp})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The mesh: pipeline stages x data-parallel replicas
+
+@dataclasses.dataclass
+class Mesh:
+    """The processes as a grid, "pp" (pipeline stages) outermost, then "dp" (data-parallel replicas).
+
+    Ranks fill the grid row by row: rank = pp_rank * dp + dp_rank. So the dp replicas of one stage are
+    neighbouring ranks, on the same node when dp divides the GPUs per node: FSDP's all-gathers and
+    reduce-scatters, which move a stage's whole parameters and gradients every step, stay on the node's fast
+    links, and only the pipeline's activations (one microbatch's hidden states at a time) cross nodes. A tensor
+    parallel dim would go innermost, ("pp", "dp", "tp"), as its collectives run inside every layer: add it to
+    the sizes given to build() and take its group with group("tp").
+    """
+    device_mesh: DeviceMesh
+
+    @classmethod
+    def build(cls, env: Env, sizes: dict[str, int]) -> "Mesh":
+        # On the device type in use, so FSDP never picks one itself (gloo with CUDA tensors crashes).
+        return cls(init_device_mesh(env.device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes)))
+
+    def size(self, dim: str) -> int:
+        return self.device_mesh.size(self.device_mesh.mesh_dim_names.index(dim))
+
+    def rank(self, dim: str) -> int:
+        return self.device_mesh.get_local_rank(dim)
+
+    def group(self, dim: str):
+        return self.device_mesh.get_group(dim)
+
+    def global_rank(self, dim: str, rank: int) -> int:
+        """The global rank of the process at `rank` along dim, with this process's place along the others."""
+        return dist.get_global_rank(self.group(dim), rank)
+
+    @property
+    def pp(self) -> int:
+        return self.size("pp")
+
+    @property
+    def dp(self) -> int:
+        return self.size("dp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank("pp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank("dp")
 
 
 def autocast(env: Env):
@@ -151,16 +206,19 @@ def _lost_peer(e: Exception) -> bool:
                                       "Connection reset by peer"))
 
 
-def describe_run(preset: str, config, env: Env, how: str, num_stages: int | None = None) -> str:
+def describe_run(name: str, config, env: Env, how: str, num_stages: int | None = None) -> str:
     """One line: the model, how it is split over the stages, and where it runs."""
-    num_stages = num_stages or env.world_size
+    pp, dp = (env.mesh.pp, env.mesh.dp) if env.mesh else (env.world_size, 1)
+    num_stages = num_stages or pp
     stages = []
     for stage, layers in enumerate(layer_split(config.num_hidden_layers, num_stages)):
         text = f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"
         text = ("embed + " if stage == 0 else "") + text + (" + norm + head" if stage == num_stages - 1 else "")
         stages.append(f"[{text}]")
-    return (f"model {preset}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
-            f"{config.vocab_size} | {num_stages} stage(s) on {env.world_size} process(es): {' '.join(stages)} | "
+    where = f"{env.world_size} process(es)" if dp == 1 else \
+        f"{env.world_size} processes = {pp} pipeline rank(s) x {dp} data-parallel replicas (FSDP2)"
+    return (f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
+            f"{config.vocab_size} | {num_stages} stage(s) on {where}: {' '.join(stages)} | "
             f"{how} | {env.device.type} {str(env.dtype).removeprefix('torch.')} {env.backend}")
 
 

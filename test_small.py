@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.pipelining import SplitPoint, pipeline
+from torch.distributed.tensor import DTensor
 
 import benchmark
 import checkpoint
@@ -32,6 +33,8 @@ import model as model_module
 import preflight
 import runtime
 import timeline
+import training
+import train_pipeline_afab_manual as manual
 import train_pipeline_gpipe as gpipe
 import train_pipeline_tracer as tracer
 from model import LlamaConfig, LlamaForPretraining, config_from_preset
@@ -240,31 +243,34 @@ def check_against_unsplit(tmp_path, config, inputs, targets, microbatches, world
 # ----------------------------------------------------------------------------------------------------------
 # The script itself: losses, the README command, bad input
 
-TRAIN_ARGS = ["--layers", "4", "--steps", "5", "--batch-size", "8", "--microbatches", "4", "--seq-len", "32",
+TRAIN_ARGS = ["--layers", "4", "--steps", "6", "--batch-size", "8", "--microbatches", "4", "--seq-len", "32",
               "--warmup-steps", "2", "--lr", "1e-2"]
 
 
-def test_loss_trajectory_is_the_same_at_1_2_3_stages_and_by_hand(tmp_path, cache_dir):
+def test_loss_trajectory_is_the_same_at_any_layout_and_by_hand(tmp_path, cache_dir):
     tokenizer_file = data.tokenizer_cache_path("builtin", 8192, cache_dir)
     runs = {
         # name: (processes (0: plain python), script, extra flags)
         "gpipe1": (0, "train_pipeline_gpipe.py", ["--tokenizer", tokenizer_file]),  # also loads it by path
         "gpipe2": (2, "train_pipeline_gpipe.py", ["--trace", str(tmp_path / "gpipe_trace.json")]),
-        "gpipe3": (3, "train_pipeline_gpipe.py", []),
         "afab3": (3, "train_pipeline_afab_manual.py", ["--trace", str(tmp_path / "trace.json")]),
         "1f1b2": (2, "train_pipeline_afab_manual.py", ["--schedule", "1f1b"]),
+        # 2 stages x 2 data-parallel replicas (FSDP2): each replica trains on half of every batch.
+        "gpipe2x2": (4, "train_pipeline_gpipe.py", ["--dp", "2"]),
+        "tracer2x2": (4, "train_pipeline_tracer.py", ["--dp", "2", "--schedule", "interleaved1f1b"]),
+        "1f1b2x2": (4, "train_pipeline_afab_manual.py", ["--dp", "2", "--schedule", "1f1b"]),
     }
     procs = {name: launch(nproc, script, *TRAIN_ARGS, *extra, "--cache-dir", cache_dir,
                           "--metrics", str(tmp_path / name / "m.jsonl"),
                           "--checkpoint-dir", str(tmp_path / name / "ckpt"), cwd=tmp_path, wait=False)
              for name, (nproc, script, extra) in runs.items()}
-    rows = {}
+    rows, summaries = {}, {}
     for name, proc in procs.items():
         result = finish(proc)
         assert result.returncode == 0, (name, result.stderr[-3000:])
-        rows[name], summary = read_metrics(tmp_path / name / "m.jsonl")
-        assert [r["step"] for r in rows[name]] == [1, 2, 3, 4, 5]
-        assert len(summary[0]["peak_memory_bytes_per_stage"]) == max(runs[name][0], 1)
+        rows[name], (summaries[name],) = read_metrics(tmp_path / name / "m.jsonl")
+        assert [r["step"] for r in rows[name]] == [1, 2, 3, 4, 5, 6]
+        assert len(summaries[name]["peak_memory_bytes_per_rank"]) == max(runs[name][0], 1)
         if name == "afab3":
             assert "bubble: measured" in result.stdout and "theory (p-1)/(m+p-1) = 33.3%" in result.stdout
     for name in runs:
@@ -272,6 +278,11 @@ def test_loss_trajectory_is_the_same_at_1_2_3_stages_and_by_hand(tmp_path, cache
             assert_close_rel(a["loss"], b["loss"], what=f"{name}, step {a['step']} loss")
             assert_close_rel(a["grad_norm"], b["grad_norm"], what=f"{name}, step {a['step']} grad norm")
     assert rows["gpipe1"][0]["grad_norm"] > 1.0  # clipping was active, so the cross-stage norm was exercised
+    # Each replica holds half of its stage's parameters, gradients and AdamW state (ranks 0, 1: stage 0).
+    for kind in ("param", "grad", "optimizer"):
+        alone, sharded = (summaries[name][f"{kind}_bytes_per_rank"] for name in ("gpipe2", "gpipe2x2"))
+        for rank, held in enumerate(sharded):
+            assert held == pytest.approx(alone[rank // 2] / 2, rel=0.01), (kind, alone, sharded)
     # The trace has every rank, and forwards, backwards, sends and recvs of every microbatch.
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
@@ -282,39 +293,94 @@ def test_loss_trajectory_is_the_same_at_1_2_3_stages_and_by_hand(tmp_path, cache
     spans = [e for e in json.loads((tmp_path / "gpipe_trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
     kinds = {rank: [e["cat"] for e in spans if e["tid"] == rank] for rank in (0, 1)}
     assert set(kinds[0]) == {"forward", "backward", "wait"} and set(kinds[1]) == {*kinds[0], "loss"}
-    assert kinds[1].count("loss") == kinds[1].count("forward") == kinds[0].count("backward") == 4 * 4
+    assert kinds[1].count("loss") == kinds[1].count("forward") == kinds[0].count("backward") == 5 * 4  # steps 2-6
 
 
-def test_every_library_schedule_gives_the_same_losses(tmp_path, cache_dir):
-    # 2 processes; the multi-stage schedules cut the 4 layers into 4 stages (looped or V-shaped placement).
-    schedules = ["1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"]
-    reference = None
-    tracer = [f"tracer-{name}" for name in schedules]  # the traced split, same schedules
-    runs = ["gpipe", *schedules, *tracer]
-    for batch in (runs[i:i + 3] for i in range(0, len(runs), 3)):  # 3 jobs at a time on 2 cores
-        procs = {name: launch(2, "train_pipeline_tracer.py" if name.startswith("tracer") else "train_pipeline_gpipe.py",
-                              *TRAIN_ARGS, "--schedule", name.removeprefix("tracer-"), "--cache-dir",
-                              cache_dir, "--metrics", str(tmp_path / name / "m.jsonl"), "--checkpoint-dir",
-                              str(tmp_path / name / "ckpt"), "--measure-activations", cwd=tmp_path, wait=False)
-                 for name in batch}
-        for name, proc in procs.items():
-            result = finish(proc)
-            assert result.returncode == 0, (name, result.stderr[-3000:])
-            if name.removeprefix("tracer-") not in ("gpipe", "1f1b"):
-                assert "4 stage(s) on 2 process(es)" in result.stdout, result.stdout
-        reference = reference or read_metrics(tmp_path / "gpipe" / "m.jsonl")[0]
-        for name in batch:
-            rows, _ = read_metrics(tmp_path / name / "m.jsonl")
-            assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-            for a, b in zip(rows, reference):
-                assert_close_rel(a["loss"], b["loss"], what=f"{name}, step {a['step']}")
-    # 1F1B holds (p - r) of the m = 4 microbatches' activations on rank r, GPipe all of them: nothing more
-    # (e.g. no activations left over from torch's own shape inference, which stage_io makes unnecessary).
-    held = {name: read_metrics(tmp_path / name / "m.jsonl")[1][-1]["activation_bytes_per_stage"]
-            for name in ("gpipe", "1f1b", "tracer-1f1b")}
-    for name in ("1f1b", "tracer-1f1b"):
-        ratios = [a / b for a, b in zip(held[name], held["gpipe"])]
-        assert ratios == pytest.approx([2 / 4, 1 / 4], abs=0.01), (name, ratios)
+def _layout_worker(rank, world_size, store_path, out_dir, config, batch, pp, dp, microbatches):
+    """One training step of every split (by hand, traced, hand-written) and schedule at (pp, dp), as the scripts
+    build them, on real gloo ranks. Saves the full gradients, the global loss and the activations held."""
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    try:
+        env = runtime.Env(rank, world_size, rank, world_size, torch.device("cpu"), "gloo", torch.float32)
+        env.mesh = mesh = runtime.Mesh.build(env, {"pp": pp, "dp": dp})
+        inputs, targets = batch
+        share = len(inputs) // dp  # this replica's rows of the global batch
+        x, y = (t[mesh.dp_rank * share:(mesh.dp_rank + 1) * share] for t in (inputs, targets))
+        shape, m = (share // microbatches, inputs.shape[1]), microbatches
+        results = {}
+        variants = [*(("library", s) for s in gpipe.SCHEDULES), *(("tracer", s) for s in gpipe.SCHEDULES),
+                    *(("manual", s) for s in manual.SCHEDULES)]
+        for split, name in variants:
+            stages = [mesh.pp_rank] if split == "manual" else gpipe.stage_ids(name, mesh.pp_rank, pp, 2)
+            num_stages = pp * len(stages)
+            first, last = 0 in stages, num_stages - 1 in stages
+            if split == "library":
+                model = gpipe.build_stage_model(config, stages, num_stages, env.device, seed=11)
+                schedule = gpipe.make_schedule(name, model, stages, num_stages, env, m, shape)
+            elif split == "tracer":
+                built, model = tracer.build_traced_stages(config, stages, num_stages, env.device, 11, shape, mesh)
+                schedule = gpipe.schedule_for(name, built, m)
+            else:
+                with torch.device("meta"):
+                    model = LlamaForPretraining(config)
+                partition = manual.partition_model(model, mesh.pp_rank, pp, group=mesh.group("pp"))
+                model.to_empty(device="cpu")
+                model.init_weights(11)
+                training.shard_replicas([model], mesh)
+            meter = metrics.ActivationMeter(model.parameters())
+            with meter:
+                if split == "manual":
+                    loss = manual.SCHEDULES[name](partition, x.chunk(m) if first else [None] * m,
+                                                  y.chunk(m) if last else [None] * m, env.device, torch.float32)
+                else:
+                    loss = gpipe.train_step(schedule, env, x if first else None, y if last else None)
+            if last and dp > 1:
+                dist.all_reduce(loss, group=mesh.group("dp"))
+                loss /= dp
+            grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                     for n, p in model.named_parameters()}
+            results[split, name] = {"grads": grads if mesh.dp_rank == 0 else {},
+                                    "loss": loss if last and mesh.dp_rank == 0 else None,
+                                    "activations": meter.peak_bytes}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("pp,dp", [(2, 1), (2, 2)])
+def test_every_split_and_schedule_gives_the_unsplit_gradients(tmp_path, pp, dp):
+    # 4 layers: 2 stages, or 4 with the multi-stage schedules (looped or V-shaped); 4 microbatches per replica.
+    config, microbatches = small_config(layers=4), 4
+    gen = torch.Generator().manual_seed(5)
+    inputs = torch.randint(0, config.vocab_size, (8, 16), generator=gen)
+    targets = torch.randint(0, config.vocab_size, (8, 16), generator=gen)
+    targets[0, :3] = data.IGNORE_INDEX
+    mp.start_processes(_layout_worker, nprocs=pp * dp, start_method="spawn", join=True,
+                       args=(pp * dp, str(tmp_path / "store"), str(tmp_path), config, (inputs, targets), pp, dp,
+                             microbatches))
+    # The unsplit model on this process, fed every replica's microbatches one after another.
+    reference = LlamaForPretraining(config)
+    reference.init_weights(seed=11)
+    losses = []
+    for x, y in zip(inputs.chunk(dp * microbatches), targets.chunk(dp * microbatches)):
+        losses.append(gpipe.loss_fn(reference(x), y))
+        (losses[-1] / (dp * microbatches)).backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(pp * dp)]
+    for variant in ranks[0]:
+        got = {name: g for result in ranks for name, g in result[variant]["grads"].items()}
+        assert sorted(got) == sorted(expected), variant
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-8, msg=f"{variant} {name}")
+        loss = next(result[variant]["loss"] for result in ranks if result[variant]["loss"] is not None)
+        assert_close_rel(loss.item(), torch.stack(losses).mean().item(), what=f"{variant} loss")
+    # 1F1B holds the activations of (p - r) of the m = 4 microbatches on stage r, GPipe all of them: nothing
+    # more (e.g. none left over from torch's own shape inference, which the declared stage_io avoids).
+    for variant in [("library", "1f1b"), ("tracer", "1f1b"), ("manual", "1f1b")]:
+        gpipe_variant = ("manual", "afab") if variant[0] == "manual" else ("library", "gpipe")
+        ratios = [r[variant]["activations"] / r[gpipe_variant]["activations"] for r in ranks]
+        assert ratios == pytest.approx([(pp - r // dp) / microbatches for r in range(pp * dp)], abs=0.01), \
+            (variant, ratios)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -522,10 +588,10 @@ RESUME_ARGS = ["--layers", "4", "--steps", "16", "--batch-size", "8", "--microba
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, cache_dir):
-    """3 stages, 16 steps, never interrupted; checkpoints after steps 4, 8, 12, 16."""
+    """2 stages x 2 replicas, 16 steps, never interrupted; checkpoints after steps 4, 8, 12, 16."""
     directory = tmp_path_factory.mktemp("reference")
-    result = launch(3, "train_pipeline_gpipe.py", *RESUME_ARGS, "--checkpoint-every", "4", "--keep-checkpoints",
-                    "4", "--cache-dir", cache_dir, "--metrics", "m.jsonl", cwd=directory)
+    result = launch(4, "train_pipeline_gpipe.py", *RESUME_ARGS, "--dp", "2", "--checkpoint-every", "4",
+                    "--keep-checkpoints", "4", "--cache-dir", cache_dir, "--metrics", "m.jsonl", cwd=directory)
     assert result.returncode == 0, result.stderr[-3000:]
     rows, _ = read_metrics(directory / "m.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 17))
@@ -538,14 +604,14 @@ def complete_and_partial(checkpoint_dir: Path):
 
 
 def test_sigkill_during_a_save_then_rerun_gives_bit_identical_losses(tmp_path, cache_dir, reference_run):
-    args = [*RESUME_ARGS, "--checkpoint-every", "1", "--keep-checkpoints", "2", "--cache-dir", cache_dir,
-            "--metrics", "m.jsonl"]
+    args = [*RESUME_ARGS, "--dp", "2", "--checkpoint-every", "1", "--keep-checkpoints", "2", "--cache-dir",
+            cache_dir, "--metrics", "m.jsonl"]
     ckpt = tmp_path / "checkpoints"
     # Kill the whole job at once while a save is in progress and an earlier checkpoint is complete. The test
     # process competes for the CPU with the job, so a kill may land just after a save finished: then the same
     # command (which resumes) is started again and killed again, a few times at most.
     for _ in range(4):
-        proc = launch(3, "train_pipeline_gpipe.py", *args, cwd=tmp_path, wait=False)
+        proc = launch(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path, wait=False)
         while proc.poll() is None:
             complete, partial = complete_and_partial(ckpt)
             if complete and partial:
@@ -561,7 +627,7 @@ def test_sigkill_during_a_save_then_rerun_gives_bit_identical_losses(tmp_path, c
     killed_at = int(complete[-1].split("-")[1])
     assert killed_at < 16
 
-    result = launch(3, "train_pipeline_gpipe.py", *args, cwd=tmp_path)  # the same command again
+    result = launch(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path)  # the same command again
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from checkpoints/step-{killed_at:08d} at step {killed_at}" in result.stdout
     rows, _ = read_metrics(tmp_path / "m.jsonl")
@@ -575,10 +641,12 @@ def test_sigkill_during_a_save_then_rerun_gives_bit_identical_losses(tmp_path, c
 def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, cache_dir, reference_run):
     reference_dir, reference = reference_run
     procs = {}
-    # 3 -> 2 stages in the hand-written script (checkpoints are shared by all scripts), 3 -> 1 process, and
-    # 3 -> 2 processes holding 2 stages each in a V, split by hand and by the tracer (the rank's stages share
-    # one set of full-model names; rank 0 holds both the embedding and the head).
+    # The reference ran 2 stages x 2 replicas, its tensors sharded by FSDP. Resumed: 2 stages, no replicas, in
+    # the hand-written script (checkpoints are shared by all scripts); 1 process; 1 stage x 2 replicas; 2
+    # processes holding 2 stages each in a V, split by hand and by the tracer (the rank's stages share one set
+    # of full-model names; rank 0 holds both the embedding and the head).
     variants = {"manual2": (2, "train_pipeline_afab_manual.py", []), "one": (0, "train_pipeline_gpipe.py", []),
+                "replicas2": (2, "train_pipeline_gpipe.py", ["--dp", "2"]),
                 "zbv2": (2, "train_pipeline_gpipe.py", ["--schedule", "zbvzerobubble"]),
                 "traced_dualpipev2": (2, "train_pipeline_tracer.py", ["--schedule", "dualpipev"])}
     for name, (nproc, script, extra) in variants.items():
@@ -589,7 +657,7 @@ def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, cache_dir, refe
     for name, proc in procs.items():
         result = finish(proc)
         assert result.returncode == 0, result.stderr[-3000:]
-        assert "(saved by 3 process(es))" in result.stdout
+        assert "(saved by 4 process(es))" in result.stdout
         rows, _ = read_metrics(tmp_path / name / "m.jsonl")
         assert [r["step"] for r in rows] == list(range(9, 17))
         for got, want in zip(rows, reference[8:]):
@@ -597,12 +665,12 @@ def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, cache_dir, refe
 
 
 def test_dead_rank_with_max_restarts_resumes_and_finishes(tmp_path, cache_dir, reference_run):
-    args = [*RESUME_ARGS, "--checkpoint-every", "2", "--cache-dir", cache_dir, "--metrics", "m.jsonl"]
-    proc = launch(3, "train_pipeline_gpipe.py", *args, cwd=tmp_path, wait=False, torchrun_args=["--max-restarts=1"])
+    args = [*RESUME_ARGS, "--dp", "2", "--checkpoint-every", "2", "--cache-dir", cache_dir, "--metrics", "m.jsonl"]
+    proc = launch(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path, wait=False, torchrun_args=["--max-restarts=1"])
     while proc.poll() is None and "step-00000004" not in complete_and_partial(tmp_path / "checkpoints")[0]:
         time.sleep(0.01)
     victims = worker_pids(proc.pid)
-    assert len(victims) == 3, "the job ended before a rank could be killed"
+    assert len(victims) == 4, "the job ended before a rank could be killed"
     os.kill(victims[1], signal.SIGKILL)
     result = finish(proc)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -980,7 +1048,6 @@ def _batches(seq_len: int, microbatches: int = 6):
 
 
 def _manual_worker(rank, world_size, store_path, out_dir, kinds, layers):
-    import train_pipeline_afab_manual as manual
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     try:
         results = {}
@@ -1411,7 +1478,7 @@ def test_two_nodes_train_like_one_node(tmp_path, cache_dir):
     assert len(written) == 1, written
     two_nodes, summary = read_metrics(written[0])
     one_node, _ = read_metrics(nodes[2] / "m.jsonl")
-    assert len(summary[0]["peak_memory_bytes_per_stage"]) == 4  # 2 nodes x 2 ranks made one 4-stage pipeline
+    assert len(summary[0]["peak_memory_bytes_per_rank"]) == 4  # 2 nodes x 2 ranks made one 4-stage pipeline
     assert [r["step"] for r in two_nodes] == [r["step"] for r in one_node] == [1, 2, 3, 4]
     for a, b in zip(two_nodes, one_node):
         assert_close_rel(a["loss"], b["loss"], what=f"step {a['step']} loss")
@@ -1545,28 +1612,35 @@ def test_bubble_bounds_from_a_trace(tmp_path):
 
 def test_benchmark_and_sweep_write_their_tables(tmp_path, cache_dir):
     small = ["--repeats", "1", "--steps", "3", "--seq-len", "16", "--", "--layers", "2", "--cache-dir", cache_dir]
-    variants = ["gpipe", "1f1b", "1f1b (by hand)", "gpipe (tracer)"]
-    jobs = {"bench": launch(0, "benchmark.py", "--variants", ",".join(variants[1:]), "--batch-size", "4",
-                            "--microbatches", "4", "--out", "bench", *small, cwd=tmp_path, wait=False),
-            "sweep": launch(0, "benchmark.py", "--sweep", "--batch-size", "16", "--out", "sweep", *small,
-                            cwd=tmp_path, wait=False),
+    jobs = {"bench": launch(0, "benchmark.py", "--variants", "1f1b", "--batch-size", "4", "--microbatches", "4",
+                            "--out", "bench", *small, cwd=tmp_path, wait=False),
+            "sweep": launch(0, "benchmark.py", "--sweep", "--sweep-microbatches", "1,2", "--batch-size", "4",
+                            "--out", "sweep", *small, cwd=tmp_path, wait=False),
+            "dp": launch(0, "benchmark.py", "--dp", "2", "--batch-size", "8", "--microbatches", "2", "--out", "dp",
+                         *small, cwd=tmp_path, wait=False),
             "bad": launch(0, "benchmark.py", "--variants", "1f1b,nope", cwd=tmp_path, wait=False),
             "one_step": launch(0, "benchmark.py", "--steps", "1", cwd=tmp_path, wait=False)}
     results = {name: finish(job, timeout=400) for name, job in jobs.items()}
     assert results["bad"].returncode != 0 and results["bad"].stderr.startswith("benchmark: error: --variants")
     assert results["one_step"].returncode == 2 and "--steps at least 2" in results["one_step"].stderr
-    for name in ("bench", "sweep"):
+    for name in ("bench", "sweep", "dp"):
         assert results[name].returncode == 0, results[name].stderr[-3000:]
 
     table = (tmp_path / "bench" / "results.md").read_text()
     rows = [line.split(" | ")[0].removeprefix("| ") for line in table.splitlines() if line.startswith("| ")]
-    assert rows == ["variant", *variants]  # gpipe runs even when not asked for: it is the reference
+    assert rows == ["variant", "gpipe", "1f1b"]  # gpipe runs even when not asked for: it is the reference
     assert re.search(r"bubble-limited ideal .* = \d\.\d\d\n", table), table
     assert re.search(r"tighter bound for unequal stages.* = \d\.\d\d\n", table), table
     assert "Stage-0 activations, 1F1B / GPipe = 0.500; p/m = 0.500 (+0%)" in table  # 2 of 4 microbatches
-    for name in ("gpipe", "1f1b", "1f1b_by_hand", "gpipe_tracer"):
+    for name in ("gpipe", "1f1b"):
         assert len(benchmark.stage_times(str(tmp_path / "bench" / f"{name}.trace.json"))) == 2
 
     table = (tmp_path / "sweep" / "sweep.md").read_text()
-    assert [line.split(" | ")[0] for line in table.splitlines() if re.match(r"\| \d", line)] == \
-        ["| 1", "| 2", "| 4", "| 8", "| 16"]
+    assert [line.split(" | ")[0] for line in table.splitlines() if re.match(r"\| \d", line)] == ["| 1", "| 2"]
+
+    # Pipeline alone vs pipeline x 2 replicas: each replica's rank holds half (params, grads, AdamW state).
+    layouts = json.loads((tmp_path / "dp" / "data_parallel.json").read_text())["results"]
+    alone, sharded = (layouts[name]["summary"] for name in ("2 stages", "2 stages x 2 replicas"))
+    for kind in ("param", "grad", "optimizer"):
+        assert [b / 2 for b in alone[f"{kind}_bytes_per_rank"] for _ in range(2)] == \
+            pytest.approx(sharded[f"{kind}_bytes_per_rank"], rel=0.01)

@@ -53,16 +53,17 @@ def write_chrome_trace(path: str, per_rank: list[list]) -> None:
         json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
 
 
-def report(rank: int, world_size: int, steps: list[tuple[list, float]], microbatches: int,
+def report(rank: int, world_size: int, stages: int, steps: list[tuple[list, float]], microbatches: int,
            trace_path: str | None) -> None:
-    """Collectively gather every rank's recent steps; rank 0 prints the bubble and writes the trace."""
+    """Collectively gather every rank's recent steps; rank 0 prints the bubble (of the stages, p = the pipeline's
+    ranks; averaged over every replica's) and writes the trace of every rank."""
     per_rank = [None] * world_size
     dist.all_gather_object(per_rank, steps)
     if rank != 0 or not steps:
         return
-    p, m = world_size, microbatches
-    measured = sum(bubble_fraction(r) for r in per_rank) / p
-    waiting = sum(comm_share(r) for r in per_rank) / p
+    p, m = stages, microbatches
+    measured = sum(bubble_fraction(r) for r in per_rank) / world_size
+    waiting = sum(comm_share(r) for r in per_rank) / world_size
     print(f"bubble: measured {measured:.1%} of each step idle per rank (last {len(steps)} steps), "
           f"theory (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.1%}; {waiting:.1%} of each step in send/recv",
           flush=True)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 import checkpoint
 import data
@@ -46,6 +47,7 @@ class Partition:
     rotary: nn.Module | None  # HF: computes (cos, sin) from positions; our layers build their own tables
     pad_id: int | None  # targets equal to it are ignored by the loss, like data.IGNORE_INDEX
     explicit_causal_mask: bool  # HF's eager attention applies no causal mask unless given one
+    group: dist.ProcessGroup | None = None  # the pipeline's ranks; None: the default group is the pipeline
 
     @property
     def is_first(self) -> bool:
@@ -55,11 +57,23 @@ class Partition:
     def is_last(self) -> bool:
         return self.rank == self.world_size - 1
 
+    def peer(self, offset: int) -> int:
+        """The global rank of the previous (-1) or next (+1) stage. send/recv always take global ranks; with
+        data parallelism, rank + 1 of the pipeline is not global rank + 1 (the mesh puts the replicas of a stage
+        between them), so map it through the pipeline's group."""
+        rank = self.rank + offset
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-def partition_model(model: nn.Module, rank: int, world_size: int) -> Partition:
+
+def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.ProcessGroup | None = None
+                    ) -> Partition:
     """Keep this rank's balanced slice of the layers (sizes differ by at most one), with the embedding on the
     first rank and the final norm and head on the last. The model is trimmed in place, so the other layers can
     be freed; calling it again with the same rank and world size returns the same slice.
+
+    rank and world_size count the pipeline's stages. group: the process group of this rank's pipeline, when
+    it is not the default group (several pipelines side by side, one per data-parallel replica); rank is then
+    this process's rank within that group.
 
     Works with model.py's LlamaForPretraining and with a Hugging Face LlamaForCausalLM
     (model.model.embed_tokens / layers / norm / rotary_emb, lm_head).
@@ -88,7 +102,7 @@ def partition_model(model: nn.Module, rank: int, world_size: int) -> Partition:
         base.norm = None
         owner.lm_head = None
     return Partition(owner, rank, world_size, kept, base.embed_tokens, base.norm, owner.lm_head, rotary,
-                     pad_id, eager)
+                     pad_id, eager, group)
 
 
 def forward_stage(partition: Partition, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -98,6 +112,10 @@ def forward_stage(partition: Partition, hidden_states: torch.Tensor) -> torch.Te
     Positions are 0..seq-1 on every stage: each stage sees whole sequences, so it can rebuild positions (and
     the rotary tables) from the sequence length and nothing but hidden states needs to travel.
     """
+    if isinstance(partition.model, LlamaForPretraining):
+        # model.py's Llama skips what a stage does not hold, so the trimmed model is exactly the stage. Calling it
+        # (not its parts) also runs FSDP's hooks when the stage is sharded over data-parallel replicas.
+        return partition.model(hidden_states)
     h = partition.embed(hidden_states) if partition.embed is not None else hidden_states
     kwargs = {}
     if partition.rotary is not None:  # Hugging Face layers take precomputed (cos, sin) and optionally a mask
@@ -190,7 +208,7 @@ class _Step:
         else:
             # A received tensor has no autograd history. Making it a leaf that requires grad lets this stage's
             # backward stop here and leave d(loss)/d(input) in x.grad, which is what the previous stage needs.
-            x = self.comm.recv(p.rank - 1, i).to(self.dtype).requires_grad_()
+            x = self.comm.recv(p.peer(-1), i).to(self.dtype).requires_grad_()
         start = self.comm.now()
         out = forward_stage(p, x)
         if self.capture is not None:
@@ -202,14 +220,24 @@ class _Step:
         if self.timeline:
             self.timeline.add("forward", i, start)
         if not p.is_last:  # values only travel; the graph stays here in `out` for this stage's backward
-            self.comm.send(out.detach().to(self.dtype), p.rank + 1, i)
+            self.comm.send(out.detach().to(self.dtype), p.peer(+1), i)
         self.saved[i] = (x, out)
         self.in_flight_peak = max(self.in_flight_peak, len(self.saved))
 
     def backward(self, i: int) -> None:
         p = self.p
         x, out = self.saved.pop(i)  # dropping it frees this microbatch's activations after the backward
-        grad = None if p.is_last else self.comm.recv(p.rank + 1, i).to(out.dtype)
+        grad = None if p.is_last else self.comm.recv(p.peer(+1), i).to(out.dtype)
+        if isinstance(p.model, FSDPModule):
+            # Data parallelism: the replicas of this stage must end the step with the same gradient, the mean
+            # of theirs. Syncing on every microbatch's backward would reduce-scatter m times per step; instead
+            # each backward adds into the local unsharded gradient and only the last one (microbatch m - 1 in
+            # both AFAB and 1F1B) reduce-scatters the sum, once. Until then the parameters stay gathered
+            # (reshard after backward only at the end), and FSDP finishes its step only after the last one.
+            last = i == self.m - 1
+            p.model.set_requires_gradient_sync(last)
+            p.model.set_reshard_after_backward(last)
+            p.model.set_is_last_backward(last)
         start = self.comm.now()
         out.backward(grad)  # the last stage starts from its scaled loss, the others from the received gradient
         if self.timeline:
@@ -217,7 +245,7 @@ class _Step:
         if not p.is_first:
             if self.capture is not None:
                 self.capture.setdefault("input_grads", {})[i] = x.grad.detach().clone()
-            self.comm.send(x.grad.to(self.dtype), p.rank - 1, i)
+            self.comm.send(x.grad.to(self.dtype), p.peer(-1), i)
 
     def finish(self) -> torch.Tensor | None:
         self.comm.wait_all()
@@ -284,10 +312,11 @@ SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 def main(args):
     env = runtime.launch_env(args.device)
     flags.check_args(args, env.world_size, env.device.type)
-    runtime.init_process_group(env, args.timeout)
+    runtime.init_process_group(env, args.timeout, args.dp)
     preflight.check(args, env)  # paths, inputs, one run per --checkpoint-dir: one line on every rank if wrong
-    is_first, is_last = env.rank == 0, env.rank == env.world_size - 1
-    say = print if is_first else (lambda *a, **k: None)
+    mesh = env.mesh  # this rank's stage along "pp", its replica along "dp"
+    is_first, is_last = mesh.pp_rank == 0, mesh.pp_rank == mesh.pp - 1
+    say = print if env.rank == 0 else (lambda *a, **k: None)
 
     # --- data: inputs for the first stage, targets for the last
     tokenizer, loader = data.setup(args, env.local_rank, needs_batches=is_first or is_last)
@@ -297,9 +326,10 @@ def main(args):
         config, name = checkpoint.model_config(args, tokenizer.get_vocab_size(), env.device.type)
     with torch.device("meta"):
         model = LlamaForPretraining(config)
-    partition = partition_model(model, env.rank, env.world_size)
+    partition = partition_model(model, mesh.pp_rank, mesh.pp, group=mesh.group("pp"))
     model.to_empty(device=env.device)
     model.init_weights(args.seed)
+    training.shard_replicas([model], mesh)  # dp > 1: FSDP2 over this stage's replicas (see _Step.backward)
     model.train()
     train_step = SCHEDULES[args.schedule]
     say(runtime.describe_run(name, config, env, f"{args.schedule} by hand"), flush=True)

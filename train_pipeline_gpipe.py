@@ -83,10 +83,12 @@ def check_schedule(args, world_size: int, num_layers: int | None = None) -> None
 
 
 def rank_stages(args, env: runtime.Env) -> tuple[list[int], int]:
-    """Check what --schedule requires, then this rank's stage indices and the total number of stages."""
-    check_schedule(args, env.world_size, flags.num_layers(args, env.device.type))
-    stages = stage_ids(args.schedule, env.rank, env.world_size, args.stages_per_rank)
-    return stages, env.world_size * len(stages)
+    """Check what --schedule requires, then this rank's stage indices and the total number of stages. Ranks are
+    counted along the pipeline (the mesh's "pp" dim): the dp replicas of a rank hold the same stages."""
+    pp_rank, pp = env.mesh.pp_rank, env.mesh.pp
+    check_schedule(args, pp, flags.num_layers(args, env.device.type))
+    stages = stage_ids(args.schedule, pp_rank, pp, args.stages_per_rank)
+    return stages, pp * len(stages)
 
 
 def build_stage_model(config, stage: int | list[int], num_stages: int, device: torch.device,
@@ -152,9 +154,16 @@ def stage_io(config, stage: int, num_stages: int, microbatch_shape: tuple[int, i
 
 def make_schedule(name: str, model, stages: list[int], num_stages: int, env: runtime.Env, microbatches: int,
                   microbatch_shape: tuple[int, int], recorder: timeline.Recorder | None = None):
-    pipeline_stages = [PipelineStage(view, s, num_stages, env.device,
+    """This rank's PipelineStages, sharded over their dp replicas, and the schedule that drives them."""
+    views = stage_views(model, stages, num_stages)
+    # With dp > 1 each stage becomes an FSDP module. PipelineStage sees that and does the per-microbatch
+    # bookkeeping itself: no gradient sync on each microbatch's backward, one reduce-scatter after the last.
+    training.shard_replicas(views, env.mesh)
+    # group: the pipeline's ranks (this rank's column of the mesh). Stage s lives on the group's rank
+    # s % pp, and PipelineStage turns that into the global rank it sends to and receives from.
+    pipeline_stages = [PipelineStage(view, s, num_stages, env.device, group=env.mesh.group("pp"),
                                      **stage_io(model.config, s, num_stages, microbatch_shape, env))
-                       for view, s in zip(stage_views(model, stages, num_stages), stages)]
+                       for view, s in zip(views, stages)]
     if recorder is not None:
         recorder.instrument(pipeline_stages)
     return schedule_for(name, pipeline_stages, microbatches, recorder)
@@ -203,8 +212,8 @@ def train_step(schedule, env: runtime.Env, inputs, targets) -> torch.Tensor | No
 def main(args):
     env = runtime.launch_env(args.device)
     flags.check_args(args, env.world_size, env.device.type)
-    check_schedule(args, env.world_size, flags.num_layers(args, env.device.type))
-    runtime.init_process_group(env, args.timeout)
+    check_schedule(args, env.world_size // args.dp, flags.num_layers(args, env.device.type))
+    runtime.init_process_group(env, args.timeout, args.dp)
     preflight.check(args, env)  # paths, inputs, one run per --checkpoint-dir: one line on every rank if wrong
     stages, num_stages = rank_stages(args, env)
     has_first, has_last = 0 in stages, num_stages - 1 in stages  # V-shaped: rank 0 holds both
@@ -220,7 +229,7 @@ def main(args):
     model.train()
     recorder = timeline.Recorder() if args.trace else None
     schedule = make_schedule(args.schedule, model, stages, num_stages, env, args.microbatches,
-                             (args.batch_size // args.microbatches, args.seq_len), recorder)
+                             (args.batch_size // (args.dp * args.microbatches), args.seq_len), recorder)
     say(runtime.describe_run(name, config, env, f"{args.schedule} (torch.distributed.pipelining)", num_stages),
         flush=True)
     if loader is not None:
@@ -229,7 +238,6 @@ def main(args):
     # --- optimizer, resume, training loop, checkpoints, summary: the same for every script
     training.train(args, env, model, step_function(schedule, env, recorder), config, tokenizer, loader,
                    has_first=has_first, has_last=has_last, say=say)
-
 
 
 if __name__ == "__main__":

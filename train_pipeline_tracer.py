@@ -79,21 +79,22 @@ def trace(model: torch.nn.Module, example: torch.Tensor, spec: dict[str, SplitPo
 
 
 def build_traced_stage(config, stage: int, num_stages: int, device: torch.device, seed: int,
-                       microbatch_shape: tuple[int, int]):
+                       microbatch_shape: tuple[int, int], mesh: runtime.Mesh | None = None):
     """One PipelineStage and its module, with the weights the full model would have for the same seed."""
-    built, module = build_traced_stages(config, [stage], num_stages, device, seed, microbatch_shape)
+    built, module = build_traced_stages(config, [stage], num_stages, device, seed, microbatch_shape, mesh)
     return built[0], module
 
 
 def build_traced_stages(config, stages: list[int], num_stages: int, device: torch.device, seed: int,
-                        microbatch_shape: tuple[int, int]):
-    """This rank's PipelineStages, and one module holding all their parameters under full-model names."""
+                        microbatch_shape: tuple[int, int], mesh: runtime.Mesh | None = None):
+    """This rank's PipelineStages, and one module holding all their parameters under full-model names. With a
+    mesh, the stages talk over its pipeline group and are sharded over its dp replicas (FSDP2)."""
     with torch.device("meta"):  # shapes only: neither the model nor the trace allocates or computes anything
         model = LlamaForPretraining(config)
         example = torch.zeros(microbatch_shape, dtype=torch.long)
     not_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())
     pipe, all_names = trace(model, example, split_spec(config.num_hidden_layers, num_stages))
-    built, modules = [], []
+    modules = []
     for stage in stages:
         module, names = pipe.get_stage_module(stage), all_names[stage]
         renamed = {k: v for k, v in names.items() if k != v}
@@ -109,15 +110,18 @@ def build_traced_stages(config, stages: list[int], num_stages: int, device: torc
         module.to_empty(device=device)  # allocates this stage only, uninitialized: every tensor is set below
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             init_tensor_(names[name], tensor, seed, config)
-        # build_stage also rewrites the device that tracing burned into ops like arange (meta) to this rank's.
-        built.append(_without_self_sends(pipe.build_stage(stage, device)))
-        # The stage's submodules run their graphs through torch.fx.Interpreter, some microseconds of Python per
-        # op (5 ms per forward + backward of the tiny model); their generated code runs the same graph at eager
-        # speed. A private switch in torch 2.13; without it the stage is only slower.
-        for sub in module.modules():
-            if hasattr(sub, "_run_with_interpreter"):
-                sub._run_with_interpreter = False
         modules.append(module)
+    if mesh is not None:  # the traced layers keep their names (base_model.layers.K): shard them as the others
+        training.shard_replicas(modules, mesh)
+    # build_stage also rewrites the device that tracing burned into ops like arange (meta) to this rank's.
+    group = mesh.group("pp") if mesh is not None else None
+    built = [_without_self_sends(pipe.build_stage(stage, device, group=group)) for stage in stages]
+    # The stages' submodules run their graphs through torch.fx.Interpreter, some microseconds of Python per op
+    # (5 ms per forward + backward of the tiny model); their generated code runs the same graph at eager speed.
+    # A private switch in torch 2.13; without it the stages are only slower.
+    for sub in (sub for module in modules for sub in module.modules()):
+        if hasattr(sub, "_run_with_interpreter"):
+            sub._run_with_interpreter = False
     return built, modules[0] if len(modules) == 1 else _merged(modules)
 
 
@@ -156,8 +160,8 @@ def _merged(modules: list[torch.nn.Module]) -> torch.nn.Module:
 def main(args):
     env = runtime.launch_env(args.device)
     flags.check_args(args, env.world_size, env.device.type)
-    check_schedule(args, env.world_size, flags.num_layers(args, env.device.type))
-    runtime.init_process_group(env, args.timeout)
+    check_schedule(args, env.world_size // args.dp, flags.num_layers(args, env.device.type))
+    runtime.init_process_group(env, args.timeout, args.dp)
     preflight.check(args, env)  # paths, inputs, one run per --checkpoint-dir: one line on every rank if wrong
     stages, num_stages = rank_stages(args, env)
     has_first, has_last = 0 in stages, num_stages - 1 in stages  # V-shaped: rank 0 holds both
@@ -171,7 +175,7 @@ def main(args):
         config, name = checkpoint.model_config(args, tokenizer.get_vocab_size(), env.device.type)
     started = time.perf_counter()
     built, model = build_traced_stages(config, stages, num_stages, env.device, args.seed,
-                                       (args.batch_size // args.microbatches, args.seq_len))
+                                       (args.batch_size // (args.dp * args.microbatches), args.seq_len), env.mesh)
     trace_seconds = [None] * env.world_size  # the one-time cost of tracing and building, every rank's
     dist.all_gather_object(trace_seconds, time.perf_counter() - started)
     model.train()

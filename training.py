@@ -9,6 +9,8 @@ import time
 import torch
 import torch.distributed as dist
 import tqdm
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 import checkpoint
 import data
@@ -43,21 +45,55 @@ def set_lr(optimizer, step: int, args) -> float:
 
 
 def clip_grad_norm_(params, max_norm: float, group=None) -> torch.Tensor:
-    """Clip by the norm of the *whole model's* gradient and return that norm.
+    """Clip by the norm of the *whole model's* gradient and return that norm (the same on every rank).
 
-    Each stage holds only part of the gradient; clipping each part by its own norm would change the update.
-    The squared local norms are summed across stages first, as one process holding the full model would.
+    Each rank holds only part of the gradient: its stage's, and with FSDP (dp > 1) only its shard of that. The
+    parts are disjoint, so the squared norm of the whole is the sum of every rank's squared part (group: all
+    ranks); clipping each part by its own norm would change the update.
     """
     params = [p for p in params if p.grad is not None]
-    local = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-    squared = local.float() ** 2
+    squared = sum((_squared_norm(p.grad) for p in params), torch.zeros((), dtype=torch.float64))
+    squared = squared.to(params[0].grad.device if params else "cpu")
     dist.all_reduce(squared, group=group)
-    total = squared.sqrt()
+    total = squared.sqrt().float()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 
 
+def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of this rank's part of a tensor, in float64. torch's float32 norm on the CPU adds up a
+    whole tensor in one running sum (measured: 2e-5 relative error on a tiny model's embedding gradient, more
+    than the 1e-5 the layouts must agree to); norms of 4096-element rows, added in float64, are exact to 1e-7
+    and allocate only the rows' norms."""
+    flat = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).flatten()
+    whole = flat.numel() // 4096 * 4096
+    rows = torch.linalg.vector_norm(flat[:whole].view(-1, 4096), dim=1)
+    rest = torch.linalg.vector_norm(flat[whole:]).reshape(1)
+    return (torch.cat([rows, rest]).double() ** 2).sum().cpu()
+
+
+def shard_replicas(stage_modules: list[torch.nn.Module], mesh: runtime.Mesh) -> None:
+    """Data parallelism beside the pipeline: shard each stage over its dp replicas with FSDP2 (in place).
+
+    fully_shard on every decoder layer, then on the stage's root (embedding, final norm, head): each layer is
+    all-gathered and its gradient reduce-scattered as one unit. Each rank then keeps 1/dp of its stage's
+    parameters, gradients and AdamW state. reshard_after_forward=False: a pipeline runs every stage forward
+    once per microbatch, and re-gathering the parameters for each would multiply the all-gathers by the
+    number of microbatches (torchtitan's choice with pipelining too); the stage holds them unsharded during the
+    step. Gradients are reduced once per step: PipelineStage skips the sync on all but the last microbatch's
+    backward, and the hand-written schedules do the same (train_pipeline_afab_manual.py).
+    Called on modules that already hold their initial weights, so every split starts from the same values.
+    """
+    if mesh.dp == 1:
+        return  # nothing to shard: plain tensors, no FSDP hooks
+    dp_mesh, policy = mesh.device_mesh["dp"], {"reshard_after_forward": False}
+    layers = {id(m): m for stage in stage_modules for name, m in stage.named_modules()
+              if name.rsplit(".", 1)[0].endswith("layers") and name.rsplit(".", 1)[-1].isdigit()}
+    for layer in layers.values():  # several stages of one rank may share nothing, but never shard twice
+        fully_shard(layer, mesh=dp_mesh, **policy)
+    for stage in stage_modules:
+        fully_shard(stage, mesh=dp_mesh, **policy)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -67,12 +103,17 @@ def train(args, env, model, step_fn, config, tokenizer, loader, *, has_first: bo
           record: bool = False) -> None:
     """Optimizer, resume, the training loop with its checkpoints, and the summary, around a script's own step.
 
-    step_fn(inputs, targets, events) runs one batch forward and backward through this rank's part of the
-    pipeline and returns the step's mean loss on the rank holding the last stage (None elsewhere). inputs:
-    [batch, seq] token ids on the rank holding the first stage, else None; targets likewise on the rank holding
-    the last stage. events: the timeline.Timeline to record this step into, or None when nothing is recorded
-    (record=False and no --trace).
+    step_fn(inputs, targets, events) runs this replica's share of the batch forward and backward through this
+    rank's part of the pipeline and returns the mean loss on the rank holding the last stage (None elsewhere).
+    inputs: [batch / dp, seq] token ids on the rank holding the first stage, else None; targets likewise on the
+    rank holding the last stage. events: the timeline.Timeline to record this step into, or None when nothing
+    is recorded (record=False and no --trace).
     """
+    mesh = env.mesh
+    # The loss and the progress bar come from the last stage of the first replica (with dp > 1, every replica's
+    # last stage has its own loss; they are averaged first).
+    reports = has_last and mesh.dp_rank == 0
+
     # --- optimizer
     optimizer = make_optimizer(model, args)
 
@@ -84,15 +125,19 @@ def train(args, env, model, step_fn, config, tokenizer, loader, *, has_first: bo
 
     # --- training loop
     # With packing every position is a real target, so the tokens trained on so far follow from the step.
-    log = metrics.Metrics(args.metrics, enabled=has_last, resume_step=step if resumed else None,
+    log = metrics.Metrics(args.metrics, enabled=reports, resume_step=step if resumed else None,
                           tokens_seen=step * args.batch_size * args.seq_len)
     meter = metrics.ActivationMeter(model.parameters()) if args.measure_activations else None
     record = record or args.trace is not None
     recent = collections.deque(maxlen=10)  # (events, step time) of the last steps, for the bubble and --trace
+    # Every loader reads the whole global batch, so its position is the run's whatever dp is (resume works at
+    # any layout); each replica trains on its own rows of it.
+    share = args.batch_size // mesh.dp
+    rows = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
     dist.barrier()
     clock_zero = time.perf_counter()  # ranks leave the barrier together: a shared zero for the trace
     # As a context, the bar ends its line also when the run stops with an error, which then reads on its own.
-    with tqdm.tqdm(total=args.steps, initial=step, disable=not has_last, unit="step", mininterval=1.0) as bar:
+    with tqdm.tqdm(total=args.steps, initial=step, disable=not reports, unit="step", mininterval=1.0) as bar:
         while step < args.steps:
             step += 1
             lr = set_lr(optimizer, step, args)
@@ -102,25 +147,28 @@ def train(args, env, model, step_fn, config, tokenizer, loader, *, has_first: bo
                 # must not leave the others waiting in the pipeline for a batch that never comes.
                 with runtime.collective_errors():
                     inputs, targets = loader.next_batch() if loader is not None else (None, None)
-                inputs = inputs.to(env.device) if has_first else None
-                targets = targets.to(env.device) if has_last else None
                 optimizer.zero_grad(set_to_none=True)
                 with meter or contextlib.nullcontext():
-                    loss = step_fn(inputs, targets, events)
+                    loss = step_fn(inputs[rows].to(env.device) if has_first else None,
+                                   targets[rows].to(env.device) if has_last else None, events)
+                if has_last and mesh.dp > 1:  # the global batch's mean: the replicas' shares are equal
+                    dist.all_reduce(loss, group=mesh.group("dp"))
+                    loss /= mesh.dp
                 grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip)
                 optimizer.step()
             if record and step > 1:  # the first step pays one-time costs
                 recent.append((events.events, timer.seconds))
-            if has_last:
+            if reports:
                 row = log.log(step, loss, lr, targets, timer.seconds, grad_norm, data.IGNORE_INDEX)
                 bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
                 bar.update()
             path = checkpoint.save_if_due(args, env, step, model, optimizer, config, loader, tokenizer)
-            if path and has_last:
+            if path and reports:
                 bar.write(f"saved {path}")
     if record:  # measured bubble next to the theoretical one, and the Chrome trace
-        timeline.report(env.rank, env.world_size, list(recent), args.microbatches, args.trace)
+        timeline.report(env.rank, env.world_size, mesh.pp, list(recent), args.microbatches, args.trace)
 
-    # --- summary (collective: every rank reports its peak memory)
+    # --- summary (collective: every rank reports its memory)
     log.finish(env, positions_per_step=args.batch_size * args.seq_len, meter=meter,
-               flops_per_token=metrics.model_flops_per_token(config, args.seq_len))
+               flops_per_token=metrics.model_flops_per_token(config, args.seq_len),
+               state_bytes=metrics.state_bytes(model, optimizer))
