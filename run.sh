@@ -7,6 +7,12 @@
 # NNODES > 1), MASTER_PORT (29500), MAX_RESTARTS (0), LOG_DIR (none: one log file per rank when set),
 # RDZV_ID (SLURM_JOB_ID, else "pipeline"), PYTHON (python3), DRY_RUN (1: print the command, start nothing).
 # Under SLURM, NNODES, NODE_RANK and MASTER_ADDR default to what the allocation says; set ones win.
+#
+# 2 nodes x 4 GPUs, the pipeline across the nodes and 4 data-parallel replicas inside each (one stage per node):
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 NPROC_PER_NODE=4 ./run.sh train_pipeline_gpipe.py --dp 4 ...  # node0
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 NPROC_PER_NODE=4 ./run.sh train_pipeline_gpipe.py --dp 4 ...  # node1
+# torchrun gives each node a contiguous block of ranks, and the scripts put a stage's replicas on neighbouring
+# ranks, so with --dp dividing NPROC_PER_NODE the replicas' collectives stay inside a node.
 set -euo pipefail
 
 die() { echo "run.sh: error: $*" >&2; exit 2; }

@@ -1,5 +1,6 @@
 """Processes, devices and errors: what torchrun set, the one place that picks device/backend/dtype, process-group
-setup and teardown, and how a mistake or a lost peer ends every rank with one line."""
+setup and teardown, the mesh of pipeline stages x data-parallel replicas, and how a mistake or a lost peer ends
+every rank with one line."""
 
 import contextlib
 import dataclasses

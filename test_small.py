@@ -453,6 +453,13 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, cache_dir):
                                                               "3"), "--stages-per-rank")]:
         procs[script, *flags] = launch(0, script, *flags, *common, cwd=tmp_path, wait=False)
         cases[script, *flags] = flag
+    # --dp against the number of processes, as torchrun would set it (the checks run before any rendezvous).
+    for flags, flag in [(("--dp", "0"), "--dp"), (("--dp", "3"), "--dp 3: 4 processes"),
+                        (("--dp", "2", "--batch-size", "12"), "--dp 2 x --microbatches 4"),
+                        (("--dp", "2", "--layers", "1"), "2 pipeline stages (processes / --dp)")]:
+        procs["WORLD_SIZE=4", *flags] = launch(0, "train_pipeline_gpipe.py", *flags, *common, cwd=tmp_path,
+                                               wait=False, env=dict(script_env(), RANK="0", WORLD_SIZE="4"))
+        cases["WORLD_SIZE=4", *flags] = flag
     # More processes than layers, under torchrun: every rank must stop, none may hang.
     procs[("torchrun", "--layers", "2")] = launch(3, "train_pipeline_gpipe.py", "--layers", "2", *common,
                                                   cwd=tmp_path, wait=False)

@@ -51,9 +51,8 @@ def clip_grad_norm_(params, max_norm: float, group=None) -> torch.Tensor:
     parts are disjoint, so the squared norm of the whole is the sum of every rank's squared part (group: all
     ranks); clipping each part by its own norm would change the update.
     """
-    params = [p for p in params if p.grad is not None]
-    squared = sum((_squared_norm(p.grad) for p in params), torch.zeros((), dtype=torch.float64))
-    squared = squared.to(params[0].grad.device if params else "cpu")
+    params = [p for p in params if p.grad is not None]  # every stage has a layer, so never empty
+    squared = torch.stack([_squared_norm(p.grad) for p in params]).sum()  # on the device: no sync per tensor
     dist.all_reduce(squared, group=group)
     total = squared.sqrt().float()
     if max_norm > 0:
@@ -70,7 +69,7 @@ def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     whole = flat.numel() // 4096 * 4096
     rows = torch.linalg.vector_norm(flat[:whole].view(-1, 4096), dim=1)
     rest = torch.linalg.vector_norm(flat[whole:]).reshape(1)
-    return (torch.cat([rows, rest]).double() ** 2).sum().cpu()
+    return (torch.cat([rows, rest]).double() ** 2).sum()
 
 
 def shard_replicas(stage_modules: list[torch.nn.Module], mesh: runtime.Mesh) -> None:
