@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import dataclasses
 import errno
-import hashlib
 import io
 import json
 import os
@@ -56,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 import data
 import flags
+import hf
 from model import LlamaConfig, LlamaForPretraining, config_from_preset
 from runtime import UsageError, collective_errors
 
@@ -140,7 +140,7 @@ def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # left over from a save that was killed
                 os.makedirs(os.path.join(tmp, "rng"))
-        state = _state(model, optimizer)
+        state, _ = _state(model, optimizer, LlamaConfig(**meta["config"]))
         # The layout: which layers each rank held (a rank may hold several stages), for the record in meta.json.
         layers = sorted({int(k.split(".")[2]) for k in state["model"] if k.startswith("base_model.layers.")})
         layout = [None] * dist.get_world_size()
@@ -152,7 +152,7 @@ def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int
         with collective_errors(), _save_errors(tmp):
             if rank == 0:
                 if tokenizer is not None:
-                    tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+                    tokenizer.save(tmp)
                 files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
                          for d, _, fs in os.walk(tmp) for f in fs}
                 meta = dict(meta, step=step, world_size=len(layout), layers_per_rank=layout, files=files)
@@ -216,9 +216,40 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _state(model, optimizer) -> dict:
-    return {"model": get_model_state_dict(model, options=_OPTIONS),
-            "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIONS)}
+_EMBED, _HEAD = "base_model.embed_tokens.weight", "lm_head.weight"
+
+
+def _state(model, optimizer, config: LlamaConfig) -> tuple[dict, dict]:
+    """This rank's model (and AdamW) state by full-model name, as saved; and, per name the model and optimizer
+    use, the name it is saved under.
+
+    A tied head (tie_word_embeddings) is saved once, as the embedding: a stage that holds only the head saves
+    and loads its copy under the embedding's name (the copies are equal: training.TiedEmbedding), so the
+    checkpoint loads into any layout, with the two in one stage (one tensor) or in two."""
+    state = {"model": get_model_state_dict(model, options=_OPTIONS)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
+    saved_as = {part: {key: _tied_name(key) if config.tie_word_embeddings else key for key in values}
+                for part, values in state.items()}
+    return {part: {saved_as[part][key]: value for key, value in values.items()}
+            for part, values in state.items()}, saved_as
+
+
+def _tied_name(key: str) -> str:
+    """lm_head.weight -> base_model.embed_tokens.weight, also inside AdamW's flattened keys
+    (state.lm_head.weight.exp_avg, param_groups.lm_head.weight.lr)."""
+    for prefix in ("", "state.", "param_groups."):
+        if key == prefix + _HEAD or key.startswith(prefix + _HEAD + "."):
+            return prefix + _EMBED + key[len(prefix + _HEAD):]
+    return key
+
+
+def _set_state(model, optimizer, state: dict, saved_as: dict) -> None:
+    """Hand a loaded state back to the model and optimizer under their own names."""
+    restored = {part: {key: state[part][name] for key, name in names.items()} for part, names in saved_as.items()}
+    set_model_state_dict(model, restored["model"], options=_OPTIONS)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, restored["optim"], options=_OPTIONS)
 
 
 def _rng_state() -> dict:
@@ -250,14 +281,13 @@ def verify_files(path: str, meta: dict) -> None:
         raise UsageError(f"--checkpoint-dir: refusing {path}/.metadata: {e}") from None
 
 
-def load(path: str, model, optimizer, rank: int, world_size: int) -> dict:
+def load(path: str, model, optimizer, config: LlamaConfig, rank: int, world_size: int) -> dict:
     """Load this rank's stage, AdamW state and RNG from the checkpoint at path, collectively. Returns its meta.json.
     The caller has checked that the checkpoint is of this run (resume)."""
     meta = read_meta(path)
-    state = _state(model, optimizer)
+    state, saved_as = _state(model, optimizer, config)
     _dcp_load(state, path)
-    set_model_state_dict(model, state["model"], options=_OPTIONS)
-    set_optimizer_state_dict(model, optimizer, state["optim"], options=_OPTIONS)
+    _set_state(model, optimizer, state, saved_as)
     if meta.get("world_size") == world_size:  # RNG streams belong to ranks; another layout starts new ones
         rng = torch.load(os.path.join(path, "rng", f"rank{rank}.pt"), weights_only=True)
         torch.set_rng_state(rng["cpu"])
@@ -330,7 +360,7 @@ def run_identity(args, tokenizer=None) -> dict:
     identity = {**{flag: getattr(args, flag) for flag in RUN_FLAGS},
                 "data_files": {path: os.path.getsize(path) for path in data.local_files(args.data)}}
     if tokenizer is not None:
-        identity["tokenizer"] = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
+        identity["tokenizer"] = tokenizer.fingerprint()
     return identity
 
 
@@ -378,31 +408,46 @@ def resume(args, env, model, optimizer, config, tokenizer, loader, say=print) ->
     path = None if args.fresh else latest(args.checkpoint_dir)
     if path is None:
         if args.init_from is not None:
-            source = load_weights(args.init_from, model)
+            source = load_weights(args.init_from, model, config)
             say(f"initialized from the weights of {source} (a new run: new AdamW state, LR schedule and data "
                 "order)", flush=True)
         return 0
     with collective_errors():
         meta = check_same_run(args, path, config, tokenizer)
         verify_files(path, meta)
-    if meta["step"] >= args.steps:
+    if meta["step"] >= args.steps > 0:
         say(f"{path} is step {meta['step']}: --steps {args.steps} are done, nothing to train", flush=True)
         return meta["step"]
-    load(path, model, optimizer, env.rank, env.world_size)
+    load(path, model, optimizer, config, env.rank, env.world_size)
     if loader is not None:
         loader.load_state_dict(meta["data"])
-    say(f"resumed from {path} at step {meta['step']} (saved by {meta['world_size']} process(es))", flush=True)
+    say(f"resumed from {path} at step {meta['step']} (saved by {meta['world_size']} process(es))"
+        if args.steps else f"evaluating {path} (step {meta['step']})", flush=True)
     return meta["step"]
 
 
-def load_weights(source: str, model) -> str:
-    """Only the model's weights from a checkpoint (--init-from), each rank its own stage's; collective."""
+def load_weights(source: str, model, config: LlamaConfig) -> str:
+    """Only the model's weights, each rank its own stage's, from --init-from: a Hugging Face directory or one of
+    this project's checkpoints. Collective. Returns the path read."""
     with collective_errors():
-        path = resolve(source, "--init-from")
-        verify_files(path, read_meta(path))
-    state = {"model": get_model_state_dict(model, options=_OPTIONS)}
+        if hf.is_hf_dir(source):
+            path = source
+        else:
+            path = resolve(source, "--init-from")
+            verify_files(path, read_meta(path))
+    if hf.is_hf_dir(path):
+        state = get_model_state_dict(model, options=_OPTIONS)
+        with collective_errors():
+            keys = hf.stage_request(path, state, config)  # their name for each of this stage's tensors
+        try:
+            hf.load(path, keys, state)
+        except CheckpointException as e:
+            raise UsageError(f"--init-from {path}: cannot read its tensors ({_root_cause(e)})") from None
+        set_model_state_dict(model, state, options=_OPTIONS)
+        return path
+    state, saved_as = _state(model, None, config)
     _dcp_load(state, path)
-    set_model_state_dict(model, state["model"], options=_OPTIONS)
+    _set_state(model, None, state, saved_as)
     return path
 
 
@@ -412,10 +457,13 @@ def model_config(args, vocab_size: int, device_type: str) -> tuple[LlamaConfig, 
     if args.init_from is None:
         preset = flags.model_preset(args, device_type)
         return config_from_preset(preset, vocab_size, args.layers), preset
-    path = resolve(args.init_from, "--init-from")
-    config = LlamaConfig(**read_meta(path)["config"])
-    if config.vocab_size != vocab_size:
-        raise UsageError(f"--tokenizer: {vocab_size} tokens, but --init-from {args.init_from} has a vocabulary of "
+    if hf.is_hf_dir(args.init_from):
+        path, config = args.init_from, hf.read_config(args.init_from)
+    else:
+        path = resolve(args.init_from, "--init-from")
+        config = LlamaConfig(**read_meta(path)["config"])
+    if vocab_size > config.vocab_size:  # a Hugging Face model may have more rows than its tokenizer has tokens
+        raise UsageError(f"--tokenizer: {vocab_size} tokens, but --init-from {args.init_from} has embeddings for "
                          f"{config.vocab_size}; leave --tokenizer out to use its own tokenizer")
     return config, f"from {path}"
 
@@ -435,46 +483,90 @@ def save_run(args, env, step: int, model, optimizer, config, loader, tokenizer) 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Export: one file with the full model, for one process
+# Export: the full model for one process, as one torch.save file or as a Hugging Face directory
 
-def export(checkpoint: str, output_file: str) -> str:
-    path = resolve(checkpoint)
+def full_model_state(path: str) -> tuple[dict, LlamaConfig]:
+    """The whole model's weights from the checkpoint at path, on this one process (no process group)."""
     meta = read_meta(path)
     verify_files(path, meta)
     config = LlamaConfig(**meta["config"])
     with torch.device("meta"):
         model = LlamaForPretraining(config)
     model.to_empty(device="cpu")  # every saved tensor is loaded below; buffers are not part of the export
-    state = {"model": model.state_dict()}
+    model.tie_weights()
+    state, saved_as = _state(model, None, config)
     _dcp_load(state, path, no_dist=True)
+    return {key: state["model"][name] for key, name in saved_as["model"].items()}, config
+
+
+def export(checkpoint: str, output: str, format: str = "pt", dtype: torch.dtype = torch.float32,
+           max_shard_bytes: int = 5 * 2**30) -> str:
+    """Write the full model of a checkpoint (or of a --checkpoint-dir's newest) for use without this project:
+    format "pt", OUTPUT and OUTPUT.config.json, OUTPUT.tokenizer.json; format "hf", a directory that
+    transformers' from_pretrained loads. Returns the checkpoint's path."""
+    path = resolve(checkpoint)
+    state, config = full_model_state(path)
+    tmp = f"{output}.tmp{os.getpid()}"
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(output_file)), exist_ok=True)
-        torch.save(state["model"], output_file + ".tmp")
-        os.replace(output_file + ".tmp", output_file)
-        with open(output_file + ".config.json", "w") as f:
-            json.dump(meta["config"], f, indent=1)
+        if format == "hf":
+            if os.path.exists(output):
+                raise UsageError(f"{output} exists; give a new directory for the Hugging Face export")
+            tokenizer = data.load_tokenizer(os.path.join(path, "tokenizer.json"), flag="checkpoint")
+            hf.save(tmp, state, config, tokenizer, dtype, max_shard_bytes)
+            os.replace(tmp, output)
+            return path
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        torch.save({key: t.to(dtype) for key, t in state.items()}, tmp)
+        os.replace(tmp, output)
+        with open(output + ".config.json", "w") as f:
+            json.dump(dataclasses.asdict(config), f, indent=1)
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
-            shutil.copyfile(os.path.join(path, "tokenizer.json"), output_file + ".tokenizer.json")
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-        if os.path.exists(output_file + ".tmp"):
-            os.remove(output_file + ".tmp")
-        raise UsageError(f"cannot write {output_file} ({_root_cause(e)}); choose another output file") from None
+            shutil.copyfile(os.path.join(path, "tokenizer.json"), output + ".tokenizer.json")
+    except (OSError, RuntimeError, CheckpointException) as e:  # torch.save reports a full disk as a RuntimeError
+        raise UsageError(f"cannot write {output} ({_root_cause(e)}); choose another output") from None
+    finally:  # a failed or refused export leaves nothing behind
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif os.path.isfile(tmp):
+            os.remove(tmp)
     return path
+
+
+def _size(text: str) -> int:
+    """'5GB', '500MB', '2000000' -> bytes."""
+    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30}
+    unit = text[-2:].upper() if text[-2:].upper() in units else ""
+    try:
+        value = float(text[:-2] if unit else text) * units.get(unit, 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB or 500MB") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return int(value)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="Checkpoint tools for the pipeline training scripts.")
     sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("export", help="write the full model's state dict to one file (torch.save)")
+    e = sub.add_parser("export", help="write the full model, for use on one process without this project")
     e.add_argument("checkpoint", help="a run's --checkpoint-dir (its newest checkpoint) or one step-N directory")
-    e.add_argument("output_file")
+    e.add_argument("output", help="pt: the file to write; hf: a new directory")
+    e.add_argument("--format", choices=["pt", "hf"], default="pt",
+                   help="pt: a torch.save state dict for model.py (+ OUTPUT.config.json, OUTPUT.tokenizer.json); "
+                        "hf: a Hugging Face directory (config.json, safetensors, tokenizer) that "
+                        "transformers.LlamaForCausalLM.from_pretrained loads (default: %(default)s)")
+    e.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="dtype of the written weights (training keeps float32) (default: %(default)s)")
+    e.add_argument("--max-shard-size", type=_size, default="5GB",
+                   help="hf: the largest safetensors file (default: %(default)s)")
     args = p.parse_args(argv)
     try:
-        source = export(args.checkpoint, args.output_file)
+        source = export(args.checkpoint, args.output, args.format, getattr(torch, args.dtype), args.max_shard_size)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    print(f"exported {source} -> {args.output_file} (+ .config.json, .tokenizer.json)")
+    extra = "" if args.format == "hf" else " (+ .config.json, .tokenizer.json)"
+    print(f"exported {source} -> {args.output}{extra}")
 
 
 if __name__ == "__main__":

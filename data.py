@@ -23,6 +23,7 @@ pipeline stage each run their own loader with the same arguments and so see iden
 """
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -54,16 +55,16 @@ def builtin_files() -> list[str]:
     return files
 
 
-def check_data_spec(spec: str) -> None:
-    """Raise FlagError for a --data value that cannot work whatever the files hold."""
+def check_data_spec(spec: str, flag: str = "--data") -> None:
+    """Raise FlagError for a --data (or --eval-data) value that cannot work whatever the files hold."""
     if spec == "builtin" or (spec.startswith("hf:") and len(spec) > 3):
         return
     paths = [p for p in spec.split(",") if p]
     if not paths:
-        raise FlagError("--data: empty; use builtin, local files or hf:NAME[:CONFIG]")
+        raise FlagError(f"{flag}: empty; use builtin, local files or hf:NAME[:CONFIG]")
     exts = {os.path.splitext(p)[1].lower() for p in paths}
     if len(exts) != 1 or next(iter(exts)) not in _FILE_BUILDERS:
-        raise FlagError(f"--data: files must share one extension out of {sorted(_FILE_BUILDERS)}, "
+        raise FlagError(f"{flag}: files must share one extension out of {sorted(_FILE_BUILDERS)}, "
                         f"got {sorted(exts)}")
 
 
@@ -71,19 +72,19 @@ def local_files(spec: str) -> list[str]:
     return [] if spec == "builtin" or spec.startswith("hf:") else [p for p in spec.split(",") if p]
 
 
-def check_files(spec: str) -> None:
+def check_files(spec: str, flag: str = "--data") -> None:
     """Every local file of --data exists and can be opened (cheap; the contents: validate_files)."""
     for path in local_files(spec):
         if not os.path.isfile(path):
-            raise UsageError(f"--data: no such file {path!r}; give existing .txt/.jsonl/.parquet files, "
+            raise UsageError(f"{flag}: no such file {path!r}; give existing .txt/.jsonl/.parquet files, "
                              "builtin, or hf:NAME[:CONFIG]")
         try:
             open(path, "rb").close()
         except OSError as e:
-            raise UsageError(f"--data {path}: cannot be read ({e.strerror})") from None
+            raise UsageError(f"{flag} {path}: cannot be read ({e.strerror})") from None
 
 
-def validate_files(spec: str, cache_dir: str) -> None:
+def validate_files(spec: str, cache_dir: str, flag: str = "--data") -> None:
     """Check every local file of --data through to its end, before training: .txt decodes as UTF-8, each .jsonl
     line is a JSON object with a "text" string, each .parquet file has a string "text" column. The first problem
     is a UsageError naming the file and line. A file that passed is remembered (by path, size and modification
@@ -95,11 +96,11 @@ def validate_files(spec: str, cache_dir: str) -> None:
         if os.path.isfile(marker):
             continue
         {".txt": _validate_text, ".jsonl": _validate_jsonl, ".parquet": _validate_parquet}[
-            os.path.splitext(path)[1].lower()](path)
+            os.path.splitext(path)[1].lower()](path, flag)
         _atomic_write(marker, lambda tmp: open(tmp, "w").close())
 
 
-def _validate_text(path: str) -> None:
+def _validate_text(path: str, flag: str) -> None:
     lines_before = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
@@ -109,17 +110,17 @@ def _validate_text(path: str) -> None:
             except UnicodeDecodeError as e:
                 line = lines_before + chunk.count(b"\n", 0, e.start) + 1
                 column = e.start - (chunk.rfind(b"\n", 0, e.start) + 1)
-                raise UsageError(f"--data {path}, line {line}: not UTF-8 text ({e.reason} at byte {column} of the "
+                raise UsageError(f"{flag} {path}, line {line}: not UTF-8 text ({e.reason} at byte {column} of the "
                                  "line); give text files in UTF-8") from None
             lines_before += chunk.count(b"\n")
 
 
-def _validate_jsonl(path: str) -> None:
+def _validate_jsonl(path: str, flag: str) -> None:
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             if not raw.strip():
                 continue  # blank lines are skipped by the reader too
-            where = f"--data {path}, line {number}"
+            where = f"{flag} {path}, line {number}"
             try:
                 row = json.loads(raw)
             except UnicodeDecodeError as e:
@@ -135,19 +136,19 @@ def _validate_jsonl(path: str) -> None:
                 raise UsageError(f"{where}: {found}; every row needs a \"text\" string (fix or drop that row)")
 
 
-def _validate_parquet(path: str) -> None:
+def _validate_parquet(path: str, flag: str) -> None:
     import pyarrow as pa  # comes with datasets
     import pyarrow.parquet as pq
 
     try:
         schema = pq.read_schema(path)
     except (pa.ArrowException, OSError) as e:
-        raise UsageError(f"--data {path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
+        raise UsageError(f"{flag} {path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
     if "text" not in schema.names:
-        raise UsageError(f"--data {path}: no \"text\" column (it has {schema.names[:5]}); documents are read "
+        raise UsageError(f"{flag} {path}: no \"text\" column (it has {schema.names[:5]}); documents are read "
                          "from a string column named text")
     if not pa.types.is_string(schema.field("text").type) and not pa.types.is_large_string(schema.field("text").type):
-        raise UsageError(f"--data {path}: the \"text\" column holds {schema.field('text').type}, not strings")
+        raise UsageError(f"{flag} {path}: the \"text\" column holds {schema.field('text').type}, not strings")
 
 
 def open_stream(spec: str):
@@ -224,20 +225,80 @@ def _atomic_write(path: str, write) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # Tokenizer
 
-def load_tokenizer(path: str):
-    from tokenizers import Tokenizer
+@dataclasses.dataclass
+class Tokenizer:
+    """A `tokenizers` tokenizer and the tokens that frame every document: bos before it, eos after it.
+
+    This project's tokenizers have [BOT] and [EOT] (and [PAD]); a Hugging Face tokenizer.json names its own in
+    the tokenizer_config.json beside it (Llama 3: <|begin_of_text|>, <|end_of_text|>)."""
+    backend: object  # tokenizers.Tokenizer
+    bos: str
+    eos: str
+    pad: str | None = None
+
+    @property
+    def bos_id(self) -> int:
+        return self.backend.token_to_id(self.bos)
+
+    @property
+    def eos_id(self) -> int:
+        return self.backend.token_to_id(self.eos)
+
+    @property
+    def pad_id(self) -> int | None:
+        return None if self.pad is None else self.backend.token_to_id(self.pad)
+
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+    def encode_documents(self, texts: list[str]) -> list[list[int]]:
+        return [[self.bos_id, *enc.ids, self.eos_id]
+                for enc in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(f"{self.backend.to_str()}|{self.bos}|{self.eos}|{self.pad}".encode()).hexdigest()[:16]
+
+    def save(self, directory: str, **config) -> None:
+        """tokenizer.json, and a tokenizer_config.json that names the special tokens (so transformers'
+        AutoTokenizer loads it too; config: more of its fields, e.g. model_max_length)."""
+        self.backend.save(os.path.join(directory, "tokenizer.json"))
+        fields = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos, "eos_token": self.eos,
+                  **({"pad_token": self.pad} if self.pad else {}), **config}
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+            json.dump(fields, f, indent=1)
+
+
+def load_tokenizer(path: str, flag: str = "--tokenizer") -> Tokenizer:
+    """A tokenizers JSON file, with [BOT]/[EOT] or the bos/eos tokens its tokenizer_config.json names."""
+    from tokenizers import Tokenizer as Backend
 
     if not os.path.isfile(path):
-        raise UsageError(f"--tokenizer: no such file {path!r}; give a tokenizers JSON file or leave the flag out "
+        raise UsageError(f"{flag}: no such file {path!r}; give a tokenizers JSON file or leave the flag out "
                          "to train one on --data")
     try:
-        tokenizer = Tokenizer.from_file(path)
+        backend = Backend.from_file(path)
     except Exception:
-        raise UsageError(f"--tokenizer: {path!r} is not a tokenizers JSON file") from None
-    missing = [t for t in ("[BOT]", "[EOT]") if tokenizer.token_to_id(t) is None]
-    if missing:
-        raise UsageError(f"--tokenizer: {path!r} lacks the special tokens {missing}; documents are wrapped in them")
-    return tokenizer
+        raise UsageError(f"{flag}: {path!r} is not a tokenizers JSON file") from None
+    if backend.token_to_id("[BOT]") is not None and backend.token_to_id("[EOT]") is not None:
+        return Tokenizer(backend, "[BOT]", "[EOT]", "[PAD]" if backend.token_to_id("[PAD]") is not None else None)
+    named = _special_tokens(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
+    if any(named.get(t) is None or backend.token_to_id(named[t]) is None for t in ("bos_token", "eos_token")):
+        raise UsageError(f"{flag}: {path!r} has no [BOT]/[EOT] tokens and no tokenizer_config.json beside it that "
+                         "names a bos_token and an eos_token it has; documents are framed by them")
+    pad = named.get("pad_token")
+    return Tokenizer(backend, named["bos_token"], named["eos_token"],
+                     pad if pad is not None and backend.token_to_id(pad) is not None else None)
+
+
+def _special_tokens(config_path: str) -> dict:
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    # A token is a string, or {"content": string, ...} (AddedToken) in older files.
+    return {key: value["content"] if isinstance(value, dict) else value for key, value in config.items()
+            if key in ("bos_token", "eos_token", "pad_token") and isinstance(value, (str, dict))}
 
 
 def tokenizer_cache_path(spec: str, vocab_size: int, cache_dir: str) -> str:
@@ -245,9 +306,9 @@ def tokenizer_cache_path(spec: str, vocab_size: int, cache_dir: str) -> str:
     return os.path.join(cache_dir, f"tokenizer-{key}.json")
 
 
-def train_tokenizer(spec: str, vocab_size: int):
+def train_tokenizer(spec: str, vocab_size: int) -> Tokenizer:
     """A byte-level BPE tokenizer with [PAD], [BOT], [EOT], trained on the first documents of the source."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
 
     documents = iter_documents(spec)
 
@@ -259,29 +320,24 @@ def train_tokenizer(spec: str, vocab_size: int):
             if seen >= TOKENIZER_TRAIN_CHARS:
                 return
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(sample(), trainer)
-    return tokenizer
+    backend.train_from_iterator(sample(), trainer)
+    return Tokenizer(backend, "[BOT]", "[EOT]", "[PAD]")
 
 
-def get_tokenizer(spec: str, tokenizer_path: str | None, vocab_size: int, cache_dir: str):
+def get_tokenizer(spec: str, tokenizer_path: str | None, vocab_size: int, cache_dir: str) -> Tokenizer:
     """The tokenizer at --tokenizer, else the one trained on --data before (cached), else train it now."""
     if tokenizer_path:
         return load_tokenizer(tokenizer_path)
     path = tokenizer_cache_path(spec, vocab_size, cache_dir)
     if not os.path.isfile(path):
         tokenizer = train_tokenizer(spec, vocab_size)
-        _atomic_write(path, lambda tmp: tokenizer.save(tmp))
+        _atomic_write(path, lambda tmp: tokenizer.backend.save(tmp))
     return load_tokenizer(path)
-
-
-def _encode_documents(tokenizer, texts: list[str]) -> list[list[int]]:
-    bot, eot = tokenizer.token_to_id("[BOT]"), tokenizer.token_to_id("[EOT]")
-    return [[bot, *enc.ids, eot] for enc in tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -377,7 +433,7 @@ class StreamedWindows(_Windows):
             self._start_epoch(None, 0)
             return
         self._documents += len(texts)
-        for ids in _encode_documents(self.tokenizer, texts):
+        for ids in self.tokenizer.encode_documents(texts):
             self.buffer.extend(ids)
             self._tokens_this_epoch += len(ids)
 
@@ -405,11 +461,11 @@ class StreamedWindows(_Windows):
 
 def builtin_tokens(tokenizer, cache_dir: str) -> tuple[Tensor, Tensor]:
     """The builtin corpus as one int32 token stream and its per-document lengths, tokenized once and cached."""
-    vocab = json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    vocab = json.dumps(tokenizer.backend.get_vocab(), sort_keys=True) + tokenizer.bos + tokenizer.eos
     key = hashlib.sha256(f"v1|{_source_fingerprint('builtin')}|{vocab}".encode()).hexdigest()[:16]
     path = os.path.join(cache_dir, f"builtin-{key}.pt")
     if not os.path.isfile(path):
-        docs = _encode_documents(tokenizer, list(iter_documents("builtin")))
+        docs = tokenizer.encode_documents(list(iter_documents("builtin")))
         tokens = torch.tensor([t for d in docs for t in d], dtype=torch.int32)
         lengths = torch.tensor([len(d) for d in docs], dtype=torch.int64)
         _atomic_write(path, lambda tmp: torch.save({"tokens": tokens, "lengths": lengths}, tmp))
@@ -423,6 +479,25 @@ def prepare(spec: str, tokenizer_path: str | None, vocab_size: int, cache_dir: s
     if spec == "builtin":
         builtin_tokens(tokenizer, cache_dir)
     return tokenizer
+
+
+HELD_OUT_SHARE = 0.02  # of the builtin corpus: its last documents, never trained on, for --eval-every
+
+
+def builtin_split(tokens: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """The builtin corpus as (training tokens, held-out tokens). The held-out part is the last documents, about
+    HELD_OUT_SHARE of the tokens, cut at a document boundary so that no document is in both."""
+    starts = torch.cumsum(lengths, 0) - lengths
+    boundary = int(starts[starts >= len(tokens) * (1 - HELD_OUT_SHARE)][0])
+    return tokens[:boundary], tokens[boundary:]
+
+
+def eval_spec(args) -> str | None:
+    """Where held-out batches come from: --eval-data, else the builtin corpus's held-out part; None when the
+    run evaluates nothing (no --eval-every, and --steps is not 0)."""
+    if args.eval_every == 0 and args.steps > 0:
+        return None
+    return args.eval_data or ("builtin" if args.data == "builtin" else None)
 
 
 def setup(args, local_rank: int, needs_batches: bool):
@@ -440,14 +515,24 @@ def setup(args, local_rank: int, needs_batches: bool):
         tokenizer = prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
         if needs_batches:  # reads the first window now, so a source too small for one fails here
             loader = make_loader(args.data, tokenizer, args.seq_len, args.batch_size, args.seed, args.cache_dir)
+            if eval_spec(args) is not None:  # the held-out batches too, once, so they cannot fail mid-run
+                held_out = make_loader(eval_spec(args), tokenizer, args.seq_len, args.batch_size, 0, args.cache_dir,
+                                       held_out=True)
+                if isinstance(held_out, ShuffledWindows) and held_out.num_windows < args.eval_batches * args.batch_size:
+                    raise UsageError(f"--eval-batches {args.eval_batches}: the builtin held-out part has "
+                                     f"{held_out.num_windows} windows of --seq-len + 1, fewer than --eval-batches x "
+                                     f"--batch-size; lower --eval-batches or give --eval-data")
     return tokenizer, loader
 
 
-def make_loader(spec: str, tokenizer, seq_len: int, batch_size: int, seed: int, cache_dir: str):
-    pad_id = tokenizer.token_to_id("[PAD]")
+def make_loader(spec: str, tokenizer, seq_len: int, batch_size: int, seed: int, cache_dir: str,
+                held_out: bool = False):
+    """Batches from a --data spec: builtin's training part (held_out: its held-out part, in a fixed order), or
+    a streamed source from its start."""
+    pad_id = tokenizer.pad_id
     if spec == "builtin":
-        tokens, _ = builtin_tokens(tokenizer, cache_dir)
-        return ShuffledWindows(tokens, seq_len, batch_size, seed, pad_id)
+        train, rest = builtin_split(*builtin_tokens(tokenizer, cache_dir))
+        return ShuffledWindows(rest if held_out else train, seq_len, batch_size, seed, pad_id)
     return StreamedWindows(spec, tokenizer, seq_len, batch_size, pad_id)
 
 

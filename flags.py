@@ -27,7 +27,9 @@ def build_parser(doc: str, schedules: list[str], stages_per_rank: bool = False) 
                         "LR schedule and data order start afresh. Ignored once --checkpoint-dir holds checkpoints "
                         "of this run (they are resumed)")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=300, help="optimizer steps to train for (default: %(default)s)")
+    g.add_argument("--steps", type=int, default=300,
+                   help="optimizer steps to train for; 0: only evaluate, e.g. --init-from's weights "
+                        "(default: %(default)s)")
     g.add_argument("--batch-size", type=int, default=16,
                    help="sequences per step, over all data-parallel replicas (default: %(default)s)")
     g.add_argument("--microbatches", type=int, default=4,
@@ -40,6 +42,12 @@ def build_parser(doc: str, schedules: list[str], stages_per_rank: bool = False) 
     g.add_argument("--grad-clip", type=float, default=1.0,
                    help="clip the global gradient norm to this; 0 turns clipping off (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default: %(default)s)")
+    g.add_argument("--eval-every", type=int, default=0,
+                   help="after every N steps and at the end, the loss and perplexity on --eval-batches held-out "
+                        "batches, forward only through the pipeline; 0: never (--steps 0: once, only that) "
+                        "(default: %(default)s)")
+    g.add_argument("--eval-batches", type=int, default=4,
+                   help="batches of --batch-size sequences per evaluation (default: %(default)s)")
     g.add_argument("--schedule", choices=schedules, default=schedules[0],
                    help="pipeline schedule (default: %(default)s)")
     if stages_per_rank:  # only where the library's multi-stage schedules are offered
@@ -54,6 +62,9 @@ def build_parser(doc: str, schedules: list[str], stages_per_rank: bool = False) 
                    help="tokenizers JSON file with [BOT] and [EOT] (default: train one on --data and cache it)")
     g.add_argument("--vocab-size", type=int, default=8192,
                    help="vocabulary of a tokenizer trained on --data (default: %(default)s)")
+    g.add_argument("--eval-data", default=None,
+                   help="held-out data for --eval-every, in --data's syntax (default: with --data builtin, its "
+                        "last documents, which are never trained on; other data needs this flag)")
     g.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "pipeline-llama"),
                    help="where trained tokenizers and tokenized data are kept (default: %(default)s)")
     g = p.add_argument_group("checkpoints and output")
@@ -101,8 +112,8 @@ def num_layers(args, device_type: str) -> int | None:
 def check_args(args, world_size: int, device_type: str) -> None:
     """Every mistake that can be seen from the flags alone, checked identically on every rank before any work.
     (What needs the files the flags name, preflight.py checks next, on every rank.)"""
-    positive = {"--steps": args.steps, "--batch-size": args.batch_size, "--microbatches": args.microbatches,
-                "--seq-len": args.seq_len, "--vocab-size": args.vocab_size}
+    positive = {"--batch-size": args.batch_size, "--microbatches": args.microbatches, "--seq-len": args.seq_len,
+                "--vocab-size": args.vocab_size, "--eval-batches": args.eval_batches}
     for flag, value in positive.items():
         if value < 1:
             raise FlagError(f"{flag} must be at least 1, got {value}")
@@ -110,7 +121,8 @@ def check_args(args, world_size: int, device_type: str) -> None:
         raise FlagError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
     if not math.isfinite(args.timeout) or args.timeout <= 0:
         raise FlagError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    for flag, value in {"--warmup-steps": args.warmup_steps, "--checkpoint-every": args.checkpoint_every}.items():
+    for flag, value in {"--steps": args.steps, "--warmup-steps": args.warmup_steps,
+                        "--checkpoint-every": args.checkpoint_every, "--eval-every": args.eval_every}.items():
         if value < 0:
             raise FlagError(f"{flag} must be 0 or more, got {value}")
     for flag, value in {"--lr": args.lr, "--weight-decay": args.weight_decay, "--grad-clip": args.grad_clip}.items():
@@ -132,6 +144,11 @@ def check_args(args, world_size: int, device_type: str) -> None:
                     PRESETS[model_preset(args, device_type)].get("max_position_embeddings", 2048),
                     world_size // args.dp, args.seq_len)
     data.check_data_spec(args.data)
+    if args.eval_data is not None:
+        data.check_data_spec(args.eval_data, "--eval-data")
+    elif (args.eval_every or args.steps == 0) and args.data != "builtin":
+        raise FlagError(f"--eval-data: needed to evaluate with --data {args.data} (a held-out part is set aside "
+                        "only from builtin); give held-out files or hf: data in --data's syntax")
 
 
 def check_model(num_layers: int, max_positions: int, stages: int, seq_len: int) -> None:

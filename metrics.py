@@ -27,7 +27,7 @@ class Metrics:
             kept = []
             if resume_step is not None and os.path.isfile(path):
                 with open(path) as f:
-                    kept = [line for line in f if json.loads(line).get("step", math.inf) <= resume_step]
+                    kept = [line for line in f if _row_step(json.loads(line)) <= resume_step]
             self.file = open(path, "w")
             self.file.writelines(kept)
         self.step_times: list[float] = []
@@ -45,6 +45,14 @@ class Metrics:
                "tokens_per_s": tokens / seconds, "grad_norm": grad_norm.item()}
         if self.file:
             self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        return row
+
+    def log_eval(self, step: int, loss: float, batches: int) -> dict:
+        """Record an evaluation (the rank holding the loss): {"eval": {"step", "loss", "perplexity", "batches"}}."""
+        row = {"step": step, "loss": loss, "perplexity": math.exp(min(loss, 700.0)), "batches": batches}
+        if self.file:
+            self.file.write(json.dumps({"eval": row}) + "\n")
             self.file.flush()
         return row
 
@@ -94,6 +102,11 @@ class Metrics:
                       flush=True)
         if self.file:
             self.file.close()
+
+
+def _row_step(row: dict) -> float:
+    """The step a metrics line belongs to (the summary: none, it is rewritten at the end)."""
+    return row.get("step", row.get("eval", {}).get("step", math.inf))
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -15,6 +15,7 @@ stages, and the training scripts rely on all of them:
 
 import dataclasses
 import hashlib
+import math
 
 import torch
 import torch.nn as nn
@@ -34,20 +35,26 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     initializer_range: float = 0.02
+    head_dim: int | None = None  # size of each attention head; None: hidden_size / num_attention_heads
+    tie_word_embeddings: bool = False  # the head is the embedding matrix (Llama 3.2 1B and 3B, SmolLM)
+    # Llama 3.1+ long-context RoPE: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; None: plain RoPE.
+    rope_scaling: dict | None = None
 
     def __post_init__(self):
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be a multiple of num_attention_heads")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError("hidden_size must be a multiple of num_attention_heads (or give head_dim)")
+            self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") != "llama3":
+            raise ValueError(f"rope_scaling: only rope_type llama3 is implemented, got {self.rope_scaling}")
 
 
 # Named shapes for --model. `small` is the seed article's model; the llama-* entries use the layer shapes of
-# the Llama 3 family (plain RoPE, no long-context frequency scaling, untied head). The vocabulary always
+# the Llama 3 family (plain RoPE, no long-context frequency scaling, untied head; a real checkpoint brings its
+# own config with --init-from). The vocabulary always
 # comes from the tokenizer, so it is not part of a preset.
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
@@ -75,7 +82,21 @@ def config_from_preset(name: str, vocab_size: int, num_layers: int | None = None
 
 def rope_inv_freq(config: LlamaConfig, device=None) -> Tensor:
     exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float32, device=device) / config.head_dim
-    return 1.0 / (config.rope_theta ** exponents)
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    if config.rope_scaling is None:
+        return inv_freq
+    # Llama 3.1's long-context adjustment (as transformers computes it): wavelengths shorter than
+    # original_max / high_freq_factor stay, those longer than original_max / low_freq_factor are slowed down
+    # by `factor`, and the ones between are interpolated smoothly.
+    scaling = config.rope_scaling
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelength - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelength < context / high) * ~(wavelength > context / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 def rope_tables(inv_freq: Tensor, seq_len: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -171,6 +192,16 @@ class LlamaForPretraining(nn.Module):
         self.config = config
         self.base_model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With tie_word_embeddings, make the head use the embedding's matrix, when this module holds both.
+
+        Only for a model whose embedding and head are in one stage: stages that hold just one of them keep
+        their own copy, which the training loop keeps equal (training.TiedEmbedding). to_empty() allocates
+        shared parameters separately, so call this again after it."""
+        if self.config.tie_word_embeddings and self.base_model.embed_tokens is not None and self.lm_head is not None:
+            self.lm_head.weight = self.base_model.embed_tokens.weight
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """Token ids [batch, seq] -> logits [batch, seq, vocab] (or hidden states on a stage with no head)."""
@@ -201,6 +232,8 @@ def init_tensor_(name: str, tensor: Tensor, seed: int, config: LlamaConfig) -> N
         tensor.fill_(1.0)
     elif name.endswith(".weight"):  # every Linear and the embedding
         module_name = name.removesuffix(".weight")
+        if config.tie_word_embeddings and module_name == "lm_head":  # one matrix: the embedding's values
+            module_name = "base_model.embed_tokens"
         tensor.normal_(0.0, config.initializer_range, generator=_module_generator(seed, module_name, tensor.device))
     else:
         raise ValueError(f"no initializer for {name!r}")

@@ -30,7 +30,9 @@ import torch.distributed as dist
 import checkpoint
 import data
 import flags
+import hf
 import runtime
+from model import LlamaConfig
 from runtime import UsageError
 
 LOCK_NAME = "run.lock"
@@ -59,6 +61,8 @@ def check(args, env: runtime.Env) -> None:
     with runtime.collective_errors():  # 4. the contents of the data files, once per node and file version
         if env.local_rank == 0:
             data.validate_files(args.data, args.cache_dir)
+            if args.eval_data is not None:
+                data.validate_files(args.eval_data, args.cache_dir, "--eval-data")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -139,25 +143,35 @@ def probe_directory(flag: str, path: str, lock_token: str) -> None:
 # Inputs
 
 def check_inputs(args, stages: int) -> None:
-    """Data, tokenizer and --init-from exist and are readable; --init-from fills in the model's shape and the
-    tokenizer (its own, unless --tokenizer is given)."""
+    """Data, tokenizer and --init-from exist and are readable; --init-from (a Hugging Face directory or one of
+    this project's checkpoints) fills in the model's shape and the tokenizer (its own, unless --tokenizer)."""
     data.check_files(args.data)
+    if args.eval_data is not None:
+        data.check_files(args.eval_data, "--eval-data")
     if args.init_from is not None:
-        source = checkpoint.resolve(args.init_from, "--init-from")
-        config = checkpoint.read_meta(source)["config"]
-        if args.layers is not None and args.layers != config["num_hidden_layers"]:
-            raise UsageError(f"--layers {args.layers}: --init-from {args.init_from} has "
-                             f"{config['num_hidden_layers']} layers; leave --layers out (the model's shape comes "
-                             "from --init-from)")
+        if hf.is_hf_dir(args.init_from):
+            source, config = args.init_from, hf.read_config(args.init_from)  # refuses what model.py lacks
+        elif os.path.isdir(args.init_from):
+            source = checkpoint.resolve(args.init_from, "--init-from")
+            config = LlamaConfig(**checkpoint.read_meta(source)["config"])
+        else:
+            raise UsageError(f"--init-from {args.init_from}: not a directory; give a Hugging Face model directory "
+                             "(config.json + *.safetensors) or a checkpoint of this project")
+        if args.layers is not None and args.layers != config.num_hidden_layers:
+            raise UsageError(f"--layers {args.layers}: --init-from {args.init_from} has {config.num_hidden_layers} "
+                             "layers; leave --layers out (the model's shape comes from --init-from)")
         if args.model is not None:
             raise UsageError(f"--model {args.model}: the model's shape comes from --init-from {args.init_from}; "
                              "leave --model out")
-        args.layers = config["num_hidden_layers"]
-        flags.check_model(config["num_hidden_layers"], config["max_position_embeddings"], stages, args.seq_len)
-        if args.tokenizer is None and os.path.isfile(os.path.join(source, "tokenizer.json")):
+        args.layers = config.num_hidden_layers
+        flags.check_model(config.num_hidden_layers, config.max_position_embeddings, stages, args.seq_len)
+        if args.tokenizer is None:
+            if not os.path.isfile(os.path.join(source, "tokenizer.json")):
+                raise UsageError(f"--init-from {args.init_from}: no tokenizer.json there; give its tokenizer with "
+                                 "--tokenizer")
             args.tokenizer = os.path.join(source, "tokenizer.json")
     if args.tokenizer is not None:
-        data.load_tokenizer(args.tokenizer)  # exists, parses, has the special tokens
+        data.load_tokenizer(args.tokenizer)  # exists, parses, knows how to frame a document
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -4,7 +4,10 @@ The central claim: a pipeline is the same model. Gradients and loss trajectories
 compared with the unsplit model on one process. Run with:  pytest -q test_small.py
 """
 
+import argparse
+import dataclasses
 import json
+import math
 import os
 import re
 import shlex
@@ -28,6 +31,7 @@ from torch.distributed.tensor import DTensor
 import benchmark
 import checkpoint
 import data
+import hf
 import metrics
 import model as model_module
 import preflight
@@ -169,21 +173,30 @@ def test_layer_split_is_balanced():
             assert sum(sizes) == layers and max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
 
 
-def test_same_math_as_hugging_face_llama():
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("variant", ["plain", "tied_llama3_head_dim"])
+def test_same_math_as_hugging_face_llama(variant):
     transformers = pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
-    config = LlamaConfig(vocab_size=97, max_position_embeddings=64, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0)
-    ours = LlamaForPretraining(config)
-    ours.init_weights(seed=0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    extra = {} if variant == "plain" else {"tie_word_embeddings": True, "rope_scaling": dict(LLAMA3_ROPE), "head_dim": 8}
+    hf_config = transformers.LlamaConfig(
         vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500000.0,
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False)).eval()
+        attention_bias=False, mlp_bias=False, **{"tie_word_embeddings": False, **extra})
+    config = hf.llama_config(hf_config.to_dict(), "test")  # also reads transformers 5's rope_parameters
+    assert (config.tie_word_embeddings, config.rope_scaling, config.head_dim) == (
+        extra.get("tie_word_embeddings", False), LLAMA3_ROPE if extra else None, extra.get("head_dim", 16))
+    ours = LlamaForPretraining(config)
+    ours.init_weights(seed=0)
+    hf_model = transformers.LlamaForCausalLM(hf_config).eval()
     # Same names but for the prefix: a strict load proves it.
-    hf.load_state_dict({k.replace("base_model.", "model.", 1): v for k, v in ours.state_dict().items()}, strict=True)
+    hf_model.load_state_dict({k.replace("base_model.", "model.", 1): v for k, v in ours.state_dict().items()},
+                             strict=True)
     tokens = torch.randint(0, 97, (2, 33), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours(tokens), hf_model(tokens).logits, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1023,6 +1036,211 @@ def test_a_full_disk_stops_the_save_cleanly_and_the_rerun_resumes(tmp_path, cach
         assert complete_and_partial(disk / "ckpt") == (["step-00000004"], [])
     finally:
         subprocess.run(["umount", str(disk)])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hugging Face weights in and out (hf.py), tied embeddings, validation loss
+
+HF_MODELS = {  # name: the transformers.LlamaConfig fields that differ
+    "untied": {"num_hidden_layers": 3},  # grouped-query attention, plain RoPE
+    "tied": {"num_hidden_layers": 4, "tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE},
+    "tied_bf16": {"num_hidden_layers": 4, "tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE},
+}
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory, cache_dir):
+    """Random LlamaForCausalLMs, written by save_pretrained with the builtin tokenizer: what --init-from reads."""
+    transformers = pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
+    root = tmp_path_factory.mktemp("hf")
+    tokenizer = data.load_tokenizer(data.tokenizer_cache_path("builtin", 8192, cache_dir))
+    for name, fields in HF_MODELS.items():
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=8192, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=500000.0,
+            **{key: dict(value) if isinstance(value, dict) else value for key, value in fields.items()}))
+        if name.endswith("bf16"):
+            model = model.to(torch.bfloat16)
+        model.save_pretrained(root / name)
+        tokenizer.save(str(root / name))
+    return root
+
+
+def _hf_worker(rank, world_size, store_path, out_dir, hf_root, schedules, batch, microbatches):
+    """Each model: this rank's stage loaded from the Hugging Face directory, saved as a checkpoint of ours,
+    then 3 training steps; the first step's loss and gradients and the weights after the last are saved."""
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    try:
+        env = runtime.Env(rank, world_size, rank, world_size, torch.device("cpu"), "gloo", torch.float32)
+        env.mesh = runtime.Mesh.build(env, {"pp": world_size, "dp": 1})
+        inputs, targets = batch
+        results = {}
+        for name, schedule in schedules.items():
+            source = os.path.join(hf_root, name)
+            config = hf.read_config(source)
+            stages = gpipe.stage_ids(schedule, rank, world_size, 2)
+            num_stages = world_size * len(stages)
+            first, last = 0 in stages, num_stages - 1 in stages
+            model = gpipe.build_stage_model(config, stages, num_stages, env.device, seed=11)
+            checkpoint.load_weights(source, model, config)
+            checkpoint.save(os.path.join(out_dir, f"ckpt-{name}"), 0, model, torch.optim.AdamW(model.parameters()),
+                            {"config": dataclasses.asdict(config)}, rank, 1,
+                            data.load_tokenizer(os.path.join(source, "tokenizer.json")))
+            if name.endswith("bf16"):
+                continue  # only the round trip
+            optimizer = training.make_optimizer(model, argparse.Namespace(lr=1e-2, weight_decay=0.1))
+            tied = training.TiedEmbedding(model, config, env, first, last)
+            run, _ = gpipe.make_schedule(schedule, model, stages, num_stages, env, microbatches,
+                                         (len(inputs) // microbatches, inputs.shape[1]))
+            for step in range(3):
+                optimizer.zero_grad()
+                loss = gpipe.train_step(run, env, inputs if first else None, targets if last else None)
+                tied.sync_grads()
+                if step == 0:  # before clipping
+                    results[name] = {"loss": loss, "grads": {n: p.grad.clone() for n, p in
+                                                             model.named_parameters(remove_duplicate=False)}}
+                training.clip_grad_norm_(model.parameters(), 1.0, copies=tied.copies)
+                optimizer.step()
+            results[name]["after"] = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_hugging_face_weights_train_like_transformers_at_any_stage_count(tmp_path, hf_models, world_size):
+    import transformers
+    from safetensors.torch import load_file
+
+    # 2 ranks: the tied model (4 layers) in a V, both copies on rank 0; 3 ranks: embedding and head copies on
+    # ranks 0 and 2, their gradients summed over a process group.
+    schedules = {"untied": "gpipe", "tied": "zbvzerobubble" if world_size == 2 else "gpipe", "tied_bf16": "gpipe"}
+    gen = torch.Generator().manual_seed(5)
+    inputs, targets = torch.randint(0, 8192, (8, 16), generator=gen), torch.randint(0, 8192, (8, 16), generator=gen)
+    mp.start_processes(_hf_worker, nprocs=world_size, start_method="spawn", join=True,
+                       args=(world_size, str(tmp_path / "store"), str(tmp_path), str(hf_models), schedules,
+                             (inputs, targets), 4))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
+    for name in ("untied", "tied"):
+        reference = transformers.LlamaForCausalLM.from_pretrained(hf_models / name)
+        losses = []
+        for x, y in zip(inputs.chunk(4), targets.chunk(4)):
+            losses.append(gpipe.loss_fn(reference(x).logits, y))
+            (losses[-1] / 4).backward()
+        loss = next(r[name]["loss"] for r in ranks if r[name]["loss"] is not None)
+        assert_close_rel(loss.item(), torch.stack(losses).mean().item(), what=f"{name} loss")
+        expected = {k.replace("model.", "base_model.", 1): p.grad for k, p in reference.named_parameters()}
+        if name == "tied":  # transformers' one tied matrix: its gradient is the sum of both uses
+            expected["lm_head.weight"] = expected["base_model.embed_tokens.weight"]
+        got = {}
+        for result in ranks:
+            got.update(result[name]["grads"])
+        assert sorted(got) == sorted(expected), name
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], rtol=RTOL, atol=1e-7, msg=f"{name} {key}")
+        if name == "tied":  # after 3 AdamW steps with clipping, the copies are still one matrix, bit for bit
+            after = {}
+            for result in ranks:
+                after.update(result[name]["after"])
+            assert torch.equal(after["base_model.embed_tokens.weight"], after["lm_head.weight"])
+    # Loaded and saved by the pipeline, then exported: the same tensors as the Hugging Face files, bit for bit.
+    for name, dtype in (("untied", "float32"), ("tied", "float32"), ("tied_bf16", "bfloat16")):
+        out = tmp_path / f"export-{name}"
+        result = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), "export", str(tmp_path / f"ckpt-{name}"),
+                                 str(out), "--format", "hf", "--dtype", dtype], capture_output=True, text=True,
+                                env=script_env())
+        assert result.returncode == 0, result.stderr
+        source = load_file(next((hf_models / name).glob("*.safetensors")))
+        exported = load_file(next(out.glob("*.safetensors")))
+        assert sorted(exported) == sorted(source), name  # a tied head is stored once, as transformers does
+        for key in source:
+            assert exported[key].dtype == source[key].dtype and torch.equal(exported[key], source[key]), key
+
+
+def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models, cache_dir):
+    import transformers
+
+    tied = str(hf_models / "tied")
+    common = ["--init-from", tied, "--batch-size", "8", "--microbatches", "4", "--seq-len", "32", "--warmup-steps",
+              "2", "--lr", "1e-2", "--eval-batches", "2", "--cache-dir", cache_dir]
+    train = ["--steps", "4", "--eval-every", "2"]
+    runs = {  # name: (processes, script, flags)
+        "one": (0, "train_pipeline_gpipe.py", train),
+        "gpipe3": (3, "train_pipeline_gpipe.py", train),
+        "manual3": (3, "train_pipeline_afab_manual.py", [*train, "--schedule", "1f1b"]),
+        "tracer2": (2, "train_pipeline_tracer.py", [*train, "--schedule", "interleaved1f1b"]),  # 4 stages
+        "eval_one": (0, "train_pipeline_gpipe.py", ["--steps", "0"]),
+        "eval3": (3, "train_pipeline_afab_manual.py", ["--steps", "0"]),
+    }
+    procs = {name: launch(n, script, *common, *flags, "--metrics", f"{name}.jsonl", "--checkpoint-dir", name,
+                          cwd=tmp_path, wait=False) for name, (n, script, flags) in runs.items()}
+    rows = {}
+    for name, proc in procs.items():
+        result = finish(proc)
+        assert result.returncode == 0, (name, result.stderr[-3000:])
+        lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        rows[name] = ([r for r in lines if "loss" in r], [r["eval"] for r in lines if "eval" in r])
+    assert [e["step"] for e in rows["one"][1]] == [2, 4] and [e["step"] for e in rows["eval_one"][1]] == [0]
+    assert rows["eval3"][0] == [] and not (tmp_path / "eval3").exists()  # evaluated only, nothing written
+    for name in ("gpipe3", "manual3", "tracer2", "eval3"):
+        reference = rows["eval_one" if name == "eval3" else "one"]
+        for got, want in zip(rows[name][0] + rows[name][1], reference[0] + reference[1]):
+            assert_close_rel(got["loss"], want["loss"], what=f"{name} step {got['step']}")
+    evaluated = rows["eval_one"][1][0]
+    assert evaluated["perplexity"] == pytest.approx(math.exp(evaluated["loss"]))
+
+    # Export the 3-stage run for transformers, in several files: it loads with no missing or unexpected keys,
+    # computes the pipeline model's logits, and its tokenizer encodes like ours.
+    out = tmp_path / "exported"
+    result = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), "export", str(tmp_path / "gpipe3"),
+                             str(out), "--format", "hf", "--max-shard-size", "1MB"], capture_output=True, text=True,
+                            env=script_env())
+    assert result.returncode == 0, result.stderr
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
+    model, info = transformers.LlamaForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    state, config = checkpoint.full_model_state(checkpoint.resolve(str(tmp_path / "gpipe3")))
+    ours = LlamaForPretraining(config)
+    ours.load_state_dict(state, strict=True)
+    assert torch.equal(ours.lm_head.weight, ours.base_model.embed_tokens.weight)
+    tokens = torch.randint(0, 8192, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-6)
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    tokenizer = data.load_tokenizer(str(out / "tokenizer.json"))
+    text = "def read_config(path):\n    return json.load(open(path))\n"
+    assert theirs(text, add_special_tokens=False).input_ids == tokenizer.encode_documents([text])[0][1:-1]
+    assert (theirs.bos_token_id, theirs.eos_token_id) == (tokenizer.bos_id, tokenizer.eos_id)
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("model_type", "mistral", "model_type"), ("attention_bias", True, "attention_bias"),
+    ("mlp_bias", True, "mlp_bias"), ("hidden_act", "gelu", "hidden_act"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling"),
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}, "rope_parameters"),
+])
+def test_what_model_py_does_not_compute_is_refused_naming_the_field(field, value, named):
+    config = {"model_type": "llama", "vocab_size": 97, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 2, "num_attention_heads": 4, field: value}
+    with pytest.raises(runtime.UsageError, match=f"config.json {named} = "):
+        hf.llama_config(config, "--init-from x")
+
+
+def test_a_hugging_face_tokenizer_frames_documents_with_its_own_bos_and_eos(tmp_path):
+    from tokenizers import Tokenizer as Backend, models, pre_tokenizers, trainers
+
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=200, special_tokens=["<s>", "</s>"]))
+    backend.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(runtime.UsageError, match="no \\[BOT\\]/\\[EOT\\] tokens and no tokenizer_config.json"):
+        data.load_tokenizer(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}}))
+    tokenizer = data.load_tokenizer(str(tmp_path / "tokenizer.json"))
+    ids = tokenizer.encode_documents(["document 1: word1"])[0]
+    assert (ids[0], ids[-1]) == (backend.token_to_id("<s>"), backend.token_to_id("</s>")) and tokenizer.pad_id is None
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -304,6 +304,17 @@ def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, timeline=
     return step.finish()
 
 
+@torch.no_grad()
+def eval_step_pipeline(model, inputs, targets, device, dtype):
+    """Forward only, for a held-out loss: every microbatch through the stages (no activations kept), the last
+    rank returns the mean loss. Same arguments as train_step_pipeline_afab."""
+    step = _Step(_as_partition(model), inputs, targets, device, dtype, None, None)
+    for i in range(step.m):
+        step.forward(i)
+        step.saved.pop(i)  # nothing to go backward through
+    return step.finish()
+
+
 SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 
 
@@ -323,11 +334,13 @@ def main(args):
 
     # --- model, split, schedule: the full model on meta, this rank's slice kept, then materialized
     with runtime.collective_errors():
-        config, name = checkpoint.model_config(args, tokenizer.get_vocab_size(), env.device.type)
+        config, name = checkpoint.model_config(args, tokenizer.vocab_size(), env.device.type)
     with torch.device("meta"):
         model = LlamaForPretraining(config)
     partition = partition_model(model, mesh.pp_rank, mesh.pp, group=mesh.group("pp"))
     model.to_empty(device=env.device)
+    if mesh.pp == 1:  # embedding and head in one stage: one tensor if tied (else training.TiedEmbedding)
+        model.tie_weights()
     model.init_weights(args.seed)
     training.shard_replicas([model], mesh)  # dp > 1: FSDP2 over this stage's replicas (see _Step.backward)
     model.train()
@@ -338,16 +351,23 @@ def main(args):
 
     # --- optimizer, resume, training loop, checkpoints, summary: the same for every script. record=True: this
     # script always times its forwards, backwards, sends and receives, and prints the measured bubble.
-    def step(inputs, targets, events):
+    def microbatches(inputs, targets):
         m = args.microbatches
-        input_mbs = inputs.chunk(m) if is_first else [None] * m
-        target_mbs = targets.chunk(m) if is_last else [None] * m
+        return inputs.chunk(m) if is_first else [None] * m, targets.chunk(m) if is_last else [None] * m
+
+    def step(inputs, targets, events):
         with runtime.autocast(env):
             # fp32 between stages: the residual stream is fp32 under autocast too, as in the library scripts.
-            return train_step(partition, input_mbs, target_mbs, env.device, torch.float32, timeline=events)
+            return train_step(partition, *microbatches(inputs, targets), env.device, torch.float32, timeline=events)
 
-    training.train(args, env, model, step, config, tokenizer, loader, has_first=is_first, has_last=is_last,
-                   say=say, record=True)
+    def evaluate(inputs, targets):
+        with runtime.autocast(env):
+            loss = eval_step_pipeline(partition, *microbatches(inputs, targets), env.device, torch.float32)
+        training.reshard([model])  # FSDP gathered the parameters for the forwards
+        return loss
+
+    training.train(args, env, model, step, evaluate, config, tokenizer, loader, has_first=is_first,
+                   has_last=is_last, say=say, record=True)
 
 
 if __name__ == "__main__":

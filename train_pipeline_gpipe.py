@@ -101,6 +101,8 @@ def build_stage_model(config, stage: int | list[int], num_stages: int, device: t
     splits = runtime.layer_split(config.num_hidden_layers, num_stages)
     _trim(model, {i for s in stages for i in splits[s]}, 0 in stages, num_stages - 1 in stages)
     model.to_empty(device=device)  # allocates, uninitialized: init_weights must set every parameter and buffer
+    if num_stages == 1:  # embedding and head in one stage: one tensor if tied (else training.TiedEmbedding)
+        model.tie_weights()
     model.init_weights(seed)
     return model
 
@@ -166,7 +168,7 @@ def make_schedule(name: str, model, stages: list[int], num_stages: int, env: run
                        for view, s in zip(views, stages)]
     if recorder is not None:
         recorder.instrument(pipeline_stages)
-    return schedule_for(name, pipeline_stages, microbatches, recorder)
+    return schedule_for(name, pipeline_stages, microbatches, recorder), pipeline_stages
 
 
 def schedule_for(name: str, pipeline_stages: list, microbatches: int, recorder: timeline.Recorder | None = None):
@@ -193,6 +195,21 @@ def step_function(schedule, env: runtime.Env, recorder: timeline.Recorder | None
             recorder.current = events
         return train_step(schedule, env, inputs, targets)
     return step
+
+
+def eval_function(schedule, pipeline_stages: list, env: runtime.Env, recorder: timeline.Recorder | None):
+    """The forward-only pass the training loop's evaluations call: the schedule's eval(), no gradients."""
+    def evaluate(inputs, targets):
+        if recorder is not None:
+            recorder.current = None  # not part of any step's timeline
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if inputs is not None else ()
+        kwargs = {"target": targets, "losses": losses} if targets is not None else {}
+        with runtime.autocast(env):
+            schedule.eval(*args, return_outputs=False, **kwargs)
+        training.reshard(stage.submod for stage in pipeline_stages)  # FSDP gathered them for the forwards
+        return torch.stack(losses).mean() if targets is not None else None
+    return evaluate
 
 
 def train_step(schedule, env: runtime.Env, inputs, targets) -> torch.Tensor | None:
@@ -224,19 +241,21 @@ def main(args):
 
     # --- model, split, schedule
     with runtime.collective_errors():
-        config, name = checkpoint.model_config(args, tokenizer.get_vocab_size(), env.device.type)
+        config, name = checkpoint.model_config(args, tokenizer.vocab_size(), env.device.type)
     model = build_stage_model(config, stages, num_stages, env.device, args.seed)
     model.train()
     recorder = timeline.Recorder() if args.trace else None
-    schedule = make_schedule(args.schedule, model, stages, num_stages, env, args.microbatches,
-                             (args.batch_size // (args.dp * args.microbatches), args.seq_len), recorder)
+    schedule, pipeline_stages = make_schedule(args.schedule, model, stages, num_stages, env, args.microbatches,
+                                              (args.batch_size // (args.dp * args.microbatches), args.seq_len),
+                                              recorder)
     say(runtime.describe_run(name, config, env, f"{args.schedule} (torch.distributed.pipelining)", num_stages),
         flush=True)
     if loader is not None:
         say(f"data: {loader.describe()}", flush=True)
 
     # --- optimizer, resume, training loop, checkpoints, summary: the same for every script
-    training.train(args, env, model, step_function(schedule, env, recorder), config, tokenizer, loader,
+    training.train(args, env, model, step_function(schedule, env, recorder),
+                   eval_function(schedule, pipeline_stages, env, recorder), config, tokenizer, loader,
                    has_first=has_first, has_last=has_last, say=say)
 
 

@@ -18,6 +18,7 @@ p * V stages and the rank builds each of its own (looped or V-shaped placement, 
 parameters into one module for the optimizer and checkpoints.
 """
 
+import dataclasses
 import time
 import warnings
 
@@ -33,7 +34,8 @@ import runtime
 import timeline
 import training
 from model import LlamaForPretraining, init_tensor_
-from train_pipeline_gpipe import SCHEDULES, check_schedule, rank_stages, schedule_for, step_function
+from train_pipeline_gpipe import (SCHEDULES, check_schedule, eval_function, rank_stages, schedule_for,
+                                  step_function)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -90,7 +92,10 @@ def build_traced_stages(config, stages: list[int], num_stages: int, device: torc
     """This rank's PipelineStages, and one module holding all their parameters under full-model names. With a
     mesh, the stages talk over its pipeline group and are sharded over its dp replicas (FSDP2)."""
     with torch.device("meta"):  # shapes only: neither the model nor the trace allocates or computes anything
-        model = LlamaForPretraining(config)
+        # Traced untied: pipeline() would give the head's stage a copy of a tied embedding that nothing keeps
+        # equal. The copies are initialized equal (init_tensor_ knows the tie) and kept equal in training
+        # (training.TiedEmbedding), as in the hand split; on one stage they are tied back into one tensor.
+        model = LlamaForPretraining(dataclasses.replace(config, tie_word_embeddings=False))
         example = torch.zeros(microbatch_shape, dtype=torch.long)
     not_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())
     pipe, all_names = trace(model, example, split_spec(config.num_hidden_layers, num_stages))
@@ -108,8 +113,10 @@ def build_traced_stages(config, stages: list[int], num_stages: int, device: torc
                 if (f"{prefix}.{buffer}" if prefix else buffer) in not_persistent:
                     sub._non_persistent_buffers_set.add(buffer)
         module.to_empty(device=device)  # allocates this stage only, uninitialized: every tensor is set below
+        if num_stages == 1 and config.tie_word_embeddings:
+            module.get_submodule("lm_head").weight = module.get_submodule("base_model.embed_tokens").weight
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            init_tensor_(names[name], tensor, seed, config)
+            init_tensor_(names.get(name, name), tensor, seed, config)
         modules.append(module)
     if mesh is not None:  # the traced layers keep their names (base_model.layers.K): shard them as the others
         training.shard_replicas(modules, mesh)
@@ -172,7 +179,7 @@ def main(args):
 
     # --- model, split, schedule
     with runtime.collective_errors():
-        config, name = checkpoint.model_config(args, tokenizer.get_vocab_size(), env.device.type)
+        config, name = checkpoint.model_config(args, tokenizer.vocab_size(), env.device.type)
     started = time.perf_counter()
     built, model = build_traced_stages(config, stages, num_stages, env.device, args.seed,
                                        (args.batch_size // (args.dp * args.microbatches), args.seq_len), env.mesh)
@@ -191,7 +198,8 @@ def main(args):
         say(f"data: {loader.describe()}", flush=True)
 
     # --- optimizer, resume, training loop, checkpoints, summary: the same for every script
-    training.train(args, env, model, step_function(schedule, env, recorder), config, tokenizer, loader,
+    training.train(args, env, model, step_function(schedule, env, recorder),
+                   eval_function(schedule, built, env, recorder), config, tokenizer, loader,
                    has_first=has_first, has_last=has_last, say=say)
 
 

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 import tqdm
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 import checkpoint
@@ -44,15 +44,17 @@ def set_lr(optimizer, step: int, args) -> float:
     return lr
 
 
-def clip_grad_norm_(params, max_norm: float, group=None) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, group=None, copies=()) -> torch.Tensor:
     """Clip by the norm of the *whole model's* gradient and return that norm (the same on every rank).
 
     Each rank holds only part of the gradient: its stage's, and with FSDP (dp > 1) only its shard of that. The
     parts are disjoint, so the squared norm of the whole is the sum of every rank's squared part (group: all
-    ranks); clipping each part by its own norm would change the update.
+    ranks); clipping each part by its own norm would change the update. copies: parameters that copy a weight
+    counted elsewhere (a tied head, see TiedEmbedding); clipped, but not counted twice.
     """
     params = [p for p in params if p.grad is not None]  # every stage has a layer, so never empty
-    squared = torch.stack([_squared_norm(p.grad) for p in params]).sum()  # on the device: no sync per tensor
+    skip = {id(p) for p in copies}
+    squared = torch.stack([_squared_norm(p.grad) for p in params if id(p) not in skip]).sum()  # on the device
     dist.all_reduce(squared, group=group)
     total = squared.sqrt().float()
     if max_norm > 0:
@@ -65,11 +67,72 @@ def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     whole tensor in one running sum (measured: 2e-5 relative error on a tiny model's embedding gradient, more
     than the 1e-5 the layouts must agree to); norms of 4096-element rows, added in float64, are exact to 1e-7
     and allocate only the rows' norms."""
-    flat = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).flatten()
+    flat = _local(tensor).flatten()
     whole = flat.numel() // 4096 * 4096
     rows = torch.linalg.vector_norm(flat[:whole].view(-1, 4096), dim=1)
     rest = torch.linalg.vector_norm(flat[whole:]).reshape(1)
     return (torch.cat([rows, rest]).double() ** 2).sum()
+
+
+class TiedEmbedding:
+    """tie_word_embeddings across pipeline stages: the head is the embedding matrix, but the embedding is on
+    the first stage and the head on the last.
+
+    Each of the two stages keeps a copy (one tensor only when a stage holds both). The copies start equal
+    (initialized or loaded from the same values), and each step, before clipping and the optimizer, both get
+    the sum of the two gradients, that of the one shared matrix: the rank holding the first stage and the rank
+    holding the last stage of each replica all-reduce it between them (Megatron's embedding group); a rank
+    holding both stages adds them up itself. Same gradient, same AdamW state and update: the copies stay equal,
+    bit for bit. Checkpoints store the matrix once (checkpoint._state). Create it on every rank: it makes
+    process groups."""
+
+    EMBED, HEAD = "base_model.embed_tokens.weight", "lm_head.weight"
+
+    def __init__(self, model: torch.nn.Module, config, env: runtime.Env, has_first: bool, has_last: bool):
+        params = dict(model.named_parameters(remove_duplicate=False))
+        self.embed, self.head = params.get(self.EMBED), params.get(self.HEAD)
+        tied = config.tie_word_embeddings
+        self.active = tied and (self.embed is not None or self.head is not None) and self.embed is not self.head
+        self.group = None
+        if not tied or env.world_size == 1:
+            return
+        # Who holds the first and the last stage of each replica; new_group is collective, in the same order.
+        holders = [None] * env.world_size
+        dist.all_gather_object(holders, (env.mesh.dp_rank, has_first or has_last))
+        for replica in range(env.mesh.dp):
+            ranks = [rank for rank, (r, holds) in enumerate(holders) if r == replica and holds]
+            if len(ranks) == 2:
+                group = dist.new_group(ranks)
+                if env.rank in ranks:
+                    self.group = group
+
+    def sync_grads(self) -> None:
+        """Give both copies the shared matrix's gradient: the sum of the embedding's and the head's."""
+        if not self.active:
+            return
+        if self.embed is not None and self.head is not None:  # both stages on this rank
+            total = _local(self.embed.grad) + _local(self.head.grad)
+            _local(self.embed.grad).copy_(total)
+            _local(self.head.grad).copy_(total)
+        else:  # FSDP shards both copies alike over the replicas: shard d meets shard d
+            dist.all_reduce(_local((self.embed if self.embed is not None else self.head).grad), group=self.group)
+
+    @property
+    def copies(self) -> list[torch.Tensor]:
+        """The head's copy, to count the shared matrix once in the gradient norm."""
+        return [self.head] if self.active and self.head is not None else []
+
+
+def reshard(modules) -> None:
+    """Free the parameters FSDP gathered (after a forward-only pass, which has no backward to do it)."""
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def shard_replicas(stage_modules: list[torch.nn.Module], mesh: runtime.Mesh) -> None:
@@ -98,41 +161,74 @@ def shard_replicas(stage_modules: list[torch.nn.Module], mesh: runtime.Mesh) -> 
 # ----------------------------------------------------------------------------------------------------------
 # The loop: everything after the split, the same for every script
 
-def train(args, env, model, step_fn, config, tokenizer, loader, *, has_first: bool, has_last: bool, say,
+def train(args, env, model, step_fn, eval_fn, config, tokenizer, loader, *, has_first: bool, has_last: bool, say,
           record: bool = False) -> None:
-    """Optimizer, resume, the training loop with its checkpoints, and the summary, around a script's own step.
+    """Optimizer, resume, the training loop with its checkpoints and evaluations, and the summary, around a
+    script's own step.
 
     step_fn(inputs, targets, events) runs this replica's share of the batch forward and backward through this
     rank's part of the pipeline and returns the mean loss on the rank holding the last stage (None elsewhere).
     inputs: [batch / dp, seq] token ids on the rank holding the first stage, else None; targets likewise on the
     rank holding the last stage. events: the timeline.Timeline to record this step into, or None when nothing
-    is recorded (record=False and no --trace).
+    is recorded (record=False and no --trace). eval_fn(inputs, targets): the same, forward only.
     """
     mesh = env.mesh
     # The loss and the progress bar come from the last stage of the first replica (with dp > 1, every replica's
     # last stage has its own loss; they are averaged first).
     reports = has_last and mesh.dp_rank == 0
-
-    # --- optimizer
-    optimizer = make_optimizer(model, args)
-
-    # --- resume from the newest complete checkpoint, if any (or start from --init-from's weights)
-    step = checkpoint.resume(args, env, model, optimizer, config, tokenizer, loader, say)
-    if step >= args.steps:
-        return  # nothing to train: the metrics file, and everything else, stays as it was
-    resumed = step > 0
-
-    # --- training loop
-    # With packing every position is a real target, so the tokens trained on so far follow from the step.
-    log = metrics.Metrics(args.metrics, enabled=reports, resume_step=step if resumed else None,
-                          tokens_seen=step * args.batch_size * args.seq_len)
-    meter = metrics.ActivationMeter(model.parameters()) if args.measure_activations else None
-    record = record or args.trace is not None
-    recent = collections.deque(maxlen=10)  # (events, step time) of the last steps, for the bubble and --trace
     # Every loader reads the whole global batch, so its position is the run's whatever dp is (resume works at
     # any layout); each replica trains on its own rows of it.
     share = args.batch_size // mesh.dp
     rows = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
+
+    def local(inputs, targets):
+        return (inputs[rows].to(env.device) if has_first else None, targets[rows].to(env.device) if has_last else None)
+
+    def replicas_mean(loss):  # the global batch's mean loss: the replicas' shares are equal
+        if has_last and mesh.dp > 1:
+            dist.all_reduce(loss, group=mesh.group("dp"))
+            loss /= mesh.dp
+        return loss
+
+    # --- optimizer; the tied head's copy, if the head and the embedding are on different stages
+    optimizer = make_optimizer(model, args)
+    tied = TiedEmbedding(model, config, env, has_first, has_last)
+
+    # --- resume from the newest complete checkpoint, if any (or start from --init-from's weights)
+    step = checkpoint.resume(args, env, model, optimizer, config, tokenizer, loader, say)
+    resumed = step > 0
+    log = metrics.Metrics(args.metrics, enabled=reports and (step < args.steps or args.steps == 0),
+                          resume_step=step if resumed else None, tokens_seen=step * args.batch_size * args.seq_len)
+
+    def evaluate(at_step: int) -> None:
+        """--eval-batches held-out batches forward only (the same ones every time), their mean loss logged."""
+        held_out = data.make_loader(data.eval_spec(args), tokenizer, args.seq_len, args.batch_size, 0,
+                                    args.cache_dir, held_out=True) if has_first or has_last else None
+        total = torch.zeros((), device=env.device)
+        with torch.no_grad():
+            for _ in range(args.eval_batches):
+                with runtime.collective_errors():
+                    batch = held_out.next_batch() if held_out is not None else (None, None)
+                loss = eval_fn(*local(*batch))
+                total += loss if has_last else 0
+        total = replicas_mean(total / args.eval_batches)
+        if reports:
+            row = log.log_eval(at_step, total.item(), args.eval_batches)
+            tqdm.tqdm.write(f"eval at step {at_step}: loss {row['loss']:.4f}, perplexity {row['perplexity']:.2f} "
+                            f"({args.eval_batches} held-out batches of {args.batch_size})")
+
+    if args.steps == 0:  # only evaluate: the weights of --init-from, or of this run's newest checkpoint
+        evaluate(step)
+        log.finish(env, positions_per_step=args.batch_size * args.seq_len)
+        return
+    if step >= args.steps:
+        return  # nothing to train: the metrics file, and everything else, stays as it was
+
+    # --- training loop
+    # With packing every position is a real target, so the tokens trained on so far follow from the step.
+    meter = metrics.ActivationMeter(model.parameters()) if args.measure_activations else None
+    record = record or args.trace is not None
+    recent = collections.deque(maxlen=10)  # (events, step time) of the last steps, for the bubble and --trace
     dist.barrier()
     clock_zero = time.perf_counter()  # ranks leave the barrier together: a shared zero for the trace
     # As a context, the bar ends its line also when the run stops with an error, which then reads on its own.
@@ -148,12 +244,9 @@ def train(args, env, model, step_fn, config, tokenizer, loader, *, has_first: bo
                     inputs, targets = loader.next_batch() if loader is not None else (None, None)
                 optimizer.zero_grad(set_to_none=True)
                 with meter or contextlib.nullcontext():
-                    loss = step_fn(inputs[rows].to(env.device) if has_first else None,
-                                   targets[rows].to(env.device) if has_last else None, events)
-                if has_last and mesh.dp > 1:  # the global batch's mean: the replicas' shares are equal
-                    dist.all_reduce(loss, group=mesh.group("dp"))
-                    loss /= mesh.dp
-                grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip)
+                    loss = replicas_mean(step_fn(*local(inputs, targets), events))
+                tied.sync_grads()
+                grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, copies=tied.copies)
                 optimizer.step()
             if record and step > 1:  # the first step pays one-time costs
                 recent.append((events.events, timer.seconds))
@@ -161,6 +254,8 @@ def train(args, env, model, step_fn, config, tokenizer, loader, *, has_first: bo
                 row = log.log(step, loss, lr, targets, timer.seconds, grad_norm, data.IGNORE_INDEX)
                 bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
                 bar.update()
+            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+                evaluate(step)
             path = checkpoint.save_if_due(args, env, step, model, optimizer, config, loader, tokenizer)
             if path and reports:
                 bar.write(f"saved {path}")
