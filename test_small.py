@@ -329,7 +329,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, config, batch, pp, dp,
             first, last = 0 in stages, num_stages - 1 in stages
             if split == "library":
                 model = gpipe.build_stage_model(config, stages, num_stages, env.device, seed=11)
-                schedule = gpipe.make_schedule(name, model, stages, num_stages, env, m, shape)
+                schedule, _ = gpipe.make_schedule(name, model, stages, num_stages, env, m, shape)
             elif split == "tracer":
                 built, model = tracer.build_traced_stages(config, stages, num_stages, env.device, 11, shape, mesh)
                 schedule = gpipe.schedule_for(name, built, m)
@@ -442,7 +442,7 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, cache_dir):
     common = ["--cache-dir", cache_dir, "--checkpoint-dir", str(tmp_path / "ckpt")]
     cases = {  # flags -> the flag the message must name
         ("--batch-size", "10", "--microbatches", "4"): "--microbatches",
-        ("--steps", "0"): "--steps",
+        ("--steps", "-1"): "--steps",
         ("--microbatches", "-1"): "--microbatches",
         ("--lr", "nan"): "--lr",
         ("--lr", "inf"): "--lr",
@@ -532,9 +532,9 @@ def test_local_files_are_read_as_documents(tmp_path, kind):
 def test_packing_joins_documents_without_padding(tmp_path, small_tokenizer):
     spec = write_docs(tmp_path, "jsonl")
     seq_len, batch = 16, 4
-    loader = data.StreamedWindows(spec, small_tokenizer, seq_len, batch, small_tokenizer.token_to_id("[PAD]"))
-    bot, eot = small_tokenizer.token_to_id("[BOT]"), small_tokenizer.token_to_id("[EOT]")
-    expected = [t for d in DOCS for t in [bot, *small_tokenizer.encode(d, add_special_tokens=False).ids, eot]]
+    loader = data.StreamedWindows(spec, small_tokenizer, seq_len, batch, small_tokenizer.pad_id)
+    bot, eot = small_tokenizer.bos_id, small_tokenizer.eos_id
+    expected = [t for d in DOCS for t in [bot, *small_tokenizer.backend.encode(d, add_special_tokens=False).ids, eot]]
     stream = []
     for _ in range(5):
         inputs, targets = loader.next_batch()
@@ -544,7 +544,7 @@ def test_packing_joins_documents_without_padding(tmp_path, small_tokenizer):
             stream += x.tolist()
             assert y[-1] == expected[len(stream)]  # the last target is the next window's first input
     assert stream == expected[:len(stream)]  # every token used once, in order, nothing inserted
-    assert small_tokenizer.token_to_id("[PAD]") not in stream
+    assert small_tokenizer.pad_id not in stream
 
 
 def test_streamed_loader_resumes_exactly_and_wraps_around(tmp_path, small_tokenizer):
@@ -580,14 +580,14 @@ def test_shuffled_loader_is_seeded_covers_each_window_once_and_resumes():
 def test_tokenizer_is_trained_once_then_loaded_from_cache(tmp_path, monkeypatch):
     spec = write_docs(tmp_path, "jsonl")
     first = data.get_tokenizer(spec, None, 300, str(tmp_path / "cache"))
-    assert all(first.token_to_id(t) is not None for t in data.SPECIAL_TOKENS)
+    assert all(first.backend.token_to_id(t) is not None for t in data.SPECIAL_TOKENS)
 
     def no_training(*args):
         raise AssertionError("trained again instead of using the cache")
 
     monkeypatch.setattr(data, "train_tokenizer", no_training)
     second = data.get_tokenizer(spec, None, 300, str(tmp_path / "cache"))
-    assert second.get_vocab() == first.get_vocab()
+    assert second.backend.get_vocab() == first.backend.get_vocab()
     with pytest.raises(AssertionError):  # another vocabulary size is another tokenizer
         data.get_tokenizer(spec, None, 400, str(tmp_path / "cache"))
 
@@ -1208,6 +1208,11 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
     tokens = torch.randint(0, 8192, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-6)
+    # The README's generation example runs on it.
+    block = readme_python_block("<!-- example: generate-hf -->").replace("Llama-3.2-1B-continued", str(out))
+    result = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, env=script_env(),
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.startswith("def read_config(path):"), result.stderr[-2000:]
     theirs = transformers.AutoTokenizer.from_pretrained(out)
     tokenizer = data.load_tokenizer(str(out / "tokenizer.json"))
     text = "def read_config(path):\n    return json.load(open(path))\n"
@@ -1714,9 +1719,9 @@ def test_two_nodes_train_like_one_node(tmp_path, cache_dir):
 
 
 def test_a_failed_job_fails_run_sh(tmp_path, cache_dir):
-    result = run_sh(SCRIPT, "--steps", "0", "--cache-dir", cache_dir, cwd=tmp_path, timeout=120, NPROC_PER_NODE=1)
+    result = run_sh(SCRIPT, "--steps", "-1", "--cache-dir", cache_dir, cwd=tmp_path, timeout=120, NPROC_PER_NODE=1)
     assert result.returncode != 0
-    assert "error: --steps must be at least 1" in result.stderr
+    assert "error: --steps must be 0 or more" in result.stderr
 
 
 # ----------------------------------------------------------------------------------------------------------
