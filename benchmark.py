@@ -4,6 +4,7 @@
     python benchmark.py --ranks 3 --microbatches 6 --repeats 5 --out bench/
     python benchmark.py --sweep                               # GPipe step time for m = 1, 2, 4, 8, 16
     python benchmark.py --dp 2                                # 2 stages alone vs 2 stages x 2 replicas
+    python benchmark.py --splits                              # split by layers vs by cost; checkpointing, compile
 
 Variants: every schedule of torch.distributed.pipelining (train_pipeline_gpipe.py), the hand-written AFAB
 and 1F1B (train_pipeline_afab_manual.py), and the tracer split (train_pipeline_tracer.py, when present). Each
@@ -67,8 +68,8 @@ def spans(trace_path: str) -> dict[int, list[dict]]:
     return by_rank
 
 
-def stage_times(trace_path: str) -> list[float]:
-    """Per rank: the median forward (with the loss, on the last stage) plus the median backward of one
+def forward_backward_times(trace_path: str) -> list[tuple[float, float]]:
+    """Per rank: the median forward (with the loss, on the last stage) and the median backward of one
     microbatch, in seconds."""
     times = []
     for _, events in sorted(spans(trace_path).items()):
@@ -76,8 +77,22 @@ def stage_times(trace_path: str) -> list[float]:
         t_f = statistics.median(e["dur"] for e in events if e["cat"] == "forward") + (
             statistics.median(losses) if losses else 0)
         t_b = statistics.median(e["dur"] for e in events if e["cat"] == "backward")
-        times.append((t_f + t_b) / 1e6)
+        times.append((t_f / 1e6, t_b / 1e6))
     return times
+
+
+def stage_times(trace_path: str) -> list[float]:
+    """Per rank: the median forward plus the median backward of one microbatch, in seconds."""
+    return [t_f + t_b for t_f, t_b in forward_backward_times(trace_path)]
+
+
+def replayed(trace_path: str, schedule: str, m: int) -> dict:
+    """plan.py's replay of a single-stage schedule with the stage times measured in a traced run."""
+    import plan  # imports torch: only when a trace is replayed
+
+    times = forward_backward_times(trace_path)
+    orders = plan.schedule_orders(schedule, len(times), m, 1)
+    return plan.replay(orders, [t for t, _ in times], [t for _, t in times], [0.0] * len(times))
 
 
 def ideal_gpipe_step(trace_path: str, p: int, m: int) -> float:
@@ -119,22 +134,30 @@ def draw(trace_path: str, png_path: str, title: str, step_seconds: float) -> boo
     return True
 
 
+def chosen(variants: dict, reference: str, asked: str | None) -> dict:
+    """The variants --variants names, and the reference every ratio is taken against (it always runs)."""
+    if not asked:
+        return variants
+    unknown = set(asked.split(",")) - set(variants)
+    if unknown:
+        sys.exit(f"benchmark: error: --variants: unknown {', '.join(sorted(unknown))}; choose from "
+                 f"{', '.join(variants)}")
+    return {k: v for k, v in variants.items() if k in {reference, *asked.split(",")}}
+
+
 def main(args):
     os.makedirs(args.out, exist_ok=True)
     p, m = args.ranks, args.microbatches
-    variants = {k: v for k, v in VARIANTS.items() if os.path.isfile(os.path.join(ROOT, v[0]))}
-    if args.variants:  # GPipe always runs: every ratio is taken against it
-        unknown = set(args.variants.split(",")) - set(variants)
-        if unknown:
-            sys.exit(f"benchmark: error: --variants: unknown {', '.join(sorted(unknown))}; choose from "
-                     f"{', '.join(variants)}")
-        variants = {k: v for k, v in variants.items() if k in {"gpipe", *args.variants.split(",")}}
-    results = {name: {"step_times": []} for name in variants}
     with tempfile.TemporaryDirectory() as workdir:
         if args.sweep:
             return sweep(args, workdir)
         if args.dp > 1:
             return data_parallel(args, workdir)
+        if args.splits:
+            return splits(args, workdir)
+        variants = chosen({k: v for k, v in VARIANTS.items() if os.path.isfile(os.path.join(ROOT, v[0]))}, "gpipe",
+                          args.variants)
+        results = {name: {"step_times": []} for name in variants}
         for repeat in range(args.repeats):
             for name, (script, schedule) in variants.items():
                 last = repeat == args.repeats - 1
@@ -177,6 +200,14 @@ def main(args):
         bound = unequal_stages_bound(results["gpipe"]["trace"], m)
         lines.append(f"Against the tighter bound for unequal stages, sum of t_f + t_b + (m - 1) x the slowest's: "
                      f"{step * 1e3:.1f} ms / {bound * 1e3:.1f} ms = {step / bound:.2f}")
+    for name in ("gpipe", "1f1b"):  # --plan's replay, fed the stage times of the same traced run
+        if "trace" in results.get(name, {}):
+            replay = replayed(results[name]["trace"], name, m)
+            results[name]["replay"] = replay
+            lines.append(f"{name}: plan.py's replay of its order with this run's stage times: step "
+                         f"{replay['step'] * 1e3:.1f} ms (traced {results[name]['traced_step_time'] * 1e3:.1f} ms, "
+                         f"{results[name]['traced_step_time'] / replay['step']:.2f} x), bubble {replay['bubble']:.1%} "
+                         f"(measured {results[name]['bubble']:.1%})")
     if "1f1b" in results:
         ratio = results["1f1b"]["activation_bytes_per_rank"][0] / gpipe_act
         lines.append(f"Stage-0 activations, 1F1B / GPipe = {ratio:.3f}; p/m = {p / m:.3f} "
@@ -242,6 +273,40 @@ def data_parallel(args, workdir):
     finish(args, "\n".join(lines), results, name="data_parallel")
 
 
+def splits(args, workdir):
+    """One process holding the whole model, then --ranks stages cut evenly and balanced by estimated cost; then
+    the balanced split with activation checkpointing and with --compile; all GPipe, alternating run after run.
+    Speedup over one process, as a fraction of the ideal p m / (m + p - 1)."""
+    p, m = args.ranks, args.microbatches
+    variants = {"one process": (1, []), "even": (p, ["--split", "even"]), "balanced": (p, ["--split", "balanced"]),
+                "balanced + activation checkpointing": (p, ["--activation-checkpointing"]),
+                "balanced + compile": (p, ["--compile"])}
+    variants = chosen(variants, "one process", args.variants)
+    results = {name: {"step_times": []} for name in variants}
+    for repeat in range(args.repeats):
+        for name, (ranks, extra) in variants.items():
+            summary, stdout = run(args, "train_pipeline_gpipe.py", "gpipe", args.steps, workdir, extra=extra,
+                                  ranks=ranks)
+            results[name]["step_times"].append(summary["median_step_time"])
+            results[name]["layout"] = next((line.split(": ", 2)[-1].split(" | ")[0] for line in stdout.splitlines()
+                                            if line.startswith("model ")), "")
+            print(f"repeat {repeat + 1}/{args.repeats} {name}: median step {summary['median_step_time'] * 1e3:.1f} "
+                  "ms", file=sys.stderr, flush=True)
+    one = statistics.median(results["one process"]["step_times"])
+    ideal = p * m / (m + p - 1)
+    lines = [f"GPipe, {m} microbatches, batch {args.batch_size} x {args.seq_len}, {args.repeats} alternating runs of "
+             f"{args.steps} steps (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}); ideal speedup of "
+             f"{p} stages over one process p m / (m + p - 1) = {ideal:.2f}.", "",
+             "| variant | median step (ms) | speedup over one process | fraction of the ideal | layout |",
+             "|---|---|---|---|---|"]
+    for name, r in results.items():
+        r["median_step_time"] = median = statistics.median(r["step_times"])
+        speedup = one / median
+        lines.append(f"| {name} | {median * 1e3:.1f} | {speedup:.2f} | "
+                     f"{speedup / ideal if name != 'one process' else 1 / ideal:.2f} | {r['layout']} |")
+    finish(args, "\n".join(lines), results, name="splits")
+
+
 def finish(args, table: str, results: dict, name: str = "results") -> None:
     print(table)
     with open(os.path.join(args.out, f"{name}.md"), "w") as f:
@@ -263,6 +328,9 @@ if __name__ == "__main__":
     parser.add_argument("--sweep", action="store_true", help="time GPipe against the microbatch count instead")
     parser.add_argument("--sweep-microbatches", default="1,2,4,8,16",
                         help="the microbatch counts --sweep runs (default: %(default)s)")
+    parser.add_argument("--splits", action="store_true",
+                        help="compare one process with --ranks stages split evenly and balanced by cost, and the "
+                             "cost of activation checkpointing and --compile, instead")
     parser.add_argument("--dp", type=int, default=1,
                         help="compare --ranks stages alone with --ranks stages x DP data-parallel replicas "
                              "(FSDP2) at the same global batch instead")

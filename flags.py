@@ -6,6 +6,7 @@ import math
 import os
 
 import data
+import split
 from model import PRESETS
 from runtime import FlagError
 
@@ -84,10 +85,23 @@ def build_parser(doc: str, schedules: list[str], stages_per_rank: bool = False) 
     g.add_argument("--measure-activations", action="store_true",
                    help="count the bytes of activations held for backward (saved-tensor hooks) and report "
                         "each stage's peak in the summary")
-    g = p.add_argument_group("parallelism")
+    g = p.add_argument_group("parallelism, speed and memory")
     g.add_argument("--dp", type=int, default=1,
                    help="data-parallel replicas of the pipeline, each stage sharded over them with FSDP2; the "
                         "processes must be a multiple: pipeline stages = processes / dp (default: %(default)s)")
+    g.add_argument("--split", default="balanced",
+                   help="how the layers are cut into stages: balanced (by estimated compute, counting the head "
+                        "and the loss on the last stage), even (equal layer counts), or layers per stage such as "
+                        "5,1 (default: %(default)s)")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="keep only each decoder layer's input for backward and recompute the rest: less "
+                        "activation memory, about one more forward of compute")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer (faster on GPUs; the first steps pay the compilation)")
+    g.add_argument("--plan", type=int, default=None, metavar="PROCESSES",
+                   help="print, for this many processes (stages x --dp) and the other flags, each stage's share "
+                        "of the compute and bytes of parameters, gradients, AdamW state and activations, and each "
+                        "schedule's step time and bubble, then exit; allocates nothing, needs no GPU or torchrun")
     g = p.add_argument_group("system")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda:LOCAL_RANK with NCCL and bf16 when a GPU is present, else CPU, gloo, fp32")
@@ -137,12 +151,15 @@ def check_args(args, world_size: int, device_type: str) -> None:
     if args.batch_size % (args.dp * args.microbatches):
         raise FlagError(f"--batch-size {args.batch_size} is not divisible by --dp {args.dp} x --microbatches "
                         f"{args.microbatches}; each replica splits its equal share of the batch into the microbatches")
+    split.check_split(args.split)
     if args.layers is not None and args.layers < 1:
         raise FlagError(f"--layers must be at least 1, got {args.layers}")
     if args.init_from is None:  # else the model's shape comes from there, and preflight checks it
         check_model(num_layers(args, device_type),
                     PRESETS[model_preset(args, device_type)].get("max_position_embeddings", 2048),
                     world_size // args.dp, args.seq_len)
+        split.check_split(args.split, num_layers(args, device_type),
+                          world_size // args.dp * split.stages_per_rank(args))
     data.check_data_spec(args.data)
     if args.eval_data is not None:
         data.check_data_spec(args.eval_data, "--eval-data")

@@ -32,6 +32,7 @@ import data
 import flags
 import hf
 import runtime
+import split
 from model import LlamaConfig
 from runtime import UsageError
 
@@ -165,6 +166,7 @@ def check_inputs(args, stages: int) -> None:
                              "leave --model out")
         args.layers = config.num_hidden_layers
         flags.check_model(config.num_hidden_layers, config.max_position_embeddings, stages, args.seq_len)
+        split.check_split(args.split, config.num_hidden_layers, stages * split.stages_per_rank(args))
         if args.tokenizer is None:
             if not os.path.isfile(os.path.join(source, "tokenizer.json")):
                 raise UsageError(f"--init-from {args.init_from}: no tokenizer.json there; give its tokenizer with "

@@ -205,30 +205,3 @@ def _lost_peer(e: Exception) -> bool:
     return isinstance(e, dist.DistError) or any(
         marker in text for marker in ("gloo/transport", "Timed out", "Connection closed by peer",
                                       "Connection reset by peer"))
-
-
-def describe_run(name: str, config, env: Env, how: str, num_stages: int | None = None) -> str:
-    """One line: the model, how it is split over the stages, and where it runs."""
-    pp, dp = (env.mesh.pp, env.mesh.dp) if env.mesh else (env.world_size, 1)
-    num_stages = num_stages or pp
-    stages = []
-    for stage, layers in enumerate(layer_split(config.num_hidden_layers, num_stages)):
-        text = f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"
-        text = ("embed + " if stage == 0 else "") + text + (" + norm + head" if stage == num_stages - 1 else "")
-        stages.append(f"[{text}]")
-    where = f"{env.world_size} process(es)" if dp == 1 else \
-        f"{env.world_size} processes = {pp} pipeline rank(s) x {dp} data-parallel replicas (FSDP2)"
-    return (f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
-            f"{config.vocab_size} | {num_stages} stage(s) on {where}: {' '.join(stages)} | "
-            f"{how} | {env.device.type} {str(env.dtype).removeprefix('torch.')} {env.backend}")
-
-
-def layer_split(num_layers: int, num_stages: int) -> list[range]:
-    """Contiguous layer ranges, one per stage, sizes differing by at most one (earlier stages get the extra)."""
-    base, extra = divmod(num_layers, num_stages)
-    bounds = [0]
-    for stage in range(num_stages):
-        bounds.append(bounds[-1] + base + (1 if stage < extra else 0))
-    return [range(bounds[i], bounds[i + 1]) for i in range(num_stages)]
-
-

@@ -23,8 +23,10 @@ from torch.distributed.fsdp import FSDPModule
 import checkpoint
 import data
 import flags
+import plan
 import preflight
 import runtime
+import split
 import timeline
 import training
 from model import LlamaForPretraining
@@ -65,15 +67,16 @@ class Partition:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
 
-def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.ProcessGroup | None = None
-                    ) -> Partition:
+def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.ProcessGroup | None = None,
+                    layout: list[range] | None = None) -> Partition:
     """Keep this rank's balanced slice of the layers (sizes differ by at most one), with the embedding on the
     first rank and the final norm and head on the last. The model is trimmed in place, so the other layers can
     be freed; calling it again with the same rank and world size returns the same slice.
 
     rank and world_size count the pipeline's stages. group: the process group of this rank's pipeline, when
     it is not the default group (several pipelines side by side, one per data-parallel replica); rank is then
-    this process's rank within that group.
+    this process's rank within that group. layout: the layers of every stage, to balance the stages by cost
+    (split.py) instead of by layer count.
 
     Works with model.py's LlamaForPretraining and with a Hugging Face LlamaForCausalLM
     (model.model.embed_tokens / layers / norm / rotary_emb, lm_head).
@@ -87,7 +90,7 @@ def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.Pr
     else:
         raise TypeError(f"partition_model: unsupported model {type(model).__name__}")
     layers, as_dict = base.layers, isinstance(base.layers, nn.ModuleDict)
-    keep = runtime.layer_split(model.config.num_hidden_layers, world_size)[rank]
+    keep = (layout or split.even(model.config.num_hidden_layers, world_size))[rank]
     for key in [int(k) for k in layers.keys()] if as_dict else range(len(layers)):
         if key not in keep and as_dict:
             del layers[str(key)]  # names stay global: "layers.4" is layer 4 on any stage
@@ -321,6 +324,8 @@ SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 # ----------------------------------------------------------------------------------------------------------
 
 def main(args):
+    if args.plan is not None:  # memory and step time of a layout, computed: nothing allocated, no process group
+        return plan.run(args, args.plan)
     env = runtime.launch_env(args.device)
     flags.check_args(args, env.world_size, env.device.type)
     runtime.init_process_group(env, args.timeout, args.dp)
@@ -337,15 +342,20 @@ def main(args):
         config, name = checkpoint.model_config(args, tokenizer.vocab_size(), env.device.type)
     with torch.device("meta"):
         model = LlamaForPretraining(config)
-    partition = partition_model(model, mesh.pp_rank, mesh.pp, group=mesh.group("pp"))
+    layout, costs = split.run_layout(args, config, mesh.pp)  # the layers of each stage
+    partition = partition_model(model, mesh.pp_rank, mesh.pp, group=mesh.group("pp"), layout=layout)
     model.to_empty(device=env.device)
     if mesh.pp == 1:  # embedding and head in one stage: one tensor if tied (else training.TiedEmbedding)
         model.tie_weights()
     model.init_weights(args.seed)
+    if args.activation_checkpointing:
+        training.checkpoint_layers([model])
+    if args.compile:
+        training.compile_layers([model])
     training.shard_replicas([model], mesh)  # dp > 1: FSDP2 over this stage's replicas (see _Step.backward)
     model.train()
     train_step = SCHEDULES[args.schedule]
-    say(runtime.describe_run(name, config, env, f"{args.schedule} by hand"), flush=True)
+    say(split.describe_run(name, config, env, f"{args.schedule} by hand", layout, costs), flush=True)
     if loader is not None:
         say(f"data: {loader.describe()}", flush=True)
 

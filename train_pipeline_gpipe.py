@@ -22,65 +22,22 @@ A rank's stages share one trimmed model, so its optimizer and checkpoint see one
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.pipelining import (
-    PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import PipelineStage
 
 import checkpoint
 import data
 import flags
+import plan
 import preflight
 import runtime
+import split
 import timeline
 import training
 from model import LlamaForPretraining
-
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
-             "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
-             "zbvzerobubble": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
-SINGLE_STAGE = {"gpipe", "1f1b"}  # one stage per rank; the others take a list of stages
-V_SHAPED = {"zbvzerobubble", "dualpipev"}
-
-
-def stage_ids(schedule: str, rank: int, world_size: int, stages_per_rank: int) -> list[int]:
-    """The global indices of the stages this rank holds."""
-    if schedule in SINGLE_STAGE:
-        return [rank]
-    if schedule in V_SHAPED:  # down the ranks and back up: the first and last stage meet on rank 0
-        return [rank, 2 * world_size - 1 - rank]
-    return [rank + v * world_size for v in range(stages_per_rank)]  # looped
-
+from split import SCHEDULES, SINGLE_STAGE, check_schedule, stage_ids  # which stages each rank holds
 
 # ----------------------------------------------------------------------------------------------------------
 # The split: one stage of the model, built without ever allocating the rest
-
-def check_schedule(args, world_size: int, num_layers: int | None = None) -> None:
-    """What each schedule requires of the flags, checked before any work (torch 2.13's own checks); the stage
-    count against the layers too, once num_layers is known (--init-from: after preflight)."""
-    name, m = args.schedule, args.microbatches
-    if name in SINGLE_STAGE:
-        per_rank = 1
-    elif name in V_SHAPED:
-        if args.stages_per_rank != 2:
-            raise runtime.FlagError(f"--stages-per-rank {args.stages_per_rank}: {name} places exactly 2 stages "
-                                    "on each rank in a V; use --stages-per-rank 2")
-        per_rank = 2
-    else:
-        per_rank = args.stages_per_rank
-        if per_rank < 1:
-            raise runtime.FlagError(f"--stages-per-rank must be at least 1, got {per_rank}")
-    stages = world_size * per_rank
-    if num_layers is not None and stages > num_layers:
-        raise runtime.FlagError(f"{world_size} processes x {per_rank} stages per rank = {stages} stages, but the "
-                                f"model has {num_layers} layers; lower --stages-per-rank or raise --layers")
-    if name in ("1f1b", "dualpipev") and m < stages:
-        raise runtime.FlagError(f"--microbatches {m}: {name} needs at least as many microbatches as stages "
-                                f"({stages}); use --microbatches {stages} or more")
-    rounds = max(1, m // world_size)
-    if name in ("interleaved1f1b", "interleavedzerobubble") and m % rounds:
-        raise runtime.FlagError(f"--microbatches {m}: {name} needs a multiple of max(1, microbatches // "
-                                f"processes) = {rounds}; use a multiple of {world_size}")
-
 
 def rank_stages(args, env: runtime.Env) -> tuple[list[int], int]:
     """Check what --schedule requires, then this rank's stage indices and the total number of stages. Ranks are
@@ -91,14 +48,15 @@ def rank_stages(args, env: runtime.Env) -> tuple[list[int], int]:
     return stages, pp * len(stages)
 
 
-def build_stage_model(config, stage: int | list[int], num_stages: int, device: torch.device,
-                      seed: int) -> LlamaForPretraining:
+def build_stage_model(config, stage: int | list[int], num_stages: int, device: torch.device, seed: int,
+                      layout: list[range] | None = None) -> LlamaForPretraining:
     """This rank's part of the model: the layers of its stage(s), plus the embedding if it holds stage 0 and the
-    norm and head if it holds the last stage. Built on meta, trimmed, then allocated and initialized."""
+    norm and head if it holds the last stage. Built on meta, trimmed, then allocated and initialized.
+    layout: the layers of each stage (split.py; default: even)."""
     stages = [stage] if isinstance(stage, int) else stage
     with torch.device("meta"):
         model = LlamaForPretraining(config)
-    splits = runtime.layer_split(config.num_hidden_layers, num_stages)
+    splits = layout or split.even(config.num_hidden_layers, num_stages)
     _trim(model, {i for s in stages for i in splits[s]}, 0 in stages, num_stages - 1 in stages)
     model.to_empty(device=device)  # allocates, uninitialized: init_weights must set every parameter and buffer
     if num_stages == 1:  # embedding and head in one stage: one tensor if tied (else training.TiedEmbedding)
@@ -118,11 +76,12 @@ def _trim(model: LlamaForPretraining, keep: set[int], embed: bool, head: bool) -
         model.lm_head = None
 
 
-def stage_views(model: LlamaForPretraining, stages: list[int], num_stages: int) -> list[LlamaForPretraining]:
+def stage_views(model: LlamaForPretraining, stages: list[int], num_stages: int,
+                layout: list[range] | None = None) -> list[LlamaForPretraining]:
     """One module per stage of this rank, sharing the parameters of `model` (the rank's whole part)."""
     if len(stages) == 1:
         return [model]
-    splits = runtime.layer_split(model.config.num_hidden_layers, num_stages)
+    splits = layout or split.even(model.config.num_hidden_layers, num_stages)
     views = []
     for s in stages:
         with torch.device("meta"):  # only a skeleton: every part kept below is replaced by the real one
@@ -155,9 +114,10 @@ def stage_io(config, stage: int, num_stages: int, microbatch_shape: tuple[int, i
 
 
 def make_schedule(name: str, model, stages: list[int], num_stages: int, env: runtime.Env, microbatches: int,
-                  microbatch_shape: tuple[int, int], recorder: timeline.Recorder | None = None):
+                  microbatch_shape: tuple[int, int], recorder: timeline.Recorder | None = None,
+                  layout: list[range] | None = None):
     """This rank's PipelineStages, sharded over their dp replicas, and the schedule that drives them."""
-    views = stage_views(model, stages, num_stages)
+    views = stage_views(model, stages, num_stages, layout)
     # With dp > 1 each stage becomes an FSDP module. PipelineStage sees that and does the per-microbatch
     # bookkeeping itself: no gradient sync on each microbatch's backward, one reduce-scatter after the last.
     training.shard_replicas(views, env.mesh)
@@ -227,6 +187,8 @@ def train_step(schedule, env: runtime.Env, inputs, targets) -> torch.Tensor | No
 # ----------------------------------------------------------------------------------------------------------
 
 def main(args):
+    if args.plan is not None:  # memory and step time of a layout, computed: nothing allocated, no process group
+        return plan.run(args, args.plan)
     env = runtime.launch_env(args.device)
     flags.check_args(args, env.world_size, env.device.type)
     check_schedule(args, env.world_size // args.dp, flags.num_layers(args, env.device.type))
@@ -242,13 +204,18 @@ def main(args):
     # --- model, split, schedule
     with runtime.collective_errors():
         config, name = checkpoint.model_config(args, tokenizer.vocab_size(), env.device.type)
-    model = build_stage_model(config, stages, num_stages, env.device, args.seed)
+    layout, costs = split.run_layout(args, config, num_stages)  # the layers of each stage
+    model = build_stage_model(config, stages, num_stages, env.device, args.seed, layout)
+    if args.activation_checkpointing:
+        training.checkpoint_layers([model])
+    if args.compile:
+        training.compile_layers([model])
     model.train()
     recorder = timeline.Recorder() if args.trace else None
     schedule, pipeline_stages = make_schedule(args.schedule, model, stages, num_stages, env, args.microbatches,
                                               (args.batch_size // (args.dp * args.microbatches), args.seq_len),
-                                              recorder)
-    say(runtime.describe_run(name, config, env, f"{args.schedule} (torch.distributed.pipelining)", num_stages),
+                                              recorder, layout)
+    say(split.describe_run(name, config, env, f"{args.schedule} (torch.distributed.pipelining)", layout, costs),
         flush=True)
     if loader is not None:
         say(f"data: {loader.describe()}", flush=True)

@@ -29,8 +29,10 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 import checkpoint
 import data
 import flags
+import plan
 import preflight
 import runtime
+import split
 import timeline
 import training
 from model import LlamaForPretraining, init_tensor_
@@ -41,10 +43,11 @@ from train_pipeline_gpipe import (SCHEDULES, check_schedule, eval_function, rank
 # ----------------------------------------------------------------------------------------------------------
 # The split: trace the whole model on the meta device, materialize only this rank's part
 
-def split_spec(num_layers: int, num_stages: int) -> dict[str, SplitPoint]:
-    """A split before the first layer of every stage but the first: the same layout as the hand-split script."""
+def split_spec(num_layers: int, num_stages: int, layout: list[range] | None = None) -> dict[str, SplitPoint]:
+    """A split before the first layer of every stage but the first: the layout of the hand-split script
+    (split.py; default: even)."""
     return {f"base_model.layers.{layers.start}": SplitPoint.BEGINNING
-            for layers in runtime.layer_split(num_layers, num_stages)[1:]}
+            for layers in (layout or split.even(num_layers, num_stages))[1:]}
 
 
 def trace(model: torch.nn.Module, example: torch.Tensor, spec: dict[str, SplitPoint]):
@@ -88,9 +91,12 @@ def build_traced_stage(config, stage: int, num_stages: int, device: torch.device
 
 
 def build_traced_stages(config, stages: list[int], num_stages: int, device: torch.device, seed: int,
-                        microbatch_shape: tuple[int, int], mesh: runtime.Mesh | None = None):
+                        microbatch_shape: tuple[int, int], mesh: runtime.Mesh | None = None,
+                        layout: list[range] | None = None, activation_checkpointing: bool = False,
+                        compile: bool = False):
     """This rank's PipelineStages, and one module holding all their parameters under full-model names. With a
-    mesh, the stages talk over its pipeline group and are sharded over its dp replicas (FSDP2)."""
+    mesh, the stages talk over its pipeline group and are sharded over its dp replicas (FSDP2). layout: the
+    layers of each stage (split.py; default: even)."""
     with torch.device("meta"):  # shapes only: neither the model nor the trace allocates or computes anything
         # Traced untied: pipeline() would give the head's stage a copy of a tied embedding that nothing keeps
         # equal. The copies are initialized equal (init_tensor_ knows the tie) and kept equal in training
@@ -98,7 +104,7 @@ def build_traced_stages(config, stages: list[int], num_stages: int, device: torc
         model = LlamaForPretraining(dataclasses.replace(config, tie_word_embeddings=False))
         example = torch.zeros(microbatch_shape, dtype=torch.long)
     not_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())
-    pipe, all_names = trace(model, example, split_spec(config.num_hidden_layers, num_stages))
+    pipe, all_names = trace(model, example, split_spec(config.num_hidden_layers, num_stages, layout))
     modules = []
     for stage in stages:
         module, names = pipe.get_stage_module(stage), all_names[stage]
@@ -118,6 +124,10 @@ def build_traced_stages(config, stages: list[int], num_stages: int, device: torc
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             init_tensor_(names.get(name, name), tensor, seed, config)
         modules.append(module)
+    if activation_checkpointing:  # on the traced layers, which keep their names (base_model.layers.K)
+        training.checkpoint_layers(modules)
+    if compile:
+        training.compile_layers(modules)
     if mesh is not None:  # the traced layers keep their names (base_model.layers.K): shard them as the others
         training.shard_replicas(modules, mesh)
     # build_stage also rewrites the device that tracing burned into ops like arange (meta) to this rank's.
@@ -165,6 +175,8 @@ def _merged(modules: list[torch.nn.Module]) -> torch.nn.Module:
 # ----------------------------------------------------------------------------------------------------------
 
 def main(args):
+    if args.plan is not None:  # memory and step time of a layout, computed: nothing allocated, no process group
+        return plan.run(args, args.plan)
     env = runtime.launch_env(args.device)
     flags.check_args(args, env.world_size, env.device.type)
     check_schedule(args, env.world_size // args.dp, flags.num_layers(args, env.device.type))
@@ -180,9 +192,11 @@ def main(args):
     # --- model, split, schedule
     with runtime.collective_errors():
         config, name = checkpoint.model_config(args, tokenizer.vocab_size(), env.device.type)
+    layout, costs = split.run_layout(args, config, num_stages)  # the layers of each stage
     started = time.perf_counter()
     built, model = build_traced_stages(config, stages, num_stages, env.device, args.seed,
-                                       (args.batch_size // (args.dp * args.microbatches), args.seq_len), env.mesh)
+                                       (args.batch_size // (args.dp * args.microbatches), args.seq_len), env.mesh,
+                                       layout, args.activation_checkpointing, args.compile)
     trace_seconds = [None] * env.world_size  # the one-time cost of tracing and building, every rank's
     dist.all_gather_object(trace_seconds, time.perf_counter() - started)
     model.train()
@@ -190,8 +204,8 @@ def main(args):
     if recorder is not None:
         recorder.instrument(built)
     schedule = schedule_for(args.schedule, built, args.microbatches, recorder)
-    say(runtime.describe_run(name, config, env, f"{args.schedule}, split by the tracer (pipeline + SplitPoint)",
-                             num_stages), flush=True)
+    say(split.describe_run(name, config, env, f"{args.schedule}, split by the tracer (pipeline + SplitPoint)",
+                           layout, costs), flush=True)
     say("traced and built the stages in " + ", ".join(f"{t:.2f}" for t in trace_seconds) + " s (per rank)",
         flush=True)
     if loader is not None:

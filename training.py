@@ -8,6 +8,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 import tqdm
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -150,12 +151,40 @@ def shard_replicas(stage_modules: list[torch.nn.Module], mesh: runtime.Mesh) -> 
     if mesh.dp == 1:
         return  # nothing to shard: plain tensors, no FSDP hooks
     dp_mesh, policy = mesh.device_mesh["dp"], {"reshard_after_forward": False}
-    layers = {id(m): m for stage in stage_modules for name, m in stage.named_modules()
-              if name.rsplit(".", 1)[0].endswith("layers") and name.rsplit(".", 1)[-1].isdigit()}
-    for layer in layers.values():  # several stages of one rank may share nothing, but never shard twice
+    for layer in decoder_layers(stage_modules):
         fully_shard(layer, mesh=dp_mesh, **policy)
     for stage in stage_modules:
         fully_shard(stage, mesh=dp_mesh, **policy)
+
+
+def decoder_layers(stage_modules) -> list[torch.nn.Module]:
+    """The decoder layers (base_model.layers.K) of some stage modules, each once; traced stages keep the names."""
+    layers = {id(m): m for stage in stage_modules for name, m in stage.named_modules()
+              if name.rsplit(".", 1)[0].endswith("layers") and name.rsplit(".", 1)[-1].isdigit()}
+    return list(layers.values())
+
+
+def checkpoint_layers(stage_modules) -> None:
+    """Activation checkpointing: each decoder layer keeps only its input for backward and runs its forward again
+    there (non-reentrant torch.utils.checkpoint: FSDP's hooks and autocast work inside; the same ops, so the
+    same numbers, bit for bit). Done on the layer modules, so it works on traced stages too."""
+    for layer in decoder_layers(stage_modules):
+        layer.forward = _checkpointed(layer.forward)
+
+
+def _checkpointed(forward):
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # forward only (evaluation): nothing to keep either way
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return run
+
+
+def compile_layers(stage_modules) -> None:
+    """torch.compile each decoder layer in place (module.compile(): the names, and so checkpoints, stay), as
+    torchtitan does: one small graph per layer, compiled once and reused by every layer of the same shape."""
+    for layer in decoder_layers(stage_modules):
+        layer.compile()
 
 
 # ----------------------------------------------------------------------------------------------------------
