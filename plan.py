@@ -135,26 +135,24 @@ def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward:
             return [("G", s, i)]
         return [("F", s, i)] + ([("G", s + 1, i)] if s < last else [])
 
-    def ready(kind, s, i) -> float | None:
-        times = [finished.get(n) for n in needs(kind, s, i)]
+    def ready(group) -> float | None:
+        """When every input of a group of actions (one, or an overlapped pair) is there; None: not yet."""
+        times = [finished.get(n) for kind, s, i in group for n in needs(kind, s, i)]
         return None if None in times else max(times, default=0.0)
 
     remaining = sum(len(acts) for acts in orders.values())
     while remaining:
         best = None  # the rank whose next action can start earliest
         for r, acts in orders.items():
-            if position[r] < len(acts) and (start := ready(*acts[position[r]][0])) is not None:
+            if position[r] < len(acts) and (start := ready(acts[position[r]])) is not None:
                 if best is None or max(clock[r], start) < best[0]:
                     best = (max(clock[r], start), r)
         if best is None:
             raise RuntimeError("the schedule's order cannot proceed: an action waits for one that never comes")
         time, r = best
-        for kind, s, i in orders[r][position[r]]:
-            start = ready(kind, s, i)
-            if start is None:
-                raise RuntimeError(f"overlapped action {kind}{s},{i} is not ready")
+        for kind, s, i in orders[r][position[r]]:  # an overlapped pair: one after the other here
             cost = {"F": forward[s], "B": backward[s], "I": backward[s] / 2, "W": backward[s] / 2}[kind]
-            time = max(time, start) + cost
+            time += cost
             finished[("G" if kind in ("B", "I") else kind, s, i)] = time
             busy[r] += cost
             if kind == "F":

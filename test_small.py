@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.pipelining import SplitPoint, pipeline
+from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 from torch.distributed.tensor import DTensor
 
 import benchmark
@@ -211,7 +211,7 @@ def _grad_worker(rank, world_size, store_path, out_dir, config, batch, microbatc
         env = runtime.Env(rank, world_size, rank, world_size, torch.device("cpu"), "gloo", torch.float32)
         model = gpipe.build_stage_model(config, rank, world_size, env.device, seed=11)
         stage = gpipe.PipelineStage(model, rank, world_size, env.device)
-        schedule = gpipe.ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=gpipe.loss_fn)
+        schedule = ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=gpipe.loss_fn)
         inputs, targets = batch
         loss = gpipe.train_step(schedule, env, inputs if rank == 0 else None,
                                 targets if rank == world_size - 1 else None)
@@ -1480,7 +1480,7 @@ def _traced_grad_worker(rank, world_size, store_path, out_dir, config, batch, mi
         stage, module = tracer.build_traced_stage(config, rank, world_size, env.device, seed=11,
                                                   microbatch_shape=(len(inputs) // microbatches, inputs.shape[1]))
         initial = {name: t.detach().clone() for name, t in [*module.named_parameters(), *module.named_buffers()]}
-        schedule = gpipe.ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=gpipe.loss_fn)
+        schedule = ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=gpipe.loss_fn)
         loss = gpipe.train_step(schedule, env, inputs if rank == 0 else None,
                                 targets if rank == world_size - 1 else None)
         torch.save({"grads": {name: p.grad for name, p in module.named_parameters()}, "loss": loss,

@@ -69,9 +69,9 @@ class Partition:
 
 def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.ProcessGroup | None = None,
                     layout: list[range] | None = None) -> Partition:
-    """Keep this rank's balanced slice of the layers (sizes differ by at most one), with the embedding on the
-    first rank and the final norm and head on the last. The model is trimmed in place, so the other layers can
-    be freed; calling it again with the same rank and world size returns the same slice.
+    """Keep this rank's slice of the layers (by default an even one: sizes differ by at most one), with the
+    embedding on the first rank and the final norm and head on the last. The model is trimmed in place, so the
+    other layers can be freed; calling it again with the same rank and world size returns the same slice.
 
     rank and world_size count the pipeline's stages. group: the process group of this rank's pipeline, when
     it is not the default group (several pipelines side by side, one per data-parallel replica); rank is then
