@@ -292,18 +292,23 @@ def splits(args, workdir):
                                             if line.startswith("model ")), "")
             print(f"repeat {repeat + 1}/{args.repeats} {name}: median step {summary['median_step_time'] * 1e3:.1f} "
                   "ms", file=sys.stderr, flush=True)
+    for name, (ranks, extra) in variants.items():  # untimed: the saved-tensor hooks slow a step down
+        summary, _ = run(args, "train_pipeline_gpipe.py", "gpipe", 3, workdir, extra=[*extra, "--measure-activations"],
+                         ranks=ranks)
+        results[name]["activation_bytes_per_rank"] = summary["activation_bytes_per_rank"]
     one = statistics.median(results["one process"]["step_times"])
     ideal = p * m / (m + p - 1)
     lines = [f"GPipe, {m} microbatches, batch {args.batch_size} x {args.seq_len}, {args.repeats} alternating runs of "
              f"{args.steps} steps (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}); ideal speedup of "
              f"{p} stages over one process p m / (m + p - 1) = {ideal:.2f}.", "",
-             "| variant | median step (ms) | speedup over one process | fraction of the ideal | layout |",
-             "|---|---|---|---|---|"]
+             "| variant | median step (ms) | speedup over one process | fraction of the ideal | peak activations per "
+             "stage (MiB) | layout |", "|---|---|---|---|---|---|"]
     for name, r in results.items():
         r["median_step_time"] = median = statistics.median(r["step_times"])
         speedup = one / median
+        mib = ", ".join(f"{b / 2**20:.1f}" for b in r["activation_bytes_per_rank"])
         lines.append(f"| {name} | {median * 1e3:.1f} | {speedup:.2f} | "
-                     f"{speedup / ideal if name != 'one process' else 1 / ideal:.2f} | {r['layout']} |")
+                     f"{speedup / ideal if name != 'one process' else 1 / ideal:.2f} | {mib} | {r['layout']} |")
     finish(args, "\n".join(lines), results, name="splits")
 
 

@@ -22,11 +22,12 @@ def build_parser(doc: str, schedules: list[str], stages_per_rank: bool = False) 
     g.add_argument("--model", choices=sorted(PRESETS), default=None,
                    help="model preset (default: tiny on CPU, small on GPU)")
     g.add_argument("--layers", type=int, default=None, help="override the preset's number of decoder layers")
-    g.add_argument("--init-from", default=None, metavar="CHECKPOINT",
-                   help="start a new run from the weights of a checkpoint of this project (a step-N directory, or "
-                        "a --checkpoint-dir: its newest): the model's shape and tokenizer come from it; optimizer, "
-                        "LR schedule and data order start afresh. Ignored once --checkpoint-dir holds checkpoints "
-                        "of this run (they are resumed)")
+    g.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start a new run from a model's weights: a Hugging Face Llama directory (config.json, "
+                        "safetensors, usually tokenizer.json) or a checkpoint of this project (a step-N directory, "
+                        "or a --checkpoint-dir: its newest). The model's shape and tokenizer come from it; "
+                        "optimizer, LR schedule and data order start afresh. Ignored once --checkpoint-dir holds "
+                        "checkpoints of this run (they are resumed)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=300,
                    help="optimizer steps to train for; 0: only evaluate, e.g. --init-from's weights "

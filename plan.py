@@ -13,6 +13,7 @@ with each stage's cost from split.py: a stage's forward takes 1/3 of its forward
 (input and weight gradient 1/3 each for the zero-bubble schedules), and a message takes no time.
 """
 
+import functools
 import types
 import warnings
 
@@ -76,6 +77,7 @@ def activation_bytes(config: LlamaConfig, tokens: int, seq_len: int, bf16: bool)
 # ----------------------------------------------------------------------------------------------------------
 # Replaying a schedule
 
+@functools.lru_cache  # the same orders are replayed with and without checkpointing (not modified)
 def schedule_orders(name: str, pp: int, microbatches: int, stages_per_rank: int) -> dict[int, list[list[tuple]]]:
     """Each pipeline rank's compute actions in the order the schedule runs them: lists of (kind, stage,
     microbatch), kind F (forward), B (full backward), I / W (input / weight gradient); an element with two
@@ -96,17 +98,14 @@ def schedule_orders(name: str, pp: int, microbatches: int, stages_per_rank: int)
             orders[r] = acts
         return orders
     num_stages = pp * (2 if name in V_SHAPED else stages_per_rank)
-    orders = {}
+    # Rank 0's schedule object computes every rank's order (pipeline_order holds them all): build it once.
+    placeholders = [types.SimpleNamespace(num_stages=num_stages, group_size=pp, group_rank=0, stage_index=s,
+                                          is_first=s == 0, is_last=s == num_stages - 1, submod=torch.nn.Module())
+                    for s in stage_ids(name, 0, pp, stages_per_rank)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for r in range(pp):
-            placeholders = [types.SimpleNamespace(num_stages=num_stages, group_size=pp, group_rank=r, stage_index=s,
-                                                  is_first=s == 0, is_last=s == num_stages - 1,
-                                                  submod=torch.nn.Module())
-                            for s in stage_ids(name, r, pp, stages_per_rank)]
-            order = SCHEDULES[name](placeholders, n_microbatches=m).pipeline_order[r]
-            orders[r] = [_actions(a) for a in order if a is not None and _actions(a)]
-    return orders
+        table = SCHEDULES[name](placeholders, n_microbatches=m).pipeline_order
+    return {r: [_actions(a) for a in table[r] if a is not None and _actions(a)] for r in range(pp)}
 
 
 def _actions(action) -> list[tuple]:
@@ -140,29 +139,27 @@ def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward:
         times = [finished.get(n) for kind, s, i in group for n in needs(kind, s, i)]
         return None if None in times else max(times, default=0.0)
 
-    remaining = sum(len(acts) for acts in orders.values())
-    while remaining:
-        best = None  # the rank whose next action can start earliest
+    # Each rank runs its order in sequence; an action starts when the rank is free and its inputs are there.
+    # Those times do not depend on which rank is advanced first, so advance each as far as it can, in turns.
+    progressed = True
+    while progressed:
+        progressed = False
         for r, acts in orders.items():
-            if position[r] < len(acts) and (start := ready(acts[position[r]])) is not None:
-                if best is None or max(clock[r], start) < best[0]:
-                    best = (max(clock[r], start), r)
-        if best is None:
-            raise RuntimeError("the schedule's order cannot proceed: an action waits for one that never comes")
-        time, r = best
-        for kind, s, i in orders[r][position[r]]:  # an overlapped pair: one after the other here
-            cost = {"F": forward[s], "B": backward[s], "I": backward[s] / 2, "W": backward[s] / 2}[kind]
-            time += cost
-            finished[("G" if kind in ("B", "I") else kind, s, i)] = time
-            busy[r] += cost
-            if kind == "F":
-                holding[r] += held[s]
-                peak[r] = max(peak[r], holding[r])
-            elif kind in ("B", "W"):
-                holding[r] -= held[s]
-        clock[r] = time
-        position[r] += 1
-        remaining -= 1
+            while position[r] < len(acts) and (start := ready(acts[position[r]])) is not None:
+                time = max(clock[r], start)
+                for kind, s, i in acts[position[r]]:  # an overlapped pair: one after the other here
+                    cost = {"F": forward[s], "B": backward[s], "I": backward[s] / 2, "W": backward[s] / 2}[kind]
+                    time += cost
+                    finished[("G" if kind in ("B", "I") else kind, s, i)] = time
+                    busy[r] += cost
+                    if kind == "F":
+                        holding[r] += held[s]
+                        peak[r] = max(peak[r], holding[r])
+                    elif kind in ("B", "W"):
+                        holding[r] -= held[s]
+                clock[r], position[r], progressed = time, position[r] + 1, True
+    if any(position[r] < len(acts) for r, acts in orders.items()):
+        raise RuntimeError("the schedule's order cannot proceed: an action waits for one that never comes")
     step = max(clock.values())
     return {"step": step, "busy": busy, "peak": peak, "bubble": 1 - sum(busy.values()) / (len(busy) * step)}
 
@@ -182,7 +179,7 @@ def run(args, processes: int) -> None:
     split.check_schedule(args, pp, config.num_hidden_layers)
     bf16 = args.device == "cuda"
     tokens = args.batch_size // (dp * m) * args.seq_len  # one microbatch of one replica
-    costs = split.estimated_costs(config, args.seq_len)
+    costs = split.estimated_costs(config, args.seq_len, args.activation_checkpointing)
     sizes = activation_bytes(config, tokens, args.seq_len, bf16)
     print(f"plan: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
           f"{processes} processes = {pp} pipeline ranks x {dp} replicas, --schedule {args.schedule}, "
@@ -192,7 +189,8 @@ def run(args, processes: int) -> None:
     # Memory of the chosen schedule, per pipeline rank (each replica of a rank holds the same).
     stages_of = {r: stage_ids(args.schedule, r, pp, args.stages_per_rank) for r in range(pp)}
     num_stages = pp * len(stages_of[0])
-    layout = split.layout_for(args.split, config.num_hidden_layers, num_stages, config, args.seq_len)
+    layout = split.layout_for(args.split, config.num_hidden_layers, num_stages, config, args.seq_len,
+                              args.activation_checkpointing)
     print(f"layout (--split {args.split}): {split.describe(layout, costs)}")
     params = stage_params(config, layout)
     result = {}
@@ -201,8 +199,9 @@ def run(args, processes: int) -> None:
                 + (sizes["embed"] if s == 0 else 0) + (sizes["head"] if s == num_stages - 1 else 0)
                 for s, layers in enumerate(layout)]
         result[checkpointing] = schedule_result(args.schedule, pp, m, args.stages_per_rank, layout, costs, held)
-    gib, report = 2 ** 30, {"ranks": [], "schedules": {}}
-    print("\nper pipeline rank, GiB (each of its replicas holds the same) | param | grad | AdamW | gathered "
+    report = {"ranks": [], "schedules": {}}
+    unit, unit_name = (2 ** 30, "GiB") if 16 * sum(params) >= 2 ** 30 else (2 ** 20, "MiB")  # MiB for small models
+    print(f"\nper pipeline rank, {unit_name} (each of its replicas holds the same) | param | grad | AdamW | gathered "
           "during a step (dp > 1) | activations held | with --activation-checkpointing | total, as flagged")
     for r in range(pp):
         p = sum(params[s] for s in stages_of[r])
@@ -213,14 +212,15 @@ def run(args, processes: int) -> None:
             row["activations_checkpointed"] + sizes["layer"] if args.activation_checkpointing else row["activations"])
         report["ranks"].append(row)
         print(f"  rank {r} (stages {', '.join(map(str, stages_of[r]))}): " + " | ".join(
-            f"{v / gib:.2f}" for v in row.values()))
+            f"{v / unit:.2f}" for v in row.values()))
     share = split.stage_costs(layout, costs)
     report["compute_share"] = [c / sum(share) for c in share]
     print("compute per stage: " + ", ".join(f"{c:.0%}" for c in report["compute_share"]))
 
     # Every schedule, on the layout it would use.
-    print(f"\nschedules ({pp} ranks, {m} microbatches; step time at {ASSUMED_FLOPS / 1e12:.0f} TFLOP/s per GPU; "
-          "activations of the fullest rank, GiB, without / with checkpointing):")
+    print(f"\nschedules ({pp} ranks, {m} microbatches; step time at {ASSUMED_FLOPS / 1e12:.0f} TFLOP/s per GPU"
+          f"{', each layer recomputed in backward' if args.activation_checkpointing else ''}; "
+          f"activations of the fullest rank, {unit_name}, without / with checkpointing):")
     for name in SCHEDULES:
         probe = types.SimpleNamespace(**{**vars(args), "schedule": name})
         try:
@@ -230,7 +230,7 @@ def run(args, processes: int) -> None:
             continue
         n = pp * len(stage_ids(name, 0, pp, args.stages_per_rank))
         lay = split.layout_for(args.split if args.split in ("even", "balanced") else "balanced",
-                               config.num_hidden_layers, n, config, args.seq_len)
+                               config.num_hidden_layers, n, config, args.seq_len, args.activation_checkpointing)
         out = [schedule_result(name, pp, m, args.stages_per_rank, lay, costs, [
             len(layers) * sizes["layer_checkpointed" if ac else "layer"] + (sizes["embed"] if s == 0 else 0)
             + (sizes["head"] if s == n - 1 else 0) for s, layers in enumerate(lay)]) for ac in (False, True)]
@@ -240,13 +240,15 @@ def run(args, processes: int) -> None:
                                      "activations": max(out[0]["peak"].values()),
                                      "activations_checkpointed": max(out[1]["peak"].values())}
         print(f"  {name:22s} step {seconds * 1e3:10.4g} ms ({seconds / ideal:.2f} x no bubble)  bubble "
-              f"{out[0]['bubble']:6.1%}  activations {max(out[0]['peak'].values()) / gib:.2f} / "
-              f"{max(out[1]['peak'].values()) / gib:.2f}")
+              f"{out[0]['bubble']:6.1%}  activations {max(out[0]['peak'].values()) / unit:.2f} / "
+              f"{max(out[1]['peak'].values()) / unit:.2f}")
     return report
 
 
 def schedule_result(name, pp, m, stages_per_rank, layout, costs, held) -> dict:
     """The replay of one schedule on a layout, with per-token stage costs (FLOPs) and bytes held per stage."""
-    work = split.stage_costs(layout, costs)
-    return replay(schedule_orders(name, pp, m, stages_per_rank), [w / 3 for w in work], [2 * w / 3 for w in work],
-                  held)
+    # A forward is a third of a stage's forward + backward; the backward is the rest, with any recomputation.
+    again = [len(layers) * costs.get("recompute", 0.0) for layers in layout]
+    work = [w - r for w, r in zip(split.stage_costs(layout, costs), again)]
+    return replay(schedule_orders(name, pp, m, stages_per_rank), [w / 3 for w in work],
+                  [2 * w / 3 + r for w, r in zip(work, again)], held)

@@ -11,6 +11,9 @@ minimize the slowest stage's forward + backward cost:
     head   6 h V                  the projection to the vocabulary (the loss itself is a few ops per logit)
     embed  6 h                    a lookup forward, a scatter-add backward
 
+With --activation-checkpointing a layer runs its forward again in backward: 4/3 of its cost (the head is not
+checkpointed, so the balance moves a little towards fewer layers on the last stage).
+
 --split even keeps equal layer counts; --split 5,1 gives the layer count of each stage. (Balancing on times
 measured on the machine instead was tried: on the tiny model it chose the layout the estimate chooses, so it
 could not run faster, and was left out.)
@@ -26,12 +29,14 @@ from runtime import FlagError
 # ----------------------------------------------------------------------------------------------------------
 # What each piece costs
 
-def estimated_costs(config, seq_len: int) -> dict[str, float]:
-    """Forward + backward FLOPs per token of one decoder layer, the head with the loss, and the embedding."""
+def estimated_costs(config, seq_len: int, recompute: bool = False) -> dict[str, float]:
+    """Forward + backward FLOPs per token of one decoder layer (with its recomputed forward, when activation
+    checkpointing: "recompute" says how much of "layer" that is), the head with the loss, and the embedding."""
     h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads
     layer_params = h * (2 * q + 2 * kv * config.head_dim) + 3 * h * config.intermediate_size + 2 * h
-    return {"layer": 6 * layer_params + 12 * q * seq_len, "head": 6 * h * config.vocab_size + 6 * h,
-            "embed": 6 * h}
+    layer = 6 * layer_params + 12 * q * seq_len
+    again = layer / 3 if recompute else 0.0  # the forward is a third of forward + backward
+    return {"layer": layer + again, "recompute": again, "head": 6 * h * config.vocab_size + 6 * h, "embed": 6 * h}
 
 
 def stage_costs(layout: list[range], costs: dict[str, float]) -> list[float]:
@@ -79,12 +84,13 @@ def balanced(num_layers: int, num_stages: int, costs: dict[str, float]) -> list[
     return from_sizes(sizes[::-1])
 
 
-def layout_for(spec: str, num_layers: int, num_stages: int, config, seq_len: int) -> list[range]:
+def layout_for(spec: str, num_layers: int, num_stages: int, config, seq_len: int,
+               recompute: bool = False) -> list[range]:
     """The layout --split asks for: even, balanced (by estimated_costs), or layers per stage (N,N,...)."""
     if spec == "even":
         return even(num_layers, num_stages)
     if spec == "balanced":
-        return balanced(num_layers, num_stages, estimated_costs(config, seq_len))
+        return balanced(num_layers, num_stages, estimated_costs(config, seq_len, recompute))
     check_split(spec, num_layers, num_stages)
     return from_sizes([int(size) for size in spec.split(",")])
 
@@ -111,8 +117,9 @@ def stages_per_rank(args) -> int:
 
 def run_layout(args, config, num_stages: int) -> tuple[list[range], dict[str, float]]:
     """This run's layout (--split) and the estimated costs it shows each stage's share of."""
-    costs = estimated_costs(config, args.seq_len)
-    return layout_for(args.split, config.num_hidden_layers, num_stages, config, args.seq_len), costs
+    costs = estimated_costs(config, args.seq_len, args.activation_checkpointing)
+    return layout_for(args.split, config.num_hidden_layers, num_stages, config, args.seq_len,
+                      args.activation_checkpointing), costs
 
 
 def describe_run(name: str, config, env, how: str, layout: list[range], costs: dict[str, float]) -> str:
