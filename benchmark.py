@@ -285,9 +285,13 @@ def splits(args, workdir):
     results = {name: {"step_times": []} for name in variants}
     for repeat in range(args.repeats):
         for name, (ranks, extra) in variants.items():
-            summary, stdout = run(args, "train_pipeline_gpipe.py", "gpipe", args.steps, workdir, extra=extra,
-                                  ranks=ranks)
+            trace = os.path.abspath(os.path.join(args.out, re.sub(r"[^\w]+", "_", name).strip("_") + ".trace.json"))
+            traced = repeat == args.repeats - 1 and ranks > 1  # the last run: each stage's own times
+            summary, stdout = run(args, "train_pipeline_gpipe.py", "gpipe", args.steps, workdir, ranks=ranks,
+                                  extra=[*extra, *(["--trace", trace] if traced else [])])
             results[name]["step_times"].append(summary["median_step_time"])
+            if traced:
+                results[name]["trace"], results[name]["traced_step_time"] = trace, summary["median_step_time"]
             results[name]["layout"] = next((line.split(": ", 2)[-1].split(" | ")[0] for line in stdout.splitlines()
                                             if line.startswith("model ")), "")
             print(f"repeat {repeat + 1}/{args.repeats} {name}: median step {summary['median_step_time'] * 1e3:.1f} "
@@ -301,14 +305,22 @@ def splits(args, workdir):
     lines = [f"GPipe, {m} microbatches, batch {args.batch_size} x {args.seq_len}, {args.repeats} alternating runs of "
              f"{args.steps} steps (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}); ideal speedup of "
              f"{p} stages over one process p m / (m + p - 1) = {ideal:.2f}.", "",
-             "| variant | median step (ms) | speedup over one process | fraction of the ideal | peak activations per "
-             "stage (MiB) | layout |", "|---|---|---|---|---|---|"]
+             "| variant | median step (ms) | speedup over one process | fraction of the ideal | stage t_f + t_b per "
+             "microbatch (ms, traced) | peak activations per stage (MiB) | layout |", "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         r["median_step_time"] = median = statistics.median(r["step_times"])
         speedup = one / median
         mib = ", ".join(f"{b / 2**20:.1f}" for b in r["activation_bytes_per_rank"])
+        stage_ms = ", ".join(f"{t * 1e3:.1f}" for t in stage_times(r["trace"])) if "trace" in r else "-"
         lines.append(f"| {name} | {median * 1e3:.1f} | {speedup:.2f} | "
-                     f"{speedup / ideal if name != 'one process' else 1 / ideal:.2f} | {mib} | {r['layout']} |")
+                     f"{speedup / ideal if name != 'one process' else 1 / ideal:.2f} | {stage_ms} | {mib} | "
+                     f"{r['layout']} |")
+    lines.append("")
+    for name, r in results.items():  # --plan's replay of GPipe's order, fed the stage times of the traced run
+        if "trace" in r:
+            replay, traced = replayed(r["trace"], "gpipe", m)["step"], r["traced_step_time"]
+            lines.append(f"{name}: plan.py's replay with the traced run's stage times: step {replay * 1e3:.1f} ms "
+                         f"(traced {traced * 1e3:.1f} ms, {traced / replay:.2f} x)")
     finish(args, "\n".join(lines), results, name="splits")
 
 

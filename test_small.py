@@ -184,7 +184,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 @pytest.mark.parametrize("variant", ["plain", "tied_llama3_head_dim"])
 def test_same_math_as_hugging_face_llama(variant):
     transformers = pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
-    extra = {} if variant == "plain" else {"tie_word_embeddings": True, "rope_scaling": dict(LLAMA3_ROPE), "head_dim": 8}
+    extra = {} if variant == "plain" else {"tie_word_embeddings": True, "rope_scaling": dict(LLAMA3_ROPE),
+                                           "head_dim": 8}
     hf_config = transformers.LlamaConfig(
         vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -1947,7 +1948,9 @@ def test_benchmark_and_sweep_write_their_tables(tmp_path, cache_dir):
     table = (tmp_path / "splits" / "splits.md").read_text()
     assert [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ")][1:] == \
         ["| one process", "| balanced"] and "[layer 1 + norm + head" in table  # 2 layers: one per stage
-    assert re.search(r"\| balanced \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+, [\d.]+ \|", table), table  # MiB/stage
+    # Each stage's traced time per microbatch, its activations, and the replay of GPipe with those times.
+    assert re.search(r"\| balanced \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+, [\d.]+ \| [\d.]+, [\d.]+ \|", table), table
+    assert re.search(r"balanced: plan.py's replay .* step [\d.]+ ms \(traced [\d.]+ ms", table), table
 
     table = (tmp_path / "sweep" / "sweep.md").read_text()
     assert [line.split(" | ")[0] for line in table.splitlines() if re.match(r"\| \d", line)] == ["| 1", "| 2"]
