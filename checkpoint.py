@@ -350,14 +350,28 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 # AdamW state and data position. --steps is among them because the LR schedule is a function of it: a cosine
 # recomputed for a longer run would jump the LR back up. The other flags (--microbatches, the number of
 # processes, --schedule, --trace, --metrics, ...) change how the same numbers are computed, and are free.
-RUN_FLAGS = ("seed", "data", "seq_len", "batch_size", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip",
-             "init_from")
+# --init-from is recorded but not compared: once a run has checkpoints they are its weights, and where it started
+# from may have moved; the model it names is compared all the same (meta.json's config).
+RUN_FLAGS = ("seed", "data", "seq_len", "batch_size", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip")
+
+
+def resuming(args) -> str | None:
+    """The checkpoint this run continues: the newest complete one in --checkpoint-dir (None with --fresh)."""
+    return None if args.fresh else latest(args.checkpoint_dir)
+
+
+def model_source(args) -> str | None:
+    """Where the model's shape and tokenizer come from, when not from --model: --init-from for a new run; for a
+    run that was started from other weights and is resumed, its newest checkpoint."""
+    if (resume := resuming(args)) is not None:
+        return resume if read_meta(resume).get("run", {}).get("init_from") is not None else None
+    return args.init_from
 
 
 def run_identity(args, tokenizer=None) -> dict:
     """What a checkpoint records of its run, to compare on resume: RUN_FLAGS, the data files' sizes and (when
-    given) the tokenizer."""
-    identity = {**{flag: getattr(args, flag) for flag in RUN_FLAGS},
+    given) the tokenizer; and --init-from, where its weights started."""
+    identity = {**{flag: getattr(args, flag) for flag in RUN_FLAGS}, "init_from": args.init_from,
                 "data_files": {path: os.path.getsize(path) for path in data.local_files(args.data)}}
     if tokenizer is not None:
         identity["tokenizer"] = tokenizer.fingerprint()
@@ -454,18 +468,19 @@ def load_weights(source: str, model, config: LlamaConfig) -> str:
 def model_config(args, vocab_size: int, device_type: str) -> tuple[LlamaConfig, str]:
     """The model to train, and a name for it: --init-from's model, else the preset's with the tokenizer's
     vocabulary and --layers."""
-    if args.init_from is None:
+    source = model_source(args)
+    if source is None:
         preset = flags.model_preset(args, device_type)
         return config_from_preset(preset, vocab_size, args.layers), preset
-    if hf.is_hf_dir(args.init_from):
-        path, config = args.init_from, hf.read_config(args.init_from)
+    if hf.is_hf_dir(source):
+        path, config = source, hf.read_config(source)
     else:
-        path = resolve(args.init_from, "--init-from")
+        path = resolve(source, "--init-from")
         config = LlamaConfig(**read_meta(path)["config"])
     if vocab_size > config.vocab_size:  # a Hugging Face model may have more rows than its tokenizer has tokens
-        raise UsageError(f"--tokenizer: {vocab_size} tokens, but --init-from {args.init_from} has embeddings for "
+        raise UsageError(f"--tokenizer: {vocab_size} tokens, but --init-from {source} has embeddings for "
                          f"{config.vocab_size}; leave --tokenizer out to use its own tokenizer")
-    return config, f"from {path}"
+    return config, f"from {path if source == args.init_from else args.init_from}"
 
 
 def save_if_due(args, env, step: int, model, optimizer, config, loader, tokenizer) -> str | None:
@@ -500,35 +515,44 @@ def full_model_state(path: str) -> tuple[dict, LlamaConfig]:
 
 
 def export(checkpoint: str, output: str, format: str = "pt", dtype: torch.dtype = torch.float32,
-           max_shard_bytes: int = 5 * 2**30) -> str:
+           max_shard_bytes: int = 5 * 2**30, force: bool = False) -> str:
     """Write the full model of a checkpoint (or of a --checkpoint-dir's newest) for use without this project:
     format "pt", OUTPUT and OUTPUT.config.json, OUTPUT.tokenizer.json; format "hf", a directory that
-    transformers' from_pretrained loads. Returns the checkpoint's path."""
+    transformers' from_pretrained loads. Returns the checkpoint's path.
+
+    What exists at OUTPUT is refused unless force; everything is written under temporary names first and only
+    then renamed into place, so a refused or failed export leaves what was there untouched."""
+    outputs = [output] if format == "hf" else [output, output + ".config.json", output + ".tokenizer.json"]
+    if not force and (existing := [p for p in outputs if os.path.lexists(p)]):
+        raise UsageError(f"{existing[0]} exists; give a new {'directory' if format == 'hf' else 'file name'}, or "
+                         "add --force to replace it")
     path = resolve(checkpoint)
     state, config = full_model_state(path)
-    tmp = f"{output}.tmp{os.getpid()}"
+    tmp = {p: f"{p}.tmp{os.getpid()}" for p in outputs}
     try:
         if format == "hf":
-            if os.path.exists(output):
-                raise UsageError(f"{output} exists; give a new directory for the Hugging Face export")
             tokenizer = data.load_tokenizer(os.path.join(path, "tokenizer.json"), flag="checkpoint")
-            hf.save(tmp, state, config, tokenizer, dtype, max_shard_bytes)
-            os.replace(tmp, output)
-            return path
-        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-        torch.save({key: t.to(dtype) for key, t in state.items()}, tmp)
-        os.replace(tmp, output)
-        with open(output + ".config.json", "w") as f:
-            json.dump(dataclasses.asdict(config), f, indent=1)
-        if os.path.isfile(os.path.join(path, "tokenizer.json")):
-            shutil.copyfile(os.path.join(path, "tokenizer.json"), output + ".tokenizer.json")
+            hf.save(tmp[output], state, config, tokenizer, dtype, max_shard_bytes)
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+            torch.save({key: t.to(dtype) for key, t in state.items()}, tmp[output])
+            with open(tmp[output + ".config.json"], "w") as f:
+                json.dump(dataclasses.asdict(config), f, indent=1)
+            if os.path.isfile(os.path.join(path, "tokenizer.json")):
+                shutil.copyfile(os.path.join(path, "tokenizer.json"), tmp[output + ".tokenizer.json"])
+        for final, written in tmp.items():
+            if os.path.isdir(final) and not os.path.islink(final):  # --force over a directory: replace it whole
+                shutil.rmtree(final)
+            if os.path.lexists(written):
+                os.replace(written, final)
     except (OSError, RuntimeError, CheckpointException) as e:  # torch.save reports a full disk as a RuntimeError
         raise UsageError(f"cannot write {output} ({_root_cause(e)}); choose another output") from None
-    finally:  # a failed or refused export leaves nothing behind
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif os.path.isfile(tmp):
-            os.remove(tmp)
+    finally:  # a failed export leaves nothing of its own behind
+        for written in tmp.values():
+            if os.path.isdir(written):
+                shutil.rmtree(written, ignore_errors=True)
+            elif os.path.lexists(written):
+                os.remove(written)
     return path
 
 
@@ -559,12 +583,15 @@ def main(argv=None) -> None:
                    help="dtype of the written weights (training keeps float32) (default: %(default)s)")
     e.add_argument("--max-shard-size", type=_size, default="5GB",
                    help="hf: the largest safetensors file (default: %(default)s)")
+    e.add_argument("--force", action="store_true", help="replace OUTPUT (and its .config.json, .tokenizer.json) if "
+                                                       "it exists; without it an existing output is refused")
     args = p.parse_args(argv)
     try:
-        source = export(args.checkpoint, args.output, args.format, getattr(torch, args.dtype), args.max_shard_size)
+        source = export(args.checkpoint, args.output, args.format, getattr(torch, args.dtype), args.max_shard_size,
+                        args.force)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(1)
     extra = "" if args.format == "hf" else " (+ .config.json, .tokenizer.json)"
     print(f"exported {source} -> {args.output}{extra}")
 

@@ -37,6 +37,7 @@ from runtime import FlagError, UsageError, collective_errors
 
 SPECIAL_TOKENS = ("[PAD]", "[BOT]", "[EOT]")
 IGNORE_INDEX = -100  # target value that the loss skips; [PAD] targets are mapped to it
+VOCAB_SIZE = 8192  # of a tokenizer trained on --data, unless --vocab-size
 TOKENIZER_TRAIN_CHARS = 20_000_000  # a trained tokenizer sees at most this much text
 _FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -258,12 +259,26 @@ class Tokenizer:
     def fingerprint(self) -> str:
         return hashlib.sha256(f"{self.backend.to_str()}|{self.bos}|{self.eos}|{self.pad}".encode()).hexdigest()[:16]
 
-    def save(self, directory: str, **config) -> None:
+    def save(self, directory: str, add_bos: bool = False, **config) -> None:
         """tokenizer.json, and a tokenizer_config.json that names the special tokens (so transformers'
-        AutoTokenizer loads it too; config: more of its fields, e.g. model_max_length)."""
-        self.backend.save(os.path.join(directory, "tokenizer.json"))
+        AutoTokenizer loads it too; config: more of its fields, e.g. model_max_length).
+
+        add_bos: make the saved tokenizer put bos before every text it encodes (with add_special_tokens, as
+        transformers encodes by default), as every training document began with it: a post-processor that adds
+        it, unless the tokenizer already does (Llama 3's does)."""
+        from tokenizers import Tokenizer as Backend, processors
+
+        backend = self.backend
+        if add_bos and backend.encode("x", add_special_tokens=True).ids[:1] != [self.bos_id]:
+            backend = Backend.from_str(backend.to_str())  # a copy: this run's own tokenizer stays as it is
+            bos = processors.TemplateProcessing(single=f"{self.bos} $A", pair=f"{self.bos} $A {self.bos} $B",
+                                                special_tokens=[(self.bos, self.bos_id)])
+            backend.post_processor = bos if backend.post_processor is None else \
+                processors.Sequence([backend.post_processor, bos])
+        backend.save(os.path.join(directory, "tokenizer.json"))
         fields = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos, "eos_token": self.eos,
-                  **({"pad_token": self.pad} if self.pad else {}), **config}
+                  **({"pad_token": self.pad} if self.pad else {}),
+                  **({"add_bos_token": True, "add_eos_token": False} if add_bos else {}), **config}
         with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
             json.dump(fields, f, indent=1)
 
@@ -509,10 +524,10 @@ def setup(args, local_rank: int, needs_batches: bool):
     """
     with collective_errors():  # also the barrier the other processes of a machine wait in
         if local_rank == 0:
-            prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
+            prepare(args.data, args.tokenizer, args.vocab_size or VOCAB_SIZE, args.cache_dir)
     loader = None
     with collective_errors():
-        tokenizer = prepare(args.data, args.tokenizer, args.vocab_size, args.cache_dir)
+        tokenizer = prepare(args.data, args.tokenizer, args.vocab_size or VOCAB_SIZE, args.cache_dir)
         if needs_batches:  # reads the first window now, so a source too small for one fails here
             loader = make_loader(args.data, tokenizer, args.seq_len, args.batch_size, args.seed, args.cache_dir)
             if eval_spec(args) is not None:  # the held-out batches too, once, so they cannot fail mid-run

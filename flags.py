@@ -16,6 +16,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
+def _positive(text: str) -> int:
+    """A whole number of at least 1 (argparse type: a bad value is one line, exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser(doc: str, schedules: list[str], stages_per_rank: bool = False) -> argparse.ArgumentParser:
     p = _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
@@ -62,8 +73,9 @@ def build_parser(doc: str, schedules: list[str], stages_per_rank: bool = False) 
                         "(default: %(default)s, the Python standard library's source)")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizers JSON file with [BOT] and [EOT] (default: train one on --data and cache it)")
-    g.add_argument("--vocab-size", type=int, default=8192,
-                   help="vocabulary of a tokenizer trained on --data (default: %(default)s)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help=f"vocabulary of a tokenizer trained on --data (default: {data.VOCAB_SIZE}; a --tokenizer or "
+                        "--init-from brings its own)")
     g.add_argument("--eval-data", default=None,
                    help="held-out data for --eval-every, in --data's syntax (default: with --data builtin, its "
                         "last documents, which are never trained on; other data needs this flag)")
@@ -99,7 +111,7 @@ def build_parser(doc: str, schedules: list[str], stages_per_rank: bool = False) 
                         "activation memory, about one more forward of compute")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer (faster on GPUs; the first steps pay the compilation)")
-    g.add_argument("--plan", type=int, default=None, metavar="PROCESSES",
+    g.add_argument("--plan", type=_positive, default=None, metavar="PROCESSES",
                    help="print, for this many processes (stages x --dp) and the other flags, each stage's share "
                         "of the compute and bytes of parameters, gradients, AdamW state and activations, and each "
                         "schedule's step time and bubble, then exit; allocates nothing, needs no GPU or torchrun")
@@ -128,7 +140,8 @@ def check_args(args, world_size: int, device_type: str) -> None:
     """Every mistake that can be seen from the flags alone, checked identically on every rank before any work.
     (What needs the files the flags name, preflight.py checks next, on every rank.)"""
     positive = {"--batch-size": args.batch_size, "--microbatches": args.microbatches, "--seq-len": args.seq_len,
-                "--vocab-size": args.vocab_size, "--eval-batches": args.eval_batches}
+                "--vocab-size": data.VOCAB_SIZE if args.vocab_size is None else args.vocab_size,
+                "--eval-batches": args.eval_batches}
     for flag, value in positive.items():
         if value < 1:
             raise FlagError(f"{flag} must be at least 1, got {value}")

@@ -172,5 +172,5 @@ def save(path: str, state: dict[str, torch.Tensor], config: LlamaConfig, tokeniz
         dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(path, fqn_to_index_mapping=mapping), no_dist=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config(config, tokenizer, dtype), f, indent=1)
-    tokenizer.save(path, model_max_length=config.max_position_embeddings)
+    tokenizer.save(path, add_bos=True, model_max_length=config.max_position_embeddings)
     return sorted(os.listdir(path))

@@ -41,7 +41,8 @@ def plan_config(args) -> LlamaConfig:
             return hf.read_config(args.init_from)
         import checkpoint
         return LlamaConfig(**checkpoint.read_meta(checkpoint.resolve(args.init_from, "--init-from"))["config"])
-    vocab = data.load_tokenizer(args.tokenizer).vocab_size() if args.tokenizer else args.vocab_size
+    vocab = data.load_tokenizer(args.tokenizer).vocab_size() if args.tokenizer else (
+        args.vocab_size or data.VOCAB_SIZE)
     preset = args.model or ("small" if args.device == "cuda" else "tiny")
     return config_from_preset(preset, vocab, args.layers)
 

@@ -3,7 +3,7 @@
 Before the model is built, every rank checks what the run will write and read: the checkpoint directory can be
 created and a file in it written, fsynced and renamed (each rank writes its own shard there); the --metrics and
 --trace files can be created; the data files and the tokenizer exist and are what they claim to be. A problem
-on any rank stops every rank with the same one line (runtime.collective_errors), exit status 2, and nothing
+on any rank stops every rank with the same one line (runtime.collective_errors), exit status 1, and nothing
 written: a run that cannot save its first checkpoint fails in seconds instead of after hours of training.
 
 The lock: DIR/run.lock, created by the run's rank 0 (one per run, however many nodes share DIR) and removed
@@ -145,34 +145,47 @@ def probe_directory(flag: str, path: str, lock_token: str) -> None:
 
 def check_inputs(args, stages: int) -> None:
     """Data, tokenizer and --init-from exist and are readable; --init-from (a Hugging Face directory or one of
-    this project's checkpoints) fills in the model's shape and the tokenizer (its own, unless --tokenizer)."""
+    this project's checkpoints) fills in the model's shape and the tokenizer (its own, unless --tokenizer).
+
+    Resuming, --init-from is ignored: the run's checkpoints hold its weights, and a run that was started from
+    other weights takes its model's shape and tokenizer from its newest checkpoint (checkpoint.model_source),
+    so the directory it was started from may have moved or gone. args.init_from becomes the one the run was
+    started with, which new checkpoints record."""
     data.check_files(args.data)
     if args.eval_data is not None:
         data.check_files(args.eval_data, "--eval-data")
-    if args.init_from is not None:
-        if hf.is_hf_dir(args.init_from):
-            source, config = args.init_from, hf.read_config(args.init_from)  # refuses what model.py lacks
-        elif os.path.isdir(args.init_from):
-            source = checkpoint.resolve(args.init_from, "--init-from")
+    if (resume := checkpoint.resuming(args)) is not None:
+        args.init_from = checkpoint.read_meta(resume).get("run", {}).get("init_from")
+    source = checkpoint.model_source(args)
+    if source is not None:
+        flag = "--init-from" if resume is None else "--checkpoint-dir"
+        if hf.is_hf_dir(source):
+            config = hf.read_config(source)  # refuses what model.py lacks
+        elif os.path.isdir(source):
+            source = checkpoint.resolve(source, flag)
             config = LlamaConfig(**checkpoint.read_meta(source)["config"])
         else:
-            raise UsageError(f"--init-from {args.init_from}: not a directory; give a Hugging Face model directory "
+            raise UsageError(f"--init-from {source}: not a directory; give a Hugging Face model directory "
                              "(config.json + *.safetensors) or a checkpoint of this project")
         if args.layers is not None and args.layers != config.num_hidden_layers:
-            raise UsageError(f"--layers {args.layers}: --init-from {args.init_from} has {config.num_hidden_layers} "
-                             "layers; leave --layers out (the model's shape comes from --init-from)")
+            raise UsageError(f"--layers {args.layers}: the model of {source} has {config.num_hidden_layers} layers; "
+                             f"leave --layers out (the model's shape comes from {flag})")
         if args.model is not None:
-            raise UsageError(f"--model {args.model}: the model's shape comes from --init-from {args.init_from}; "
-                             "leave --model out")
+            raise UsageError(f"--model {args.model}: the model's shape comes from {source}; leave --model out")
+        if args.vocab_size is not None:
+            raise UsageError(f"--vocab-size {args.vocab_size}: the vocabulary comes from {source} (its embeddings "
+                             "and tokenizer); leave --vocab-size out")
         args.layers = config.num_hidden_layers
         flags.check_model(config.num_hidden_layers, config.max_position_embeddings, stages, args.seq_len)
         split.check_split(args.split, config.num_hidden_layers, stages * split.stages_per_rank(args))
         if args.tokenizer is None:
             if not os.path.isfile(os.path.join(source, "tokenizer.json")):
-                raise UsageError(f"--init-from {args.init_from}: no tokenizer.json there; give its tokenizer with "
-                                 "--tokenizer")
+                raise UsageError(f"{flag} {source}: no tokenizer.json there; give its tokenizer with --tokenizer")
             args.tokenizer = os.path.join(source, "tokenizer.json")
     if args.tokenizer is not None:
+        if args.vocab_size is not None:
+            raise UsageError(f"--vocab-size {args.vocab_size}: only for a tokenizer trained on --data; --tokenizer "
+                             f"{args.tokenizer} brings its own vocabulary, leave --vocab-size out")
         data.load_tokenizer(args.tokenizer)  # exists, parses, knows how to frame a document
 
 

@@ -14,7 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 class UsageError(Exception):
-    """A mistake in the command line or its inputs: reported in one line, exit status 2, no traceback.
+    """A mistake in the command line or its inputs: reported in one line, exit status 1, no traceback (status 2
+    is argparse's, for a command line that does not parse).
 
     on_every_rank: every rank raises this same error, so one line per node is enough (see collective_errors)."""
 
@@ -176,14 +177,14 @@ def autocast(env: Env):
 
 
 def run(main, args) -> None:
-    """Call main(args); turn a UsageError into one line on stderr and exit status 2; always tear down."""
+    """Call main(args); turn a UsageError into one line on stderr and exit status 1; always tear down."""
     try:
         main(args)
     except UsageError as e:
         # An error every rank raised is printed once per node (by its first process), any other by its rank.
         if not e.on_every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
@@ -191,8 +192,11 @@ def run(main, args) -> None:
         if not _lost_peer(e):
             raise  # a bug, not a dead peer: keep the traceback
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        print(f"error: lost contact with another rank ({first}); rerun the same command, or launch with "
-              "torchrun --max-restarts N, to resume from the newest checkpoint", file=sys.stderr)
+        # This rank cannot tell why: a peer that died (a node lost, killed) or one that stopped on an error of
+        # its own. Say both, so that a bug another rank printed is not answered by rerunning into it again.
+        print(f"error: lost contact with another rank ({first}); if another rank printed an error above, that "
+              "is the cause; otherwise rerun the same command, or launch with torchrun --max-restarts N, to resume "
+              "from the newest checkpoint", file=sys.stderr)
         sys.exit(1)
     finally:
         if dist.is_initialized():

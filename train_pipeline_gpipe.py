@@ -21,6 +21,7 @@ A rank's stages share one trimmed model, so its optimizer and checkpoint see one
 """
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
@@ -34,7 +35,7 @@ import split
 import timeline
 import training
 from model import LlamaForPretraining
-from split import SCHEDULES, SINGLE_STAGE, check_schedule, stage_ids  # which stages each rank holds
+from split import SCHEDULES, SINGLE_STAGE, V_SHAPED, check_schedule, stage_ids  # which stages each rank holds
 
 # ----------------------------------------------------------------------------------------------------------
 # The split: one stage of the model, built without ever allocating the rest
@@ -157,8 +158,10 @@ def step_function(schedule, env: runtime.Env, recorder: timeline.Recorder | None
     return step
 
 
-def eval_function(schedule, pipeline_stages: list, env: runtime.Env, recorder: timeline.Recorder | None):
-    """The forward-only pass the training loop's evaluations call: the schedule's eval(), no gradients."""
+def eval_function(schedule, pipeline_stages: list, env: runtime.Env, recorder: timeline.Recorder | None,
+                  name: str, microbatches: int, hidden_shape: tuple[int, int, int]):
+    """The forward-only pass the training loop's evaluations call: the schedule's eval(), no gradients; for the
+    V-shaped schedules, whose eval() fails in torch 2.13, forward_only() over the same stages."""
     def evaluate(inputs, targets):
         if recorder is not None:
             recorder.current = None  # not part of any step's timeline
@@ -166,10 +169,51 @@ def eval_function(schedule, pipeline_stages: list, env: runtime.Env, recorder: t
         args = (inputs,) if inputs is not None else ()
         kwargs = {"target": targets, "losses": losses} if targets is not None else {}
         with runtime.autocast(env):
-            schedule.eval(*args, return_outputs=False, **kwargs)
+            if name in V_SHAPED:
+                forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, losses)
+            else:
+                schedule.eval(*args, return_outputs=False, **kwargs)
         training.reshard(stage.submod for stage in pipeline_stages)  # FSDP gathered them for the forwards
         return torch.stack(losses).mean() if targets is not None else None
     return evaluate
+
+
+def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidden_shape: tuple[int, int, int],
+                 losses: list) -> None:
+    """Every microbatch forward through this rank's stages, the last stage's losses appended to `losses`.
+    inputs, targets: as for train_step; hidden_shape: a microbatch's hidden states, [mb, seq, hidden].
+
+    torch 2.13's eval() runs the V-shaped schedules' training order without its backward actions, and the
+    stage that meets its neighbour on the same rank then asserts ("can't steal_bwd_input if this stage doesn't
+    have backward"). Here each rank runs its stages in the order of their index, each on all microbatches:
+    an input comes from the stage before (in memory when this rank holds it too, else received from its rank),
+    an output goes to the stage after the same way. Sends do not wait, so no rank waits for one that waits
+    for it: stage s only ever waits for stage s - 1, which every rank runs earlier in the same order."""
+    first = pipeline_stages[0]
+    group = first.group if first.group is not None else dist.group.WORLD
+    peer = lambda s: dist.get_global_rank(group, first.stage_index_to_group_rank[s])  # noqa: E731
+    held, sends = {}, []  # (stage, microbatch) -> output kept for a stage on this rank; pending sends
+    xs = inputs.chunk(microbatches) if inputs is not None else None
+    ys = targets.chunk(microbatches) if targets is not None else None
+    for stage in sorted(pipeline_stages, key=lambda st: st.stage_index):
+        s = stage.stage_index
+        for i in range(microbatches):
+            if s == 0:
+                x = xs[i]
+            elif (s - 1, i) in held:
+                x = held.pop((s - 1, i))
+            else:  # hidden states in fp32, as stage_io declares them to the schedule
+                x = torch.empty(hidden_shape, device=stage.device)
+                dist.recv(x, peer(s - 1))
+            out = stage.submod(x)
+            if s == stage.num_stages - 1:
+                losses.append(loss_fn(out, ys[i]))
+            elif peer(s + 1) == dist.get_rank():
+                held[s, i] = out
+            else:
+                sends.append(dist.isend(out.contiguous(), peer(s + 1)))
+    for work in sends:
+        work.wait()
 
 
 def train_step(schedule, env: runtime.Env, inputs, targets) -> torch.Tensor | None:
@@ -212,9 +256,9 @@ def main(args):
         training.compile_layers([model])
     model.train()
     recorder = timeline.Recorder() if args.trace else None
+    microbatch = (args.batch_size // (args.dp * args.microbatches), args.seq_len)
     schedule, pipeline_stages = make_schedule(args.schedule, model, stages, num_stages, env, args.microbatches,
-                                              (args.batch_size // (args.dp * args.microbatches), args.seq_len),
-                                              recorder, layout)
+                                              microbatch, recorder, layout)
     say(split.describe_run(name, config, env, f"{args.schedule} (torch.distributed.pipelining)", layout, costs),
         flush=True)
     if loader is not None:
@@ -222,7 +266,8 @@ def main(args):
 
     # --- optimizer, resume, training loop, checkpoints, summary: the same for every script
     training.train(args, env, model, step_function(schedule, env, recorder),
-                   eval_function(schedule, pipeline_stages, env, recorder), config, tokenizer, loader,
+                   eval_function(schedule, pipeline_stages, env, recorder, args.schedule, args.microbatches,
+                                 (*microbatch, config.hidden_size)), config, tokenizer, loader,
                    has_first=has_first, has_last=has_last, say=say)
 
 

@@ -194,8 +194,8 @@ def main(args):
         config, name = checkpoint.model_config(args, tokenizer.vocab_size(), env.device.type)
     layout, costs = split.run_layout(args, config, num_stages)  # the layers of each stage
     started = time.perf_counter()
-    built, model = build_traced_stages(config, stages, num_stages, env.device, args.seed,
-                                       (args.batch_size // (args.dp * args.microbatches), args.seq_len), env.mesh,
+    microbatch = (args.batch_size // (args.dp * args.microbatches), args.seq_len)
+    built, model = build_traced_stages(config, stages, num_stages, env.device, args.seed, microbatch, env.mesh,
                                        layout, args.activation_checkpointing, args.compile)
     trace_seconds = [None] * env.world_size  # the one-time cost of tracing and building, every rank's
     dist.all_gather_object(trace_seconds, time.perf_counter() - started)
@@ -213,7 +213,8 @@ def main(args):
 
     # --- optimizer, resume, training loop, checkpoints, summary: the same for every script
     training.train(args, env, model, step_function(schedule, env, recorder),
-                   eval_function(schedule, built, env, recorder), config, tokenizer, loader,
+                   eval_function(schedule, built, env, recorder, args.schedule, args.microbatches,
+                                 (*microbatch, config.hidden_size)), config, tokenizer, loader,
                    has_first=has_first, has_last=has_last, say=say)
 
 

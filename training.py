@@ -285,11 +285,12 @@ def train(args, env, model, step_fn, eval_fn, config, tokenizer, loader, *, has_
                 row = log.log(step, loss, lr, targets, timer.seconds, grad_norm, data.IGNORE_INDEX)
                 bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
                 bar.update()
-            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-                evaluate(step)
+            # Save before evaluating: whatever happens in an evaluation, this step's work is kept.
             path = checkpoint.save_if_due(args, env, step, model, optimizer, config, loader, tokenizer)
             if path and reports:
                 bar.write(f"saved {path}")
+            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+                evaluate(step)
     if record:  # measured bubble next to the theoretical one, and the Chrome trace
         timeline.report(env.rank, env.world_size, mesh.pp, list(recent), args.microbatches, args.trace)
 
