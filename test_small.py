@@ -6,10 +6,12 @@ compared with the unsplit model on one process. Run with:  pytest -q test_small.
 
 import argparse
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
 import os
+import random
 import re
 import shlex
 import shutil
@@ -20,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,6 +41,7 @@ import metrics
 import model as model_module
 import plan
 import preflight
+import prepare_data as prep
 import runtime
 import split
 import timeline
@@ -2086,3 +2090,452 @@ def test_benchmark_and_sweep_write_their_tables(tmp_path, cache_dir):
     for kind in ("param", "grad", "optimizer"):
         assert [b / 2 for b in alone[f"{kind}_bytes_per_rank"] for _ in range(2)] == \
             pytest.approx(sharded[f"{kind}_bytes_per_rank"], rel=0.01)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# prepare_data.py: documents -> tokenizer -> token files, once
+
+WORDS = ("the pipeline stage sends activations forward and gradients backward while each microbatch waits for its "
+         "turn été café 中文 tokens 42 (x) = y;").split()
+
+
+def corpus(n: int = 250, seed: int = 0) -> list[str]:
+    """n documents of 1-3 lines each, no blank lines inside (so a .txt holds them one per paragraph)."""
+    rng = random.Random(seed)
+    return [f"doc {i}: " + "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 25)))
+                                     for _ in range(rng.randint(1, 3))) for i in range(n)]
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({"id": i, field: d}) + "\n" for i, d in enumerate(docs)), encoding="utf-8")
+    return path
+
+
+def write_txt(path: Path, docs: list[str]) -> Path:
+    path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    return path
+
+
+def write_parquet(path: Path, docs: list, field: str = "text") -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": list(range(len(docs))), field: docs}), path)
+    return path
+
+
+def run_main(capsys, *argv) -> tuple[int, str, str]:
+    """prepare_data.main in this process: (exit status, stdout, stderr)."""
+    try:
+        prep.main([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def run_cli(*argv, cwd) -> tuple[subprocess.CompletedProcess, float]:
+    """prepare_data.py as a command: its result and wall time."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, str(ROOT / "prepare_data.py"), *map(str, argv)], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=300)
+    return result, time.perf_counter() - started
+
+
+def tokens(out: Path, part: str) -> np.ndarray:
+    """A split read back the way a training script reads it: np.memmap of each file, concatenated."""
+    meta = json.loads((out / "meta.json").read_text())
+    return np.concatenate([np.memmap(out / name, dtype=meta["dtype"], mode="r") for name in meta[part]["files"]])
+
+
+def framed(backend, bos: int, eos: int, docs: list[str]) -> np.ndarray:
+    return np.array([t for d in docs for t in [bos, *backend.encode(d, add_special_tokens=False).ids, eos]])
+
+
+def snapshot(path: Path, folder_times: bool = False) -> dict:
+    """Every file and folder under path (with hidden ones), each file's size and modification time: equal snapshots,
+    nothing touched. folder_times: folders' times too, which change when an entry is created and removed again."""
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() or folder_times
+            else "folder" for p in [path, *path.rglob("*")]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory) -> Path:
+    """A small BPE tokenizer with [PAD]/[BOT]/[EOT], trained on the test corpus (fast, unlike the builtin one)."""
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    prep.train_tokenizer(corpus(), 400).backend.save(str(path))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The builtin corpus, prepared once
+
+@pytest.fixture(scope="module")
+def builtin(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("builtin")
+    result, _ = run_cli(cwd=cwd)  # no arguments: what the training scripts read by default
+    assert result.returncode == 0, result.stderr
+    return cwd / "data", result
+
+
+def test_builtin(builtin):
+    from tokenizers import Tokenizer
+
+    out, result = builtin
+    pad = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id("[PAD]")
+    assert result.stdout.splitlines()[-1].startswith("prepared data: ")
+    meta = json.loads((out / "meta.json").read_text())
+    assert (meta["dtype"], meta["vocab_size"]) == ("uint16", 8192)
+    assert (meta["bos_token"], meta["eos_token"]) == ("[BOT]", "[EOT]")
+    assert meta["source"] == {"data": "builtin", "eval_data": None, "tokenizer": None, "vocab_size": 8192,
+                              "text_field": "text", "max_tokens": None}
+    n_files = len(prep.builtin_files())
+    assert meta["val"]["documents"] == n_files // 50 and meta["train"]["documents"] == n_files - n_files // 50
+    for part in ("train", "val"):
+        ids = tokens(out, part)
+        assert len(ids) == sum(meta[part]["tokens"]) > 10_000 and ids[0] == meta["bos_id"]
+        # Every document framed once: as many bos as eos as documents, and the stream ends on an eos.
+        assert (ids == meta["bos_id"]).sum() == (ids == meta["eos_id"]).sum() == meta[part]["documents"]
+        assert ids[-1] == meta["eos_id"] and not (ids == pad).any()
+    assert sorted(os.listdir(out.parent)) == ["data"]  # no temporary folder left
+
+
+def test_builtin_rerun_is_ready_fast_and_touches_nothing(builtin):
+    out, _ = builtin
+    before = snapshot(out.parent, folder_times=True)  # not even a temporary folder made and removed
+    result, _ = run_cli(cwd=out.parent)
+    assert result.returncode == 0 and result.stderr == ""
+    assert len(result.stdout.splitlines()) == 1 and "ready" in result.stdout
+    assert snapshot(out.parent, folder_times=True) == before  # nothing read or written: no tokenizing again
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What is written
+
+def test_jsonl_tokens_are_framed_documents_in_order(tmp_path, capsys):
+    from tokenizers import Tokenizer
+
+    docs = corpus()
+    data, out = write_jsonl(tmp_path / "docs.jsonl", docs), tmp_path / "out"
+    code, stdout, err = run_main(capsys, "--data", data, "--out", out)
+    assert (code, err) == (0, "") and "prepared" in stdout.splitlines()[-1]
+    meta = json.loads((out / "meta.json").read_text())
+    backend = Tokenizer.from_file(str(out / "tokenizer.json"))
+    bos, eos, pad = meta["bos_id"], meta["eos_id"], backend.token_to_id("[PAD]")
+    held_out = [d for i, d in enumerate(docs) if i % 50 == 49]  # documents 49, 99, ...
+    assert len(held_out) == 5 and meta["val"]["documents"] == 5 and meta["train"]["documents"] == 245
+    trained_on = [d for i, d in enumerate(docs) if i % 50 != 49]
+    np.testing.assert_array_equal(tokens(out, "train"), framed(backend, bos, eos, trained_on))
+    np.testing.assert_array_equal(tokens(out, "val"), framed(backend, bos, eos, held_out))
+    assert pad is not None and not (tokens(out, "train") == pad).any() and not (tokens(out, "val") == pad).any()
+    assert meta["vocab_size"] == backend.get_vocab_size() and meta["dtype"] == "uint16"
+    assert meta["tokenizer_sha256"] == hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
+    assert meta["fingerprint"].startswith(f"data={data.resolve()}:")
+    # Same request again: ready, nothing rewritten.
+    before = snapshot(tmp_path, folder_times=True)
+    code, stdout, _ = run_main(capsys, "--data", data, "--out", out)
+    assert code == 0 and "ready" in stdout and snapshot(tmp_path, folder_times=True) == before
+
+
+def test_every_source_form_gives_the_same_documents(tmp_path):
+    docs = corpus(60)
+    write_txt(tmp_path / "docs.txt", docs)
+    write_jsonl(tmp_path / "docs.jsonl", docs)
+    write_parquet(tmp_path / "docs.parquet", docs)
+    write_jsonl(tmp_path / "body.jsonl", docs, field="body")
+    write_parquet(tmp_path / "body.parquet", docs, field="body")
+    folder = tmp_path / "folder"
+    (folder / "b" / ".cache").mkdir(parents=True)
+    write_jsonl(folder / "a.jsonl", docs[:20])
+    write_txt(folder / "b" / "c.txt", docs[20:40])
+    write_parquet(folder / "d.parquet", docs[40:])
+    write_txt(folder / "b" / ".cache" / "hidden.txt", ["not a document"])
+    (folder / "notes.md").write_text("not a document either")
+    for spec in ["docs.txt", "docs.jsonl", "docs.parquet", "folder", "folder/a.jsonl,folder/b/c.txt,folder/d.parquet"]:
+        got = list(prep.documents(",".join(str(tmp_path / p) for p in spec.split(","))))
+        assert got == docs, spec
+    for spec in ["body.jsonl", "body.parquet"]:
+        assert list(prep.documents(str(tmp_path / spec), text_field="body")) == docs, spec
+    # Windows line ends, blank lines of spaces, several blank lines in a row: still one document per paragraph.
+    (tmp_path / "crlf.txt").write_bytes(b"a\r\nb\r\n\r\n  \n\n\nc\r\n")
+    assert list(prep.documents(str(tmp_path / "crlf.txt"))) == ["a\nb", "c"]
+
+
+def test_dtype_follows_the_vocabulary(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    assert prep.token_dtype(8192) == prep.token_dtype(65_536) == "uint16"
+    assert prep.token_dtype(65_537) == prep.token_dtype(128_256) == "uint32"
+    # A real vocabulary past 65,536 (a word-level one is quick to build): ids above 65,535 come back intact.
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70_000)} | {"[UNK]": 70_000}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(["[BOT]", "[EOT]"])
+    backend.save(str(tmp_path / "big.json"))
+    docs = [" ".join(f"w{(i * 7919 + j * 104_729) % 70_000}" for j in range(30)) for i in range(250)]
+    out = tmp_path / "out"
+    code, _, err = run_main(capsys, "--data", write_jsonl(tmp_path / "d.jsonl", docs), "--tokenizer",
+                            tmp_path / "big.json", "--out", out)
+    assert (code, err) == (0, "")
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70_003
+    train = tokens(out, "train")
+    assert train.dtype == np.uint32 and train.max() > 65_535
+    trained_on = [d for i, d in enumerate(docs) if i % 50 != 49]
+    np.testing.assert_array_equal(train, framed(backend, 70_001, 70_002, trained_on))
+
+
+def test_given_tokenizer_file_with_bot_eot(tmp_path, capsys, tokenizer_file):
+    from tokenizers import Tokenizer
+
+    docs, out = corpus(), tmp_path / "out"
+    code, stdout, err = run_main(capsys, "--data", write_jsonl(tmp_path / "d.jsonl", docs), "--tokenizer",
+                                 tokenizer_file, "--out", out)
+    assert (code, err) == (0, "") and "training a" not in stdout
+    meta = json.loads((out / "meta.json").read_text())
+    backend = Tokenizer.from_file(str(tokenizer_file))
+    assert (meta["bos_token"], meta["eos_token"], meta["bos_id"]) == ("[BOT]", "[EOT]", backend.token_to_id("[BOT]"))
+    assert meta["source"]["tokenizer"] == str(tokenizer_file) and meta["source"]["vocab_size"] is None
+    np.testing.assert_array_equal(tokens(out, "val"), framed(backend, meta["bos_id"], meta["eos_id"], docs[49::50]))
+    # The saved tokenizer encodes as the data was encoded, and puts bos in front once with special tokens.
+    saved = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert saved.encode(docs[0], add_special_tokens=False).ids == backend.encode(docs[0], add_special_tokens=False).ids
+    ids = saved.encode(docs[0]).ids
+    assert ids[0] == meta["bos_id"] and ids.count(meta["bos_id"]) == 1
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config == {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "[BOT]", "eos_token": "[EOT]",
+                      "pad_token": "[PAD]", "add_bos_token": True, "add_eos_token": False}
+
+
+def hf_style_tokenizer(folder: Path, docs: list[str], adds_bos: bool) -> Path:
+    """A Llama-2-like model folder: tokenizer.json with <s>/</s>, named in tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                          show_progress=False))
+    if adds_bos:  # as Llama 2's does already: the saved tokenizer must not get a second one
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                               special_tokens=[("<s>", 1)])
+    backend.enable_truncation(max_length=16)  # as some model folders' files have: it must not cut documents
+    backend.enable_padding(pad_id=0, pad_token="<unk>")  # nor pad them to the batch's longest
+    folder.mkdir()
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "</s>", "pad_token": None,
+         "model_max_length": 64}))
+    return folder
+
+
+def test_hf_style_tokenizer_folder(tmp_path, capsys):
+    import transformers
+    from tokenizers import Tokenizer
+
+    docs = corpus()
+    data = write_jsonl(tmp_path / "d.jsonl", docs)
+    for adds_bos in (False, True):
+        folder = hf_style_tokenizer(tmp_path / f"model-{adds_bos}", docs, adds_bos)
+        out = tmp_path / f"out-{adds_bos}"
+        code, _, err = run_main(capsys, "--data", data, "--tokenizer", folder, "--out", out)
+        assert (code, err) == (0, "")
+        meta = json.loads((out / "meta.json").read_text())
+        assert (meta["bos_token"], meta["eos_token"], meta["bos_id"], meta["eos_id"]) == ("<s>", "</s>", 1, 2)
+        backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        backend.no_truncation()
+        backend.no_padding()
+        # Documents come out whole and unpadded, though the tokenizer.json says truncate to 16 and pad.
+        trained_on = [d for i, d in enumerate(docs) if i % 50 != 49]
+        np.testing.assert_array_equal(tokens(out, "train"), framed(backend, 1, 2, trained_on))
+        assert json.loads((out / "tokenizer_config.json").read_text())["bos_token"] == "<s>"
+        assert "pad_token" not in json.loads((out / "tokenizer_config.json").read_text())
+        ids = Tokenizer.from_file(str(out / "tokenizer.json")).encode("the pipeline stage").ids
+        assert ids[0] == 1 and ids.count(1) == 1
+        hf_ids = transformers.AutoTokenizer.from_pretrained(str(out))("the pipeline stage")["input_ids"]
+        assert hf_ids[0] == 1 and hf_ids.count(1) == 1 and hf_ids[1:] == ids[1:]
+
+
+def test_shards_concatenate_to_the_one_file_result(tmp_path, capsys, monkeypatch, tokenizer_file):
+    data = write_jsonl(tmp_path / "d.jsonl", corpus())
+    code, _, _ = run_main(capsys, "--data", data, "--tokenizer", tokenizer_file, "--out", tmp_path / "one")
+    assert code == 0
+    monkeypatch.setattr(prep, "SHARD_TOKENS", 1000)
+    code, _, _ = run_main(capsys, "--data", data, "--tokenizer", tokenizer_file, "--out", tmp_path / "many")
+    assert code == 0
+    one, many = (json.loads((tmp_path / d / "meta.json").read_text()) for d in ("one", "many"))
+    assert one["train"]["files"] == ["train-00000.bin"]
+    assert len(many["train"]["files"]) > 3 and many["train"]["files"][1] == "train-00001.bin"
+    assert set(many["train"]["tokens"][:-1]) == {1000} and 0 < many["train"]["tokens"][-1] <= 1000
+    for name, count in zip(many["train"]["files"], many["train"]["tokens"]):
+        assert (tmp_path / "many" / name).stat().st_size == 2 * count
+    np.testing.assert_array_equal(tokens(tmp_path / "many", "train"), tokens(tmp_path / "one", "train"))
+    assert (tmp_path / "many" / "val.bin").read_bytes() == (tmp_path / "one" / "val.bin").read_bytes()
+
+
+def test_max_tokens_and_eval_data(tmp_path, capsys, tokenizer_file):
+    from tokenizers import Tokenizer
+
+    docs, held_out = corpus(), corpus(10, seed=1)
+    data, eval_data = write_jsonl(tmp_path / "d.jsonl", docs), write_txt(tmp_path / "held_out.txt", held_out)
+    code, _, err = run_main(capsys, "--data", data, "--eval-data", eval_data, "--tokenizer", tokenizer_file,
+                            "--max-tokens", 500, "--out", tmp_path / "out")
+    assert (code, err) == (0, "")
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    backend = Tokenizer.from_file(str(tokenizer_file))
+    bos, eos = meta["bos_id"], meta["eos_id"]
+    # With --eval-data nothing of --data is held out; --max-tokens cuts the training stream at exactly 500.
+    np.testing.assert_array_equal(tokens(tmp_path / "out", "train"), framed(backend, bos, eos, docs)[:500])
+    np.testing.assert_array_equal(tokens(tmp_path / "out", "val"), framed(backend, bos, eos, held_out))
+    assert meta["train"]["tokens"] == [500] and meta["val"]["documents"] == 10
+    assert meta["source"]["max_tokens"] == 500 and meta["source"]["eval_data"] == str(eval_data)
+    assert "eval_data=" in meta["fingerprint"] and "tokenizer=" in meta["fingerprint"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bad input: one line, exit status 1, nothing left behind
+
+def _bad_inputs(d: Path, tokenizer_file: Path) -> dict:
+    """name -> (arguments, words the one error line must hold); the files are written into d."""
+    from tokenizers import Tokenizer, models
+
+    (d / "binary.txt").write_bytes(b"good text\n\nmore \xff\xfe\x00 binary\n")
+    (d / "bad.jsonl").write_text('{"text": "a"}\n\n{"text": "b"\n')
+    (d / "list.jsonl").write_text('["text"]\n')
+    (d / "nofield.jsonl").write_text('{"body": "x", "id": 1}\n')
+    (d / "number.jsonl").write_text('{"text": "a"}\n{"text": 5}\n')
+    (d / "tok.json").write_text("not json")
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(d / "plain.json"))
+    write_parquet(d / "body.parquet", ["x", "y"], field="body")
+    write_parquet(d / "null.parquet", ["x", None])
+    (d / "a.csv").write_text("text\nx\n")
+    small, docs = write_jsonl(d / "small.jsonl", ["hi", "there"]), write_jsonl(d / "docs.jsonl", corpus(40))
+    return {
+        "missing": (["--data", d / "nope.jsonl"], ["nope.jsonl", "no such file"]),
+        "missing_eval": (["--data", docs, "--eval-data", d / "nope.txt"], ["--eval-data", "nope.txt"]),
+        "extension": (["--data", d / "a.csv"], ["a.csv", ".jsonl"]),
+        "binary_txt": (["--data", d / "binary.txt"], ["binary.txt", "line 3", "UTF-8"]),
+        "bad_json": (["--data", d / "bad.jsonl"], ["bad.jsonl", "line 3", "not valid JSON"]),
+        "json_list": (["--data", d / "list.jsonl"], ["list.jsonl", "line 1", "list"]),
+        "json_no_field": (["--data", d / "nofield.jsonl"], ["nofield.jsonl", "line 1", "'body'", "--text-field"]),
+        "json_number": (["--data", d / "number.jsonl"], ["number.jsonl", "line 2", "not a string"]),
+        "parquet_column": (["--data", d / "body.parquet"], ["body.parquet", "'body'", "--text-field"]),
+        "parquet_null": (["--data", d / "null.parquet"], ["null.parquet", "row 2"]),
+        "tokenizer_missing": (["--data", docs, "--tokenizer", d / "nope.json"], ["nope.json"]),
+        "tokenizer_garbage": (["--data", docs, "--tokenizer", d / "tok.json"], ["tok.json", "not a tokenizers"]),
+        "tokenizer_no_bos": (["--data", docs, "--tokenizer", d / "plain.json"], ["plain.json", "bos_token"]),
+        "vocab_with_tokenizer": (["--data", docs, "--tokenizer", tokenizer_file, "--vocab-size", 100],
+                                 ["--vocab-size", "--tokenizer"]),
+        "train_too_small": (["--data", small, "--eval-data", docs], ["training split", "tokens", "more documents"]),
+        "val_too_small": (["--data", docs], ["held-out split", "0 documents", "--eval-data"]),
+    }
+
+
+BAD = ["missing", "missing_eval", "extension", "binary_txt", "bad_json", "json_list", "json_no_field", "json_number",
+       "parquet_column", "parquet_null", "tokenizer_missing", "tokenizer_garbage", "tokenizer_no_bos",
+       "vocab_with_tokenizer", "train_too_small", "val_too_small"]
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, tokenizer_file, case):
+    (tmp_path / "in").mkdir()
+    argv, words = _bad_inputs(tmp_path / "in", tokenizer_file)[case]
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "keep.txt").write_text("untouched")
+    before = snapshot(work)
+    code, _, err = run_main(capsys, *argv, "--out", work / "new" / "out")  # its parent is created, and removed again
+    assert code == 1
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    for word in words:
+        assert word in err, (word, err)
+    assert snapshot(work) == before
+
+
+def test_error_while_writing_removes_the_partial_dataset(tmp_path, capsys, monkeypatch, tokenizer_file):
+    lines = [json.dumps({"text": d}) for d in corpus(300)]
+    lines[289] = '{"text": '
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(prep, "BATCH_DOCUMENTS", 10)  # many batches are written before line 290 is read
+    written, write = [], prep.TokenFiles.write
+
+    def spy(self, ids):  # where the partial dataset was written
+        written.append(self.directory)
+        write(self, ids)
+
+    monkeypatch.setattr(prep.TokenFiles, "write", spy)
+    before = snapshot(tmp_path)
+    code, _, err = run_main(capsys, "--data", tmp_path / "d.jsonl", "--tokenizer", tokenizer_file,
+                            "--out", tmp_path / "out")
+    assert code == 1 and "line 290" in err and len(err.splitlines()) == 1
+    assert len(written) > 20 and not os.path.exists(written[0])
+    assert snapshot(tmp_path) == before
+
+
+def test_hf_dataset_that_cannot_be_opened(tmp_path):
+    result, _ = run_cli("--data", "hf:no-such-user-xyz/no-such-dataset", "--out", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode == 1 and result.stdout.startswith("training a")
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("error: --data hf:no-such-user-xyz/no-such-dataset: cannot open the dataset (")
+    assert os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_removes_the_temporary_folder(tmp_path, capsys, monkeypatch, tokenizer_file):
+    def interrupt(self, ids):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prep.TokenFiles, "write", interrupt)
+    data = write_jsonl(tmp_path / "d.jsonl", corpus())
+    before = snapshot(tmp_path)
+    code, _, err = run_main(capsys, "--data", data, "--tokenizer", tokenizer_file, "--out", tmp_path / "out")
+    assert code == 130 and len(err.splitlines()) == 1
+    assert snapshot(tmp_path) == before
+
+
+def test_command_line_errors_are_one_line_with_status_2(capsys):
+    for argv in (["--max-tokens", "lots"], ["--vocab-size", "0"], ["--no-such-flag"]):
+        code, out, err = run_main(capsys, *argv)
+        assert code == 2 and out == "" and len(err.splitlines()) == 1, (argv, err)
+        assert err.startswith("error: ") and err.rstrip().endswith("(see --help)")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# An --out that holds something else
+
+def test_out_holding_other_things_is_refused_and_force_replaces_it(tmp_path, capsys, tokenizer_file):
+    data_a, data_b = write_jsonl(tmp_path / "a.jsonl", corpus()), write_jsonl(tmp_path / "b.jsonl", corpus(seed=2))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    common = ["--tokenizer", tokenizer_file, "--out", out]
+    before = snapshot(tmp_path)
+    code, _, err = run_main(capsys, "--data", data_a, *common)
+    assert code == 1 and len(err.splitlines()) == 1
+    assert f"--out {out}" in err and "other files" in err and "another --out" in err and "--force" in err
+    assert snapshot(tmp_path) == before
+    assert run_main(capsys, "--data", data_a, *common, "--force")[0] == 0
+    assert not (out / "notes.txt").exists() and (out / "meta.json").exists()
+    # Another dataset there: refused the same way, untouched, then replaced with --force.
+    before = snapshot(tmp_path)
+    code, _, err = run_main(capsys, "--data", data_b, *common)
+    assert code == 1 and f"a dataset prepared from --data {data_a}" in err and "--force" in err
+    assert snapshot(tmp_path) == before
+    assert run_main(capsys, "--data", data_b, *common, "--force")[0] == 0
+    assert json.loads((out / "meta.json").read_text())["source"]["data"] == str(data_b)
+    # The same request after its files changed: refused too (the old tokens are stale), saying so.
+    os.utime(data_b, ns=(0, 0))
+    code, _, err = run_main(capsys, "--data", data_b, *common)
+    assert code == 1 and "before they changed" in err and "--force" in err
+    assert run_main(capsys, "--data", data_b, *common, "--force")[0] == 0
+    assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "b.jsonl", "out"]
+    # An empty folder is no obstacle.
+    (tmp_path / "empty").mkdir()
+    assert run_main(capsys, "--data", data_a, "--tokenizer", tokenizer_file, "--out", tmp_path / "empty")[0] == 0
+
+
+def test_nothing_runs_at_import_and_torch_is_not_needed():
+    code = "import sys, prepare_data; assert 'torch' not in sys.modules and 'datasets' not in sys.modules; print('ok')"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.stdout == "ok\n", result.stderr

@@ -1,0 +1,604 @@
+"""Prepare training data once: documents -> tokenizer -> token files that the training scripts read with np.memmap.
+
+    python prepare_data.py                                  # the builtin corpus -> data/ (what the scripts read)
+    python prepare_data.py --data corpus.jsonl --out data/corpus --vocab-size 16384
+    python prepare_data.py --data books/ --eval-data held_out.txt --tokenizer path/to/llama-3-8b
+    python prepare_data.py --data hf:HuggingFaceFW/fineweb:sample-10BT --max-tokens 2_000_000_000
+
+--data (and --eval-data) name where documents come from:
+
+    builtin                    the .py files of this Python's standard library: ~11 MB of real text on every
+                               machine, so the default needs no download
+    FILE or FOLDER[,...]       .txt (UTF-8, one document per paragraph: paragraphs are separated by blank lines),
+                               .jsonl (one JSON object per line, its --text-field string is the document) and
+                               .parquet files (a string --text-field column); a folder means every such file under
+                               it (hidden ones left out), in sorted order
+    hf:NAME[:CONFIG[:SPLIT]]   a Hugging Face dataset, streamed (split "train" unless given)
+
+Without --eval-data every 50th document of --data (the 50th, 100th, ...) is held out and never trained on.
+Without --tokenizer a byte-level BPE tokenizer is trained on the first 20M characters of the training documents.
+
+What --out holds (built in a temporary folder beside it and renamed at the end: a failure leaves nothing behind):
+
+    train-00000.bin ...   token ids, uint16 (uint32 for a vocabulary over 65,536 ids), one file per 100M tokens;
+                          every document is bos, its ids, eos, packed one after the other: no padding
+    val.bin               the held-out documents the same way
+    tokenizer.json        the tokenizer (it puts bos before what it encodes, as transformers expects), with
+    tokenizer_config.json the bos/eos/pad tokens: transformers.AutoTokenizer.from_pretrained(DIR) loads it
+    meta.json             dtype, vocab size, bos/eos ids, the files and their token counts, what was asked
+
+A second run with the same request finds meta.json and does nothing (and does not import torch: it answers in a
+fraction of a second). A training script reads the files back with np.memmap, a window of seq_len + 1 tokens at
+a time (inputs = window[:-1], targets = window[1:]):
+
+    meta = json.load(open(os.path.join(data_dir, "meta.json")))
+    files = [np.memmap(os.path.join(data_dir, f), dtype=meta["dtype"], mode="r") for f in meta["train"]["files"]]
+    window = files[0][start:start + seq_len + 1].astype(np.int64)
+
+(the scripts' Batches class visits every window of every file once per epoch, in a seeded order).
+"""
+
+import argparse
+import hashlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from typing import NamedTuple
+
+import numpy as np
+from tqdm import tqdm
+
+FORMAT = 1  # meta.json's "format": bump it when the layout changes, so readers can tell
+SHARD_TOKENS = 100_000_000  # a new train-NNNNN.bin after this many tokens
+HELD_OUT_EVERY = 50  # without --eval-data, documents 49, 99, 149, ... (from 0) are the held-out split
+MIN_TOKENS = 129  # each split must fill one window of the scripts' default --seq-len 128, plus one
+BATCH_DOCUMENTS = 1000  # documents tokenized together: encode_batch runs them in parallel, memory stays bounded
+VOCAB_SIZE = 8192  # of a tokenizer trained here, unless --vocab-size
+TOKENIZER_TRAIN_CHARS = 20_000_000  # a trained tokenizer sees at most this much text
+SPECIAL_TOKENS = ("[PAD]", "[BOT]", "[EOT]")
+EXTENSIONS = (".txt", ".jsonl", ".parquet")
+
+
+class UsageError(Exception):
+    """A mistake in the command line or its inputs: one line on stderr, exit status 1, nothing written."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Documents
+
+def builtin_files() -> list[str]:
+    """The standard library's .py files in a fixed order (tests and vendored packages left out)."""
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip)
+        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    return files
+
+
+def source_files(spec: str, flag: str = "--data") -> list[str]:
+    """The local files of a comma-separated list of files and folders, checked to exist and to be readable kinds."""
+    files = []
+    for item in (p for p in spec.split(",") if p):
+        if os.path.isdir(item):
+            found = _folder_files(item)
+            if not found:
+                raise UsageError(f"{flag} {item}: a folder without .txt, .jsonl or .parquet files")
+            files += found
+        elif not os.path.exists(item):
+            raise UsageError(f"{flag}: no such file or folder {item!r}; give .txt/.jsonl/.parquet files or folders, "
+                             "builtin, or hf:NAME[:CONFIG[:SPLIT]]")
+        elif os.path.splitext(item)[1].lower() not in EXTENSIONS:
+            raise UsageError(f"{flag} {item}: not a .txt, .jsonl or .parquet file")
+        else:
+            files.append(item)
+    if not files:
+        raise UsageError(f"{flag}: empty; give builtin, files or folders, or hf:NAME[:CONFIG[:SPLIT]]")
+    return files
+
+
+def _folder_files(folder: str) -> list[str]:
+    found = []
+    for dirpath, dirnames, names in os.walk(folder):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # .git, .cache and the like hold no documents
+        found += [os.path.join(dirpath, n) for n in names
+                  if os.path.splitext(n)[1].lower() in EXTENSIONS and not n.startswith(".")]
+    return sorted(found)
+
+
+def fingerprint(spec: str, flag: str = "--data") -> str:
+    """What the documents behind a spec are, cheaply (os.stat only): it changes when they change."""
+    if spec == "builtin":
+        files = builtin_files()
+        return f"builtin:{sys.version}:{len(files)}:{sum(os.stat(f).st_size for f in files)}"
+    if spec.startswith("hf:"):
+        if not spec[3:].split(":")[0]:
+            raise UsageError(f"{flag} {spec}: no dataset name; write hf:NAME[:CONFIG[:SPLIT]]")
+        return spec  # a remote dataset: its name is all we can know without opening it
+    return ";".join(_file_identity(p) for p in source_files(spec, flag))
+
+
+def _file_identity(path: str) -> str:
+    stat = os.stat(path)
+    return f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def documents(spec: str, text_field: str = "text", flag: str = "--data"):
+    """The texts of a source, in order. A problem is a UsageError naming the file and line (or row)."""
+    if spec == "builtin":
+        for path in builtin_files():
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield f.read()
+    elif spec.startswith("hf:"):
+        yield from _hf_documents(spec, text_field, flag)
+    else:
+        for path in source_files(spec, flag):
+            reader = {".txt": _txt, ".jsonl": _jsonl, ".parquet": _parquet}[os.path.splitext(path)[1].lower()]
+            try:
+                yield from reader(path, text_field, f"{flag} {path}")
+            except OSError as e:
+                raise UsageError(f"{flag} {path}: cannot be read ({e.strerror or e})") from None
+
+
+def _txt(path: str, text_field: str, where: str):
+    lines = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:  # line by line, so the error can say where
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UsageError(f"{where}, line {number}: not UTF-8 text ({e.reason} at byte {e.start} of the line); "
+                                 "give text files in UTF-8") from None
+            if line.strip():
+                lines.append(line.rstrip("\r\n"))
+            elif lines:  # a blank line ends a paragraph
+                yield "\n".join(lines)
+                lines = []
+    if lines:
+        yield "\n".join(lines)
+
+
+def _text_of(row, text_field: str, where: str) -> str:
+    if not isinstance(row, dict):
+        raise UsageError(f"{where}: a JSON {type(row).__name__}, not an object with a {text_field!r} string")
+    if not isinstance(row.get(text_field), str):
+        found = f"{text_field!r} is {json.dumps(row[text_field], default=str)[:40]}, not a string" \
+            if text_field in row else f"no {text_field!r} field (it has {sorted(row)[:8]})"
+        raise UsageError(f"{where}: {found}; name the field that holds the text with --text-field, or fix that row")
+    return row[text_field]
+
+
+def _jsonl(path: str, text_field: str, where: str):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except UnicodeDecodeError as e:
+                raise UsageError(f"{where}, line {number}: not UTF-8 ({e.reason})") from None
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{where}, line {number}: not valid JSON ({e.msg} at column {e.colno}); each line "
+                                 "must be one JSON object") from None
+            yield _text_of(row, text_field, f"{where}, line {number}")
+
+
+def _parquet(path: str, text_field: str, where: str):
+    import pyarrow as pa  # comes with datasets; imported here so that other sources do not pay for it
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise UsageError(f"{where}: not a readable parquet file ({_first_line(e)})") from None
+    schema = parquet.schema_arrow
+    if text_field not in schema.names:
+        raise UsageError(f"{where}: no {text_field!r} column (it has {schema.names[:8]}); name the column that holds "
+                         "the text with --text-field")
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise UsageError(f"{where}: the {text_field!r} column holds {kind}, not strings; see --text-field")
+    row = 0
+    for batch in parquet.iter_batches(batch_size=BATCH_DOCUMENTS, columns=[text_field]):
+        for text in batch.column(0).to_pylist():
+            row += 1
+            if text is None:
+                raise UsageError(f"{where}, row {row}: {text_field!r} is null, not a string; fix or drop that row")
+            yield text
+
+
+def _hf_documents(spec: str, text_field: str, flag: str):
+    import datasets  # slow to import: only hf: sources pay for it
+
+    name, config, hf_split = (spec[3:].split(":") + [None, None])[:3]
+    # Their retry notes while opening would turn the one-line error into a dozen lines: quiet until it is open.
+    loggers = [logging.getLogger(n) for n in ("datasets", "huggingface_hub")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        dataset = datasets.load_dataset(name, config or None, split=hf_split or "train", streaming=True)
+    except Exception as e:  # network, unknown name or config: the user's input, not a bug here
+        raise UsageError(f"{flag} {spec}: cannot open the dataset ({_first_line(e)})") from None
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+    if dataset.features is not None and text_field not in dataset.features:
+        raise UsageError(f"{flag} {spec}: no {text_field!r} field (it has {sorted(dataset.features)[:8]}); name the "
+                         "field that holds the text with --text-field")
+    rows, number = iter(dataset), 0
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except Exception as e:  # a stream that breaks midway (a bad shard, the network)
+            raise UsageError(f"{flag} {spec}: cannot read document {number + 1} ({_first_line(e)})") from None
+        number += 1
+        yield _text_of(row, text_field, f"{flag} {spec}, document {number}")
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+def split(texts, held_out: bool):
+    """("train" | "val", text) for each text; held_out: every HELD_OUT_EVERY-th one is "val"."""
+    for index, text in enumerate(texts):
+        yield "val" if held_out and index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "train", text
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tokenizer
+
+class Tokenizer(NamedTuple):
+    """A tokenizers.Tokenizer and the tokens that frame every document: bos before it, eos after it."""
+    backend: object
+    bos: str
+    eos: str
+    pad: str | None
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """A tokenizer.json (or a folder holding one) with [BOT]/[EOT], or the bos/eos its tokenizer_config.json names."""
+    from tokenizers import Tokenizer as Backend
+
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise UsageError(f"--tokenizer: no such file {file!r}; give a tokenizer.json, a Hugging Face model folder "
+                         "holding one, or leave the flag out to train one on --data")
+    try:
+        backend = Backend.from_file(file)
+    except Exception as e:
+        raise UsageError(f"--tokenizer {file}: not a tokenizers JSON file ({_first_line(e)})") from None
+    # Documents must come out whole: a tokenizer.json may carry truncation or padding settings, drop them.
+    backend.no_truncation()
+    backend.no_padding()
+
+    def has(token) -> bool:
+        return token is not None and backend.token_to_id(token) is not None
+
+    if has("[BOT]") and has("[EOT]"):
+        return Tokenizer(backend, "[BOT]", "[EOT]", "[PAD]" if has("[PAD]") else None)
+    try:
+        with open(os.path.join(os.path.dirname(file), "tokenizer_config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        config = {}
+    # A token is a string, or {"content": string, ...} (an AddedToken) in older files.
+    named = {key: value["content"] if isinstance(value, dict) else value for key, value in config.items()
+             if key in ("bos_token", "eos_token", "pad_token") and isinstance(value, (str, dict))}
+    if not (has(named.get("bos_token")) and has(named.get("eos_token"))):
+        raise UsageError(f"--tokenizer {file}: no [BOT]/[EOT] tokens and no tokenizer_config.json beside it naming a "
+                         "bos_token and an eos_token it has; documents are framed by them")
+    pad = named.get("pad_token")
+    return Tokenizer(backend, named["bos_token"], named["eos_token"], pad if has(pad) else None)
+
+
+def train_tokenizer(texts, vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer with [PAD], [BOT], [EOT], trained on the first TOKENIZER_TRAIN_CHARS of texts."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+
+    def sample():
+        seen = 0
+        for text in texts:
+            yield text
+            seen += len(text)
+            if seen >= TOKENIZER_TRAIN_CHARS:
+                return
+
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(sample(), trainer)
+    return Tokenizer(backend, "[BOT]", "[EOT]", "[PAD]")
+
+
+def save_tokenizer(tokenizer: Tokenizer, directory: str) -> str:
+    """tokenizer.json and tokenizer_config.json in directory; returns the sha256 of tokenizer.json.
+
+    Every training document began with bos, so the saved tokenizer puts bos before what it encodes with
+    add_special_tokens (transformers' default): a post-processor adds it, unless the tokenizer does already."""
+    from tokenizers import Tokenizer as Backend, processors
+
+    backend = Backend.from_str(tokenizer.backend.to_str())  # a copy: the one that encodes the data stays as it is
+    bos_id = backend.token_to_id(tokenizer.bos)
+    if backend.encode("x", add_special_tokens=True).ids[:1] != [bos_id]:
+        template = processors.TemplateProcessing(single=f"{tokenizer.bos} $A",
+                                                 pair=f"{tokenizer.bos} $A {tokenizer.bos} $B",
+                                                 special_tokens=[(tokenizer.bos, bos_id)])
+        backend.post_processor = template if backend.post_processor is None else \
+            processors.Sequence([backend.post_processor, template])
+    path = os.path.join(directory, "tokenizer.json")
+    backend.save(path)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos, "eos_token": tokenizer.eos,
+              **({"pad_token": tokenizer.pad} if tokenizer.pad else {}), "add_bos_token": True, "add_eos_token": False}
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The smallest unsigned type that holds every id below vocab_size."""
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Token files
+
+class TokenFiles:
+    """Token ids appended to one file (val.bin), or to shards of shard_tokens each (train-00000.bin, ...)."""
+
+    def __init__(self, directory: str, name: str, dtype: str, shard_tokens: int | None = None):
+        self.directory, self.name, self.dtype, self.shard_tokens = directory, name, dtype, shard_tokens
+        self.files, self.tokens, self.documents = [], [], 0
+        self._file = None
+        self._next_file()
+
+    def _next_file(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        name = f"{self.name}-{len(self.files):05d}.bin" if self.shard_tokens else f"{self.name}.bin"
+        self._file = open(os.path.join(self.directory, name), "wb")
+        self.files.append(name)
+        self.tokens.append(0)
+
+    @property
+    def total(self) -> int:
+        return sum(self.tokens)
+
+    def write(self, ids: list[int]) -> None:
+        ids = np.array(ids, dtype=self.dtype)  # numpy refuses an id that does not fit, rather than wrapping it
+        while len(ids):
+            if self.shard_tokens and self.tokens[-1] == self.shard_tokens:
+                self._next_file()  # only when more tokens come: no empty last shard
+            room = self.shard_tokens - self.tokens[-1] if self.shard_tokens else len(ids)
+            ids[:room].tofile(self._file)
+            self.tokens[-1] += len(ids[:room])
+            ids = ids[room:]
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def tokenize(stream, tokenizer: Tokenizer, files: dict, bar, max_tokens: int | None = None) -> None:
+    """Append each (part, text) of stream to files[part] as bos, ids, eos, BATCH_DOCUMENTS texts at a time; stop
+    once the training files hold max_tokens (the last document cut short)."""
+    bos, eos = tokenizer.backend.token_to_id(tokenizer.bos), tokenizer.backend.token_to_id(tokenizer.eos)
+    stream = iter(stream)
+    while batch := list(itertools.islice(stream, BATCH_DOCUMENTS)):
+        encodings = tokenizer.backend.encode_batch([text for _, text in batch], add_special_tokens=False)
+        ids = {"train": [], "val": []}
+        for (part, _), encoding in zip(batch, encodings):
+            document = [bos, *encoding.ids, eos]
+            if part == "train" and max_tokens is not None:
+                room = max_tokens - files["train"].total - len(ids["train"])
+                if room <= 0:
+                    break
+                document = document[:room]
+            ids[part] += document
+            files[part].documents += 1
+        for part, part_ids in ids.items():
+            files[part].write(part_ids)
+        bar.update(len(batch))
+        bar.set_postfix_str(f"{files['train'].total:,} train + {files['val'].total:,} val tokens")
+        if max_tokens is not None and files["train"].total >= max_tokens:
+            return
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The run
+
+def request(args) -> tuple[dict, str]:
+    """What is asked (meta.json's "source") and what it is made of (its "fingerprint"): a rerun with both equal
+    finds --out ready. Checks the sources exist, so a missing path fails before anything is written."""
+    if args.tokenizer and args.vocab_size:
+        raise UsageError("--vocab-size: only for a tokenizer trained here; the --tokenizer given has its own "
+                         "vocabulary, leave one of the two out")
+    source = {"data": args.data, "eval_data": args.eval_data, "tokenizer": args.tokenizer,
+              "vocab_size": None if args.tokenizer else args.vocab_size or VOCAB_SIZE,
+              "text_field": args.text_field, "max_tokens": args.max_tokens}
+    parts = [f"data={fingerprint(args.data, '--data')}"]
+    if args.eval_data:
+        parts.append(f"eval_data={fingerprint(args.eval_data, '--eval-data')}")
+    if args.tokenizer:  # an edited tokenizer file makes the old tokens stale too
+        files = [os.path.join(args.tokenizer, n) for n in ("tokenizer.json", "tokenizer_config.json")] \
+            if os.path.isdir(args.tokenizer) else [args.tokenizer]
+        parts.append("tokenizer=" + ";".join(_file_identity(f) for f in files if os.path.isfile(f)))
+    return source, " | ".join(parts)
+
+
+def read_meta(out: str) -> dict | None:
+    """--out's meta.json if --out is a complete dataset (every file there, of the size it claims), else None."""
+    try:
+        with open(os.path.join(out, "meta.json")) as f:
+            meta = json.load(f)
+        size = np.dtype(meta["dtype"]).itemsize
+        complete = os.path.isfile(os.path.join(out, "tokenizer.json")) and all(
+            os.path.getsize(os.path.join(out, name)) == tokens * size
+            for part in ("train", "val") for name, tokens in zip(meta[part]["files"], meta[part]["tokens"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return meta if complete and meta.get("format") == FORMAT else None
+
+
+def prepare(args) -> dict | None:
+    """Write the dataset args ask for into args.out; returns its meta, or None when args.out was ready."""
+    started = time.time()
+    source, identity = request(args)
+    out = os.path.normpath(args.out)
+    meta = read_meta(out)
+    if meta and meta["source"] == source and meta["fingerprint"] == identity:
+        print(f"{args.out} is ready: prepared before from this same request (meta.json); nothing to do")
+        return None
+    if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)) and not args.force:
+        what = "other files" if not meta else f"a dataset prepared from --data {meta['source']['data']}" + (
+            " as its files were before they changed" if meta["source"] == source else "")
+        raise UsageError(f"--out {args.out}: it holds {what}; choose another --out, or add --force to replace it")
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None  # a bad one fails before any writing
+
+    parent = os.path.dirname(os.path.abspath(out))
+    made, probe = None, parent  # made: the topmost folder this run creates, removed again if it fails
+    while not os.path.exists(probe):
+        made, probe = probe, os.path.dirname(probe)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private; the dataset should not be
+    except OSError as e:
+        raise UsageError(f"--out {args.out}: cannot create a folder in {parent} ({e.strerror or e})") from None
+    try:
+        meta = _write(tmp, args, source, identity, tokenizer)
+        if os.path.lexists(out):  # replaced (--force, or an empty folder): moved aside first, so a failure keeps it
+            os.rename(out, old := tmp + ".old")
+            try:
+                os.rename(tmp, out)
+            except OSError:
+                os.rename(old, out)
+                raise
+            if os.path.isdir(old) and not os.path.islink(old):
+                shutil.rmtree(old)
+            else:
+                os.remove(old)
+        else:
+            os.rename(tmp, out)
+    except BaseException as e:  # including Ctrl-C: no half-written dataset stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise UsageError(f"--out {args.out}: cannot write ({e.strerror or e})") from None
+        raise
+    train, val = meta["train"], meta["val"]
+    print(f"prepared {args.out}: {sum(train['tokens']):,} training tokens ({train['documents']:,} documents, "
+          f"{len(train['files'])} file{'s' * (len(train['files']) > 1)}) + {val['tokens'][0]:,} held-out "
+          f"({val['documents']:,} documents, val.bin), {meta['dtype']}, vocabulary {meta['vocab_size']:,}, "
+          f"in {time.time() - started:.0f}s")
+    return meta
+
+
+def _write(tmp: str, args, source: dict, identity: str, tokenizer: Tokenizer | None) -> dict:
+    held_out = not args.eval_data
+    if tokenizer is None:
+        vocab_size = args.vocab_size or VOCAB_SIZE
+        print(f"training a byte-level BPE tokenizer ({vocab_size:,} tokens) on the first "
+              f"{TOKENIZER_TRAIN_CHARS:,} characters of --data {args.data}", flush=True)
+        tokenizer = train_tokenizer((text for part, text in split(documents(args.data, args.text_field), held_out)
+                                     if part == "train"), vocab_size)
+    backend = tokenizer.backend
+    # get_vocab_size() can be below the largest id + 1 (a vocabulary with holes): the dtype must hold that id.
+    dtype = token_dtype(max(backend.get_vocab_size(), max(backend.get_vocab().values()) + 1))
+    sha256 = save_tokenizer(tokenizer, tmp)
+    files = {"train": TokenFiles(tmp, "train", dtype, SHARD_TOKENS), "val": TokenFiles(tmp, "val", dtype)}
+    # disable=None: no bar off a terminal (logs, tests), so that an error there stays one line.
+    try:
+        with tqdm(desc="tokenizing", unit=" documents", disable=None, leave=False) as bar:
+            tokenize(split(documents(args.data, args.text_field), held_out), tokenizer, files, bar, args.max_tokens)
+            if args.eval_data:
+                tokenize((("val", text) for text in documents(args.eval_data, args.text_field, "--eval-data")),
+                         tokenizer, files, bar)
+    finally:
+        for f in files.values():
+            f.close()
+    for part, what in (("train", "training split"), ("val", "held-out split")):
+        if files[part].total < MIN_TOKENS:
+            fix = "give more documents"
+            if part == "val" and held_out:
+                fix += f" (every {HELD_OUT_EVERY}th is held out), or held-out ones with --eval-data"
+            elif part == "train" and args.max_tokens:
+                fix += ", or a larger --max-tokens"
+            count = f"{files[part].documents} document{'s' * (files[part].documents != 1)}"
+            raise UsageError(f"the {what} holds {files[part].total} tokens ({count}), fewer than one window of "
+                             f"--seq-len 128 + 1 = {MIN_TOKENS}; {fix}")
+    meta = {"format": FORMAT, "dtype": dtype, "vocab_size": backend.get_vocab_size(),
+            "bos_id": backend.token_to_id(tokenizer.bos), "eos_id": backend.token_to_id(tokenizer.eos),
+            "bos_token": tokenizer.bos, "eos_token": tokenizer.eos,
+            **{part: {"files": f.files, "tokens": f.tokens, "documents": f.documents} for part, f in files.items()},
+            "source": source, "fingerprint": identity, "tokenizer_sha256": sha256}
+    with open(os.path.join(tmp, "meta.json"), "w") as f:  # last: its presence says the rest is complete
+        json.dump(meta, f, indent=1)
+    return meta
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of the usage block; --help has the rest
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default="builtin", help="builtin, .txt/.jsonl/.parquet files or folders, comma-"
+                                                     "separated, or hf:NAME[:CONFIG[:SPLIT]] (default: %(default)s)")
+    p.add_argument("--out", default="data", help="the folder to write; the training scripts read --data data by "
+                                                 "default (default: %(default)s)")
+    p.add_argument("--tokenizer", help="a tokenizer.json, or a Hugging Face model folder holding one "
+                                       "(default: train a byte-level BPE tokenizer on --data)")
+    p.add_argument("--vocab-size", type=_positive, help=f"of the tokenizer trained here (default: {VOCAB_SIZE})")
+    p.add_argument("--text-field", default="text", help="the .jsonl field, .parquet column or hf: field holding "
+                                                        "each document's text (default: %(default)s)")
+    p.add_argument("--eval-data", help="held-out documents, the same forms as --data (default: every "
+                                       f"{HELD_OUT_EVERY}th document of --data, never trained on)")
+    p.add_argument("--max-tokens", type=_positive, help="stop after this many training tokens (default: all)")
+    p.add_argument("--force", action="store_true", help="replace --out when it holds something else")
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        prepare(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:  # prepare() has removed its temporary folder
+        print("interrupted: nothing written", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
