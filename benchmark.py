@@ -1,24 +1,41 @@
 """Every pipeline variant side by side on the same model, data and machine, in one run.
 
+    python prepare_data.py                                    # once: the data every run reads (data/)
     OMP_NUM_THREADS=1 python benchmark.py                     # 2 ranks, 8 microbatches, tiny model
-    python benchmark.py --ranks 3 --microbatches 6 --repeats 5 --out bench/
+    python benchmark.py --ranks 3 --microbatches 6 --repeats 5 --out bench/ --data data/corpus
     python benchmark.py --sweep                               # GPipe step time for m = 1, 2, 4, 8, 16
     python benchmark.py --dp 2                                # 2 stages alone vs 2 stages x 2 replicas
     python benchmark.py --splits                              # split by layers vs by cost; checkpointing, compile
+    python benchmark.py --variants 1f1b -- --layers 2         # flags after -- go to every run
+    torchrun --nproc_per_node 2 benchmark.py measure-activations OUT.json train_pipeline_gpipe.py --steps 2 ...
+    torchrun --nproc_per_node 2 benchmark.py run train_pipeline_gpipe.py --schedule 1f1b --trace DIR ...
 
 Variants: every schedule of torch.distributed.pipelining (train_pipeline_gpipe.py), the hand-written AFAB
-and 1F1B (train_pipeline_afab_manual.py), and the tracer split (train_pipeline_tracer.py, when present). Each
-is a real training run under torchrun. Runs alternate between variants, repeat after repeat, so drift of a
-shared machine hits every variant alike; a variant's step time is the median over its runs of each run's
-median step (first step excluded). The last run of each variant records a trace (--trace), from which come
-the measured bubble, the share of time in send/recv, and a timeline picture; a separate short run with
---measure-activations gives the peak activation bytes per stage.
+and 1F1B (train_pipeline_afab_manual.py), and the tracer split (train_pipeline_tracer.py). Each is a real
+training run under torchrun, reading --data (prepared once by prepare_data.py), the script's main() run by
+`benchmark.py run` (which labels torch's 1F1B in the trace: torch 2.13's Schedule1F1B records no labels of
+its own, unlike its GPipe and the multi-stage schedules). Runs alternate between
+variants, repeat after repeat, so drift of a shared machine hits every variant alike; a variant's step time is
+the median over its runs of each run's median step (first step excluded). The last run of each variant records
+a trace (the scripts' --trace DIR: torch.profiler's Chrome trace of the last 3 steps, DIR/rank{R}.json), from
+which come the measured bubble, the share of time waiting in receives, each stage's forward and backward time
+of one microbatch, and a timeline picture; a separate short run under measure-activations gives the peak
+activation bytes per rank.
 
-Writes OUT/results.md (Markdown table), OUT/results.json, OUT/<variant>.trace.json and, when matplotlib is
-installed, OUT/<variant>.png (forward / backward / waiting per rank over time).
+measure-activations runs a training script's main() in this process (under torchrun: on every rank) inside
+an ActivationMeter: the peak bytes of tensors autograd saves for backward, parameters left out; rank 0 writes
+{"activation_bytes_per_rank": [...]} to OUT.json.
+
+Writes OUT/results.md (Markdown table), OUT/results.json, OUT/<variant>.trace/rank{R}.json and, when matplotlib
+is installed, OUT/<variant>.png (forward / backward / waiting per rank over time).
 """
 
 import argparse
+import bisect
+import contextlib
+import functools
+import importlib.util
+import inspect
 import json
 import os
 import re
@@ -26,6 +43,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+import torch
+import torch.distributed as dist
+
+import checkpoint
+from checkpoint import Parser, UsageError
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = {  # name: (script, schedule)
@@ -40,93 +63,248 @@ VARIANTS = {  # name: (script, schedule)
     "1f1b (by hand)": ("train_pipeline_afab_manual.py", "1f1b"),
     "gpipe (tracer)": ("train_pipeline_tracer.py", "gpipe"),
 }
-BUBBLE = re.compile(r"bubble: measured ([\d.]+)% .*; ([\d.]+)% of each step in send/recv")
+SPLITS = {"one process": (1, []), "even": (None, ["--split", "even"]), "balanced": (None, ["--split", "balanced"]),
+          "balanced + activation checkpointing": (None, ["--activation-checkpointing"]),
+          "balanced + compile": (None, ["--compile"])}  # name: (processes, None: --ranks; flags)
 
 
-def run(args, script, schedule, steps, workdir, microbatches=None, extra=(), ranks=None) -> tuple[dict, str]:
-    """One training run; returns its summary row and stdout."""
-    metrics = os.path.join(workdir, "metrics.jsonl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks or args.ranks}",
-           os.path.join(ROOT, script), "--schedule", schedule, "--steps", str(steps), "--warmup-steps", "2",
-           "--batch-size", str(args.batch_size), "--microbatches", str(microbatches or args.microbatches),
-           "--seq-len", str(args.seq_len), "--metrics", metrics, "--checkpoint-dir", os.path.join(workdir, "ckpt"),
-           "--fresh", *args.script_args, *extra]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    result = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"benchmark: {script} --schedule {schedule} failed:\n{result.stderr[-3000:]}")
-    with open(metrics) as f:
-        return [json.loads(line)["summary"] for line in f if line.startswith('{"summary"')][-1], result.stdout
+# ----------------------------------------------------------------------------------------------------------
+# Reading the scripts' traces (--trace DIR: DIR/rank{R}.json, torch.profiler's Chrome trace of the last steps)
+#
+# Each profiled step is a "ProfilerStep#N" span. Compute is labelled by the scripts and the schedules:
+#   "Forward i" / "Backward i"   torch's GPipe (one stage per rank): its blocking receives ("gloo:recv") are
+#                                nested inside; the loss ("loss") follows the forward. torch 2.13's 1F1B
+#                                labels nothing: under `benchmark.py run` (labelled_1f1b) the same labels
+#                                surround its compute alone, its receives waited for before them
+#   "PP:<action>"                torch's multi-stage schedules: "0F3", "1B0", "2I1", "2W1", "(0F1;3B0)OVERLAP_F_B"
+#                                (and "PP:1SEND_F0", "PP:0RECV_B2", "PP:UNSHARD"..., which are not compute);
+#                                a receive is posted in a RECV action and waited for in the compute action that
+#                                needs it; the loss is inside the last stage's forward
+#   "forward i" / "backward i"   the hand-written script (its loss inside the forward); its receives ("recv i")
+#                                are outside them
+# A "gloo:recv" span runs from posting the receive to the return of its wait. The rank is blocked from when it
+# stops running operators to that return: from the end of the last operator (cpu_op) it ran before then, or
+# from the post or the start of the compute action that waits (which holds the return) if later. Busy time
+# is the compute labels and the loss minus those blocked intervals; a step's time is its ProfilerStep span.
+
+_SINGLE = re.compile(r"^(Forward|Backward|forward|backward) (\d+)$")
+_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
-def spans(trace_path: str) -> dict[int, list[dict]]:
-    with open(trace_path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
-    by_rank = {}
+def compute_actions(name: str) -> list[tuple] | None:
+    """The compute a trace label stands for: [(kind F/B/I/W, stage or None (the rank's one stage), microbatch)],
+    two for an overlapped forward and backward; None: not compute."""
+    if found := _SINGLE.match(name):
+        return [(found.group(1)[0].upper(), None, int(found.group(2)))]
+    if not name.startswith("PP:"):
+        return None
+    action = name[3:]
+    parts = action[1:action.index(")")].split(";") if action.startswith("(") and action.endswith(
+        ")OVERLAP_F_B") else [action]
+    actions = [(m.group(2), int(m.group(1)), int(m.group(3))) for m in map(_ACTION.match, parts) if m]
+    return actions if actions and len(actions) == len(parts) else None
+
+
+def _union(intervals) -> list[tuple[float, float]]:
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        elif end > start:
+            merged.append((start, end))
+    return merged
+
+
+def _minus(a: list, b: list) -> list[tuple[float, float]]:
+    """Merged intervals a without merged intervals b."""
+    out, j = [], 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k, cursor = j, start
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > cursor:
+                out.append((cursor, b[k][0]))
+            cursor = max(cursor, b[k][1])
+            k += 1
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
+def _clip(intervals: list, lo: float, hi: float) -> list[tuple[float, float]]:
+    return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
+
+
+def _length(intervals) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def read_rank(path: str) -> dict:
+    """One rank's trace (read once; again only when the file changed): see _read_rank."""
+    stat = os.stat(path)
+    return _read_rank(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)  # the tables ask the same traces many questions
+def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
+    """One rank's trace: per profiled step (one with compute in it) its "time", "busy" and "waiting" (blocked in
+    receives) seconds; per stage (None: the rank's only one) the median "forward" (with the loss) and
+    "backward" (B, or I + W) seconds of one microbatch, from the actions that were not overlapped; "segments"
+    (start, end, "forward" | "backward" | "overlapped" | "waiting") and "spans" (start, end) of the steps,
+    for pictures. Times in seconds on the trace's clock."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    steps = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    if not steps:
+        raise ValueError(f"{path}: no ProfilerStep spans; not a trace written by the scripts' --trace")
+    thread = steps[0]["tid"]  # the main thread: the schedules' labels, and the waits
+    compute, losses, recvs, op_ends = [], [], [], []
     for e in events:
-        by_rank.setdefault(e["tid"], []).append(e)
-    return by_rank
+        if e["tid"] != thread:
+            continue
+        start, end, name = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e["name"]
+        if e.get("cat") == "cpu_op":
+            op_ends.append(end)
+        elif name == "loss":
+            losses.append((start, end))
+        elif name == "gloo:recv":
+            recvs.append((start, end))
+        elif (actions := compute_actions(name)) is not None:
+            compute.append((start, end, actions))
+    op_ends.sort()
+    blocked = []
+    for start, end in recvs:  # blocked from the post, the last operator before the wait returned, or the
+        i = bisect.bisect_right(op_ends, end) - 1  # start of the compute action waiting: whichever is latest
+        waiting_in = [s for s, e, _ in compute if s <= end <= e]
+        blocked.append((max(start, op_ends[i] if i >= 0 else start, max(waiting_in, default=start)), end))
+    blocked = _union(blocked)
+    work = _union([(s, e) for s, e, _ in compute] + losses)
+    rank = {"steps": [], "stages": {}, "segments": [], "spans": []}
+    for e in steps:
+        lo, hi = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6
+        done = _clip(work, lo, hi)
+        if not done:  # after the last step: the profiler's tail
+            continue
+        waiting = _clip(blocked, lo, hi)
+        rank["steps"].append({"time": hi - lo, "busy": _length(_minus(done, blocked)), "waiting": _length(waiting)})
+        rank["spans"].append((lo, hi))
+        rank["segments"] += [(s, t, "waiting") for s, t in waiting]
+    if not rank["steps"]:
+        raise ValueError(f"{path}: no forward or backward labelled in any profiled step (torch 2.13's 1F1B labels "
+                         "none: run the script under benchmark.py run, which labels it)")
+    # Per microbatch: (step, stage, microbatch) -> seconds of forward (with a loss outside it) and backward.
+    forward, backward, overlapped, step_of = {}, {}, set(), lambda t: bisect.bisect_right(
+        [lo for lo, _ in rank["spans"]], t)
+    for start, end, actions in compute:
+        busy = _minus([(start, end)], blocked)
+        kind = "overlapped" if len(actions) > 1 else "forward" if actions[0][0] == "F" else "backward"
+        rank["segments"] += [(s, t, kind) for s, t in busy]
+        for k, stage, mb in actions:
+            key = (step_of(start), stage, mb)
+            if len(actions) > 1:
+                overlapped.add(("F" if k == "F" else "B", key))
+            else:
+                table = forward if k == "F" else backward
+                table[key] = table.get(key, 0.0) + _length(busy)
+    labelled = _union([(s, e) for s, e, _ in compute])
+    for start, end in losses:
+        outside = _minus([(start, end)], labelled)
+        if outside:  # GPipe's and 1F1B's loss follows the forward of its microbatch
+            before = [(s, a[0]) for s, e, a in compute if s <= start and len(a) == 1 and a[0][0] == "F"]
+            if before:
+                _, (_, stage, mb) = max(before, key=lambda found: found[0])
+                key = (step_of(start), stage, mb)
+                forward[key] = forward.get(key, 0.0) + _length(outside)
+            rank["segments"] += [(s, t, "forward") for s, t in outside]
+    for stage in sorted({key[1] for key in [*forward, *backward]}, key=lambda s: -1 if s is None else s):
+        times = {name: [v for key, v in table.items()
+                        if key[1] == stage and (name[0].upper(), key) not in overlapped]
+                 for name, table in (("forward", forward), ("backward", backward))}
+        rank["stages"][stage] = {name: statistics.median(v) if v else 0.0 for name, v in times.items()}
+    return rank
 
 
-def forward_backward_times(trace_path: str) -> list[tuple[float, float]]:
+def read_trace(trace_dir: str) -> dict[int, dict]:
+    """Every rank's read_rank, by rank (the files rank{R}.json of a --trace DIR)."""
+    files = {int(m.group(1)): name for name in os.listdir(trace_dir) if (m := re.fullmatch(r"rank(\d+)\.json", name))}
+    if not files:
+        raise ValueError(f"{trace_dir}: no rank{{R}}.json; not a directory written by the scripts' --trace")
+    return {rank: read_rank(os.path.join(trace_dir, files[rank])) for rank in sorted(files)}
+
+
+def measured_bubble(trace_dir: str) -> float:
+    """The idle share of a step (1 - busy / step time), averaged over every rank and profiled step."""
+    shares = [1 - s["busy"] / s["time"] for r in read_trace(trace_dir).values() for s in r["steps"]]
+    return sum(shares) / len(shares)
+
+
+def receive_share(trace_dir: str) -> float:
+    """The share of a step spent blocked in receives, averaged over every rank and profiled step."""
+    shares = [s["waiting"] / s["time"] for r in read_trace(trace_dir).values() for s in r["steps"]]
+    return sum(shares) / len(shares)
+
+
+def traced_step_time(trace_dir: str) -> float:
+    """The median profiled step, each step as long as its slowest rank's."""
+    ranks = list(read_trace(trace_dir).values())
+    return statistics.median(max(r["steps"][i]["time"] for r in ranks)
+                             for i in range(min(len(r["steps"]) for r in ranks)))
+
+
+def forward_backward_times(trace_dir: str) -> list[tuple[float, float]]:
     """Per rank: the median forward (with the loss, on the last stage) and the median backward of one
-    microbatch, in seconds."""
-    times = []
-    for _, events in sorted(spans(trace_path).items()):
-        losses = [e["dur"] for e in events if e["cat"] == "loss"]  # the last stage's, once per microbatch
-        t_f = statistics.median(e["dur"] for e in events if e["cat"] == "forward") + (
-            statistics.median(losses) if losses else 0)
-        t_b = statistics.median(e["dur"] for e in events if e["cat"] == "backward")
-        times.append((t_f / 1e6, t_b / 1e6))
-    return times
+    microbatch, in seconds; a rank holding several stages: the sums over its stages."""
+    return [(sum(s["forward"] for s in r["stages"].values()), sum(s["backward"] for s in r["stages"].values()))
+            for r in read_trace(trace_dir).values()]
 
 
-def stage_times(trace_path: str) -> list[float]:
+def stage_times(trace_dir: str) -> list[float]:
     """Per rank: the median forward plus the median backward of one microbatch, in seconds."""
-    return [t_f + t_b for t_f, t_b in forward_backward_times(trace_path)]
+    return [t_f + t_b for t_f, t_b in forward_backward_times(trace_dir)]
 
 
-def replayed(trace_path: str, schedule: str, m: int) -> dict:
+def replayed(trace_dir: str, schedule: str, m: int) -> dict:
     """plan.py's replay of a single-stage schedule with the stage times measured in a traced run."""
     import plan  # imports torch: only when a trace is replayed
 
-    times = forward_backward_times(trace_path)
+    times = forward_backward_times(trace_dir)
     orders = plan.schedule_orders(schedule, len(times), m, 1)
     return plan.replay(orders, [t for t, _ in times], [t for _, t in times], [0.0] * len(times))
 
 
-def ideal_gpipe_step(trace_path: str, p: int, m: int) -> float:
+def ideal_gpipe_step(trace_dir: str, p: int, m: int) -> float:
     """(m + p - 1) x (t_forward + t_backward) of the slowest stage: the bubble-limited GPipe step."""
-    return (m + p - 1) * max(stage_times(trace_path))
+    return (m + p - 1) * max(stage_times(trace_dir))
 
 
-def unequal_stages_bound(trace_path: str, m: int) -> float:
+def unequal_stages_bound(trace_dir: str, m: int) -> float:
     """The same bound for stages of unequal cost: the first microbatch passes every stage once, the other
     m - 1 follow at the pace of the slowest. Equals the one above when the stages are equal."""
-    times = stage_times(trace_path)
+    times = stage_times(trace_dir)
     return sum(times) + (m - 1) * max(times)
 
 
-def draw(trace_path: str, png_path: str, title: str, step_seconds: float) -> bool:
+def draw(trace_dir: str, png_path: str, title: str) -> bool:
+    """The last two profiled steps of every rank: forward, backward, waiting in receives, idle."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    by_rank = spans(trace_path)
-    end = max(e["ts"] + e["dur"] for events in by_rank.values() for e in events)
-    start = end - 2 * step_seconds * 1e6  # the last two steps
-    colors = {"forward": "#4c72b0", "loss": "#4c72b0", "backward": "#55a868"}  # the rest: send/recv, grey
-    fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * len(by_rank)))
-    for rank, events in sorted(by_rank.items()):
-        for e in events:
-            if e["ts"] >= start:
-                ax.broken_barh([((e["ts"] - start) / 1e3, e["dur"] / 1e3)], (rank - 0.4, 0.8),
-                               facecolors=colors.get(e["cat"], "#c0c0c0"))
-    ax.set_yticks(sorted(by_rank), [f"rank {r}" for r in sorted(by_rank)])
+    ranks = read_trace(trace_dir)
+    start = min(r["spans"][-2:][0][0] for r in ranks.values())
+    colors = {"forward": "#4c72b0", "backward": "#55a868", "overlapped": "#8172b2", "waiting": "#c0c0c0"}
+    fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * len(ranks)))
+    for rank, r in ranks.items():
+        for s, e, kind in r["segments"]:
+            if s >= start:
+                ax.broken_barh([((s - start) * 1e3, (e - s) * 1e3)], (rank - 0.4, 0.8), facecolors=colors[kind])
+    ax.set_yticks(sorted(ranks), [f"rank {r}" for r in sorted(ranks)])
     ax.invert_yaxis()
-    ax.set_xlabel("ms (blue: forward, green: backward, grey: send/recv, white: idle)")
+    ax.set_xlabel("ms (blue: forward, green: backward, purple: overlapped F+B, grey: waiting in a receive, "
+                  "white: idle)")
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(png_path, dpi=90)
@@ -134,15 +312,211 @@ def draw(trace_path: str, png_path: str, title: str, step_seconds: float) -> boo
     return True
 
 
-def chosen(variants: dict, reference: str, asked: str | None) -> dict:
-    """The variants --variants names, and the reference every ratio is taken against (it always runs)."""
-    if not asked:
-        return variants
-    unknown = set(asked.split(",")) - set(variants)
-    if unknown:
-        sys.exit(f"benchmark: error: --variants: unknown {', '.join(sorted(unknown))}; choose from "
-                 f"{', '.join(variants)}")
-    return {k: v for k, v in variants.items() if k in {reference, *asked.split(",")}}
+# ----------------------------------------------------------------------------------------------------------
+# Activations held for backward
+
+class ActivationMeter:
+    """Peak bytes of activations saved for backward while active, counted through autograd's saved-tensor hooks.
+
+    Parameters (which autograd also saves, e.g. a linear's weight) are not activations and are not counted: an
+    nn.Parameter, or a view of one (FSDP2's unsharded parameters, gathered for the step, are Parameters too). A
+    storage saved by several ops counts once; it stops counting when the last graph node saving it is freed.
+
+        with ActivationMeter() as meter:
+            train_step(...)
+        meter.peak_bytes
+    """
+
+    def __init__(self):
+        self._live: dict[int, list] = {}  # storage pointer -> [bytes, number of saves still alive]
+        self.current = self.peak_bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor):
+        if tensor.device.type == "meta" or isinstance(tensor, torch.nn.Parameter) or \
+                isinstance(tensor._base, torch.nn.Parameter):
+            return tensor
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        entry = self._live.setdefault(ptr, [storage.nbytes(), 0])
+        if entry[1] == 0:
+            self.current += entry[0]
+            self.peak_bytes = max(self.peak_bytes, self.current)
+        entry[1] += 1
+        return _Saved(self, ptr, tensor)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, ptr):
+        entry = self._live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self._live[ptr]
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+class _Saved:
+    # Autograd drops this object when it frees the graph node that saved the tensor; that is when the
+    # activation stops being held for backward.
+    __slots__ = ("meter", "ptr", "tensor")
+
+    def __init__(self, meter, ptr, tensor):
+        self.meter, self.ptr, self.tensor = meter, ptr, tensor
+
+    def __del__(self):
+        self.meter._release(self.ptr)
+
+
+def load_script(path: str):
+    """A training script as a module (its main() and build_parser()), imported from its path."""
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: no such training script")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # its model.py and checkpoint.py
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    if not (callable(getattr(module, "main", None)) and callable(getattr(module, "build_parser", None))):
+        raise UsageError(f"{path}: not a training script of this collection (no main and build_parser)")
+    return module
+
+
+@contextlib.contextmanager
+def labelled_1f1b():
+    """Label torch's 1F1B in a trace as its GPipe is: "Forward i" / "Backward i" around the stage's forward and
+    backward of microbatch i (torch 2.13's Schedule1F1B records no labels of its own; its receives are waited
+    for outside these, as in the hand-written script). Nothing changes once torch labels it itself."""
+    from torch.distributed.pipelining import Schedule1F1B
+    from torch.profiler import record_function
+
+    original = Schedule1F1B._step_microbatches
+    if "record_function" in inspect.getsource(original):
+        yield
+        return
+
+    def labelled(label, method):
+        def run(chunk, *args, **kwargs):
+            with record_function(f"{label} {chunk}"):
+                return method(chunk, *args, **kwargs)
+        return run
+
+    def step_microbatches(self, *args, **kwargs):
+        stage = self._stage
+        stage.forward_one_chunk = labelled("Forward", type(stage).forward_one_chunk.__get__(stage))
+        stage.backward_one_chunk = labelled("Backward", type(stage).backward_one_chunk.__get__(stage))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            del stage.forward_one_chunk, stage.backward_one_chunk
+
+    Schedule1F1B._step_microbatches = step_microbatches
+    try:
+        yield
+    finally:
+        Schedule1F1B._step_microbatches = original
+
+
+def in_process(argv: list[str]) -> None:
+    """benchmark.py run SCRIPT [SCRIPT ARGS...] and benchmark.py measure-activations OUT.json SCRIPT [SCRIPT
+    ARGS...], on every rank under torchrun: the script's main() in this process, with torch's 1F1B labelled for
+    --trace (labelled_1f1b); measuring, inside an ActivationMeter, then every rank's peak to rank 0, which
+    writes {"activation_bytes_per_rank": [...]} to OUT.json. Errors as the scripts give them: one line."""
+    measure = argv[0] == "measure-activations"
+    p = Parser(prog=f"benchmark.py {argv[0]}",
+               description="Run a training script with torch's 1F1B labelled for --trace" + (
+                   " inside an ActivationMeter on every rank, and write {\"activation_bytes_per_rank\": [...]} "
+                   "to OUT.json" if measure else "") + ".")
+    if measure:
+        p.add_argument("out", metavar="OUT.json")
+    p.add_argument("script", metavar="SCRIPT")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT ARGS")
+    args = p.parse_args(argv[1:])
+    try:
+        module = load_script(args.script)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    script_args = module.build_parser().parse_args(args.script_args)
+
+    def measured(script_args):
+        with labelled_1f1b(), ActivationMeter() if measure else contextlib.nullcontext() as meter:
+            module.main(script_args)  # leaves the process group up; checkpoint.run takes it down
+        if not measure:
+            return
+        peaks = [meter.peak_bytes]
+        if dist.is_initialized():
+            peaks = [None] * dist.get_world_size()
+            dist.all_gather_object(peaks, meter.peak_bytes)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out + ".tmp", "w") as f:
+                json.dump({"activation_bytes_per_rank": peaks}, f)
+            os.replace(args.out + ".tmp", args.out)
+            print(f"peak activations held per rank (MiB): {', '.join(f'{b / 2**20:.1f}' for b in peaks)} -> "
+                  f"{args.out}", flush=True)
+
+    checkpoint.run(measured, script_args)  # a UsageError: one line, exit 1; the process group torn down
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Runs
+
+def command(args, script, schedule, steps, workdir, microbatches=None, extra=()) -> list[str]:
+    """A training script and its flags for one run of the benchmark."""
+    return [os.path.join(ROOT, script), "--schedule", schedule, "--steps", str(steps), "--warmup-steps", "2",
+            "--batch-size", str(args.batch_size), "--microbatches", str(microbatches or args.microbatches),
+            "--seq-len", str(args.seq_len), "--data", args.data, "--metrics", os.path.join(workdir, "metrics.jsonl"),
+            "--checkpoint-dir", os.path.join(workdir, "ckpt"), "--fresh", *args.script_args, *extra]
+
+
+def launch(cmd: list[str], ranks: int, workdir: str, what: str) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *cmd]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    result = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"benchmark: {what} failed:\n{result.stderr[-3000:]}")
+    return result.stdout
+
+
+def run(args, script, schedule, steps, workdir, microbatches=None, extra=(), ranks=None) -> tuple[dict, str]:
+    """One training run (the script's main() under benchmark.py run: torch's 1F1B labelled in its trace);
+    returns its summary row and stdout."""
+    stdout = launch([os.path.abspath(__file__), "run",
+                     *command(args, script, schedule, steps, workdir, microbatches, extra)],
+                    ranks or args.ranks, workdir, f"{script} --schedule {schedule}")
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line)["summary"] for line in f if line.startswith('{"summary"')][-1], stdout
+
+
+def activations(args, script, schedule, workdir, microbatches=None, extra=(), ranks=None) -> tuple[list[int], str]:
+    """A short untimed run under measure-activations (the saved-tensor hooks slow a step down): the peak
+    activation bytes of every rank, and the run's stdout."""
+    out = os.path.join(workdir, "activations.json")
+    stdout = launch([os.path.abspath(__file__), "measure-activations", out,
+                     *command(args, script, schedule, 2, workdir, microbatches, extra)], ranks or args.ranks,
+                    workdir, f"measure-activations {script} --schedule {schedule}")
+    with open(out) as f:
+        return json.load(f)["activation_bytes_per_rank"], stdout
+
+
+def trace_dir(args, name: str) -> str:
+    return os.path.join(args.out, re.sub(r"[^\w]+", "_", name).strip("_") + ".trace")
+
+
+def traced(r: dict, trace: str) -> None:
+    """What a variant's traced run shows: bubble, waiting, step time (all from its trace)."""
+    r["trace"], r["bubble"], r["recv_share"] = trace, measured_bubble(trace), receive_share(trace)
+    r["traced_step_time"] = traced_step_time(trace)
 
 
 def main(args):
@@ -155,58 +529,56 @@ def main(args):
             return data_parallel(args, workdir)
         if args.splits:
             return splits(args, workdir)
-        variants = chosen({k: v for k, v in VARIANTS.items() if os.path.isfile(os.path.join(ROOT, v[0]))}, "gpipe",
-                          args.variants)
+        variants = chosen(VARIANTS, "gpipe", args.variants)
         results = {name: {"step_times": []} for name in variants}
         for repeat in range(args.repeats):
             for name, (script, schedule) in variants.items():
                 last = repeat == args.repeats - 1
-                trace = os.path.join(args.out, re.sub(r"[^\w]+", "_", name).strip("_") + ".trace.json")
-                summary, stdout = run(args, script, schedule, args.steps, workdir,
-                                      extra=["--trace", os.path.abspath(trace)] if last else [])
+                trace = trace_dir(args, name)
+                summary, _ = run(args, script, schedule, args.steps, workdir,
+                                 extra=["--trace", trace] if last else [])
                 r = results[name]
                 r["step_times"].append(summary["median_step_time"])
                 r["tokens_per_s"] = summary["tokens_per_s"]
-                if last and (found := BUBBLE.search(stdout)):
-                    r["bubble"], r["comm_share"] = float(found.group(1)) / 100, float(found.group(2)) / 100
-                    r["trace"], r["traced_step_time"] = trace, summary["median_step_time"]
+                if last:
+                    traced(r, trace)
                 print(f"repeat {repeat + 1}/{args.repeats} {name}: median step "
                       f"{summary['median_step_time'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
         for name, (script, schedule) in variants.items():
-            summary, _ = run(args, script, schedule, 3, workdir, extra=["--measure-activations"])
-            results[name]["activation_bytes_per_rank"] = summary["activation_bytes_per_rank"]
+            results[name]["activation_bytes_per_rank"], _ = activations(args, script, schedule, workdir)
 
     base = statistics.median(results["gpipe"]["step_times"])
     gpipe_act = results["gpipe"]["activation_bytes_per_rank"][0]
     lines = [f"{p} ranks, {m} microbatches, batch {args.batch_size} x {args.seq_len} tokens, {args.repeats} "
              f"alternating runs of {args.steps} steps per variant (OMP_NUM_THREADS="
              f"{os.environ.get('OMP_NUM_THREADS', '1')}). GPipe's theoretical bubble (p-1)/(m+p-1) = "
-             f"{(p - 1) / (m + p - 1):.1%}.", "",
-             "| variant | median step (ms) | vs gpipe | tokens/s | bubble (measured) | in send/recv "
-             "| peak activations per stage (MiB) | stage 0 vs gpipe |", "|---|---|---|---|---|---|---|---|"]
+             f"{(p - 1) / (m + p - 1):.1%}. Bubble and waiting from the last run's trace (its last 3 steps).", "",
+             "| variant | median step (ms) | vs gpipe | tokens/s | bubble (measured) | waiting in receives "
+             "| peak activations per rank (MiB) | stage 0 vs gpipe |", "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         r["median_step_time"] = median = statistics.median(r["step_times"])
         mib = ", ".join(f"{b / 2**20:.1f}" for b in r["activation_bytes_per_rank"])
         lines.append(f"| {name} | {median * 1e3:.1f} | {median / base:.2f} | {r['tokens_per_s']:.0f} | "
-                     f"{r.get('bubble', float('nan')):.1%} | {r.get('comm_share', float('nan')):.1%} | {mib} | "
+                     f"{r['bubble']:.1%} | {r['recv_share']:.1%} | {mib} | "
                      f"{r['activation_bytes_per_rank'][0] / gpipe_act:.2f} |")
-        if "trace" in r and draw(r["trace"], r["trace"].replace(".trace.json", ".png"), name, median):
-            r["picture"] = r["trace"].replace(".trace.json", ".png")
-    if "trace" in results["gpipe"]:  # step, t_f and t_b all from the one traced run
-        ideal = ideal_gpipe_step(results["gpipe"]["trace"], p, m)
-        step = results["gpipe"]["traced_step_time"]
-        lines += ["", f"GPipe step vs the bubble-limited ideal (m + p - 1) x (t_f + t_b) of the slowest stage, "
-                      f"timed in the same run: {step * 1e3:.1f} ms / {ideal * 1e3:.1f} ms = {step / ideal:.2f}"]
-        bound = unequal_stages_bound(results["gpipe"]["trace"], m)
-        lines.append(f"Against the tighter bound for unequal stages, sum of t_f + t_b + (m - 1) x the slowest's: "
-                     f"{step * 1e3:.1f} ms / {bound * 1e3:.1f} ms = {step / bound:.2f}")
-    for name in ("gpipe", "1f1b"):  # --plan's replay, fed the stage times of the same traced run
-        if "trace" in results.get(name, {}):
+        picture = os.path.join(args.out, os.path.basename(r["trace"]).removesuffix(".trace") + ".png")
+        if draw(r["trace"], picture, name):
+            r["picture"] = picture
+    gpipe = results["gpipe"]  # step, t_f and t_b all from the one traced run
+    ideal, step = ideal_gpipe_step(gpipe["trace"], p, m), gpipe["traced_step_time"]
+    lines += ["", f"GPipe step vs the bubble-limited ideal (m + p - 1) x (t_f + t_b) of the slowest stage, "
+                  f"timed in the same run: {step * 1e3:.1f} ms / {ideal * 1e3:.1f} ms = {step / ideal:.2f}"]
+    bound = unequal_stages_bound(gpipe["trace"], m)
+    lines.append(f"Against the tighter bound for unequal stages, sum of t_f + t_b + (m - 1) x the slowest's: "
+                 f"{step * 1e3:.1f} ms / {bound * 1e3:.1f} ms = {step / bound:.2f}")
+    for name in ("gpipe", "1f1b"):  # plan.py's replay, fed the stage times of the same traced run
+        if name in results:
             replay = replayed(results[name]["trace"], name, m)
             results[name]["replay"] = replay
             lines.append(f"{name}: plan.py's replay of its order with this run's stage times: step "
                          f"{replay['step'] * 1e3:.1f} ms (traced {results[name]['traced_step_time'] * 1e3:.1f} ms, "
-                         f"{results[name]['traced_step_time'] / replay['step']:.2f} x), bubble {replay['bubble']:.1%} "
+                         f"{results[name]['traced_step_time'] / replay['step']:.2f} x), bubble "
+                         f"{replay['bubble']:.1%} "
                          f"(measured {results[name]['bubble']:.1%})")
     if "1f1b" in results:
         ratio = results["1f1b"]["activation_bytes_per_rank"][0] / gpipe_act
@@ -222,26 +594,29 @@ def sweep(args, workdir):
     for repeat in range(args.repeats):
         last = repeat == args.repeats - 1
         for m in args.sweep_microbatches:
-            trace = os.path.join(os.path.abspath(args.out), f"sweep_m{m}.trace.json")
+            trace = trace_dir(args, f"sweep_m{m}")
             summary, _ = run(args, "train_pipeline_gpipe.py", "gpipe", args.steps, workdir, microbatches=m,
                              extra=["--trace", trace] if last else [])
             times.setdefault(m, []).append(summary["median_step_time"])
             if last:
-                bounds[m] = (summary["median_step_time"], unequal_stages_bound(trace, m))
+                bounds[m] = (traced_step_time(trace), unequal_stages_bound(trace, m), measured_bubble(trace))
             print(f"repeat {repeat + 1}/{args.repeats} m={m}: {summary['median_step_time'] * 1e3:.1f} ms",
                   file=sys.stderr, flush=True)
     top = max(times)
     ref = statistics.median(times[top]) / ((top + p - 1) / top)
     lines = [f"GPipe, {p} ranks, batch {args.batch_size} x {args.seq_len}: step time vs microbatches m. Model: "
              f"T(m) = T_work x (m + p - 1) / m (bubble (p-1)/(m+p-1)), T_work fitted at m = {top}. Bound: "
-             f"sum of the stages' t_f + t_b + (m - 1) x the slowest's, timed in the last run at each m.", "",
+             f"sum of the stages' t_f + t_b + (m - 1) x the slowest's, timed in the last run at each m (traced: its "
+             "last 3 steps).", "",
              "| m | bubble (p-1)/(m+p-1) | measured step (ms) | model (ms) | measured / model "
-             "| traced step (ms) | bound (ms) | traced / bound |", "|---|---|---|---|---|---|---|---|"]
+             "| traced step (ms) | bound (ms) | traced / bound | bubble (traced) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for m, t in times.items():
         measured, predicted = statistics.median(t), ref * (m + p - 1) / m
-        traced, bound = bounds[m]
+        traced_step, bound, bubble = bounds[m]
         lines.append(f"| {m} | {(p - 1) / (m + p - 1):.1%} | {measured * 1e3:.1f} | {predicted * 1e3:.1f} | "
-                     f"{measured / predicted:.2f} | {traced * 1e3:.1f} | {bound * 1e3:.1f} | {traced / bound:.2f} |")
+                     f"{measured / predicted:.2f} | {traced_step * 1e3:.1f} | {bound * 1e3:.1f} | "
+                     f"{traced_step / bound:.2f} | {bubble:.1%} |")
     finish(args, "\n".join(lines), {str(m): t for m, t in times.items()}, name="sweep")
 
 
@@ -259,9 +634,9 @@ def data_parallel(args, workdir):
             print(f"repeat {repeat + 1}/{args.repeats} {name}: median step {summary['median_step_time'] * 1e3:.1f} "
                   "ms", file=sys.stderr, flush=True)
     base = statistics.median(results[f"{p} stages"]["step_times"])
-    lines = [f"GPipe, {p} stages, batch {args.batch_size} x {args.seq_len} (global), {args.microbatches} microbatches "
-             f"per replica, {args.repeats} alternating runs of {args.steps} steps; {os.cpu_count()} CPU cores shared "
-             "by all processes.", "",
+    lines = [f"GPipe, {p} stages, batch {args.batch_size} x {args.seq_len} (global), {args.microbatches} "
+             f"microbatches per replica, {args.repeats} alternating runs of {args.steps} steps; {os.cpu_count()} CPU "
+             "cores shared by all processes.", "",
              "| layout | processes | median step (ms) | vs no replicas | tokens/s | params per rank (MiB) "
              "| grads per rank (MiB) | AdamW state per rank (MiB) |", "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
@@ -278,50 +653,56 @@ def splits(args, workdir):
     the balanced split with activation checkpointing and with --compile; all GPipe, alternating run after run.
     Speedup over one process, as a fraction of the ideal p m / (m + p - 1)."""
     p, m = args.ranks, args.microbatches
-    variants = {"one process": (1, []), "even": (p, ["--split", "even"]), "balanced": (p, ["--split", "balanced"]),
-                "balanced + activation checkpointing": (p, ["--activation-checkpointing"]),
-                "balanced + compile": (p, ["--compile"])}
-    variants = chosen(variants, "one process", args.variants)
+    variants = {name: (ranks or p, extra) for name, (ranks, extra) in chosen(SPLITS, "one process",
+                                                                             args.variants).items()}
     results = {name: {"step_times": []} for name in variants}
     for repeat in range(args.repeats):
         for name, (ranks, extra) in variants.items():
-            trace = os.path.abspath(os.path.join(args.out, re.sub(r"[^\w]+", "_", name).strip("_") + ".trace.json"))
-            traced = repeat == args.repeats - 1 and ranks > 1  # the last run: each stage's own times
+            trace = trace_dir(args, name)
+            last = repeat == args.repeats - 1 and ranks > 1  # the last run: each stage's own times
             summary, stdout = run(args, "train_pipeline_gpipe.py", "gpipe", args.steps, workdir, ranks=ranks,
-                                  extra=[*extra, *(["--trace", trace] if traced else [])])
+                                  extra=[*extra, *(["--trace", trace] if last else [])])
             results[name]["step_times"].append(summary["median_step_time"])
-            if traced:
-                results[name]["trace"], results[name]["traced_step_time"] = trace, summary["median_step_time"]
-            results[name]["layout"] = next((line.split(": ", 2)[-1].split(" | ")[0] for line in stdout.splitlines()
-                                            if line.startswith("model ")), "")
+            if last:
+                traced(results[name], trace)
             print(f"repeat {repeat + 1}/{args.repeats} {name}: median step {summary['median_step_time'] * 1e3:.1f} "
                   "ms", file=sys.stderr, flush=True)
     for name, (ranks, extra) in variants.items():  # untimed: the saved-tensor hooks slow a step down
-        summary, _ = run(args, "train_pipeline_gpipe.py", "gpipe", 3, workdir, extra=[*extra, "--measure-activations"],
-                         ranks=ranks)
-        results[name]["activation_bytes_per_rank"] = summary["activation_bytes_per_rank"]
+        results[name]["activation_bytes_per_rank"], stdout = activations(
+            args, "train_pipeline_gpipe.py", "gpipe", workdir, extra=extra, ranks=ranks)
+        results[name]["layout"] = next((found.group(1) for line in stdout.splitlines()
+                                        if (found := re.search(r"(\[embed .*\]) \|", line))), "")
     one = statistics.median(results["one process"]["step_times"])
     ideal = p * m / (m + p - 1)
     lines = [f"GPipe, {m} microbatches, batch {args.batch_size} x {args.seq_len}, {args.repeats} alternating runs of "
              f"{args.steps} steps (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}); ideal speedup of "
              f"{p} stages over one process p m / (m + p - 1) = {ideal:.2f}.", "",
              "| variant | median step (ms) | speedup over one process | fraction of the ideal | stage t_f + t_b per "
-             "microbatch (ms, traced) | peak activations per stage (MiB) | layout |", "|---|---|---|---|---|---|---|"]
+             "microbatch (ms, traced) | bubble (traced) | peak activations per rank (MiB) | layout |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         r["median_step_time"] = median = statistics.median(r["step_times"])
         speedup = one / median
         mib = ", ".join(f"{b / 2**20:.1f}" for b in r["activation_bytes_per_rank"])
         stage_ms = ", ".join(f"{t * 1e3:.1f}" for t in stage_times(r["trace"])) if "trace" in r else "-"
+        bubble = f"{r['bubble']:.1%}" if "trace" in r else "-"
         lines.append(f"| {name} | {median * 1e3:.1f} | {speedup:.2f} | "
-                     f"{speedup / ideal if name != 'one process' else 1 / ideal:.2f} | {stage_ms} | {mib} | "
-                     f"{r['layout']} |")
+                     f"{speedup / ideal if name != 'one process' else 1 / ideal:.2f} | {stage_ms} | {bubble} | "
+                     f"{mib} | {r['layout']} |")
     lines.append("")
-    for name, r in results.items():  # --plan's replay of GPipe's order, fed the stage times of the traced run
+    for name, r in results.items():  # plan.py's replay of GPipe's order, fed the stage times of the traced run
         if "trace" in r:
-            replay, traced = replayed(r["trace"], "gpipe", m)["step"], r["traced_step_time"]
+            replay, step = replayed(r["trace"], "gpipe", m)["step"], r["traced_step_time"]
             lines.append(f"{name}: plan.py's replay with the traced run's stage times: step {replay * 1e3:.1f} ms "
-                         f"(traced {traced * 1e3:.1f} ms, {traced / replay:.2f} x)")
+                         f"(traced {step * 1e3:.1f} ms, {step / replay:.2f} x)")
     finish(args, "\n".join(lines), results, name="splits")
+
+
+def chosen(variants: dict, reference: str, asked: str | None) -> dict:
+    """The variants --variants names, and the reference every ratio is taken against (it always runs)."""
+    if not asked:
+        return variants
+    return {k: v for k, v in variants.items() if k in {reference, *asked.split(",")}}
 
 
 def finish(args, table: str, results: dict, name: str = "results") -> None:
@@ -332,16 +713,19 @@ def finish(args, table: str, results: dict, name: str = "results") -> None:
         json.dump({"config": vars(args), "results": results}, f, indent=1)
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="benchmark.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2, help="processes per run (default: %(default)s)")
     parser.add_argument("--microbatches", type=int, default=8, help="(default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=16, help="(default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=128, help="(default: %(default)s)")
     parser.add_argument("--steps", type=int, default=12, help="steps per timed run (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (default: %(default)s)")
+    parser.add_argument("--data", default="data",
+                        help="data prepared by prepare_data.py, read by every run (default: %(default)s)")
     parser.add_argument("--variants", default=None,
-                        help="comma-separated subset of (gpipe always runs): " + ", ".join(VARIANTS))
+                        help="comma-separated subset of (gpipe always runs): " + ", ".join(VARIANTS) + "; with "
+                             "--splits (one process always runs): " + ", ".join(SPLITS))
     parser.add_argument("--sweep", action="store_true", help="time GPipe against the microbatch count instead")
     parser.add_argument("--sweep-microbatches", default="1,2,4,8,16",
                         help="the microbatch counts --sweep runs (default: %(default)s)")
@@ -353,12 +737,32 @@ if __name__ == "__main__":
                              "(FSDP2) at the same global batch instead")
     parser.add_argument("--out", default="bench", help="output folder (default: %(default)s)")
     parser.add_argument("script_args", nargs="*", help="more flags for every run, after --")
-    args = parser.parse_args()
-    # Every run's first step is left out of its median and of its trace: a run needs a second step.
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # Every run's first step is left out of its median: a run needs a second step.
     if args.repeats < 1 or args.steps < 2 or args.dp < 1:
         parser.error("--repeats and --dp must be at least 1 and --steps at least 2")
     try:
         args.sweep_microbatches = [int(m) for m in args.sweep_microbatches.split(",")]
     except ValueError:
         parser.error(f"--sweep-microbatches: {args.sweep_microbatches!r} is not a comma-separated list of counts")
-    main(args)
+    known = SPLITS if args.splits else VARIANTS
+    if args.variants and (unknown := set(args.variants.split(",")) - set(known)):
+        parser.error(f"--variants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
+    if not os.path.isfile(os.path.join(args.data, "meta.json")):  # as the scripts say it: one line, exit 1
+        print(f"error: --data {args.data}: no data prepared there; run python prepare_data.py"
+              f"{'' if args.data == 'data' else ' --out ' + args.data} first (see its --help)", file=sys.stderr)
+        sys.exit(1)
+    args.data, args.out = os.path.abspath(args.data), os.path.abspath(args.out)  # the runs start elsewhere
+    return args
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] in (["run"], ["measure-activations"]):
+        in_process(sys.argv[1:])
+    else:
+        main(parse_args())

@@ -1,50 +1,58 @@
-"""Distributed checkpoints for pipeline-split models: atomic, exact to resume, loadable by any stage layout.
+"""What is about files of weights and runs, for every training script: distributed checkpoints (DCP) that are
+atomic, exact to resume and loadable by any layout; --init-from (this project's checkpoints and Hugging Face
+directories, each rank reading only its own stage's tensors); export to one file or a Hugging Face directory;
+the checks of the paths a run writes; one run per checkpoint directory; and which flags a resumed run must
+keep; and how a run ends: an error a user can cause is a UsageError, one line, the same on every rank
+(collective_errors, run).
 
-Each rank saves only what its stage holds, with `torch.distributed.checkpoint` (DCP), under the *full* model's
-parameter names; no rank ever gathers the whole model. Because names do not depend on the split, a checkpoint
-written with p stages loads into any other number of stages: each stage asks DCP for exactly its own keys.
-
-Layout of a --checkpoint-dir:
+Each rank saves only what its stage holds, under the *full* model's parameter names; no rank ever gathers the
+whole model. Because names do not depend on the split, a checkpoint written with p stages (and any --dp)
+loads into any other layout: each rank asks DCP for exactly its own keys. A --checkpoint-dir holds:
 
     step-00000100/         a complete checkpoint
         __0_0.distcp ...   DCP shards: model and AdamW state of every stage, keyed by parameter name
         .metadata          DCP's index of the shards
-        rng/rank0.pt ...   each rank's RNG states (restored when the stage layout is unchanged)
-        tokenizer.json     the tokenizer the run used, so an export is self-contained
-        meta.json          step, data position, model config, run arguments, stage layout, file sizes
+        rng/rank0.pt ...   each rank's RNG states (restored when the number of processes is unchanged)
+        tokenizer.json     the tokenizer the data was prepared with (and tokenizer_config.json), so an export
+                           is self-contained
+        meta.json          step, data position, model config, run flags, layout, file sizes
     step-00000200.tmp/     a save in progress
+    run.lock               held by the run using the directory
 
-A save writes everything into step-N.tmp, waits for every rank, writes meta.json last and renames the directory.
-So a directory without .tmp is complete, a run killed mid-save leaves the previous checkpoints untouched, and
-older checkpoints are deleted (beyond --keep-checkpoints) only after a newer one is complete.
+A save writes into step-N.tmp, waits for every rank, writes meta.json last and renames the directory: a
+directory without .tmp is complete, a run killed mid-save leaves the previous checkpoints untouched, and older
+checkpoints are deleted (beyond --keep-checkpoints) only after a newer one is complete. Loading never unpickles
+arbitrary objects: DCP's index is read with an unpickler that accepts only DCP's own metadata classes, and
+every torch.load uses weights_only=True.
 
-Loading never unpickles arbitrary objects: DCP's index is read with an unpickler that accepts only DCP's own
-metadata classes, and every torch.load uses weights_only=True.
-
-    python checkpoint.py export CHECKPOINT_DIR OUTPUT_FILE
-
-writes the full model's state dict to OUTPUT_FILE (plus OUTPUT_FILE.config.json and .tokenizer.json), for use
-on one process without any process group.
+    python checkpoint.py export CHECKPOINT OUT.pt              # the full model for one process
+    python checkpoint.py export CHECKPOINT OUT_DIR --format hf  # for transformers' from_pretrained
 """
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import io
 import json
+import math
 import os
 import pickle
 import re
 import shutil
+import socket
 import sys
+import threading
 import time
+import uuid
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -53,21 +61,437 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
 
-import data
-import flags
-import hf
-from model import LlamaConfig, LlamaForPretraining, config_from_preset
-from runtime import UsageError, collective_errors
+from model import LlamaConfig, LlamaForPretraining, config_from_hf, config_from_preset, hf_config, hf_name
 
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
-# Optimizer state and hyperparameters keyed by parameter name ("optim.state.<fqn>.exp_avg",
-# "optim.param_groups.<fqn>.lr"). The default keys param groups by their index; every stage has a group 0 with
-# different parameters in it, DCP keeps only one rank's copy of such a shared key, and the others lose theirs.
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# ----------------------------------------------------------------------------------------------------------
+# Errors: one line, on every rank
+
+
+class UsageError(Exception):
+    """A mistake in the command line or its inputs: one line, exit status 1, no traceback.
+
+    on_every_rank: every rank raises this same error, so one line per node is enough."""
+
+    def __init__(self, message: str, on_every_rank: bool = False):
+        super().__init__(message)
+        self.on_every_rank = on_every_rank
+
+
+@contextlib.contextmanager
+def collective_errors(group=None):
+    """Run a block on every rank; if it raises a UsageError on any rank, raise that error on every rank.
+
+    A problem that one rank finds (a file its node cannot read, a checkpoint directory that one node cannot
+    write) would otherwise end that rank alone: the others would wait for it until --timeout and report a lost
+    peer, and torchrun would name a rank that did nothing wrong. The block itself must not start a collective
+    that a failing rank would skip. Costs one all-reduce of one number when nothing failed.
+    """
+    error = None
+    try:
+        yield
+    except UsageError as e:
+        error = e
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    failed = torch.tensor([error is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if not failed.item():
+        return
+    messages = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, None if error is None else str(error), group=group)
+    found = [rank for rank, message in enumerate(messages) if message is not None]
+    message = messages[found[0]]
+    if len(found) < len(messages):  # say where, when only some ranks (nodes) have the problem
+        message += f" (found on rank{'s' if len(found) > 1 else ''} {', '.join(map(str, found))})"
+    raise UsageError(message, on_every_rank=True) from None
+
+
+def run(main, args) -> None:
+    """main(args), an error a user can cause as one line on stderr (exit status 1), always torn down."""
+    try:
+        main(args)
+    except UsageError as e:  # an error every rank raised is printed once per node
+        if not e.on_every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit("interrupted")
+    except (dist.DistError, RuntimeError) as e:
+        # gloo reports a dead or hung peer as a RuntimeError of its transport, NCCL as a DistError. This rank
+        # cannot tell whether the peer died or stopped on an error of its own, so say both.
+        if not isinstance(e, dist.DistError) and not any(marker in str(e) for marker in (
+                "gloo/transport", "Timed out", "Connection closed by peer", "Connection reset by peer")):
+            raise  # a bug, not a lost peer: keep the traceback
+        print(f"error: lost contact with another rank ({(str(e).strip() or type(e).__name__).splitlines()[0][:300]}"
+              "); if another rank printed an error above, that is the cause; otherwise rerun the same command, or "
+              "launch with torchrun --max-restarts N, to resume from the newest checkpoint", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The command line: argparse with one-line errors, for the training scripts and the export below
+
+class Parser(argparse.ArgumentParser):
+    """argparse with each mistake in one line (the usage is in --help), every flag's default in --help, and the
+    flags that moved out of the training scripts named where they went."""
+    MOVED = {"--tokenizer": "prepare_data.py --tokenizer", "--vocab-size": "prepare_data.py --vocab-size",
+             "--eval-data": "prepare_data.py --eval-data", "--cache-dir": "prepare_data.py --out (data is prepared "
+             "once, then read with --data)", "--plan": "plan.py (python plan.py --processes N ...)"}
+
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        def _get_help_string(self, action):  # no "(default: None)" for a flag that is off unless given
+            return action.help if action.default in (None, False) else super()._get_help_string(action)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"formatter_class": self.Formatter, **kwargs})
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        for flag in (a.split("=")[0] for a in (sys.argv[1:] if args is None else args)):
+            if flag in self.MOVED:
+                self.error(f"{flag} moved to {self.MOVED[flag]}")
+        return super().parse_args(args, namespace)
+
+
+def whole(minimum: int):  # argparse type: a whole number >= minimum
+    def parse(text):
+        if not text.lstrip("-").isdigit() or int(text) < minimum:
+            raise argparse.ArgumentTypeError(f"must be a whole number of at least {minimum}, got {text}")
+        return int(text)
+    return parse
+
+
+def number(positive: bool):  # argparse type: a finite number > 0 (positive) or >= 0
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(f"must be a finite {'positive' if positive else 'non-negative'} "
+                                             f"number, got {text}")
+        return value
+    return parse
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Before a run writes anything: its paths, its lock, and whether it continues the run in --checkpoint-dir
+
+def check_run(args, rank: int, restart: int, data_id: str) -> None:
+    """Every check of what the run will write, on every rank, collectively; takes the lock on rank 0. Call it
+    right after the process group exists: each phase writes only once the previous one passed on every rank.
+
+    A run that cannot save its first checkpoint fails in seconds instead of after hours of training. Resuming,
+    --init-from is ignored (the run's checkpoints hold its weights, and where it started may have moved):
+    args.init_from becomes the one the run recorded."""
+    with collective_errors():  # 1. nothing written yet: is every path usable?
+        check_output_dir("--checkpoint-dir", args.checkpoint_dir)
+        for flag, path in (("--metrics", args.metrics), ("--trace", args.trace)):
+            if path:
+                (check_output_dir if flag == "--trace" else check_output_file)(flag, path)
+    token = [None]
+    with collective_errors():  # 2. one run per checkpoint directory
+        if rank == 0:
+            token[0] = RunLock.acquire(args.checkpoint_dir, restart).holder["token"]
+    dist.broadcast_object_list(token, src=0)
+    with collective_errors():  # 3. every rank sees that directory and can write its shard there; same run?
+        probe_directory("--checkpoint-dir", args.checkpoint_dir, token[0])
+        if (resume := resuming(args)) is not None:
+            args.init_from = read_meta(resume).get("run", {}).get("init_from")
+            check_same_run(args, resume, data_id)  # the flags now; the model once it is known
+
+
+def _describe(e: OSError) -> str:
+    return "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+
+
+def _check_creatable(flag: str, path: str) -> None:
+    """path does not exist yet: its nearest existing ancestor must be a directory we may create entries in."""
+    ancestor = os.path.abspath(path)
+    while not os.path.lexists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise UsageError(f"{flag} {path}: cannot be created, {ancestor} is a file, not a directory; "
+                         f"choose another {flag}")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        reason = "read-only file system" if _read_only(ancestor) else "permission denied"
+        raise UsageError(f"{flag} {path}: cannot be created in {ancestor} ({reason}); choose another {flag}")
+
+
+def _read_only(path: str) -> bool:
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+
+
+def check_output_dir(flag: str, path: str) -> None:
+    if os.path.isdir(path):
+        if not os.access(path, os.W_OK | os.X_OK):
+            reason = "read-only file system" if _read_only(path) else "permission denied"
+            raise UsageError(f"{flag} {path}: cannot write there ({reason}); choose another {flag}")
+    elif os.path.lexists(path):
+        raise UsageError(f"{flag} {path}: is a file, not a directory; choose another {flag}")
+    else:
+        _check_creatable(flag, path)
+
+
+def check_output_file(flag: str, path: str) -> None:
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a directory; give a file name")
+    if os.path.lexists(path):
+        if not os.access(path, os.W_OK):
+            raise UsageError(f"{flag} {path}: cannot be written (permission denied); choose another {flag}")
+    else:
+        _check_creatable(flag, path)
+
+
+def probe_directory(flag: str, path: str, lock_token: str) -> None:
+    """path is the directory rank 0 locked (one shared filesystem for every node), and a file can be written,
+    fsynced and renamed in it, then removed: what a checkpoint save does."""
+    held = _read_lock(os.path.join(path, LOCK_NAME)) if os.path.isdir(path) else None
+    if held is None or held.get("token") != lock_token:
+        raise UsageError(f"{flag} {path}: this node does not see the directory rank 0 locked; with several nodes "
+                         f"{flag} must be on a filesystem they all share")
+    name = os.path.join(path, f".probe-{socket.gethostname()}-{os.getpid()}")
+    try:
+        with open(name + ".tmp", "wb") as f:
+            f.write(b"probe")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(name + ".tmp", name)
+        os.remove(name)
+    except OSError as e:
+        for leftover in (name + ".tmp", name):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+        raise UsageError(f"{flag} {path}: cannot write a file there ({_describe(e)}); choose another {flag}")
+
+
+# The lock: DIR/run.lock, created by the run's rank 0 (one per run, however many nodes share DIR) and removed when
+# the run ends. It holds the holder's host, pid and start time. A second run on DIR stops at once and names the
+# holder. A lock left behind by a run that was killed (kill -9, a node that died) is taken over:
+#   * at once, when its holder was on this host and that process is gone, or when it was an earlier attempt of
+#     this same torchrun job (same run id, lower restart count: torchrun --max-restarts);
+#   * otherwise once it is older than STALE_SECONDS: the holder touches the file every HEARTBEAT_SECONDS while
+#     it runs, so only a holder that stopped (or a node that died) lets it age. Hosts sharing DIR need clocks
+#     that agree to a few seconds (NTP).
+LOCK_NAME = "run.lock"
+HEARTBEAT_SECONDS = 10
+STALE_SECONDS = 60
+
+
+class RunLock:
+    """DIR/run.lock, held by one run's rank 0 from before its first write until it exits (see above)."""
+
+    def __init__(self, path: str, holder: dict, created_dir: bool):
+        self.path, self.holder, self.created_dir = path, holder, created_dir
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, daemon=True)
+
+    @classmethod
+    def acquire(cls, directory: str, restart: int = 0) -> "RunLock":
+        created = not os.path.isdir(directory)
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, LOCK_NAME)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_started": _process_start(os.getpid()),
+              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+              "restart": restart, "token": uuid.uuid4().hex}
+        for _ in range(3):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = _read_lock(path)
+                if not _stale(holder, me, path):
+                    who = (f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
+                           if holder else "a run that is starting")
+                    raise UsageError(f"--checkpoint-dir {directory}: another run is using it ({who}); wait for "
+                                     f"it to finish or choose another --checkpoint-dir (if that run is gone, "
+                                     f"delete {path})") from None
+                # Move the stale lock away atomically: of two runs taking it over, only one rename succeeds.
+                try:
+                    os.rename(path, f"{path}.stale-{me['token']}")
+                    os.remove(f"{path}.stale-{me['token']}")
+                except FileNotFoundError:
+                    pass  # another run took it over first; the next attempt finds its lock
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+                f.flush()
+                os.fsync(f.fileno())
+            lock = cls(path, me, created)
+            lock._heartbeat.start()
+            atexit.register(lock.release)
+            return lock
+        raise UsageError(f"--checkpoint-dir {directory}: another run took {path} just now")
+
+    def _mine(self) -> bool:
+        held = _read_lock(self.path)
+        return held is not None and held.get("token") == self.holder["token"]
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            try:
+                if not self._mine():
+                    return  # taken over (this run was stopped for longer than STALE_SECONDS): leave it alone
+                os.utime(self.path)
+            except OSError:
+                pass  # a full or flaky disk: the run's own saves report it
+
+    def release(self) -> None:
+        """Remove the lock, and the checkpoint directory too if this run created it and wrote nothing else."""
+        self._stop.set()
+        try:
+            if self._mine():
+                os.remove(self.path)
+            if self.created_dir and not os.listdir(os.path.dirname(self.path)):
+                os.rmdir(os.path.dirname(self.path))
+        except OSError:
+            pass
+
+
+def _read_lock(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            holder = json.load(f)
+        return holder if isinstance(holder, dict) and {"host", "pid", "started"} <= holder.keys() else None
+    except (OSError, ValueError):
+        return None  # gone, or being written by a run that is starting
+
+
+def _stale(holder: dict | None, me: dict, path: str) -> bool:
+    """Whether the run that holds the lock is gone, as far as this host can tell."""
+    try:
+        age = time.time() - os.stat(path).st_mtime
+    except FileNotFoundError:
+        return True
+    if holder is None:  # unreadable: a run between creating the file and writing it, unless it died there
+        return age > STALE_SECONDS
+    if holder.get("run_id") and holder.get("run_id") == me["run_id"] and holder.get("restart", 0) < me["restart"]:
+        return True  # an earlier attempt of this torchrun job, which torchrun stopped before restarting it
+    if holder["host"] == me["host"]:
+        return not _alive(holder["pid"], holder.get("pid_started"))
+    return age > STALE_SECONDS
+
+
+def _process_start(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot), so a reused pid is not mistaken for the holder."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, started: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, another user's
+    return started is None or _process_start(pid) in (None, started)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Which model a run trains: a preset, --init-from's, or (resuming a run started from weights) its checkpoint's
+
+def resuming(args) -> str | None:
+    """The checkpoint this run continues: the newest complete one in --checkpoint-dir (None with --fresh)."""
+    return None if args.fresh else latest(args.checkpoint_dir)
+
+
+def preset_model(args) -> bool:
+    """Whether the model's shape is --model's (no --init-from, and no resumed run that started from other
+    weights); False while that cannot be told yet (a damaged checkpoint, reported once the ranks have met)."""
+    try:
+        return model_source(args) is None
+    except UsageError:
+        return False
+
+
+def model_source(args) -> str | None:
+    """Where the model's shape comes from, when not from --model: --init-from for a new run; for a resumed run
+    that was started from other weights, its newest checkpoint (so those weights need not exist anymore)."""
+    if (resume := resuming(args)) is not None:
+        return resume if read_meta(resume).get("run", {}).get("init_from") is not None else None
+    return args.init_from
+
+
+def model_config(args, data: dict, device_type: str) -> tuple[LlamaConfig, str]:
+    """The model to train and a name for it: --init-from's (a Hugging Face directory or a checkpoint of this
+    project, whose tokenizer must be the one the data was prepared with), else the preset's with the data's
+    vocabulary and --layers. data: the prepared data's meta.json. Call it inside collective_errors."""
+    source = model_source(args)
+    if source is None:
+        preset = args.model or ("small" if device_type == "cuda" else "tiny")
+        return config_from_preset(preset, data["vocab_size"], args.layers), preset
+    config, path = source_config(source, args)
+    if not same_tokenizer(path, args.data):
+        raise UsageError(f"--init-from {path}: its tokenizer is not the one --data {args.data} was prepared "
+                         f"with; prepare the data with it: python prepare_data.py --tokenizer {path} --out DIR")
+    if data["vocab_size"] > config.vocab_size:  # a Hugging Face model may have more rows than tokens
+        raise UsageError(f"--data {args.data}: {data['vocab_size']} tokens, but {path} has embeddings for "
+                         f"{config.vocab_size}")
+    return config, f"from {path if source == args.init_from else args.init_from}"  # resumed: where it started
+
+
+def source_config(source: str, args) -> tuple[LlamaConfig, str]:
+    """The model of --init-from (a Hugging Face directory, a checkpoint of this project, or a --checkpoint-dir:
+    its newest) and the path read. --model, or another --layers, beside it is refused."""
+    path = source
+    if is_hf_dir(source):
+        config = read_hf_config(source)
+    elif os.path.isdir(source):
+        path = resolve(source, "--init-from")
+        config = LlamaConfig(**read_meta(path)["config"])
+    else:
+        raise UsageError(f"--init-from {source}: not a directory; give a Hugging Face model directory "
+                         "(config.json + *.safetensors) or a checkpoint of this project")
+    for flag, value in (("--model", args.model), ("--layers", args.layers)):
+        if value is not None and (flag == "--model" or value != config.num_hidden_layers):
+            raise UsageError(f"{flag} {value}: the model's shape comes from {path} "
+                             f"({config.num_hidden_layers} layers); leave {flag} out")
+    return config, path
+
+
+def is_hf_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        name.endswith(".safetensors") for name in os.listdir(path))
+
+
+def read_hf_config(path: str) -> LlamaConfig:
+    """The LlamaConfig of a Hugging Face directory; what model.py does not compute is refused in one line."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return config_from_hf(json.load(f))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--init-from {path}: {e}") from None
+
+
+def same_tokenizer(a: str, b: str) -> bool:
+    """Whether the tokenizer.json files in directories a and b have the same vocabulary, merges and special
+    tokens. What else may differ: the post-processor (prepare_data.py adds one that puts bos first), settings a
+    newer tokenizers writes out, and the spelling of merges ("a b", or ["a", "b"] since tokenizers 0.20)."""
+    def essence(directory):
+        with open(os.path.join(directory, "tokenizer.json")) as f:
+            tokenizer = json.load(f)
+        model = tokenizer.get("model") or {}
+        merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
+        return (model.get("type"), model.get("vocab"), merges,
+                [(t["id"], t["content"]) for t in tokenizer.get("added_tokens", [])])
+    try:
+        return essence(a) == essence(b)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--init-from {a}: cannot read its tokenizer.json ({e})") from None
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Finding checkpoints
+
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
 
 def step_dir(checkpoint_dir: str, step: int) -> str:
     return os.path.join(checkpoint_dir, f"step-{step:08d}")
@@ -111,8 +535,8 @@ def read_meta(path: str) -> dict:
 
 def set_aside(checkpoint_dir: str) -> str | None:
     """Move what checkpoint_dir holds into DIR.previous-TIME (for --fresh); nothing is deleted. The run's lock
-    (preflight.LOCK_NAME) stays where it is."""
-    entries = [n for n in os.listdir(checkpoint_dir) if n != "run.lock"] if os.path.isdir(checkpoint_dir) else []
+    stays where it is."""
+    entries = [n for n in os.listdir(checkpoint_dir) if n != LOCK_NAME] if os.path.isdir(checkpoint_dir) else []
     if not entries:
         return None
     aside = f"{checkpoint_dir.rstrip(os.sep)}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -125,13 +549,22 @@ def set_aside(checkpoint_dir: str) -> str | None:
 # ----------------------------------------------------------------------------------------------------------
 # Saving
 
+# Optimizer state and hyperparameters keyed by parameter name ("optim.state.<fqn>.exp_avg",
+# "optim.param_groups.<fqn>.lr"). The default keys param groups by their index; every stage has a group 0 with
+# different parameters in it, DCP keeps only one rank's copy of such a shared key, and the others lose theirs.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_EMBED, _HEAD = "base_model.embed_tokens.weight", "lm_head.weight"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
 def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int, keep: int,
-         tokenizer=None) -> str:
+         tokenizer_dir: str | None = None) -> str:
     """Save this rank's stage, collectively with every rank; return the finished checkpoint's path.
 
-    meta (JSON-able) must hold at least "config"; rank 0's copy is the one written. A save that fails on any
-    rank (a full disk, a permission) raises the same UsageError on every rank, after the partial step-N.tmp is
-    removed; the complete checkpoints are never touched before the new one is complete.
+    meta (JSON-able) must hold at least "config"; rank 0's copy is the one written. tokenizer_dir: where the
+    tokenizer files to copy in are. A save that fails on any rank (a full disk, a permission) raises the same
+    UsageError on every rank, after the partial step-N.tmp is removed; the complete checkpoints are never
+    touched before the new one is complete.
     """
     final = step_dir(checkpoint_dir, step)
     tmp = final + ".tmp"
@@ -151,8 +584,9 @@ def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int
         # Every shard is on disk before the checkpoint can become visible.
         with collective_errors(), _save_errors(tmp):
             if rank == 0:
-                if tokenizer is not None:
-                    tokenizer.save(tmp)
+                for name in TOKENIZER_FILES if tokenizer_dir else ():
+                    if os.path.isfile(os.path.join(tokenizer_dir, name)):
+                        shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(tmp, name))
                 files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
                          for d, _, fs in os.walk(tmp) for f in fs}
                 meta = dict(meta, step=step, world_size=len(layout), layers_per_rank=layout, files=files)
@@ -216,16 +650,13 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-_EMBED, _HEAD = "base_model.embed_tokens.weight", "lm_head.weight"
-
-
 def _state(model, optimizer, config: LlamaConfig) -> tuple[dict, dict]:
     """This rank's model (and AdamW) state by full-model name, as saved; and, per name the model and optimizer
     use, the name it is saved under.
 
     A tied head (tie_word_embeddings) is saved once, as the embedding: a stage that holds only the head saves
-    and loads its copy under the embedding's name (the copies are equal: training.TiedEmbedding), so the
-    checkpoint loads into any layout, with the two in one stage (one tensor) or in two."""
+    and loads its copy under the embedding's name (the scripts keep the copies equal), so the checkpoint loads
+    into any layout, with the two in one stage (one tensor) or in two."""
     state = {"model": get_model_state_dict(model, options=_OPTIONS)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
@@ -343,48 +774,36 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# What the training scripts call
+# Resume: continue the same run exactly, or refuse
 
-# The flags that define what a run computes, besides the model itself (meta.json's "config"). A rerun on the same
-# --checkpoint-dir must have the checkpoint's values, or it would continue another run with this one's weights,
-# AdamW state and data position. --steps is among them because the LR schedule is a function of it: a cosine
-# recomputed for a longer run would jump the LR back up. The other flags (--microbatches, the number of
-# processes, --schedule, --trace, --metrics, ...) change how the same numbers are computed, and are free.
-# --init-from is recorded but not compared: once a run has checkpoints they are its weights, and where it started
-# from may have moved; the model it names is compared all the same (meta.json's config).
-RUN_FLAGS = ("seed", "data", "seq_len", "batch_size", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip")
-
-
-def resuming(args) -> str | None:
-    """The checkpoint this run continues: the newest complete one in --checkpoint-dir (None with --fresh)."""
-    return None if args.fresh else latest(args.checkpoint_dir)
+# The flags that define what a run computes, besides the model itself (meta.json's "config") and the data (the
+# prepared data's identity). A rerun on the same --checkpoint-dir must have the checkpoint's values, or it would
+# continue another run with this one's weights, AdamW state and data position. --steps is among them because
+# the LR schedule is a function of it: a cosine recomputed for a longer run would jump the LR back up. The other
+# flags (--microbatches, the number of processes, --schedule, --trace, --metrics, ...) change how the same
+# numbers are computed, and are free. --init-from is recorded but not compared: once a run has checkpoints they
+# are its weights, and where it started may have moved; the model is compared all the same.
+RUN_FLAGS = ("seed", "seq_len", "batch_size", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip")
 
 
-def model_source(args) -> str | None:
-    """Where the model's shape and tokenizer come from, when not from --model: --init-from for a new run; for a
-    run that was started from other weights and is resumed, its newest checkpoint."""
-    if (resume := resuming(args)) is not None:
-        return resume if read_meta(resume).get("run", {}).get("init_from") is not None else None
-    return args.init_from
+def data_identity(directory: str) -> str:
+    """The prepared data at directory, as a short hash of its meta.json (token counts, sources, tokenizer)."""
+    with open(os.path.join(directory, "meta.json"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
-def run_identity(args, tokenizer=None) -> dict:
-    """What a checkpoint records of its run, to compare on resume: RUN_FLAGS, the data files' sizes and (when
-    given) the tokenizer; and --init-from, where its weights started."""
-    identity = {**{flag: getattr(args, flag) for flag in RUN_FLAGS}, "init_from": args.init_from,
-                "data_files": {path: os.path.getsize(path) for path in data.local_files(args.data)}}
-    if tokenizer is not None:
-        identity["tokenizer"] = tokenizer.fingerprint()
-    return identity
+def run_identity(args, data_id: str) -> dict:
+    """What a checkpoint records of its run, to compare on resume."""
+    return {**{flag: getattr(args, flag) for flag in RUN_FLAGS}, "data": args.data, "data_id": data_id,
+            "init_from": args.init_from}
 
 
-def check_same_run(args, path: str, config: LlamaConfig | None = None, tokenizer=None) -> dict:
+def check_same_run(args, path: str, data_id: str, config: LlamaConfig | None = None) -> dict:
     """Raise a one-line UsageError naming each flag (old → new) in which this run differs from the checkpoint
-    at path; compares the model and the tokenizer too when given. Returns the checkpoint's meta.json."""
+    at path; compares the model too when given. Returns the checkpoint's meta.json."""
     meta = read_meta(path)
-    identity = run_identity(args, tokenizer)
-    saved = meta.get("run", identity)  # checkpoints from before this record existed are compared by model only
-    found = []
+    identity = run_identity(args, data_id)
+    saved, found = meta.get("run", {}), []
     if config is not None:
         found += [f"model {field} {meta['config'].get(field)} → {value} (--model, --layers, --init-from)"
                   for field, value in dataclasses.asdict(config).items() if meta["config"].get(field) != value]
@@ -392,11 +811,8 @@ def check_same_run(args, path: str, config: LlamaConfig | None = None, tokenizer
         old, new = saved.get(flag), identity[flag]
         if old != new and not (flag == "steps" and new <= meta["step"]):  # fewer steps than done: nothing to run
             found.append(f"--{flag.replace('_', '-')} {old} → {new}")
-    if tokenizer is not None and saved.get("tokenizer", identity["tokenizer"]) != identity["tokenizer"]:
-        found.append("--tokenizer/--vocab-size: another tokenizer")
-    for file, size in identity["data_files"].items():
-        if saved.get("data_files", {}).get(file, size) != size:
-            found.append(f"--data {file}: {saved['data_files'][file]} → {size} bytes (the file changed)")
+    if saved.get("data_id") != data_id:
+        found.append(f"--data {saved.get('data')} → {args.data} (other data, or prepared again differently)")
     if found:
         raise UsageError(f"--checkpoint-dir {args.checkpoint_dir}: {os.path.basename(path)} is another run: "
                          f"{'; '.join(found)}. Rerun with its flags to continue it, add --fresh to start over "
@@ -405,13 +821,15 @@ def check_same_run(args, path: str, config: LlamaConfig | None = None, tokenizer
     return meta
 
 
-def resume(args, env, model, optimizer, config, tokenizer, loader, say=print) -> int:
-    """Continue the run in --checkpoint-dir from its newest complete checkpoint, exactly, or refuse one line
+def resume(args, rank: int, world_size: int, model, optimizer, config: LlamaConfig, data_id: str,
+           say=print) -> tuple[int, dict | None]:
+    """Continue the run in --checkpoint-dir from its newest complete checkpoint, exactly, or refuse in one line
     naming each changed flag. With --fresh, move its checkpoints aside first; with nothing to resume and
-    --init-from, start from those weights. Collective. Returns the step done (>= --steps: nothing left to do)."""
+    --init-from, start from those weights. Collective. Returns the step done (>= --steps: nothing left to do)
+    and the data loader's position to continue from (None: from the start)."""
     if args.fresh:
         with collective_errors():
-            if env.rank == 0:
+            if rank == 0:
                 try:
                     aside = set_aside(args.checkpoint_dir)
                 except OSError as e:
@@ -419,82 +837,128 @@ def resume(args, env, model, optimizer, config, tokenizer, loader, say=print) ->
                                      f"({e.strerror})") from None
                 if aside:
                     say(f"--fresh: moved the previous checkpoints to {aside}", flush=True)
-    path = None if args.fresh else latest(args.checkpoint_dir)
+    path = resuming(args)
     if path is None:
         if args.init_from is not None:
             source = load_weights(args.init_from, model, config)
             say(f"initialized from the weights of {source} (a new run: new AdamW state, LR schedule and data "
                 "order)", flush=True)
-        return 0
+        return 0, None
     with collective_errors():
-        meta = check_same_run(args, path, config, tokenizer)
+        meta = check_same_run(args, path, data_id, config)
         verify_files(path, meta)
     if meta["step"] >= args.steps > 0:
         say(f"{path} is step {meta['step']}: --steps {args.steps} are done, nothing to train", flush=True)
-        return meta["step"]
-    load(path, model, optimizer, config, env.rank, env.world_size)
-    if loader is not None:
-        loader.load_state_dict(meta["data"])
+        return meta["step"], None
+    load(path, model, optimizer, config, rank, world_size)
     say(f"resumed from {path} at step {meta['step']} (saved by {meta['world_size']} process(es))"
         if args.steps else f"evaluating {path} (step {meta['step']})", flush=True)
-    return meta["step"]
+    return meta["step"], meta["data"]
 
+
+def save_if_due(args, rank: int, step: int, model, optimizer, config: LlamaConfig, data_id: str,
+                data_position: dict) -> str | None:
+    """Save after every --checkpoint-every steps and at the end of the run; return the path if it saved."""
+    if step != args.steps and not (args.checkpoint_every and step % args.checkpoint_every == 0):
+        return None
+    meta = {"config": dataclasses.asdict(config), "run": run_identity(args, data_id), "data": data_position,
+            "tokens": special_tokens(args.data), "args": vars(args), "torch": torch.__version__}
+    return save(args.checkpoint_dir, step, model, optimizer, meta, rank, args.keep_checkpoints, args.data)
+
+
+def open_metrics(path: str, resume_step: int):
+    """--metrics FILE opened for this run's rows. Resumed at resume_step, the rows after it (a run killed after
+    its checkpoint) are dropped, so the file reads as one uninterrupted run."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    kept = []
+    if resume_step and os.path.isfile(path):
+        with open(path) as f:
+            rows = [(line, json.loads(line)) for line in f]
+        kept = [line for line, row in rows if row.get("step", row.get("eval", {}).get("step", math.inf))
+                <= resume_step]
+    metrics = open(path, "w")
+    metrics.writelines(kept)
+    return metrics
+
+
+def special_tokens(directory: str) -> dict:
+    """{"bos_id", "eos_id", "pad_id"} of the tokenizer in directory (tokenizer.json and the names in
+    tokenizer_config.json), for an export's config.json."""
+    try:
+        with open(os.path.join(directory, "tokenizer.json")) as f:
+            tokenizer = json.load(f)
+        with open(os.path.join(directory, "tokenizer_config.json")) as f:
+            named = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    ids = {t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])}
+    ids.update((tokenizer.get("model") or {}).get("vocab") or {})
+
+    def id_of(key):
+        token = named.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        return ids.get(token)
+    return {f"{kind}_id": id_of(f"{kind}_token") for kind in ("bos", "eos", "pad")}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# --init-from: only the model's weights, each rank its own stage's
 
 def load_weights(source: str, model, config: LlamaConfig) -> str:
-    """Only the model's weights, each rank its own stage's, from --init-from: a Hugging Face directory or one of
-    this project's checkpoints. Collective. Returns the path read."""
+    """Only the model's weights, each rank its own stage's (with FSDP, its shard of them), from a Hugging Face
+    directory or one of this project's checkpoints. Collective. Returns the path read."""
     with collective_errors():
-        if hf.is_hf_dir(source):
-            path = source
-        else:
-            path = resolve(source, "--init-from")
+        path = source if is_hf_dir(source) else resolve(source, "--init-from")
+        if not is_hf_dir(path):
             verify_files(path, read_meta(path))
-    if hf.is_hf_dir(path):
-        state = get_model_state_dict(model, options=_OPTIONS)
-        with collective_errors():
-            keys = hf.stage_request(path, state, config)  # their name for each of this stage's tensors
-        try:
-            hf.load(path, keys, state)
-        except CheckpointException as e:
-            raise UsageError(f"--init-from {path}: cannot read its tensors ({_root_cause(e)})") from None
-        set_model_state_dict(model, state, options=_OPTIONS)
+    if not is_hf_dir(path):
+        state, saved_as = _state(model, None, config)
+        _dcp_load(state, path)
+        _set_state(model, None, state, saved_as)
         return path
-    state, saved_as = _state(model, None, config)
-    _dcp_load(state, path)
-    _set_state(model, None, state, saved_as)
+    # torch's HuggingFaceStorageReader reads only the requested tensors (slices of them, for FSDP's shards) from
+    # the memory-mapped safetensors files and casts them to the model's dtype.
+    state = get_model_state_dict(model, options=_OPTIONS)
+    with collective_errors():
+        request = _hf_request(path, state, config)  # their name for each of this stage's tensors
+    targets = {}  # their name -> our tensors; two when a rank holds a tied embedding and its head's copy
+    for name, tensor in state.items():
+        targets.setdefault(request[name], []).append(tensor)
+    try:
+        dcp.load({key: tensors[0] for key, tensors in targets.items()}, storage_reader=HuggingFaceStorageReader(path))
+    except CheckpointException as e:
+        raise UsageError(f"--init-from {path}: cannot read its tensors ({_root_cause(e)})") from None
+    for tensors in targets.values():
+        for copy in tensors[1:]:
+            copy.copy_(tensors[0])
+    set_model_state_dict(model, state, options=_OPTIONS)
     return path
 
 
-def model_config(args, vocab_size: int, device_type: str) -> tuple[LlamaConfig, str]:
-    """The model to train, and a name for it: --init-from's model, else the preset's with the tokenizer's
-    vocabulary and --layers."""
-    source = model_source(args)
-    if source is None:
-        preset = flags.model_preset(args, device_type)
-        return config_from_preset(preset, vocab_size, args.layers), preset
-    if hf.is_hf_dir(source):
-        path, config = source, hf.read_config(source)
+def _hf_request(path: str, state: dict, config: LlamaConfig) -> dict[str, str]:
+    """Their name for each of a stage's tensors. A tied checkpoint stores the head's matrix once, as the
+    embedding: a stage holding only the head reads it from there."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            available = set(json.load(f)["weight_map"])
     else:
-        path = resolve(source, "--init-from")
-        config = LlamaConfig(**read_meta(path)["config"])
-    if vocab_size > config.vocab_size:  # a Hugging Face model may have more rows than its tokenizer has tokens
-        raise UsageError(f"--tokenizer: {vocab_size} tokens, but --init-from {source} has embeddings for "
-                         f"{config.vocab_size}; leave --tokenizer out to use its own tokenizer")
-    return config, f"from {path if source == args.init_from else args.init_from}"
+        from safetensors import safe_open
 
-
-def save_if_due(args, env, step: int, model, optimizer, config, loader, tokenizer) -> str | None:
-    """Save after every --checkpoint-every steps and at the end of the run; return the path if it saved."""
-    if step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0):
-        return save_run(args, env, step, model, optimizer, config, loader, tokenizer)
-    return None
-
-
-def save_run(args, env, step: int, model, optimizer, config, loader, tokenizer) -> str:
-    meta = {"config": dataclasses.asdict(config), "run": run_identity(args, tokenizer),
-            "data": loader.state_dict() if loader is not None else None,  # rank 0 (first stage) always has one
-            "args": vars(args), "torch": torch.__version__}
-    return save(args.checkpoint_dir, step, model, optimizer, meta, env.rank, args.keep_checkpoints, tokenizer)
+        available = set()
+        for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
+            with safe_open(os.path.join(path, name), framework="pt") as f:
+                available |= set(f.keys())
+    request = {}
+    for name in state:
+        key = hf_name(name)
+        if key not in available and name == _HEAD and config.tie_word_embeddings:
+            key = hf_name(_EMBED)
+        if key not in available:
+            raise UsageError(f"--init-from {path}: no tensor {key} in its safetensors files; is it the Llama "
+                             "checkpoint that config.json describes?")
+        request[name] = key
+    return request
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -531,8 +995,7 @@ def export(checkpoint: str, output: str, format: str = "pt", dtype: torch.dtype 
     tmp = {p: f"{p}.tmp{os.getpid()}" for p in outputs}
     try:
         if format == "hf":
-            tokenizer = data.load_tokenizer(os.path.join(path, "tokenizer.json"), flag="checkpoint")
-            hf.save(tmp[output], state, config, tokenizer, dtype, max_shard_bytes)
+            save_hf(tmp[output], state, config, path, dtype, max_shard_bytes)
         else:
             os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
             torch.save({key: t.to(dtype) for key, t in state.items()}, tmp[output])
@@ -556,6 +1019,41 @@ def export(checkpoint: str, output: str, format: str = "pt", dtype: torch.dtype 
     return path
 
 
+def save_hf(path: str, state: dict[str, torch.Tensor], config: LlamaConfig, checkpoint_path: str,
+            dtype: torch.dtype, max_shard_bytes: int) -> None:
+    """Write the full model's state dict (this project's names) as a Hugging Face directory: safetensors files
+    of at most max_shard_bytes each (DCP's Hugging Face writer, which also writes the index), config.json, and
+    the checkpoint's tokenizer files. One process."""
+    tensors = {hf_name(name): t.to(dtype) for name, t in state.items()
+               if not (config.tie_word_embeddings and name == _HEAD)}  # tied: stored once
+    files, size, mapping = 1, 0, {}
+    for key, tensor in tensors.items():  # fill files in order, a new one when the next tensor would overflow
+        nbytes = tensor.numel() * tensor.element_size()
+        if size and size + nbytes > max_shard_bytes:
+            files, size = files + 1, 0
+        mapping[key], size = files, size + nbytes
+    os.makedirs(path, exist_ok=True)
+    with warnings.catch_warnings():  # DCP warns that it saves from one process, which is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(path, fqn_to_index_mapping=mapping), no_dist=True)
+    tokens = read_meta(checkpoint_path).get("tokens") or special_tokens(checkpoint_path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config(config, tokens.get("bos_id"), tokens.get("eos_id"), tokens.get("pad_id"), dtype), f,
+                  indent=1)
+    for name in TOKENIZER_FILES:  # prepare_data.py wrote them to put bos first, as in training
+        if os.path.isfile(os.path.join(checkpoint_path, name)):
+            shutil.copyfile(os.path.join(checkpoint_path, name), os.path.join(path, name))
+    _set_max_length(os.path.join(path, "tokenizer_config.json"), config.max_position_embeddings)
+
+
+def _set_max_length(path: str, length: int) -> None:
+    if os.path.isfile(path):
+        with open(path) as f:
+            fields = json.load(f)
+        with open(path, "w") as f:
+            json.dump({**fields, "model_max_length": length}, f, indent=1)
+
+
 def _size(text: str) -> int:
     """'5GB', '500MB', '2000000' -> bytes."""
     units = {"KB": 2**10, "MB": 2**20, "GB": 2**30}
@@ -570,8 +1068,8 @@ def _size(text: str) -> int:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="Checkpoint tools for the pipeline training scripts.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = Parser(description="Checkpoint tools for the pipeline training scripts.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     e = sub.add_parser("export", help="write the full model, for use on one process without this project")
     e.add_argument("checkpoint", help="a run's --checkpoint-dir (its newest checkpoint) or one step-N directory")
     e.add_argument("output", help="pt: the file to write; hf: a new directory")

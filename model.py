@@ -1,12 +1,15 @@
-"""The Llama model that every script in this collection trains.
+"""The Llama model every script of this collection trains, and what is about the model: its presets, its
+Hugging Face config and tensor names, what each piece costs, how its layers are cut into pipeline stages, and
+activation checkpointing and compilation per layer, and a tied embedding's two copies kept equal across
+stages.
 
 The math and the parameter names are Hugging Face Llama's (``model.`` is called ``base_model.`` here), so
 weights move between the two by renaming one prefix. Three properties make it easy to split into pipeline
 stages, and the training scripts rely on all of them:
 
 * Layers live in a ``ModuleDict`` keyed by their global index, and ``forward`` skips whatever a stage does
-  not hold (embedding, any layer, final norm, head). A stage is just a trimmed model, and its state_dict keys
-  are a subset of the full model's keys, so checkpoints line up whatever the number of stages.
+  not hold (embedding, any layer, final norm, head). A stage is just a trimmed model (``keep_only``), and its
+  state_dict keys are a subset of the full model's keys, so checkpoints line up whatever the number of stages.
 * No module is passed into another module's forward: each attention layer owns its RoPE frequencies and
   builds its cos/sin tables itself. The pipeline tracer rejects modules that cross a call boundary.
 * ``init_weights(seed)`` re-creates every parameter *and buffer* after ``to_empty``, and seeds each module
@@ -15,12 +18,16 @@ stages, and the training scripts rely on all of them:
 
 import dataclasses
 import hashlib
+import json
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 
 @dataclasses.dataclass
@@ -54,8 +61,7 @@ class LlamaConfig:
 
 # Named shapes for --model. `small` is the seed article's model; the llama-* entries use the layer shapes of
 # the Llama 3 family (plain RoPE, no long-context frequency scaling, untied head; a real checkpoint brings its
-# own config with --init-from). The vocabulary always
-# comes from the tokenizer, so it is not part of a preset.
+# own config with --init-from). The vocabulary always comes from the tokenizer, so it is not part of a preset.
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=1024),
@@ -75,6 +81,84 @@ def config_from_preset(name: str, vocab_size: int, num_layers: int | None = None
     if num_layers is not None:
         overrides["num_hidden_layers"] = num_layers
     return LlamaConfig(**overrides)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hugging Face Llama: config.json <-> LlamaConfig, and tensor names
+#
+# model.py computes what transformers' LlamaForCausalLM computes, with the same tensor names but for one prefix
+# and the same RoPE layout (rotate-half), so weights need no permutation, only renaming.
+
+OURS, THEIRS = "base_model.", "model."
+# transformers' LlamaConfig defaults, for fields a config.json leaves out (configuration_llama.py).
+HF_DEFAULTS = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+               "tie_word_embeddings": False, "initializer_range": 0.02}
+
+
+def hf_name(name: str) -> str:
+    """This model's tensor name -> Hugging Face's: base_model.layers.0... -> model.layers.0..."""
+    return THEIRS + name[len(OURS):] if name.startswith(OURS) else name
+
+
+def config_from_hf(hf: dict) -> LlamaConfig:
+    """The LlamaConfig of a Hugging Face config.json. What model.py does not compute is refused with a
+    ValueError that names the field."""
+    def refuse(field, why):
+        raise ValueError(f"config.json {field} = {json.dumps(hf.get(field))}: {why}; this project trains Llama "
+                         "models (model.py) only")
+
+    if hf.get("model_type") != "llama":
+        refuse("model_type", "not llama")
+    for field, supported in {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}.items():
+        if hf.get(field, supported) != supported:
+            refuse(field, f"only {json.dumps(supported)} is implemented")
+    if hf.get("attention_dropout", 0.0):
+        refuse("attention_dropout", "dropout is not implemented")
+    # transformers 4 writes rope_theta and rope_scaling; transformers 5 writes both into rope_parameters.
+    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    theta = hf.get("rope_theta", rope.pop("rope_theta", HF_DEFAULTS["rope_theta"]))
+    rope.pop("rope_theta", None)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        refuse(field, "partial rotary embeddings are not implemented")
+    if rope_type == "default":
+        scaling = None
+    elif rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if any(key not in rope for key in keys):
+            refuse(field, f"llama3 scaling needs {', '.join(keys)}")
+        scaling = {"rope_type": "llama3", **{key: rope[key] for key in keys}}
+    else:
+        refuse(field, f"rope_type {rope_type} is not implemented (only default and llama3)")
+    try:
+        return LlamaConfig(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=hf["num_attention_heads"],
+            num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim"), rope_theta=float(theta), rope_scaling=scaling,
+            **{key: hf.get(key, default) for key, default in HF_DEFAULTS.items() if key != "rope_theta"})
+    except KeyError as e:
+        raise ValueError(f"config.json has no {e.args[0]}") from None
+    except ValueError as e:
+        raise ValueError(f"config.json: {e}") from None
+
+
+def hf_config(config: LlamaConfig, bos_id: int, eos_id: int, pad_id: int | None, dtype: torch.dtype) -> dict:
+    """config.json for transformers 4 and 5 alike: every field written out (a missing one would silently take
+    transformers' default, e.g. rms_norm_eps 1e-6), RoPE in the rope_theta + rope_scaling form both read."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim, "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
+        "tie_word_embeddings": config.tie_word_embeddings, "initializer_range": config.initializer_range,
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
+        "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
+        "torch_dtype": str(dtype).removeprefix("torch."), "use_cache": True,
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -198,10 +282,25 @@ class LlamaForPretraining(nn.Module):
         """With tie_word_embeddings, make the head use the embedding's matrix, when this module holds both.
 
         Only for a model whose embedding and head are in one stage: stages that hold just one of them keep
-        their own copy, which the training loop keeps equal (training.TiedEmbedding). to_empty() allocates
+        their own copy, which the training scripts keep equal (TiedEmbedding there). to_empty() allocates
         shared parameters separately, so call this again after it."""
         if self.config.tie_word_embeddings and self.base_model.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.base_model.embed_tokens.weight
+
+    def keep_only(self, layers, embed: bool, head: bool) -> "LlamaForPretraining":
+        """Trim the model in place to one pipeline stage: the decoder layers given (by global index), the
+        embedding if embed, the final norm and the head if head. Names stay the full model's ("layers.4" is
+        layer 4 on any stage), so checkpoints line up whatever the split. Called on the meta device, before
+        anything is allocated."""
+        for key in list(self.base_model.layers.keys()):
+            if int(key) not in layers:
+                del self.base_model.layers[key]
+        if not embed:
+            self.base_model.embed_tokens = None
+        if not head:
+            self.base_model.norm = None
+            self.lm_head = None
+        return self
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """Token ids [batch, seq] -> logits [batch, seq, vocab] (or hidden states on a stage with no head)."""
@@ -246,3 +345,197 @@ def _module_generator(seed: int, name: str, device: torch.device) -> torch.Gener
 
 def num_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs per token, 6N + 12·L·H·Q·T (PaLM, appendix B): N the parameters outside the embedding
+    lookup (it does no multiply), L layers, H query heads, Q head size, T sequence length (attention)."""
+    h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads
+    per_layer = h * (2 * q + 2 * kv * config.head_dim) + 3 * h * config.intermediate_size + 2 * h
+    n = config.num_hidden_layers * per_layer + h * (config.vocab_size + 1)  # + head, final norm
+    return 6 * n + 12 * config.num_hidden_layers * q * seq_len
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cutting the layers into pipeline stages
+#
+# A pipeline runs at the pace of its slowest stage: every other stage waits for it, each microbatch. Cutting the
+# layers evenly ignores that the last stage also computes the head and the loss over the whole vocabulary (on
+# the tiny model about 4.6 decoder layers of work; on llama-8b with a 128k vocabulary about 1.8) and the first
+# stage the embedding. The balanced layout chooses the contiguous boundaries that minimize the slowest stage's
+# forward + backward cost, estimated per token:
+#
+#     layer  6 N_layer + 12 H Q T   every weight multiplies twice in backward, once in forward (N_layer: the
+#                                   layer's parameters), plus attention over T positions (PaLM)
+#     head   6 h V                  the projection to the vocabulary (the loss itself is a few ops per logit)
+#     embed  6 h                    a lookup forward, a scatter-add backward
+#
+# With activation checkpointing a layer runs its forward again in backward: 4/3 of its cost (the head is not
+# checkpointed, so the balance moves a little towards fewer layers on the last stage). (Balancing on times
+# measured on the machine was tried: on the tiny model it chose the layout the estimate chooses, and was left
+# out.)
+
+def estimated_costs(config: LlamaConfig, seq_len: int, recompute: bool = False) -> dict[str, float]:
+    """Forward + backward FLOPs per token of one decoder layer (with its recomputed forward, when activation
+    checkpointing: "recompute" says how much of "layer" that is), the head with the loss, and the embedding."""
+    h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads
+    layer_params = h * (2 * q + 2 * kv * config.head_dim) + 3 * h * config.intermediate_size + 2 * h
+    layer = 6 * layer_params + 12 * q * seq_len
+    again = layer / 3 if recompute else 0.0  # the forward is a third of forward + backward
+    return {"layer": layer + again, "recompute": again, "head": 6 * h * config.vocab_size + 6 * h, "embed": 6 * h}
+
+
+def stage_costs(layout: list[range], costs: dict[str, float]) -> list[float]:
+    """Each stage's cost: its layers, the embedding on the first, the head on the last."""
+    return [len(layers) * costs["layer"] + (costs["embed"] if i == 0 else 0)
+            + (costs["head"] if i == len(layout) - 1 else 0) for i, layers in enumerate(layout)]
+
+
+def even(num_layers: int, num_stages: int) -> list[range]:
+    """One contiguous range of layers per stage, sizes differing by at most one (earlier stages get the extra)."""
+    base, extra = divmod(num_layers, num_stages)
+    return from_sizes([base + (1 if stage < extra else 0) for stage in range(num_stages)])
+
+
+def from_sizes(sizes: list[int]) -> list[range]:
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    return [range(bounds[i], bounds[i + 1]) for i in range(len(sizes))]
+
+
+def balanced(num_layers: int, num_stages: int, costs: dict[str, float]) -> list[range]:
+    """The contiguous layout whose slowest stage costs least (stage_costs), every stage at least one layer, by
+    dynamic programming over the boundaries (O(stages x layers^2), instant for any real model)."""
+    layer, first, last = costs["layer"], costs["embed"], costs["head"]
+    # best[s][n]: the smallest possible slowest-stage cost of putting the first n layers into stages 0..s-1
+    inf = float("inf")
+    best = [[inf] * (num_layers + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (num_layers + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for n in range(s, num_layers - (num_stages - s) + 1):
+            for k in range(s - 1, n):  # stage s - 1 holds layers k .. n - 1
+                cost = (n - k) * layer + (first if s == 1 else 0) + (last if s == num_stages else 0)
+                slowest = max(best[s - 1][k], cost)
+                if slowest < best[s][n]:  # on a tie the first found stays: more layers on the later stage
+                    best[s][n], cut[s][n] = slowest, k
+    sizes, n = [], num_layers
+    for s in range(num_stages, 0, -1):
+        sizes.append(n - cut[s][n])
+        n = cut[s][n]
+    return from_sizes(sizes[::-1])
+
+
+def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recompute: bool = False) -> list[range]:
+    """The layers of each stage: spec "balanced" (by estimated_costs), "even", or layers per stage ("5,1").
+    A spec that cannot work is a ValueError saying what would."""
+    check_layout(spec, config.num_hidden_layers, num_stages)
+    if spec == "even":
+        return even(config.num_hidden_layers, num_stages)
+    if spec == "balanced":
+        return balanced(config.num_hidden_layers, num_stages, estimated_costs(config, seq_len, recompute))
+    return from_sizes([int(size) for size in spec.split(",")])
+
+
+def check_layout(spec: str, num_layers: int | None = None, num_stages: int | None = None) -> None:
+    """A layout spec's syntax; with the model's layers and the stage count, whether it fits them. ValueError."""
+    if spec in ("even", "balanced"):
+        return
+    try:
+        sizes = [int(size) for size in spec.split(",")]
+    except ValueError:
+        raise ValueError("use balanced, even, or layers per stage such as 5,1") from None
+    if num_layers is not None and (len(sizes) != num_stages or sum(sizes) != num_layers or min(sizes) < 1):
+        raise ValueError(f"give {num_stages} layer counts (one per stage), each at least 1, adding up to the "
+                         f"model's {num_layers} layers (or balanced, even)")
+
+
+def describe_layout(layout: list[range], costs: dict[str, float]) -> str:
+    """[embed + layers 0-3 (41%)] [layers 4-5 + norm + head (59%)]: each stage and its share of the cost."""
+    shares = stage_costs(layout, costs)
+    total, parts = sum(shares), []
+    for stage, layers in enumerate(layout):
+        text = f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"
+        text = ("embed + " if stage == 0 else "") + text + (" + norm + head" if stage == len(layout) - 1 else "")
+        parts.append(f"[{text} ({shares[stage] / total:.0%})]")
+    return " ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Per decoder layer: activation checkpointing and compilation (on hand-split, traced and FSDP-wrapped stages)
+
+def decoder_layers(modules) -> list[nn.Module]:
+    """The decoder layers (base_model.layers.K) of some stage modules, each once; traced stages keep the names."""
+    layers = {id(m): m for module in modules for name, m in module.named_modules()
+              if name.rsplit(".", 1)[0].endswith("layers") and name.rsplit(".", 1)[-1].isdigit()}
+    return list(layers.values())
+
+
+def checkpoint_layers(modules) -> None:
+    """Activation checkpointing: each decoder layer keeps only its input for backward and runs its forward again
+    there (non-reentrant torch.utils.checkpoint: FSDP's hooks and autocast work inside; the same ops, so the
+    same numbers, bit for bit). Done on the layer modules, so it works on traced stages too."""
+    for layer in decoder_layers(modules):
+        layer.forward = _checkpointed(layer.forward)
+
+
+def _checkpointed(forward):
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # forward only (evaluation): nothing to keep either way
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return run
+
+
+def compile_layers(modules) -> None:
+    """torch.compile each decoder layer in place (module.compile(): the names, and so checkpoints, stay), as
+    torchtitan does: one small graph per layer, compiled once and reused by every layer of the same shape."""
+    for layer in decoder_layers(modules):
+        layer.compile()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tied embeddings across stages
+
+class TiedEmbedding:
+    """tie_word_embeddings across pipeline stages: the head is the embedding matrix, but the embedding is on
+    the first stage and the head on the last.
+
+    Each of the two stages keeps a copy (one tensor when a rank holds both stages and is one stage). The
+    copies start equal, and every step, before clipping and AdamW, both get the sum of the two gradients, that
+    of the one shared matrix: the ranks holding the first and the last stage of each replica all-reduce it
+    between them (Megatron's embedding group); a rank holding both adds them up itself. Same gradient, same
+    AdamW state, same update: the copies stay equal bit for bit. Checkpoints store the matrix once. Create it
+    on every rank: it makes process groups."""
+
+    def __init__(self, model, config, mesh, has_first: bool, has_last: bool):
+        params = dict(model.named_parameters(remove_duplicate=False))
+        self.embed, self.head = params.get("base_model.embed_tokens.weight"), params.get("lm_head.weight")
+        self.active = config.tie_word_embeddings and self.embed is not self.head
+        self.group = None
+        if not config.tie_word_embeddings or dist.get_world_size() == 1:
+            return
+        # Who holds the first or last stage of each replica; new_group is collective, called in the same order.
+        holders = [None] * dist.get_world_size()
+        dist.all_gather_object(holders, (mesh["dp"].get_local_rank(), has_first or has_last))
+        for replica in range(mesh["dp"].size()):
+            ranks = [rank for rank, (r, holds) in enumerate(holders) if r == replica and holds]
+            if len(ranks) == 2:
+                group = dist.new_group(ranks)
+                self.group = group if dist.get_rank() in ranks else self.group
+
+    def sync_grads(self) -> None:
+        if not self.active:
+            return
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        if self.embed is not None and self.head is not None:  # both on this rank
+            total = local(self.embed.grad) + local(self.head.grad)
+            local(self.embed.grad).copy_(total)
+            local(self.head.grad).copy_(total)
+        else:  # FSDP shards both copies alike over the replicas: shard d meets shard d
+            dist.all_reduce(local((self.embed if self.embed is not None else self.head).grad), group=self.group)
+
+    @property
+    def copies(self) -> list:
+        return [self.head] if self.active and self.head is not None else []

@@ -1,50 +1,104 @@
-"""--plan: what a layout will hold in memory and how fast each schedule will run, computed without running it.
+"""What a layout will hold in memory and how fast each schedule will run, computed without running it.
 
-    python train_pipeline_gpipe.py --plan 8 --dp 2 --model llama-8b --seq-len 8192 --batch-size 64 \\
-        --microbatches 8 --device cuda                     # 4 stages x 2 replicas, on a laptop
+    python plan.py --processes 8 --dp 2 --model llama-8b --seq-len 8192 --batch-size 64 --microbatches 8 \\
+        --device cuda                             # 4 stages x 2 replicas of Llama 3 8B's shapes, on a laptop
+    python plan.py --processes 4 --model llama-8b --vocab-size 128256 --seq-len 8192 --batch-size 16 \\
+        --microbatches 16 --schedule 1f1b --activation-checkpointing --device cuda
+    python plan.py --processes 2 --data data      # the tiny model on this machine, vocabulary of data/meta.json
+    python plan.py --processes 4 --init-from path/to/Llama-3.2-1B --device cuda   # a Hugging Face model's shape
+
+The flags are the training scripts' own (the same names, meanings and defaults: --model, --layers,
+--init-from, --seq-len, --batch-size, --microbatches, --schedule, --stages-per-rank, --split, --dp,
+--activation-checkpointing, --device), plus --processes, the number of processes the run would start
+(pipeline ranks x --dp), and where the vocabulary comes from: --vocab-size (default 8192, prepare_data.py's
+default tokenizer) or --data DIR (a prepared dataset's meta.json); --init-from brings its own. A plan is
+refused, with the same one line, exactly when train_pipeline_gpipe.py would refuse the run (its check_args
+and stage_layout do the checking); the hand-written script's afab is accepted too (GPipe's order).
 
 Nothing is allocated and no process group or GPU is needed. For every rank of the pipeline it prints the bytes
 of parameters, gradients and AdamW state it holds (fp32, 1/dp of its stages' with FSDP, as the end-of-run
 summary measures them), the gathered parameters and gradients FSDP holds during a step, and the activations
-held for backward at the worst moment of the chosen schedule (what --measure-activations counts), with and
-without --activation-checkpointing. Then, for every schedule torch ships, the step time and bubble, found by
-replaying the schedule's own per-rank order of forwards and backwards (torch's, built from placeholder stages)
-with each stage's cost from split.py: a stage's forward takes 1/3 of its forward + backward, a backward 2/3
-(input and weight gradient 1/3 each for the zero-bubble schedules), and a message takes no time.
+held for backward at the worst moment of the chosen schedule (what `benchmark.py measure-activations` counts),
+with and without --activation-checkpointing. Then, for every schedule torch ships, the step time and bubble,
+found by replaying the schedule's own per-rank order of forwards and backwards (torch's, built from
+placeholder stages) with each stage's cost from model.estimated_costs: a stage's forward takes 1/3 of its
+forward + backward, a backward 2/3 (input and weight gradient 1/3 each for the zero-bubble schedules), and a
+message takes no time.
 """
 
+import argparse
+import copy
 import functools
+import json
+import os
+import sys
 import types
 import warnings
 
 import torch
 
-import data
-import hf
-import split
-import flags
-from model import LlamaConfig, config_from_preset
-from runtime import FlagError
-from split import SCHEDULES, V_SHAPED, stage_ids
+import checkpoint
+import train_pipeline_gpipe as gpipe
+from checkpoint import Parser, UsageError, whole
+from model import LlamaConfig, config_from_preset, describe_layout, estimated_costs, stage_costs
+from train_pipeline_gpipe import SCHEDULES, V_SHAPED, stage_ids
 
 # The throughput the step times are given at: 40 % of an H100's dense bf16 peak, a typical sustained rate.
 ASSUMED_FLOPS = 0.4 * 989e12
+VOCAB_SIZE = 8192  # prepare_data.py's default tokenizer
+# The flags plan.py shares with the training scripts: copied from train_pipeline_gpipe.py's parser, so their
+# names, types, defaults and help are the script's (--schedule is declared here: it also takes afab).
+SHARED = ("model", "layers", "init_from", "seq_len", "batch_size", "microbatches", "stages_per_rank", "split",
+          "dp", "activation_checkpointing", "device")
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Sizes
 
 def plan_config(args) -> LlamaConfig:
-    """The model the flags describe, without reading or training a tokenizer beyond its JSON."""
-    if args.init_from is not None:
-        if hf.is_hf_dir(args.init_from):
-            return hf.read_config(args.init_from)
-        import checkpoint
-        return LlamaConfig(**checkpoint.read_meta(checkpoint.resolve(args.init_from, "--init-from"))["config"])
-    vocab = data.load_tokenizer(args.tokenizer).vocab_size() if args.tokenizer else (
-        args.vocab_size or data.VOCAB_SIZE)
-    preset = args.model or ("small" if args.device == "cuda" else "tiny")
-    return config_from_preset(preset, vocab, args.layers)
+    """The model the flags describe: --init-from's shape (a Hugging Face directory or a checkpoint of this
+    project), else the preset's with --layers and the vocabulary of --data or --vocab-size. Refuses what the
+    training scripts refuse (checkpoint.model_config): --model or another --layers with --init-from, a dataset
+    with more tokens than the model has embeddings."""
+    data_vocab = read_vocab(args.data) if args.data is not None else None
+    if args.init_from is None:
+        preset = args.model or ("small" if device_type(args) == "cuda" else "tiny")
+        return config_from_preset(preset, data_vocab or args.vocab_size or VOCAB_SIZE, args.layers)
+    source = args.init_from
+    if args.vocab_size is not None:
+        raise UsageError(f"--vocab-size {args.vocab_size}: the vocabulary comes from --init-from {source}; "
+                         "leave --vocab-size out")
+    if checkpoint.is_hf_dir(source):
+        config = checkpoint.read_hf_config(source)
+    elif os.path.isdir(source):
+        config = LlamaConfig(**checkpoint.read_meta(checkpoint.resolve(source, "--init-from"))["config"])
+    else:
+        raise UsageError(f"--init-from {source}: not a directory; give a Hugging Face model directory "
+                         "(config.json + *.safetensors) or a checkpoint of this project")
+    for flag, value in (("--model", args.model), ("--layers", args.layers)):
+        if value is not None and (flag == "--model" or value != config.num_hidden_layers):
+            raise UsageError(f"{flag} {value}: the model's shape comes from {source} "
+                             f"({config.num_hidden_layers} layers); leave {flag} out")
+    if data_vocab is not None and data_vocab > config.vocab_size:
+        raise UsageError(f"--data {args.data}: {data_vocab} tokens, but {source} has embeddings for "
+                         f"{config.vocab_size}")
+    return config
+
+
+def read_vocab(directory: str) -> int:
+    """The vocabulary of data prepared by prepare_data.py (its meta.json)."""
+    try:
+        with open(os.path.join(directory, "meta.json")) as f:
+            return int(json.load(f)["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UsageError(f"--data {directory}: no data prepared there; run python prepare_data.py"
+                         f"{'' if directory == 'data' else ' --out ' + directory} first (see its --help)") from None
+
+
+def device_type(args) -> str:
+    """--device as the scripts read it: auto is this machine's GPU if it has one (plan for a GPU cluster from a
+    laptop with --device cuda)."""
+    return "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
 def stage_params(config: LlamaConfig, layout: list[range]) -> list[int]:
@@ -62,7 +116,7 @@ def stage_params(config: LlamaConfig, layout: list[range]) -> list[int]:
 def activation_bytes(config: LlamaConfig, tokens: int, seq_len: int, bf16: bool) -> dict[str, float]:
     """Bytes one microbatch of `tokens` tokens leaves saved for backward: per decoder layer (all of it, and
     only its input with activation checkpointing), for the head and loss, and for the embedding. fp32 on the
-    CPU (exact: what --measure-activations counts on this model); under bf16 autocast the projections' inputs
+    CPU (what benchmark.py's ActivationMeter counts on this model); under bf16 autocast the projections' inputs
     and attention run in bf16, norms, residuals and the loss in fp32."""
     h, heads, kv, d, inter = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                               config.head_dim, config.intermediate_size)
@@ -82,16 +136,16 @@ def activation_bytes(config: LlamaConfig, tokens: int, seq_len: int, bf16: bool)
 def schedule_orders(name: str, pp: int, microbatches: int, stages_per_rank: int) -> dict[int, list[list[tuple]]]:
     """Each pipeline rank's compute actions in the order the schedule runs them: lists of (kind, stage,
     microbatch), kind F (forward), B (full backward), I / W (input / weight gradient); an element with two
-    actions is DualPipeV's overlapped forward and backward. GPipe and 1F1B as their step() runs them (torch's
-    own table for 1F1B is only a picture); the multi-stage schedules from torch's pipeline_order, which is
-    what their runtime executes."""
+    actions is DualPipeV's overlapped forward and backward. GPipe (and the hand-written afab) and 1F1B as their
+    step() runs them (torch's own table for 1F1B is only a picture); the multi-stage schedules from torch's
+    pipeline_order, which is what their runtime executes."""
     m = microbatches
-    if name == "gpipe":
+    if name in ("gpipe", "afab"):
         return {r: [[("F", r, i)] for i in range(m)] + [[("B", r, i)] for i in range(m)] for r in range(pp)}
     if name == "1f1b":
         orders = {}
         for r in range(pp):
-            warmup = min(m, pp - r)  # torch's Schedule1F1B: then backward and forward alternate
+            warmup = min(m, pp - r)  # torch's Schedule1F1B (and the hand-written one): then B and F alternate
             acts = [[("F", r, i)] for i in range(warmup)]
             for i in range(m - warmup):
                 acts += [[("B", r, i)], [("F", r, warmup + i)]]
@@ -165,41 +219,75 @@ def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward:
     return {"step": step, "busy": busy, "peak": peak, "bubble": 1 - sum(busy.values()) / (len(busy) * step)}
 
 
+def schedule_result(name, pp, m, stages_per_rank, layout, costs, held) -> dict:
+    """The replay of one schedule on a layout, with per-token stage costs (FLOPs) and bytes held per stage."""
+    # A forward is a third of a stage's forward + backward; the backward is the rest, with any recomputation.
+    again = [len(layers) * costs.get("recompute", 0.0) for layers in layout]
+    work = [w - r for w, r in zip(stage_costs(layout, costs), again)]
+    return replay(schedule_orders(name, pp, m, stages_per_rank), [w / 3 for w in work],
+                  [2 * w / 3 + r for w, r in zip(work, again)], held)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checking the flags: the training script's own checks
+
+def script_args(args, schedule: str, split: str | None = None) -> argparse.Namespace:
+    """The Namespace train_pipeline_gpipe.py would run with: its defaults, and the flags plan.py shares."""
+    ns = gpipe.build_parser().parse_args([])
+    for name in SHARED:
+        setattr(ns, name, getattr(args, name))
+    ns.schedule = schedule
+    ns.split = args.split if split is None else split
+    # check_args leaves the model's shape unchecked when --checkpoint-dir holds checkpoints (a resumed run):
+    # a path that cannot exist keeps the plan from depending on the directory it is run in.
+    ns.checkpoint_dir = os.path.join(os.devnull, "no-checkpoints")
+    return ns
+
+
+def check(args, config: LlamaConfig, schedule: str, split: str | None = None) -> tuple[argparse.Namespace,
+                                                                                      list[range]]:
+    """What train_pipeline_gpipe.py checks before it runs: the flags (check_args), then the layout on the
+    model's shape (stage_layout: a layer per stage, --seq-len within its positions, --split). UsageError."""
+    ns = script_args(args, schedule, split)
+    gpipe.check_args(ns, args.processes, device_type(args))
+    per_rank = len(stage_ids(schedule, 0, args.processes // args.dp, ns.stages_per_rank))
+    return ns, gpipe.stage_layout(config, args.processes // args.dp * per_rank, ns)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The report
 
-def run(args, processes: int) -> None:
-    """Print the plan for `processes` processes and the other flags (see the module's docstring)."""
-    flags.check_args(args, processes, "cuda" if args.device == "cuda" else "cpu")
+def plan(args) -> dict:
+    """Print the plan (see the module's docstring) and return it: {"ranks": [per pipeline rank {"param", "grad",
+    "optimizer", "gathered", "activations", "activations_checkpointed", "total"}, bytes], "schedules": {name:
+    {"step" (seconds), "bubble", "activations", "activations_checkpointed"}}, "compute_share": [per stage]}.
+    A flag the scripts would refuse is a UsageError."""
+    # The hand-written script's afab is GPipe's order; its 1f1b is the library's.
+    schedule = "gpipe" if args.schedule == "afab" else args.schedule
+    gpipe.check_args(script_args(args, schedule), args.processes, device_type(args))  # before reading files
     config = plan_config(args)
-    pp, dp, m = processes // args.dp, args.dp, args.microbatches
-    # The hand-written script's afab is GPipe's order; its parser has no --stages-per-rank (the table below
-    # shows the library's multi-stage schedules with 2 stages per rank then).
-    args = types.SimpleNamespace(**{**vars(args), "schedule": {"afab": "gpipe"}.get(args.schedule, args.schedule),
-                                    "stages_per_rank": getattr(args, "stages_per_rank", 2)})
-    split.check_schedule(args, pp, config.num_hidden_layers)
-    bf16 = args.device == "cuda"
+    ns, layout = check(args, config, schedule)
+    processes, dp, m, per_rank = args.processes, args.dp, args.microbatches, ns.stages_per_rank
+    pp = processes // dp
+    bf16 = device_type(args) == "cuda"
     tokens = args.batch_size // (dp * m) * args.seq_len  # one microbatch of one replica
-    costs = split.estimated_costs(config, args.seq_len, args.activation_checkpointing)
+    costs = estimated_costs(config, args.seq_len, args.activation_checkpointing)
     sizes = activation_bytes(config, tokens, args.seq_len, bf16)
     print(f"plan: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
           f"{processes} processes = {pp} pipeline ranks x {dp} replicas, --schedule {args.schedule}, "
           f"{m} microbatches of {tokens // args.seq_len} x {args.seq_len} tokens per replica, "
           f"{'bf16 autocast (GPU)' if bf16 else 'fp32 (CPU)'}")
 
+    def held(lay: list[range], checkpointing: bool) -> list[float]:
+        return [len(layers) * sizes["layer_checkpointed" if checkpointing else "layer"]
+                + (sizes["embed"] if s == 0 else 0) + (sizes["head"] if s == len(lay) - 1 else 0)
+                for s, layers in enumerate(lay)]
+
     # Memory of the chosen schedule, per pipeline rank (each replica of a rank holds the same).
-    stages_of = {r: stage_ids(args.schedule, r, pp, args.stages_per_rank) for r in range(pp)}
-    num_stages = pp * len(stages_of[0])
-    layout = split.layout_for(args.split, config.num_hidden_layers, num_stages, config, args.seq_len,
-                              args.activation_checkpointing)
-    print(f"layout (--split {args.split}): {split.describe(layout, costs)}")
+    stages_of = {r: stage_ids(schedule, r, pp, per_rank) for r in range(pp)}
+    print(f"layout (--split {args.split}): {describe_layout(layout, costs)}")
     params = stage_params(config, layout)
-    result = {}
-    for checkpointing in (False, True):
-        held = [len(layers) * sizes["layer_checkpointed" if checkpointing else "layer"]
-                + (sizes["embed"] if s == 0 else 0) + (sizes["head"] if s == num_stages - 1 else 0)
-                for s, layers in enumerate(layout)]
-        result[checkpointing] = schedule_result(args.schedule, pp, m, args.stages_per_rank, layout, costs, held)
+    result = {ac: schedule_result(schedule, pp, m, per_rank, layout, costs, held(layout, ac)) for ac in (False, True)}
     report = {"ranks": [], "schedules": {}}
     unit, unit_name = (2 ** 30, "GiB") if 16 * sum(params) >= 2 ** 30 else (2 ** 20, "MiB")  # MiB for small models
     print(f"\nper pipeline rank, {unit_name} (each of its replicas holds the same) | param | grad | AdamW | gathered "
@@ -214,29 +302,25 @@ def run(args, processes: int) -> None:
         report["ranks"].append(row)
         print(f"  rank {r} (stages {', '.join(map(str, stages_of[r]))}): " + " | ".join(
             f"{v / unit:.2f}" for v in row.values()))
-    share = split.stage_costs(layout, costs)
+    share = stage_costs(layout, costs)
     report["compute_share"] = [c / sum(share) for c in share]
     print("compute per stage: " + ", ".join(f"{c:.0%}" for c in report["compute_share"]))
 
-    # Every schedule, on the layout it would use.
+    # Every schedule, on the layout it would use (a --split of layer counts fits one stage count only: the
+    # others are shown balanced).
     print(f"\nschedules ({pp} ranks, {m} microbatches; step time at {ASSUMED_FLOPS / 1e12:.0f} TFLOP/s per GPU"
           f"{', each layer recomputed in backward' if args.activation_checkpointing else ''}; "
           f"activations of the fullest rank, {unit_name}, without / with checkpointing):")
     for name in SCHEDULES:
-        probe = types.SimpleNamespace(**{**vars(args), "schedule": name})
         try:
-            split.check_schedule(probe, pp, config.num_hidden_layers)
-        except FlagError as e:
+            _, lay = (ns, layout) if name == schedule else check(
+                args, config, name, args.split if args.split in ("even", "balanced") else "balanced")
+        except UsageError as e:
             print(f"  {name:22s} not possible here: {str(e).split(';')[0]}")
             continue
-        n = pp * len(stage_ids(name, 0, pp, args.stages_per_rank))
-        lay = split.layout_for(args.split if args.split in ("even", "balanced") else "balanced",
-                               config.num_hidden_layers, n, config, args.seq_len, args.activation_checkpointing)
-        out = [schedule_result(name, pp, m, args.stages_per_rank, lay, costs, [
-            len(layers) * sizes["layer_checkpointed" if ac else "layer"] + (sizes["embed"] if s == 0 else 0)
-            + (sizes["head"] if s == n - 1 else 0) for s, layers in enumerate(lay)]) for ac in (False, True)]
+        out = [schedule_result(name, pp, m, per_rank, lay, costs, held(lay, ac)) for ac in (False, True)]
         seconds = out[0]["step"] * tokens / ASSUMED_FLOPS
-        ideal = sum(split.stage_costs(lay, costs)) * m / pp * tokens / ASSUMED_FLOPS  # all work, no bubble
+        ideal = sum(stage_costs(lay, costs)) * m / pp * tokens / ASSUMED_FLOPS  # all work, no bubble
         report["schedules"][name] = {"step": seconds, "bubble": out[0]["bubble"],
                                      "activations": max(out[0]["peak"].values()),
                                      "activations_checkpointed": max(out[1]["peak"].values())}
@@ -246,10 +330,35 @@ def run(args, processes: int) -> None:
     return report
 
 
-def schedule_result(name, pp, m, stages_per_rank, layout, costs, held) -> dict:
-    """The replay of one schedule on a layout, with per-token stage costs (FLOPs) and bytes held per stage."""
-    # A forward is a third of a stage's forward + backward; the backward is the rest, with any recomputation.
-    again = [len(layers) * costs.get("recompute", 0.0) for layers in layout]
-    work = [w - r for w, r in zip(split.stage_costs(layout, costs), again)]
-    return replay(schedule_orders(name, pp, m, stages_per_rank), [w / 3 for w in work],
-                  [2 * w / 3 + r for w, r in zip(work, again)], held)
+class _Parser(Parser):
+    MOVED = {flag: where for flag, where in Parser.MOVED.items() if flag != "--vocab-size"}  # plan.py's own
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="plan.py", description=__doc__)
+    p.add_argument("--processes", type=whole(1), required=True,
+                   help="processes the run would start: pipeline ranks x --dp")
+    script = {action.dest: action for action in gpipe.build_parser()._actions}
+    g = p.add_argument_group("the training scripts' flags (same meaning)")
+    for name in SHARED:
+        g._add_action(copy.copy(script[name]))
+    g.add_argument("--schedule", choices=[*SCHEDULES, "afab"], default="gpipe",
+                   help="the library schedules, and the hand-written script's afab (GPipe's order)")
+    g = p.add_argument_group("vocabulary (without --init-from)").add_mutually_exclusive_group()
+    g.add_argument("--vocab-size", type=whole(1),
+                   help=f"tokens in the vocabulary (default: {VOCAB_SIZE}, prepare_data.py's default tokenizer)")
+    g.add_argument("--data", metavar="DIR", help="take the vocabulary from data prepared by prepare_data.py")
+    return p
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    try:
+        return plan(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

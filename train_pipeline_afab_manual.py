@@ -1,35 +1,250 @@
 """Pretrain a Llama model with a pipeline written by hand over torch.distributed send/recv: AFAB and 1F1B.
 
+    python prepare_data.py                                                     # once: the default data, into data/
     torchrun --nproc_per_node 3 train_pipeline_afab_manual.py                  # All-Forward-All-Backward
     torchrun --nproc_per_node 3 train_pipeline_afab_manual.py --schedule 1f1b  # one forward, one backward
-    torchrun --nproc_per_node 2 train_pipeline_afab_manual.py --trace trace.json   # open in ui.perfetto.dev
+    torchrun --nproc_per_node 4 train_pipeline_afab_manual.py --dp 2           # 2 stages x 2 replicas
 
 No torch.distributed.pipelining here: this is what that library does for you. Each rank keeps a slice of the
 layers (partition_model), runs it on every microbatch (forward_stage), and passes activations forward and
-their gradients backward with point-to-point messages. Training is the same as train_pipeline_gpipe.py (same
-flags, data, checkpoints, and for the same --seed the same losses).
+their gradients backward with point-to-point messages (_Comm). train_step_pipeline_afab runs every microbatch
+forward, then every one backward; train_step_pipeline_1f1b starts each microbatch's backward as early as it
+can, so a rank holds at most (stages - rank) microbatches' activations instead of all of them. The functions
+also train a Hugging Face LlamaForCausalLM that a user brings: partition_model(hf_model, rank, world_size).
 
-The functions also train a Hugging Face `LlamaForCausalLM` that a user brings: partition_model(hf_model, ...).
+A template: this file, model.py and checkpoint.py are all it needs, with data from prepare_data.py. It reads
+top to bottom: flags, processes and mesh, data, this rank's stage, the schedule, training, the main loop; the
+same flags, checkpoints and, for the same --seed, losses as train_pipeline_gpipe.py.
 """
 
+import argparse
+import contextlib
 import dataclasses
+import datetime
+import json
+import math
+import os
+import resource
+import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
+import tqdm
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 import checkpoint
-import data
-import flags
-import plan
-import preflight
-import runtime
-import split
-import timeline
-import training
-from model import LlamaForPretraining
+from checkpoint import Parser, UsageError, collective_errors, number, whole
+from model import (PRESETS, LlamaForPretraining, TiedEmbedding, check_layout, checkpoint_layers, compile_layers,
+                   config_from_preset, decoder_layers, describe_layout, estimated_costs, even, flops_per_token, layout)
+
+# ----------------------------------------------------------------------------------------------------------
+# Flags: the same names and meanings in every script of the collection
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(description=__doc__)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", choices=sorted(PRESETS), help="model preset (default: tiny on CPU, small on GPU)")
+    g.add_argument("--layers", type=whole(1), help="another number of decoder layers than the preset's")
+    g.add_argument("--init-from", metavar="DIR",
+                   help="start a new run from a model's weights: a Hugging Face Llama directory (config.json, "
+                        "safetensors, tokenizer.json) or a checkpoint of this project (a step-N directory or a "
+                        "--checkpoint-dir: its newest). Its shape comes from there, its tokenizer must be the "
+                        "data's. Ignored once --checkpoint-dir holds checkpoints: they are resumed")
+    g = p.add_argument_group("training")
+    g.add_argument("--data", default="data", help="data prepared by prepare_data.py")
+    g.add_argument("--steps", type=whole(0), default=300, help="optimizer steps; 0: only evaluate")
+    g.add_argument("--batch-size", type=whole(1), default=16, help="sequences per step, over all replicas")
+    g.add_argument("--microbatches", type=whole(1), default=4, help="per replica, of its share of the batch")
+    g.add_argument("--seq-len", type=whole(1), default=128, help="tokens per sequence")
+    g.add_argument("--lr", type=number(positive=True), default=3e-3, help="peak learning rate (AdamW)")
+    g.add_argument("--warmup-steps", type=whole(0), default=30, help="linear, then cosine decay to 10%% of --lr")
+    g.add_argument("--weight-decay", type=number(positive=False), default=0.1, help="AdamW's, of matrices")
+    g.add_argument("--grad-clip", type=number(positive=False), default=1.0,
+                   help="clip the whole model's gradient norm to this; 0: no clipping")
+    g.add_argument("--seed", type=int, default=0, help="of the weights and the data order")
+    g.add_argument("--eval-every", type=whole(0), default=0,
+                   help="after every N steps and at the end, the held-out loss, forward only; 0: never")
+    g.add_argument("--eval-batches", type=whole(1), default=4, help="held-out batches per evaluation")
+    g = p.add_argument_group("pipeline")
+    g.add_argument("--schedule", choices=list(SCHEDULES), default="afab", help="the pipeline schedule")
+    g.add_argument("--split", default="balanced",
+                   help="the layers of each stage: balanced (by estimated compute, the head and loss counted on "
+                        "the last stage), even (equal counts), or layers per stage such as 5,1")
+    g.add_argument("--dp", type=whole(1), default=1,
+                   help="data-parallel replicas of the pipeline (FSDP2); pipeline ranks = processes / dp")
+    g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
+    g.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    g = p.add_argument_group("checkpoints and output")
+    g.add_argument("--checkpoint-dir", default="checkpoints", help="saved to and resumed from")
+    g.add_argument("--checkpoint-every", type=whole(0), default=0, help="save every N steps; 0: at the end only")
+    g.add_argument("--keep-checkpoints", type=whole(1), default=3, help="the newest K complete ones are kept")
+    g.add_argument("--fresh", action="store_true",
+                   help="start at step 0 even if --checkpoint-dir holds checkpoints (moved to DIR.previous-TIME)")
+    g.add_argument("--metrics", help="write one JSON line per step, and a summary, to this file")
+    g.add_argument("--trace", metavar="DIR",
+                   help="write each rank's Chrome trace of the last 3 steps (torch.profiler) to DIR/rankN.json")
+    g = p.add_argument_group("system")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda:LOCAL_RANK with NCCL and bf16 autocast when a GPU is present, else CPU, gloo, "
+                        "fp32")
+    g.add_argument("--timeout", type=number(positive=True), default=600,
+                   help="seconds a rank waits for its peers before the job stops with an error, not a hang")
+    return p
+
+
+def check_args(args, world_size: int, device_type: str) -> None:
+    """What the flags alone show to be impossible, checked identically on every rank before any work."""
+    def need(ok: bool, message: str):
+        if not ok:
+            raise UsageError(message, on_every_rank=True)
+    need(world_size % args.dp == 0, f"--dp {args.dp}: {world_size} processes cannot be split into {args.dp} "
+                                    "replicas; start a multiple of --dp processes (pipeline ranks x replicas)")
+    need(args.batch_size % (args.dp * args.microbatches) == 0,
+         f"--batch-size {args.batch_size} is not divisible by --dp {args.dp} x --microbatches {args.microbatches}; "
+         "each replica splits its equal share of the batch into the microbatches")
+    pp, per_rank = world_size // args.dp, 1  # one stage per rank
+    preset = config_from_preset(args.model or ("small" if device_type == "cuda" else "tiny"), 0, args.layers)
+    # The preset's shape (its vocabulary comes with the data); --init-from's, or a resumed run's, once known.
+    stage_layout(preset if checkpoint.preset_model(args) else None, pp * per_rank, args)
+
+
+def stage_layout(config, num_stages: int, args) -> list[range]:
+    """The layers of each stage (--split), after what the model's shape allows: a layer per stage, --seq-len
+    within its positions. config None: only --split's spelling."""
+    if config is not None and num_stages > config.num_hidden_layers:
+        stages = "processes / --dp" + (" x --stages-per-rank" if "stages_per_rank" in vars(args) else "")
+        raise UsageError(f"{num_stages} pipeline stages ({stages}) but the model has {config.num_hidden_layers} "
+                         "layers: each stage needs one; use fewer stages or more --layers", on_every_rank=True)
+    if config is not None and args.seq_len > config.max_position_embeddings:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions",
+                         on_every_rank=True)
+    try:
+        if config is None:
+            return check_layout(args.split)
+        return layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing)
+    except ValueError as e:
+        raise UsageError(f"--split {args.split}: {e}", on_every_rank=True) from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Processes, devices and the mesh
+
+@dataclasses.dataclass
+class Env:
+    rank: int
+    world_size: int
+    device: torch.device  # cuda:LOCAL_RANK with NCCL, or the CPU with gloo
+    dtype: torch.dtype  # compute dtype: bf16 autocast on GPU (weights and AdamW stay fp32), fp32 on CPU
+    restart: int  # how often torchrun --max-restarts has restarted this job
+
+
+def launch_env(device_flag: str) -> Env:
+    """What torchrun set (or one process, under plain python), and the one place that picks device and dtype."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cuda = device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no GPU is visible; use --device cpu")
+    if cuda and local_world > torch.cuda.device_count():  # NCCL refuses two ranks on one GPU
+        raise UsageError(f"--device cuda: {local_world} processes on this node but {torch.cuda.device_count()} "
+                         "GPUs; start one process per GPU (--nproc_per_node) or use --device cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    return Env(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device,
+               torch.bfloat16 if cuda else torch.float32, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+
+
+def init_distributed(env: Env, timeout_s: float, dp: int):
+    """Join the other processes and arrange them in a mesh: "pp" (pipeline ranks) outermost, "dp" (replicas).
+
+    Ranks fill the mesh row by row, rank = pp_rank * dp + dp_rank: the replicas of a stage are neighbouring
+    ranks, on one node when dp divides its GPUs, so FSDP's all-gathers and reduce-scatters (a stage's whole
+    parameters and gradients, every step) stay on the node's fast links, and only one microbatch's
+    activations at a time cross nodes. The timeout bounds every collective and send/recv: a peer that died or
+    hangs stops the job with an error instead of leaving the others waiting forever."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if env.device.type == "cuda" else "gloo"
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
+    if "MASTER_ADDR" in os.environ:  # started by torchrun
+        store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+        # After torchrun --max-restarts restarts the job, the new processes meet in the same store as the dead
+        # ones, whose addresses are still in it: a key prefix per attempt keeps each to itself.
+        store = dist.PrefixStore(f"attempt{env.restart}", store)
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
+                                **({"device_id": env.device} if env.device.type == "cuda" else {}))
+    else:  # plain `python script.py`: a group of one
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return init_device_mesh(env.device.type, (env.world_size // dp, dp), mesh_dim_names=("pp", "dp"))
+
+
+def autocast(env: Env):
+    return torch.autocast(env.device.type, env.dtype) if env.dtype != torch.float32 else contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Data: windows of the token files prepare_data.py wrote, in a seeded order that a checkpoint can resume
+
+class Batches:
+    """Windows of seq_len + 1 tokens (inputs = window[:-1], targets = window[1:]) from the token files of a
+    split ("train" or "val"), batch_size windows per batch. Consecutive windows share one token, so every token
+    is a target once per epoch. shuffle: a permutation of the windows drawn from (seed, epoch) for each epoch;
+    else in order. Every rank reads the whole global batch, so the position is the run's whatever the layout,
+    and each data-parallel replica trains on its own rows of it."""
+
+    def __init__(self, directory: str, meta: dict, split: str, seq_len: int, batch_size: int, seed: int,
+                 shuffle: bool = True):
+        self.files = [np.memmap(os.path.join(directory, f), dtype=meta["dtype"], mode="r")
+                      for f in meta[split]["files"]]
+        self.starts = np.cumsum([0] + [(len(tokens) - 1) // seq_len for tokens in self.files])  # windows before
+        self.num_windows = int(self.starts[-1])
+        self.seq_len, self.batch_size, self.seed, self.shuffle = seq_len, batch_size, seed, shuffle
+        self.load_state_dict({"epoch": 0, "index": 0})
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = []
+        for _ in range(self.batch_size):
+            if self.index == self.num_windows:
+                self.load_state_dict({"epoch": self.epoch + 1, "index": 0})
+            window = int(self.order[self.index])
+            self.index += 1
+            file = int(np.searchsorted(self.starts, window, side="right")) - 1
+            start = (window - int(self.starts[file])) * self.seq_len
+            windows.append(torch.from_numpy(self.files[file][start:start + self.seq_len + 1].astype(np.int64)))
+        batch = torch.stack(windows)
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index = state["epoch"], state["index"]
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        self.order = (torch.randperm(self.num_windows, generator=generator) if self.shuffle
+                      else torch.arange(self.num_windows))
+
+
+def open_data(args) -> tuple[dict, Batches, Batches]:
+    """The prepared data's meta.json, the training batches, and the held-out ones (the same each evaluation)."""
+    try:
+        with open(os.path.join(args.data, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        raise UsageError(f"--data {args.data}: no data prepared there; run python prepare_data.py"
+                         f"{'' if args.data == 'data' else ' --out ' + args.data} first (see its --help)") from None
+    train = Batches(args.data, meta, "train", args.seq_len, args.batch_size, args.seed)
+    held_out = Batches(args.data, meta, "val", args.seq_len, args.batch_size, 0, shuffle=False)
+    if train.num_windows < 1:
+        raise UsageError(f"--seq-len {args.seq_len}: --data {args.data} holds {sum(meta['train']['tokens'])} "
+                         "training tokens, less than one window of --seq-len + 1; use a shorter --seq-len")
+    if (args.eval_every or args.steps == 0) and held_out.num_windows < args.eval_batches * args.batch_size:
+        raise UsageError(f"--eval-batches {args.eval_batches}: --data {args.data} holds {held_out.num_windows} "
+                         "held-out windows of --seq-len + 1, fewer than --eval-batches x --batch-size")
+    return meta, train, held_out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -40,57 +255,44 @@ class Partition:
     """One rank's part of a model. `model` is the trimmed model itself: its parameters are exactly this stage's,
     under the full model's names, so the optimizer and checkpoints use it directly."""
     model: nn.Module
-    rank: int
-    world_size: int
+    rank: int  # this stage, counted along the pipeline
+    world_size: int  # the pipeline's stages
     layers: list[nn.Module]
     embed: nn.Module | None  # first stage only
     norm: nn.Module | None  # last stage only
     head: nn.Module | None  # last stage only
     rotary: nn.Module | None  # HF: computes (cos, sin) from positions; our layers build their own tables
-    pad_id: int | None  # targets equal to it are ignored by the loss, like data.IGNORE_INDEX
+    pad_id: int | None  # targets equal to it are ignored by the loss, like -100
     explicit_causal_mask: bool  # HF's eager attention applies no causal mask unless given one
     group: dist.ProcessGroup | None = None  # the pipeline's ranks; None: the default group is the pipeline
 
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.world_size - 1
-
     def peer(self, offset: int) -> int:
-        """The global rank of the previous (-1) or next (+1) stage. send/recv always take global ranks; with
-        data parallelism, rank + 1 of the pipeline is not global rank + 1 (the mesh puts the replicas of a stage
-        between them), so map it through the pipeline's group."""
+        """The global rank of the previous (-1) or next (+1) stage. send/recv take global ranks; with data
+        parallelism, stage + 1 is not global rank + 1 (the mesh puts a stage's replicas between them)."""
         rank = self.rank + offset
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
 
 def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.ProcessGroup | None = None,
                     layout: list[range] | None = None) -> Partition:
-    """Keep this rank's slice of the layers (by default an even one: sizes differ by at most one), with the
-    embedding on the first rank and the final norm and head on the last. The model is trimmed in place, so the
-    other layers can be freed; calling it again with the same rank and world size returns the same slice.
+    """Keep this rank's slice of the layers, with the embedding on the first rank and the final norm and head on
+    the last, trimming the model in place so the other layers can be freed (on the meta device: never allocated).
 
-    rank and world_size count the pipeline's stages. group: the process group of this rank's pipeline, when
-    it is not the default group (several pipelines side by side, one per data-parallel replica); rank is then
-    this process's rank within that group. layout: the layers of every stage, to balance the stages by cost
-    (split.py) instead of by layer count.
-
-    Works with model.py's LlamaForPretraining and with a Hugging Face LlamaForCausalLM
-    (model.model.embed_tokens / layers / norm / rotary_emb, lm_head).
-    """
+    rank and world_size count the pipeline's stages. group: the process group of this rank's pipeline, when it
+    is not the default group (one pipeline per data-parallel replica); rank is then this process's rank in it.
+    layout: the layers of every stage (default: even, sizes differing by at most one). Works with model.py's
+    LlamaForPretraining and with a Hugging Face LlamaForCausalLM (model.model.embed_tokens / layers / norm /
+    rotary_emb, lm_head)."""
     if isinstance(model, LlamaForPretraining):
-        base, owner, rotary, pad_id, eager = model.base_model, model, None, None, False
+        base, rotary, pad_id, eager = model.base_model, None, None, False
     elif hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(model, "lm_head"):
-        base, owner, rotary = model.model, model, model.model.rotary_emb
+        base, rotary = model.model, model.model.rotary_emb
         pad_id = getattr(model.config, "pad_token_id", None)
         eager = getattr(model.config, "_attn_implementation", "eager") == "eager"
     else:
         raise TypeError(f"partition_model: unsupported model {type(model).__name__}")
     layers, as_dict = base.layers, isinstance(base.layers, nn.ModuleDict)
-    keep = (layout or split.even(model.config.num_hidden_layers, world_size))[rank]
+    keep = (layout or even(model.config.num_hidden_layers, world_size))[rank]
     for key in [int(k) for k in layers.keys()] if as_dict else range(len(layers)):
         if key not in keep and as_dict:
             del layers[str(key)]  # names stay global: "layers.4" is layer 4 on any stage
@@ -102,86 +304,73 @@ def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.Pr
     if rank != 0:
         base.embed_tokens = None
     if rank != world_size - 1:
-        base.norm = None
-        owner.lm_head = None
-    return Partition(owner, rank, world_size, kept, base.embed_tokens, base.norm, owner.lm_head, rotary,
-                     pad_id, eager, group)
+        base.norm = model.lm_head = None
+    return Partition(model, rank, world_size, kept, base.embed_tokens, base.norm, model.lm_head, rotary, pad_id,
+                     eager, group)
 
 
 def forward_stage(partition: Partition, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Run this rank's slice. The first stage takes token ids [mb, seq]; the others hidden states
-    [mb, seq, hidden]. Returns hidden states, or logits on the last stage.
-
-    Positions are 0..seq-1 on every stage: each stage sees whole sequences, so it can rebuild positions (and
-    the rotary tables) from the sequence length and nothing but hidden states needs to travel.
-    """
+    """Run this rank's slice: token ids [mb, seq] on the first stage, hidden states [mb, seq, hidden] on the
+    others; returns hidden states, or logits on the last stage. Positions are 0..seq-1 on every stage: each sees
+    whole sequences, so it rebuilds positions (and rotary tables) from the length and only hidden states travel."""
     if isinstance(partition.model, LlamaForPretraining):
-        # model.py's Llama skips what a stage does not hold, so the trimmed model is exactly the stage. Calling it
-        # (not its parts) also runs FSDP's hooks when the stage is sharded over data-parallel replicas.
+        # model.py's Llama skips what a stage does not hold, so the trimmed model is the stage. Calling it (not its
+        # parts) also runs FSDP's hooks when the stage is sharded over data-parallel replicas.
         return partition.model(hidden_states)
     h = partition.embed(hidden_states) if partition.embed is not None else hidden_states
     kwargs = {}
-    if partition.rotary is not None:  # Hugging Face layers take precomputed (cos, sin) and optionally a mask
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        kwargs["position_embeddings"] = partition.rotary(h, positions)
+    if partition.rotary is not None:  # Hugging Face layers take precomputed (cos, sin) and maybe a mask
+        kwargs["position_embeddings"] = partition.rotary(h, torch.arange(h.shape[1], device=h.device)[None])
         if partition.explicit_causal_mask:
             kwargs["attention_mask"] = torch.full((h.shape[1], h.shape[1]), float("-inf"), device=h.device,
                                                   dtype=h.dtype).triu(1)[None, None]
     for layer in partition.layers:
         h = layer(h, **kwargs)
         h = h[0] if isinstance(h, tuple) else h  # older transformers return (hidden_states, ...)
-    if partition.norm is not None:
-        h = partition.norm(h)
+    h = partition.norm(h) if partition.norm is not None else h
     return partition.head(h) if partition.head is not None else h
 
 
-def microbatch_loss(partition: Partition, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    if partition.pad_id is not None:
-        targets = targets.masked_fill(targets == partition.pad_id, data.IGNORE_INDEX)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=data.IGNORE_INDEX)
+def loss_fn(partition: Partition, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if partition.pad_id is not None:  # a Hugging Face model's padding, if it has any
+        targets = targets.masked_fill(targets == partition.pad_id, -100)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Point-to-point messages with a shape/dtype handshake
+# The schedule: point-to-point messages, and AFAB and 1F1B over them
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _MAX_DIMS = 6
 
 
 class _Comm:
-    """Sends and receives of one training step. Sends are non-blocking so that two neighbours sending to each
-    other at the same moment (1F1B's steady state) cannot deadlock; they are waited for at the end of the step,
-    and the tensors are kept alive until then."""
+    """The sends and receives of one step. Sends do not wait, so two neighbours sending to each other at the
+    same moment (1F1B's steady state) cannot deadlock; they are waited for at the end of the step, and their
+    tensors kept alive until then. Each is labelled for --trace's profiler ("send 3", "recv 3")."""
 
-    def __init__(self, device: torch.device, timeline: "timeline.Timeline | None"):
-        self.device, self.timeline, self.pending = device, timeline, []
-
-    def now(self) -> float:
-        return self.timeline.now() if self.timeline else 0.0
+    def __init__(self, device: torch.device):
+        self.device, self.pending = device, []
 
     def send(self, tensor: torch.Tensor, dst: int, mb: int) -> None:
-        start = self.now()
-        tensor = tensor.contiguous()
-        # The receiver cannot know the shape (the sequence length may change from batch to batch) nor the
-        # dtype, and a receive buffer must match the sender's dtype byte for byte: send both first.
-        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
-        header = header.to(self.device)
-        self.pending += [(dist.isend(header, dst), header), (dist.isend(tensor, dst), tensor)]
-        if self.timeline:
-            self.timeline.add("send", mb, start)
+        with record_function(f"send {mb}"):
+            tensor = tensor.contiguous()
+            # The receiver knows neither the shape (the sequence length may change from batch to batch) nor the
+            # dtype, and a receive buffer must match the sender's byte for byte: send both first.
+            header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+            header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+            header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+            header = header.to(self.device)
+            self.pending += [(dist.isend(header, dst), header), (dist.isend(tensor, dst), tensor)]
 
     def recv(self, src: int, mb: int) -> torch.Tensor:
-        start = self.now()
-        header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
-        dist.recv(header, src)
-        dtype_index, ndim, *shape = header.tolist()
-        tensor = torch.empty(shape[:ndim], dtype=_DTYPES[dtype_index], device=self.device)
-        dist.recv(tensor, src)
-        if self.timeline:
-            self.timeline.add("recv", mb, start)
-        return tensor
+        with record_function(f"recv {mb}"):
+            header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
+            dist.recv(header, src)
+            dtype, ndim, *shape = header.tolist()
+            tensor = torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=self.device)
+            dist.recv(tensor, src)
+            return tensor
 
     def wait_all(self) -> None:
         for work, _ in self.pending:
@@ -189,40 +378,31 @@ class _Comm:
         self.pending.clear()
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The schedules
-
 class _Step:
-    """Per-step state shared by AFAB and 1F1B: one forward and one backward per microbatch."""
+    """One step of AFAB or 1F1B on this rank: one forward and one backward per microbatch, in the schedule's
+    order, each labelled for --trace's profiler ("forward 3", "backward 3")."""
 
-    def __init__(self, partition, inputs, targets, device, dtype, timeline, capture):
+    def __init__(self, partition, inputs, targets, device, dtype, capture=None):
         self.p, self.inputs, self.targets, self.device, self.dtype = partition, inputs, targets, device, dtype
-        self.m = len(inputs)
-        self.comm = _Comm(device, timeline)
-        self.timeline, self.capture = timeline, capture
+        self.m, self.comm, self.capture = len(inputs), _Comm(device), capture
+        self.first, self.last = partition.rank == 0, partition.rank == partition.world_size - 1
         self.saved: dict[int, tuple] = {}  # microbatch -> (stage input, stage output or scaled loss)
-        self.loss = torch.zeros((), device=device)
-        self.in_flight_peak = 0
+        self.loss, self.in_flight_peak = torch.zeros((), device=device), 0
 
     def forward(self, i: int) -> None:
         p = self.p
-        if p.is_first:
-            x = self.inputs[i].to(self.device)
-        else:
-            # A received tensor has no autograd history. Making it a leaf that requires grad lets this stage's
-            # backward stop here and leave d(loss)/d(input) in x.grad, which is what the previous stage needs.
-            x = self.comm.recv(p.peer(-1), i).to(self.dtype).requires_grad_()
-        start = self.comm.now()
-        out = forward_stage(p, x)
-        if self.capture is not None:
-            self.capture.setdefault("outputs", {})[i] = out.detach().clone()  # hidden states, or logits
-        if p.is_last:
-            # Divide by the number of microbatches so the accumulated gradient is that of the mean loss.
-            out = microbatch_loss(p, out, self.targets[i].to(self.device)) / self.m
-            self.loss += out.detach()
-        if self.timeline:
-            self.timeline.add("forward", i, start)
-        if not p.is_last:  # values only travel; the graph stays here in `out` for this stage's backward
+        # A received tensor has no autograd history. Making it a leaf that requires grad lets this stage's
+        # backward stop there and leave d(loss)/d(input) in x.grad, which is what the previous stage needs.
+        x = self.inputs[i].to(self.device) if self.first else \
+            self.comm.recv(p.peer(-1), i).to(self.dtype).requires_grad_()
+        with record_function(f"forward {i}"):
+            out = forward_stage(p, x)
+            if self.capture is not None:
+                self.capture.setdefault("outputs", {})[i] = out.detach().clone()  # hidden states, or logits
+            if self.last:  # divided by m: the gradients add up to those of the mean microbatch loss
+                out = loss_fn(p, out, self.targets[i].to(self.device)) / self.m
+                self.loss += out.detach()
+        if not self.last:  # values only travel; the graph stays here in `out` for this stage's backward
             self.comm.send(out.detach().to(self.dtype), p.peer(+1), i)
         self.saved[i] = (x, out)
         self.in_flight_peak = max(self.in_flight_peak, len(self.saved))
@@ -230,22 +410,18 @@ class _Step:
     def backward(self, i: int) -> None:
         p = self.p
         x, out = self.saved.pop(i)  # dropping it frees this microbatch's activations after the backward
-        grad = None if p.is_last else self.comm.recv(p.peer(+1), i).to(out.dtype)
+        grad = None if self.last else self.comm.recv(p.peer(+1), i).to(out.dtype)
         if isinstance(p.model, FSDPModule):
-            # Data parallelism: the replicas of this stage must end the step with the same gradient, the mean
-            # of theirs. Syncing on every microbatch's backward would reduce-scatter m times per step; instead
-            # each backward adds into the local unsharded gradient and only the last one (microbatch m - 1 in
-            # both AFAB and 1F1B) reduce-scatters the sum, once. Until then the parameters stay gathered
-            # (reshard after backward only at the end), and FSDP finishes its step only after the last one.
+            # Data parallelism: every backward adds into the local unsharded gradient, and only the last one
+            # (microbatch m - 1, in AFAB and 1F1B alike) reduce-scatters the sum over the replicas, once per step
+            # instead of m times; the parameters stay gathered until then.
             last = i == self.m - 1
             p.model.set_requires_gradient_sync(last)
             p.model.set_reshard_after_backward(last)
             p.model.set_is_last_backward(last)
-        start = self.comm.now()
-        out.backward(grad)  # the last stage starts from its scaled loss, the others from the received gradient
-        if self.timeline:
-            self.timeline.add("backward", i, start)
-        if not p.is_first:
+        with record_function(f"backward {i}"):
+            out.backward(grad)  # the last stage from its scaled loss, the others from the received gradient
+        if not self.first:
             if self.capture is not None:
                 self.capture.setdefault("input_grads", {})[i] = x.grad.detach().clone()
             self.comm.send(x.grad.to(self.dtype), p.peer(-1), i)
@@ -254,32 +430,28 @@ class _Step:
         self.comm.wait_all()
         if self.capture is not None:
             self.capture["in_flight_peak"] = self.in_flight_peak
-        return self.loss if self.p.is_last else None
+        return self.loss if self.last else None
 
 
 def _as_partition(model) -> Partition:
-    if isinstance(model, Partition):
-        return model
-    return partition_model(model, dist.get_rank(), dist.get_world_size())
+    return model if isinstance(model, Partition) else partition_model(model, dist.get_rank(), dist.get_world_size())
 
 
-def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, timeline=None, capture=None):
+def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, capture=None):
     """One training step with All-Forward-All-Backward: every microbatch forward, then every one backward in
-    microbatch order (0, 1, ...). The caller zeroes gradients before and runs the optimizer after.
+    microbatch order. The caller zeroes gradients before and runs the optimizer after.
 
     Args:
         model: a Partition from partition_model, or a model that is partitioned here (rank and world size
             from the default process group, which must be initialized).
         inputs, targets: lists of [mb, seq] token-id tensors, one per microbatch. Only the first rank reads
             inputs and only the last reads targets; other ranks may pass lists of None of the same length.
-        device: where this stage computes. dtype: dtype of the activations and gradients sent between stages.
-        timeline: optional Timeline that records every forward, backward, send and recv.
+        device: where this stage computes. dtype: of the activations and gradients sent between stages.
         capture: optional dict that receives this stage's per-microbatch outputs and input gradients.
 
     Returns the step's loss (mean over microbatches of the cross-entropy, ignoring -100 and the pad id) on the
-    last rank; None on the other ranks. All m microbatches' activations are held at the peak.
-    """
-    step = _Step(_as_partition(model), inputs, targets, device, dtype, timeline, capture)
+    last rank, None on the others. All m microbatches' activations are held at the peak."""
+    step = _Step(_as_partition(model), inputs, targets, device, dtype, capture)
     for i in range(step.m):
         step.forward(i)
     for i in range(step.m):
@@ -287,34 +459,30 @@ def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, timeline=
     return step.finish()
 
 
-def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, timeline=None, capture=None):
-    """One training step with 1F1B (PipeDream-flush): same arguments, result and gradients as AFAB, but a
-    rank holds the activations of at most world_size - rank microbatches instead of all of them."""
-    step = _Step(_as_partition(model), inputs, targets, device, dtype, timeline, capture)
+def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, capture=None):
+    """One training step with 1F1B (PipeDream-flush): the arguments, result and gradients of AFAB, but a rank
+    holds the activations of at most world_size - rank microbatches instead of all of them."""
+    step = _Step(_as_partition(model), inputs, targets, device, dtype, capture)
     p = step.p
-    # Warmup: enough forwards to fill the pipeline below this rank. The last rank needs none.
-    warmup = min(p.world_size - p.rank - 1, step.m)
+    warmup = min(p.world_size - p.rank - 1, step.m)  # fill the pipeline below this rank; the last needs none
     for i in range(warmup):
         step.forward(i)
-    # Steady state: each new forward is followed by the backward of the oldest microbatch still held,
-    # so the number held stays at warmup + 1.
-    for i in range(step.m - warmup):
+    for i in range(step.m - warmup):  # steady state: each forward followed by the oldest held one's backward
         step.forward(warmup + i)
         step.backward(i)
-    # Cooldown: drain the microbatches still held.
-    for i in range(step.m - warmup, step.m):
+    for i in range(step.m - warmup, step.m):  # cooldown: drain what is still held
         step.backward(i)
     return step.finish()
 
 
 @torch.no_grad()
 def eval_step_pipeline(model, inputs, targets, device, dtype):
-    """Forward only, for a held-out loss: every microbatch through the stages (no activations kept), the last
-    rank returns the mean loss. Same arguments as train_step_pipeline_afab."""
-    step = _Step(_as_partition(model), inputs, targets, device, dtype, None, None)
+    """Forward only, for a held-out loss: the arguments of train_step_pipeline_afab; the mean loss on the last
+    rank. No activation is kept."""
+    step = _Step(_as_partition(model), inputs, targets, device, dtype)
     for i in range(step.m):
         step.forward(i)
-        step.saved.pop(i)  # nothing to go backward through
+        step.saved.pop(i)
     return step.finish()
 
 
@@ -322,63 +490,239 @@ SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Training: data parallelism, the optimizer and its schedule, clipping across stages, tied embeddings, metrics
+
+def shard_replicas(stage_modules: list, mesh) -> None:
+    """Data parallelism beside the pipeline: shard each stage over its dp replicas with FSDP2, in place.
+
+    fully_shard on every decoder layer, then on the stage's root (embedding, final norm, head): each layer is
+    all-gathered and its gradient reduce-scattered as one unit, and each rank keeps 1/dp of its stage's
+    parameters, gradients and AdamW state. reshard_after_forward=False: a pipeline runs every stage forward
+    once per microbatch, and re-gathering the parameters for each would multiply the all-gathers by the number
+    of microbatches (torchtitan's choice with pipelining too). PipelineStage reduces gradients once per step."""
+    if mesh["dp"].size() == 1:
+        return
+    for module in decoder_layers(stage_modules) + stage_modules:
+        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
+
+
+def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
+    # Decay matrices only; norm gains stay undecayed. Grouping is per parameter, so it is the same on any split.
+    # fused: one kernel over all of a group's tensors, on CUDA and on CPU (FSDP's DTensors too).
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+def lr_at(step: int, args) -> float:
+    """The LR of 1-based step `step`: linear warmup, then cosine down to 10 % of --lr. A function of the step
+    alone, so resuming needs no scheduler state."""
+    if step <= args.warmup_steps:
+        return args.lr * step / args.warmup_steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def clip_grad_norm_(params, max_norm: float, copies=()) -> torch.Tensor:
+    """Clip by the norm of the *whole model's* gradient and return it (the same on every rank).
+
+    Each rank holds part of the gradient: its stages', and with FSDP only its shard of that. The parts are
+    disjoint, so the whole's squared norm is the sum over all ranks of each part's; clipping each part by its
+    own norm would change the update. copies: a tied head's copy of the embedding, clipped but counted once.
+    Summed in float64 over rows of 4096: torch's float32 norm on the CPU adds a whole tensor in one running
+    sum (2e-5 relative error on the tiny model's embedding gradient, more than the layouts may differ by)."""
+    params, skip, squares = [p for p in params if p.grad is not None], {id(p) for p in copies}, []
+    for grad in (p.grad for p in params if id(p) not in skip):
+        flat = (grad.to_local() if isinstance(grad, DTensor) else grad).flatten()
+        whole = flat.numel() // 4096 * 4096  # rows as views of the gradient (no copy), then the rest
+        norms = torch.cat([torch.linalg.vector_norm(flat[:whole].view(-1, 4096), dim=1),
+                           torch.linalg.vector_norm(flat[whole:])[None]])
+        squares.append((norms.double() ** 2).sum())
+    total = torch.stack(squares).sum()
+    dist.all_reduce(total)
+    total = total.sqrt().float()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def summary(env: Env, model, optimizer, step_times: list[float], tokens_per_step: int, config, args, reports: bool,
+            metrics) -> None:
+    """Collective: every rank's peak memory and the bytes it holds (params, gradients, AdamW state: with FSDP its
+    shards); the rank reporting the loss prints them with the step time and MFU, and writes them to --metrics."""
+    size = lambda ts: sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in ts if torch.is_tensor(t))
+    held = {"param": size(model.parameters()), "grad": size(p.grad for p in model.parameters()),
+            "optimizer": size(v for state in optimizer.state.values() for v in state.values())}
+    peak = (torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB of peak RSS
+    gathered = [None] * env.world_size
+    dist.all_gather_object(gathered, (peak, held))
+    if not (reports and step_times):
+        return
+    steady = step_times[1:] or step_times  # the first step pays one-time costs
+    row = {"steps": len(step_times), "median_step_time": sorted(steady)[len(steady) // 2],
+           "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
+           "peak_memory_bytes_per_rank": [p for p, _ in gathered],
+           **{f"{kind}_bytes_per_rank": [h[kind] for _, h in gathered] for kind in held}}
+    # MFU: model FLOPs over the GPUs' dense bf16 peak (vendors' data sheets; other GPUs get none).
+    peak_flops = next((f for gpu, f in {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
+                                        "L4": 121e12}.items() if env.device.type == "cuda"
+                       and gpu in torch.cuda.get_device_name(env.device)), None)
+    if peak_flops:
+        row["mfu"] = row["tokens_per_s"] * flops_per_token(config, args.seq_len) / (peak_flops * env.world_size)
+    if metrics:
+        metrics.write(json.dumps({"summary": row}) + "\n")
+    mib = lambda values: ", ".join(f"{b / 2**20:.1f}" for b in values)  # noqa: E731
+    mfu = f", MFU {row['mfu']:.1%}" if peak_flops else ""
+    print(f"done: {row['steps']} steps, median step {row['median_step_time'] * 1e3:.0f} ms, "
+          f"{row['tokens_per_s']:.0f} tokens/s{mfu}; peak memory per rank ({env.device.type}, MiB): "
+          f"{mib(row['peak_memory_bytes_per_rank'])}; held per rank (MiB): "
+          + "; ".join(f"{kind} {mib(row[f'{kind}_bytes_per_rank'])}" for kind in held), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
 
 def main(args):
-    if args.plan is not None:  # memory and step time of a layout, computed: nothing allocated, no process group
-        return plan.run(args, args.plan)
-    env = runtime.launch_env(args.device)
-    flags.check_args(args, env.world_size, env.device.type)
-    runtime.init_process_group(env, args.timeout, args.dp)
-    preflight.check(args, env)  # paths, inputs, one run per --checkpoint-dir: one line on every rank if wrong
-    mesh = env.mesh  # this rank's stage along "pp", its replica along "dp"
-    is_first, is_last = mesh.pp_rank == 0, mesh.pp_rank == mesh.pp - 1
+    env = launch_env(args.device)
+    check_args(args, env.world_size, env.device.type)
+    mesh = init_distributed(env, args.timeout, args.dp)
+    pp_rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()  # this rank's place along the pipeline
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()  # and among its stage's replicas
     say = print if env.rank == 0 else (lambda *a, **k: None)
 
-    # --- data: inputs for the first stage, targets for the last
-    tokenizer, loader = data.setup(args, env.local_rank, needs_batches=is_first or is_last)
+    # --- data, then what the run will write (paths, the lock, the same run as the checkpoints?)
+    with collective_errors():
+        data, batches, held_out = open_data(args)
+    data_id = checkpoint.data_identity(args.data)
+    checkpoint.check_run(args, env.rank, env.restart, data_id)
 
-    # --- model, split, schedule: the full model on meta, this rank's slice kept, then materialized
-    with runtime.collective_errors():
-        config, name = checkpoint.model_config(args, tokenizer.vocab_size(), env.device.type)
+    # --- this rank's stage: the full model on meta, this rank's slice kept, then allocated; sharded over replicas
+    has_first, has_last = pp_rank == 0, pp_rank == pp - 1
+    with collective_errors():
+        config, name = checkpoint.model_config(args, data, env.device.type)
+        layers = stage_layout(config, pp, args)
     with torch.device("meta"):
         model = LlamaForPretraining(config)
-    layout, costs = split.run_layout(args, config, mesh.pp)  # the layers of each stage
-    partition = partition_model(model, mesh.pp_rank, mesh.pp, group=mesh.group("pp"), layout=layout)
-    model.to_empty(device=env.device)
-    if mesh.pp == 1:  # embedding and head in one stage: one tensor if tied (else training.TiedEmbedding)
+    partition = partition_model(model, pp_rank, pp, group=mesh.get_group("pp"), layout=layers)
+    model.to_empty(device=env.device)  # allocates, uninitialized: init_weights sets every parameter and buffer
+    if pp == 1:  # embedding and head in one stage: one tensor if tied (else TiedEmbedding below)
         model.tie_weights()
     model.init_weights(args.seed)
     if args.activation_checkpointing:
-        training.checkpoint_layers([model])
+        checkpoint_layers([model])
     if args.compile:
-        training.compile_layers([model])
-    training.shard_replicas([model], mesh)  # dp > 1: FSDP2 over this stage's replicas (see _Step.backward)
+        compile_layers([model])
     model.train()
+    shard_replicas([model], mesh)  # with dp > 1 the backward of the last microbatch syncs them (_Step.backward)
     train_step = SCHEDULES[args.schedule]
-    say(split.describe_run(name, config, env, f"{args.schedule} by hand", layout, costs), flush=True)
-    if loader is not None:
-        say(f"data: {loader.describe()}", flush=True)
+    say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
+        f"{pp} stage(s) on {env.world_size} process(es) = {pp} pipeline rank(s) x {dp} replica(s): "
+        f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing))} | "
+        f"{args.schedule} by hand | {env.device.type} {str(env.dtype).removeprefix('torch.')}", flush=True)
 
-    # --- optimizer, resume, training loop, checkpoints, summary: the same for every script. record=True: this
-    # script always times its forwards, backwards, sends and receives, and prints the measured bubble.
     def microbatches(inputs, targets):
         m = args.microbatches
-        return inputs.chunk(m) if is_first else [None] * m, targets.chunk(m) if is_last else [None] * m
+        return inputs.chunk(m) if has_first else [None] * m, targets.chunk(m) if has_last else [None] * m
 
-    def step(inputs, targets, events):
-        with runtime.autocast(env):
-            # fp32 between stages: the residual stream is fp32 under autocast too, as in the library scripts.
-            return train_step(partition, *microbatches(inputs, targets), env.device, torch.float32, timeline=events)
+    def step_fn(inputs, targets):  # fp32 between stages: the residual stream is fp32 under autocast too
+        with autocast(env):
+            return train_step(partition, *microbatches(inputs, targets), env.device, torch.float32)
 
-    def evaluate(inputs, targets):
-        with runtime.autocast(env):
+    def eval_fn(inputs, targets):
+        with autocast(env):
             loss = eval_step_pipeline(partition, *microbatches(inputs, targets), env.device, torch.float32)
-        training.reshard([model])  # FSDP gathered the parameters for the forwards
+        for module in model.modules():  # FSDP gathered the parameters for the forwards; no backward frees them
+            if isinstance(module, FSDPModule):
+                module.reshard()
         return loss
 
-    training.train(args, env, model, step, evaluate, config, tokenizer, loader, has_first=is_first,
-                   has_last=is_last, say=say, record=True)
+    # --- optimizer, tied embedding, resume: everything below is the same in every script
+    optimizer = make_optimizer(model, args)
+    tied = TiedEmbedding(model, config, mesh, has_first, has_last)
+    step, position = checkpoint.resume(args, env.rank, env.world_size, model, optimizer, config, data_id, say)
+    if position is not None:
+        batches.load_state_dict(position)
+    reports = has_last and dp_rank == 0  # the loss and the progress bar: the last stage of the first replica
+    # --metrics: one JSON line per step and evaluation, then a summary; resumed, the rows after the checkpoint
+    # (of a run killed after it) are dropped first. Nothing to do (step >= --steps): the file stays as it was.
+    metrics = checkpoint.open_metrics(args.metrics, step) if reports and args.metrics and (
+        step < args.steps or args.steps == 0) else None
+    record = lambda row: metrics and (metrics.write(json.dumps(row) + "\n"), metrics.flush())  # noqa: E731
+    rows = slice(dp_rank * args.batch_size // dp, (dp_rank + 1) * args.batch_size // dp)  # this replica's
+
+    def pipeline(fn, inputs, targets):
+        """fn on this replica's rows (inputs to the first stage, targets to the last); the mean loss over the
+        replicas on the last stage."""
+        loss = fn(inputs[rows].to(env.device) if has_first else None,
+                  targets[rows].to(env.device) if has_last else None)
+        if has_last and dp > 1:
+            dist.all_reduce(loss, group=mesh.get_group("dp"))
+            loss /= dp
+        return loss
+
+    def evaluate(at_step: int) -> None:
+        held_out.load_state_dict({"epoch": 0, "index": 0})  # the same held-out batches every time
+        losses = [pipeline(eval_fn, *held_out.next()) for _ in range(args.eval_batches)]
+        if reports:
+            loss = torch.stack(losses).mean().item()
+            record({"eval": {"step": at_step, "loss": loss, "perplexity": math.exp(min(loss, 700)),
+                             "batches": args.eval_batches}})
+            tqdm.tqdm.write(f"eval at step {at_step}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}")
+
+    tokens_per_step, step_times = args.batch_size * args.seq_len, []
+    if args.steps == 0:  # only evaluate: --init-from's weights, or this run's newest checkpoint
+        evaluate(step)
+        return summary(env, model, optimizer, step_times, tokens_per_step, config, args, reports, metrics)
+    if step >= args.steps:
+        return
+
+    # --- training loop
+    # --trace: each rank's Chrome trace of the last 3 steps, from torch.profiler. The schedules label their
+    # forwards and backwards in it (torch 2.13's 1F1B apart: benchmark.py adds those labels when it runs the
+    # scripts), and benchmark.py reads each stage's times and the bubble off them.
+    profiler = torch.profiler.profile(
+        schedule=torch.profiler.schedule(wait=max(0, args.steps - step - 4), warmup=1, active=3),
+        on_trace_ready=lambda p: (os.makedirs(args.trace, exist_ok=True),
+                                  p.export_chrome_trace(os.path.join(args.trace, f"rank{env.rank}.json"))),
+    ) if args.trace else contextlib.nullcontext()
+    dist.barrier()
+    with tqdm.tqdm(total=args.steps, initial=step, disable=not reports, unit="step", mininterval=1.0) as bar, \
+            profiler:
+        while step < args.steps:
+            step += 1
+            lr = lr_at(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)  # time the step's work, not its launch
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = pipeline(step_fn, *batches.next())
+            tied.sync_grads()
+            grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies)
+            optimizer.step()
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)
+            step_times.append(time.perf_counter() - started)
+            if args.trace:
+                profiler.step()
+            if reports:
+                record({"step": step, "loss": loss.item(), "lr": lr, "tokens": step * tokens_per_step,
+                        "step_time": step_times[-1], "tokens_per_s": tokens_per_step / step_times[-1],
+                        "grad_norm": grad_norm.item()})
+                bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{tokens_per_step / step_times[-1]:.0f}",
+                                refresh=False)
+                bar.update()
+            # Save before evaluating: whatever happens in an evaluation, this step's work is kept.
+            path = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id,
+                                          batches.state_dict())
+            if path and reports:
+                bar.write(f"saved {path}")
+            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+                evaluate(step)
+    summary(env, model, optimizer, step_times, tokens_per_step, config, args, reports, metrics)
 
 
 if __name__ == "__main__":
-    runtime.run(main, flags.build_parser(__doc__, list(SCHEDULES)).parse_args())
+    checkpoint.run(main, build_parser().parse_args())

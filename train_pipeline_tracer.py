@@ -1,53 +1,289 @@
 """Pretrain a Llama model split across processes by the pipeline tracer: pipeline() + SplitPoint + build_stage.
 
-    torchrun --nproc_per_node 3 train_pipeline_tracer.py            # tiny model, builtin data, CPU or GPUs
+    python prepare_data.py                                           # once: the default data, into data/
+    torchrun --nproc_per_node 3 train_pipeline_tracer.py             # 3 stages; tiny model on CPU, small on GPUs
     python train_pipeline_tracer.py --steps 20                       # one process, one stage
     torchrun --nproc_per_node 2 train_pipeline_tracer.py --schedule interleaved1f1b   # 2 stages per rank
-    torchrun --nproc_per_node 4 train_pipeline_tracer.py --model llama-1b \\
-        --data hf:HuggingFaceFW/fineweb:sample-10BT --tokenizer bpe_50K.json
 
-How the model is split: every rank builds the *full* model on the meta device and traces one microbatch of
-it with torch.export (meta tensors: shapes only, no memory, no compute). pipeline() cuts the graph before the
-first layer of every stage but the first (SplitPoint.BEGINNING at "base_model.layers.K", layers spread as in
-the other scripts); the parts keep the full model's parameter names. Each rank then allocates only its own
-part and initializes every tensor from its full-model name, so the weights, losses and checkpoints are those of
-train_pipeline_gpipe.py. The traced graph is fixed to the microbatch shape (--batch-size / --microbatches,
---seq-len) and to what the model's Python code computed while tracing; the README says what that means.
-Every schedule of the GPipe script works here too: with several stages per rank, the model is traced into
-p * V stages and the rank builds each of its own (looped or V-shaped placement, as there), then gathers their
-parameters into one module for the optimizer and checkpoints.
+How the model is split: every rank builds the *full* model on the meta device and traces one microbatch of it
+with torch.export (meta tensors: shapes only, no memory, no compute). pipeline() cuts the graph before the
+first layer of every stage but the first (SplitPoint.BEGINNING at "base_model.layers.K", the layers cut as in
+the other scripts); the parts keep the full model's parameter names. Each rank then allocates only its own part
+and initializes every tensor from its full-model name, so the weights, losses and checkpoints are those of
+train_pipeline_gpipe.py. The traced graph is fixed to the microbatch shape (--batch-size / --dp /
+--microbatches, --seq-len) and to what the model's Python code computed while tracing. Every schedule of the
+GPipe script works here too: with several stages per rank, the model is traced into p * V stages and the rank
+builds each of its own (looped or V-shaped placement, as there), then gathers their parameters into one module
+for the optimizer and checkpoints.
+
+A template: this file, model.py and checkpoint.py are all it needs, with data from prepare_data.py. It reads
+top to bottom: flags, processes and mesh, data, this rank's stages, the schedule, training, the main loop.
 """
 
+import argparse
+import contextlib
 import dataclasses
+import datetime
+import json
+import math
+import os
+import resource
 import time
 import warnings
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import SplitPoint, pipeline
+import torch.nn.functional as F
+import tqdm
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.pipelining import (
+    Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS, ScheduleZBVZeroBubble, SplitPoint, pipeline)
+from torch.distributed.tensor import DTensor
 
 import checkpoint
-import data
-import flags
-import plan
-import preflight
-import runtime
-import split
-import timeline
-import training
-from model import LlamaForPretraining, init_tensor_
-from train_pipeline_gpipe import (SCHEDULES, check_schedule, eval_function, rank_stages, schedule_for,
-                                  step_function)
+from checkpoint import Parser, UsageError, collective_errors, number, whole
+from model import (PRESETS, LlamaForPretraining, TiedEmbedding, check_layout, checkpoint_layers, compile_layers,
+                   config_from_preset, decoder_layers, describe_layout, estimated_costs, flops_per_token,
+                   init_tensor_, layout)
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
+             "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
+             "zbvzerobubble": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+SINGLE_STAGE = {"gpipe", "1f1b"}  # one stage per rank; the others take a list of stages
+V_SHAPED = {"zbvzerobubble", "dualpipev"}
+
+# ----------------------------------------------------------------------------------------------------------
+# Flags: the same names and meanings in every script of the collection
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(description=__doc__)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", choices=sorted(PRESETS), help="model preset (default: tiny on CPU, small on GPU)")
+    g.add_argument("--layers", type=whole(1), help="another number of decoder layers than the preset's")
+    g.add_argument("--init-from", metavar="DIR",
+                   help="start a new run from a model's weights: a Hugging Face Llama directory (config.json, "
+                        "safetensors, tokenizer.json) or a checkpoint of this project (a step-N directory or a "
+                        "--checkpoint-dir: its newest). Its shape comes from there, its tokenizer must be the "
+                        "data's. Ignored once --checkpoint-dir holds checkpoints: they are resumed")
+    g = p.add_argument_group("training")
+    g.add_argument("--data", default="data", help="data prepared by prepare_data.py")
+    g.add_argument("--steps", type=whole(0), default=300, help="optimizer steps; 0: only evaluate")
+    g.add_argument("--batch-size", type=whole(1), default=16, help="sequences per step, over all replicas")
+    g.add_argument("--microbatches", type=whole(1), default=4, help="per replica, of its share of the batch")
+    g.add_argument("--seq-len", type=whole(1), default=128, help="tokens per sequence")
+    g.add_argument("--lr", type=number(positive=True), default=3e-3, help="peak learning rate (AdamW)")
+    g.add_argument("--warmup-steps", type=whole(0), default=30, help="linear, then cosine decay to 10%% of --lr")
+    g.add_argument("--weight-decay", type=number(positive=False), default=0.1, help="AdamW's, of matrices")
+    g.add_argument("--grad-clip", type=number(positive=False), default=1.0,
+                   help="clip the whole model's gradient norm to this; 0: no clipping")
+    g.add_argument("--seed", type=int, default=0, help="of the weights and the data order")
+    g.add_argument("--eval-every", type=whole(0), default=0,
+                   help="after every N steps and at the end, the held-out loss, forward only; 0: never")
+    g.add_argument("--eval-batches", type=whole(1), default=4, help="held-out batches per evaluation")
+    g = p.add_argument_group("pipeline")
+    g.add_argument("--schedule", choices=list(SCHEDULES), default="gpipe", help="the pipeline schedule")
+    g.add_argument("--stages-per-rank", type=whole(1), default=2,
+                   help="stages per rank of the multi-stage schedules (gpipe and 1f1b: 1; V-shaped: 2)")
+    g.add_argument("--split", default="balanced",
+                   help="the layers of each stage: balanced (by estimated compute, the head and loss counted on "
+                        "the last stage), even (equal counts), or layers per stage such as 5,1")
+    g.add_argument("--dp", type=whole(1), default=1,
+                   help="data-parallel replicas of the pipeline (FSDP2); pipeline ranks = processes / dp")
+    g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
+    g.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    g = p.add_argument_group("checkpoints and output")
+    g.add_argument("--checkpoint-dir", default="checkpoints", help="saved to and resumed from")
+    g.add_argument("--checkpoint-every", type=whole(0), default=0, help="save every N steps; 0: at the end only")
+    g.add_argument("--keep-checkpoints", type=whole(1), default=3, help="the newest K complete ones are kept")
+    g.add_argument("--fresh", action="store_true",
+                   help="start at step 0 even if --checkpoint-dir holds checkpoints (moved to DIR.previous-TIME)")
+    g.add_argument("--metrics", help="write one JSON line per step, and a summary, to this file")
+    g.add_argument("--trace", metavar="DIR",
+                   help="write each rank's Chrome trace of the last 3 steps (torch.profiler) to DIR/rankN.json")
+    g = p.add_argument_group("system")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda:LOCAL_RANK with NCCL and bf16 autocast when a GPU is present, else CPU, gloo, "
+                        "fp32")
+    g.add_argument("--timeout", type=number(positive=True), default=600,
+                   help="seconds a rank waits for its peers before the job stops with an error, not a hang")
+    return p
+
+
+def check_args(args, world_size: int, device_type: str) -> None:
+    """What the flags alone show to be impossible, checked identically on every rank before any work."""
+    def need(ok: bool, message: str):
+        if not ok:
+            raise UsageError(message, on_every_rank=True)
+    need(world_size % args.dp == 0, f"--dp {args.dp}: {world_size} processes cannot be split into {args.dp} "
+                                    "replicas; start a multiple of --dp processes (pipeline ranks x replicas)")
+    need(args.batch_size % (args.dp * args.microbatches) == 0,
+         f"--batch-size {args.batch_size} is not divisible by --dp {args.dp} x --microbatches {args.microbatches}; "
+         "each replica splits its equal share of the batch into the microbatches")
+    pp, m = world_size // args.dp, args.microbatches
+    per_rank = 1 if args.schedule in SINGLE_STAGE else args.stages_per_rank
+    need(args.schedule not in V_SHAPED or per_rank == 2,
+         f"--stages-per-rank {per_rank}: {args.schedule} places exactly 2 stages on each rank; use 2")
+    need(args.schedule not in ("1f1b", "dualpipev") or m >= pp * per_rank,
+         f"--microbatches {m}: {args.schedule} needs at least as many microbatches as stages ({pp * per_rank})")
+    need(args.schedule not in ("interleaved1f1b", "interleavedzerobubble") or m % max(1, m // pp) == 0,
+         f"--microbatches {m}: {args.schedule} needs a multiple of max(1, microbatches // pipeline ranks); use "
+         f"a multiple of {pp}")
+    preset = config_from_preset(args.model or ("small" if device_type == "cuda" else "tiny"), 0, args.layers)
+    # The preset's shape (its vocabulary comes with the data); --init-from's, or a resumed run's, once known.
+    stage_layout(preset if checkpoint.preset_model(args) else None, pp * per_rank, args)
+
+
+def stage_layout(config, num_stages: int, args) -> list[range]:
+    """The layers of each stage (--split), after what the model's shape allows: a layer per stage, --seq-len
+    within its positions. config None: only --split's spelling."""
+    if config is not None and num_stages > config.num_hidden_layers:
+        stages = "processes / --dp" + (" x --stages-per-rank" if "stages_per_rank" in vars(args) else "")
+        raise UsageError(f"{num_stages} pipeline stages ({stages}) but the model has {config.num_hidden_layers} "
+                         "layers: each stage needs one; use fewer stages or more --layers", on_every_rank=True)
+    if config is not None and args.seq_len > config.max_position_embeddings:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions",
+                         on_every_rank=True)
+    try:
+        if config is None:
+            return check_layout(args.split)
+        return layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing)
+    except ValueError as e:
+        raise UsageError(f"--split {args.split}: {e}", on_every_rank=True) from None
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The split: trace the whole model on the meta device, materialize only this rank's part
+# Processes, devices and the mesh
 
-def split_spec(num_layers: int, num_stages: int, layout: list[range] | None = None) -> dict[str, SplitPoint]:
-    """A split before the first layer of every stage but the first: the layout of the hand-split script
-    (split.py; default: even)."""
-    return {f"base_model.layers.{layers.start}": SplitPoint.BEGINNING
-            for layers in (layout or split.even(num_layers, num_stages))[1:]}
+@dataclasses.dataclass
+class Env:
+    rank: int
+    world_size: int
+    device: torch.device  # cuda:LOCAL_RANK with NCCL, or the CPU with gloo
+    dtype: torch.dtype  # compute dtype: bf16 autocast on GPU (weights and AdamW stay fp32), fp32 on CPU
+    restart: int  # how often torchrun --max-restarts has restarted this job
+
+
+def launch_env(device_flag: str) -> Env:
+    """What torchrun set (or one process, under plain python), and the one place that picks device and dtype."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cuda = device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no GPU is visible; use --device cpu")
+    if cuda and local_world > torch.cuda.device_count():  # NCCL refuses two ranks on one GPU
+        raise UsageError(f"--device cuda: {local_world} processes on this node but {torch.cuda.device_count()} "
+                         "GPUs; start one process per GPU (--nproc_per_node) or use --device cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    return Env(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device,
+               torch.bfloat16 if cuda else torch.float32, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+
+
+def init_distributed(env: Env, timeout_s: float, dp: int):
+    """Join the other processes and arrange them in a mesh: "pp" (pipeline ranks) outermost, "dp" (replicas).
+
+    Ranks fill the mesh row by row, rank = pp_rank * dp + dp_rank: the replicas of a stage are neighbouring
+    ranks, on one node when dp divides its GPUs, so FSDP's all-gathers and reduce-scatters (a stage's whole
+    parameters and gradients, every step) stay on the node's fast links, and only one microbatch's
+    activations at a time cross nodes. The timeout bounds every collective and send/recv: a peer that died or
+    hangs stops the job with an error instead of leaving the others waiting forever."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if env.device.type == "cuda" else "gloo"
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
+    if "MASTER_ADDR" in os.environ:  # started by torchrun
+        store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+        # After torchrun --max-restarts restarts the job, the new processes meet in the same store as the dead
+        # ones, whose addresses are still in it: a key prefix per attempt keeps each to itself.
+        store = dist.PrefixStore(f"attempt{env.restart}", store)
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
+                                **({"device_id": env.device} if env.device.type == "cuda" else {}))
+    else:  # plain `python script.py`: a group of one
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return init_device_mesh(env.device.type, (env.world_size // dp, dp), mesh_dim_names=("pp", "dp"))
+
+
+def autocast(env: Env):
+    return torch.autocast(env.device.type, env.dtype) if env.dtype != torch.float32 else contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Data: windows of the token files prepare_data.py wrote, in a seeded order that a checkpoint can resume
+
+class Batches:
+    """Windows of seq_len + 1 tokens (inputs = window[:-1], targets = window[1:]) from the token files of a
+    split ("train" or "val"), batch_size windows per batch. Consecutive windows share one token, so every token
+    is a target once per epoch. shuffle: a permutation of the windows drawn from (seed, epoch) for each epoch;
+    else in order. Every rank reads the whole global batch, so the position is the run's whatever the layout,
+    and each data-parallel replica trains on its own rows of it."""
+
+    def __init__(self, directory: str, meta: dict, split: str, seq_len: int, batch_size: int, seed: int,
+                 shuffle: bool = True):
+        self.files = [np.memmap(os.path.join(directory, f), dtype=meta["dtype"], mode="r")
+                      for f in meta[split]["files"]]
+        self.starts = np.cumsum([0] + [(len(tokens) - 1) // seq_len for tokens in self.files])  # windows before
+        self.num_windows = int(self.starts[-1])
+        self.seq_len, self.batch_size, self.seed, self.shuffle = seq_len, batch_size, seed, shuffle
+        self.load_state_dict({"epoch": 0, "index": 0})
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = []
+        for _ in range(self.batch_size):
+            if self.index == self.num_windows:
+                self.load_state_dict({"epoch": self.epoch + 1, "index": 0})
+            window = int(self.order[self.index])
+            self.index += 1
+            file = int(np.searchsorted(self.starts, window, side="right")) - 1
+            start = (window - int(self.starts[file])) * self.seq_len
+            windows.append(torch.from_numpy(self.files[file][start:start + self.seq_len + 1].astype(np.int64)))
+        batch = torch.stack(windows)
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index = state["epoch"], state["index"]
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        self.order = (torch.randperm(self.num_windows, generator=generator) if self.shuffle
+                      else torch.arange(self.num_windows))
+
+
+def open_data(args) -> tuple[dict, Batches, Batches]:
+    """The prepared data's meta.json, the training batches, and the held-out ones (the same each evaluation)."""
+    try:
+        with open(os.path.join(args.data, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        raise UsageError(f"--data {args.data}: no data prepared there; run python prepare_data.py"
+                         f"{'' if args.data == 'data' else ' --out ' + args.data} first (see its --help)") from None
+    train = Batches(args.data, meta, "train", args.seq_len, args.batch_size, args.seed)
+    held_out = Batches(args.data, meta, "val", args.seq_len, args.batch_size, 0, shuffle=False)
+    if train.num_windows < 1:
+        raise UsageError(f"--seq-len {args.seq_len}: --data {args.data} holds {sum(meta['train']['tokens'])} "
+                         "training tokens, less than one window of --seq-len + 1; use a shorter --seq-len")
+    if (args.eval_every or args.steps == 0) and held_out.num_windows < args.eval_batches * args.batch_size:
+        raise UsageError(f"--eval-batches {args.eval_batches}: --data {args.data} holds {held_out.num_windows} "
+                         "held-out windows of --seq-len + 1, fewer than --eval-batches x --batch-size")
+    return meta, train, held_out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The split: trace the whole model on the meta device, build only this rank's stages
+
+def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The global indices of the stages a pipeline rank holds."""
+    if schedule in SINGLE_STAGE:
+        return [pp_rank]
+    if schedule in V_SHAPED:  # down the ranks and back up: the first and the last stage meet on rank 0
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + v * pp for v in range(stages_per_rank)]  # looped
+
+
+def split_spec(layers: list[range]) -> dict[str, SplitPoint]:
+    """A split before the first layer of every stage but the first: the layout of the other scripts."""
+    return {f"base_model.layers.{stage.start}": SplitPoint.BEGINNING for stage in layers[1:]}
 
 
 def trace(model: torch.nn.Module, example: torch.Tensor, spec: dict[str, SplitPoint]):
@@ -83,35 +319,23 @@ def trace(model: torch.nn.Module, example: torch.Tensor, spec: dict[str, SplitPo
     return pipe, names
 
 
-def build_traced_stage(config, stage: int, num_stages: int, device: torch.device, seed: int,
-                       microbatch_shape: tuple[int, int], mesh: runtime.Mesh | None = None):
-    """One PipelineStage and its module, with the weights the full model would have for the same seed."""
-    built, module = build_traced_stages(config, [stage], num_stages, device, seed, microbatch_shape, mesh)
-    return built[0], module
-
-
-def build_traced_stages(config, stages: list[int], num_stages: int, device: torch.device, seed: int,
-                        microbatch_shape: tuple[int, int], mesh: runtime.Mesh | None = None,
-                        layout: list[range] | None = None, activation_checkpointing: bool = False,
-                        compile: bool = False):
+def build_traced_stages(config, stages: list[int], layers: list[range], device: torch.device, seed: int,
+                        microbatch: tuple[int, int], activation_checkpointing=False, compile=False, mesh=None):
     """This rank's PipelineStages, and one module holding all their parameters under full-model names. With a
-    mesh, the stages talk over its pipeline group and are sharded over its dp replicas (FSDP2). layout: the
-    layers of each stage (split.py; default: even)."""
+    mesh, the stages talk over its pipeline group and are sharded over its dp replicas (FSDP2)."""
     with torch.device("meta"):  # shapes only: neither the model nor the trace allocates or computes anything
         # Traced untied: pipeline() would give the head's stage a copy of a tied embedding that nothing keeps
         # equal. The copies are initialized equal (init_tensor_ knows the tie) and kept equal in training
-        # (training.TiedEmbedding), as in the hand split; on one stage they are tied back into one tensor.
+        # (TiedEmbedding), as in the hand split; on one stage they are tied back into one tensor.
         model = LlamaForPretraining(dataclasses.replace(config, tie_word_embeddings=False))
-        example = torch.zeros(microbatch_shape, dtype=torch.long)
+        example = torch.zeros(microbatch, dtype=torch.long)
     not_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())
-    pipe, all_names = trace(model, example, split_spec(config.num_hidden_layers, num_stages, layout))
+    pipe, all_names = trace(model, example, split_spec(layers))
     modules = []
     for stage in stages:
         module, names = pipe.get_stage_module(stage), all_names[stage]
-        renamed = {k: v for k, v in names.items() if k != v}
-        if renamed:  # checkpoint.py saves under the module's own names; they must be the full model's
-            raise RuntimeError(f"the tracer renamed tensors, checkpoints would not match the other scripts: "
-                               f"{renamed}")
+        if renamed := {k: v for k, v in names.items() if k != v}:  # checkpoints save under the module's names
+            raise RuntimeError(f"the tracer renamed tensors, checkpoints would not match the other scripts: {renamed}")
         # The tracer re-registers every buffer as persistent; inv_freq is derived from the config and the other
         # scripts do not save it, so restore the original flag or checkpoints would differ by those keys.
         for prefix, sub in module.named_modules():
@@ -119,19 +343,19 @@ def build_traced_stages(config, stages: list[int], num_stages: int, device: torc
                 if (f"{prefix}.{buffer}" if prefix else buffer) in not_persistent:
                     sub._non_persistent_buffers_set.add(buffer)
         module.to_empty(device=device)  # allocates this stage only, uninitialized: every tensor is set below
-        if num_stages == 1 and config.tie_word_embeddings:
+        if len(layers) == 1 and config.tie_word_embeddings:
             module.get_submodule("lm_head").weight = module.get_submodule("base_model.embed_tokens").weight
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            init_tensor_(names.get(name, name), tensor, seed, config)
+            init_tensor_(name, tensor, seed, config)
         modules.append(module)
     if activation_checkpointing:  # on the traced layers, which keep their names (base_model.layers.K)
-        training.checkpoint_layers(modules)
+        checkpoint_layers(modules)
     if compile:
-        training.compile_layers(modules)
-    if mesh is not None:  # the traced layers keep their names (base_model.layers.K): shard them as the others
-        training.shard_replicas(modules, mesh)
+        compile_layers(modules)
+    if mesh is not None:
+        shard_replicas(modules, mesh)  # with dp > 1, PipelineStage syncs gradients once per step
     # build_stage also rewrites the device that tracing burned into ops like arange (meta) to this rank's.
-    group = mesh.group("pp") if mesh is not None else None
+    group = mesh.get_group("pp") if mesh is not None else None
     built = [_without_self_sends(pipe.build_stage(stage, device, group=group)) for stage in stages]
     # The stages' submodules run their graphs through torch.fx.Interpreter, some microseconds of Python per op
     # (5 ms per forward + backward of the tiny model); their generated code runs the same graph at eager speed.
@@ -146,11 +370,10 @@ def _without_self_sends(stage):
     """The stage, made to skip the links to neighbours on its own rank when it warms up its links.
 
     Before the first step, torch 2.13's traced stage opens the link to each neighbouring stage with a small
-    send/recv, also when that neighbour is on this same rank (the V-shaped schedules put stages r and
-    2p - 1 - r on rank r, so p - 1 and p meet on the last rank). A rank cannot send to itself over gloo
-    ("Pair is not connected"); the schedules pass tensors between same-rank stages in memory anyway, and the
-    hand-split PipelineStage skips those links the same way. The method replaced is private in torch 2.13;
-    the V-shaped tests in test_small.py fail if a newer torch changes it."""
+    send/recv, also when that neighbour is on this same rank (the V-shaped schedules put stages p - 1 and p on
+    the last rank). A rank cannot send to itself over gloo ("Pair is not connected"); the schedules pass
+    tensors between same-rank stages in memory anyway, and the hand-split PipelineStage skips those links the
+    same way. The method replaced is private in torch 2.13; the V-shaped tests fail if a newer torch changes it."""
     open_links, me = stage._get_init_p2p_neighbors_ops, dist.get_rank()
     stage._get_init_p2p_neighbors_ops = lambda: [op for op in open_links() if op.peer != me]
     return stage
@@ -173,50 +396,311 @@ def _merged(modules: list[torch.nn.Module]) -> torch.nn.Module:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The schedule
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # Mean over the microbatch's targets. The schedule divides gradients by the number of microbatches, so a
+    # step's gradient is that of the mean of the microbatch losses, as on one process. Labelled for --trace:
+    # the schedules compute it outside the stage's forward, but it is the last stage's work all the same.
+    with torch.profiler.record_function("loss"):
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def make_schedule(name: str, pipeline_stages: list, microbatches: int):
+    """The schedule driving this rank's PipelineStages: one stage for gpipe and 1f1b, a list for the others."""
+    try:
+        stages = pipeline_stages[0] if name in SINGLE_STAGE else pipeline_stages
+        return SCHEDULES[name](stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    except ValueError as e:  # a requirement check_args does not know of (a newer torch, say)
+        raise UsageError(f"--schedule {name} with --microbatches {microbatches}: {e}", on_every_rank=True) from None
+
+
+def train_step(schedule, inputs, targets, env: Env) -> torch.Tensor | None:
+    """Forward and backward of one batch through the pipeline. inputs: on the rank holding the first stage,
+    else None; targets: on the rank holding the last stage. Returns the mean microbatch loss there."""
+    losses: list[torch.Tensor] = []
+    with autocast(env):
+        # return_outputs=False: the logits are not needed after the loss, so do not keep them for the step.
+        schedule.step(*([inputs] if inputs is not None else []), return_outputs=False,
+                      **({"target": targets, "losses": losses} if targets is not None else {}))
+    return torch.stack(losses).mean().detach() if targets is not None else None
+
+
+@torch.no_grad()
+def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, microbatches: int,
+              hidden_shape: tuple) -> torch.Tensor | None:
+    """Forward only: the schedule's eval(); for the V-shaped schedules, whose eval() fails in torch 2.13 ("can't
+    steal_bwd_input if this stage doesn't have backward"), forward_only() over the same stages."""
+    losses: list[torch.Tensor] = []
+    with autocast(env):
+        if isinstance(schedule, (ScheduleZBVZeroBubble, ScheduleDualPipeV)):
+            forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, losses)
+        else:
+            schedule.eval(*([inputs] if inputs is not None else []), return_outputs=False,
+                          **({"target": targets, "losses": losses} if targets is not None else {}))
+    for stage in pipeline_stages:  # FSDP gathered the parameters for the forwards; no backward frees them
+        for module in stage.submod.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+    return torch.stack(losses).mean() if targets is not None else None
+
+
+def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidden_shape: tuple,
+                 losses: list) -> None:
+    """Every microbatch forward through this rank's stages, the last stage's losses appended to `losses`.
+
+    Each rank runs its stages in the order of their index, each on all microbatches: an input comes from the
+    stage before (in memory when this rank holds it too, else received from its rank), an output goes to the
+    stage after the same way. Sends do not wait, so no rank waits for one that waits for it: stage s only ever
+    waits for stage s - 1, which every rank runs earlier in the same order."""
+    first = pipeline_stages[0]
+    group = first.group if first.group is not None else dist.group.WORLD
+    peer = lambda s: dist.get_global_rank(group, first.stage_index_to_group_rank[s])  # noqa: E731
+    held, sends = {}, []  # (stage, microbatch) -> an output kept for a stage on this rank; pending sends
+    xs = inputs.chunk(microbatches) if inputs is not None else None
+    ys = targets.chunk(microbatches) if targets is not None else None
+    for stage in sorted(pipeline_stages, key=lambda st: st.stage_index):
+        s = stage.stage_index
+        for i in range(microbatches):
+            if s == 0:
+                x = xs[i]
+            elif (s - 1, i) in held:
+                x = held.pop((s - 1, i))
+            else:  # hidden states in fp32, as stage_io declares them to the schedule
+                x = torch.empty(hidden_shape, device=stage.device)
+                dist.recv(x, peer(s - 1))
+            out = stage.submod(x)
+            if s == stage.num_stages - 1:
+                losses.append(loss_fn(out, ys[i]))
+            elif peer(s + 1) == dist.get_rank():
+                held[s, i] = out
+            else:
+                sends.append(dist.isend(out.contiguous(), peer(s + 1)))
+    for work in sends:
+        work.wait()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training: data parallelism, the optimizer and its schedule, clipping across stages, tied embeddings, metrics
+
+def shard_replicas(stage_modules: list, mesh) -> None:
+    """Data parallelism beside the pipeline: shard each stage over its dp replicas with FSDP2, in place.
+
+    fully_shard on every decoder layer, then on the stage's root (embedding, final norm, head): each layer is
+    all-gathered and its gradient reduce-scattered as one unit, and each rank keeps 1/dp of its stage's
+    parameters, gradients and AdamW state. reshard_after_forward=False: a pipeline runs every stage forward
+    once per microbatch, and re-gathering the parameters for each would multiply the all-gathers by the number
+    of microbatches (torchtitan's choice with pipelining too). PipelineStage reduces gradients once per step."""
+    if mesh["dp"].size() == 1:
+        return
+    for module in decoder_layers(stage_modules) + stage_modules:
+        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
+
+
+def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
+    # Decay matrices only; norm gains stay undecayed. Grouping is per parameter, so it is the same on any split.
+    # fused: one kernel over all of a group's tensors, on CUDA and on CPU (FSDP's DTensors too).
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+def lr_at(step: int, args) -> float:
+    """The LR of 1-based step `step`: linear warmup, then cosine down to 10 % of --lr. A function of the step
+    alone, so resuming needs no scheduler state."""
+    if step <= args.warmup_steps:
+        return args.lr * step / args.warmup_steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def clip_grad_norm_(params, max_norm: float, copies=()) -> torch.Tensor:
+    """Clip by the norm of the *whole model's* gradient and return it (the same on every rank).
+
+    Each rank holds part of the gradient: its stages', and with FSDP only its shard of that. The parts are
+    disjoint, so the whole's squared norm is the sum over all ranks of each part's; clipping each part by its
+    own norm would change the update. copies: a tied head's copy of the embedding, clipped but counted once.
+    Summed in float64 over rows of 4096: torch's float32 norm on the CPU adds a whole tensor in one running
+    sum (2e-5 relative error on the tiny model's embedding gradient, more than the layouts may differ by)."""
+    params, skip, squares = [p for p in params if p.grad is not None], {id(p) for p in copies}, []
+    for grad in (p.grad for p in params if id(p) not in skip):
+        flat = (grad.to_local() if isinstance(grad, DTensor) else grad).flatten()
+        whole = flat.numel() // 4096 * 4096  # rows as views of the gradient (no copy), then the rest
+        norms = torch.cat([torch.linalg.vector_norm(flat[:whole].view(-1, 4096), dim=1),
+                           torch.linalg.vector_norm(flat[whole:])[None]])
+        squares.append((norms.double() ** 2).sum())
+    total = torch.stack(squares).sum()
+    dist.all_reduce(total)
+    total = total.sqrt().float()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def summary(env: Env, model, optimizer, step_times: list[float], tokens_per_step: int, config, args, reports: bool,
+            metrics) -> None:
+    """Collective: every rank's peak memory and the bytes it holds (params, gradients, AdamW state: with FSDP its
+    shards); the rank reporting the loss prints them with the step time and MFU, and writes them to --metrics."""
+    size = lambda ts: sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in ts if torch.is_tensor(t))
+    held = {"param": size(model.parameters()), "grad": size(p.grad for p in model.parameters()),
+            "optimizer": size(v for state in optimizer.state.values() for v in state.values())}
+    peak = (torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB of peak RSS
+    gathered = [None] * env.world_size
+    dist.all_gather_object(gathered, (peak, held))
+    if not (reports and step_times):
+        return
+    steady = step_times[1:] or step_times  # the first step pays one-time costs
+    row = {"steps": len(step_times), "median_step_time": sorted(steady)[len(steady) // 2],
+           "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
+           "peak_memory_bytes_per_rank": [p for p, _ in gathered],
+           **{f"{kind}_bytes_per_rank": [h[kind] for _, h in gathered] for kind in held}}
+    # MFU: model FLOPs over the GPUs' dense bf16 peak (vendors' data sheets; other GPUs get none).
+    peak_flops = next((f for gpu, f in {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
+                                        "L4": 121e12}.items() if env.device.type == "cuda"
+                       and gpu in torch.cuda.get_device_name(env.device)), None)
+    if peak_flops:
+        row["mfu"] = row["tokens_per_s"] * flops_per_token(config, args.seq_len) / (peak_flops * env.world_size)
+    if metrics:
+        metrics.write(json.dumps({"summary": row}) + "\n")
+    mib = lambda values: ", ".join(f"{b / 2**20:.1f}" for b in values)  # noqa: E731
+    mfu = f", MFU {row['mfu']:.1%}" if peak_flops else ""
+    print(f"done: {row['steps']} steps, median step {row['median_step_time'] * 1e3:.0f} ms, "
+          f"{row['tokens_per_s']:.0f} tokens/s{mfu}; peak memory per rank ({env.device.type}, MiB): "
+          f"{mib(row['peak_memory_bytes_per_rank'])}; held per rank (MiB): "
+          + "; ".join(f"{kind} {mib(row[f'{kind}_bytes_per_rank'])}" for kind in held), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
 
 def main(args):
-    if args.plan is not None:  # memory and step time of a layout, computed: nothing allocated, no process group
-        return plan.run(args, args.plan)
-    env = runtime.launch_env(args.device)
-    flags.check_args(args, env.world_size, env.device.type)
-    check_schedule(args, env.world_size // args.dp, flags.num_layers(args, env.device.type))
-    runtime.init_process_group(env, args.timeout, args.dp)
-    preflight.check(args, env)  # paths, inputs, one run per --checkpoint-dir: one line on every rank if wrong
-    stages, num_stages = rank_stages(args, env)
-    has_first, has_last = 0 in stages, num_stages - 1 in stages  # V-shaped: rank 0 holds both
+    env = launch_env(args.device)
+    check_args(args, env.world_size, env.device.type)
+    mesh = init_distributed(env, args.timeout, args.dp)
+    pp_rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()  # this rank's place along the pipeline
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()  # and among its stage's replicas
     say = print if env.rank == 0 else (lambda *a, **k: None)
 
-    # --- data: inputs for the first stage, targets for the last
-    tokenizer, loader = data.setup(args, env.local_rank, needs_batches=has_first or has_last)
+    # --- data, then what the run will write (paths, the lock, the same run as the checkpoints?)
+    with collective_errors():
+        data, batches, held_out = open_data(args)
+    data_id = checkpoint.data_identity(args.data)
+    checkpoint.check_run(args, env.rank, env.restart, data_id)
 
-    # --- model, split, schedule
-    with runtime.collective_errors():
-        config, name = checkpoint.model_config(args, tokenizer.vocab_size(), env.device.type)
-    layout, costs = split.run_layout(args, config, num_stages)  # the layers of each stage
+    # --- this rank's stages of the model, traced and sharded over its replicas, and the schedule
+    stages = stage_ids(args.schedule, pp_rank, pp, args.stages_per_rank)
+    num_stages, has_first, has_last = pp * len(stages), 0 in stages, pp * len(stages) - 1 in stages
+    with collective_errors():
+        config, name = checkpoint.model_config(args, data, env.device.type)
+        layers = stage_layout(config, num_stages, args)
+    microbatch = (args.batch_size // (dp * args.microbatches), args.seq_len)
     started = time.perf_counter()
-    microbatch = (args.batch_size // (args.dp * args.microbatches), args.seq_len)
-    built, model = build_traced_stages(config, stages, num_stages, env.device, args.seed, microbatch, env.mesh,
-                                       layout, args.activation_checkpointing, args.compile)
+    pipeline_stages, model = build_traced_stages(config, stages, layers, env.device, args.seed, microbatch,
+                                                 args.activation_checkpointing, args.compile, mesh)
     trace_seconds = [None] * env.world_size  # the one-time cost of tracing and building, every rank's
     dist.all_gather_object(trace_seconds, time.perf_counter() - started)
     model.train()
-    recorder = timeline.Recorder() if args.trace else None
-    if recorder is not None:
-        recorder.instrument(built)
-    schedule = schedule_for(args.schedule, built, args.microbatches, recorder)
-    say(split.describe_run(name, config, env, f"{args.schedule}, split by the tracer (pipeline + SplitPoint)",
-                           layout, costs), flush=True)
-    say("traced and built the stages in " + ", ".join(f"{t:.2f}" for t in trace_seconds) + " s (per rank)",
-        flush=True)
-    if loader is not None:
-        say(f"data: {loader.describe()}", flush=True)
+    schedule = make_schedule(args.schedule, pipeline_stages, args.microbatches)
+    say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
+        f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline rank(s) x {dp} replica(s): "
+        f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing))} | "
+        f"{args.schedule}, split by the tracer | {env.device.type} {str(env.dtype).removeprefix('torch.')}\n"
+        f"traced and built the stages in {', '.join(f'{t:.2f}' for t in trace_seconds)} s (per rank)", flush=True)
 
-    # --- optimizer, resume, training loop, checkpoints, summary: the same for every script
-    training.train(args, env, model, step_function(schedule, env, recorder),
-                   eval_function(schedule, built, env, recorder, args.schedule, args.microbatches,
-                                 (*microbatch, config.hidden_size)), config, tokenizer, loader,
-                   has_first=has_first, has_last=has_last, say=say)
+    def step_fn(inputs, targets):
+        return train_step(schedule, inputs, targets, env)
+
+    def eval_fn(inputs, targets):
+        return eval_step(schedule, pipeline_stages, inputs, targets, env, args.microbatches,
+                         (*microbatch, config.hidden_size))
+
+    # --- optimizer, tied embedding, resume: everything below is the same in every script
+    optimizer = make_optimizer(model, args)
+    tied = TiedEmbedding(model, config, mesh, has_first, has_last)
+    step, position = checkpoint.resume(args, env.rank, env.world_size, model, optimizer, config, data_id, say)
+    if position is not None:
+        batches.load_state_dict(position)
+    reports = has_last and dp_rank == 0  # the loss and the progress bar: the last stage of the first replica
+    # --metrics: one JSON line per step and evaluation, then a summary; resumed, the rows after the checkpoint
+    # (of a run killed after it) are dropped first. Nothing to do (step >= --steps): the file stays as it was.
+    metrics = checkpoint.open_metrics(args.metrics, step) if reports and args.metrics and (
+        step < args.steps or args.steps == 0) else None
+    record = lambda row: metrics and (metrics.write(json.dumps(row) + "\n"), metrics.flush())  # noqa: E731
+    rows = slice(dp_rank * args.batch_size // dp, (dp_rank + 1) * args.batch_size // dp)  # this replica's
+
+    def pipeline(fn, inputs, targets):
+        """fn on this replica's rows (inputs to the first stage, targets to the last); the mean loss over the
+        replicas on the last stage."""
+        loss = fn(inputs[rows].to(env.device) if has_first else None,
+                  targets[rows].to(env.device) if has_last else None)
+        if has_last and dp > 1:
+            dist.all_reduce(loss, group=mesh.get_group("dp"))
+            loss /= dp
+        return loss
+
+    def evaluate(at_step: int) -> None:
+        held_out.load_state_dict({"epoch": 0, "index": 0})  # the same held-out batches every time
+        losses = [pipeline(eval_fn, *held_out.next()) for _ in range(args.eval_batches)]
+        if reports:
+            loss = torch.stack(losses).mean().item()
+            record({"eval": {"step": at_step, "loss": loss, "perplexity": math.exp(min(loss, 700)),
+                             "batches": args.eval_batches}})
+            tqdm.tqdm.write(f"eval at step {at_step}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}")
+
+    tokens_per_step, step_times = args.batch_size * args.seq_len, []
+    if args.steps == 0:  # only evaluate: --init-from's weights, or this run's newest checkpoint
+        evaluate(step)
+        return summary(env, model, optimizer, step_times, tokens_per_step, config, args, reports, metrics)
+    if step >= args.steps:
+        return
+
+    # --- training loop
+    # --trace: each rank's Chrome trace of the last 3 steps, from torch.profiler. The schedules label their
+    # forwards and backwards in it (torch 2.13's 1F1B apart: benchmark.py adds those labels when it runs the
+    # scripts), and benchmark.py reads each stage's times and the bubble off them.
+    profiler = torch.profiler.profile(
+        schedule=torch.profiler.schedule(wait=max(0, args.steps - step - 4), warmup=1, active=3),
+        on_trace_ready=lambda p: (os.makedirs(args.trace, exist_ok=True),
+                                  p.export_chrome_trace(os.path.join(args.trace, f"rank{env.rank}.json"))),
+    ) if args.trace else contextlib.nullcontext()
+    dist.barrier()
+    with tqdm.tqdm(total=args.steps, initial=step, disable=not reports, unit="step", mininterval=1.0) as bar, \
+            profiler:
+        while step < args.steps:
+            step += 1
+            lr = lr_at(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)  # time the step's work, not its launch
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = pipeline(step_fn, *batches.next())
+            tied.sync_grads()
+            grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies)
+            optimizer.step()
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)
+            step_times.append(time.perf_counter() - started)
+            if args.trace:
+                profiler.step()
+            if reports:
+                record({"step": step, "loss": loss.item(), "lr": lr, "tokens": step * tokens_per_step,
+                        "step_time": step_times[-1], "tokens_per_s": tokens_per_step / step_times[-1],
+                        "grad_norm": grad_norm.item()})
+                bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{tokens_per_step / step_times[-1]:.0f}",
+                                refresh=False)
+                bar.update()
+            # Save before evaluating: whatever happens in an evaluation, this step's work is kept.
+            path = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id,
+                                          batches.state_dict())
+            if path and reports:
+                bar.write(f"saved {path}")
+            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+                evaluate(step)
+    summary(env, model, optimizer, step_times, tokens_per_step, config, args, reports, metrics)
 
 
 if __name__ == "__main__":
-    runtime.run(main, flags.build_parser(__doc__, list(SCHEDULES), stages_per_rank=True).parse_args())
+    checkpoint.run(main, build_parser().parse_args())
