@@ -9,6 +9,7 @@
     python benchmark.py --variants 1f1b -- --layers 2         # flags after -- go to every run
     torchrun --nproc_per_node 2 benchmark.py measure-activations OUT.json train_pipeline_gpipe.py --steps 2 ...
     torchrun --nproc_per_node 2 benchmark.py run train_pipeline_gpipe.py --schedule 1f1b --trace DIR ...
+    python benchmark.py loss-memory                           # the loss's peak memory, plain and in chunks
 
 Variants: every schedule of torch.distributed.pipelining (train_pipeline_gpipe.py), the hand-written AFAB
 and 1F1B (train_pipeline_afab_manual.py), and the tracer split (train_pipeline_tracer.py). Each is a real
@@ -336,14 +337,16 @@ class ActivationMeter:
         if tensor.device.type == "meta" or isinstance(tensor, torch.nn.Parameter) or \
                 isinstance(tensor._base, torch.nn.Parameter):
             return tensor
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        entry = self._live.setdefault(ptr, [storage.nbytes(), 0])
-        if entry[1] == 0:
-            self.current += entry[0]
-            self.peak_bytes = max(self.peak_bytes, self.current)
-        entry[1] += 1
-        return _Saved(self, ptr, tensor)
+        ptrs = []
+        for storage in _storages(tensor):
+            ptr = storage.data_ptr()
+            entry = self._live.setdefault(ptr, [storage.nbytes(), 0])
+            if entry[1] == 0:
+                self.current += entry[0]
+                self.peak_bytes = max(self.peak_bytes, self.current)
+            entry[1] += 1
+            ptrs.append(ptr)
+        return _Saved(self, ptrs, tensor)
 
     @staticmethod
     def _unpack(saved):
@@ -367,13 +370,70 @@ class ActivationMeter:
 class _Saved:
     # Autograd drops this object when it frees the graph node that saved the tensor; that is when the
     # activation stops being held for backward.
-    __slots__ = ("meter", "ptr", "tensor")
+    __slots__ = ("meter", "ptrs", "tensor")
 
-    def __init__(self, meter, ptr, tensor):
-        self.meter, self.ptr, self.tensor = meter, ptr, tensor
+    def __init__(self, meter, ptrs, tensor):
+        self.meter, self.ptrs, self.tensor = meter, ptrs, tensor
 
     def __del__(self):
-        self.meter._release(self.ptr)
+        for ptr in self.ptrs:
+            self.meter._release(ptr)
+
+
+def _storages(tensor) -> list:
+    """The storages a tensor holds: its own, or those inside a tensor subclass that wraps others (a DTensor's
+    shard, a collective's result waiting to be read), through the subclass protocol's __tensor_flatten__."""
+    if type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        inner = [getattr(tensor, name) for name in names]
+        return [storage for t in inner if isinstance(t, torch.Tensor) for storage in _storages(t)]
+    return [tensor.untyped_storage()]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The loss's memory: the whole logits at once, or a piece of the sequence at a time
+
+def loss_peak_bytes(vocab_size: int, hidden_size: int, tokens: int, chunks: int, seed: int = 0) -> int:
+    """The peak bytes the loss allocates beyond what exists before it, forward and backward, on the last stage
+    of a one-layer model with that vocabulary: model.chunked_loss with `chunks` pieces (1: the plain loss,
+    the whole [tokens, vocab] fp32 logits at once). Measured by torch.profiler's memory events (the CPU
+    allocator's running total), so it is exact bytes, not a timing."""
+    from model import LlamaConfig, LlamaForPretraining, chunked_loss
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4)
+    model = LlamaForPretraining(config).keep_only([0], False, True)  # the last stage: a layer, norm and head
+    model.init_weights(seed)
+    model.head_in_loss = True
+    gen = torch.Generator().manual_seed(seed)
+    hidden = model(torch.randn(1, tokens, hidden_size, generator=gen))
+    targets = torch.randint(0, vocab_size, (1, tokens), generator=gen)
+    with tempfile.TemporaryDirectory() as tmp:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            chunked_loss(model.lm_head, hidden, targets, chunks).backward()
+        prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+        with open(os.path.join(tmp, "trace.json")) as f:
+            events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    before = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return max(e["Total Allocated"] for e in events) - before
+
+
+def loss_memory(argv: list[str]) -> None:
+    """benchmark.py loss-memory: the loss's peak extra bytes, plain and in chunks, side by side."""
+    p = Parser(prog="benchmark.py loss-memory", description=loss_peak_bytes.__doc__)
+    p.add_argument("--vocab-size", type=int, default=32768)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=4096, help="one microbatch: sequences x sequence length")
+    p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    args = p.parse_args(argv)
+    print(f"the loss's peak extra memory, vocab {args.vocab_size}, hidden {args.hidden_size}, {args.tokens} tokens "
+          f"(the whole fp32 logits: {4 * args.tokens * args.vocab_size / 2**20:.0f} MiB)")
+    plain = None
+    for chunks in args.chunks:
+        peak = loss_peak_bytes(args.vocab_size, args.hidden_size, args.tokens, chunks)
+        plain = plain or peak
+        print(f"  --loss-chunks {chunks:3d}: {peak / 2**20:8.1f} MiB ({plain / peak:.1f}x smaller than "
+              f"--loss-chunks {args.chunks[0]})")
 
 
 def load_script(path: str):
@@ -764,5 +824,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 if __name__ == "__main__":
     if sys.argv[1:2] in (["run"], ["measure-activations"]):
         in_process(sys.argv[1:])
+    elif sys.argv[1:2] == ["loss-memory"]:
+        loss_memory(sys.argv[2:])
     else:
         main(parse_args())

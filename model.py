@@ -1,7 +1,7 @@
 """The Llama model every script of this collection trains, and what is about the model: its presets, its
-Hugging Face config and tensor names, what each piece costs, how its layers are cut into pipeline stages, and
-activation checkpointing and compilation per layer, and a tied embedding's two copies kept equal across
-stages.
+Hugging Face config and tensor names, what each piece costs, how its layers are cut into pipeline stages,
+activation checkpointing, compilation and tensor parallelism per layer, the loss in chunks, and a tied
+embedding's two copies kept equal across stages.
 
 The math and the parameter names are Hugging Face Llama's (``model.`` is called ``base_model.`` here), so
 weights move between the two by renaming one prefix. Three properties make it easy to split into pipeline
@@ -27,7 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
 @dataclasses.dataclass
@@ -218,9 +219,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         batch, seq_len, _ = x.shape
-        q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: all of them, or this rank's share when tensor parallelism splits the projections by head.
+        q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope_tables(self.inv_freq, seq_len, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Packed training sequences need only the causal mask, which SDPA builds itself; enable_gqa lets the
@@ -276,6 +278,10 @@ class LlamaForPretraining(nn.Module):
         self.config = config
         self.base_model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # True: forward stops at the final norm and the loss applies the head, a piece of the sequence at a time
+        # (chunked_loss), so that the whole [batch, seq, vocab] logits never exist. The head stays a part of
+        # this module all the same: its weight is trained, sharded and saved with the rest.
+        self.head_in_loss = False
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -303,9 +309,10 @@ class LlamaForPretraining(nn.Module):
         return self
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        """Token ids [batch, seq] -> logits [batch, seq, vocab] (or hidden states on a stage with no head)."""
+        """Token ids [batch, seq] -> logits [batch, seq, vocab]; hidden states on a stage without the head, or
+        with head_in_loss (then chunked_loss applies the head)."""
         h = self.base_model(input_ids)
-        return self.lm_head(h) if self.lm_head is not None else h
+        return self.lm_head(h) if self.lm_head is not None and not self.head_in_loss else h
 
     def init_weights(self, seed: int) -> None:
         """Give every parameter and buffer its initial value, the same for a given seed on any stage layout.
@@ -343,6 +350,30 @@ def _module_generator(seed: int, name: str, device: torch.device) -> torch.Gener
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
+def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int = 8) -> Tensor:
+    """The mean cross-entropy of head(hidden) [batch, seq, vocab] against targets [batch, seq] (-100: ignored),
+    without the whole logits: the sequence is cut into `chunks` pieces, each one's logits computed in fp32,
+    turned into its summed loss and freed; backward computes them again, a piece at a time (activation
+    checkpointing of the head and the loss). So the loss holds at most one piece's logits and their gradient,
+    1/chunks of the plain loss's, for one more forward of the head. chunks 1: the plain loss, nothing
+    recomputed. Gradients equal the plain loss's to rounding (tested to 1e-6).
+
+    head: a callable (the head module): with tensor parallelism a vocabulary-parallel head returns logits
+    sharded over the vocabulary (a DTensor), and the loss runs inside loss_parallel(), forward and backward."""
+    def piece(h, y):
+        logits = head(h)
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="sum")
+
+    if chunks == 1 or not torch.is_grad_enabled():
+        total = sum(piece(h, y) for h, y in zip(hidden.chunk(chunks, 1), targets.chunk(chunks, 1)))
+    else:
+        total = sum(torch.utils.checkpoint.checkpoint(piece, h, y, use_reentrant=False)
+                    for h, y in zip(hidden.chunk(chunks, 1), targets.chunk(chunks, 1)))
+    if isinstance(total, DTensor):  # loss_parallel's sum: replicated over the tensor-parallel ranks
+        total = total.to_local()
+    return total / (targets != -100).sum().clamp(min=1)
+
+
 def num_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -375,14 +406,19 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
 # measured on the machine was tried: on the tiny model it chose the layout the estimate chooses, and was left
 # out.)
 
-def estimated_costs(config: LlamaConfig, seq_len: int, recompute: bool = False) -> dict[str, float]:
+def estimated_costs(config: LlamaConfig, seq_len: int, recompute: bool = False,
+                    loss_chunks: int = 1) -> dict[str, float]:
     """Forward + backward FLOPs per token of one decoder layer (with its recomputed forward, when activation
-    checkpointing: "recompute" says how much of "layer" that is), the head with the loss, and the embedding."""
+    checkpointing: "recompute" says how much of "layer" that is), the head with the loss (its forward twice with
+    a chunked loss: "head_recompute"), and the embedding."""
     h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads
     layer_params = h * (2 * q + 2 * kv * config.head_dim) + 3 * h * config.intermediate_size + 2 * h
     layer = 6 * layer_params + 12 * q * seq_len
     again = layer / 3 if recompute else 0.0  # the forward is a third of forward + backward
-    return {"layer": layer + again, "recompute": again, "head": 6 * h * config.vocab_size + 6 * h, "embed": 6 * h}
+    head = 6 * h * config.vocab_size + 6 * h
+    head_again = head / 3 if loss_chunks > 1 else 0.0
+    return {"layer": layer + again, "recompute": again, "head": head + head_again, "head_recompute": head_again,
+            "embed": 6 * h}
 
 
 def stage_costs(layout: list[range], costs: dict[str, float]) -> list[float]:
@@ -427,14 +463,16 @@ def balanced(num_layers: int, num_stages: int, costs: dict[str, float]) -> list[
     return from_sizes(sizes[::-1])
 
 
-def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recompute: bool = False) -> list[range]:
+def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recompute: bool = False,
+           loss_chunks: int = 1) -> list[range]:
     """The layers of each stage: spec "balanced" (by estimated_costs), "even", or layers per stage ("5,1").
     A spec that cannot work is a ValueError saying what would."""
     check_layout(spec, config.num_hidden_layers, num_stages)
     if spec == "even":
         return even(config.num_hidden_layers, num_stages)
     if spec == "balanced":
-        return balanced(config.num_hidden_layers, num_stages, estimated_costs(config, seq_len, recompute))
+        return balanced(config.num_hidden_layers, num_stages,
+                        estimated_costs(config, seq_len, recompute, loss_chunks))
     return from_sizes([int(size) for size in spec.split(",")])
 
 
@@ -463,7 +501,8 @@ def describe_layout(layout: list[range], costs: dict[str, float]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Per decoder layer: activation checkpointing and compilation (on hand-split, traced and FSDP-wrapped stages)
+# Per decoder layer: activation checkpointing and compilation (on hand-split, traced and FSDP-wrapped stages),
+# and tensor parallelism
 
 def decoder_layers(modules) -> list[nn.Module]:
     """The decoder layers (base_model.layers.K) of some stage modules, each once; traced stages keep the names."""
@@ -495,6 +534,43 @@ def compile_layers(modules) -> None:
         layer.compile()
 
 
+def _grad_as_weight(weight: DTensor) -> None:
+    if weight.grad.placements != weight.placements:
+        weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
+
+
+def tensor_parallel(model: LlamaForPretraining, tp_mesh) -> None:
+    """Tensor parallelism of a model or stage over tp_mesh (a 1-D DeviceMesh): Megatron's plan, as torchtitan
+    applies it.
+
+    In each decoder layer, q/k/v and gate/up are split by output (column-wise: each rank computes its own
+    attention heads and its slice of the MLP), o and down by input (row-wise: each rank's partial sum, added by
+    one all-reduce): two all-reduces per layer forward, two backward. The embedding is split by vocabulary
+    rows (each rank looks up its rows, an all-reduce adds them up), the head by vocabulary columns, its logits
+    left sharded for loss_parallel. The norms are replicated. Every layer's output is a plain tensor, the same
+    on each rank of the group, so what crosses stages is unchanged. Applied to the allocated, initialized
+    stage (each rank holds its whole stage for a moment, then only its shards), before activation
+    checkpointing, compile and FSDP2, as torchtitan orders them."""
+    if tp_mesh.size() == 1:
+        return
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    for layer in model.base_model.layers.values():
+        parallelize_module(layer, tp_mesh, plan)
+    if model.base_model.embed_tokens is not None:
+        parallelize_module(model.base_model.embed_tokens, tp_mesh,
+                           RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        # DTensor has no row-wise rule for the embedding's backward: it computes the whole [vocab, hidden]
+        # gradient on each rank. Keep only this rank's rows, as the weight is held, once it is accumulated (a
+        # slice, no communication), so that clipping, the tied copy's sum and AdamW see the weight's layout.
+        model.base_model.embed_tokens.weight.register_post_accumulate_grad_hook(_grad_as_weight)
+    if model.lm_head is not None:
+        parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1),
+                                                                       use_local_output=False))
+    model.tie_weights()  # one stage, tied: the head takes the embedding's (sharded alike) matrix again
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Tied embeddings across stages
 
@@ -506,8 +582,9 @@ class TiedEmbedding:
     copies start equal, and every step, before clipping and AdamW, both get the sum of the two gradients, that
     of the one shared matrix: the ranks holding the first and the last stage of each replica all-reduce it
     between them (Megatron's embedding group); a rank holding both adds them up itself. Same gradient, same
-    AdamW state, same update: the copies stay equal bit for bit. Checkpoints store the matrix once. Create it
-    on every rank: it makes process groups."""
+    AdamW state, same update: the copies stay equal bit for bit. Checkpoints store the matrix once. With
+    tensor parallelism both copies are split by vocabulary rows alike, so each tensor-parallel rank pairs with
+    its own counterpart. Create it on every rank: it makes process groups."""
 
     def __init__(self, model, config, mesh, has_first: bool, has_last: bool):
         params = dict(model.named_parameters(remove_duplicate=False))
@@ -516,11 +593,13 @@ class TiedEmbedding:
         self.group = None
         if not config.tie_word_embeddings or dist.get_world_size() == 1:
             return
-        # Who holds the first or last stage of each replica; new_group is collective, called in the same order.
+        # Who holds the first or last stage of each replica's tensor-parallel slice; new_group is collective,
+        # called by every rank in the same order.
         holders = [None] * dist.get_world_size()
-        dist.all_gather_object(holders, (mesh["dp"].get_local_rank(), has_first or has_last))
-        for replica in range(mesh["dp"].size()):
-            ranks = [rank for rank, (r, holds) in enumerate(holders) if r == replica and holds]
+        place = (mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank())
+        dist.all_gather_object(holders, (place, has_first or has_last))
+        for where in sorted({where for where, _ in holders}):
+            ranks = [rank for rank, (w, holds) in enumerate(holders) if w == where and holds]
             if len(ranks) == 2:
                 group = dist.new_group(ranks)
                 self.group = group if dist.get_rank() in ranks else self.group

@@ -49,7 +49,7 @@ VOCAB_SIZE = 8192  # prepare_data.py's default tokenizer
 # The flags plan.py shares with the training scripts: copied from train_pipeline_gpipe.py's parser, so their
 # names, types, defaults and help are the script's (--schedule is declared here: it also takes afab).
 SHARED = ("model", "layers", "init_from", "seq_len", "batch_size", "microbatches", "stages_per_rank", "split",
-          "dp", "activation_checkpointing", "device")
+          "dp", "tp", "loss_chunks", "activation_checkpointing", "device")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -101,32 +101,41 @@ def device_type(args) -> str:
     return "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
-def stage_params(config: LlamaConfig, layout: list[range]) -> list[int]:
-    """Parameters of each stage: its layers, the embedding on the first, the final norm and the head on the last
-    (a tied head is a copy there, unless one stage holds both)."""
+def stage_params(config: LlamaConfig, layout: list[range], tp: int = 1) -> list[float]:
+    """Parameters of each stage that one of its tensor-parallel ranks holds: its layers, the embedding on the
+    first, the final norm and the head on the last (a tied head is a copy there, unless one stage holds both).
+    Tensor parallelism splits every matrix tp ways; the norms' gains are held whole by each rank."""
     h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads
-    layer = h * (2 * q + 2 * kv * config.head_dim) + 3 * h * config.intermediate_size + 2 * h
-    embed, last = config.vocab_size * h, config.vocab_size * h + h
+    layer = (h * (2 * q + 2 * kv * config.head_dim) + 3 * h * config.intermediate_size) / tp + 2 * h
+    embed, last = config.vocab_size * h / tp, config.vocab_size * h / tp + h
     if len(layout) == 1 and config.tie_word_embeddings:
-        last -= config.vocab_size * h
+        last -= config.vocab_size * h / tp
     return [len(layers) * layer + (embed if i == 0 else 0) + (last if i == len(layout) - 1 else 0)
             for i, layers in enumerate(layout)]
 
 
-def activation_bytes(config: LlamaConfig, tokens: int, seq_len: int, bf16: bool) -> dict[str, float]:
-    """Bytes one microbatch of `tokens` tokens leaves saved for backward: per decoder layer (all of it, and
-    only its input with activation checkpointing), for the head and loss, and for the embedding. fp32 on the
-    CPU (what benchmark.py's ActivationMeter counts on this model); under bf16 autocast the projections' inputs
-    and attention run in bf16, norms, residuals and the loss in fp32."""
+def activation_bytes(config: LlamaConfig, tokens: int, seq_len: int, bf16: bool, tp: int = 1,
+                     loss_chunks: int = 1) -> dict[str, float]:
+    """Bytes one microbatch of `tokens` tokens leaves saved for backward on one tensor-parallel rank: per
+    decoder layer (all of it, and only its input with activation checkpointing), for the head and loss, and
+    for the embedding; and "loss", what the loss holds for a moment (fp32 logits and their softmax and
+    gradient: of the whole microbatch with --loss-chunks 1, of one piece otherwise). fp32 on the CPU (what
+    benchmark.py's ActivationMeter counts on this model); under bf16 autocast the projections' inputs and
+    attention run in bf16, norms, residuals and the loss in fp32. Tensor parallelism splits what is per head
+    or per MLP channel, and the logits; the norms and the projections' inputs are whole on every rank."""
     h, heads, kv, d, inter = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                               config.head_dim, config.intermediate_size)
-    e = 2 if bf16 else 4
+    e, vocab = 2 if bf16 else 4, config.vocab_size / tp
     # fp32: norms' inputs and normalized values (4h), their rstd (2), attention's logsumexp (heads);
     # compute dtype: the projections' inputs (2h), q, k, v and the attention output, the MLP's 4 intermediates.
-    layer = tokens * (4 * (4 * h + 2 + heads) + e * (2 * h + (2 * heads + 2 * kv) * d + 4 * inter))
+    layer = tokens * (4 * (4 * h + 2 + heads / tp) + e * (2 * h + (2 * heads + 2 * kv) * d / tp + 4 * inter / tp))
     layer += 2 * seq_len * d * e  # the rotary cos/sin tables
-    head = tokens * (4 * (2 * h + 1) + e * h + 4 * config.vocab_size + 8) + 4  # logits as fp32 for the loss
-    return {"layer": layer, "layer_checkpointed": tokens * h * 4, "head": head, "embed": tokens * 8}
+    # The final norm's input, normalized values and rstd, and the targets; then the chunked loss keeps the fp32
+    # hidden states it starts each piece from, the plain loss the head's input (compute dtype) and the fp32
+    # log-softmax of the whole logits.
+    head = tokens * (4 * (2 * h + 1) + 8 + (e * h + 4 * vocab if loss_chunks == 1 else 4 * h)) + 4
+    loss = 3 * 4 * tokens / loss_chunks * vocab  # a piece's logits, their log-softmax, then their gradient
+    return {"layer": layer, "layer_checkpointed": tokens * h * 4, "head": head, "embed": tokens * 8, "loss": loss}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -250,8 +259,8 @@ def check(args, config: LlamaConfig, schedule: str, split: str | None = None) ->
     model's shape (stage_layout: a layer per stage, --seq-len within its positions, --split). UsageError."""
     ns = script_args(args, schedule, split)
     gpipe.check_args(ns, args.processes, device_type(args))
-    per_rank = len(stage_ids(schedule, 0, args.processes // args.dp, ns.stages_per_rank))
-    return ns, gpipe.stage_layout(config, args.processes // args.dp * per_rank, ns)
+    pp = args.processes // (args.dp * args.tp)
+    return ns, gpipe.stage_layout(config, pp * len(stage_ids(schedule, 0, pp, ns.stages_per_rank)), ns)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -267,14 +276,16 @@ def plan(args) -> dict:
     gpipe.check_args(script_args(args, schedule), args.processes, device_type(args))  # before reading files
     config = plan_config(args)
     ns, layout = check(args, config, schedule)
-    processes, dp, m, per_rank = args.processes, args.dp, args.microbatches, ns.stages_per_rank
-    pp = processes // dp
+    processes, dp, tp, m, per_rank = args.processes, args.dp, args.tp, args.microbatches, ns.stages_per_rank
+    pp = processes // (dp * tp)
     bf16 = device_type(args) == "cuda"
     tokens = args.batch_size // (dp * m) * args.seq_len  # one microbatch of one replica
-    costs = estimated_costs(config, args.seq_len, args.activation_checkpointing)
-    sizes = activation_bytes(config, tokens, args.seq_len, bf16)
+    # The FLOPs of a stage are split over its tensor-parallel ranks (their all-reduces are not counted).
+    costs = {k: v / tp for k, v in estimated_costs(config, args.seq_len, args.activation_checkpointing,
+                                                   args.loss_chunks).items()}
+    sizes = activation_bytes(config, tokens, args.seq_len, bf16, tp, args.loss_chunks)
     print(f"plan: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
-          f"{processes} processes = {pp} pipeline ranks x {dp} replicas, --schedule {args.schedule}, "
+          f"{processes} processes = {pp} pipeline x {dp} data x {tp} tensor, --schedule {args.schedule}, "
           f"{m} microbatches of {tokens // args.seq_len} x {args.seq_len} tokens per replica, "
           f"{'bf16 autocast (GPU)' if bf16 else 'fp32 (CPU)'}")
 
@@ -286,18 +297,21 @@ def plan(args) -> dict:
     # Memory of the chosen schedule, per pipeline rank (each replica of a rank holds the same).
     stages_of = {r: stage_ids(schedule, r, pp, per_rank) for r in range(pp)}
     print(f"layout (--split {args.split}): {describe_layout(layout, costs)}")
-    params = stage_params(config, layout)
+    params = stage_params(config, layout, tp)
     result = {ac: schedule_result(schedule, pp, m, per_rank, layout, costs, held(layout, ac)) for ac in (False, True)}
     report = {"ranks": [], "schedules": {}}
     unit, unit_name = (2 ** 30, "GiB") if 16 * sum(params) >= 2 ** 30 else (2 ** 20, "MiB")  # MiB for small models
-    print(f"\nper pipeline rank, {unit_name} (each of its replicas holds the same) | param | grad | AdamW | gathered "
-          "during a step (dp > 1) | activations held | with --activation-checkpointing | total, as flagged")
+    print(f"\nper pipeline rank, {unit_name} (each of its replicas and tensor-parallel ranks holds the same) | param "
+          "| grad | AdamW | gathered during a step (dp > 1) | activations held | with --activation-checkpointing | "
+          f"the loss's logits (--loss-chunks {args.loss_chunks}) | total, as flagged")
+    last_rank = next(r for r in range(pp) if len(layout) - 1 in stages_of[r])
     for r in range(pp):
         p = sum(params[s] for s in stages_of[r])
         row = {"param": 4 * p / dp, "grad": 4 * p / dp, "optimizer": 8 * p / dp, "gathered": 8 * p if dp > 1 else 0,
-               "activations": result[False]["peak"][r], "activations_checkpointed": result[True]["peak"][r]}
+               "activations": result[False]["peak"][r], "activations_checkpointed": result[True]["peak"][r],
+               "loss": sizes["loss"] if r == last_rank else 0}
         # Recomputing a checkpointed layer holds one layer's full activations for a moment.
-        row["total"] = row["param"] + row["grad"] + row["optimizer"] + row["gathered"] + (
+        row["total"] = row["param"] + row["grad"] + row["optimizer"] + row["gathered"] + row["loss"] + (
             row["activations_checkpointed"] + sizes["layer"] if args.activation_checkpointing else row["activations"])
         report["ranks"].append(row)
         print(f"  rank {r} (stages {', '.join(map(str, stages_of[r]))}): " + " | ".join(
@@ -309,6 +323,7 @@ def plan(args) -> dict:
     # Every schedule, on the layout it would use (a --split of layer counts fits one stage count only: the
     # others are shown balanced).
     print(f"\nschedules ({pp} ranks, {m} microbatches; step time at {ASSUMED_FLOPS / 1e12:.0f} TFLOP/s per GPU"
+          f"{', tensor-parallel all-reduces not counted' if tp > 1 else ''}"
           f"{', each layer recomputed in backward' if args.activation_checkpointing else ''}; "
           f"activations of the fullest rank, {unit_name}, without / with checkpointing):")
     for name in SCHEDULES:
@@ -337,7 +352,7 @@ class _Parser(Parser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="plan.py", description=__doc__)
     p.add_argument("--processes", type=whole(1), required=True,
-                   help="processes the run would start: pipeline ranks x --dp")
+                   help="processes the run would start: pipeline ranks x --dp x --tp")
     script = {action.dest: action for action in gpipe.build_parser()._actions}
     g = p.add_argument_group("the training scripts' flags (same meaning)")
     for name in SHARED:

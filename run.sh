@@ -11,8 +11,13 @@
 # 2 nodes x 4 GPUs, the pipeline across the nodes and 4 data-parallel replicas inside each (one stage per node):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 NPROC_PER_NODE=4 ./run.sh train_pipeline_gpipe.py --dp 4 ...  # node0
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 NPROC_PER_NODE=4 ./run.sh train_pipeline_gpipe.py --dp 4 ...  # node1
-# torchrun gives each node a contiguous block of ranks, and the scripts put a stage's replicas on neighbouring
-# ranks, so with --dp dividing NPROC_PER_NODE the replicas' collectives stay inside a node.
+# 4 nodes x 8 GPUs, all three: tensor parallel inside a node (--tp 8), 4 pipeline stages, one per node:
+#   NNODES=4 NODE_RANK=$i MASTER_ADDR=node0 NPROC_PER_NODE=8 ./run.sh train_pipeline_gpipe.py --tp 8 ...
+# or 2 pipeline stages of 2 nodes each, 2 replicas x tp 8: --dp 2 --tp 8 (plan.py says what each layout holds).
+# torchrun gives each node a contiguous block of ranks, and the scripts' mesh is (pp, dp, tp) with tp
+# innermost: a stage's tensor-parallel ranks, then its replicas, are neighbouring ranks. With --tp dividing
+# NPROC_PER_NODE, tp's per-layer all-reduces stay inside a node; with --dp x --tp dividing it, the replicas'
+# collectives too; only the pipeline's activations cross nodes.
 set -euo pipefail
 
 die() { echo "run.sh: error: $*" >&2; exit 2; }

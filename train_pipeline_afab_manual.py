@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 3 train_pipeline_afab_manual.py                  # All-Forward-All-Backward
     torchrun --nproc_per_node 3 train_pipeline_afab_manual.py --schedule 1f1b  # one forward, one backward
     torchrun --nproc_per_node 4 train_pipeline_afab_manual.py --dp 2           # 2 stages x 2 replicas
+    torchrun --nproc_per_node 4 train_pipeline_afab_manual.py --tp 2           # 2 stages x 2 tensor-parallel
 
 No torch.distributed.pipelining here: this is what that library does for you. Each rank keeps a slice of the
 layers (partition_model), runs it on every microbatch (forward_stage), and passes activations forward and
@@ -31,17 +32,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 import tqdm
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import record_function
 
 import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
 from model import (PRESETS, LlamaForPretraining, TiedEmbedding, check_layout, checkpoint_layers, compile_layers,
-                   config_from_preset, decoder_layers, describe_layout, estimated_costs, even, flops_per_token, layout)
+                   chunked_loss, config_from_preset, decoder_layers, describe_layout, estimated_costs, even,
+                   flops_per_token, layout, tensor_parallel)
 
 # ----------------------------------------------------------------------------------------------------------
 # Flags: the same names and meanings in every script of the collection
@@ -77,7 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the layers of each stage: balanced (by estimated compute, the head and loss counted on "
                         "the last stage), even (equal counts), or layers per stage such as 5,1")
     g.add_argument("--dp", type=whole(1), default=1,
-                   help="data-parallel replicas of the pipeline (FSDP2); pipeline ranks = processes / dp")
+                   help="data-parallel replicas of the pipeline (FSDP2); pipeline ranks = processes / (dp x tp)")
+    g.add_argument("--tp", type=whole(1), default=1,
+                   help="tensor-parallel ranks per stage: each layer's heads and MLP, the embedding and the head "
+                        "split over them (neighbouring ranks: inside a node)")
+    g.add_argument("--loss-chunks", type=whole(1), default=8,
+                   help="the loss applies the head to this many pieces of the sequence, each recomputed in "
+                        "backward, so the whole logits never exist; 1: the plain loss")
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
     g.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     g = p.add_argument_group("checkpoints and output")
@@ -103,12 +111,14 @@ def check_args(args, world_size: int, device_type: str) -> None:
     def need(ok: bool, message: str):
         if not ok:
             raise UsageError(message, on_every_rank=True)
-    need(world_size % args.dp == 0, f"--dp {args.dp}: {world_size} processes cannot be split into {args.dp} "
-                                    "replicas; start a multiple of --dp processes (pipeline ranks x replicas)")
+    group = args.dp * args.tp  # the processes of one pipeline stage: its replicas x its tensor-parallel ranks
+    need(world_size % group == 0, f"--dp {args.dp}{f' x --tp {args.tp}' if args.tp > 1 else ''}: {world_size} "
+                                  f"processes cannot be split into {group} {'replicas' if args.tp == 1 else 'ranks'} "
+                                  f"per stage; start a multiple of {group} processes (pipeline ranks x dp x tp)")
     need(args.batch_size % (args.dp * args.microbatches) == 0,
          f"--batch-size {args.batch_size} is not divisible by --dp {args.dp} x --microbatches {args.microbatches}; "
          "each replica splits its equal share of the batch into the microbatches")
-    pp, per_rank = world_size // args.dp, 1  # one stage per rank
+    pp, per_rank = world_size // group, 1  # one stage per rank
     preset = config_from_preset(args.model or ("small" if device_type == "cuda" else "tiny"), 0, args.layers)
     # The preset's shape (its vocabulary comes with the data); --init-from's, or a resumed run's, once known.
     stage_layout(preset if checkpoint.preset_model(args) else None, pp * per_rank, args)
@@ -118,16 +128,21 @@ def stage_layout(config, num_stages: int, args) -> list[range]:
     """The layers of each stage (--split), after what the model's shape allows: a layer per stage, --seq-len
     within its positions. config None: only --split's spelling."""
     if config is not None and num_stages > config.num_hidden_layers:
-        stages = "processes / --dp" + (" x --stages-per-rank" if "stages_per_rank" in vars(args) else "")
+        stages = "processes / (--dp x --tp)" + (" x --stages-per-rank" if "stages_per_rank" in vars(args) else "")
         raise UsageError(f"{num_stages} pipeline stages ({stages}) but the model has {config.num_hidden_layers} "
                          "layers: each stage needs one; use fewer stages or more --layers", on_every_rank=True)
     if config is not None and args.seq_len > config.max_position_embeddings:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions",
                          on_every_rank=True)
+    for what, count in (("attention heads", config.num_attention_heads), ("KV heads", config.num_key_value_heads),
+                        ("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)) if config else ():
+        if count % args.tp:  # tensor parallelism gives each rank an equal share of these
+            raise UsageError(f"--tp {args.tp}: the model's {what} ({count}) do not divide by it; use a --tp that "
+                             f"divides {count}", on_every_rank=True)
     try:
         if config is None:
             return check_layout(args.split)
-        return layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing)
+        return layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing, args.loss_chunks)
     except ValueError as e:
         raise UsageError(f"--split {args.split}: {e}", on_every_rank=True) from None
 
@@ -158,14 +173,17 @@ def launch_env(device_flag: str) -> Env:
                torch.bfloat16 if cuda else torch.float32, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
 
 
-def init_distributed(env: Env, timeout_s: float, dp: int):
-    """Join the other processes and arrange them in a mesh: "pp" (pipeline ranks) outermost, "dp" (replicas).
+def init_distributed(env: Env, timeout_s: float, dp: int, tp: int):
+    """Join the other processes and arrange them in a mesh: "pp" (pipeline ranks) outermost, then "dp"
+    (replicas of the pipeline), then "tp" (the tensor-parallel ranks of one stage) innermost.
 
-    Ranks fill the mesh row by row, rank = pp_rank * dp + dp_rank: the replicas of a stage are neighbouring
-    ranks, on one node when dp divides its GPUs, so FSDP's all-gathers and reduce-scatters (a stage's whole
-    parameters and gradients, every step) stay on the node's fast links, and only one microbatch's
-    activations at a time cross nodes. The timeout bounds every collective and send/recv: a peer that died or
-    hangs stops the job with an error instead of leaving the others waiting forever."""
+    Ranks fill the mesh row by row, rank = (pp_rank * dp + dp_rank) * tp + tp_rank. tp innermost: a layer's
+    tensor-parallel ranks, which all-reduce inside every layer, are neighbouring ranks, on one node when tp
+    divides its GPUs; then a stage's replicas, whose FSDP all-gathers and reduce-scatters (a stage's whole
+    parameters and gradients, every step) stay on the node's links as far as they fit; and only one
+    microbatch's activations at a time cross nodes, between pipeline stages. The timeout bounds every
+    collective and send/recv: a peer that died or hangs stops the job with an error instead of leaving the
+    others waiting forever."""
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if env.device.type == "cuda" else "gloo"
     if env.device.type == "cuda":
@@ -179,11 +197,18 @@ def init_distributed(env: Env, timeout_s: float, dp: int):
                                 **({"device_id": env.device} if env.device.type == "cuda" else {}))
     else:  # plain `python script.py`: a group of one
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return init_device_mesh(env.device.type, (env.world_size // dp, dp), mesh_dim_names=("pp", "dp"))
+    return init_device_mesh(env.device.type, (env.world_size // (dp * tp), dp, tp), mesh_dim_names=("pp", "dp", "tp"))
 
 
-def autocast(env: Env):
-    return torch.autocast(env.device.type, env.dtype) if env.dtype != torch.float32 else contextlib.nullcontext()
+def compute(env: Env, tp: int):
+    """The context of every forward and backward: bf16 autocast on GPU; with tensor parallelism, loss_parallel,
+    so that the cross-entropy works on the head's vocabulary-sharded logits without gathering them."""
+    stack = contextlib.ExitStack()
+    if env.dtype != torch.float32:
+        stack.enter_context(torch.autocast(env.device.type, env.dtype))
+    if tp > 1:
+        stack.enter_context(loss_parallel())
+    return stack
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -285,6 +310,7 @@ def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.Pr
     rotary_emb, lm_head)."""
     if isinstance(model, LlamaForPretraining):
         base, rotary, pad_id, eager = model.base_model, None, None, False
+        model.head_in_loss = True  # the loss applies the head (loss_fn)
     elif hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(model, "lm_head"):
         base, rotary = model.model, model.model.rotary_emb
         pad_id = getattr(model.config, "pad_token_id", None)
@@ -311,8 +337,9 @@ def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.Pr
 
 def forward_stage(partition: Partition, hidden_states: torch.Tensor) -> torch.Tensor:
     """Run this rank's slice: token ids [mb, seq] on the first stage, hidden states [mb, seq, hidden] on the
-    others; returns hidden states, or logits on the last stage. Positions are 0..seq-1 on every stage: each sees
-    whole sequences, so it rebuilds positions (and rotary tables) from the length and only hidden states travel."""
+    others; returns hidden states (the last stage's after the final norm: the loss applies the head). Positions
+    are 0..seq-1 on every stage: each sees whole sequences, so it rebuilds positions (and rotary tables) from
+    the length and only hidden states travel."""
     if isinstance(partition.model, LlamaForPretraining):
         # model.py's Llama skips what a stage does not hold, so the trimmed model is the stage. Calling it (not its
         # parts) also runs FSDP's hooks when the stage is sharded over data-parallel replicas.
@@ -327,14 +354,15 @@ def forward_stage(partition: Partition, hidden_states: torch.Tensor) -> torch.Te
     for layer in partition.layers:
         h = layer(h, **kwargs)
         h = h[0] if isinstance(h, tuple) else h  # older transformers return (hidden_states, ...)
-    h = partition.norm(h) if partition.norm is not None else h
-    return partition.head(h) if partition.head is not None else h
+    return partition.norm(h) if partition.norm is not None else h
 
 
-def loss_fn(partition: Partition, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def loss_fn(partition: Partition, hidden: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The mean cross-entropy of the head's logits, chunks pieces of the sequence at a time (model.chunked_loss:
+    the whole logits never exist)."""
     if partition.pad_id is not None:  # a Hugging Face model's padding, if it has any
         targets = targets.masked_fill(targets == partition.pad_id, -100)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+    return chunked_loss(partition.head, hidden, targets, chunks)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -382,8 +410,9 @@ class _Step:
     """One step of AFAB or 1F1B on this rank: one forward and one backward per microbatch, in the schedule's
     order, each labelled for --trace's profiler ("forward 3", "backward 3")."""
 
-    def __init__(self, partition, inputs, targets, device, dtype, capture=None):
+    def __init__(self, partition, inputs, targets, device, dtype, capture=None, loss_chunks=8):
         self.p, self.inputs, self.targets, self.device, self.dtype = partition, inputs, targets, device, dtype
+        self.loss_chunks = loss_chunks
         self.m, self.comm, self.capture = len(inputs), _Comm(device), capture
         self.first, self.last = partition.rank == 0, partition.rank == partition.world_size - 1
         self.saved: dict[int, tuple] = {}  # microbatch -> (stage input, stage output or scaled loss)
@@ -398,9 +427,9 @@ class _Step:
         with record_function(f"forward {i}"):
             out = forward_stage(p, x)
             if self.capture is not None:
-                self.capture.setdefault("outputs", {})[i] = out.detach().clone()  # hidden states, or logits
+                self.capture.setdefault("outputs", {})[i] = out.detach().clone()  # hidden states
             if self.last:  # divided by m: the gradients add up to those of the mean microbatch loss
-                out = loss_fn(p, out, self.targets[i].to(self.device)) / self.m
+                out = loss_fn(p, out, self.targets[i].to(self.device), self.loss_chunks) / self.m
                 self.loss += out.detach()
         if not self.last:  # values only travel; the graph stays here in `out` for this stage's backward
             self.comm.send(out.detach().to(self.dtype), p.peer(+1), i)
@@ -437,7 +466,7 @@ def _as_partition(model) -> Partition:
     return model if isinstance(model, Partition) else partition_model(model, dist.get_rank(), dist.get_world_size())
 
 
-def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, capture=None):
+def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, capture=None, loss_chunks=8):
     """One training step with All-Forward-All-Backward: every microbatch forward, then every one backward in
     microbatch order. The caller zeroes gradients before and runs the optimizer after.
 
@@ -448,10 +477,14 @@ def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, capture=N
             inputs and only the last reads targets; other ranks may pass lists of None of the same length.
         device: where this stage computes. dtype: of the activations and gradients sent between stages.
         capture: optional dict that receives this stage's per-microbatch outputs and input gradients.
+        loss_chunks: the pieces of the sequence the loss applies the head to, one at a time (1: all at once).
+
+    Run it inside compute(env, tp): autocast, and with tensor parallelism loss_parallel (the head's logits are
+    split by vocabulary; the loss and its backward work on the pieces).
 
     Returns the step's loss (mean over microbatches of the cross-entropy, ignoring -100 and the pad id) on the
     last rank, None on the others. All m microbatches' activations are held at the peak."""
-    step = _Step(_as_partition(model), inputs, targets, device, dtype, capture)
+    step = _Step(_as_partition(model), inputs, targets, device, dtype, capture, loss_chunks)
     for i in range(step.m):
         step.forward(i)
     for i in range(step.m):
@@ -459,10 +492,10 @@ def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, capture=N
     return step.finish()
 
 
-def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, capture=None):
+def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, capture=None, loss_chunks=8):
     """One training step with 1F1B (PipeDream-flush): the arguments, result and gradients of AFAB, but a rank
     holds the activations of at most world_size - rank microbatches instead of all of them."""
-    step = _Step(_as_partition(model), inputs, targets, device, dtype, capture)
+    step = _Step(_as_partition(model), inputs, targets, device, dtype, capture, loss_chunks)
     p = step.p
     warmup = min(p.world_size - p.rank - 1, step.m)  # fill the pipeline below this rank; the last needs none
     for i in range(warmup):
@@ -476,10 +509,10 @@ def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, capture=N
 
 
 @torch.no_grad()
-def eval_step_pipeline(model, inputs, targets, device, dtype):
+def eval_step_pipeline(model, inputs, targets, device, dtype, loss_chunks=8):
     """Forward only, for a held-out loss: the arguments of train_step_pipeline_afab; the mean loss on the last
     rank. No activation is kept."""
-    step = _Step(_as_partition(model), inputs, targets, device, dtype)
+    step = _Step(_as_partition(model), inputs, targets, device, dtype, loss_chunks=loss_chunks)
     for i in range(step.m):
         step.forward(i)
         step.saved.pop(i)
@@ -524,26 +557,33 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def clip_grad_norm_(params, max_norm: float, copies=()) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, copies=(), tp: int = 1) -> torch.Tensor:
     """Clip by the norm of the *whole model's* gradient and return it (the same on every rank).
 
     Each rank holds part of the gradient: its stages', and with FSDP only its shard of that. The parts are
     disjoint, so the whole's squared norm is the sum over all ranks of each part's; clipping each part by its
     own norm would change the update. copies: a tied head's copy of the embedding, clipped but counted once.
-    Summed in float64 over rows of 4096: torch's float32 norm on the CPU adds a whole tensor in one running
-    sum (2e-5 relative error on the tiny model's embedding gradient, more than the layouts may differ by)."""
+    A tensor each tensor-parallel rank holds whole (a norm's gain: not split by the plan) is counted once, not
+    tp times. Summed in float64 over rows of 4096: torch's float32 norm on the CPU adds a whole tensor in one
+    running sum (2e-5 relative error on the tiny model's embedding gradient, more than the layouts may differ
+    by)."""
+    def tp_copies(p) -> int:
+        names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+        return tp if "tp" not in names or p.placements[names.index("tp")].is_replicate() else 1
+
     params, skip, squares = [p for p in params if p.grad is not None], {id(p) for p in copies}, []
-    for grad in (p.grad for p in params if id(p) not in skip):
-        flat = (grad.to_local() if isinstance(grad, DTensor) else grad).flatten()
+    for p in (p for p in params if id(p) not in skip):
+        flat = (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).flatten()
         whole = flat.numel() // 4096 * 4096  # rows as views of the gradient (no copy), then the rest
         norms = torch.cat([torch.linalg.vector_norm(flat[:whole].view(-1, 4096), dim=1),
                            torch.linalg.vector_norm(flat[whole:])[None]])
-        squares.append((norms.double() ** 2).sum())
+        squares.append((norms.double() ** 2).sum() / tp_copies(p))
     total = torch.stack(squares).sum()
     dist.all_reduce(total)
     total = total.sqrt().float()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    if max_norm > 0:  # as torch.nn.utils.clip_grads_with_norm_, on the local tensors (DTensor or not: mixed)
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params], scale)
     return total
 
 
@@ -586,9 +626,10 @@ def summary(env: Env, model, optimizer, step_times: list[float], tokens_per_step
 def main(args):
     env = launch_env(args.device)
     check_args(args, env.world_size, env.device.type)
-    mesh = init_distributed(env, args.timeout, args.dp)
-    pp_rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()  # this rank's place along the pipeline
-    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()  # and among its stage's replicas
+    mesh = init_distributed(env, args.timeout, args.dp, args.tp)
+    pp_rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()  # this rank's place along the pipeline,
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()  # among its stage's replicas,
+    tp_rank, tp = mesh["tp"].get_local_rank(), mesh["tp"].size()  # and in its stage's tensor-parallel group
     say = print if env.rank == 0 else (lambda *a, **k: None)
 
     # --- data, then what the run will write (paths, the lock, the same run as the checkpoints?)
@@ -609,6 +650,7 @@ def main(args):
     if pp == 1:  # embedding and head in one stage: one tensor if tied (else TiedEmbedding below)
         model.tie_weights()
     model.init_weights(args.seed)
+    tensor_parallel(model, mesh["tp"])  # before activation checkpointing, compile and FSDP2
     if args.activation_checkpointing:
         checkpoint_layers([model])
     if args.compile:
@@ -616,9 +658,10 @@ def main(args):
     model.train()
     shard_replicas([model], mesh)  # with dp > 1 the backward of the last microbatch syncs them (_Step.backward)
     train_step = SCHEDULES[args.schedule]
+    costs = estimated_costs(config, args.seq_len, args.activation_checkpointing, args.loss_chunks)
     say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
-        f"{pp} stage(s) on {env.world_size} process(es) = {pp} pipeline rank(s) x {dp} replica(s): "
-        f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing))} | "
+        f"{pp} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
+        f"{describe_layout(layers, costs)} | "
         f"{args.schedule} by hand | {env.device.type} {str(env.dtype).removeprefix('torch.')}", flush=True)
 
     def microbatches(inputs, targets):
@@ -626,12 +669,14 @@ def main(args):
         return inputs.chunk(m) if has_first else [None] * m, targets.chunk(m) if has_last else [None] * m
 
     def step_fn(inputs, targets):  # fp32 between stages: the residual stream is fp32 under autocast too
-        with autocast(env):
-            return train_step(partition, *microbatches(inputs, targets), env.device, torch.float32)
+        with compute(env, tp):
+            return train_step(partition, *microbatches(inputs, targets), env.device, torch.float32,
+                              loss_chunks=args.loss_chunks)
 
     def eval_fn(inputs, targets):
-        with autocast(env):
-            loss = eval_step_pipeline(partition, *microbatches(inputs, targets), env.device, torch.float32)
+        with compute(env, tp):
+            loss = eval_step_pipeline(partition, *microbatches(inputs, targets), env.device, torch.float32,
+                                      args.loss_chunks)
         for module in model.modules():  # FSDP gathered the parameters for the forwards; no backward frees them
             if isinstance(module, FSDPModule):
                 module.reshard()
@@ -643,7 +688,7 @@ def main(args):
     step, position = checkpoint.resume(args, env.rank, env.world_size, model, optimizer, config, data_id, say)
     if position is not None:
         batches.load_state_dict(position)
-    reports = has_last and dp_rank == 0  # the loss and the progress bar: the last stage of the first replica
+    reports = has_last and dp_rank == tp_rank == 0  # the loss and the progress bar: one last-stage rank
     # --metrics: one JSON line per step and evaluation, then a summary; resumed, the rows after the checkpoint
     # (of a run killed after it) are dropped first. Nothing to do (step >= --steps): the file stays as it was.
     metrics = checkpoint.open_metrics(args.metrics, step) if reports and args.metrics and (
@@ -700,7 +745,7 @@ def main(args):
             optimizer.zero_grad(set_to_none=True)
             loss = pipeline(step_fn, *batches.next())
             tied.sync_grads()
-            grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies)
+            grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies, tp)
             optimizer.step()
             if env.device.type == "cuda":
                 torch.cuda.synchronize(env.device)

@@ -6,6 +6,7 @@ schedule torch ships.
     python train_pipeline_gpipe.py --steps 20                       # one process holds the whole model
     torchrun --nproc_per_node 2 train_pipeline_gpipe.py --schedule interleaved1f1b --stages-per-rank 2
     torchrun --nproc_per_node 4 train_pipeline_gpipe.py --dp 2      # 2 stages x 2 data-parallel replicas
+    torchrun --nproc_per_node 4 train_pipeline_gpipe.py --tp 2      # 2 stages x 2 tensor-parallel ranks
 
 How the model is split: every rank builds the *full* model on the meta device (shapes only, no memory),
 deletes the parts other stages own, and only then allocates and initializes what is left. Stage 0 keeps the
@@ -18,6 +19,8 @@ Schedules with several stages per rank cut the model into p * V stages. Looped o
 loopedbfs, interleavedzerobubble) give rank r the stages r, r + p, r + 2p, ...; the V-shaped ones
 (zbvzerobubble, dualpipev) give it stages r and 2p - 1 - r, so rank 0 holds both the first and the last.
 A rank's stages share one trimmed model, so its optimizer and checkpoint see one set of full-model names.
+With --tp, each stage's layers, embedding and head are split over neighbouring ranks (model.tensor_parallel);
+the last stage hands out hidden states, and the loss applies the head a piece of the sequence at a time.
 
 A template: this file, model.py and checkpoint.py are all it needs, with data from prepare_data.py. It reads
 top to bottom: flags, processes and mesh, data, this rank's stages, the schedule, training, the main loop.
@@ -36,7 +39,6 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import tqdm
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -44,11 +46,13 @@ from torch.distributed.pipelining import (
     PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble)
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
-from model import (PRESETS, LlamaForPretraining, TiedEmbedding, check_layout, checkpoint_layers, compile_layers,
-                   config_from_preset, decoder_layers, describe_layout, estimated_costs, flops_per_token, layout)
+from model import (PRESETS, LlamaForPretraining, TiedEmbedding, check_layout, checkpoint_layers, chunked_loss,
+                   compile_layers, config_from_preset, decoder_layers, describe_layout, estimated_costs,
+                   flops_per_token, layout, tensor_parallel)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
              "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
@@ -92,7 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the layers of each stage: balanced (by estimated compute, the head and loss counted on "
                         "the last stage), even (equal counts), or layers per stage such as 5,1")
     g.add_argument("--dp", type=whole(1), default=1,
-                   help="data-parallel replicas of the pipeline (FSDP2); pipeline ranks = processes / dp")
+                   help="data-parallel replicas of the pipeline (FSDP2); pipeline ranks = processes / (dp x tp)")
+    g.add_argument("--tp", type=whole(1), default=1,
+                   help="tensor-parallel ranks per stage: each layer's heads and MLP, the embedding and the head "
+                        "split over them (neighbouring ranks: inside a node)")
+    g.add_argument("--loss-chunks", type=whole(1), default=8,
+                   help="the loss applies the head to this many pieces of the sequence, each recomputed in "
+                        "backward, so the whole logits never exist; 1: the plain loss")
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
     g.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     g = p.add_argument_group("checkpoints and output")
@@ -118,12 +128,14 @@ def check_args(args, world_size: int, device_type: str) -> None:
     def need(ok: bool, message: str):
         if not ok:
             raise UsageError(message, on_every_rank=True)
-    need(world_size % args.dp == 0, f"--dp {args.dp}: {world_size} processes cannot be split into {args.dp} "
-                                    "replicas; start a multiple of --dp processes (pipeline ranks x replicas)")
+    group = args.dp * args.tp  # the processes of one pipeline stage: its replicas x its tensor-parallel ranks
+    need(world_size % group == 0, f"--dp {args.dp}{f' x --tp {args.tp}' if args.tp > 1 else ''}: {world_size} "
+                                  f"processes cannot be split into {group} {'replicas' if args.tp == 1 else 'ranks'} "
+                                  f"per stage; start a multiple of {group} processes (pipeline ranks x dp x tp)")
     need(args.batch_size % (args.dp * args.microbatches) == 0,
          f"--batch-size {args.batch_size} is not divisible by --dp {args.dp} x --microbatches {args.microbatches}; "
          "each replica splits its equal share of the batch into the microbatches")
-    pp, m = world_size // args.dp, args.microbatches
+    pp, m = world_size // group, args.microbatches
     per_rank = 1 if args.schedule in SINGLE_STAGE else args.stages_per_rank
     need(args.schedule not in V_SHAPED or per_rank == 2,
          f"--stages-per-rank {per_rank}: {args.schedule} places exactly 2 stages on each rank; use 2")
@@ -141,16 +153,21 @@ def stage_layout(config, num_stages: int, args) -> list[range]:
     """The layers of each stage (--split), after what the model's shape allows: a layer per stage, --seq-len
     within its positions. config None: only --split's spelling."""
     if config is not None and num_stages > config.num_hidden_layers:
-        stages = "processes / --dp" + (" x --stages-per-rank" if "stages_per_rank" in vars(args) else "")
+        stages = "processes / (--dp x --tp)" + (" x --stages-per-rank" if "stages_per_rank" in vars(args) else "")
         raise UsageError(f"{num_stages} pipeline stages ({stages}) but the model has {config.num_hidden_layers} "
                          "layers: each stage needs one; use fewer stages or more --layers", on_every_rank=True)
     if config is not None and args.seq_len > config.max_position_embeddings:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions",
                          on_every_rank=True)
+    for what, count in (("attention heads", config.num_attention_heads), ("KV heads", config.num_key_value_heads),
+                        ("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)) if config else ():
+        if count % args.tp:  # tensor parallelism gives each rank an equal share of these
+            raise UsageError(f"--tp {args.tp}: the model's {what} ({count}) do not divide by it; use a --tp that "
+                             f"divides {count}", on_every_rank=True)
     try:
         if config is None:
             return check_layout(args.split)
-        return layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing)
+        return layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing, args.loss_chunks)
     except ValueError as e:
         raise UsageError(f"--split {args.split}: {e}", on_every_rank=True) from None
 
@@ -181,14 +198,17 @@ def launch_env(device_flag: str) -> Env:
                torch.bfloat16 if cuda else torch.float32, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
 
 
-def init_distributed(env: Env, timeout_s: float, dp: int):
-    """Join the other processes and arrange them in a mesh: "pp" (pipeline ranks) outermost, "dp" (replicas).
+def init_distributed(env: Env, timeout_s: float, dp: int, tp: int):
+    """Join the other processes and arrange them in a mesh: "pp" (pipeline ranks) outermost, then "dp"
+    (replicas of the pipeline), then "tp" (the tensor-parallel ranks of one stage) innermost.
 
-    Ranks fill the mesh row by row, rank = pp_rank * dp + dp_rank: the replicas of a stage are neighbouring
-    ranks, on one node when dp divides its GPUs, so FSDP's all-gathers and reduce-scatters (a stage's whole
-    parameters and gradients, every step) stay on the node's fast links, and only one microbatch's
-    activations at a time cross nodes. The timeout bounds every collective and send/recv: a peer that died or
-    hangs stops the job with an error instead of leaving the others waiting forever."""
+    Ranks fill the mesh row by row, rank = (pp_rank * dp + dp_rank) * tp + tp_rank. tp innermost: a layer's
+    tensor-parallel ranks, which all-reduce inside every layer, are neighbouring ranks, on one node when tp
+    divides its GPUs; then a stage's replicas, whose FSDP all-gathers and reduce-scatters (a stage's whole
+    parameters and gradients, every step) stay on the node's links as far as they fit; and only one
+    microbatch's activations at a time cross nodes, between pipeline stages. The timeout bounds every
+    collective and send/recv: a peer that died or hangs stops the job with an error instead of leaving the
+    others waiting forever."""
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if env.device.type == "cuda" else "gloo"
     if env.device.type == "cuda":
@@ -202,11 +222,18 @@ def init_distributed(env: Env, timeout_s: float, dp: int):
                                 **({"device_id": env.device} if env.device.type == "cuda" else {}))
     else:  # plain `python script.py`: a group of one
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return init_device_mesh(env.device.type, (env.world_size // dp, dp), mesh_dim_names=("pp", "dp"))
+    return init_device_mesh(env.device.type, (env.world_size // (dp * tp), dp, tp), mesh_dim_names=("pp", "dp", "tp"))
 
 
-def autocast(env: Env):
-    return torch.autocast(env.device.type, env.dtype) if env.dtype != torch.float32 else contextlib.nullcontext()
+def compute(env: Env, tp: int):
+    """The context of every forward and backward: bf16 autocast on GPU; with tensor parallelism, loss_parallel,
+    so that the cross-entropy works on the head's vocabulary-sharded logits without gathering them."""
+    stack = contextlib.ExitStack()
+    if env.dtype != torch.float32:
+        stack.enter_context(torch.autocast(env.device.type, env.dtype))
+    if tp > 1:
+        stack.enter_context(loss_parallel())
+    return stack
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -294,6 +321,7 @@ def build_stages(config, stages: list[int], layers: list[range], device: torch.d
     if len(layers) == 1:  # embedding and head in one stage: one tensor if tied (else TiedEmbedding below)
         model.tie_weights()
     model.init_weights(seed)
+    model.head_in_loss = True  # the last stage gives out hidden states; the loss applies the head, in chunks
     return model
 
 
@@ -305,6 +333,7 @@ def stage_views(model: LlamaForPretraining, stages: list[int], layers: list[rang
     for s in stages:
         with torch.device("meta"):  # only a skeleton: every part kept is replaced by the real one
             view = LlamaForPretraining(model.config).keep_only(layers[s], s == 0, s == len(layers) - 1)
+        view.head_in_loss = model.head_in_loss
         for i in layers[s]:
             view.base_model.layers[str(i)] = model.base_model.layers[str(i)]
         if s == 0:
@@ -324,36 +353,41 @@ def make_pipeline_stages(model, stages: list[int], layers: list[range], mesh, mi
     views = stage_views(model, stages, layers)
     shard_replicas(views, mesh)
     return [PipelineStage(view, s, len(layers), env.device, group=mesh.get_group("pp"),
-                          **stage_io(model.config, s, len(layers), microbatch, env.dtype))
+                          **stage_io(model.config, s, microbatch))
             for view, s in zip(views, stages)]
 
 
-def stage_io(config, stage: int, num_stages: int, microbatch: tuple[int, int], dtype: torch.dtype) -> dict:
+def stage_io(config, stage: int, microbatch: tuple[int, int]) -> dict:
     """What a stage takes in and gives out for one microbatch, as meta tensors (shape and dtype, no memory).
 
     Declared up front, PipelineStage need not find it out itself: otherwise torch 2.13 runs a real microbatch
     through each stage before the first step, and on the first stage it never frees that forward's
-    activations (0.8 of a microbatch's, held for the whole run). Token ids come in; hidden states stay in the
-    weights' dtype under autocast (fp32 embedding, fp32 residual additions); logits come out in the compute
-    dtype."""
+    activations (0.8 of a microbatch's, held for the whole run). Token ids come in; hidden states go out of
+    every stage, the last one's too (the loss applies the head, chunk by chunk), in the weights' dtype under
+    autocast (fp32 embedding, fp32 residual additions, fp32 final norm)."""
     hidden = torch.empty(*microbatch, config.hidden_size, device="meta", requires_grad=True)
     return {"input_args": torch.empty(microbatch, dtype=torch.long, device="meta") if stage == 0 else hidden,
-            "output_args": torch.empty(*microbatch, config.vocab_size, dtype=dtype, device="meta",
-                                       requires_grad=True) if stage == num_stages - 1 else hidden}
+            "output_args": hidden}
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The schedule
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # Mean over the microbatch's targets. The schedule divides gradients by the number of microbatches, so a
-    # step's gradient is that of the mean of the microbatch losses, as on one process. Labelled for --trace:
-    # the schedules compute it outside the stage's forward, but it is the last stage's work all the same.
-    with torch.profiler.record_function("loss"):
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+def make_loss(pipeline_stages: list, chunks: int):
+    """The last stage's loss: the mean cross-entropy over a microbatch's targets, with the head of the stage
+    that holds it, chunk by chunk (model.chunked_loss). The schedule divides gradients by the number of
+    microbatches, so a step's gradient is that of the mean of the microbatch losses, as on one process.
+    Labelled for --trace: the schedules compute it outside the stage's forward, but it is the last stage's
+    work all the same."""
+    heads = [stage.submod.lm_head for stage in pipeline_stages if stage.is_last]
+
+    def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with torch.profiler.record_function("loss"):
+            return chunked_loss(heads[0], hidden, targets, chunks)
+    return loss_fn
 
 
-def make_schedule(name: str, pipeline_stages: list, microbatches: int):
+def make_schedule(name: str, pipeline_stages: list, microbatches: int, loss_fn):
     """The schedule driving this rank's PipelineStages: one stage for gpipe and 1f1b, a list for the others."""
     try:
         stages = pipeline_stages[0] if name in SINGLE_STAGE else pipeline_stages
@@ -362,26 +396,26 @@ def make_schedule(name: str, pipeline_stages: list, microbatches: int):
         raise UsageError(f"--schedule {name} with --microbatches {microbatches}: {e}", on_every_rank=True) from None
 
 
-def train_step(schedule, inputs, targets, env: Env) -> torch.Tensor | None:
+def train_step(schedule, inputs, targets, env: Env, tp: int = 1) -> torch.Tensor | None:
     """Forward and backward of one batch through the pipeline. inputs: on the rank holding the first stage,
     else None; targets: on the rank holding the last stage. Returns the mean microbatch loss there."""
     losses: list[torch.Tensor] = []
-    with autocast(env):
-        # return_outputs=False: the logits are not needed after the loss, so do not keep them for the step.
+    with compute(env, tp):
+        # return_outputs=False: the last stage's outputs are not needed after the loss: do not keep them.
         schedule.step(*([inputs] if inputs is not None else []), return_outputs=False,
                       **({"target": targets, "losses": losses} if targets is not None else {}))
     return torch.stack(losses).mean().detach() if targets is not None else None
 
 
 @torch.no_grad()
-def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, microbatches: int,
-              hidden_shape: tuple) -> torch.Tensor | None:
+def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, microbatches: int, hidden_shape: tuple,
+              loss_fn, tp: int = 1) -> torch.Tensor | None:
     """Forward only: the schedule's eval(); for the V-shaped schedules, whose eval() fails in torch 2.13 ("can't
     steal_bwd_input if this stage doesn't have backward"), forward_only() over the same stages."""
     losses: list[torch.Tensor] = []
-    with autocast(env):
+    with compute(env, tp):
         if isinstance(schedule, (ScheduleZBVZeroBubble, ScheduleDualPipeV)):
-            forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, losses)
+            forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, loss_fn, losses)
         else:
             schedule.eval(*([inputs] if inputs is not None else []), return_outputs=False,
                           **({"target": targets, "losses": losses} if targets is not None else {}))
@@ -392,7 +426,7 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, microb
     return torch.stack(losses).mean() if targets is not None else None
 
 
-def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidden_shape: tuple,
+def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidden_shape: tuple, loss_fn,
                  losses: list) -> None:
     """Every microbatch forward through this rank's stages, the last stage's losses appended to `losses`.
 
@@ -462,26 +496,33 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def clip_grad_norm_(params, max_norm: float, copies=()) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, copies=(), tp: int = 1) -> torch.Tensor:
     """Clip by the norm of the *whole model's* gradient and return it (the same on every rank).
 
     Each rank holds part of the gradient: its stages', and with FSDP only its shard of that. The parts are
     disjoint, so the whole's squared norm is the sum over all ranks of each part's; clipping each part by its
     own norm would change the update. copies: a tied head's copy of the embedding, clipped but counted once.
-    Summed in float64 over rows of 4096: torch's float32 norm on the CPU adds a whole tensor in one running
-    sum (2e-5 relative error on the tiny model's embedding gradient, more than the layouts may differ by)."""
+    A tensor each tensor-parallel rank holds whole (a norm's gain: not split by the plan) is counted once, not
+    tp times. Summed in float64 over rows of 4096: torch's float32 norm on the CPU adds a whole tensor in one
+    running sum (2e-5 relative error on the tiny model's embedding gradient, more than the layouts may differ
+    by)."""
+    def tp_copies(p) -> int:
+        names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+        return tp if "tp" not in names or p.placements[names.index("tp")].is_replicate() else 1
+
     params, skip, squares = [p for p in params if p.grad is not None], {id(p) for p in copies}, []
-    for grad in (p.grad for p in params if id(p) not in skip):
-        flat = (grad.to_local() if isinstance(grad, DTensor) else grad).flatten()
+    for p in (p for p in params if id(p) not in skip):
+        flat = (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).flatten()
         whole = flat.numel() // 4096 * 4096  # rows as views of the gradient (no copy), then the rest
         norms = torch.cat([torch.linalg.vector_norm(flat[:whole].view(-1, 4096), dim=1),
                            torch.linalg.vector_norm(flat[whole:])[None]])
-        squares.append((norms.double() ** 2).sum())
+        squares.append((norms.double() ** 2).sum() / tp_copies(p))
     total = torch.stack(squares).sum()
     dist.all_reduce(total)
     total = total.sqrt().float()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    if max_norm > 0:  # as torch.nn.utils.clip_grads_with_norm_, on the local tensors (DTensor or not: mixed)
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params], scale)
     return total
 
 
@@ -524,9 +565,10 @@ def summary(env: Env, model, optimizer, step_times: list[float], tokens_per_step
 def main(args):
     env = launch_env(args.device)
     check_args(args, env.world_size, env.device.type)
-    mesh = init_distributed(env, args.timeout, args.dp)
-    pp_rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()  # this rank's place along the pipeline
-    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()  # and among its stage's replicas
+    mesh = init_distributed(env, args.timeout, args.dp, args.tp)
+    pp_rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()  # this rank's place along the pipeline,
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()  # among its stage's replicas,
+    tp_rank, tp = mesh["tp"].get_local_rank(), mesh["tp"].size()  # and in its stage's tensor-parallel group
     say = print if env.rank == 0 else (lambda *a, **k: None)
 
     # --- data, then what the run will write (paths, the lock, the same run as the checkpoints?)
@@ -542,6 +584,7 @@ def main(args):
         config, name = checkpoint.model_config(args, data, env.device.type)
         layers = stage_layout(config, num_stages, args)
     model = build_stages(config, stages, layers, env.device, args.seed)
+    tensor_parallel(model, mesh["tp"])  # before activation checkpointing, compile and FSDP2
     if args.activation_checkpointing:
         checkpoint_layers([model])
     if args.compile:
@@ -549,18 +592,20 @@ def main(args):
     model.train()
     microbatch = (args.batch_size // (dp * args.microbatches), args.seq_len)
     pipeline_stages = make_pipeline_stages(model, stages, layers, mesh, microbatch, env)
-    schedule = make_schedule(args.schedule, pipeline_stages, args.microbatches)
+    loss_fn = make_loss(pipeline_stages, args.loss_chunks)
+    schedule = make_schedule(args.schedule, pipeline_stages, args.microbatches, loss_fn)
+    costs = estimated_costs(config, args.seq_len, args.activation_checkpointing, args.loss_chunks)
     say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
-        f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline rank(s) x {dp} replica(s): "
-        f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing))} | "
+        f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
+        f"{describe_layout(layers, costs)} | "
         f"{args.schedule} | {env.device.type} {str(env.dtype).removeprefix('torch.')}", flush=True)
 
     def step_fn(inputs, targets):
-        return train_step(schedule, inputs, targets, env)
+        return train_step(schedule, inputs, targets, env, tp)
 
     def eval_fn(inputs, targets):
         return eval_step(schedule, pipeline_stages, inputs, targets, env, args.microbatches,
-                         (*microbatch, config.hidden_size))
+                         (*microbatch, config.hidden_size), loss_fn, tp)
 
     # --- optimizer, tied embedding, resume: everything below is the same in every script
     optimizer = make_optimizer(model, args)
@@ -568,7 +613,7 @@ def main(args):
     step, position = checkpoint.resume(args, env.rank, env.world_size, model, optimizer, config, data_id, say)
     if position is not None:
         batches.load_state_dict(position)
-    reports = has_last and dp_rank == 0  # the loss and the progress bar: the last stage of the first replica
+    reports = has_last and dp_rank == tp_rank == 0  # the loss and the progress bar: one last-stage rank
     # --metrics: one JSON line per step and evaluation, then a summary; resumed, the rows after the checkpoint
     # (of a run killed after it) are dropped first. Nothing to do (step >= --steps): the file stays as it was.
     metrics = checkpoint.open_metrics(args.metrics, step) if reports and args.metrics and (
@@ -625,7 +670,7 @@ def main(args):
             optimizer.zero_grad(set_to_none=True)
             loss = pipeline(step_fn, *batches.next())
             tied.sync_grads()
-            grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies)
+            grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies, tp)
             optimizer.step()
             if env.device.type == "cuda":
                 torch.cuda.synchronize(env.device)
