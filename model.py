@@ -73,6 +73,8 @@ PRESETS: dict[str, dict] = {
                      num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
+    "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                      num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
 }
 
 

@@ -1,50 +1,65 @@
-"""What a layout will hold in memory and how fast each schedule will run, computed without running it.
+"""Which layout for my GPUs, and what a layout will hold in memory and how fast it will run: computed, not run.
 
+    python plan.py --model llama-8b --vocab-size 128256 --seq-len 8192 --batch-size 256 \\
+        --gpus 16 --gpus-per-node 8 --gpu-memory 80            # the fastest layouts that fit, with commands
+    python plan.py --model path/to/config.json --gpus 64 ...    # a Hugging Face config's shape
     python plan.py --processes 8 --dp 2 --model llama-8b --seq-len 8192 --batch-size 64 --microbatches 8 \\
-        --device cuda                             # 4 stages x 2 replicas of Llama 3 8B's shapes, on a laptop
-    python plan.py --processes 4 --model llama-8b --vocab-size 128256 --seq-len 8192 --batch-size 16 \\
+        --device cuda                             # one layout: 4 stages x 2 replicas of Llama 3 8B's shapes
+    python plan.py --processes 4 --tp 2 --model llama-8b --vocab-size 128256 --seq-len 8192 --batch-size 16 \\
         --microbatches 16 --schedule 1f1b --activation-checkpointing --device cuda
     python plan.py --processes 2 --data data      # the tiny model on this machine, vocabulary of data/meta.json
-    python plan.py --processes 4 --init-from path/to/Llama-3.2-1B --device cuda   # a Hugging Face model's shape
 
-The flags are the training scripts' own (the same names, meanings and defaults: --model, --layers,
---init-from, --seq-len, --batch-size, --microbatches, --schedule, --stages-per-rank, --split, --dp,
---activation-checkpointing, --device), plus --processes, the number of processes the run would start
-(pipeline ranks x --dp), and where the vocabulary comes from: --vocab-size (default 8192, prepare_data.py's
-default tokenizer) or --data DIR (a prepared dataset's meta.json); --init-from brings its own. A plan is
-refused, with the same one line, exactly when train_pipeline_gpipe.py would refuse the run (its check_args
-and stage_layout do the checking); the hand-written script's afab is accepted too (GPipe's order).
+--gpus N searches the layouts of N GPUs: pp x dp x tp = N with tp inside a node and dividing the model's heads,
+every schedule torch ships (the hand-written script's afab and 1f1b are GPipe's and 1F1B's orders), the most
+microbatches the batch and schedule allow, with and without activation checkpointing, the balanced split. It
+drops what the scripts would refuse or what does not fit in --gpu-memory (less 10 % for CUDA itself), and
+prints the fastest few, each with its step time, bubble, memory per GPU and the command that runs it. Its
+model of time: each stage's FLOPs at --efficiency x --peak-tflops, plus tensor parallelism's all-reduces and
+the messages between stages at --intra-node-bandwidth or --inter-node-bandwidth, plus FSDP's gather and
+reduce-scatter of each stage once per step; nothing overlapped.
+
+--processes N plans one layout. The flags are the training scripts' own (the same names, meanings and
+defaults: --model, --layers, --init-from, --seq-len, --batch-size, --microbatches, --schedule,
+--stages-per-rank, --split, --dp, --tp, --loss-chunks, --activation-checkpointing, --device), and where the
+vocabulary comes from: --vocab-size (default 8192, prepare_data.py's default tokenizer) or --data DIR (a
+prepared dataset's meta.json); --init-from brings its own. A plan is refused, with the same one line, exactly
+when train_pipeline_gpipe.py would refuse the run (its check_args and stage_layout do the checking); the
+hand-written script's afab is accepted too (GPipe's order).
 
 Nothing is allocated and no process group or GPU is needed. For every rank of the pipeline it prints the bytes
-of parameters, gradients and AdamW state it holds (fp32, 1/dp of its stages' with FSDP, as the end-of-run
-summary measures them), the gathered parameters and gradients FSDP holds during a step, and the activations
-held for backward at the worst moment of the chosen schedule (what `benchmark.py measure-activations` counts),
-with and without --activation-checkpointing. Then, for every schedule torch ships, the step time and bubble,
-found by replaying the schedule's own per-rank order of forwards and backwards (torch's, built from
-placeholder stages) with each stage's cost from model.estimated_costs: a stage's forward takes 1/3 of its
-forward + backward, a backward 2/3 (input and weight gradient 1/3 each for the zero-bubble schedules), and a
-message takes no time.
+of parameters, gradients and AdamW state it holds (fp32, 1/dp of its stages' with FSDP, 1/tp of the matrices,
+as the end-of-run summary measures them), the gathered parameters and gradients FSDP holds during a step, the
+activations held for backward at the worst moment of the chosen schedule (what `benchmark.py
+measure-activations` counts), with and without --activation-checkpointing, and the loss's logits. Then, for
+every schedule torch ships, the step time and bubble, found by replaying the schedule's own per-rank order of
+forwards and backwards (torch's, built from placeholder stages) with each stage's cost from
+model.estimated_costs: a stage's forward takes 1/3 of its forward + backward, a backward 2/3 (input and weight
+gradient 1/3 each for the zero-bubble schedules), and a message takes no time.
 """
 
 import argparse
 import copy
 import functools
+import gc
 import json
 import os
 import sys
 import types
+import unittest.mock
 import warnings
 
 import torch
 
 import checkpoint
 import train_pipeline_gpipe as gpipe
-from checkpoint import Parser, UsageError, whole
-from model import LlamaConfig, config_from_preset, describe_layout, estimated_costs, stage_costs
+from checkpoint import Parser, UsageError, number, whole
+from model import (PRESETS, LlamaConfig, config_from_hf, config_from_preset, describe_layout, estimated_costs,
+                   stage_costs)
 from train_pipeline_gpipe import SCHEDULES, V_SHAPED, stage_ids
 
 # The throughput the step times are given at: 40 % of an H100's dense bf16 peak, a typical sustained rate.
 ASSUMED_FLOPS = 0.4 * 989e12
+HEADROOM = 0.1  # of a GPU's memory, left to CUDA's context and the allocator's fragmentation
 VOCAB_SIZE = 8192  # prepare_data.py's default tokenizer
 # The flags plan.py shares with the training scripts: copied from train_pipeline_gpipe.py's parser, so their
 # names, types, defaults and help are the script's (--schedule is declared here: it also takes afab).
@@ -61,6 +76,12 @@ def plan_config(args) -> LlamaConfig:
     training scripts refuse (checkpoint.model_config): --model or another --layers with --init-from, a dataset
     with more tokens than the model has embeddings."""
     data_vocab = read_vocab(args.data) if args.data is not None else None
+    if args.model is not None and args.model.endswith(".json"):  # a Hugging Face config.json (plan.py only)
+        try:
+            with open(args.model) as f:
+                return config_from_hf(json.load(f))
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--model {args.model}: cannot read it as a Hugging Face config.json ({e})") from None
     if args.init_from is None:
         preset = args.model or ("small" if device_type(args) == "cuda" else "tiny")
         return config_from_preset(preset, data_vocab or args.vocab_size or VOCAB_SIZE, args.layers)
@@ -135,7 +156,40 @@ def activation_bytes(config: LlamaConfig, tokens: int, seq_len: int, bf16: bool,
     # log-softmax of the whole logits.
     head = tokens * (4 * (2 * h + 1) + 8 + (e * h + 4 * vocab if loss_chunks == 1 else 4 * h)) + 4
     loss = 3 * 4 * tokens / loss_chunks * vocab  # a piece's logits, their log-softmax, then their gradient
-    return {"layer": layer, "layer_checkpointed": tokens * h * 4, "head": head, "embed": tokens * 8, "loss": loss}
+    # Between a layer's input gradient and its weight gradient (the zero-bubble schedules' I and W): the
+    # gradients of its linear layers' outputs, split by tensor parallelism but for o's and down's.
+    weight_grad = tokens * e * ((heads * d + 2 * kv * d + 2 * inter) / tp + 2 * h)
+    return {"layer": layer, "layer_checkpointed": tokens * h * 4, "head": head, "embed": tokens * 8, "loss": loss,
+            "weight_grad": weight_grad}
+
+
+def stage_held(layout: list[range], sizes: dict, checkpointing: bool) -> list[float]:
+    """Activation bytes each stage holds per microbatch, from its forward to its backward."""
+    return [len(layers) * sizes["layer_checkpointed" if checkpointing else "layer"]
+            + (sizes["embed"] if s == 0 else 0) + (sizes["head"] if s == len(layout) - 1 else 0)
+            for s, layers in enumerate(layout)]
+
+
+def stage_between(layout: list[range], sizes: dict, checkpointing: bool) -> list[float]:
+    """Bytes a stage adds from a microbatch's input gradient to its weight gradient: its layers' output
+    gradients and, when they are checkpointed, the activations their recomputation made for the weight
+    gradient."""
+    extra = sizes["weight_grad"] + (sizes["layer"] - sizes["layer_checkpointed"] if checkpointing else 0.0)
+    return [len(layers) * extra for layers in layout]
+
+
+def rank_memory(params: float, dp: int, peak: float, peak_checkpointed: float, loss: float, layer: float,
+                checkpointing: bool) -> dict[str, float]:
+    """Bytes one GPU of a pipeline rank holds: its parameters (fp32), gradients and AdamW state, 1/dp of them
+    with FSDP, and the whole stage's parameters and gradients gathered during a step when dp > 1; activations
+    at the schedule's worst moment, without and with checkpointing (which holds one layer's full activations
+    for a moment while it recomputes it); the loss's logits on the last stage. "total": as flagged."""
+    row = {"param": 4 * params / dp, "grad": 4 * params / dp, "optimizer": 8 * params / dp,
+           "gathered": 8 * params if dp > 1 else 0, "activations": peak, "activations_checkpointed": peak_checkpointed,
+           "loss": loss}
+    row["total"] = row["param"] + row["grad"] + row["optimizer"] + row["gathered"] + loss + (
+        peak_checkpointed + layer if checkpointing else peak)
+    return row
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -161,15 +215,52 @@ def schedule_orders(name: str, pp: int, microbatches: int, stages_per_rank: int)
             acts += [[("B", r, i)] for i in range(m - warmup, m)]
             orders[r] = acts
         return orders
+    if name == "zbh1":
+        return zbh1_orders(pp, m)
     num_stages = pp * (2 if name in V_SHAPED else stages_per_rank)
     # Rank 0's schedule object computes every rank's order (pipeline_order holds them all): build it once.
     placeholders = [types.SimpleNamespace(num_stages=num_stages, group_size=pp, group_rank=0, stage_index=s,
                                           is_first=s == 0, is_last=s == num_stages - 1, submod=torch.nn.Module())
                     for s in stage_ids(name, 0, pp, stages_per_rank)]
-    with warnings.catch_warnings():
+    # Only the order is wanted: skip the lowering to a runtime schedule with communication (a private step of
+    # torch's multi-stage schedules, most of their construction time; it leaves pipeline_order as it is).
+    runtime = torch.distributed.pipelining.schedules._PipelineScheduleRuntime
+    with warnings.catch_warnings(), unittest.mock.patch.object(runtime, "_prepare_schedule_with_comms",
+                                                               lambda *args, **kwargs: None):
         warnings.simplefilter("ignore")
         table = SCHEDULES[name](placeholders, n_microbatches=m).pipeline_order
     return {r: [_actions(a) for a in table[r] if a is not None and _actions(a)] for r in range(pp)}
+
+
+def zbh1_orders(pp: int, m: int) -> dict[int, list[list[tuple]]]:
+    """ZB-H1 (Qi et al. 2023), which torch does not ship: 1F1B with each backward split into the input gradient
+    (I, first, as 1F1B's backward) and the weight gradient (W), the W's filling the time a rank would otherwise
+    wait. The order is the one this gives when every action takes the same time: on each rank, whenever it is
+    free, an I that is ready, else a forward within 1F1B's limit (pp - rank microbatches between forward and
+    I), else the oldest W still to do. Only for comparing with the published bubble: no script runs it. (Its
+    activations are counted as held until W, more than ZB-H1 keeps: W needs only the layers' inputs.)"""
+    done: dict[tuple, int] = {}
+    forward, grad, weight, busy_until = [0] * pp, [0] * pp, [0] * pp, [0] * pp
+    orders: dict[int, list[list[tuple]]] = {r: [] for r in range(pp)}
+    t = 0
+    while any(w < m for w in weight):
+        for r in range(pp):
+            if busy_until[r] > t:
+                continue
+            finished = lambda key: done.get(key, t + 1) <= t  # noqa: E731
+            i, f = grad[r], forward[r]
+            if i < m and finished(("F", r, i)) and (r == pp - 1 or finished(("I", r + 1, i))):
+                action, grad[r] = ("I", r, i), i + 1
+            elif f < m and f - i < pp - r and (r == 0 or finished(("F", r - 1, f))):
+                action, forward[r] = ("F", r, f), f + 1
+            elif weight[r] < grad[r]:
+                action, weight[r] = ("W", r, weight[r]), weight[r] + 1
+            else:
+                continue
+            done[action], busy_until[r] = t + 1, t + 1
+            orders[r].append([action])
+        t += 1
+    return orders
 
 
 def _actions(action) -> list[tuple]:
@@ -179,62 +270,84 @@ def _actions(action) -> list[tuple]:
     return [(kind, action.stage_index, action.microbatch_index)] if kind in ("F", "B", "I", "W") else []
 
 
+_INPUTS: dict[int, tuple] = {}
+
+
 def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward: list[float],
-           held: list[float]) -> dict:
+           held: list[float], between: list[float] | None = None) -> dict:
     """Run the orders against the dependencies: stage s's forward of microbatch i after stage s - 1's, its
     backward (B, or I for the input gradient alone) after its forward and after stage s + 1's backward, a
     weight gradient (W) after its I. forward/backward: each stage's times (I and W take half a backward each);
-    held: each stage's activation bytes per microbatch, kept from its forward to its B or W. Returns the step
-    time, each rank's busy time, its peak bytes held, and the bubble (the idle share of all ranks' time)."""
+    held: each stage's activation bytes per microbatch, kept from its forward to its B or W; between: the
+    bytes an I adds until its W (the gradients the weight gradient needs). Returns the step time, each rank's
+    busy time, its peak bytes held, and the bubble (the idle share of all ranks' time)."""
     last = len(forward) - 1
     finished: dict[tuple, float] = {}  # ("F" or "G" (input gradient ready) or "W", stage, microbatch) -> time
     clock, position = {r: 0.0 for r in orders}, {r: 0 for r in orders}
     holding, peak, busy = ({r: 0.0 for r in orders} for _ in range(3))
 
-    def needs(kind, s, i) -> list[tuple]:
-        if kind == "F":
-            return [("F", s - 1, i)] if s > 0 else []
-        if kind == "W":
-            return [("G", s, i)]
-        return [("F", s, i)] + ([("G", s + 1, i)] if s < last else [])
+    cost = {"F": forward, "B": backward, "I": [b / 2 for b in backward], "W": [b / 2 for b in backward]}
 
-    def ready(group) -> float | None:
-        """When every input of a group of actions (one, or an overlapped pair) is there; None: not yet."""
-        times = [finished.get(n) for kind, s, i in group for n in needs(kind, s, i)]
-        return None if None in times else max(times, default=0.0)
+    def needs(kind, s, i) -> tuple:
+        if kind == "F":
+            return (("F", s - 1, i),) if s > 0 else ()
+        if kind == "W":
+            return (("G", s, i),)
+        return (("F", s, i), ("G", s + 1, i)) if s < last else (("F", s, i),)
+
+    # What each action waits for, computed once per order (schedule_orders caches them: replayed many times).
+    if id(orders) not in _INPUTS or _INPUTS[id(orders)][0] is not orders:
+        _INPUTS[id(orders)] = orders, [[[n for kind, s, i in group for n in needs(kind, s, i)] for group in acts]
+                                       for acts in orders.values()]
+    inputs = _INPUTS[id(orders)][1]
 
     # Each rank runs its order in sequence; an action starts when the rank is free and its inputs are there.
-    # Those times do not depend on which rank is advanced first, so advance each as far as it can, in turns.
-    progressed = True
-    while progressed:
-        progressed = False
-        for r, acts in orders.items():
-            while position[r] < len(acts) and (start := ready(acts[position[r]])) is not None:
-                time = max(clock[r], start)
-                for kind, s, i in acts[position[r]]:  # an overlapped pair: one after the other here
-                    cost = {"F": forward[s], "B": backward[s], "I": backward[s] / 2, "W": backward[s] / 2}[kind]
-                    time += cost
-                    finished[("G" if kind in ("B", "I") else kind, s, i)] = time
-                    busy[r] += cost
-                    if kind == "F":
-                        holding[r] += held[s]
-                        peak[r] = max(peak[r], holding[r])
-                    elif kind in ("B", "W"):
-                        holding[r] -= held[s]
-                clock[r], position[r], progressed = time, position[r] + 1, True
+    # Those times do not depend on which rank is advanced first: advance a rank until an input is missing, park
+    # it on that input, and wake it when the input is produced.
+    ranks = list(orders)
+    waiting: dict[tuple, list[int]] = {}
+    awake = list(range(len(ranks)))
+    while awake:
+        index = awake.pop()
+        r, acts = ranks[index], orders[ranks[index]]
+        while position[r] < len(acts):
+            time, missing = clock[r], None
+            for n in inputs[index][position[r]]:
+                t = finished.get(n)
+                if t is None:
+                    missing = n
+                    break
+                time = t if t > time else time
+            if missing is not None:
+                waiting.setdefault(missing, []).append(index)
+                break
+            for kind, s, i in acts[position[r]]:  # an overlapped pair: one after the other here
+                took = cost[kind][s]
+                time += took
+                key = ("G" if kind in ("B", "I") else kind, s, i)
+                finished[key] = time
+                awake += waiting.pop(key, [])
+                busy[r] += took
+                if kind in ("F", "I"):
+                    holding[r] += held[s] if kind == "F" else between[s] if between else 0.0
+                    if holding[r] > peak[r]:
+                        peak[r] = holding[r]
+                elif kind in ("B", "W"):
+                    holding[r] -= held[s] + (between[s] if between and kind == "W" else 0.0)
+            clock[r], position[r] = time, position[r] + 1
     if any(position[r] < len(acts) for r, acts in orders.items()):
         raise RuntimeError("the schedule's order cannot proceed: an action waits for one that never comes")
     step = max(clock.values())
     return {"step": step, "busy": busy, "peak": peak, "bubble": 1 - sum(busy.values()) / (len(busy) * step)}
 
 
-def schedule_result(name, pp, m, stages_per_rank, layout, costs, held) -> dict:
+def schedule_result(name, pp, m, stages_per_rank, layout, costs, held, between=None) -> dict:
     """The replay of one schedule on a layout, with per-token stage costs (FLOPs) and bytes held per stage."""
     # A forward is a third of a stage's forward + backward; the backward is the rest, with any recomputation.
     again = [len(layers) * costs.get("recompute", 0.0) for layers in layout]
     work = [w - r for w, r in zip(stage_costs(layout, costs), again)]
     return replay(schedule_orders(name, pp, m, stages_per_rank), [w / 3 for w in work],
-                  [2 * w / 3 + r for w, r in zip(work, again)], held)
+                  [2 * w / 3 + r for w, r in zip(work, again)], held, between)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -289,16 +402,14 @@ def plan(args) -> dict:
           f"{m} microbatches of {tokens // args.seq_len} x {args.seq_len} tokens per replica, "
           f"{'bf16 autocast (GPU)' if bf16 else 'fp32 (CPU)'}")
 
-    def held(lay: list[range], checkpointing: bool) -> list[float]:
-        return [len(layers) * sizes["layer_checkpointed" if checkpointing else "layer"]
-                + (sizes["embed"] if s == 0 else 0) + (sizes["head"] if s == len(lay) - 1 else 0)
-                for s, layers in enumerate(lay)]
+    def held(lay: list[range], checkpointing: bool) -> tuple[list[float], list[float]]:
+        return stage_held(lay, sizes, checkpointing), stage_between(lay, sizes, checkpointing)
 
     # Memory of the chosen schedule, per pipeline rank (each replica of a rank holds the same).
     stages_of = {r: stage_ids(schedule, r, pp, per_rank) for r in range(pp)}
     print(f"layout (--split {args.split}): {describe_layout(layout, costs)}")
     params = stage_params(config, layout, tp)
-    result = {ac: schedule_result(schedule, pp, m, per_rank, layout, costs, held(layout, ac)) for ac in (False, True)}
+    result = {ac: schedule_result(schedule, pp, m, per_rank, layout, costs, *held(layout, ac)) for ac in (False, True)}
     report = {"ranks": [], "schedules": {}}
     unit, unit_name = (2 ** 30, "GiB") if 16 * sum(params) >= 2 ** 30 else (2 ** 20, "MiB")  # MiB for small models
     print(f"\nper pipeline rank, {unit_name} (each of its replicas and tensor-parallel ranks holds the same) | param "
@@ -306,13 +417,9 @@ def plan(args) -> dict:
           f"the loss's logits (--loss-chunks {args.loss_chunks}) | total, as flagged")
     last_rank = next(r for r in range(pp) if len(layout) - 1 in stages_of[r])
     for r in range(pp):
-        p = sum(params[s] for s in stages_of[r])
-        row = {"param": 4 * p / dp, "grad": 4 * p / dp, "optimizer": 8 * p / dp, "gathered": 8 * p if dp > 1 else 0,
-               "activations": result[False]["peak"][r], "activations_checkpointed": result[True]["peak"][r],
-               "loss": sizes["loss"] if r == last_rank else 0}
-        # Recomputing a checkpointed layer holds one layer's full activations for a moment.
-        row["total"] = row["param"] + row["grad"] + row["optimizer"] + row["gathered"] + row["loss"] + (
-            row["activations_checkpointed"] + sizes["layer"] if args.activation_checkpointing else row["activations"])
+        row = rank_memory(sum(params[s] for s in stages_of[r]), dp, result[False]["peak"][r],
+                          result[True]["peak"][r], sizes["loss"] if r == last_rank else 0, sizes["layer"],
+                          args.activation_checkpointing)
         report["ranks"].append(row)
         print(f"  rank {r} (stages {', '.join(map(str, stages_of[r]))}): " + " | ".join(
             f"{v / unit:.2f}" for v in row.values()))
@@ -333,7 +440,7 @@ def plan(args) -> dict:
         except UsageError as e:
             print(f"  {name:22s} not possible here: {str(e).split(';')[0]}")
             continue
-        out = [schedule_result(name, pp, m, per_rank, lay, costs, held(lay, ac)) for ac in (False, True)]
+        out = [schedule_result(name, pp, m, per_rank, lay, costs, *held(lay, ac)) for ac in (False, True)]
         seconds = out[0]["step"] * tokens / ASSUMED_FLOPS
         ideal = sum(stage_costs(lay, costs)) * m / pp * tokens / ASSUMED_FLOPS  # all work, no bubble
         report["schedules"][name] = {"step": seconds, "bubble": out[0]["bubble"],
@@ -345,31 +452,246 @@ def plan(args) -> dict:
     return report
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Which layout: every (pp, dp, tp, schedule, microbatches, checkpointing) for a cluster, ranked
+
+MAX_MICROBATCHES = 256
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def stage_seconds(config: LlamaConfig, layout: list[range], costs: dict, tokens: int, pp: int, dp: int, tp: int,
+                  checkpointing: bool, per_rank: list[list[int]], args) -> tuple[list[float], list[float]]:
+    """Each stage's forward and backward time for one microbatch (seconds): its FLOPs at the assumed rate, plus
+    tensor parallelism's all-reduces (a ring: 2 (tp - 1) / tp of the bytes over the node's links; two per layer
+    forward, two backward, two more when the layer is recomputed; one for the embedding) and the hidden states
+    (fp32) sent to the next or previous stage, over the node's links or, when that stage's ranks are on another
+    node, across nodes. Nothing overlaps: an upper bound."""
+    rate = args.peak_tflops * 1e12 * args.efficiency
+    intra, inter = args.intra_node_bandwidth * 1e9, args.inter_node_bandwidth * 1e9
+    activation = tokens * config.hidden_size * 2  # bf16, what tp all-reduces
+    reduce = 2 * (tp - 1) / tp * activation / intra if tp > 1 else 0.0
+    rank_of = {s: r for r, stages in enumerate(per_rank) for s in stages}
+
+    def send(a: int, b: int) -> float:  # stage a's output to stage b (the same GPU: no message)
+        if rank_of[a] == rank_of[b]:
+            return 0.0
+        node = lambda s: rank_of[s] * dp * tp // args.gpus_per_node  # noqa: E731  (tp innermost, pp outermost)
+        return tokens * config.hidden_size * 4 / (intra if node(a) == node(b) else inter)
+
+    work = stage_costs(layout, costs)
+    again = [len(layers) * costs.get("recompute", 0.0) for layers in layout]
+    forward, backward = [], []
+    for s, layers in enumerate(layout):
+        flops = work[s] - again[s]
+        embed = reduce if s == 0 else 0.0
+        forward.append(flops / 3 * tokens / rate + 2 * len(layers) * reduce + embed
+                       + (send(s, s + 1) if s + 1 < len(layout) else 0.0))
+        backward.append((2 * flops / 3 + again[s]) * tokens / rate + (4 if checkpointing else 2) * len(layers) * reduce
+                        + embed + (send(s, s - 1) if s > 0 else 0.0))
+    return forward, backward
+
+
+LAYOUTS: dict[tuple, list[range]] = {}  # the balanced split of one search's model, by stage count
+
+
+def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str, m: int,
+             checkpointing: bool) -> dict | None:
+    """One layout's step time, bubble and memory per GPU, or None where the scripts would refuse it."""
+    trial = argparse.Namespace(**{**vars(args), "processes": pp * dp * tp, "dp": dp, "tp": tp, "microbatches": m,
+                                  "activation_checkpointing": checkpointing, "split": "balanced",
+                                  "device": "cuda"})
+    library = schedule
+    try:
+        ns = script_args(trial, schedule)
+        gpipe.check_args(ns, trial.processes, "cuda")
+        num_stages = pp * len(stage_ids(schedule, 0, pp, ns.stages_per_rank))
+        key = (num_stages, checkpointing)  # what the split depends on here (balanced: a search of its own)
+        if key not in LAYOUTS:
+            LAYOUTS[key] = gpipe.stage_layout(config, num_stages, ns)
+        layout = LAYOUTS[key]
+    except UsageError:
+        return None
+    tokens = args.batch_size // (dp * m) * args.seq_len
+    costs = {k: v / tp for k, v in estimated_costs(config, args.seq_len, checkpointing, args.loss_chunks).items()}
+    sizes = activation_bytes(config, tokens, args.seq_len, True, tp, args.loss_chunks)
+    per_rank = [stage_ids(library, r, pp, ns.stages_per_rank) for r in range(pp)]
+    forward, backward = stage_seconds(config, layout, costs, tokens, pp, dp, tp, checkpointing, per_rank, args)
+    result = replay(schedule_orders(library, pp, m, ns.stages_per_rank), forward, backward,
+                    stage_held(layout, sizes, checkpointing), stage_between(layout, sizes, checkpointing))
+    params = stage_params(config, layout, tp)
+    held = [sum(params[s] for s in stages) for stages in per_rank]
+    memory = max(rank_memory(held[r], dp, result["peak"][r], result["peak"][r],
+                             sizes["loss"] if len(layout) - 1 in per_rank[r] else 0, sizes["layer"],
+                             checkpointing)["total"] for r in range(pp))
+    # FSDP2 gathers each stage's parameters once per step and reduce-scatters its gradients once (fp32), over
+    # the node's links when a stage's replicas share a node, else across nodes.
+    bandwidth = args.intra_node_bandwidth if dp * tp <= args.gpus_per_node else args.inter_node_bandwidth
+    sync = 2 * 4 * max(held) * (dp - 1) / dp / (bandwidth * 1e9) if dp > 1 else 0.0
+    return {"pp": pp, "dp": dp, "tp": tp, "schedule": schedule, "microbatches": m,
+            "checkpointing": checkpointing, "step": result["step"] + sync, "bubble": result["bubble"],
+            "memory": memory, "stages_per_rank": ns.stages_per_rank}
+
+
+def layouts(args, config: LlamaConfig, schedules=tuple(SCHEDULES), checkpointing=(False, True)) -> list[dict]:
+    """Every layout of --gpus that the scripts accept, evaluated: tp dividing a node's GPUs and the model's
+    heads, KV heads, MLP width and vocabulary; dp dividing the batch; pp at most the layers; every schedule
+    torch ships (the hand-written afab and 1f1b run GPipe's and 1F1B's orders: the same figures); with and
+    without activation checkpointing; and the most microbatches the schedule accepts, up to MAX_MICROBATCHES,
+    dividing a replica's batch. (The model of time has no cost per microbatch, so more microbatches, smaller,
+    never plan slower or bigger; in a real run, microbatches too small to keep a GPU busy do run slower.)"""
+    found = []
+    for pp, dp, tp, schedule, counts, ac in candidates(args, config, schedules, checkpointing):
+        rows = (evaluate(args, config, pp, dp, tp, schedule, m, ac) for m in sorted(counts, reverse=True))
+        row = next((row for row in rows if row is not None), None)  # the most microbatches the scripts accept
+        if row is not None:
+            found.append(row)
+    return found
+
+
+def candidates(args, config: LlamaConfig, schedules, checkpointing):
+    """(pp, dp, tp, schedule, microbatch counts, checkpointing) to evaluate: see layouts()."""
+    shapes = (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size, config.vocab_size)
+    for tp in [t for t in divisors(min(args.gpus, args.gpus_per_node)) if args.gpus % t == 0]:
+        if any(n % tp for n in shapes):
+            continue
+        for dp in divisors(args.gpus // tp):
+            pp = args.gpus // (tp * dp)
+            if args.batch_size % dp or pp > config.num_hidden_layers:
+                continue
+            counts = [m for m in divisors(args.batch_size // dp) if pp <= m <= MAX_MICROBATCHES]
+            for schedule in schedules:
+                if pp == 1 and schedule != schedules[0]:
+                    continue  # one stage: every schedule is the same loop over microbatches
+                for ac in checkpointing:
+                    yield pp, dp, tp, schedule, counts, ac
+
+
+def command(args, row: dict) -> str:
+    """The command line that runs a layout: torchrun on one node, run.sh (one line per node) on several."""
+    script = "train_pipeline_afab_manual.py" if row.get("by_hand") else "train_pipeline_gpipe.py"
+    if args.init_from or (args.model or "").endswith(".json"):  # the weights: beside a config.json
+        model = f"--init-from {args.init_from or os.path.dirname(args.model) or '.'}"
+    else:
+        model = f"--model {args.model or 'small'}"
+    flags = (f"{model} --seq-len {args.seq_len} --batch-size {args.batch_size} --microbatches {row['microbatches']} "
+             f"--schedule {row['schedule']}" + (f" --dp {row['dp']}" if row["dp"] > 1 else "")
+             + (f" --tp {row['tp']}" if row["tp"] > 1 else "")
+             + (" --activation-checkpointing" if row["checkpointing"] else ""))
+    nodes = args.gpus // args.gpus_per_node if args.gpus > args.gpus_per_node else 1
+    if nodes == 1:
+        return f"torchrun --nproc_per_node {args.gpus} {script} {flags}"
+    return (f"NNODES={nodes} NODE_RANK=<0..{nodes - 1}> MASTER_ADDR=<first node> NPROC_PER_NODE={args.gpus_per_node} "
+            f"./run.sh {script} {flags}")
+
+
+def search(args) -> list[dict]:
+    """Print the best layouts for --gpus and return them, fastest first; a UsageError when none fits."""
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        raise UsageError(f"--gpus {args.gpus}: not whole nodes of --gpus-per-node {args.gpus_per_node}; give a "
+                         f"multiple of {args.gpus_per_node}")
+    args.device = "cuda"  # a plan for GPUs (the default model is the scripts' on a GPU)
+    config = plan_config(args)
+    LAYOUTS.clear()
+    budget = args.gpu_memory * 1e9 * (1 - HEADROOM)
+    # The replays make millions of small tuples and no reference cycles: the cyclic garbage collector would
+    # only scan them again and again (a third of the search's time).
+    gc.disable()
+    try:
+        found = layouts(args, config)
+    finally:
+        gc.enable()
+    if not found:
+        raise UsageError(f"--gpus {args.gpus}: no layout of {config.num_hidden_layers} layers, a batch of "
+                         f"{args.batch_size} and {args.gpus_per_node} GPUs per node passes the scripts' checks; "
+                         "try another --batch-size or --gpus")
+    fits = sorted((row for row in found if row["memory"] <= budget), key=lambda row: row["step"])
+    if not fits:
+        least = min(found, key=lambda row: row["memory"])
+        # More GPUs: checked with the layouts that hold the least (1F1B, checkpointing), for speed.
+        more = next((g for g in (2 * args.gpus, 4 * args.gpus, 8 * args.gpus) if any(
+            row["memory"] <= budget for row in layouts(argparse.Namespace(**{**vars(args), "gpus": g}), config,
+                                                       ("1f1b",), (True,)))), None)
+        raise UsageError(f"--gpu-memory {args.gpu_memory:g}: no layout fits; the smallest, pp {least['pp']} x dp "
+                         f"{least['dp']} x tp {least['tp']}"
+                         f"{' with --activation-checkpointing' if least['checkpointing'] else ''}, needs "
+                         f"{least['memory'] / 1e9 / (1 - HEADROOM):.0f} GB per GPU"
+                         + (f"; --gpus {more} would fit" if more else "; more GPUs would not fit it either: a "
+                            "smaller --seq-len or --batch-size, or GPUs with more memory, might"))
+    rate = args.peak_tflops * args.efficiency
+    print(f"{len(found)} layouts of {config.num_hidden_layers} layers (hidden {config.hidden_size}, vocab "
+          f"{config.vocab_size}) on {args.gpus} GPUs ({args.gpus_per_node} per node, {args.gpu_memory:g} GB), "
+          f"batch {args.batch_size} x {args.seq_len}; {len(fits)} fit in {budget / 1e9:.0f} GB (the rest is kept "
+          f"for CUDA and fragmentation). Fastest {min(args.top, len(fits))}:")
+    print(f"assumed: {rate:.0f} TFLOP/s per GPU ({args.efficiency:.0%} of {args.peak_tflops:g}), "
+          f"{args.intra_node_bandwidth:g} GB/s inside a node, {args.inter_node_bandwidth:g} GB/s across nodes, no "
+          "communication overlapped with compute.")
+    print("uncertainty: the step times are good to about +-30 % (the efficiency varies with shapes and kernels); "
+          "layouts within 15 % of each other are a tie, try both. Memory: within 10 % of what CPU runs measure "
+          "for GPipe, 1F1B and interleaved 1F1B; the zero-bubble schedules (I/W split) held up to 45 % more.")
+    tokens = args.batch_size * args.seq_len
+    for i, row in enumerate(fits[:args.top], 1):
+        print(f"\n{i}. pp {row['pp']} x dp {row['dp']} x tp {row['tp']}, {row['schedule']}, {row['microbatches']} "
+              f"microbatches{', activation checkpointing' if row['checkpointing'] else ''}: step "
+              f"{row['step']:.2f} s ({tokens / row['step']:,.0f} tokens/s), bubble {row['bubble']:.0%}, "
+              f"{row['memory'] / 2**30:.1f} GiB per GPU")
+        row["command"] = command(args, row)
+        print(f"   {row['command']}")
+        if row["schedule"] in ("gpipe", "1f1b"):  # the hand-written script runs the same order
+            row["by_hand"] = command(args, {**row, "schedule": "afab" if row["schedule"] == "gpipe" else "1f1b",
+                                            "by_hand": True})
+            print(f"   or by hand: {row['by_hand']}")
+    return fits[:args.top]
+
+
 class _Parser(Parser):
     MOVED = {flag: where for flag, where in Parser.MOVED.items() if flag != "--vocab-size"}  # plan.py's own
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="plan.py", description=__doc__)
-    p.add_argument("--processes", type=whole(1), required=True,
-                   help="processes the run would start: pipeline ranks x --dp x --tp")
+    p = _Parser(prog="plan.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--processes", type=whole(1),
+                      help="plan this layout: processes the run would start, pipeline ranks x --dp x --tp")
+    what.add_argument("--gpus", type=whole(1), help="find the layouts for this many GPUs (pp, dp, tp, schedule, "
+                                                    "microbatches, checkpointing searched), fastest first")
     script = {action.dest: action for action in gpipe.build_parser()._actions}
     g = p.add_argument_group("the training scripts' flags (same meaning)")
     for name in SHARED:
-        g._add_action(copy.copy(script[name]))
+        action = copy.copy(script[name])
+        if name == "model":  # a preset, or for plan.py also a Hugging Face config.json
+            action.choices, action.metavar = None, "{" + ",".join(PRESETS) + "} or config.json"
+        g._add_action(action)
     g.add_argument("--schedule", choices=[*SCHEDULES, "afab"], default="gpipe",
                    help="the library schedules, and the hand-written script's afab (GPipe's order)")
     g = p.add_argument_group("vocabulary (without --init-from)").add_mutually_exclusive_group()
     g.add_argument("--vocab-size", type=whole(1),
                    help=f"tokens in the vocabulary (default: {VOCAB_SIZE}, prepare_data.py's default tokenizer)")
     g.add_argument("--data", metavar="DIR", help="take the vocabulary from data prepared by prepare_data.py")
+    g = p.add_argument_group("the cluster, with --gpus (the search's model of time: see its output)")
+    g.add_argument("--gpus-per-node", type=whole(1), default=8, help="tensor parallelism stays inside a node")
+    g.add_argument("--gpu-memory", type=number(True), default=80.0, help="GB per GPU")
+    g.add_argument("--peak-tflops", type=number(True), default=989.0,
+                   help="dense bf16 peak per GPU (H100 SXM: 989)")
+    g.add_argument("--efficiency", type=number(True), default=0.4,
+                   help="the share of the peak a stage's matmuls reach")
+    g.add_argument("--intra-node-bandwidth", type=number(True), default=300.0,
+                   help="GB/s per GPU inside a node (NVLink), for tp's all-reduces and messages between stages")
+    g.add_argument("--inter-node-bandwidth", type=number(True), default=25.0,
+                   help="GB/s per GPU across nodes (InfiniBand), for pp's messages and dp's gradients")
+    g.add_argument("--top", type=whole(1), default=5, help="how many layouts to print")
     return p
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> dict | list:
     args = build_parser().parse_args(argv)
     try:
-        return plan(args)
+        if args.model is not None and args.model not in PRESETS and not args.model.endswith(".json"):
+            raise UsageError(f"--model {args.model}: give a preset ({', '.join(PRESETS)}) or a Hugging Face "
+                             "config.json")
+        return search(args) if args.gpus else plan(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -13,7 +13,7 @@
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 NPROC_PER_NODE=4 ./run.sh train_pipeline_gpipe.py --dp 4 ...  # node1
 # 4 nodes x 8 GPUs, all three: tensor parallel inside a node (--tp 8), 4 pipeline stages, one per node:
 #   NNODES=4 NODE_RANK=$i MASTER_ADDR=node0 NPROC_PER_NODE=8 ./run.sh train_pipeline_gpipe.py --tp 8 ...
-# or 2 pipeline stages of 2 nodes each, 2 replicas x tp 8: --dp 2 --tp 8 (plan.py says what each layout holds).
+# or 2 pipeline stages of 2 nodes each, 2 replicas x tp 8: --dp 2 --tp 8. python plan.py --gpus 32 ... ranks them.
 # torchrun gives each node a contiguous block of ranks, and the scripts' mesh is (pp, dp, tp) with tp
 # innermost: a stage's tensor-parallel ranks, then its replicas, are neighbouring ranks. With --tp dividing
 # NPROC_PER_NODE, tp's per-layer all-reduces stay inside a node; with --dp x --tp dividing it, the replicas'

@@ -2605,6 +2605,63 @@ def test_the_replay_gives_gpipes_bubble_and_1f1bs_activations():
         assert result["step"] >= m * stages * 3 / pp and 0 <= result["bubble"] < 0.5, (name, pp, result)
 
 
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_the_replay_gives_the_published_bubbles(p):
+    # Every stage costs the same: forward 1, backward 2 (input and weight gradient 1 each for zero bubble).
+    for m in (p, 2 * p, 4 * p, 3 * p + 1):
+        for name in ("gpipe", "1f1b"):  # (p - 1) / (m + p - 1) of the step
+            result = plan.replay(plan.schedule_orders(name, p, m, 1), [1.0] * p, [2.0] * p, [0.0] * p)
+            assert result["bubble"] == pytest.approx((p - 1) / (m + p - 1)), (name, p, m)
+        # ZB-H1 (Qi et al. 2023), T_F = T_B = T_W: (p - 1) / (3m) of the bubble-free time, 3m per rank.
+        result = plan.replay(plan.schedule_orders("zbh1", p, m, 1), [1.0] * p, [2.0] * p, [0.0] * p)
+        assert (result["step"] - 3 * m) / (3 * m) == pytest.approx((p - 1) / (3 * m)), (p, m)
+    # Interleaved 1F1B (Narayanan et al. 2021), v stages per rank costing 1/v each: (p - 1) / (v m) of the
+    # bubble-free time (m a multiple of p, as torch's schedule asks).
+    for v, m in itertools.product((2, 3, 4), (p, 2 * p, 4 * p)):
+        n = p * v
+        result = plan.replay(plan.schedule_orders("interleaved1f1b", p, m, v), [1 / v] * n, [2 / v] * n, [0.0] * n)
+        assert (result["step"] - 3 * m) / (3 * m) == pytest.approx((p - 1) / (v * m)), (p, v, m)
+
+
+def test_plan_finds_layouts_for_a_cluster_that_the_scripts_accept(capsys):
+    # Llama 3 8B at 8192 tokens on 2 nodes of 8 x 80 GB: ranked layouts, each with the command that runs it.
+    argv = ["--model", "llama-8b", "--vocab-size", "128256", "--seq-len", "8192", "--gpus", "16",
+            "--gpus-per-node", "8", "--gpu-memory", "80", "--batch-size", "256", "--top", "8"]
+    best = plan.main(argv)
+    out = capsys.readouterr().out
+    assert "assumed: 396 TFLOP/s per GPU (40% of 989)" in out and out.count("uncertainty: ") == 1
+    assert len(best) == 8 and [row["step"] for row in best] == sorted(row["step"] for row in best)
+    config = config_from_preset("llama-8b", 128256)
+    for row in best:
+        assert row["memory"] <= 0.9 * 80e9 and row["pp"] * row["dp"] * row["tp"] == 16 and row["tp"] <= 8
+        for line in [row["command"], *([row["by_hand"]] if "by_hand" in row else [])]:
+            assert line in out
+            assert line.startswith("NNODES=2 NODE_RANK=<0..1> MASTER_ADDR=<first node> NPROC_PER_NODE=8 ./run.sh ")
+            words = shlex.split(line.split("./run.sh ", 1)[1])
+            module = SCRIPT_MODULES[words[0]]
+            ns = module.build_parser().parse_args(words[1:])  # the script's own parser and checks
+            module.check_args(ns, 16, "cuda")
+            stages = ns.stages_per_rank if ns.schedule not in gpipe.SINGLE_STAGE and "stages_per_rank" in ns else 1
+            module.stage_layout(config, 16 // (ns.dp * ns.tp) * (2 if ns.schedule in gpipe.V_SHAPED else stages), ns)
+    # 64 GPUs: 8 nodes (timed in the README, not here).
+    best = plan.main([*argv[:-4], "--gpus", "64", "--top", "3"])
+    assert len(best) == 3 and all(row["pp"] * row["dp"] * row["tp"] == 64 for row in best)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "12"], "error: --gpus 12: not whole nodes of --gpus-per-node 8; give a multiple of 8"),
+    (["--gpus", "1", "--gpu-memory", "40"], "error: --gpu-memory 40: no layout fits; the smallest, pp 1 x dp 1 x tp 1 "
+                                            "with --activation-checkpointing, needs"),
+    (["--gpus", "8", "--gpu-memory", "8"], "needs 21 GB per GPU; --gpus 64 would fit"),
+    (["--gpus", "8", "--gpu-memory", "1"], "; more GPUs would not fit it either"),
+])
+def test_plan_says_what_no_layout_fits_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        plan.main(["--model", "llama-8b", "--seq-len", "8192", "--batch-size", "16", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and message in err and err.count("\n") == 1, err
+
+
 def test_plan_prints_every_schedule_for_a_cluster_on_this_machine(tmp_path):
     result = launch(0, "plan.py", "--model", "llama-8b", "--seq-len", "8192", "--processes", "8", "--dp", "2",
                     "--batch-size", "64", "--microbatches", "8", "--device", "cuda", cwd=tmp_path)
