@@ -555,9 +555,11 @@ def candidates(args, config: LlamaConfig, schedules, checkpointing):
     """(pp, dp, tp, schedule, microbatch counts, checkpointing) to evaluate: see layouts()."""
     shapes = (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size, config.vocab_size)
     for tp in [t for t in divisors(min(args.gpus, args.gpus_per_node)) if args.gpus % t == 0]:
-        if any(n % tp for n in shapes):
+        if any(n % tp for n in shapes) or args.tp > 1 and tp != args.tp:
             continue
         for dp in divisors(args.gpus // tp):
+            if args.dp > 1 and dp != args.dp:
+                continue
             pp = args.gpus // (tp * dp)
             if args.batch_size % dp or pp > config.num_hidden_layers:
                 continue
@@ -592,6 +594,13 @@ def search(args) -> list[dict]:
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         raise UsageError(f"--gpus {args.gpus}: not whole nodes of --gpus-per-node {args.gpus_per_node}; give a "
                          f"multiple of {args.gpus_per_node}")
+    if args.tp > args.gpus_per_node:
+        raise UsageError(f"--tp {args.tp}: larger than a node (--gpus-per-node {args.gpus_per_node}); tensor "
+                         "parallelism's all-reduces, two per layer each way, stay inside a node: use --tp "
+                         f"{args.gpus_per_node} or less, or leave --tp out to search it")
+    if args.gpus % (args.dp * args.tp):
+        raise UsageError(f"--dp {args.dp} x --tp {args.tp}: does not divide --gpus {args.gpus}; leave them out to "
+                         "search them")
     args.device = "cuda"  # a plan for GPUs (the default model is the scripts' on a GPU)
     config = plan_config(args)
     LAYOUTS.clear()
@@ -656,7 +665,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--processes", type=whole(1),
                       help="plan this layout: processes the run would start, pipeline ranks x --dp x --tp")
     what.add_argument("--gpus", type=whole(1), help="find the layouts for this many GPUs (pp, dp, tp, schedule, "
-                                                    "microbatches, checkpointing searched), fastest first")
+                                                    "microbatches, checkpointing searched; a --dp or --tp given "
+                                                    "is kept), fastest first")
     script = {action.dest: action for action in gpipe.build_parser()._actions}
     g = p.add_argument_group("the training scripts' flags (same meaning)")
     for name in SHARED:
