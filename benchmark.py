@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
-from checkpoint import Parser, UsageError
+from checkpoint import Parser, UsageError, whole
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = {  # name: (script, schedule)
@@ -421,10 +421,10 @@ def loss_peak_bytes(vocab_size: int, hidden_size: int, tokens: int, chunks: int,
 def loss_memory(argv: list[str]) -> None:
     """benchmark.py loss-memory: the loss's peak extra bytes, plain and in chunks, side by side."""
     p = Parser(prog="benchmark.py loss-memory", description=loss_peak_bytes.__doc__)
-    p.add_argument("--vocab-size", type=int, default=32768)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--tokens", type=int, default=4096, help="one microbatch: sequences x sequence length")
-    p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--vocab-size", type=whole(1), default=32768)
+    p.add_argument("--hidden-size", type=whole(4), default=256, help="a multiple of 4 (the model's 4 heads)")
+    p.add_argument("--tokens", type=whole(1), default=4096, help="one microbatch: sequences x sequence length")
+    p.add_argument("--chunks", type=whole(1), nargs="+", default=[1, 2, 4, 8, 16])
     args = p.parse_args(argv)
     print(f"the loss's peak extra memory, vocab {args.vocab_size}, hidden {args.hidden_size}, {args.tokens} tokens "
           f"(the whole fp32 logits: {4 * args.tokens * args.vocab_size / 2**20:.0f} MiB)")

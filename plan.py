@@ -89,17 +89,7 @@ def plan_config(args) -> LlamaConfig:
     if args.vocab_size is not None:
         raise UsageError(f"--vocab-size {args.vocab_size}: the vocabulary comes from --init-from {source}; "
                          "leave --vocab-size out")
-    if checkpoint.is_hf_dir(source):
-        config = checkpoint.read_hf_config(source)
-    elif os.path.isdir(source):
-        config = LlamaConfig(**checkpoint.read_meta(checkpoint.resolve(source, "--init-from"))["config"])
-    else:
-        raise UsageError(f"--init-from {source}: not a directory; give a Hugging Face model directory "
-                         "(config.json + *.safetensors) or a checkpoint of this project")
-    for flag, value in (("--model", args.model), ("--layers", args.layers)):
-        if value is not None and (flag == "--model" or value != config.num_hidden_layers):
-            raise UsageError(f"{flag} {value}: the model's shape comes from {source} "
-                             f"({config.num_hidden_layers} layers); leave {flag} out")
+    config, _ = checkpoint.source_config(source, args)  # refuses --model or another --layers beside it
     if data_vocab is not None and data_vocab > config.vocab_size:
         raise UsageError(f"--data {args.data}: {data_vocab} tokens, but {source} has embeddings for "
                          f"{config.vocab_size}")

@@ -494,7 +494,8 @@ def test_loss_trajectory_is_the_same_at_any_layout_and_by_hand(tmp_path, data_di
     # (the library's 2 stages x tp 2 alone: test_tensor_parallel_resumes_exactly..., 16 steps).
         "afab2xtp2": (4, "train_pipeline_afab_manual.py", ["--tp", "2", "--loss-chunks", "1"]),
         "gpipe2x2xtp2": (8, "train_pipeline_gpipe.py", ["--dp", "2", "--tp", "2"]),
-        "1f1b2x2xtp2": (8, "train_pipeline_afab_manual.py", ["--dp", "2", "--tp", "2", "--schedule", "1f1b"]),
+        "1f1b2x2xtp2": (8, "train_pipeline_afab_manual.py", ["--dp", "2", "--tp", "2", "--schedule", "1f1b",
+                                                             "--activation-checkpointing"]),
     }
     # These run under benchmark.py's activation meter (the bytes each rank holds for backward at its peak).
     measured = {"gpipe2", "checkpointed2", "tracer2x2", "1f1b2x2", "afab2xtp2"}
@@ -604,7 +605,8 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
     # --tp the same way (the model's heads are checked by the processes: test_tensor_parallel_mistakes...).
     cases += [("train_pipeline_gpipe.py", ("--tp", "3"), "--dp 1 x --tp 3: 4 processes cannot be split into 3", 4),
               ("train_pipeline_afab_manual.py", ("--dp", "2", "--tp", "2"), "--dp 2 x --tp 2: 6 processes", 6),
-              ("train_pipeline_tracer.py", ("--tp", "2"), "--tp 2: the traced stages cannot be split", 4)]
+              ("train_pipeline_tracer.py", ("--tp", "2"), "--tp 2: the traced stages cannot be split", 4),
+              ("train_pipeline_afab_manual.py", ("--tp", "2", "--compile"), "--compile with --tp 2: compiled", 4)]
     for script, given, named, world_size in cases:
         monkeypatch.setenv("RANK", "0")
         monkeypatch.setenv("WORLD_SIZE", str(world_size))
@@ -785,15 +787,14 @@ def complete_and_partial(checkpoint_dir: Path):
     return [n for n in names if not n.endswith(".tmp")], [n for n in names if n.endswith(".tmp")]
 
 
-def test_sigkill_during_a_save_then_rerun_gives_bit_identical_losses(tmp_path, data_dir, reference_run):
-    args = [*RESUME_ARGS, "--dp", "2", "--checkpoint-every", "1", "--keep-checkpoints", "2", "--data",
-            data_dir, "--metrics", "m.jsonl"]
-    ckpt = tmp_path / "checkpoints"
-    # Kill the whole job at once while a save is in progress and an earlier checkpoint is complete. The test
-    # process competes for the CPU with the job, so a kill may land just after a save finished: then the same
-    # command (which resumes) is started again and killed again, a few times at most.
+def kill_during_a_save(args: list, cwd: Path) -> int:
+    """Run train_pipeline_gpipe.py on 4 processes and kill the whole job at once while a save is in progress
+    and an earlier checkpoint is complete; returns the step of that complete one. The test process competes for
+    the CPU with the job, so a kill may land just after a save finished: then the same command (which resumes)
+    is started again and killed again, a few times at most."""
+    ckpt = cwd / "checkpoints"
     for _ in range(4):
-        proc = launch(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path, wait=False)
+        proc = launch(4, "train_pipeline_gpipe.py", *args, cwd=cwd, wait=False)
         while proc.poll() is None:
             complete, partial = complete_and_partial(ckpt)
             if complete and partial:
@@ -804,9 +805,15 @@ def test_sigkill_during_a_save_then_rerun_gives_bit_identical_losses(tmp_path, d
         assert proc.returncode == -signal.SIGKILL, "the run ended before a save could be interrupted"
         complete, partial = complete_and_partial(ckpt)
         if partial:
-            break
-    assert partial, "no kill landed inside a save"
-    killed_at = int(complete[-1].split("-")[1])
+            return int(complete[-1].split("-")[1])
+    pytest.fail("no kill landed inside a save")
+
+
+def test_sigkill_during_a_save_then_rerun_gives_bit_identical_losses(tmp_path, data_dir, reference_run):
+    args = [*RESUME_ARGS, "--dp", "2", "--checkpoint-every", "1", "--keep-checkpoints", "2", "--data",
+            data_dir, "--metrics", "m.jsonl"]
+    ckpt = tmp_path / "checkpoints"
+    killed_at = kill_during_a_save(args, tmp_path)
     assert killed_at < 16
 
     result = launch(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path)  # the same command again
@@ -853,21 +860,7 @@ def test_tensor_parallel_resumes_exactly_on_any_layout_and_exports_the_whole_mod
     args = [*RESUME_ARGS, "--tp", "2", "--checkpoint-every", "4", "--keep-checkpoints", "4", "--data", data_dir,
             "--metrics", "m.jsonl"]
     ckpt = tmp_path / "checkpoints"
-    for _ in range(4):
-        proc = launch(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path, wait=False)
-        while proc.poll() is None:
-            complete, partial = complete_and_partial(ckpt)
-            if complete and partial:
-                kill_job(proc)
-                break
-            time.sleep(0.001)
-        proc.communicate()
-        assert proc.returncode == -signal.SIGKILL, "the run ended before a save could be interrupted"
-        complete, partial = complete_and_partial(ckpt)
-        if partial:
-            break
-    assert partial, "no kill landed inside a save"
-    killed_at = int(complete[-1].split("-")[1])
+    killed_at = kill_during_a_save(args, tmp_path)
     first_attempt, _ = read_metrics(tmp_path / "m.jsonl")
     result = launch(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -115,6 +115,9 @@ def check_args(args, world_size: int, device_type: str) -> None:
     need(world_size % group == 0, f"--dp {args.dp}{f' x --tp {args.tp}' if args.tp > 1 else ''}: {world_size} "
                                   f"processes cannot be split into {group} {'replicas' if args.tp == 1 else 'ranks'} "
                                   f"per stage; start a multiple of {group} processes (pipeline ranks x dp x tp)")
+    # Tried: torch 2.13's compiled layers fail in backward on the tensor-parallel layers' DTensors.
+    need(not (args.compile and args.tp > 1), f"--compile with --tp {args.tp}: compiled tensor-parallel layers "
+                                             "fail in torch 2.13's backward; leave --compile out with --tp")
     need(args.batch_size % (args.dp * args.microbatches) == 0,
          f"--batch-size {args.batch_size} is not divisible by --dp {args.dp} x --microbatches {args.microbatches}; "
          "each replica splits its equal share of the batch into the microbatches")
