@@ -24,7 +24,8 @@ of one microbatch, and a timeline picture; a separate short run under measure-ac
 activation bytes per rank.
 
 measure-activations runs a training script's main() in this process (under torchrun: on every rank) inside
-an ActivationMeter: the peak bytes of tensors autograd saves for backward, parameters left out; rank 0 writes
+an ActivationMeter: the peak bytes of tensors autograd saves for backward, parameters left out, and of the
+gradients the zero-bubble schedules keep from a backward's input half to its weight half; rank 0 writes
 {"activation_bytes_per_rank": [...]} to OUT.json.
 
 Writes OUT/results.md (Markdown table), OUT/results.json, OUT/<variant>.trace/rank{R}.json and, when matplotlib
@@ -44,9 +45,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import unittest.mock
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining.stage
 
 import checkpoint
 from checkpoint import Parser, UsageError, whole
@@ -317,11 +320,15 @@ def draw(trace_dir: str, png_path: str, title: str) -> bool:
 # Activations held for backward
 
 class ActivationMeter:
-    """Peak bytes of activations saved for backward while active, counted through autograd's saved-tensor hooks.
+    """Peak bytes of activations held for backward while active: the tensors autograd saves, counted through its
+    saved-tensor hooks, and the gradients the zero-bubble schedules keep from a microbatch's input gradient (I)
+    to its weight gradient (W).
 
     Parameters (which autograd also saves, e.g. a linear's weight) are not activations and are not counted: an
     nn.Parameter, or a view of one (FSDP2's unsharded parameters, gathered for the step, are Parameters too). A
     storage saved by several ops counts once; it stops counting when the last graph node saving it is freed.
+    The I/W split is torch's stage_backward_input / stage_backward_weight (what PipelineStage calls): the meter
+    wraps the two while active and counts the gradients the first hands to the second (param_groups' "grads").
 
         with ActivationMeter() as meter:
             train_step(...)
@@ -329,14 +336,15 @@ class ActivationMeter:
     """
 
     def __init__(self):
-        self._live: dict[int, list] = {}  # storage pointer -> [bytes, number of saves still alive]
+        self._live: dict[int, list] = {}  # storage pointer -> [bytes, number of holders still alive]
         self.current = self.peak_bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._kept: dict[int, list[int]] = {}  # id(param_groups) -> the storages its gradients hold, until W
+        stage = torch.distributed.pipelining.stage
+        self._split = [unittest.mock.patch.object(stage, "stage_backward_input", self._input_grad(stage)),
+                       unittest.mock.patch.object(stage, "stage_backward_weight", self._weight_grad(stage))]
 
-    def _pack(self, tensor):
-        if tensor.device.type == "meta" or isinstance(tensor, torch.nn.Parameter) or \
-                isinstance(tensor._base, torch.nn.Parameter):
-            return tensor
+    def _hold(self, tensor) -> list[int]:
         ptrs = []
         for storage in _storages(tensor):
             ptr = storage.data_ptr()
@@ -346,11 +354,7 @@ class ActivationMeter:
                 self.peak_bytes = max(self.peak_bytes, self.current)
             entry[1] += 1
             ptrs.append(ptr)
-        return _Saved(self, ptrs, tensor)
-
-    @staticmethod
-    def _unpack(saved):
-        return saved.tensor if isinstance(saved, _Saved) else saved
+        return ptrs
 
     def _release(self, ptr):
         entry = self._live[ptr]
@@ -359,12 +363,51 @@ class ActivationMeter:
             self.current -= entry[0]
             del self._live[ptr]
 
+    def _pack(self, tensor):
+        if tensor.device.type == "meta" or isinstance(tensor, torch.nn.Parameter) or \
+                isinstance(tensor._base, torch.nn.Parameter):
+            return tensor
+        # Held through a detached alias: the tensor itself may be the output of the node that saves it, and
+        # holding it (so its grad_fn) from that node's saved state would be a reference cycle that keeps the graph
+        # (and so the count) alive past its backward whenever part of it never runs a backward that frees it (the
+        # input-gradient-only side of a zero-bubble W). Autograd gives the unpacked alias its grad_fn back.
+        return _Saved(self, self._hold(tensor), tensor.detach())
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _input_grad(self, stage):
+        original = stage.stage_backward_input
+
+        def input_grad(*args, **kwargs):
+            dinputs, param_groups = original(*args, **kwargs)
+            self._kept[id(param_groups)] = [ptr for group in param_groups for grads in group.get("grads") or ()
+                                            for g in grads if g is not None for ptr in self._hold(g)]
+            return dinputs, param_groups
+        return input_grad
+
+    def _weight_grad(self, stage):
+        original = stage.stage_backward_weight
+
+        def weight_grad(weights, param_groups, *args, **kwargs):
+            try:
+                return original(weights, param_groups, *args, **kwargs)
+            finally:
+                for ptr in self._kept.pop(id(param_groups), ()):
+                    self._release(ptr)
+        return weight_grad
+
     def __enter__(self):
+        for patch in self._split:
+            patch.__enter__()
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+        for patch in reversed(self._split):
+            patch.__exit__(*exc)
 
 
 class _Saved:

@@ -17,6 +17,7 @@ stages, and the training scripts rely on all of them:
 """
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -445,7 +446,11 @@ def from_sizes(sizes: list[int]) -> list[range]:
 def balanced(num_layers: int, num_stages: int, costs: dict[str, float]) -> list[range]:
     """The contiguous layout whose slowest stage costs least (stage_costs), every stage at least one layer, by
     dynamic programming over the boundaries (O(stages x layers^2), instant for any real model)."""
-    layer, first, last = costs["layer"], costs["embed"], costs["head"]
+    return from_sizes(_balanced_sizes(num_layers, num_stages, costs["layer"], costs["embed"], costs["head"]))
+
+
+@functools.lru_cache  # a layout search (plan.py --gpus) asks for the same split hundreds of times
+def _balanced_sizes(num_layers: int, num_stages: int, layer: float, first: float, last: float) -> tuple[int, ...]:
     # best[s][n]: the smallest possible slowest-stage cost of putting the first n layers into stages 0..s-1
     inf = float("inf")
     best = [[inf] * (num_layers + 1) for _ in range(num_stages + 1)]
@@ -462,7 +467,7 @@ def balanced(num_layers: int, num_stages: int, costs: dict[str, float]) -> list[
     for s in range(num_stages, 0, -1):
         sizes.append(n - cut[s][n])
         n = cut[s][n]
-    return from_sizes(sizes[::-1])
+    return tuple(sizes[::-1])
 
 
 def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recompute: bool = False,

@@ -445,6 +445,21 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(tmp_path, pp, dp, 
         assert ratios == pytest.approx([(pp - r // (dp * tp)) / microbatches for r in range(world_size)],
                                        abs=0.01), \
             (variant, ratios)
+    # plan.py's replay of each schedule's order counts each rank's peak within 10 %: the zero-bubble schedules'
+    # too, whose I keeps the output gradients its W starts from (and stage 0 runs whole at W).
+    sizes = plan.activation_bytes(config, len(inputs) // (dp * microbatches) * inputs.shape[1], inputs.shape[1],
+                                  False, tp, 8)
+    for kind, name in ranks[0]:
+        library = {"afab": "gpipe"}.get(name, name)
+        per_rank = 1 if kind == "manual" else 2
+        num_stages = pp * len(gpipe.stage_ids(library, 0, pp, per_rank))
+        layout = even(config.num_hidden_layers, num_stages)
+        peak = plan.replay(plan.schedule_orders(library, pp, microbatches, per_rank), [1.0] * num_stages,
+                           [2.0] * num_stages, plan.stage_held(layout, sizes, False),
+                           plan.stage_between(layout, sizes))["peak"]
+        measured = [r[kind, name]["activations"] for r in ranks]
+        assert measured == pytest.approx([peak[r // (dp * tp)] for r in range(world_size)], rel=0.1), \
+            (kind, name, measured)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -2616,6 +2631,33 @@ def test_the_replay_gives_the_published_bubbles(p):
         n = p * v
         result = plan.replay(plan.schedule_orders("interleaved1f1b", p, m, v), [1 / v] * n, [2 / v] * n, [0.0] * n)
         assert (result["step"] - 3 * m) / (3 * m) == pytest.approx((p - 1) / (v * m)), (p, v, m)
+
+
+def test_the_plan_counts_the_recomputation_of_a_split_backward(one_process_group):
+    # ZBV's two stages on one rank, each layer checkpointed: count each layer's forwards in one step. torch
+    # runs stage 0's backward whole (one recomputation); stage 1 recomputes for its input gradient and then
+    # once per weight for its weight gradient: what plan.split_backward charges.
+    config, m = small_config(layers=2), 2
+    model = gpipe.build_stages(config, [0, 1], even(2, 2), torch.device("cpu"), seed=0)
+    calls = {0: 0, 1: 0}
+
+    def counted(forward, i):
+        def run(*args, **kwargs):
+            calls[i] += 1
+            return forward(*args, **kwargs)
+        return run
+    for i, layer in enumerate(model_module.decoder_layers([model])):
+        layer.forward = counted(layer.forward, i)
+    model_module.checkpoint_layers([model])
+    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+    env = cpu_env(0, 1)
+    built = gpipe.make_pipeline_stages(model, [0, 1], even(2, 2), mesh, (2, 16), env)
+    schedule = gpipe.make_schedule("zbvzerobubble", built, m, gpipe.make_loss(built, 1))
+    inputs, targets = random_batch(config, batch=4)
+    gpipe.train_step(schedule, inputs, targets, env)
+    assert calls == {0: m * 2, 1: m * (2 + plan.LAYER_WEIGHTS)}  # forward, I (and W for stage 0), W per weight
+    backward, again = [2.0, 2.0], [1.0, 1.0]  # the plan's I and W: one recomputation in I, LAYER_WEIGHTS in W
+    assert plan.split_backward(backward, again, 0.0) == ([0.0, 1.5], [2.0, 0.5 + plan.LAYER_WEIGHTS])
 
 
 def test_plan_finds_layouts_for_a_cluster_that_the_scripts_accept(capsys):
