@@ -377,6 +377,21 @@ def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int = 8) -> Tens
     return total / (targets != -100).sum().clamp(min=1)
 
 
+LOSS_PIECE_BYTES = 256 * 2**20  # the fp32 logits of one piece of the loss, when their count is left to loss_chunks
+
+
+def loss_chunks(requested: int, config: LlamaConfig, microbatch: tuple[int, int], tp: int = 1) -> int:
+    """How many pieces chunked_loss cuts a microbatch of (sequences, positions) into: `requested` (--loss-chunks),
+    or for 0 as few as keep a piece's fp32 logits on one tensor-parallel rank within LOSS_PIECE_BYTES (at least
+    a position each). So 1, the plain loss with nothing recomputed, where the logits are small (the tiny
+    model's, 16 MiB: pieces would only add the head's recomputation), and 8 for llama-8b's 128k vocabulary at
+    8192 tokens with tp 2 (2 GiB)."""
+    if requested:
+        return requested
+    logits = microbatch[0] * microbatch[1] * config.vocab_size / tp * 4
+    return max(1, min(microbatch[1], math.ceil(logits / LOSS_PIECE_BYTES)))
+
+
 def num_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 

@@ -57,7 +57,7 @@ import checkpoint
 import train_pipeline_gpipe as gpipe
 from checkpoint import Parser, UsageError, number, whole
 from model import (PRESETS, LlamaConfig, config_from_hf, config_from_preset, describe_layout, estimated_costs,
-                   stage_costs)
+                   loss_chunks, stage_costs)
 from train_pipeline_gpipe import SCHEDULES, V_SHAPED, stage_ids
 
 # The throughput the step times are given at: 40 % of an H100's dense bf16 peak, a typical sustained rate.
@@ -129,7 +129,7 @@ def stage_params(config: LlamaConfig, layout: list[range], tp: int = 1) -> list[
 
 
 def activation_bytes(config: LlamaConfig, tokens: int, seq_len: int, bf16: bool, tp: int = 1,
-                     loss_chunks: int = 1) -> dict[str, float]:
+                     chunks: int = 1) -> dict[str, float]:
     """Bytes one microbatch of `tokens` tokens leaves saved for backward on one tensor-parallel rank: per
     decoder layer (all of it, and only its input with activation checkpointing), for the head and loss, and
     for the embedding; and "loss", what the loss holds for a moment (fp32 logits and their softmax and
@@ -147,15 +147,15 @@ def activation_bytes(config: LlamaConfig, tokens: int, seq_len: int, bf16: bool,
     # The final norm's input, normalized values and rstd, and the targets; then the chunked loss keeps the fp32
     # hidden states it starts each piece from, the plain loss the head's input (compute dtype) and the fp32
     # log-softmax of the whole logits.
-    head = tokens * (4 * (2 * h + 1) + 8 + (e * h + 4 * vocab if loss_chunks == 1 else 4 * h)) + 4
-    loss = 3 * 4 * tokens / loss_chunks * vocab  # a piece's logits, their log-softmax, then their gradient
+    head = tokens * (4 * (2 * h + 1) + 8 + (e * h + 4 * vocab if chunks == 1 else 4 * h)) + 4
+    loss = 3 * 4 * tokens / chunks * vocab  # a piece's logits, their log-softmax, then their gradient
     # Between a stage's input gradient and its weight gradient (the zero-bubble schedules' I and W), torch keeps
     # the gradient of the output of each op that multiplies by a weight: per layer the two norms' (fp32) and the
     # seven projections' (compute dtype; o's and down's are whole under tensor parallelism, before their
     # all-reduce), on the last stage the final norm's and the head's: the whole logits' gradient, in pieces too.
     # The plain loss's log-softmax goes at I (torch detaches the loss then, freeing what only it reached).
     weight_grad = tokens * (2 * 4 * h + e * (2 * h + (heads * d + 2 * kv * d + 2 * inter) / tp))
-    head_grad = tokens * (4 * h + e * vocab - (4 * vocab if loss_chunks == 1 else 0))
+    head_grad = tokens * (4 * h + e * vocab - (4 * vocab if chunks == 1 else 0))
     return {"layer": layer, "layer_checkpointed": tokens * h * 4, "head": head, "embed": tokens * 8, "loss": loss,
             "weight_grad": weight_grad, "head_grad": head_grad}
 
@@ -429,10 +429,11 @@ def plan(args) -> dict:
     pp = processes // (dp * tp)
     bf16 = device_type(args) == "cuda"
     tokens = args.batch_size // (dp * m) * args.seq_len  # one microbatch of one replica
+    chunks = loss_chunks(args.loss_chunks, config, (tokens // args.seq_len, args.seq_len), tp)
     # The FLOPs of a stage are split over its tensor-parallel ranks (their all-reduces are not counted).
     costs = {k: v / tp for k, v in estimated_costs(config, args.seq_len, args.activation_checkpointing,
-                                                   args.loss_chunks).items()}
-    sizes = activation_bytes(config, tokens, args.seq_len, bf16, tp, args.loss_chunks)
+                                                   chunks).items()}
+    sizes = activation_bytes(config, tokens, args.seq_len, bf16, tp, chunks)
     print(f"plan: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
           f"{processes} processes = {pp} pipeline x {dp} data x {tp} tensor, --schedule {args.schedule}, "
           f"{m} microbatches of {tokens // args.seq_len} x {args.seq_len} tokens per replica, "
@@ -450,7 +451,7 @@ def plan(args) -> dict:
     unit, unit_name = (2 ** 30, "GiB") if 16 * sum(params) >= 2 ** 30 else (2 ** 20, "MiB")  # MiB for small models
     print(f"\nper pipeline rank, {unit_name} (each of its replicas and tensor-parallel ranks holds the same) | param "
           "| grad | AdamW | gathered during a step (dp > 1) | activations held | with --activation-checkpointing | "
-          f"the loss's logits (--loss-chunks {args.loss_chunks}) | total, as flagged")
+          f"the loss's logits ({chunks} piece{'s' if chunks > 1 else ''}) | total, as flagged")
     last_rank = next(r for r in range(pp) if len(layout) - 1 in stages_of[r])
     for r in range(pp):
         row = rank_memory(sum(params[s] for s in stages_of[r]), dp, result[False]["peak"][r],
@@ -556,8 +557,9 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
     if budget is not None and weights > budget:
         return {**row, "step": math.inf, "bubble": math.nan, "memory": weights}
     tokens = args.batch_size // (dp * m) * args.seq_len
-    costs = {k: v / tp for k, v in estimated_costs(config, args.seq_len, checkpointing, args.loss_chunks).items()}
-    sizes = activation_bytes(config, tokens, args.seq_len, True, tp, args.loss_chunks)
+    chunks = loss_chunks(args.loss_chunks, config, (tokens // args.seq_len, args.seq_len), tp)
+    costs = {k: v / tp for k, v in estimated_costs(config, args.seq_len, checkpointing, chunks).items()}
+    sizes = activation_bytes(config, tokens, args.seq_len, True, tp, chunks)
     forward, backward, split = stage_seconds(config, layout, costs, tokens, pp, dp, tp, checkpointing, per_rank,
                                              args)
     result = replay(schedule_orders(schedule, pp, m, ns.stages_per_rank), forward, backward,
@@ -620,7 +622,8 @@ def command(args, row: dict) -> str:
     flags = (f"{model} --seq-len {args.seq_len} --batch-size {args.batch_size} --microbatches {row['microbatches']} "
              f"--schedule {row['schedule']}" + (f" --dp {row['dp']}" if row["dp"] > 1 else "")
              + (f" --tp {row['tp']}" if row["tp"] > 1 else "")
-             + (" --activation-checkpointing" if row["checkpointing"] else ""))
+             + (" --activation-checkpointing" if row["checkpointing"] else "")
+             + (f" --loss-chunks {args.loss_chunks}" if args.loss_chunks else ""))
     nodes = args.gpus // args.gpus_per_node if args.gpus > args.gpus_per_node else 1
     if nodes == 1:
         return f"torchrun --nproc_per_node {args.gpus} {script} {flags}"

@@ -43,7 +43,7 @@ import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
 from model import (PRESETS, LlamaForPretraining, TiedEmbedding, check_layout, checkpoint_layers, compile_layers,
                    chunked_loss, config_from_preset, decoder_layers, describe_layout, estimated_costs, even,
-                   flops_per_token, layout, tensor_parallel)
+                   flops_per_token, layout, loss_chunks, tensor_parallel)
 
 # ----------------------------------------------------------------------------------------------------------
 # Flags: the same names and meanings in every script of the collection
@@ -83,9 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=whole(1), default=1,
                    help="tensor-parallel ranks per stage: each layer's heads and MLP, the embedding and the head "
                         "split over them (neighbouring ranks: inside a node)")
-    g.add_argument("--loss-chunks", type=whole(1), default=8,
+    g.add_argument("--loss-chunks", type=whole(0), default=0,
                    help="the loss applies the head to this many pieces of the sequence, each recomputed in "
-                        "backward, so the whole logits never exist; 1: the plain loss")
+                        "backward, so the whole logits never exist; 1: the plain loss; 0: as few as keep a "
+                        "piece's fp32 logits within 256 MiB (1 for small models)")
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
     g.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     g = p.add_argument_group("checkpoints and output")
@@ -145,7 +146,9 @@ def stage_layout(config, num_stages: int, args) -> list[range]:
     try:
         if config is None:
             return check_layout(args.split)
-        return layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing, args.loss_chunks)
+        microbatch = (args.batch_size // (args.dp * args.microbatches), args.seq_len)
+        return layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing,
+                      loss_chunks(args.loss_chunks, config, microbatch, args.tp))
     except ValueError as e:
         raise UsageError(f"--split {args.split}: {e}", on_every_rank=True) from None
 
@@ -661,7 +664,8 @@ def main(args):
     model.train()
     shard_replicas([model], mesh)  # with dp > 1 the backward of the last microbatch syncs them (_Step.backward)
     train_step = SCHEDULES[args.schedule]
-    costs = estimated_costs(config, args.seq_len, args.activation_checkpointing, args.loss_chunks)
+    chunks = loss_chunks(args.loss_chunks, config, (args.batch_size // (dp * args.microbatches), args.seq_len), tp)
+    costs = estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks)
     say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
         f"{pp} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
         f"{describe_layout(layers, costs)} | "
@@ -674,12 +678,12 @@ def main(args):
     def step_fn(inputs, targets):  # fp32 between stages: the residual stream is fp32 under autocast too
         with compute(env, tp):
             return train_step(partition, *microbatches(inputs, targets), env.device, torch.float32,
-                              loss_chunks=args.loss_chunks)
+                              loss_chunks=chunks)
 
     def eval_fn(inputs, targets):
         with compute(env, tp):
             loss = eval_step_pipeline(partition, *microbatches(inputs, targets), env.device, torch.float32,
-                                      args.loss_chunks)
+                                      chunks)
         for module in model.modules():  # FSDP gathered the parameters for the forwards; no backward frees them
             if isinstance(module, FSDPModule):
                 module.reshard()

@@ -52,7 +52,7 @@ import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
 from model import (PRESETS, LlamaForPretraining, TiedEmbedding, check_layout, checkpoint_layers, chunked_loss,
                    compile_layers, config_from_preset, decoder_layers, describe_layout, estimated_costs,
-                   flops_per_token, layout, tensor_parallel)
+                   flops_per_token, layout, loss_chunks, tensor_parallel)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
              "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
@@ -100,9 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=whole(1), default=1,
                    help="tensor-parallel ranks per stage: each layer's heads and MLP, the embedding and the head "
                         "split over them (neighbouring ranks: inside a node)")
-    g.add_argument("--loss-chunks", type=whole(1), default=8,
+    g.add_argument("--loss-chunks", type=whole(0), default=0,
                    help="the loss applies the head to this many pieces of the sequence, each recomputed in "
-                        "backward, so the whole logits never exist; 1: the plain loss")
+                        "backward, so the whole logits never exist; 1: the plain loss; 0: as few as keep a "
+                        "piece's fp32 logits within 256 MiB (1 for small models)")
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
     g.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     g = p.add_argument_group("checkpoints and output")
@@ -170,7 +171,9 @@ def stage_layout(config, num_stages: int, args) -> list[range]:
     try:
         if config is None:
             return check_layout(args.split)
-        return layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing, args.loss_chunks)
+        microbatch = (args.batch_size // (args.dp * args.microbatches), args.seq_len)
+        return layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing,
+                      loss_chunks(args.loss_chunks, config, microbatch, args.tp))
     except ValueError as e:
         raise UsageError(f"--split {args.split}: {e}", on_every_rank=True) from None
 
@@ -595,9 +598,10 @@ def main(args):
     model.train()
     microbatch = (args.batch_size // (dp * args.microbatches), args.seq_len)
     pipeline_stages = make_pipeline_stages(model, stages, layers, mesh, microbatch, env)
-    loss_fn = make_loss(pipeline_stages, args.loss_chunks)
+    chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
+    loss_fn = make_loss(pipeline_stages, chunks)
     schedule = make_schedule(args.schedule, pipeline_stages, args.microbatches, loss_fn)
-    costs = estimated_costs(config, args.seq_len, args.activation_checkpointing, args.loss_chunks)
+    costs = estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks)
     say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
         f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
         f"{describe_layout(layers, costs)} | "
