@@ -1474,7 +1474,8 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
     runs = {  # name: (processes, script, flags)
         "one": (0, "train_pipeline_gpipe.py", train),
         "gpipe3": (3, "train_pipeline_gpipe.py", train),
-        "manual3": (3, "train_pipeline_afab_manual.py", [*train, "--schedule", "1f1b"]),
+        # 2 stages x tp 2: each tensor-parallel rank pairs its rows of the embedding with the head's
+        "manual2xtp2": (4, "train_pipeline_afab_manual.py", [*train, "--schedule", "1f1b", "--tp", "2"]),
         # 4 stages in a V: the evaluations run the script's own forward pass (torch's eval() fails there)
         "tracer2": (2, "train_pipeline_tracer.py", [*train, "--schedule", "zbvzerobubble"]),
         "eval_one": (0, "train_pipeline_gpipe.py", ["--steps", "0"]),
@@ -1490,7 +1491,7 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
         rows[name] = ([r for r in lines if "loss" in r], [r["eval"] for r in lines if "eval" in r])
     assert [e["step"] for e in rows["one"][1]] == [2, 4] and [e["step"] for e in rows["eval_one"][1]] == [0]
     assert rows["eval3"][0] == [] and not (tmp_path / "eval3").exists()  # evaluated only, nothing written
-    for name in ("gpipe3", "manual3", "tracer2", "eval3"):
+    for name in ("gpipe3", "manual2xtp2", "tracer2", "eval3"):
         reference = rows["eval_one" if name == "eval3" else "one"]
         for got, want in zip(rows[name][0] + rows[name][1], reference[0] + reference[1]):
             assert_close_rel(got["loss"], want["loss"], what=f"{name} step {got['step']}")
