@@ -33,6 +33,7 @@ import argparse
 import atexit
 import contextlib
 import dataclasses
+import enum
 import errno
 import hashlib
 import io
@@ -749,7 +750,17 @@ class _MetadataUnpickler(pickle.Unpickler):
         if ((module, name) in self.ALLOWED or module == "torch.distributed.checkpoint.metadata"
                 or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):  # how some Python 3.11 releases pickle an enum member
+            return _enum_member
         raise pickle.UnpicklingError(f".metadata asks for {module}.{name}, which a checkpoint never contains")
+
+
+def _enum_member(cls, name: str):
+    # getattr(cls, name) for the unpickler above, only for a member of an enum class it allowed (DCP's
+    # _MEM_FORMAT_ENCODING), never anything else.
+    if isinstance(cls, enum.EnumMeta) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f".metadata asks for getattr({cls!r}, {name!r}), which a checkpoint never contains")
 
 
 class _SafeReader(FileSystemReader):

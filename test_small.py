@@ -7,10 +7,12 @@ compared with the unsplit model on one process. Run with:  pytest -q test_small.
 import ast
 import dataclasses
 import hashlib
+import io
 import itertools
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shlex
@@ -1006,6 +1008,15 @@ def test_wrong_model_damaged_or_tampered_checkpoints_fail_in_one_line(tmp_path, 
         assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert expected[name] in result.stderr, result.stderr
     assert not payload.exists()
+
+    # Some Python 3.11 releases (3.11.2) pickle DCP's memory-format enum as getattr(class, name), others by
+    # value: the restricted reader takes a member of an enum it allows, and getattr on nothing else.
+    enum_by_name = (b"cbuiltins\ngetattr\n(ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n"
+                    b"S'TORCH_CONTIGUOUS_FORMAT'\ntR.")
+    assert checkpoint._MetadataUnpickler(io.BytesIO(enum_by_name)).load() is \
+        torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    with pytest.raises(pickle.UnpicklingError, match="getattr"):
+        checkpoint._MetadataUnpickler(io.BytesIO(b"cbuiltins\ngetattr\n(ctorch\nSize\nS'__reduce__'\ntR.")).load()
 
     # --fresh starts over and moves the old checkpoints aside instead of deleting them.
     result = launch(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--layers", "3", "--steps", "1", "--fresh",
