@@ -542,7 +542,8 @@ def test_loss_trajectory_is_the_same_at_any_layout_and_by_hand(tmp_path, data_di
         assert len(summaries[name]["peak_memory_bytes_per_rank"]) == max(runs[name][0], 1)
     for name in runs:
         for a, b in zip(rows[name], rows["gpipe1"]):
-            rtol = 1e-4 if name == "compiled1" else RTOL  # inductor's kernels round differently
+            # Inductor's kernels round differently, more in torch's CUDA build run on a CPU (1.4e-4 at step 3).
+            rtol = 5e-4 if name == "compiled1" else RTOL
             assert_close_rel(a["loss"], b["loss"], rtol, what=f"{name}, step {a['step']} loss")
             assert_close_rel(a["grad_norm"], b["grad_norm"], rtol, what=f"{name}, step {a['step']} grad norm")
     assert rows["gpipe1"][0]["grad_norm"] > 1.0  # clipping was active, so the cross-stage norm was exercised
