@@ -31,15 +31,16 @@ every torch.load uses weights_only=True.
 
 import argparse
 import atexit
+import collections
 import contextlib
 import dataclasses
-import enum
 import errno
 import hashlib
 import io
 import json
 import math
 import os
+import pathlib
 import pickle
 import re
 import shutil
@@ -57,6 +58,8 @@ from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageRea
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
@@ -695,7 +698,7 @@ def _rng_state() -> dict:
 # Loading
 
 def verify_files(path: str, meta: dict) -> None:
-    """Every file the save wrote is there with its size, and the index holds only DCP's own classes.
+    """Every file the save wrote is there with its size, and the index is DCP's, naming only those files.
 
     Checked before DCP reads anything, so a truncated copy or a tampered index fails here with one clear line,
     on every rank alike.
@@ -706,11 +709,22 @@ def verify_files(path: str, meta: dict) -> None:
         if actual != size:
             raise UsageError(f"--checkpoint-dir: {path} is damaged: {name} has {actual} bytes, expected {size}; "
                              "delete that checkpoint to resume from an older one")
+    with open_untrusted(path, ".metadata"):
+        metadata = read_index(os.path.join(path, ".metadata"))
+        for info in metadata.storage_data.values():  # a shard outside the checkpoint would be read too
+            if info.relative_path not in meta.get("files", {}):
+                raise ValueError(f"it points to {info.relative_path!r}, which the checkpoint does not hold")
+
+
+@contextlib.contextmanager
+def open_untrusted(path: str, name: str):
+    """A file of a checkpoint that cannot be read as what this project writes: one line, naming it."""
     try:
-        with open(os.path.join(path, ".metadata"), "rb") as f:
-            _MetadataUnpickler(f).load()
-    except (OSError, pickle.UnpicklingError, EOFError) as e:
-        raise UsageError(f"--checkpoint-dir: refusing {path}/.metadata: {e}") from None
+        yield
+    except Exception as e:  # the restricted readers run nothing, whatever the file holds: any failure is its content
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UsageError(f"{os.path.join(path, name)}: damaged, or not a checkpoint of this project ({reason}); "
+                         "refusing to read it") from None
 
 
 def load(path: str, model, optimizer, config: LlamaConfig, rank: int, world_size: int) -> dict:
@@ -721,10 +735,11 @@ def load(path: str, model, optimizer, config: LlamaConfig, rank: int, world_size
     _dcp_load(state, path)
     _set_state(model, optimizer, state, saved_as)
     if meta.get("world_size") == world_size:  # RNG streams belong to ranks; another layout starts new ones
-        rng = torch.load(os.path.join(path, "rng", f"rank{rank}.pt"), weights_only=True)
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+        with collective_errors(), open_untrusted(path, f"rng/rank{rank}.pt"):
+            rng = torch.load(os.path.join(path, "rng", f"rank{rank}.pt"), weights_only=True)  # data, never code
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
     return meta
 
 
@@ -739,35 +754,57 @@ def _dcp_load(state: dict, path: str, no_dist: bool = False) -> None:
                          "one") from None
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Accepts only what DCP writes into .metadata: its dataclasses, torch.Size, dtypes and layouts."""
+def read_index(file: str) -> Metadata:
+    """DCP's index (.metadata) of a checkpoint, a pickle, read without running anything it asks for.
 
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-               ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
-               ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
-
-    def find_class(self, module, name):
-        if ((module, name) in self.ALLOWED or module == "torch.distributed.checkpoint.metadata"
-                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
-            return super().find_class(module, name)
-        if (module, name) == ("builtins", "getattr"):  # how some Python 3.11 releases pickle an enum member
-            return _enum_member
-        raise pickle.UnpicklingError(f".metadata asks for {module}.{name}, which a checkpoint never contains")
+    A checkpoint is untrusted input: pickle.load would call whatever it names. _MetadataUnpickler hands out only
+    the exact (module, name) pairs DCP writes, as objects looked up here once: never a dotted name, never a
+    whole module, never getattr on anything but the one enum DCP pickles."""
+    with open(file, "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
 
 
 def _enum_member(cls, name: str):
-    # getattr(cls, name) for the unpickler above, only for a member of an enum class it allowed (DCP's
-    # _MEM_FORMAT_ENCODING), never anything else.
-    if isinstance(cls, enum.EnumMeta) and name in cls.__members__:
+    # getattr(cls, name), as Python 3.11.2 pickles an enum member, for DCP's memory-format enum only.
+    if cls is _MEM_FORMAT and isinstance(name, str) and name in cls.__members__:
         return cls[name]
-    raise pickle.UnpicklingError(f".metadata asks for getattr({cls!r}, {name!r}), which a checkpoint never contains")
+    raise pickle.UnpicklingError(f"it asks for getattr({cls!r}, {name!r}), which a checkpoint never contains")
+
+
+_MEM_FORMAT = dcp_metadata._MEM_FORMAT_ENCODING
+_INDEX_GLOBALS = {
+    **{("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name) for name in (
+        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    **{("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    # checkpoint_id, when DCP was given a path; Python 3.13 pickles it from pathlib._local.
+    **{(module, name): getattr(pathlib, name) for module in ("pathlib", "pathlib._local")
+       for name in ("PosixPath", "PurePosixPath")},
+    ("builtins", "getattr"): _enum_member,
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        try:
+            return _INDEX_GLOBALS[module, name]
+        except (KeyError, TypeError):
+            raise pickle.UnpicklingError(f"it asks for {module}.{name}, which a checkpoint never contains") from None
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("it asks for a persistent object, which a checkpoint never contains")
 
 
 class _SafeReader(FileSystemReader):
     # FileSystemReader.read_metadata with the restricted unpickler instead of pickle.load (torch 2.13 internals).
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        metadata = read_index(self._get_metadata_path(kwargs.get("rank")))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -995,12 +1032,23 @@ def export(checkpoint: str, output: str, format: str = "pt", dtype: torch.dtype 
     format "pt", OUTPUT and OUTPUT.config.json, OUTPUT.tokenizer.json; format "hf", a directory that
     transformers' from_pretrained loads. Returns the checkpoint's path.
 
-    What exists at OUTPUT is refused unless force; everything is written under temporary names first and only
-    then renamed into place, so a refused or failed export leaves what was there untouched."""
+    An output inside the checkpoint (or holding it) is refused; one that exists too, unless force and it is an
+    earlier export. Everything is written under temporary names, then renamed into place: a refused or failed
+    export leaves what was there untouched."""
     outputs = [output] if format == "hf" else [output, output + ".config.json", output + ".tokenizer.json"]
-    if not force and (existing := [p for p in outputs if os.path.lexists(p)]):
-        raise UsageError(f"{existing[0]} exists; give a new {'directory' if format == 'hf' else 'file name'}, or "
-                         "add --force to replace it")
+    source = os.path.realpath(checkpoint)
+    for written in outputs:  # never over what is read, whatever the flags
+        target = os.path.realpath(written)
+        if os.path.commonpath([target, source]) in (target, source):
+            raise UsageError(f"{written}: it is, holds or lies inside the checkpoint {checkpoint} that is exported; "
+                             "give an output outside it")
+    if existing := [p for p in outputs if os.path.lexists(p)]:
+        what = "directory" if format == "hf" else "file name"
+        if not force:
+            raise UsageError(f"{existing[0]} exists; give a new {what}, or add --force to replace an earlier export")
+        if not _exported(output, format):
+            raise UsageError(f"{existing[0]} exists and is not an earlier export (--force replaces only those); "
+                             f"give a new {what}")
     path = resolve(checkpoint)
     state, config = full_model_state(path)
     tmp = {p: f"{p}.tmp{os.getpid()}" for p in outputs}
@@ -1028,6 +1076,25 @@ def export(checkpoint: str, output: str, format: str = "pt", dtype: torch.dtype 
             elif os.path.lexists(written):
                 os.remove(written)
     return path
+
+
+def _exported(output: str, format: str) -> bool:
+    """Whether output is what an earlier export wrote, recognised by its config: the fields this project writes,
+    no more and no fewer (pt: OUTPUT.config.json beside it; hf: config.json among only an export's files)."""
+    config = output + ".config.json" if format == "pt" else os.path.join(output, "config.json")
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)} if format == "pt" else \
+        set(hf_config(LlamaConfig(), 0, 0, None, torch.float32))
+    try:
+        with open(config) as f:
+            if set(json.load(f)) != fields:
+                return False
+    except (OSError, ValueError, TypeError):
+        return False
+    if format == "pt":
+        return not os.path.isdir(output)
+    return os.path.isdir(output) and not os.path.islink(output) and all(
+        re.fullmatch(r"config\.json|tokenizer(_config)?\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?", n)
+        for n in os.listdir(output))
 
 
 def save_hf(path: str, state: dict[str, torch.Tensor], config: LlamaConfig, checkpoint_path: str,
@@ -1092,8 +1159,8 @@ def main(argv=None) -> None:
                    help="dtype of the written weights (training keeps float32) (default: %(default)s)")
     e.add_argument("--max-shard-size", type=_size, default="5GB",
                    help="hf: the largest safetensors file (default: %(default)s)")
-    e.add_argument("--force", action="store_true", help="replace OUTPUT (and its .config.json, .tokenizer.json) if "
-                                                       "it exists; without it an existing output is refused")
+    e.add_argument("--force", action="store_true", help="replace an earlier export at OUTPUT (and its .config.json, "
+                                                       ".tokenizer.json); anything else there is never replaced")
     args = p.parse_args(argv)
     try:
         source = export(args.checkpoint, args.output, args.format, getattr(torch, args.dtype), args.max_shard_size,

@@ -983,41 +983,107 @@ def test_a_hung_peer_stops_the_job_after_the_timeout(tmp_path, data_dir):
             proc.communicate()
 
 
-def test_wrong_model_damaged_or_tampered_checkpoints_fail_in_one_line(tmp_path, data_dir, reference_run):
+class _RunsACommand:
+    """Pickled as os.system(command): what a hostile checkpoint file would hold."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def hostile_index(original: bytes, module: str, name: str, argument: str) -> bytes:
+    """A .metadata that calls module.name(argument) first (pickle's STACK_GLOBAL, which resolves a dotted name
+    through the module), drops the result, then goes on as the original index: it loads as a checkpoint."""
+    def text(value: str) -> bytes:
+        return b"\x8c" + bytes([len(value.encode())]) + value.encode()
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(argument) + b"\x85R0" + original[2:]
+
+
+def tamper(checkpoint_dir: Path, name: str, content: bytes, **meta_fields) -> None:
+    """Replace a file of a checkpoint, and fix meta.json's record of its size (as an attacker would)."""
+    (checkpoint_dir / name).write_bytes(content)
+    meta = json.loads((checkpoint_dir / "meta.json").read_text())
+    meta["files"][name] = len(content)
+    (checkpoint_dir / "meta.json").write_text(json.dumps({**meta, **meta_fields}))
+
+
+def test_a_checkpoint_runs_none_of_the_code_its_files_ask_for(tmp_path, reference_run):
+    """A checkpoint is untrusted input: DCP's index is read by an unpickler that hands out exact (module, name)
+    pairs of DCP's classes only. Each payload here ran its command through the reader before (tried)."""
+    source = reference_run[0] / "checkpoints" / "step-00000016"
+    original = (source / ".metadata").read_bytes()
+    ran = tmp_path / "ran"
+    touch = f"touch {ran}"
+    payloads = {f"dotted name through {module}": hostile_index(original, module, "os.system", touch)
+                for module in ("torch.distributed.checkpoint.metadata", "torch", "torch.serialization", "pathlib",
+                               "collections", "torch.distributed.checkpoint.filesystem")}
+    payloads.update({
+        "a module's function": b"cos\nsystem\n(S'" + touch.encode() + b"'\ntR.",
+        "getattr on an allowed class": b"cbuiltins\ngetattr\n(ctorch\nSize\nS'__reduce__'\ntR.",
+        "getattr on the enum, not a member": (b"cbuiltins\ngetattr\n(ctorch.distributed.checkpoint.metadata\n"
+                                              b"_MEM_FORMAT_ENCODING\nS'__init_subclass__'\ntR."),
+        "an allowed class, hostile arguments": b"ctorch\nSize\n(S'" + touch.encode() + b"'\ntR.",
+        "an allowed class, not an index": b"cpathlib\nPosixPath\n(S'/etc/passwd'\ntR.",
+        "a layout by a hostile name": b"ctorch.serialization\n_get_layout\n(S'os'\ntR.",
+        "a persistent id": b"(S'x'\nP.",
+        "a shard outside the checkpoint": original.replace(b"__0_0.distcp", b"../../ab.dcp"),
+    })
+    for case, content in payloads.items():
+        copy = tmp_path / "copy"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(source, copy)
+        tamper(copy, ".metadata", content)
+        with pytest.raises(checkpoint.UsageError) as refused:
+            checkpoint.verify_files(str(copy), checkpoint.read_meta(str(copy)))
+        message = str(refused.value)
+        assert "damaged, or not a checkpoint of this project" in message and "\n" not in message, (case, message)
+        assert not ran.exists(), case
+    # Python 3.11.2 pickles DCP's memory-format enum as getattr(class, name) (3.11.7 by value): still accepted.
+    enum_by_name = (b"cbuiltins\ngetattr\n(ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n"
+                    b"S'TORCH_CONTIGUOUS_FORMAT'\ntR.")
+    assert checkpoint._MetadataUnpickler(io.BytesIO(enum_by_name)).load() is \
+        torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+
+
+def test_wrong_model_damaged_or_tampered_checkpoints_fail_in_one_line(tmp_path, data_dir, reference_run, capsys):
     reference_dir, _ = reference_run
     source = reference_dir / "checkpoints" / "step-00000016"
     runs = {}
     for name in ("wrong_model", "truncated", "tampered"):
         shutil.copytree(source, tmp_path / name / "checkpoints" / source.name)
+    rng = tmp_path / "rng" / "checkpoints" / "step-00000012"  # a step before the last: resumed, it trains on
+    shutil.copytree(source.parent / rng.name, rng)
     shard = next((tmp_path / "truncated" / "checkpoints" / source.name).glob("__1_*.distcp"))
     shard.write_bytes(shard.read_bytes()[:1000])
+    # Each hostile file would touch this file if anything ran it: resumed, exported or started from.
     payload = tmp_path / "payload-ran"
-    evil = tmp_path / "tampered" / "checkpoints" / source.name / ".metadata"
-    evil.write_bytes(b"cos\nsystem\n(S'touch " + str(payload).encode() + b"'\ntR.")  # pickle: os.system(...)
-    meta_file = evil.parent / "meta.json"  # an attacker would fix the recorded size too
-    meta = json.loads(meta_file.read_text())
-    meta["files"][".metadata"] = evil.stat().st_size
-    meta_file.write_text(json.dumps(meta))
-    expected = {"wrong_model": "model num_hidden_layers 4 → 3", "truncated": "is damaged", "tampered": "refusing"}
+    tampered = tmp_path / "tampered" / "checkpoints" / source.name
+    tamper(tampered, ".metadata", hostile_index((source / ".metadata").read_bytes(),
+                                                "torch.distributed.checkpoint.metadata", "os.system",
+                                                f"touch {payload}"))
+    hostile_rng = io.BytesIO()
+    torch.save({"cpu": _RunsACommand(f"touch {payload}")}, hostile_rng)
+    tamper(rng, "rng/rank0.pt", hostile_rng.getvalue(), world_size=1)  # 1 process reads rank 0's
+    expected = {"wrong_model": "model num_hidden_layers 4 → 3", "truncated": "is damaged",
+                "tampered": ".metadata: damaged, or not a checkpoint of this project",
+                "rng": "rng/rank0.pt: damaged, or not a checkpoint of this project"}
     for name in expected:
         layers = ["--layers", "3"] if name == "wrong_model" else []
         runs[name] = launch(0, "train_pipeline_gpipe.py", *RESUME_ARGS, *layers, "--data", data_dir,
                             cwd=tmp_path / name, wait=False)
+    runs["init_from"] = launch(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--data", data_dir, "--init-from",
+                               tampered, "--checkpoint-dir", "new", cwd=tmp_path, wait=False)
+    expected["init_from"] = expected["tampered"]
+    code, err = run_export(capsys, tampered, tmp_path / "exported.pt")
+    assert code == 1 and expected["tampered"] in err and len(err.splitlines()) == 1, err
     for name, proc in runs.items():
         result = finish(proc)
         assert result.returncode == 1, (name, result.stderr[-2000:])
         assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert expected[name] in result.stderr, result.stderr
     assert not payload.exists()
-
-    # Some Python 3.11 releases (3.11.2) pickle DCP's memory-format enum as getattr(class, name), others by
-    # value: the restricted reader takes a member of an enum it allows, and getattr on nothing else.
-    enum_by_name = (b"cbuiltins\ngetattr\n(ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n"
-                    b"S'TORCH_CONTIGUOUS_FORMAT'\ntR.")
-    assert checkpoint._MetadataUnpickler(io.BytesIO(enum_by_name)).load() is \
-        torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
-    with pytest.raises(pickle.UnpicklingError, match="getattr"):
-        checkpoint._MetadataUnpickler(io.BytesIO(b"cbuiltins\ngetattr\n(ctorch\nSize\nS'__reduce__'\ntR.")).load()
 
     # --fresh starts over and moves the old checkpoints aside instead of deleting them.
     result = launch(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--layers", "3", "--steps", "1", "--fresh",
@@ -1034,7 +1100,17 @@ def readme_python_block(marker: str) -> str:
     return block[block.index("```python\n") + 10:block.index("\n```", block.index("```python"))]
 
 
-def test_export_writes_the_pipelines_weights_for_one_process(tmp_path, reference_run):
+def run_export(capsys, *argv) -> tuple[int, str]:
+    """python checkpoint.py export ARGV, in this process: (exit status, stderr)."""
+    try:
+        checkpoint.main(["export", *map(str, argv)])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def test_export_writes_the_pipelines_weights_for_one_process(tmp_path, reference_run, capsys):
     reference_dir, _ = reference_run
     result = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), "export", str(reference_dir / "checkpoints"),
                              str(tmp_path / "tiny.pt")], capture_output=True, text=True, env=script_env())
@@ -1053,26 +1129,34 @@ def test_export_writes_the_pipelines_weights_for_one_process(tmp_path, reference
     config = LlamaConfig(**json.loads((tmp_path / "tiny.pt.config.json").read_text()))
     LlamaForPretraining(config).load_state_dict(exported, strict=True)
 
-    # Over an existing output: refused in one line, exit status 1, nothing touched; --force replaces it.
+    # Nothing is ever written over, into or around the checkpoint that is read, whatever the flags.
+    run_dir = reference_dir / "checkpoints"
+    before = snapshot(reference_dir)
+    for output in (run_dir, run_dir / "step-00000016", run_dir / "inside.pt", reference_dir):
+        for given in ([], ["--format", "hf"]):
+            code, err = run_export(capsys, run_dir, output, *given, "--force")
+            assert code == 1 and len(err.splitlines()) == 1 and "inside the checkpoint" in err, err
+    assert snapshot(reference_dir) == before
+    # Over an existing output: refused in one line, exit status 1, nothing touched; --force replaces an earlier
+    # export, never a file or folder of the user's.
     (tmp_path / "precious.pt").write_bytes(b"keep me")
     (tmp_path / "hf-out").mkdir()
     (tmp_path / "hf-out" / "keep").write_text("me")
     for output, given in (("precious.pt", []), ("hf-out", ["--format", "hf"])):
-        export = [sys.executable, str(ROOT / "checkpoint.py"), "export", str(reference_dir / "checkpoints"), output,
-                  *given]
-        before = sorted(p.name for p in tmp_path.iterdir())
-        one_line_error(subprocess.run(export, cwd=tmp_path, capture_output=True, text=True, env=script_env()),
-                       f"{output} exists", "--force")
-        assert sorted(p.name for p in tmp_path.iterdir()) == before
-        assert (tmp_path / "hf-out" / "keep").is_file() if given else \
-            (tmp_path / "precious.pt").read_bytes() == b"keep me"
-        replaced = subprocess.run([*export, "--force"], cwd=tmp_path, capture_output=True, text=True,
-                                  env=script_env())
-        assert replaced.returncode == 0, replaced.stderr
-    forced = torch.load(tmp_path / "precious.pt", weights_only=True)
+        before = snapshot(tmp_path)
+        code, err = run_export(capsys, run_dir, tmp_path / output, *given)
+        assert code == 1 and f"{output} exists" in err and "--force" in err, err
+        code, err = run_export(capsys, run_dir, tmp_path / output, *given, "--force")
+        assert code == 1 and "not an earlier export" in err, err
+        assert snapshot(tmp_path) == before
+    (tmp_path / "tiny.pt").write_bytes(b"an earlier export, now out of date")
+    assert run_export(capsys, run_dir, tmp_path / "tiny.pt", "--force")[0] == 0
+    forced = torch.load(tmp_path / "tiny.pt", weights_only=True)
     assert all(torch.equal(forced[name], exported[name]) for name in exported)
-    replaced = {p.name for p in (tmp_path / "hf-out").iterdir()}
-    assert "keep" not in replaced and {"config.json", "tokenizer.json"} <= replaced, replaced
+    assert run_export(capsys, run_dir, tmp_path / "hf-new", "--format", "hf")[0] == 0
+    assert run_export(capsys, run_dir, tmp_path / "hf-new", "--format", "hf", "--force")[0] == 0
+    assert {"config.json", "tokenizer.json", "model-00001-of-00001.safetensors"} <= {
+        p.name for p in (tmp_path / "hf-new").iterdir()}
 
     # The README's inference example runs on the exported files, one process, no process group.
     env = dict(script_env(), PYTHONPATH=str(ROOT))
