@@ -46,6 +46,7 @@ import re
 import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -54,6 +55,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -193,6 +195,7 @@ def check_run(args, rank: int, restart: int, data_id: str) -> None:
     --init-from is ignored (the run's checkpoints hold its weights, and where it started may have moved):
     args.init_from becomes the one the run recorded."""
     with collective_errors():  # 1. nothing written yet: is every path usable?
+        check_apart(args)
         check_output_dir("--checkpoint-dir", args.checkpoint_dir)
         for flag, path in (("--metrics", args.metrics), ("--trace", args.trace)):
             if path:
@@ -209,6 +212,17 @@ def check_run(args, rank: int, restart: int, data_id: str) -> None:
             check_same_run(args, resume, data_id)  # the flags now; the model once it is known
 
 
+def check_apart(args) -> None:
+    """No output of the run lies inside the data it reads, and --checkpoint-dir does not hold it either: --fresh
+    and --keep-checkpoints move and delete what a --checkpoint-dir holds."""
+    data = os.path.realpath(args.data)
+    for flag, path in (("--checkpoint-dir", args.checkpoint_dir), ("--metrics", args.metrics), ("--trace", args.trace)):
+        common = os.path.commonpath([os.path.realpath(path), data]) if path else None
+        if common == data or (flag == "--checkpoint-dir" and common == os.path.realpath(path)):
+            raise UsageError(f"{flag} {path}: {'is or lies inside' if common == data else 'holds'} --data "
+                             f"{args.data}; choose a {flag} apart from the data")
+
+
 def _describe(e: OSError) -> str:
     return "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
 
@@ -221,9 +235,11 @@ def _check_creatable(flag: str, path: str) -> None:
     if not os.path.isdir(ancestor):
         raise UsageError(f"{flag} {path}: cannot be created, {ancestor} is a file, not a directory; "
                          f"choose another {flag}")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        reason = "read-only file system" if _read_only(ancestor) else "permission denied"
-        raise UsageError(f"{flag} {path}: cannot be created in {ancestor} ({reason}); choose another {flag}")
+    try:  # the only sure test (permissions, a read-only or special filesystem such as /proc): create, remove
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=ancestor))
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot be created in {ancestor} ({_describe(e)}); choose another "
+                         f"{flag}") from None
 
 
 def _read_only(path: str) -> bool:
@@ -299,6 +315,9 @@ class RunLock:
         created = not os.path.isdir(directory)
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, LOCK_NAME)
+        if os.path.islink(path) or (os.path.lexists(path) and not os.path.isfile(path)):
+            raise UsageError(f"--checkpoint-dir {directory}: {path} is not a run lock (a link or a directory); "
+                             "move it away, or choose another --checkpoint-dir")
         me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_started": _process_start(os.getpid()),
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
               "restart": restart, "token": uuid.uuid4().hex}
@@ -449,7 +468,7 @@ def source_config(source: str, args) -> tuple[LlamaConfig, str]:
         config = read_hf_config(source)
     elif os.path.isdir(source):
         path = resolve(source, "--init-from")
-        config = LlamaConfig(**read_meta(path)["config"])
+        config = LlamaConfig(**read_meta(path, "--init-from")["config"])
     else:
         raise UsageError(f"--init-from {source}: not a directory; give a Hugging Face model directory "
                          "(config.json + *.safetensors) or a checkpoint of this project")
@@ -526,15 +545,22 @@ def resolve(path: str, flag: str = "checkpoint") -> str:
     return found
 
 
-def read_meta(path: str) -> dict:
+def read_meta(path: str, flag: str = "--checkpoint-dir") -> dict:
+    """The meta.json of the checkpoint at path, or one line saying why it is not one (flag: how path was given;
+    only a run's own damaged checkpoint is worth deleting)."""
     try:
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
-        if not isinstance(meta, dict) or not {"step", "config", "files"} <= meta.keys():
-            raise ValueError("meta.json lacks step, config or files")
-        return meta
     except (OSError, ValueError) as e:
-        raise UsageError(f"{path}: not a complete checkpoint ({e}); delete it to resume from an older one") from None
+        problem = f"its meta.json cannot be read ({e})"
+    else:
+        if isinstance(meta, dict) and {"step", "config", "files"} <= meta.keys():
+            return meta
+        problem = "it holds data prepared by prepare_data.py" if isinstance(meta, dict) and {
+            "dtype", "train", "val"} <= meta.keys() else "its meta.json lacks step, config or files"
+    fix = "delete it to resume from an older one" if flag == "--checkpoint-dir" else \
+        f"give {flag} a checkpoint of this project"
+    raise UsageError(f"{flag} {path}: not a complete checkpoint, {problem}; {fix}")
 
 
 def set_aside(checkpoint_dir: str) -> str | None:
@@ -575,7 +601,7 @@ def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int
     try:
         with collective_errors(), _save_errors(tmp):
             if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)  # left over from a save that was killed
+                _remove(tmp)  # left over from a save that was killed
                 os.makedirs(os.path.join(tmp, "rng"))
         state, _ = _state(model, optimizer, LlamaConfig(**meta["config"]))
         # The layout: which layers each rank held (a rank may hold several stages), for the record in meta.json.
@@ -599,13 +625,21 @@ def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int
                 _fsync_dir(checkpoint_dir)
     except UsageError:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # frees what the failed save took; nothing else is touched
+            _remove(tmp)  # frees what the failed save took; nothing else is touched
         raise
     if rank == 0:
         for old in complete_checkpoints(checkpoint_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
     dist.barrier()
     return final
+
+
+def _remove(path: str) -> None:
+    """Remove a file, a link (never what it points to) or a directory, if there."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.remove(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -958,7 +992,7 @@ def load_weights(source: str, model, config: LlamaConfig) -> str:
     with collective_errors():
         path = source if is_hf_dir(source) else resolve(source, "--init-from")
         if not is_hf_dir(path):
-            verify_files(path, read_meta(path))
+            verify_files(path, read_meta(path, "--init-from"))
     if not is_hf_dir(path):
         state, saved_as = _state(model, None, config)
         _dcp_load(state, path)
@@ -974,7 +1008,7 @@ def load_weights(source: str, model, config: LlamaConfig) -> str:
         targets.setdefault(request[name], []).append(tensor)
     try:
         dcp.load({key: tensors[0] for key, tensors in targets.items()}, storage_reader=HuggingFaceStorageReader(path))
-    except CheckpointException as e:
+    except Exception as e:  # a damaged file: DCP's CheckpointException, or the reader's own errors
         raise UsageError(f"--init-from {path}: cannot read its tensors ({_root_cause(e)})") from None
     for tensors in targets.values():
         for copy in tensors[1:]:
@@ -986,17 +1020,14 @@ def load_weights(source: str, model, config: LlamaConfig) -> str:
 def _hf_request(path: str, state: dict, config: LlamaConfig) -> dict[str, str]:
     """Their name for each of a stage's tensors. A tied checkpoint stores the head's matrix once, as the
     embedding: a stage holding only the head reads it from there."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            available = set(json.load(f)["weight_map"])
-    else:
-        from safetensors import safe_open
-
-        available = set()
-        for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
+    available = set()
+    for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
+        try:  # reads the header only; a file cut short (an interrupted download) fails here
             with safe_open(os.path.join(path, name), framework="pt") as f:
                 available |= set(f.keys())
+        except Exception as e:  # safetensors' own error type, whatever the damage
+            raise UsageError(f"--init-from {path}: {name} is not a complete safetensors file ({_root_cause(e)}); "
+                             "copy or download it again") from None
     request = {}
     for name in state:
         key = hf_name(name)
@@ -1014,7 +1045,7 @@ def _hf_request(path: str, state: dict, config: LlamaConfig) -> dict[str, str]:
 
 def full_model_state(path: str) -> tuple[dict, LlamaConfig]:
     """The whole model's weights from the checkpoint at path, on this one process (no process group)."""
-    meta = read_meta(path)
+    meta = read_meta(path, "checkpoint")
     verify_files(path, meta)
     config = LlamaConfig(**meta["config"])
     with torch.device("meta"):

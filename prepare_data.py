@@ -15,17 +15,25 @@
                                it (hidden ones left out), in sorted order
     hf:NAME[:CONFIG[:SPLIT]]   a Hugging Face dataset, streamed (split "train" unless given)
 
-Without --eval-data every 50th document of --data (the 50th, 100th, ...) is held out and never trained on.
+Without --eval-data every 50th document of --data (the 50th, 100th, ...) is held out and never trained on; when
+those make less than one window (a corpus of a few documents, or one long text), the last 10 % of the tokens is
+held out instead, as nanoGPT does (the summary line says so, and meta.json's val.held_out is "tail").
 Without --tokenizer a byte-level BPE tokenizer is trained on the first 20M characters of the training documents.
+--eval-data must not overlap --data, and --out must not be, hold or lie inside anything that is read.
 
-What --out holds (built in a temporary folder beside it and renamed at the end: a failure leaves nothing behind):
+What --out holds (built in a temporary folder beside it and renamed at the end: a failure, Ctrl-C or SIGTERM leaves
+nothing behind; a run killed outright leaves its .OUT.PID.*.tmp folder, which the next run into --out removes;
+a second run into the same --out while one is writing it is refused):
 
     train-00000.bin ...   token ids, uint16 (uint32 for a vocabulary over 65,536 ids), one file per 100M tokens;
                           every document is bos, its ids, eos, packed one after the other: no padding
-    val.bin               the held-out documents the same way
+    val.bin               the held-out documents (or the tail) the same way
     tokenizer.json        the tokenizer (it puts bos before what it encodes, as transformers expects), with
     tokenizer_config.json the bos/eos/pad tokens: transformers.AutoTokenizer.from_pretrained(DIR) loads it
     meta.json             dtype, vocab size, bos/eos ids, the files and their token counts, what was asked
+
+--force replaces an --out that holds a dataset written here before (its meta.json says so, and the folder holds
+nothing else); an --out holding anything else is refused, --force or not.
 
 A second run with the same request finds meta.json and does nothing (and does not import torch: it answers in a
 fraction of a second). A training script reads the files back with np.memmap, a window of seq_len + 1 tokens at
@@ -39,12 +47,15 @@ a time (inputs = window[:-1], targets = window[1:]):
 """
 
 import argparse
+import fcntl
 import hashlib
 import itertools
 import json
 import logging
 import os
+import re
 import shutil
+import signal
 import sys
 import sysconfig
 import tempfile
@@ -57,12 +68,18 @@ from tqdm import tqdm
 FORMAT = 1  # meta.json's "format": bump it when the layout changes, so readers can tell
 SHARD_TOKENS = 100_000_000  # a new train-NNNNN.bin after this many tokens
 HELD_OUT_EVERY = 50  # without --eval-data, documents 49, 99, 149, ... (from 0) are the held-out split
+HELD_OUT_TAIL = 10  # ... unless those make less than a window: then the last 1/10 of the tokens instead
 MIN_TOKENS = 129  # each split must fill one window of the scripts' default --seq-len 128, plus one
+WINDOW = f"one window of {MIN_TOKENS} tokens (the training scripts' default --seq-len 128, plus one)"
 BATCH_DOCUMENTS = 1000  # documents tokenized together: encode_batch runs them in parallel, memory stays bounded
 VOCAB_SIZE = 8192  # of a tokenizer trained here, unless --vocab-size
 TOKENIZER_TRAIN_CHARS = 20_000_000  # a trained tokenizer sees at most this much text
+# BPE training time grows with the square of a pre-token's length (400k characters without a space: 19 s): the
+# trainer sees texts cut into pieces of at most this many characters, at whitespace where there is some.
+TOKENIZER_PIECE_CHARS = 1000
 SPECIAL_TOKENS = ("[PAD]", "[BOT]", "[EOT]")
 EXTENSIONS = (".txt", ".jsonl", ".parquet")
+OWN_FILES = re.compile(r"(train-\d{5}\.bin|val\.bin|meta\.json|tokenizer\.json|tokenizer_config\.json)\Z")
 
 
 class UsageError(Exception):
@@ -172,6 +189,11 @@ def _text_of(row, text_field: str, where: str) -> str:
         found = f"{text_field!r} is {json.dumps(row[text_field], default=str)[:40]}, not a string" \
             if text_field in row else f"no {text_field!r} field (it has {sorted(row)[:8]})"
         raise UsageError(f"{where}: {found}; name the field that holds the text with --text-field, or fix that row")
+    try:  # a JSON escape such as "\ud800" gives a string no tokenizer can take
+        row[text_field].encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{where}: the text holds a lone surrogate ({row[text_field][e.start]!a} at character "
+                         f"{e.start}), not valid Unicode; fix that row") from None
     return row[text_field]
 
 
@@ -306,21 +328,43 @@ def train_tokenizer(texts, vocab_size: int) -> Tokenizer:
     """A byte-level BPE tokenizer with [PAD], [BOT], [EOT], trained on the first TOKENIZER_TRAIN_CHARS of texts."""
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
 
-    def sample():
-        seen = 0
+    # Read here, not from inside the trainer (which pulls from another thread, where Ctrl-C and SIGTERM cannot
+    # stop it): a slow or stuck source can be interrupted, and the sample is at most 20M characters.
+    sample, seen = [], 0
+    with tqdm(desc="reading for the tokenizer", total=TOKENIZER_TRAIN_CHARS, unit=" characters", unit_scale=True,
+              disable=None, leave=False) as bar:
         for text in texts:
-            yield text
+            sample += pieces(text)
             seen += len(text)
+            bar.update(len(text))
             if seen >= TOKENIZER_TRAIN_CHARS:
-                return
+                break
 
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
+    # Its own bars (counting pairs, computing merges) only on a terminal, so that logs and errors stay clean.
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(sample(), trainer)
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=sys.stderr.isatty())
+    backend.train_from_iterator(sample, trainer)
     return Tokenizer(backend, "[BOT]", "[EOT]", "[PAD]")
+
+
+def pieces(text: str, size: int = TOKENIZER_PIECE_CHARS):
+    """text in pieces of at most size characters, each cut before the last space or newline of a run of whitespace
+    (where the pre-tokenizer cuts too: the pre-tokens stay as they were), or after size characters if none."""
+    start = 0
+    while len(text) - start > size:
+        cut = start + size
+        while True:  # back to a space or newline that is followed by something else
+            cut = max(text.rfind(" ", start + 1, cut), text.rfind("\n", start + 1, cut))
+            if cut < 0 or not text[cut + 1].isspace():
+                break
+        cut = cut if cut > 0 else start + size
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
 
 
 def save_tokenizer(tokenizer: Tokenizer, directory: str) -> str:
@@ -432,10 +476,44 @@ def request(args) -> tuple[dict, str]:
     if args.eval_data:
         parts.append(f"eval_data={fingerprint(args.eval_data, '--eval-data')}")
     if args.tokenizer:  # an edited tokenizer file makes the old tokens stale too
-        files = [os.path.join(args.tokenizer, n) for n in ("tokenizer.json", "tokenizer_config.json")] \
-            if os.path.isdir(args.tokenizer) else [args.tokenizer]
-        parts.append("tokenizer=" + ";".join(_file_identity(f) for f in files if os.path.isfile(f)))
+        parts.append("tokenizer=" + ";".join(_file_identity(f) for f in _tokenizer_files(args.tokenizer)))
     return source, " | ".join(parts)
+
+
+def _tokenizer_files(path: str) -> list[str]:
+    files = [os.path.join(path, n) for n in ("tokenizer.json", "tokenizer_config.json")] \
+        if os.path.isdir(path) else [path]
+    return [f for f in files if os.path.isfile(f)]
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(os.path.join(folder, ""))
+
+
+def check_inputs(args, out: str) -> None:
+    """Refuses an --out that is, holds or lies inside anything read (real paths), and --eval-data overlapping --data."""
+    read = []  # (flag, path as given, real path) of every file and folder read
+    for flag, spec in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if spec == "builtin":
+            read.append((flag, spec, os.path.realpath(sysconfig.get_paths()["stdlib"])))
+        elif spec and not spec.startswith("hf:"):
+            paths = [p for p in spec.split(",") if p] + source_files(spec, flag)
+            read += [(flag, p, os.path.realpath(p)) for p in paths]
+    if args.tokenizer:
+        read += [("--tokenizer", p, os.path.realpath(p)) for p in [args.tokenizer, *_tokenizer_files(args.tokenizer)]]
+    real_out = os.path.realpath(out)
+    for flag, given, real in read:
+        if _inside(real, real_out) or _inside(real_out, real):
+            how = "is" if real == real_out else "holds" if _inside(real, real_out) else "lies inside"
+            raise UsageError(f"--out {args.out}: it {how} {flag} {given}, which this run reads; choose another --out "
+                             "(a dataset never replaces what it is made from, --force or not)")
+    overlap = args.eval_data == args.data or any(
+        _inside(e, d) or _inside(d, e) for flag_e, _, e in read if flag_e == "--eval-data"
+        for flag_d, _, d in read if flag_d == "--data")
+    if args.eval_data and overlap:
+        raise UsageError(f"--eval-data {args.eval_data}: it overlaps --data {args.data}, so the held-out loss would "
+                         "be on training documents; give documents --data does not hold, or leave --eval-data out "
+                         f"to hold out every {HELD_OUT_EVERY}th document of --data")
 
 
 def read_meta(out: str) -> dict | None:
@@ -452,34 +530,195 @@ def read_meta(out: str) -> dict | None:
     return meta if complete and meta.get("format") == FORMAT else None
 
 
+def _ready(args, out: str, source: dict, identity: str) -> bool:
+    meta = read_meta(out)
+    if meta and meta["source"] == source and meta["fingerprint"] == identity:
+        print(f"{args.out} is ready: prepared before from this same request (meta.json); nothing to do")
+        return True
+    return False
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'s' * (n != 1)}"
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def holding(out: str) -> tuple[str, dict | None, bool]:
+    """What a non-empty --out holds, in words; its meta.json; whether --force may replace it: only a dataset this
+    tool wrote (its meta.json, with "format", and nothing but the files it lists and the tokenizer's)."""
+    if not os.path.isdir(out):
+        return "is not a folder", None, False
+    names = sorted(os.listdir(out))
+    try:
+        with open(os.path.join(out, "meta.json")) as f:
+            meta = json.load(f)
+        listed = {name for part in ("train", "val") for name in meta[part]["files"]} | \
+            {"meta.json", "tokenizer.json", "tokenizer_config.json"}
+        if "format" not in meta:
+            raise KeyError("format")
+    except OSError:
+        return f"holds other files ({_some(names)})", None, False
+    except (ValueError, KeyError, TypeError):  # a damaged meta.json: ours only if every name is one we write
+        others = [n for n in names if not OWN_FILES.match(n)]
+        if others:
+            return f"holds a damaged meta.json and other files ({_some(others)})", None, False
+        return "holds a damaged dataset (its meta.json is not one this tool wrote whole)", None, True
+    others = [n for n in names if n not in listed]
+    if others:
+        return f"holds a dataset and other files ({_some(others)})", meta, False
+    return "holds a dataset", meta, True
+
+
+def _changes(meta: dict, source: dict, identity: str) -> str:
+    """How the dataset meta describes differs from what is asked, in words."""
+    if meta.get("format") != FORMAT:
+        return f"of another format ({meta.get('format')}; this version writes {FORMAT})"
+    old = meta.get("source") if isinstance(meta.get("source"), dict) else {}
+    flags = [f"--{key.replace('_', '-')} {'unset' if old.get(key) is None else old.get(key)} -> "
+             f"{'unset' if value is None else value}" for key, value in source.items() if old.get(key) != value]
+    if flags:
+        return f"prepared with other flags ({', '.join(flags)})"
+    before, now = (dict(p.split("=", 1) for p in str(f).split(" | ") if "=" in p)
+                   for f in (meta.get("fingerprint"), identity))
+    stale = [f"--{key.replace('_', '-')}" for key in now if before.get(key) != now[key]]
+    if stale:
+        return f"prepared with these flags, but the files of {' and '.join(stale)} changed since"
+    return "incomplete (files missing, or not of the sizes its meta.json gives)"
+
+
+def check_out(args, out: str, source: dict, identity: str) -> None:
+    """Refuses an --out holding what this tool did not write, and without --force a dataset of another request."""
+    if not os.path.lexists(out) or (os.path.isdir(out) and not os.listdir(out)):
+        return
+    what, meta, ours = holding(out)
+    if not ours:
+        raise UsageError(f"--out {args.out}: it {what}, not a dataset prepared here; choose another --out "
+                         "(--force replaces only a dataset this tool wrote, never other files)")
+    if not args.force:
+        what = f"holds a dataset {_changes(meta, source, identity)}" if meta else what
+        raise UsageError(f"--out {args.out}: it {what}; choose another --out, or add --force to replace it")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: alive
+        return True
+    except (OverflowError, ValueError):
+        return False
+    return True
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def lock(out: str, shown: str) -> tuple[str, int]:
+    """Holds --out (an absolute path) against a second run: an flock on .OUT.lock beside it, which the system
+    frees when its process ends however it ends, and which holds the pid for the message. Returns unlock's args."""
+    path = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.lock")
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UsageError(f"--out {shown}: another prepare_data.py (pid {pid}) is writing it now; wait for it to "
+                             "end, or choose another --out") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # its holder removed it between our open and flock: lock the one there now
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return path, fd
+
+
+def unlock(path: str, fd: int) -> None:
+    try:
+        os.remove(path)  # while still held, so that no one locks the removed file
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+
+
+def remove_leftovers(out: str) -> None:
+    """Removes the temporary folders of earlier runs into out (absolute) whose process is gone (killed outright)."""
+    parent, base = os.path.split(out)
+    leftover = re.compile(re.escape(f".{base}.") + r"(\d+)\.\w+\.tmp(\.old)?\Z")
+    for name in os.listdir(parent):
+        match = leftover.match(name)
+        if match and not _alive(int(match[1])):
+            _remove(os.path.join(parent, name))
+
+
 def prepare(args) -> dict | None:
     """Write the dataset args ask for into args.out; returns its meta, or None when args.out was ready."""
     started = time.time()
     source, identity = request(args)
-    out = os.path.normpath(args.out)
-    meta = read_meta(out)
-    if meta and meta["source"] == source and meta["fingerprint"] == identity:
-        print(f"{args.out} is ready: prepared before from this same request (meta.json); nothing to do")
+    out = os.path.abspath(args.out)  # absolute: its parent and name are what `--out .` means too
+    if _ready(args, out, source, identity):  # before anything is written, not even the lock
         return None
-    if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)) and not args.force:
-        what = "other files" if not meta else f"a dataset prepared from --data {meta['source']['data']}" + (
-            " as its files were before they changed" if meta["source"] == source else "")
-        raise UsageError(f"--out {args.out}: it holds {what}; choose another --out, or add --force to replace it")
+    check_inputs(args, out)
+    if args.max_tokens is not None and args.max_tokens < MIN_TOKENS:
+        raise UsageError(f"--max-tokens {args.max_tokens}: fewer than {WINDOW}; give at least {MIN_TOKENS}")
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None  # a bad one fails before any writing
 
-    parent = os.path.dirname(os.path.abspath(out))
+    parent = os.path.dirname(out)
     made, probe = None, parent  # made: the topmost folder this run creates, removed again if it fails
     while not os.path.exists(probe):
         made, probe = probe, os.path.dirname(probe)
+    held = None
     try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            held = lock(out, args.out)
+        except OSError as e:
+            raise UsageError(f"--out {args.out}: cannot create a folder or file in {parent} ({e.strerror or e})") \
+                from None
+        remove_leftovers(out)
+        if _ready(args, out, source, identity):  # a run that held the lock until a moment ago prepared it
+            return None
+        check_out(args, out, source, identity)
+        meta = _build(out, args, source, identity, tokenizer)
+    except BaseException as e:  # including Ctrl-C and SIGTERM: _build has removed its temporary folder
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise UsageError(f"--out {args.out}: cannot write ({e.strerror or e})") from None
+        raise
+    finally:
+        if held:
+            unlock(*held)
+    train, val = meta["train"], meta["val"]
+    how = f"the last {100 // HELD_OUT_TAIL} % of the tokens: too few documents to hold out whole ones" \
+        if val["held_out"] == "tail" else _count(val["documents"], "document")
+    print(f"prepared {args.out}: {sum(train['tokens']):,} training tokens ({_count(train['documents'], 'document')}, "
+          f"{len(train['files'])} file{'s' * (len(train['files']) > 1)}) + {val['tokens'][0]:,} held-out "
+          f"({how}; val.bin), {meta['dtype']}, vocabulary {meta['vocab_size']:,}, in {time.time() - started:.0f}s")
+    return meta
+
+
+def _build(out: str, args, source: dict, identity: str, tokenizer: Tokenizer | None) -> dict:
+    """Writes the dataset into a temporary folder beside out (named with the pid, so that a later run can tell
+    it is left over) and renames it to out, replacing what is there."""
+    parent, base = os.path.split(out)
+    tmp = tempfile.mkdtemp(prefix=f".{base}.{os.getpid()}.", suffix=".tmp", dir=parent)
+    try:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private; the dataset should not be
-    except OSError as e:
-        raise UsageError(f"--out {args.out}: cannot create a folder in {parent} ({e.strerror or e})") from None
-    try:
         meta = _write(tmp, args, source, identity, tokenizer)
         if os.path.lexists(out):  # replaced (--force, or an empty folder): moved aside first, so a failure keeps it
             os.rename(out, old := tmp + ".old")
@@ -488,24 +727,12 @@ def prepare(args) -> dict | None:
             except OSError:
                 os.rename(old, out)
                 raise
-            if os.path.isdir(old) and not os.path.islink(old):
-                shutil.rmtree(old)
-            else:
-                os.remove(old)
+            _remove(old)
         else:
             os.rename(tmp, out)
-    except BaseException as e:  # including Ctrl-C: no half-written dataset stays behind
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if made:
-            shutil.rmtree(made, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise UsageError(f"--out {args.out}: cannot write ({e.strerror or e})") from None
         raise
-    train, val = meta["train"], meta["val"]
-    print(f"prepared {args.out}: {sum(train['tokens']):,} training tokens ({train['documents']:,} documents, "
-          f"{len(train['files'])} file{'s' * (len(train['files']) > 1)}) + {val['tokens'][0]:,} held-out "
-          f"({val['documents']:,} documents, val.bin), {meta['dtype']}, vocabulary {meta['vocab_size']:,}, "
-          f"in {time.time() - started:.0f}s")
     return meta
 
 
@@ -532,24 +759,66 @@ def _write(tmp: str, args, source: dict, identity: str, tokenizer: Tokenizer | N
     finally:
         for f in files.values():
             f.close()
-    for part, what in (("train", "training split"), ("val", "held-out split")):
-        if files[part].total < MIN_TOKENS:
-            fix = "give more documents"
-            if part == "val" and held_out:
-                fix += f" (every {HELD_OUT_EVERY}th is held out), or held-out ones with --eval-data"
-            elif part == "train" and args.max_tokens:
-                fix += ", or a larger --max-tokens"
-            count = f"{files[part].documents} document{'s' * (files[part].documents != 1)}"
-            raise UsageError(f"the {what} holds {files[part].total} tokens ({count}), fewer than one window of "
-                             f"--seq-len 128 + 1 = {MIN_TOKENS}; {fix}")
+    kind = "documents" if held_out else "eval_data"
+    if held_out and files["val"].total < MIN_TOKENS:
+        hold_out_tail(tmp, files, args)  # it sees to both splits' windows
+        kind = "tail"
+    train, val = files["train"], files["val"]
+    if train.total < MIN_TOKENS:  # a cut at --max-tokens is a window at least: too few documents
+        raise UsageError(f"--data {args.data}: the training split holds {train.total} tokens "
+                         f"({_count(train.documents, 'document')}), fewer than {WINDOW}; give more documents")
+    if val.total < MIN_TOKENS:
+        raise UsageError(f"--eval-data {args.eval_data}: the held-out split holds {val.total} tokens "
+                         f"({_count(val.documents, 'document')}), fewer than {WINDOW}; give more held-out "
+                         "documents, or leave --eval-data out to hold out part of --data")
     meta = {"format": FORMAT, "dtype": dtype, "vocab_size": backend.get_vocab_size(),
             "bos_id": backend.token_to_id(tokenizer.bos), "eos_id": backend.token_to_id(tokenizer.eos),
             "bos_token": tokenizer.bos, "eos_token": tokenizer.eos,
             **{part: {"files": f.files, "tokens": f.tokens, "documents": f.documents} for part, f in files.items()},
             "source": source, "fingerprint": identity, "tokenizer_sha256": sha256}
+    meta["val"]["held_out"] = kind  # "documents" (every 50th), "tail" (the last tokens) or "eval_data"
     with open(os.path.join(tmp, "meta.json"), "w") as f:  # last: its presence says the rest is complete
         json.dump(meta, f, indent=1)
     return meta
+
+
+def hold_out_tail(directory: str, files: dict, args) -> None:
+    """Too few documents to hold out whole ones: val.bin becomes the last 1/HELD_OUT_TAIL of the token stream (at
+    least one window), the few held-out documents' tokens at its end, and the training files lose that tail."""
+    train, val = files["train"], files["val"]
+    total = train.total + val.total
+    size = max(MIN_TOKENS, total // HELD_OUT_TAIL)
+    if total - size < MIN_TOKENS:
+        if args.max_tokens and train.total >= args.max_tokens:
+            raise UsageError(f"--max-tokens {args.max_tokens}: too few tokens for {WINDOW} to train on and another "
+                             "held out (the documents are too few to hold out whole ones, so the last tokens are); "
+                             f"give --max-tokens {2 * MIN_TOKENS} or more, or held-out documents with --eval-data")
+        raise UsageError(f"--data {args.data}: {total} tokens ({_count(train.documents + val.documents, 'document')}), "
+                         f"too few for {WINDOW} to train on and another held out; give more documents")
+    itemsize = np.dtype(train.dtype).itemsize
+    spans, take = [], size - val.total  # (file, first token, tokens) of the tail, from the last file backwards
+    for name, count in reversed(list(zip(train.files, train.tokens))):
+        spans.insert(0, (name, count - min(take, count), min(take, count)))
+        take -= spans[0][2]
+        if not take:
+            break
+    with open(os.path.join(directory, "tail.tmp"), "wb") as tail:
+        for name, first, count in spans + [("val.bin", 0, val.total)]:
+            with open(os.path.join(directory, name), "rb") as f:
+                f.seek(first * itemsize)
+                left = count * itemsize
+                while left:  # in pieces: a tail can be large
+                    chunk = f.read(min(left, 1 << 24))
+                    tail.write(chunk)
+                    left -= len(chunk)
+    for name, first, _ in spans:
+        os.truncate(os.path.join(directory, name), first * itemsize)
+        train.tokens[train.files.index(name)] = first
+    while not train.tokens[-1]:
+        os.remove(os.path.join(directory, train.files.pop()))
+        train.tokens.pop()
+    os.replace(os.path.join(directory, "tail.tmp"), os.path.join(directory, "val.bin"))
+    val.tokens = [size]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -584,20 +853,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-data", help="held-out documents, the same forms as --data (default: every "
                                        f"{HELD_OUT_EVERY}th document of --data, never trained on)")
     p.add_argument("--max-tokens", type=_positive, help="stop after this many training tokens (default: all)")
-    p.add_argument("--force", action="store_true", help="replace --out when it holds something else")
+    p.add_argument("--force", action="store_true", help="replace --out when it holds a dataset prepared here from "
+                                                        "another request (never other files)")
     return p
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised wherever the program is, so that it cleans up as after Ctrl-C."""
+
+
+def _terminate(signum, frame):
+    raise Terminated
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     try:
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread (called from one): no handler to install
+        previous = None
+    try:
         prepare(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:  # prepare() has removed its temporary folder
+    except KeyboardInterrupt as e:  # prepare() has removed its temporary folder
         print("interrupted: nothing written", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(128 + signal.SIGTERM if isinstance(e, Terminated) else 130)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

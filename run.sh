@@ -66,6 +66,8 @@ if [[ ! -f $script && $script != /* && -f "$(dirname "${BASH_SOURCE[0]}")/$scrip
     script="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$script"
 fi
 [[ -f $script ]] || die "no such script '$script'; give a training script such as train_pipeline_gpipe.py"
+# Anything but 0 or 1 (true, yes, ...) is refused: a mistyped dry run must not start the real job.
+[[ ${DRY_RUN:-0} =~ ^[01]$ ]] || die "DRY_RUN='$DRY_RUN' is neither 1 (print the command, start nothing) nor 0; set DRY_RUN=1"
 
 slurm=""
 if [[ -n ${SLURM_JOB_ID:-} ]]; then

@@ -5,14 +5,15 @@ compared with the unsplit model on one process. Run with:  pytest -q test_small.
 """
 
 import ast
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import itertools
 import json
 import math
 import os
-import pickle
 import random
 import re
 import shlex
@@ -47,6 +48,9 @@ import train_pipeline_tracer as tracer
 from model import LlamaConfig, LlamaForPretraining, config_from_preset, even
 
 ROOT = Path(__file__).resolve().parent
+# One step from the same weights: a split computes the unsplit model's numbers with fp32 sums taken in another
+# order, ~1e-7 apart; 1e-5 leaves room for other machines' kernels and still sees one wrong element of a gradient.
+# Trajectories over several steps drift further apart: drift_rtol.
 RTOL = 1e-5
 SCRIPTS = ("train_pipeline_gpipe.py", "train_pipeline_afab_manual.py", "train_pipeline_tracer.py")
 
@@ -135,6 +139,40 @@ def read_metrics(path):
 
 def assert_close_rel(a, b, rtol=RTOL, what=""):
     assert abs(a - b) <= rtol * abs(b), f"{what}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e})"
+
+
+def drift_rtol(steps: int, what: str) -> float | None:
+    """How far two correct fp32 runs may have drifted apart after `steps` steps (1: the first step, both from the
+    same weights) at the tests' lr 1e-2: the loss, or the gradient norm (None: not comparable any more).
+
+    Two correct runs differ only in the order fp32 sums are taken (another layout, another microbatch count,
+    another machine's kernels). Their first step agrees to round-off (~1e-7). From then on AdamW divides each
+    gradient by its own running size, so round-off in a near-zero gradient becomes a different update of its
+    weight, and the runs drift apart, faster the more steps. Measured on the tests' model and flags, largest
+    relative difference to one process over 8 seeds x 3 microbatch counts, and 4 seeds each of pp2 x dp2 and
+    pp2 x tp2: the loss 3e-7 up to step 3, 4e-6 up to step 9, 7e-5 up to step 16; the gradient norm 0 at step 1,
+    2e-5 up to step 8 (2.6e-5 at step 3 seen on another machine), up to 2e-2 beyond. The tolerances are ~10x
+    those. A real mistake is far above them, at the first step already (each tried, 2 stages or 2 x 2): one of
+    4 microbatches' gradient dropped (grad norm 9e-2 off), gradients summed over replicas instead of averaged
+    (1.0), a clipping norm without the other stage's part (0.5), replicas training on the same rows (loss 8e-4);
+    and the AdamW state not restored on resume: the loss 1.4e-2 off at the second step after it."""
+    if what == "loss":
+        return 1e-5 if steps <= 3 else 1e-4 if steps <= 9 else 1e-3
+    return 1e-5 if steps == 1 else 3e-4 if steps <= 8 else None
+
+
+def assert_same_trajectory(rows: list[dict], reference: list[dict], what: str, since: int = 0, floor: float = 0):
+    """Each row's loss (and gradient norm) equals the reference row's within what fp32 drift allows (drift_rtol).
+    since: the step at which both runs held the same weights (a resumed run: its checkpoint's); floor: a larger
+    tolerance of the run's own (compiled kernels round differently)."""
+    assert [r["step"] for r in rows] == [r["step"] for r in reference][:len(rows)], what
+    for got, want in zip(rows, reference):
+        steps = got["step"] - since
+        assert_close_rel(got["loss"], want["loss"], max(drift_rtol(steps, "loss"), floor),
+                         what=f"{what}, step {got['step']} loss")
+        if "grad_norm" in got and drift_rtol(steps, "grad_norm") is not None:
+            assert_close_rel(got["grad_norm"], want["grad_norm"], max(drift_rtol(steps, "grad_norm"), floor),
+                             what=f"{what}, step {got['step']} grad norm")
 
 
 def one_line_error(result, *expected, status=1):
@@ -389,7 +427,8 @@ def _layout_worker(rank, world_size, store_path, out_dir, config, batch, pp, dp,
                 if kind == "manual":
                     with manual.compute(env, tp):
                         loss = manual.SCHEDULES[name](partition, x.chunk(m) if first else [None] * m,
-                                                      y.chunk(m) if last else [None] * m, env.device, torch.float32)
+                                                      y.chunk(m) if last else [None] * m, env.device, torch.float32,
+                                                      loss_chunks=8)  # as the library's loss above
                 else:
                     loss = gpipe.train_step(schedule, x if first else None, y if last else None, env, tp)
             grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
@@ -400,7 +439,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, config, batch, pp, dp,
                 with manual.compute(env, tp):
                     evaluated = manual.eval_step_pipeline(partition, x.chunk(m) if first else [None] * m,
                                                           y.chunk(m) if last else [None] * m, env.device,
-                                                          torch.float32)
+                                                          torch.float32, loss_chunks=8)
             else:
                 evaluated = gpipe.eval_step(schedule, built, x if first else None, y if last else None, env, m,
                                             (*shape, config.hidden_size), loss_fn, tp)
@@ -541,11 +580,8 @@ def test_loss_trajectory_is_the_same_at_any_layout_and_by_hand(tmp_path, data_di
         assert [r["step"] for r in rows[name]] == [1, 2, 3, 4, 5]
         assert len(summaries[name]["peak_memory_bytes_per_rank"]) == max(runs[name][0], 1)
     for name in runs:
-        for a, b in zip(rows[name], rows["gpipe1"]):
-            # Inductor's kernels round differently, more in torch's CUDA build run on a CPU (1.4e-4 at step 3).
-            rtol = 5e-4 if name == "compiled1" else RTOL
-            assert_close_rel(a["loss"], b["loss"], rtol, what=f"{name}, step {a['step']} loss")
-            assert_close_rel(a["grad_norm"], b["grad_norm"], rtol, what=f"{name}, step {a['step']} grad norm")
+        # Inductor's kernels round differently, more in torch's CUDA build run on a CPU (1.4e-4 at step 3).
+        assert_same_trajectory(rows[name], rows["gpipe1"], name, floor=5e-4 if name == "compiled1" else 0)
     assert rows["gpipe1"][0]["grad_norm"] > 1.0  # clipping was active, so the cross-stage norm was exercised
     # Balanced by cost; the default --loss-chunks 0 keeps these small logits whole (no head recomputed).
     assert "[embed + layers 0-2 (33%)] [layer 3 + norm + head (67%)]" in outputs["gpipe2"]
@@ -695,6 +731,57 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, data_dir):
             assert result.stderr.strip() == errors[0], (given, result.stderr)  # one line, no traceback
     assert (ckpt / "meta.json").read_text() == '{"step": 1, "config": {}, "files": {}}'
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000001"]
+
+
+def test_damaged_data_is_one_line_when_opened_in_every_script(tmp_path, data_dir):
+    """Each token file must have the size meta.json gives it (a file cut short after a checkpoint was saved, say):
+    otherwise a run would train on less, silently, or fail mid-run."""
+    meta = json.loads((Path(data_dir) / "meta.json").read_text())
+    train, size = meta["train"]["files"][0], (Path(data_dir) / meta["train"]["files"][0]).stat().st_size
+    damage = {  # what is done to a copy of the data -> what the line must say
+        "cut short": (lambda d: os.truncate(d / train, size // 2), f"{train} has {size // 2:,} bytes"),
+        "an odd byte count": (lambda d: os.truncate(d / train, size + 1), f"meta.json says {size:,}"),
+        "val.bin missing": (lambda d: (d / "val.bin").unlink(), "val.bin is missing"),
+        "meta.json not JSON": (lambda d: (d / "meta.json").write_text("{"), "its meta.json is damaged"),
+        "meta.json without files": (lambda d: (d / "meta.json").write_text('{"dtype": "uint16"}'),
+                                    "its meta.json is damaged"),
+    }
+    for case, (do, expected) in damage.items():
+        copy = tmp_path / case.replace(" ", "_")
+        shutil.copytree(data_dir, copy)
+        do(copy)
+        for module in SCRIPT_MODULES.values():
+            args = module.build_parser().parse_args(["--data", str(copy)])
+            with pytest.raises(checkpoint.UsageError) as refused:
+                module.open_data(args)
+            assert expected in str(refused.value) and "prepare_data.py" in str(refused.value), (case, refused.value)
+
+
+def test_directories_mistaken_for_others_are_refused_and_left_alone(tmp_path, data_dir):
+    """--init-from a prepared dataset, a run.lock that is a folder, a leftover step-N.tmp that is a link to a
+    folder outside: one line (and no advice to delete anything), or a save that never writes through the link."""
+    quick = ["--layers", "2", "--steps", "1", "--batch-size", "2", "--microbatches", "1", "--seq-len", "16",
+             "--data", data_dir]
+    (tmp_path / "locked" / "run.lock").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "keep").write_text("mine")
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "step-00000001.tmp").symlink_to(tmp_path / "outside")
+    before = {path: snapshot(path, folder_times=True) for path in (Path(data_dir), tmp_path / "outside")}
+    runs = {"init_from": ["--init-from", data_dir, "--checkpoint-dir", "new"],
+            "lock": ["--checkpoint-dir", "locked"], "link": ["--checkpoint-dir", "linked"]}
+    procs = {name: launch(0, "train_pipeline_gpipe.py", *quick, *flags, cwd=tmp_path, wait=False)
+             for name, flags in runs.items()}
+    results = {name: finish(proc) for name, proc in procs.items()}
+    one_line_error(results["init_from"], f"--init-from {data_dir}: not a complete checkpoint, it holds data "
+                                         "prepared by prepare_data.py")
+    assert "delete" not in results["init_from"].stderr
+    one_line_error(results["lock"], "locked/run.lock is not a run lock")
+    assert results["link"].returncode == 0, results["link"].stderr[-2000:]
+    saved = tmp_path / "linked" / "step-00000001"
+    assert saved.is_dir() and not saved.is_symlink() and (saved / "meta.json").is_file()
+    assert not (tmp_path / "linked" / "step-00000001.tmp").exists()
+    assert {path: snapshot(path, folder_times=True) for path in before} == before
 
 
 def test_help_works_without_torchrun_and_every_script_has_the_same_flags(tmp_path):
@@ -877,8 +964,7 @@ def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, refer
         assert "(saved by 4 process(es))" in result.stdout
         rows, _ = read_metrics(tmp_path / name / "m.jsonl")
         assert [r["step"] for r in rows] == list(range(9, 17))
-        for got, want in zip(rows, reference[8:]):
-            assert_close_rel(got["loss"], want["loss"], what=f"{name}, step {got['step']}")
+        assert_same_trajectory(rows, reference[8:], name, since=8)
 
 
 def test_tensor_parallel_resumes_exactly_on_any_layout_and_exports_the_whole_model(tmp_path, data_dir,
@@ -900,13 +986,8 @@ def test_tensor_parallel_resumes_exactly_on_any_layout_and_exports_the_whole_mod
     again = [r["step"] for r in first_attempt if r["step"] > killed_at]
     assert again, "the killed attempt logged no step after its last checkpoint"
     assert [r["loss"] for r in rows if r["step"] in again] == [r["loss"] for r in first_attempt if r["step"] in again]
-    # ... and every step is the run of any other layout (the reference: 2 stages x 2 replicas). The gradient
-    # norm, more sensitive to rounding than the loss, drifts past 1e-5 after some 10 steps of lr 1e-2: compared
-    # for the first 8 (the losses stay within 2e-6 through all 16).
-    for got, want in zip(rows, reference):
-        assert_close_rel(got["loss"], want["loss"], what=f"tp, step {got['step']}")
-        if got["step"] <= 8:
-            assert_close_rel(got["grad_norm"], want["grad_norm"], what=f"tp, step {got['step']} grad norm")
+    # ... and every step is the run of any other layout (the reference: 2 stages x 2 replicas).
+    assert_same_trajectory(rows, reference, "tp")
 
     # Its step-8 checkpoint continues on 1 process, and on 2 stages x 2 replicas, as the run itself did.
     procs = {}
@@ -919,8 +1000,7 @@ def test_tensor_parallel_resumes_exactly_on_any_layout_and_exports_the_whole_mod
         assert result.returncode == 0, (name, result.stderr[-3000:])
         resumed, _ = read_metrics(tmp_path / name / "m.jsonl")
         assert [r["step"] for r in resumed] == list(range(9, 17))
-        for got, want in zip(resumed, rows[8:]):
-            assert_close_rel(got["loss"], want["loss"], what=f"{name}, step {got['step']}")
+        assert_same_trajectory(resumed, rows[8:], name, since=8)
 
     # Exported, it is the whole model: the library's own converter of the checkpoint gives the same tensors,
     # full-sized, and the Hugging Face export holds the same. They are the reference run's after 16 steps to
@@ -1211,7 +1291,15 @@ def test_unusable_output_paths_stop_every_script_before_any_work(tmp_path, data_
         ("train_pipeline_gpipe.py", "--trace", str(read_only_dir / "t")): ["--trace", "cannot be created"],
         ("train_pipeline_gpipe.py", "--metrics", "a-dir"): ["--metrics a-dir", "is a directory"],
         ("train_pipeline_gpipe.py", "--trace", "a-file/t"): ["--trace", "a-file is a file"],
+        # A filesystem where nothing can be created though permissions say yes: tried, not assumed.
+        ("train_pipeline_gpipe.py", "--trace", "/proc/x"): ["--trace /proc/x", "cannot be created"],
+        ("train_pipeline_afab_manual.py", "--metrics", "/proc/x/m.jsonl"): ["--metrics", "cannot be created"],
+        # The data is never written into, nor moved aside by --fresh with the checkpoints around it.
+        ("train_pipeline_gpipe.py", "--checkpoint-dir", data_dir, "--fresh"): ["is or lies inside --data"],
+        ("train_pipeline_tracer.py", "--checkpoint-dir", f"{data_dir}/ckpt"): ["is or lies inside --data"],
+        ("train_pipeline_gpipe.py", "--checkpoint-dir", str(Path(data_dir).parent), "--fresh"): ["holds --data"],
     }
+    data_before = snapshot(Path(data_dir), folder_times=True)
     procs = {case: launch(0, case[0], *quick, *case[1:], cwd=tmp_path, wait=False) for case in cases}
     export = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), "export",
                              str(reference_run[0] / "checkpoints"), str(read_only_dir / "tiny.pt")],
@@ -1222,6 +1310,7 @@ def test_unusable_output_paths_stop_every_script_before_any_work(tmp_path, data_
     # Nothing was written: no default checkpoint directory, no lock, no metrics file.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-dir", "a-file", "read-only"]
     assert list((tmp_path / "a-dir").iterdir()) == []
+    assert snapshot(Path(data_dir), folder_times=True) == data_before
 
 
 def test_a_run_killed_during_an_evaluation_keeps_the_steps_checkpoint(tmp_path, data_dir):
@@ -1589,8 +1678,10 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
     assert rows["eval3"][0] == [] and not (tmp_path / "eval3").exists()  # evaluated only, nothing written
     for name in ("gpipe3", "manual2xtp2", "tracer2", "eval3"):
         reference = rows["eval_one" if name == "eval3" else "one"]
-        for got, want in zip(rows[name][0] + rows[name][1], reference[0] + reference[1]):
-            assert_close_rel(got["loss"], want["loss"], what=f"{name} step {got['step']}")
+        assert_same_trajectory(rows[name][0], reference[0], name)
+        # An evaluation after step s sees the weights that step s + 1 starts from.
+        evaluations = [[{"step": e["step"] + 1, "loss": e["loss"]} for e in run[1]] for run in (rows[name], reference)]
+        assert_same_trajectory(*evaluations, f"{name} evaluation")
     evaluated = rows["eval_one"][1][0]
     assert evaluated["perplexity"] == pytest.approx(math.exp(evaluated["loss"]))
 
@@ -1637,9 +1728,15 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
     vocab["model"]["vocab"] = {token: (i + 1) % len(vocab["model"]["vocab"]) for token, i in
                                vocab["model"]["vocab"].items()}
     (other / "tokenizer.json").write_text(json.dumps(vocab))
-    one_line_error(launch(0, "train_pipeline_gpipe.py", *common[2:], "--init-from", str(other), "--steps", "0",
-                          "--checkpoint-dir", "other", cwd=tmp_path),
+    # And one whose weights file was cut short (an interrupted download): one line naming the file.
+    cut = tmp_path / "cut-short"
+    shutil.copytree(tied, cut)
+    os.truncate(cut / "model.safetensors", (cut / "model.safetensors").stat().st_size // 2)
+    procs = {model: launch(0, "train_pipeline_gpipe.py", *common[2:], "--init-from", str(model), "--steps", "0",
+                           "--checkpoint-dir", model.name, cwd=tmp_path, wait=False) for model in (other, cut)}
+    one_line_error(finish(procs[other]),
                    f"--init-from {other}: its tokenizer is not the one --data {data_dir} was prepared with")
+    one_line_error(finish(procs[cut]), f"--init-from {cut}: model.safetensors is not a complete safetensors file")
 
 
 @pytest.mark.parametrize("field,value,named", [
@@ -1724,6 +1821,30 @@ def _batches(seq_len: int, microbatches: int = 6):
     return list(inputs.chunk(microbatches)), list(targets.chunk(microbatches))
 
 
+@contextlib.contextmanager
+def module_calls(model: nn.Module):
+    """Every call of every module of model while inside, by module name, in order: its output tensors and the
+    gradient each of them receives in backward. How a user checks a pipeline against the model's own forward."""
+    calls, handles = {}, []
+
+    def record(name, module, args, output):
+        tensors = [t for t in (output if isinstance(output, (tuple, list)) else [output]) if torch.is_tensor(t)]
+        call = {"outputs": [t.detach().clone() for t in tensors], "grads": [None] * len(tensors)}
+        calls.setdefault(name, []).append(call)
+        for k, t in enumerate(tensors):
+            if t.requires_grad:
+                t.register_hook(functools.partial(lambda call, k, grad: call["grads"].__setitem__(k, grad.clone()),
+                                                  call, k))
+
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_hook(functools.partial(record, name)))
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _manual_worker(rank, world_size, store_path, out_dir, kinds, layers):
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     try:
@@ -1737,11 +1858,9 @@ def _manual_worker(rank, world_size, store_path, out_dir, kinds, layers):
                                         ("afab_short", manual.train_step_pipeline_afab, 9)]:
                 model.zero_grad(set_to_none=True)
                 inputs, targets = _batches(seq_len)
-                capture = {}
-                meter = benchmark.ActivationMeter()
-                with meter:
-                    loss = step(partition, inputs, targets, torch.device("cpu"), torch.float32, capture=capture)
-                runs[name] = {"loss": loss, "capture": capture, "activation_bytes": meter.peak_bytes,
+                with benchmark.ActivationMeter() as meter, module_calls(model) as calls:
+                    loss = step(partition, inputs, targets, torch.device("cpu"), torch.float32)
+                runs[name] = {"loss": loss, "calls": calls, "activation_bytes": meter.peak_bytes,
                               "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
             results[kind] = runs
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -1749,71 +1868,68 @@ def _manual_worker(rank, world_size, store_path, out_dir, kinds, layers):
         dist.destroy_process_group()
 
 
-def _reference(kind: str, layers: int, world_size: int, seq_len: int):
-    """The whole model on one process, the same microbatches one after another: loss, gradients, and each
-    stage's per-microbatch output and input gradient, taken from the model's own forward."""
+def _reference(kind: str, layers: int, seq_len: int):
+    """The whole model on one process, the same microbatches one after another through its own forward: the
+    mean loss, the gradients, and every module's calls (module_calls)."""
     model = _build(kind, layers)
     inputs, targets = _batches(seq_len)
-    bounds = [r.stop for r in even(layers, world_size)]
-    outputs, input_grads, losses = {}, {}, []
-    for i, (x, y) in enumerate(zip(inputs, targets)):
-        if kind == "ours":
-            h = [model.base_model.embed_tokens(x)]
-            for layer in model.base_model.layers.values():
-                h.append(layer(h[-1]))
-            normed = model.base_model.norm(h[-1])
-            logits = model.lm_head(normed)
-        else:
-            out = model(x, output_hidden_states=True)
-            h, logits = list(out.hidden_states), out.logits
-            normed = h[-1]  # transformers' last hidden state is after the final norm
-            y = y.masked_fill(y == 0, -100)  # the pad id is ignored like -100
-        for t in h:
-            t.retain_grad()
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
-        (loss / len(inputs)).backward()
-        losses.append(loss.detach())
-        for stage, end in enumerate(bounds):
-            # The last stage hands out the normed hidden states: its loss applies the head, in pieces.
-            outputs[stage, i] = normed.detach() if stage == world_size - 1 else h[end].detach()
-            if stage > 0:
-                input_grads[stage, i] = h[bounds[stage - 1]].grad
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    return torch.stack(losses).mean(), grads, outputs, input_grads
+    losses = []
+    with module_calls(model) as calls:
+        for x, y in zip(inputs, targets):
+            logits = model(x) if kind == "ours" else model(x).logits
+            if kind == "hf":
+                y = y.masked_fill(y == 0, -100)  # the pad id is ignored like -100
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+            (loss / len(inputs)).backward()
+            losses.append(loss.detach())
+    return torch.stack(losses).mean(), {n: p.grad for n, p in model.named_parameters()}, calls
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_manual_pipeline_equals_single_process_on_our_model_and_hf_llama(tmp_path, world_size):
+def test_manual_pipeline_runs_every_module_as_the_models_own_forward(tmp_path, world_size):
+    """Called on a model (ours, and transformers' LlamaForCausalLM as a user's), the hand-written AFAB and 1F1B
+    run each of its modules once a microbatch, the head on the whole microbatch, with the outputs and output
+    gradients of its own forward on one process; the parameters' gradients and the loss are the same too."""
     pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
-    layers, kinds = 4, ("ours", "hf")  # 4 layers on 3 stages: 2, 1, 1
+    layers, kinds, m = 4, ("ours", "hf"), 6  # 4 layers on 3 stages: 2, 1, 1
     mp.start_processes(_manual_worker, nprocs=world_size, start_method="spawn", join=True,
                        args=(world_size, str(tmp_path / "store"), str(tmp_path), kinds, layers))
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
     for kind in kinds:
-        loss, grads, outputs, input_grads = _reference(kind, layers, world_size, 16)
-        short_loss = _reference(kind, layers, world_size, 9)[0]
+        loss, grads, calls = _reference(kind, layers, 16)
         assert_close_rel(results[-1][kind]["afab"]["loss"].item(), loss.item(), what=f"{kind} loss")
-        assert_close_rel(results[-1][kind]["afab_short"]["loss"].item(), short_loss.item(), what="seq 9")
-        seen = set()
+        assert_close_rel(results[-1][kind]["afab_short"]["loss"].item(), _reference(kind, layers, 9)[0].item(),
+                         what="seq 9")
+        # The stages replace the model's own containers (the root and its decoder stack); every other module
+        # runs on the stage that holds it (the rotary embedding of transformers' Llama: on every stage).
+        containers = {"", "base_model", "model"}
+        ran = set()
         for rank, result in enumerate(results):
+            for schedule in ("afab", "1f1b"):
+                for name, got in result[kind][schedule]["calls"].items():
+                    if name in containers:
+                        continue
+                    ran.add(name)
+                    want = calls[name]
+                    assert len(got) == len(want) == m, (kind, schedule, rank, name, len(got))
+                    for i, (g, w) in enumerate(zip(got, want)):
+                        for a, b in zip(g["outputs"], w["outputs"], strict=True):
+                            torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-5, msg=f"{kind} {name} out {i}")
+                        for a, b in zip(g["grads"], w["grads"], strict=True):
+                            assert (a is None) == (b is None), (kind, name, i)
+                            if b is not None:  # relative to the gradient's scale: a microbatch's is ~1e-3
+                                torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-5 * b.abs().max().item(),
+                                                           msg=f"{kind} {schedule} {name} grad {i}")
             afab, one_f_one_b = result[kind]["afab"], result[kind]["1f1b"]
             if rank != world_size - 1:
                 assert afab["loss"] is None
-            for i in range(6):
-                torch.testing.assert_close(afab["capture"]["outputs"][i], outputs[rank, i], rtol=0, atol=1e-5)
-                if rank > 0:
-                    torch.testing.assert_close(afab["capture"]["input_grads"][i], input_grads[rank, i],
-                                               rtol=0, atol=1e-5)
             for name, grad in afab["grads"].items():
                 torch.testing.assert_close(grad, grads[name], rtol=RTOL, atol=1e-6, msg=f"{kind} {name}")
                 assert torch.equal(one_f_one_b["grads"][name], grad), f"1F1B differs from AFAB: {name}"
-            seen |= set(afab["grads"])
-            # AFAB holds every microbatch; 1F1B at most world_size - rank, and measurably fewer bytes.
-            assert afab["capture"]["in_flight_peak"] == 6
-            assert one_f_one_b["capture"]["in_flight_peak"] == world_size - rank
+            # AFAB holds every microbatch's activations at its peak; 1F1B at most world_size - rank of them.
             ratio = one_f_one_b["activation_bytes"] / afab["activation_bytes"]
-            assert abs(ratio - (world_size - rank) / 6) < 0.02, (rank, ratio)  # (p - r) / m, as README says
-        assert seen == set(grads)
+            assert abs(ratio - (world_size - rank) / m) < 0.02, (rank, ratio)  # (p - r) / m, as README says
+        assert ran == set(calls) - containers, (kind, set(calls) - containers - ran)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1908,9 +2024,7 @@ def test_losses_equal_gpipe_script_and_checkpoints_cross_over(tmp_path, data_dir
         if name == "tracer3":  # the one-time cost, reported for every rank
             assert re.search(r"traced and built the stages in [\d.]+, [\d.]+, [\d.]+ s", result.stdout), result.stdout
     reference = rows["gpipe2"]
-    for got, want in zip(rows["tracer3"], reference):
-        assert_close_rel(got["loss"], want["loss"], what=f"step {got['step']} loss")
-        assert_close_rel(got["grad_norm"], want["grad_norm"], what=f"step {got['step']} grad norm")
+    assert_same_trajectory(rows["tracer3"], reference, "tracer3")
 
     # Both scripts save the same keys (model and flattened AdamW state under full-model names, no RoPE buffers).
     def saved_keys(run):
@@ -1931,8 +2045,7 @@ def test_losses_equal_gpipe_script_and_checkpoints_cross_over(tmp_path, data_dir
         assert "resumed from checkpoints/step-00000004 at step 4" in result.stdout, result.stdout
         resumed, _ = read_metrics(tmp_path / name / "m.jsonl")
         assert [r["step"] for r in resumed] == [5, 6, 7, 8]
-        for got, want in zip(resumed, reference[4:]):
-            assert_close_rel(got["loss"], want["loss"], what=f"{name}, step {got['step']} loss")
+        assert_same_trajectory(resumed, reference[4:], name, since=4)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2148,8 +2261,7 @@ def test_two_nodes_train_like_one_node(tmp_path, data_dir):
     one_node, _ = read_metrics(nodes[2] / "m.jsonl")
     assert len(summary[0]["peak_memory_bytes_per_rank"]) == 4  # 2 nodes x 2 ranks made one 4-stage pipeline
     assert [r["step"] for r in two_nodes] == [r["step"] for r in one_node] == [1, 2, 3, 4]
-    for a, b in zip(two_nodes, one_node):
-        assert_close_rel(a["loss"], b["loss"], what=f"step {a['step']} loss")
+    assert_same_trajectory(two_nodes, one_node, "two nodes")
     assert (tmp_path / "shared-ckpt" / "step-00000004" / "meta.json").is_file()
 
     per_rank = sorted(p.parent.name for p in (tmp_path / "logs").rglob("stderr.log"))
@@ -2231,6 +2343,7 @@ BAD = [  # (script, environment) -> what the one line must name
     (SCRIPT, {"MASTER_PORT": "http"}, "MASTER_PORT"),
     (SCRIPT, {"MAX_RESTARTS": "-1"}, "MAX_RESTARTS"),
     (SCRIPT, {"PYTHON": "no-such-python"}, "PYTHON"),
+    (SCRIPT, {"DRY_RUN": "true"}, "DRY_RUN"),  # a dry run mistyped must not start the real job
 ]
 
 
@@ -2583,13 +2696,12 @@ def _bad_inputs(d: Path, tokenizer_file: Path) -> dict:
         "vocab_with_tokenizer": (["--data", docs, "--tokenizer", tokenizer_file, "--vocab-size", 100],
                                  ["--vocab-size", "--tokenizer"]),
         "train_too_small": (["--data", small, "--eval-data", docs], ["training split", "tokens", "more documents"]),
-        "val_too_small": (["--data", docs], ["held-out split", "0 documents", "--eval-data"]),
     }
 
 
 BAD = ["missing", "missing_eval", "extension", "binary_txt", "bad_json", "json_list", "json_no_field", "json_number",
        "parquet_column", "parquet_null", "tokenizer_missing", "tokenizer_garbage", "tokenizer_no_bos",
-       "vocab_with_tokenizer", "train_too_small", "val_too_small"]
+       "vocab_with_tokenizer", "train_too_small"]
 
 
 @pytest.mark.parametrize("case", BAD)
@@ -2655,38 +2767,272 @@ def test_command_line_errors_are_one_line_with_status_2(capsys):
         assert err.startswith("error: ") and err.rstrip().endswith("(see --help)")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# An --out that holds something else
+def refused(capsys, *argv) -> str:
+    """The one error line of a run that must fail with status 1."""
+    code, _, err = run_main(capsys, *argv)
+    assert code == 1 and err.startswith("error: ") and len(err.splitlines()) == 1, (code, err)
+    return err
 
-def test_out_holding_other_things_is_refused_and_force_replaces_it(tmp_path, capsys, tokenizer_file):
+
+def backend_of(path: Path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# --out and what is read; what --force replaces
+
+def test_out_that_is_holds_or_lies_inside_an_input_is_refused_even_with_force(tmp_path, capsys, tokenizer_file):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    good, second = write_jsonl(folder / "good.jsonl", corpus(60)), write_jsonl(folder / "second.jsonl", corpus(60, 1))
+    (folder / "notes.md").write_text("mine")
+    (tmp_path / "link").symlink_to(folder)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    tok = ["--tokenizer", tokenizer_file]
+    cases = [  # (arguments, what the line says)
+        (["--data", folder, *tok, "--out", folder], f"it is --data {folder}"),
+        (["--data", good, *tok, "--out", good], f"it is --data {good}"),
+        (["--data", good, *tok, "--out", folder], f"it holds --data {good}"),
+        (["--data", folder, *tok, "--out", folder / "sub"], f"it lies inside --data {folder}"),
+        (["--data", folder, *tok, "--out", tmp_path / "link"], f"it is --data {folder}"),  # real paths compared
+        (["--data", good, "--eval-data", second, *tok, "--out", folder], f"it holds --data {good}"),
+        (["--data", good, "--tokenizer", tmp_path / "tok", "--out", tmp_path / "tok"], "it is --tokenizer"),
+    ]
+    before = snapshot(tmp_path, folder_times=True)
+    for argv in (a + extra for a, _ in cases for extra in ([], ["--force"])):
+        err = refused(capsys, *argv)
+        assert "another --out" in err, err
+        assert snapshot(tmp_path, folder_times=True) == before, argv  # nothing created, nothing deleted
+    for argv, words in cases:
+        assert words in refused(capsys, *argv, "--force"), (argv, words)
+
+
+def test_force_replaces_only_a_dataset_written_here(tmp_path, capsys, tokenizer_file):
+    """Replaces test_small.py's test_out_holding_other_things_is_refused_and_force_replaces_it."""
     data_a, data_b = write_jsonl(tmp_path / "a.jsonl", corpus()), write_jsonl(tmp_path / "b.jsonl", corpus(seed=2))
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     common = ["--tokenizer", tokenizer_file, "--out", out]
+    # Other files: refused, --force or not, saying what is there; untouched.
     before = snapshot(tmp_path)
-    code, _, err = run_main(capsys, "--data", data_a, *common)
-    assert code == 1 and len(err.splitlines()) == 1
-    assert f"--out {out}" in err and "other files" in err and "another --out" in err and "--force" in err
-    assert snapshot(tmp_path) == before
-    assert run_main(capsys, "--data", data_a, *common, "--force")[0] == 0
-    assert not (out / "notes.txt").exists() and (out / "meta.json").exists()
-    # Another dataset there: refused the same way, untouched, then replaced with --force.
+    for force in ([], ["--force"]):
+        err = refused(capsys, "--data", data_a, *common, *force)
+        assert f"--out {out}: it holds other files (notes.txt)" in err and "another --out" in err, err
+        assert snapshot(tmp_path) == before
+    (out / "notes.txt").unlink()
+    assert run_main(capsys, "--data", data_a, *common)[0] == 0  # an empty folder is no obstacle
+    # Another request: refused naming what changed, then replaced with --force.
     before = snapshot(tmp_path)
-    code, _, err = run_main(capsys, "--data", data_b, *common)
-    assert code == 1 and f"a dataset prepared from --data {data_a}" in err and "--force" in err
+    err = refused(capsys, "--data", data_b, *common)
+    assert f"--data {data_a} -> {data_b}" in err and "--force" in err, err
+    err = refused(capsys, "--data", data_a, *common, "--max-tokens", 1000)
+    assert "--max-tokens unset -> 1000" in err and "--data" not in err.split("(")[1], err
     assert snapshot(tmp_path) == before
     assert run_main(capsys, "--data", data_b, *common, "--force")[0] == 0
     assert json.loads((out / "meta.json").read_text())["source"]["data"] == str(data_b)
-    # The same request after its files changed: refused too (the old tokens are stale), saying so.
+    # The same request after its files changed: the refusal says so.
     os.utime(data_b, ns=(0, 0))
-    code, _, err = run_main(capsys, "--data", data_b, *common)
-    assert code == 1 and "before they changed" in err and "--force" in err
+    err = refused(capsys, "--data", data_b, *common)
+    assert "the files of --data changed since" in err and "--force" in err, err
+    # A file of the user's beside the dataset: --force does not delete it.
+    (out / "notes.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    err = refused(capsys, "--data", data_b, *common, "--force")
+    assert "a dataset and other files (notes.txt)" in err and "another --out" in err, err
+    assert snapshot(tmp_path) == before
+    (out / "notes.txt").unlink()
     assert run_main(capsys, "--data", data_b, *common, "--force")[0] == 0
-    assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "b.jsonl", "out"]
-    # An empty folder is no obstacle.
-    (tmp_path / "empty").mkdir()
-    assert run_main(capsys, "--data", data_a, "--tokenizer", tokenizer_file, "--out", tmp_path / "empty")[0] == 0
+    assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "b.jsonl", "out"]  # no lock, no temporary folder
+    # An --out that is a file of the user's is never replaced.
+    (tmp_path / "file").write_text("mine")
+    err = refused(capsys, "--data", data_a, "--tokenizer", tokenizer_file, "--out", tmp_path / "file", "--force")
+    assert "is not a folder" in err and (tmp_path / "file").read_text() == "mine"
+
+
+def test_damaged_meta_json_is_named_and_replaced_only_when_the_folder_is_ours(tmp_path, capsys, tokenizer_file):
+    data = write_jsonl(tmp_path / "a.jsonl", corpus())
+    out = tmp_path / "out"
+    common = ["--data", data, "--tokenizer", tokenizer_file, "--out", out]
+    assert run_main(capsys, *common)[0] == 0
+    (out / "meta.json").write_text('{"format": 1, "dtype": "uint1')  # cut short
+    err = refused(capsys, *common)
+    assert "damaged dataset" in err and "--force" in err, err
+    assert run_main(capsys, *common, "--force")[0] == 0 and prep.read_meta(str(out)) is not None
+    (out / "meta.json").write_text("[]")
+    (out / "notes.md").write_text("mine")
+    before = snapshot(tmp_path)
+    err = refused(capsys, *common, "--force")
+    assert "damaged meta.json and other files (notes.md)" in err and "another --out" in err, err
+    assert snapshot(tmp_path) == before
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Small corpora: a held-out tail
+
+def test_single_document_or_small_corpus_holds_out_the_last_tokens(tmp_path, capsys, monkeypatch, tokenizer_file):
+    backend = backend_of(tokenizer_file)
+    bos, eos = backend.token_to_id("[BOT]"), backend.token_to_id("[EOT]")
+    lines = [" ".join(d.split()[:12]) for d in corpus(400)]  # one paragraph per line: one document
+    cases = {"one.txt": (lines, ["\n".join(lines)]), "few.jsonl": (corpus(30), corpus(30)),
+             # document 49 is held out whole, but is less than a window: it goes at the end of the tail
+             "sixty.jsonl": (corpus(60), [d for i, d in enumerate(corpus(60)) if i != 49] + [corpus(60)[49]])}
+    monkeypatch.setattr(prep, "SHARD_TOKENS", 100)  # the tail spans several training files
+    for name, (docs, stream) in cases.items():
+        data = tmp_path / name
+        if name == "one.txt":
+            data.write_text("\n".join(docs) + "\n")  # no blank line anywhere
+        else:
+            write_jsonl(data, docs)
+        out = tmp_path / f"out-{name}"
+        code, stdout, err = run_main(capsys, "--data", data, "--tokenizer", tokenizer_file, "--out", out)
+        assert (code, err) == (0, ""), (name, err)
+        assert "the last 10 % of the tokens" in stdout.splitlines()[-1], stdout
+        meta = json.loads((out / "meta.json").read_text())
+        train, val, expected = tokens(out, "train"), tokens(out, "val"), framed(backend, bos, eos, stream)
+        assert meta["val"]["held_out"] == "tail" and len(val) == max(129, len(expected) // 10), name
+        np.testing.assert_array_equal(np.concatenate([train, val]), expected)
+        for part in ("train", "val"):
+            for file, count in zip(meta[part]["files"], meta[part]["tokens"]):
+                assert (out / file).stat().st_size == 2 * count > 0
+        assert sorted(os.listdir(out)) == sorted(meta["train"]["files"] + ["val.bin", "meta.json", "tokenizer.json",
+                                                                           "tokenizer_config.json"])
+    # Enough documents: every 50th held out whole, as before; but --max-tokens 2000 stops before the 50th (a tail).
+    many = write_jsonl(tmp_path / "many.jsonl", corpus())
+    for max_tokens, held_out, counts in [([], "documents", None), (["--max-tokens", 2000], "tail", (1800, [200]))]:
+        out = tmp_path / f"out-many-{held_out}"
+        code, _, err = run_main(capsys, "--data", many, "--tokenizer", tokenizer_file, *max_tokens, "--out", out)
+        meta = json.loads((out / "meta.json").read_text())
+        assert (code, err, meta["val"]["held_out"]) == (0, "", held_out)
+        assert counts in (None, (sum(meta["train"]["tokens"]), meta["val"]["tokens"]))
+
+
+def test_too_few_tokens_name_the_cause_and_the_scripts_window(tmp_path, capsys, tokenizer_file):
+    docs, small = write_jsonl(tmp_path / "d.jsonl", corpus()), write_jsonl(tmp_path / "s.jsonl", ["hi", "there"])
+    window = "one window of 129 tokens (the training scripts' default --seq-len 128, plus one)"
+    tok = ["--tokenizer", tokenizer_file]
+    before = snapshot(tmp_path)
+    err = refused(capsys, "--data", docs, "--eval-data", small, *tok, "--max-tokens", 100, "--out", tmp_path / "out")
+    assert err.startswith("error: --max-tokens 100: ") and window in err, err
+    err = refused(capsys, "--data", docs, *tok, "--max-tokens", 200, "--out", tmp_path / "out")
+    assert err.startswith("error: --max-tokens 200: ") and window in err and "258" in err, err
+    err = refused(capsys, "--data", small, *tok, "--out", tmp_path / "out")
+    assert err.startswith(f"error: --data {small}: ") and window in err and "more documents" in err, err
+    err = refused(capsys, "--data", small, "--eval-data", docs, *tok, "--out", tmp_path / "out")
+    assert "training split" in err and window in err, err
+    assert snapshot(tmp_path) == before
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One line instead of a traceback or a surprise
+
+def test_lone_surrogate_in_jsonl_is_one_line_naming_file_and_line(tmp_path, capsys, tokenizer_file):
+    rows = ['{"text": "plain"}', '{"text": "a pair \\ud83d\\ude00 is fine"}', '{"text": "lone \\ud800 here"}']
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    before = snapshot(tmp_path)
+    for tok in (["--vocab-size", 300], ["--tokenizer", tokenizer_file]):  # training a tokenizer, or encoding
+        err = refused(capsys, "--data", data, *tok, "--out", tmp_path / "out")
+        assert f"--data {data}, line 3: " in err and "surrogate" in err and "line 2" not in err, err
+        assert snapshot(tmp_path) == before
+
+
+def test_long_text_without_whitespace_trains_quickly_and_is_encoded_whole(tmp_path, capsys):
+    rng = random.Random(0)
+    blob = "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=600_000))
+    # The trainer's pieces: bounded, whole again when joined, and cut before whitespace (pre-tokens unchanged).
+    from tokenizers import pre_tokenizers
+
+    text = "\n".join(corpus(300))
+    code = "".join(f"\n{'    ' * (i % 5)}x = {i}  # {'c ' * (i % 7)}\t" for i in range(3000))  # runs of whitespace
+    split = pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str
+    for sample in (text, code, blob, "  " * 3000, "x" * 999 + " y"):
+        parts = list(prep.pieces(sample))
+        assert "".join(parts) == sample and max(map(len, parts)) <= prep.TOKENIZER_PIECE_CHARS
+    for sample in (text, code):
+        assert [t for p in prep.pieces(sample) for t, _ in split(p)] == [t for t, _ in split(sample)]
+    started = time.perf_counter()
+    prep.train_tokenizer([blob], 300)
+    took = time.perf_counter() - started
+    assert took < 5, took  # 0.3 s; 20-40 s uncut (the trainer's time grows with the square of a pre-token's length)
+    data = write_jsonl(tmp_path / "d.jsonl", [blob, *corpus(60)])
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", corpus(20, seed=1))
+    code, _, err = run_main(capsys, "--data", data, "--eval-data", held_out, "--vocab-size", 300, "--out",
+                            tmp_path / "out")
+    assert (code, err) == (0, "")
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    expected = backend_of(tmp_path / "out" / "tokenizer.json").encode(blob, add_special_tokens=False).ids
+    train = tokens(tmp_path / "out", "train")  # the blob is the first document, encoded whole
+    assert train[0] == meta["bos_id"] and train[len(expected) + 1] == meta["eos_id"]
+    np.testing.assert_array_equal(train[1:len(expected) + 1], expected)
+
+
+def test_eval_data_overlapping_data_is_refused(tmp_path, capsys, tokenizer_file):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    data = write_jsonl(folder / "a.jsonl", corpus(60))
+    other = write_jsonl(tmp_path / "b.jsonl", corpus(20, 1))
+    (tmp_path / "alias.jsonl").symlink_to(data)
+    before = snapshot(tmp_path, folder_times=True)
+    for d, e in [(data, data), (folder, data), (data, folder), (data, tmp_path / "alias.jsonl"),
+                 (f"{other},{data}", f"{folder}"), ("builtin", "builtin")]:
+        err = refused(capsys, "--data", d, "--eval-data", e, "--tokenizer", tokenizer_file, "--out", tmp_path / "o")
+        assert err.startswith(f"error: --eval-data {e}: it overlaps --data {d}"), err
+    assert snapshot(tmp_path, folder_times=True) == before
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Runs at once, SIGTERM, SIGKILL
+
+def _blocked_run(tmp_path: Path, vocabulary: list, out: Path) -> subprocess.Popen:
+    """prepare_data.py writing out, held up reading its --data: a FIFO no one writes to."""
+    fifo = tmp_path / "stuck.jsonl"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "prepare_data.py"), "--data", str(fifo), *map(str, vocabulary),
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.time() + 60
+    while not [n for n in os.listdir(out.parent) if n.endswith(".tmp")]:  # it has begun writing
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.1)
+    return proc
+
+
+def test_a_second_run_into_the_same_out_is_refused_and_a_killed_ones_leftovers_removed(tmp_path, capsys,
+                                                                                        tokenizer_file):
+    out = tmp_path / "out"
+    first = _blocked_run(tmp_path, ["--tokenizer", tokenizer_file], out)
+    try:
+        data = write_jsonl(tmp_path / "d.jsonl", corpus())
+        err = refused(capsys, "--data", data, "--tokenizer", tokenizer_file, "--out", out, "--force")
+        assert f"--out {out}: another prepare_data.py (pid {first.pid}) is writing it" in err, err
+    finally:
+        first.kill()  # SIGKILL: it can clean nothing up
+        first.communicate()
+    leftovers = [n for n in os.listdir(tmp_path) if n.startswith(".out.")]
+    assert any(n.endswith(".tmp") for n in leftovers), leftovers
+    code, _, err = run_main(capsys, "--data", data, "--tokenizer", tokenizer_file, "--out", out)
+    assert (code, err) == (0, "")
+    assert sorted(os.listdir(tmp_path)) == ["d.jsonl", "out", "stuck.jsonl"]  # its folder and lock are gone
+
+
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path, tokenizer_file):
+    (tmp_path / "new").mkdir()
+    # While tokenizing with a given tokenizer, and while reading documents to train one.
+    for vocabulary in (["--tokenizer", tokenizer_file], ["--vocab-size", 300]):
+        proc = _blocked_run(tmp_path, vocabulary, tmp_path / "new" / "out")
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+        assert proc.returncode == 128 + signal.SIGTERM and err == "interrupted: nothing written\n", \
+            (vocabulary, proc.returncode, err)
+        assert os.listdir(tmp_path / "new") == []
 
 
 def test_nothing_runs_at_import_and_torch_is_not_needed():

@@ -261,12 +261,25 @@ class Batches:
 
 def open_data(args) -> tuple[dict, Batches, Batches]:
     """The prepared data's meta.json, the training batches, and the held-out ones (the same each evaluation)."""
+    prepare = f"python prepare_data.py{'' if args.data == 'data' else ' --out ' + args.data}"
     try:
         with open(os.path.join(args.data, "meta.json")) as f:
             meta = json.load(f)
-    except (OSError, ValueError):
-        raise UsageError(f"--data {args.data}: no data prepared there; run python prepare_data.py"
-                         f"{'' if args.data == 'data' else ' --out ' + args.data} first (see its --help)") from None
+    except OSError:
+        raise UsageError(f"--data {args.data}: no data prepared there; run {prepare} first (see its --help)") from None
+    except ValueError as e:
+        raise UsageError(f"--data {args.data}: its meta.json is damaged ({e}); prepare it again: {prepare}") from None
+    try:  # a token file cut short would silently train on less, or fail mid-run
+        for name, tokens in (pair for split in ("train", "val") for pair in zip(meta[split]["files"],
+                                                                                meta[split]["tokens"], strict=True)):
+            path, expected = os.path.join(args.data, name), tokens * np.dtype(meta["dtype"]).itemsize
+            if not os.path.isfile(path) or os.path.getsize(path) != expected:
+                found = f"has {os.path.getsize(path):,} bytes" if os.path.isfile(path) else "is missing"
+                raise UsageError(f"--data {args.data}: {name} {found}, meta.json says {expected:,}; the data is "
+                                 f"incomplete or damaged, prepare it again: {prepare}")
+    except (KeyError, TypeError, ValueError) as e:
+        raise UsageError(f"--data {args.data}: its meta.json is damaged ({type(e).__name__}: {e}); prepare it "
+                         f"again: {prepare}") from None
     train = Batches(args.data, meta, "train", args.seq_len, args.batch_size, args.seed)
     held_out = Batches(args.data, meta, "val", args.seq_len, args.batch_size, 0, shuffle=False)
     if train.num_windows < 1:
@@ -416,13 +429,13 @@ class _Step:
     """One step of AFAB or 1F1B on this rank: one forward and one backward per microbatch, in the schedule's
     order, each labelled for --trace's profiler ("forward 3", "backward 3")."""
 
-    def __init__(self, partition, inputs, targets, device, dtype, capture=None, loss_chunks=8):
+    def __init__(self, partition, inputs, targets, device, dtype, loss_chunks=1):
         self.p, self.inputs, self.targets, self.device, self.dtype = partition, inputs, targets, device, dtype
         self.loss_chunks = loss_chunks
-        self.m, self.comm, self.capture = len(inputs), _Comm(device), capture
+        self.m, self.comm = len(inputs), _Comm(device)
         self.first, self.last = partition.rank == 0, partition.rank == partition.world_size - 1
         self.saved: dict[int, tuple] = {}  # microbatch -> (stage input, stage output or scaled loss)
-        self.loss, self.in_flight_peak = torch.zeros((), device=device), 0
+        self.loss = torch.zeros((), device=device)
 
     def forward(self, i: int) -> None:
         p = self.p
@@ -432,15 +445,12 @@ class _Step:
             self.comm.recv(p.peer(-1), i).to(self.dtype).requires_grad_()
         with record_function(f"forward {i}"):
             out = forward_stage(p, x)
-            if self.capture is not None:
-                self.capture.setdefault("outputs", {})[i] = out.detach().clone()  # hidden states
             if self.last:  # divided by m: the gradients add up to those of the mean microbatch loss
                 out = loss_fn(p, out, self.targets[i].to(self.device), self.loss_chunks) / self.m
                 self.loss += out.detach()
         if not self.last:  # values only travel; the graph stays here in `out` for this stage's backward
             self.comm.send(out.detach().to(self.dtype), p.peer(+1), i)
         self.saved[i] = (x, out)
-        self.in_flight_peak = max(self.in_flight_peak, len(self.saved))
 
     def backward(self, i: int) -> None:
         p = self.p
@@ -457,14 +467,10 @@ class _Step:
         with record_function(f"backward {i}"):
             out.backward(grad)  # the last stage from its scaled loss, the others from the received gradient
         if not self.first:
-            if self.capture is not None:
-                self.capture.setdefault("input_grads", {})[i] = x.grad.detach().clone()
             self.comm.send(x.grad.to(self.dtype), p.peer(-1), i)
 
     def finish(self) -> torch.Tensor | None:
         self.comm.wait_all()
-        if self.capture is not None:
-            self.capture["in_flight_peak"] = self.in_flight_peak
         return self.loss if self.last else None
 
 
@@ -472,7 +478,7 @@ def _as_partition(model) -> Partition:
     return model if isinstance(model, Partition) else partition_model(model, dist.get_rank(), dist.get_world_size())
 
 
-def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, capture=None, loss_chunks=8):
+def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chunks=1):
     """One training step with All-Forward-All-Backward: every microbatch forward, then every one backward in
     microbatch order. The caller zeroes gradients before and runs the optimizer after.
 
@@ -482,15 +488,15 @@ def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, capture=N
         inputs, targets: lists of [mb, seq] token-id tensors, one per microbatch. Only the first rank reads
             inputs and only the last reads targets; other ranks may pass lists of None of the same length.
         device: where this stage computes. dtype: of the activations and gradients sent between stages.
-        capture: optional dict that receives this stage's per-microbatch outputs and input gradients.
-        loss_chunks: the pieces of the sequence the loss applies the head to, one at a time (1: all at once).
+        loss_chunks: the pieces of the sequence the loss applies the head to, one at a time (default 1: the
+            whole microbatch at once, as the model's own forward; the script passes --loss-chunks).
 
     Run it inside compute(env, tp): autocast, and with tensor parallelism loss_parallel (the head's logits are
     split by vocabulary; the loss and its backward work on the pieces).
 
     Returns the step's loss (mean over microbatches of the cross-entropy, ignoring -100 and the pad id) on the
     last rank, None on the others. All m microbatches' activations are held at the peak."""
-    step = _Step(_as_partition(model), inputs, targets, device, dtype, capture, loss_chunks)
+    step = _Step(_as_partition(model), inputs, targets, device, dtype, loss_chunks)
     for i in range(step.m):
         step.forward(i)
     for i in range(step.m):
@@ -498,10 +504,10 @@ def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, capture=N
     return step.finish()
 
 
-def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, capture=None, loss_chunks=8):
+def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, loss_chunks=1):
     """One training step with 1F1B (PipeDream-flush): the arguments, result and gradients of AFAB, but a rank
     holds the activations of at most world_size - rank microbatches instead of all of them."""
-    step = _Step(_as_partition(model), inputs, targets, device, dtype, capture, loss_chunks)
+    step = _Step(_as_partition(model), inputs, targets, device, dtype, loss_chunks)
     p = step.p
     warmup = min(p.world_size - p.rank - 1, step.m)  # fill the pipeline below this rank; the last needs none
     for i in range(warmup):
@@ -515,7 +521,7 @@ def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, capture=N
 
 
 @torch.no_grad()
-def eval_step_pipeline(model, inputs, targets, device, dtype, loss_chunks=8):
+def eval_step_pipeline(model, inputs, targets, device, dtype, loss_chunks=1):
     """Forward only, for a held-out loss: the arguments of train_step_pipeline_afab; the mean loss on the last
     rank. No activation is kept."""
     step = _Step(_as_partition(model), inputs, targets, device, dtype, loss_chunks=loss_chunks)

@@ -281,12 +281,25 @@ class Batches:
 
 def open_data(args) -> tuple[dict, Batches, Batches]:
     """The prepared data's meta.json, the training batches, and the held-out ones (the same each evaluation)."""
+    prepare = f"python prepare_data.py{'' if args.data == 'data' else ' --out ' + args.data}"
     try:
         with open(os.path.join(args.data, "meta.json")) as f:
             meta = json.load(f)
-    except (OSError, ValueError):
-        raise UsageError(f"--data {args.data}: no data prepared there; run python prepare_data.py"
-                         f"{'' if args.data == 'data' else ' --out ' + args.data} first (see its --help)") from None
+    except OSError:
+        raise UsageError(f"--data {args.data}: no data prepared there; run {prepare} first (see its --help)") from None
+    except ValueError as e:
+        raise UsageError(f"--data {args.data}: its meta.json is damaged ({e}); prepare it again: {prepare}") from None
+    try:  # a token file cut short would silently train on less, or fail mid-run
+        for name, tokens in (pair for split in ("train", "val") for pair in zip(meta[split]["files"],
+                                                                                meta[split]["tokens"], strict=True)):
+            path, expected = os.path.join(args.data, name), tokens * np.dtype(meta["dtype"]).itemsize
+            if not os.path.isfile(path) or os.path.getsize(path) != expected:
+                found = f"has {os.path.getsize(path):,} bytes" if os.path.isfile(path) else "is missing"
+                raise UsageError(f"--data {args.data}: {name} {found}, meta.json says {expected:,}; the data is "
+                                 f"incomplete or damaged, prepare it again: {prepare}")
+    except (KeyError, TypeError, ValueError) as e:
+        raise UsageError(f"--data {args.data}: its meta.json is damaged ({type(e).__name__}: {e}); prepare it "
+                         f"again: {prepare}") from None
     train = Batches(args.data, meta, "train", args.seq_len, args.batch_size, args.seed)
     held_out = Batches(args.data, meta, "val", args.seq_len, args.batch_size, 0, shuffle=False)
     if train.num_windows < 1:
