@@ -29,7 +29,8 @@ gradients the zero-bubble schedules keep from a backward's input half to its wei
 {"activation_bytes_per_rank": [...]} to OUT.json.
 
 Writes OUT/results.md (Markdown table), OUT/results.json, OUT/<variant>.trace/rank{R}.json and, when matplotlib
-is installed, OUT/<variant>.png (forward / backward / waiting per rank over time).
+is installed, OUT/<variant>.png (forward / backward / waiting per rank over time). An earlier run's files there
+are replaced only with --force, and only those benchmark.py wrote.
 """
 
 import argparse
@@ -41,6 +42,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -623,7 +625,13 @@ def traced(r: dict, trace: str) -> None:
 
 
 def main(args):
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        fail(f"--out {args.out}: cannot create it ({e.strerror}); give another --out")
+    for path in outputs(args):  # an earlier run's traces (--force; check_out saw they are ours): a stale
+        if path.endswith(".trace") and os.path.isdir(path):  # rank file would be read with the new ones
+            shutil.rmtree(path)
     p, m = args.ranks, args.microbatches
     with tempfile.TemporaryDirectory() as workdir:
         if args.sweep:
@@ -812,16 +820,85 @@ def finish(args, table: str, results: dict, name: str = "results") -> None:
     print(table)
     with open(os.path.join(args.out, f"{name}.md"), "w") as f:
         f.write(table + "\n")
+    # The table again in the JSON: how a later --force tells the .md beside it for this file's own.
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump({"config": vars(args), "results": results}, f, indent=1)
+        json.dump({"config": vars(args), "results": results, "table": table}, f, indent=1)
+
+
+def outputs(args) -> list[str]:
+    """What main() writes into --out with these flags: the table and its JSON; the trace folder of each traced
+    variant, and in the default mode its picture."""
+    if args.sweep:
+        name, traced_names = "sweep", [f"sweep_m{m}" for m in args.sweep_microbatches]
+    elif args.dp > 1:
+        name, traced_names = "data_parallel", []
+    elif args.splits:
+        name, traced_names = "splits", [variant for variant, (ranks, _) in chosen(SPLITS, "one process",
+                                                                                  args.variants).items()
+                                        if (ranks or args.ranks) > 1]
+    else:
+        name, traced_names = "results", list(chosen(VARIANTS, "gpipe", args.variants))
+    traces = [trace_dir(args, variant) for variant in traced_names]
+    pictures = [trace.removesuffix(".trace") + ".png" for trace in traces] if name == "results" else []
+    return [os.path.join(args.out, f"{name}.md"), os.path.join(args.out, f"{name}.json"), *traces, *pictures]
+
+
+def written_here(path: str) -> bool:
+    """Whether a path in --out is benchmark.py's own output: a trace folder (rank{R}.json files only, what the
+    scripts' --trace writes), a results JSON that finish() wrote, or the table or a picture that JSON records."""
+    if os.path.islink(path):  # writing through a link would change a file elsewhere
+        return False
+    folder, name = os.path.split(path)
+    if name.endswith(".trace"):
+        return os.path.isdir(path) and all(re.fullmatch(r"rank\d+\.json", f) for f in os.listdir(path))
+    try:
+        with open(os.path.join(folder, "results.json" if name.endswith(".png") else
+                               name.removesuffix(".md").removesuffix(".json") + ".json")) as f:
+            record = json.load(f)
+        with open(path, "rb") as f:
+            content = f.read()
+    except (OSError, ValueError):
+        return False
+    if not (isinstance(record, dict) and {"config", "results", "table"} <= record.keys()
+            and isinstance(record["results"], dict)):
+        return False
+    if name.endswith(".md"):
+        return content == (str(record["table"]) + "\n").encode()
+    if name.endswith(".png"):
+        return any(isinstance(r, dict) and os.path.basename(str(r.get("picture"))) == name
+                   for r in record["results"].values())
+    return True
+
+
+def check_out(args) -> None:
+    """Refuse an --out that is no folder, one with files of someone else's where this run writes (written_here),
+    and one with an earlier run's results unless --force."""
+    def listed(paths):
+        return ", ".join(os.path.basename(p) for p in paths[:3]) + (f" and {len(paths) - 3} more"
+                                                                    if len(paths) > 3 else "")
+    if os.path.lexists(args.out) and not os.path.isdir(args.out):
+        fail(f"--out {args.out}: not a folder; give a folder (it is created if missing)")
+    taken = [path for path in outputs(args) if os.path.lexists(path)]
+    if foreign := [path for path in taken if not written_here(path)]:
+        fail(f"--out {args.out}: holds {listed(foreign)}, not written by benchmark.py, where this run writes; "
+             "move them away or give another --out")
+    if taken and not args.force:
+        fail(f"--out {args.out}: holds {listed(taken)} from an earlier run; add --force to replace them, or give "
+             "another --out")
+
+
+def fail(message: str) -> None:
+    """A mistake in the flags: one line, exit status 1, as the training scripts say theirs."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="benchmark.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=2, help="processes per run (default: %(default)s)")
-    parser.add_argument("--microbatches", type=int, default=8, help="(default: %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=16, help="(default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=128, help="(default: %(default)s)")
+    parser.add_argument("--ranks", type=whole(1), default=2, help="processes per run (default: %(default)s)")
+    parser.add_argument("--microbatches", type=whole(1), default=8, help="(default: %(default)s)")
+    parser.add_argument("--batch-size", type=whole(1), default=16, help="(default: %(default)s)")
+    parser.add_argument("--seq-len", type=whole(1), default=128, help="(default: %(default)s)")
     parser.add_argument("--steps", type=int, default=12, help="steps per timed run (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (default: %(default)s)")
     parser.add_argument("--data", default="data",
@@ -839,6 +916,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compare --ranks stages alone with --ranks stages x DP data-parallel replicas "
                              "(FSDP2) at the same global batch instead")
     parser.add_argument("--out", default="bench", help="output folder (default: %(default)s)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace the results of an earlier run in --out (only what benchmark.py wrote)")
     parser.add_argument("script_args", nargs="*", help="more flags for every run, after --")
     return parser
 
@@ -853,14 +932,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.sweep_microbatches = [int(m) for m in args.sweep_microbatches.split(",")]
     except ValueError:
         parser.error(f"--sweep-microbatches: {args.sweep_microbatches!r} is not a comma-separated list of counts")
+    if min(args.sweep_microbatches) < 1:
+        parser.error(f"--sweep-microbatches {','.join(map(str, args.sweep_microbatches))}: each count must be at "
+                     "least 1")
     known = SPLITS if args.splits else VARIANTS
     if args.variants and (unknown := set(args.variants.split(",")) - set(known)):
         parser.error(f"--variants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
     if not os.path.isfile(os.path.join(args.data, "meta.json")):  # as the scripts say it: one line, exit 1
-        print(f"error: --data {args.data}: no data prepared there; run python prepare_data.py"
-              f"{'' if args.data == 'data' else ' --out ' + args.data} first (see its --help)", file=sys.stderr)
-        sys.exit(1)
+        fail(f"--data {args.data}: no data prepared there; run python prepare_data.py"
+             f"{'' if args.data == 'data' else ' --out ' + args.data} first (see its --help)")
     args.data, args.out = os.path.abspath(args.data), os.path.abspath(args.out)  # the runs start elsewhere
+    check_out(args)  # before the runs, which take minutes
     return args
 
 

@@ -104,12 +104,38 @@ def hf_name(name: str) -> str:
     return THEIRS + name[len(OURS):] if name.startswith(OURS) else name
 
 
+# The largest sizes config_from_hf takes: every tensor dimension within torch's 32-bit indexing, so plan.py's
+# sums of bytes and FLOPs stay finite; twice the deepest Llama's 126 layers, as the balanced split searches
+# stages x layers^2 cut points (plan.py --gpus 64: 1024 layers took 2 minutes).
+MAX_SIZE, MAX_LAYERS = 2 ** 31 - 1, 256
+
+
 def config_from_hf(hf: dict) -> LlamaConfig:
-    """The LlamaConfig of a Hugging Face config.json. What model.py does not compute is refused with a
-    ValueError that names the field."""
+    """The LlamaConfig of a Hugging Face config.json. What model.py does not compute, and a size or number that
+    no model has, is refused with a ValueError that names the field."""
+    if not isinstance(hf, dict):
+        shown = json.dumps(hf)
+        raise ValueError(f"config.json is {shown if len(shown) <= 40 else shown[:37] + '...'}, not an object of "
+                         "fields")
+
     def refuse(field, why):
         raise ValueError(f"config.json {field} = {json.dumps(hf.get(field))}: {why}; this project trains Llama "
                          "models (model.py) only")
+
+    def wrong(field, value, why):
+        shown = json.dumps(value)
+        raise ValueError(f"config.json {field} = {shown if len(shown) <= 40 else shown[:37] + '...'}: {why}")
+
+    def size(field, value, most=MAX_SIZE):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            wrong(field, value, f"must be a whole number from 1 to {most}")
+        return value
+
+    def positive(field, value, zero=False):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+                value < 0 or (value == 0 and not zero):
+            wrong(field, value, f"must be a finite {'non-negative' if zero else 'positive'} number")
+        return value
 
     if hf.get("model_type") != "llama":
         refuse("model_type", "not llama")
@@ -119,8 +145,10 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     if hf.get("attention_dropout", 0.0):
         refuse("attention_dropout", "dropout is not implemented")
     # transformers 4 writes rope_theta and rope_scaling; transformers 5 writes both into rope_parameters.
-    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
     field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    if not isinstance(hf.get(field) or {}, dict):
+        wrong(field, hf[field], "must be an object of RoPE settings (or null)")
+    rope = dict(hf.get(field) or {})
     theta = hf.get("rope_theta", rope.pop("rope_theta", HF_DEFAULTS["rope_theta"]))
     rope.pop("rope_theta", None)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -133,19 +161,35 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         if any(key not in rope for key in keys):
             refuse(field, f"llama3 scaling needs {', '.join(keys)}")
         scaling = {"rope_type": "llama3", **{key: rope[key] for key in keys}}
+        for key in keys[:3]:
+            positive(f"{field} {key}", rope[key])
+        size(f"{field} original_max_position_embeddings", rope["original_max_position_embeddings"])
+        if rope["high_freq_factor"] <= rope["low_freq_factor"]:  # the smooth band divides by their difference
+            wrong(f"{field} high_freq_factor", rope["high_freq_factor"], "must exceed low_freq_factor")
     else:
         refuse(field, f"rope_type {rope_type} is not implemented (only default and llama3)")
-    try:
-        return LlamaConfig(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=hf["num_attention_heads"],
-            num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim"), rope_theta=float(theta), rope_scaling=scaling,
-            **{key: hf.get(key, default) for key, default in HF_DEFAULTS.items() if key != "rope_theta"})
-    except KeyError as e:
-        raise ValueError(f"config.json has no {e.args[0]}") from None
-    except ValueError as e:
-        raise ValueError(f"config.json: {e}") from None
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if key not in hf:
+            raise ValueError(f"config.json has no {key}")
+    sizes = {key: size(key, hf[key], MAX_LAYERS if key == "num_hidden_layers" else MAX_SIZE)
+             for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
+    heads = sizes["num_attention_heads"]
+    # Absent or null: transformers' defaults (as many KV heads as heads; hidden_size / heads per head).
+    kv_heads = heads if hf.get("num_key_value_heads") is None else size("num_key_value_heads",
+                                                                         hf["num_key_value_heads"])
+    head_dim = None if hf.get("head_dim") is None else size("head_dim", hf["head_dim"])
+    if heads % kv_heads:
+        wrong("num_key_value_heads", kv_heads, f"must divide num_attention_heads ({heads})")
+    if head_dim is None and sizes["hidden_size"] % heads:
+        wrong("num_attention_heads", heads, f"must divide hidden_size ({sizes['hidden_size']}), or give head_dim")
+    rest = {key: hf.get(key, default) for key, default in HF_DEFAULTS.items() if key != "rope_theta"}
+    size("max_position_embeddings", rest["max_position_embeddings"])
+    positive("rms_norm_eps", rest["rms_norm_eps"], zero=True)
+    positive("initializer_range", rest["initializer_range"], zero=True)
+    if not isinstance(rest["tie_word_embeddings"], bool):
+        wrong("tie_word_embeddings", rest["tie_word_embeddings"], "must be true or false")
+    return LlamaConfig(**sizes, num_key_value_heads=kv_heads, head_dim=head_dim,
+                       rope_theta=float(positive("rope_theta", theta)), rope_scaling=scaling, **rest)
 
 
 def hf_config(config: LlamaConfig, bos_id: int, eos_id: int, pad_id: int | None, dtype: torch.dtype) -> dict:

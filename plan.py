@@ -75,28 +75,38 @@ SHARED = ("model", "layers", "init_from", "seq_len", "batch_size", "microbatches
 
 def plan_config(args) -> LlamaConfig:
     """The model the flags describe: --init-from's shape (a Hugging Face directory or a checkpoint of this
-    project), else the preset's with --layers and the vocabulary of --data or --vocab-size. Refuses what the
-    training scripts refuse (checkpoint.model_config): --model or another --layers with --init-from, a dataset
-    with more tokens than the model has embeddings."""
+    project) or a config.json's given as --model, else the preset's with --layers and the vocabulary of --data or
+    --vocab-size. Refuses what the training scripts refuse with --init-from (checkpoint.model_config): --model,
+    --vocab-size or another --layers beside it, a dataset with more tokens than the model has embeddings."""
     data_vocab = read_vocab(args.data) if args.data is not None else None
-    if args.model is not None and args.model.endswith(".json"):  # a Hugging Face config.json (plan.py only)
-        try:
-            with open(args.model) as f:
-                return config_from_hf(json.load(f))
-        except (OSError, ValueError) as e:
-            raise UsageError(f"--model {args.model}: cannot read it as a Hugging Face config.json ({e})") from None
-    if args.init_from is None:
+    if args.init_from is None and not is_config_json(args):
         preset = args.model or ("small" if device_type(args) == "cuda" else "tiny")
         return config_from_preset(preset, data_vocab or args.vocab_size or VOCAB_SIZE, args.layers)
-    source = args.init_from
+    source = args.init_from or args.model
+    flag = "--init-from" if args.init_from else "--model"
     if args.vocab_size is not None:
-        raise UsageError(f"--vocab-size {args.vocab_size}: the vocabulary comes from --init-from {source}; "
+        raise UsageError(f"--vocab-size {args.vocab_size}: the vocabulary comes from {flag} {source}; "
                          "leave --vocab-size out")
-    config, _ = checkpoint.source_config(source, args)  # refuses --model or another --layers beside it
+    if args.init_from is None:  # a Hugging Face config.json (plan.py only): as --init-from reads one
+        try:
+            with open(args.model) as f:
+                config = config_from_hf(json.load(f))
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--model {args.model}: cannot read it as a Hugging Face config.json ({e})") from None
+        if args.layers is not None and args.layers != config.num_hidden_layers:
+            raise UsageError(f"--layers {args.layers}: the model's shape comes from {args.model} "
+                             f"({config.num_hidden_layers} layers); leave --layers out")
+    else:
+        config, _ = checkpoint.source_config(source, args)  # refuses --model or another --layers beside it
     if data_vocab is not None and data_vocab > config.vocab_size:
         raise UsageError(f"--data {args.data}: {data_vocab} tokens, but {source} has embeddings for "
                          f"{config.vocab_size}")
     return config
+
+
+def is_config_json(args) -> bool:
+    """Whether --model names a Hugging Face config.json rather than a preset."""
+    return args.model is not None and args.model.endswith(".json")
 
 
 def read_vocab(directory: str) -> int:
@@ -396,6 +406,10 @@ def script_args(args, schedule: str, split: str | None = None) -> argparse.Names
         setattr(ns, name, getattr(args, name))
     ns.schedule = schedule
     ns.split = args.split if split is None else split
+    if is_config_json(args):
+        # The scripts take a config.json's shape from --init-from (its directory: the command plan.py prints),
+        # and check_args leaves a shape it does not know yet to stage_layout, which plan.py calls with it.
+        ns.model, ns.init_from = None, args.init_from or os.path.dirname(args.model) or "."
     # check_args leaves the model's shape unchecked when --checkpoint-dir holds checkpoints (a resumed run):
     # a path that cannot exist keeps the plan from depending on the directory it is run in.
     ns.checkpoint_dir = os.path.join(os.devnull, "no-checkpoints")
@@ -496,7 +510,9 @@ MAX_MICROBATCHES = 256
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """n's divisors, ascending: by trial up to its square root (n may be any size a flag allows)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def stage_seconds(config: LlamaConfig, layout: list[range], costs: dict, tokens: int, pp: int, dp: int, tp: int,
@@ -595,16 +611,19 @@ def layouts(args, config: LlamaConfig, schedules=tuple(SCHEDULES), checkpointing
 def candidates(args, config: LlamaConfig, schedules, checkpointing):
     """(pp, dp, tp, schedule, microbatch counts, checkpointing) to evaluate: see layouts()."""
     shapes = (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size, config.vocab_size)
-    for tp in [t for t in divisors(min(args.gpus, args.gpus_per_node)) if args.gpus % t == 0]:
-        if any(n % tp for n in shapes) or args.tp > 1 and tp != args.tp:
+    # Each loop is bounded by the model (its heads, its layers) or MAX_MICROBATCHES, never by the size of
+    # --gpus or --batch-size, which may be any whole number.
+    for tp in divisors(config.num_key_value_heads):  # dividing the KV heads, it divides the heads too
+        # A tensor-parallel group inside one node: tp divides the GPUs of a node (or of all, when fewer).
+        if min(args.gpus, args.gpus_per_node) % tp or any(n % tp for n in shapes) or args.tp > 1 and tp != args.tp:
             continue
-        for dp in divisors(args.gpus // tp):
-            if args.dp > 1 and dp != args.dp:
+        for pp in range(min(config.num_hidden_layers, args.gpus // tp), 0, -1):  # dp ascending
+            dp = args.gpus // (tp * pp)
+            if (args.gpus // tp) % pp or args.dp > 1 and dp != args.dp or args.batch_size % dp:
                 continue
-            pp = args.gpus // (tp * dp)
-            if args.batch_size % dp or pp > config.num_hidden_layers:
-                continue
-            counts = [m for m in divisors(args.batch_size // dp) if pp <= m <= MAX_MICROBATCHES]
+            # Every count the batch allows: check_args says which each schedule takes (GPipe's, fewer than
+            # the stages too).
+            counts = [m for m in range(1, MAX_MICROBATCHES + 1) if (args.batch_size // dp) % m == 0]
             for schedule in schedules:
                 if pp == 1 and schedule != schedules[0]:
                     continue  # one stage: every schedule is the same loop over microbatches
@@ -615,7 +634,7 @@ def candidates(args, config: LlamaConfig, schedules, checkpointing):
 def command(args, row: dict) -> str:
     """The command line that runs a layout: torchrun on one node, run.sh (one line per node) on several."""
     script = "train_pipeline_afab_manual.py" if row.get("by_hand") else "train_pipeline_gpipe.py"
-    if args.init_from or (args.model or "").endswith(".json"):  # the weights: beside a config.json
+    if args.init_from or is_config_json(args):  # the weights: beside a config.json
         model = f"--init-from {args.init_from or os.path.dirname(args.model) or '.'}"
     else:
         model = f"--model {args.model or 'small'}"
@@ -629,6 +648,24 @@ def command(args, row: dict) -> str:
         return f"torchrun --nproc_per_node {args.gpus} {script} {flags}"
     return (f"NNODES={nodes} NODE_RANK=<0..{nodes - 1}> MASTER_ADDR=<first node> NPROC_PER_NODE={args.gpus_per_node} "
             f"./run.sh {script} {flags}")
+
+
+def show_seconds(t: float) -> str:
+    """A step time: seconds, or milliseconds under one (a small model's steps take microseconds)."""
+    return f"{t:.2f} s" if t >= 1 else f"{t * 1e3:.3g} ms"
+
+
+def show_bytes(n: float) -> str:
+    """Bytes in GiB, MiB or KiB, the largest unit that keeps the figure at 1 or more."""
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 2 ** 10:.1f} KiB"
+
+
+def show_gb(n: float) -> str:
+    """Bytes in --gpu-memory's unit, GB, from one GB up; less, as show_bytes."""
+    return f"{n / 1e9:.0f} GB" if n >= 1e9 else show_bytes(n)
 
 
 def search(args) -> list[dict]:
@@ -669,13 +706,13 @@ def search(args) -> list[dict]:
         raise UsageError(f"--gpu-memory {args.gpu_memory:g}: no layout fits; the smallest, pp {least['pp']} x dp "
                          f"{least['dp']} x tp {least['tp']}"
                          f"{' with --activation-checkpointing' if least['checkpointing'] else ''}, needs "
-                         f"{least['memory'] / 1e9 / (1 - HEADROOM):.0f} GB per GPU"
+                         f"{show_gb(least['memory'] / (1 - HEADROOM))} per GPU"
                          + (f"; --gpus {more} would fit" if more else "; more GPUs would not fit it either: a "
                             "smaller --seq-len or --batch-size, or GPUs with more memory, might"))
     rate = args.peak_tflops * args.efficiency
     print(f"{len(found)} layouts of {config.num_hidden_layers} layers (hidden {config.hidden_size}, vocab "
           f"{config.vocab_size}) on {args.gpus} GPUs ({args.gpus_per_node} per node, {args.gpu_memory:g} GB), "
-          f"batch {args.batch_size} x {args.seq_len}; {len(fits)} fit in {budget / 1e9:.0f} GB (the rest is kept "
+          f"batch {args.batch_size} x {args.seq_len}; {len(fits)} fit in {show_gb(budget)} (the rest is kept "
           f"for CUDA and fragmentation). Fastest {min(args.top, len(fits))}:")
     print(f"assumed: {rate:.0f} TFLOP/s per GPU ({args.efficiency:.0%} of {args.peak_tflops:g}), "
           f"{args.intra_node_bandwidth:g} GB/s inside a node, {args.inter_node_bandwidth:g} GB/s across nodes, no "
@@ -686,9 +723,10 @@ def search(args) -> list[dict]:
     tokens = args.batch_size * args.seq_len
     for i, row in enumerate(fits[:args.top], 1):
         print(f"\n{i}. pp {row['pp']} x dp {row['dp']} x tp {row['tp']}, {row['schedule']}, {row['microbatches']} "
-              f"microbatches{', activation checkpointing' if row['checkpointing'] else ''}: step "
-              f"{row['step']:.2f} s ({tokens / row['step']:,.0f} tokens/s), bubble {row['bubble']:.0%}, "
-              f"{row['memory'] / 2**30:.1f} GiB per GPU")
+              f"microbatch{'es' if row['microbatches'] > 1 else ''}"
+              f"{', activation checkpointing' if row['checkpointing'] else ''}: step {show_seconds(row['step'])} "
+              f"({tokens / row['step']:,.0f} tokens/s), bubble {row['bubble']:.0%}, {show_bytes(row['memory'])} "
+              "per GPU")
         row["command"] = command(args, row)
         print(f"   {row['command']}")
         if row["schedule"] in ("gpipe", "1f1b"):  # the hand-written script runs the same order

@@ -45,7 +45,7 @@ import prepare_data as prep
 import train_pipeline_afab_manual as manual
 import train_pipeline_gpipe as gpipe
 import train_pipeline_tracer as tracer
-from model import LlamaConfig, LlamaForPretraining, config_from_preset, even
+from model import MAX_LAYERS, LlamaConfig, LlamaForPretraining, config_from_hf, config_from_preset, even, hf_config
 
 ROOT = Path(__file__).resolve().parent
 # One step from the same weights: a split computes the unsplit model's numbers with fp32 sums taken in another
@@ -3230,6 +3230,313 @@ def test_measure_activations_gives_a_scripts_error_in_one_line(tmp_path, data_di
     assert not (tmp_path / "out.json").exists()
 
 
+# Llama 3 70B's config.json (Llama 3.1's long-context RoPE), as the Hugging Face hub has it.
+LLAMA_70B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+    "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu",
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16"}
+
+
+def write_config(path: Path, config) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config if isinstance(config, str) else json.dumps(config))
+    return str(path)
+
+
+def tool_refused(capsys, argv: list, status: int = 1) -> str:
+    """The one error line of a plan.py or benchmark.py call that must fail with `status`."""
+    with pytest.raises(SystemExit) as exit_:
+        if argv[0] == "benchmark":
+            benchmark.parse_args(argv[1:])
+        else:
+            plan.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == status and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
+    return err.rstrip("\n")
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """A TimeoutError where a call would run on (a hang fails the test instead of stopping the suite)."""
+    def expire(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def readme_plan_examples() -> list[tuple[list[str], list[str]]]:
+    """README.md's plan.py commands, as written in its bash blocks, each with the output block that follows it
+    (its lines; [] when none follows)."""
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", (ROOT / "README.md").read_text(), re.M | re.S)
+    examples = []
+    for i, (kind, text) in enumerate(blocks):
+        command = text.replace("\\\n", " ")
+        if kind == "bash" and command.startswith("python plan.py "):
+            shown = blocks[i + 1][1].splitlines() if i + 1 < len(blocks) and blocks[i + 1][0] == "" else []
+            examples.append((shlex.split(command)[2:], shown))
+    return examples
+
+
+# ----------------------------------------------------------------------------------------------------------
+# --model path/to/config.json
+
+def test_the_readmes_plan_examples_run_as_written_and_the_same_shape_as_a_config_json(tmp_path, capsys):
+    examples = readme_plan_examples()
+    assert len(examples) >= 2 and {"--gpus", "--processes"} <= {a for argv, _ in examples for a in argv}
+    for argv, shown in examples:
+        expected = plan.main(argv)
+        out = capsys.readouterr().out
+        for line in shown:  # the README's sample output, "..." where it leaves a part out
+            for part in filter(None, (p.strip() for p in line.split("..."))):
+                assert part in out, (part, out)
+        # The same shape as a Hugging Face config.json (`--model path/to/config.json`): the same plan.
+        preset, vocab = argv[argv.index("--model") + 1], int(argv[argv.index("--vocab-size") + 1])
+        config = write_config(tmp_path / preset / "config.json",
+                              hf_config(config_from_preset(preset, vocab), 1, 2, None, torch.bfloat16))
+        from_json = [config if a == preset else a for a in argv]
+        del from_json[from_json.index("--vocab-size"):from_json.index("--vocab-size") + 2]
+        got = plan.main(from_json)
+        if "--gpus" in argv:
+            for row in [*expected, *got]:
+                row.pop("command"), row.pop("by_hand", None)
+            assert f"--init-from {tmp_path / preset} " in capsys.readouterr().out  # beside the config.json
+        assert got == expected
+
+
+def test_a_llama_3_70b_config_json_plans_and_searches_as_the_preset_does(tmp_path, capsys, monkeypatch):
+    # The issue's commands: a traceback (KeyError from config_from_preset) in both modes.
+    config = write_config(tmp_path / "cfg" / "config.json", LLAMA_70B)
+    monkeypatch.chdir(tmp_path)  # the scripts' checks read --checkpoint-dir (./checkpoints): none here
+    common = ["--model", config, "--seq-len", "4096", "--batch-size", "512"]
+    report = plan.main([*common, "--processes", "64", "--tp", "8", "--microbatches", "64", "--device", "cuda"])
+    out = capsys.readouterr().out
+    assert "plan: 80 layers, hidden 8192, vocab 128256, 64 processes = 8 pipeline x 1 data x 8 tensor" in out
+    assert len(report["ranks"]) == 8 and set(report["schedules"]) >= {"gpipe", "1f1b", "interleaved1f1b"}
+    started = time.perf_counter()
+    best = plan.main([*common, "--gpus", "64", "--gpus-per-node", "8", "--gpu-memory", "80"])
+    took = time.perf_counter() - started
+    assert took < 30, took  # 7 s alone on this 2-core machine; the issue asks for under 10
+    out = capsys.readouterr().out
+    assert re.match(r"\d+ layouts of 80 layers \(hidden 8192, vocab 128256\) on 64 GPUs", out) and len(best) == 5
+    shape = config_from_hf(LLAMA_70B)
+    for row in best:  # each command: the script's own parser and checks on the config's shape
+        assert row["memory"] <= 0.9 * 80e9 and row["command"] in out
+        words = shlex.split(row["command"].split("./run.sh ", 1)[1])
+        assert words[1:3] == ["--init-from", str(tmp_path / "cfg")]
+        module = SCRIPT_MODULES[words[0]]
+        ns = module.build_parser().parse_args(words[1:])
+        module.check_args(ns, 64, "cuda")
+        per_rank = len(gpipe.stage_ids(ns.schedule, 0, row["pp"], ns.stages_per_rank))
+        module.stage_layout(shape, row["pp"] * per_rank, ns)
+    # The same figures as the llama-70b preset (its RoPE is plain, which no figure depends on).
+    preset = plan.main(["--model", "llama-70b", "--vocab-size", "128256", *common[2:], "--processes", "64",
+                        "--tp", "8", "--microbatches", "64", "--device", "cuda"])
+    assert preset == report
+
+
+def test_flags_that_contradict_a_config_json_are_refused(tmp_path, capsys):
+    config = write_config(tmp_path / "config.json", LLAMA_70B)
+    common = ["--model", config, "--processes", "8", "--seq-len", "4096", "--device", "cuda"]
+    assert tool_refused(capsys, [*common, "--layers", "4"]).startswith(
+        f"error: --layers 4: the model's shape comes from {config} (80 layers)")
+    assert tool_refused(capsys, [*common, "--vocab-size", "9"]).startswith(
+        f"error: --vocab-size 9: the vocabulary comes from --model {config}")
+    assert plan.main([*common, "--layers", "80"])["ranks"]  # the config's own count is no contradiction
+    # A config.json with --init-from: the checkpoint's shape or the config's? Refused, as --model with it is.
+    hf = tmp_path / "hf"
+    write_config(hf / "config.json", {**LLAMA_70B, "num_hidden_layers": 8})
+    (hf / "model.safetensors").write_bytes(b"")
+    assert tool_refused(capsys, [*common, "--init-from", str(hf)]).startswith(
+        f"error: --model {config}: the model's shape comes from {hf}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What a config.json may hold
+
+BAD_CONFIGS = {  # name: (config.json's text or fields, what the line names)
+    "empty_list": ("[]", "config.json is [], not an object of fields"),
+    "string": ('"llama"', 'config.json is "llama", not an object of fields'),
+    "not_json": ('{"model_type": ', "Expecting value"),
+    "zero_heads": ({"num_attention_heads": 0}, "num_attention_heads = 0: must be a whole number from 1"),
+    "zero_kv_heads": ({"num_key_value_heads": 0}, "num_key_value_heads = 0: must be a whole number from 1"),
+    "negative_hidden": ({"hidden_size": -8192}, "hidden_size = -8192: must be a whole number from 1"),
+    "zero_layers": ({"num_hidden_layers": 0}, "num_hidden_layers = 0: must be a whole number from 1"),
+    "zero_vocab": ({"vocab_size": 0}, "vocab_size = 0: must be a whole number from 1"),
+    "fractional_width": ({"intermediate_size": 28672.5}, "intermediate_size = 28672.5: must be a whole number"),
+    "string_size": ({"hidden_size": "8192"}, 'hidden_size = "8192": must be a whole number'),
+    "true_size": ({"num_hidden_layers": True}, "num_hidden_layers = true: must be a whole number"),
+    "hidden_not_divisible": ({"num_attention_heads": 48}, "num_attention_heads = 48: must divide hidden_size (8192)"),
+    "kv_not_dividing": ({"num_key_value_heads": 5}, "num_key_value_heads = 5: must divide num_attention_heads (64)"),
+    "huge_hidden": ({"hidden_size": 2 ** 40}, f"hidden_size = {2 ** 40}: must be a whole number from 1 to "
+                                              f"{2 ** 31 - 1}"),
+    "enormous_hidden": ({"hidden_size": 10 ** 400}, "hidden_size = 1000000000000000000000000000000000000...:"),
+    "huge_layers": ({"num_hidden_layers": 10 ** 6}, f"num_hidden_layers = 1000000: must be a whole number from 1 "
+                                                    f"to {MAX_LAYERS}"),
+    "huge_positions": ({"max_position_embeddings": 2 ** 63}, "max_position_embeddings = 9223372036854775808:"),
+    "no_vocab": ({"vocab_size": None}, "config.json has no vocab_size"),
+    "mistral": ({"model_type": "mistral"}, 'model_type = "mistral": not llama'),
+    "rope_number": ({"rope_scaling": 5}, "rope_scaling = 5: must be an object of RoPE settings"),
+    "rope_factor": ({"rope_scaling": {**LLAMA_70B["rope_scaling"], "factor": "x"}}, 'rope_scaling factor = "x"'),
+    "rope_bands": ({"rope_scaling": {**LLAMA_70B["rope_scaling"], "high_freq_factor": 1.0}},
+                   "rope_scaling high_freq_factor = 1.0: must exceed low_freq_factor"),
+    "theta": ({"rope_theta": -1}, "rope_theta = -1: must be a finite positive number"),
+    "eps": ({"rms_norm_eps": "small"}, 'rms_norm_eps = "small": must be a finite non-negative number'),
+    "tied": ({"tie_word_embeddings": "yes"}, 'tie_word_embeddings = "yes": must be true or false'),
+}
+
+
+def bad_config(name: str):
+    text, _ = BAD_CONFIGS[name]
+    if isinstance(text, str):
+        return text
+    return {k: v for k, v in {**LLAMA_70B, **text}.items() if v is not None}
+
+
+@pytest.mark.parametrize("name", BAD_CONFIGS)
+def test_a_bad_config_json_is_one_line_naming_the_file_and_the_field(name, tmp_path, capsys):
+    config = write_config(tmp_path / "config.json", bad_config(name))
+    before = snapshot(tmp_path)
+    for mode in (["--gpus", "64"], ["--processes", "8", "--device", "cuda"]):
+        with deadline(10):  # nothing searched, nothing allocated: a huge size once ran on (or overflowed)
+            err = tool_refused(capsys, ["--model", config, "--seq-len", "4096", "--batch-size", "512", *mode])
+        assert err.startswith(f"error: --model {config}: cannot read it as a Hugging Face config.json (")
+        assert BAD_CONFIGS[name][1] in err, err
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("name", ["empty_list", "zero_heads", "kv_not_dividing", "enormous_hidden"])
+def test_a_bad_config_json_in_a_hugging_face_directory_is_one_line_too(name, tmp_path, capsys):
+    # --init-from reads the same function: checkpoint.read_hf_config's line, then plan.py's.
+    write_config(tmp_path / "hf" / "config.json", bad_config(name))
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(checkpoint.UsageError) as error:
+        checkpoint.read_hf_config(str(tmp_path / "hf"))
+    assert str(error.value).startswith(f"--init-from {tmp_path / 'hf'}: config.json ") and "\n" not in str(error.value)
+    assert BAD_CONFIGS[name][1] in str(error.value)
+    err = tool_refused(capsys, ["--init-from", str(tmp_path / "hf"), "--processes", "2", "--device", "cpu"])
+    assert err == f"error: {error.value}"
+
+
+def test_a_config_json_takes_what_transformers_takes():
+    # Left out or null: transformers' defaults (as many KV heads as heads, hidden / heads per head); a head_dim
+    # given need not divide the hidden size; the largest sizes allowed are computed with, never allocated.
+    plain = {k: v for k, v in LLAMA_70B.items() if k not in ("num_key_value_heads", "rope_scaling")}
+    config = config_from_hf({**plain, "num_key_value_heads": None, "head_dim": None})
+    assert (config.num_key_value_heads, config.head_dim, config.rope_scaling) == (64, 128, None)
+    assert config_from_hf({**plain, "num_attention_heads": 48, "head_dim": 128}).head_dim == 128
+    assert config_from_hf({**LLAMA_70B, "rms_norm_eps": 0, "rope_theta": 10000}).rope_theta == 10000.0
+    largest = config_from_hf({**plain, "vocab_size": 2 ** 31 - 1, "hidden_size": 2 ** 30, "num_attention_heads": 1,
+                              "intermediate_size": 2 ** 31 - 1, "num_hidden_layers": MAX_LAYERS})
+    assert largest.head_dim == 2 ** 30
+
+
+def test_the_largest_config_json_plans_in_one_line(tmp_path):
+    config = write_config(tmp_path / "config.json", {**LLAMA_70B, "vocab_size": 2 ** 31 - 1, "hidden_size": 2 ** 30,
+                                                     "num_attention_heads": 2 ** 30, "num_key_value_heads": 1,
+                                                     "intermediate_size": 2 ** 31 - 1})
+    common = ["--model", config, "--seq-len", "4096", "--batch-size", "512"]
+    search = launch(0, "plan.py", *common, "--gpus", "64", cwd=tmp_path, timeout=60)
+    assert search.returncode == 1 and len(search.stderr.splitlines()) == 1, search.stderr
+    assert search.stderr.startswith("error: --gpu-memory 80: no layout fits; the smallest, pp 64 x dp 1 x tp 1 ")
+    one = launch(0, "plan.py", *common, "--processes", "8", "--microbatches", "8", "--device", "cuda", cwd=tmp_path,
+                 timeout=60)
+    assert one.returncode == 0 and "hidden 1073741824, vocab 2147483647" in one.stdout, one.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sizes of any magnitude; the layouts the scripts accept
+
+def test_divisors_are_found_by_trial_up_to_the_square_root():
+    for n in range(1, 400):
+        assert plan.divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
+    with deadline(5):
+        assert plan.divisors(10 ** 12) == sorted(2 ** a * 5 ** b for a in range(13) for b in range(13))
+
+
+@pytest.mark.parametrize("argv", [["--gpus", "8", "--batch-size", "99999999999999"],
+                                  ["--gpus", "8", "--gpus-per-node", "99999999999999", "--batch-size", "9" * 14],
+                                  ["--gpus", "99999999999992", "--batch-size", "99999999999992"]])
+def test_a_huge_batch_or_cluster_is_searched_in_seconds(argv, tmp_path):
+    # divisors() walked range(1, n + 1): each ran until killed (a timeout here).
+    started = time.perf_counter()
+    result = launch(0, "plan.py", *argv, cwd=tmp_path, timeout=60)
+    assert time.perf_counter() - started < 30
+    assert result.returncode in (0, 1) and error_lines(result.stderr) == result.stderr.splitlines(), result.stderr
+    assert result.returncode == 0 or "no layout fits" in result.stderr
+
+
+def accepted(config, gpus: int, batch: int, gpus_per_node: int = 8) -> dict:
+    """(pp, dp, tp, schedule, checkpointing) -> the most microbatches train_pipeline_gpipe.py accepts (its
+    check_args and stage_layout), over every pp x dp x tp = gpus with tp inside a node: found by trying all."""
+    found = {}
+    for tp in [t for t in range(1, gpus_per_node + 1) if gpus % t == 0 and gpus_per_node % t == 0]:
+        for dp in [d for d in range(1, gpus // tp + 1) if gpus % (tp * d) == 0]:
+            pp = gpus // (tp * dp)
+            for schedule in gpipe.SCHEDULES:
+                for checkpointing in (False, True):
+                    for m in range(1, batch + 1):
+                        ns = gpipe.build_parser().parse_args(
+                            ["--model", "small", "--batch-size", str(batch), "--microbatches", str(m), "--schedule",
+                             schedule, "--dp", str(dp), "--tp", str(tp), "--checkpoint-dir", os.devnull + "/none",
+                             *(["--activation-checkpointing"] if checkpointing else [])])
+                        try:
+                            gpipe.check_args(ns, gpus, "cuda")
+                            per_rank = len(gpipe.stage_ids(schedule, 0, pp, ns.stages_per_rank))
+                            gpipe.stage_layout(config, pp * per_rank, ns)
+                        except checkpoint.UsageError:
+                            continue
+                        found[pp, dp, tp, schedule, checkpointing] = m
+    return found
+
+
+@pytest.mark.parametrize("gpus, batch", [(4, 2), (8, 4), (2, 1)])
+def test_the_search_finds_every_layout_the_scripts_accept(gpus, batch, capsys):
+    # 4 GPUs and a batch of 2 was "no layout passes the scripts' checks": the search asked for at least as many
+    # microbatches as stages, which only 1F1B and DualPipeV need (GPipe runs 2 microbatches on 4 stages).
+    config = config_from_preset("small", plan.VOCAB_SIZE)
+    expected = accepted(config, gpus, batch)
+    assert any(pp > m for (pp, *_), m in expected.items())
+    best = plan.main(["--model", "small", "--gpus", str(gpus), "--batch-size", str(batch), "--top", "1000"])
+    capsys.readouterr()
+    got = {(r["pp"], r["dp"], r["tp"], r["schedule"], r["checkpointing"]): r["microbatches"] for r in best}
+    # One stage runs every schedule alike: the search times the first only.
+    assert got == {k: m for k, m in expected.items() if k[0] > 1 or k[3] == next(iter(gpipe.SCHEDULES))}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Units that show small figures
+
+def test_step_times_and_memory_are_printed_in_units_that_show_them(capsys):
+    best = plan.main(["--gpus", "8"])  # the small model: steps of a millisecond or less, MiB per GPU
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\d+\. .*: step ([\d.]+) (s|ms) \(.*, ([\d.]+) (GiB|MiB|KiB) per GPU$", out, re.M)
+    assert len(rows) == len(best) == 5
+    scale = {"s": 1, "ms": 1e-3, "GiB": 2 ** 30, "MiB": 2 ** 20, "KiB": 2 ** 10}
+    for (step, s_unit, memory, m_unit), row in zip(rows, best):
+        assert float(step) >= 1 or s_unit == "ms"
+        assert float(step) * scale[s_unit] == pytest.approx(row["step"], rel=0.01)
+        assert 1 <= float(memory) < 1024 and float(memory) * scale[m_unit] == pytest.approx(row["memory"], rel=0.01)
+    assert "fit in 72 GB" in out
+    err = tool_refused(capsys, ["--gpus", "8", "--gpu-memory", "0.001"])
+    needs = re.search(r"needs ([\d.]+) (MiB|KiB) per GPU", err)
+    assert needs and float(needs.group(1)) >= 1, err
+    best = plan.main(["--gpus", "8", "--gpu-memory", "0.4"])
+    assert "fit in 343.3 MiB (the rest" in capsys.readouterr().out and best
+    assert [plan.show_seconds(t) for t in (21.356, 1.0, 0.000777, 2.5e-6)] == ["21.36 s", "1.00 s", "0.777 ms",
+                                                                               "0.0025 ms"]
+    assert [plan.show_bytes(n) for n in (62.6 * 2 ** 30, 2 ** 20, 1023 * 2 ** 10, 100)] == [
+        "62.6 GiB", "1.0 MiB", "1023.0 KiB", "0.1 KiB"]
+    assert [plan.show_gb(n) for n in (21e9, 1e9, 0.9e9)] == ["21 GB", "1 GB", "858.3 MiB"]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # benchmark.py: reading the scripts' traces
 
@@ -3364,3 +3671,115 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir):
     assert re.search(r"\| balanced \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+, [\d.]+ \| [\d.]+% \| [\d.]+, [\d.]+ \|",
                      table), table
     assert re.search(r"balanced: plan.py's replay .* step [\d.]+ ms \(traced [\d.]+ ms", table), table
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# benchmark.py: its numbers and its --out
+
+@pytest.fixture
+def fake_data(tmp_path) -> str:
+    """--data that passes benchmark.py's check (a meta.json); nothing here runs a script."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text("{}")
+    return str(tmp_path / "data")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ranks", "0"], "error: argument --ranks: must be a whole number of at least 1, got 0"),
+    (["--microbatches", "0"], "error: argument --microbatches: must be a whole number of at least 1, got 0"),
+    (["--batch-size", "-4"], "error: argument --batch-size: must be a whole number of at least 1, got -4"),
+    (["--seq-len", "0"], "error: argument --seq-len: must be a whole number of at least 1, got 0"),
+    (["--sweep", "--sweep-microbatches", "0,2"], "error: --sweep-microbatches 0,2: each count must be at least 1"),
+])
+def test_benchmark_refuses_counts_below_one_in_one_line(argv, message, fake_data, capsys):
+    assert tool_refused(capsys, ["benchmark", "--data", fake_data, *argv], status=2).startswith(message)
+
+
+def test_benchmark_out_that_is_a_file_is_one_line(tmp_path, fake_data, capsys):
+    (tmp_path / "file").write_text("mine")
+    assert tool_refused(capsys, ["benchmark", "--data", fake_data, "--out", str(tmp_path / "file")]) == (
+        f"error: --out {tmp_path / 'file'}: not a folder; give a folder (it is created if missing)")
+    result = launch(0, "benchmark.py", "--data", fake_data, "--out", str(tmp_path / "file" / "sub"), cwd=tmp_path)
+    assert result.returncode == 1 and result.stderr == (
+        f"error: --out {tmp_path / 'file' / 'sub'}: cannot create it (Not a directory); give another --out\n")
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def earlier_run(fake_data: str, out: Path, *argv) -> list[str]:
+    """--out as a finished benchmark.py run with these flags left it (finish()'s files, traces, pictures)."""
+    args = benchmark.parse_args(["--data", fake_data, "--out", str(out), *argv])
+    out.mkdir()
+    results = {}
+    for path in benchmark.outputs(args):
+        if path.endswith(".trace"):
+            os.mkdir(path)
+            for rank in range(3):  # an earlier --ranks 3
+                Path(path, f"rank{rank}.json").write_text("{}")
+        elif path.endswith(".png"):
+            Path(path).write_bytes(b"\x89PNG")
+            results[os.path.basename(path)] = {"picture": path}
+    name = os.path.basename(benchmark.outputs(args)[0]).removesuffix(".md")
+    benchmark.finish(args, "| variant |\n|---|", results, name=name)
+    return benchmark.outputs(args)
+
+
+@pytest.mark.parametrize("mode", [[], ["--sweep"], ["--dp", "2"], ["--splits"]])
+def test_benchmark_replaces_an_earlier_runs_results_only_with_force(mode, tmp_path, fake_data, capsys, monkeypatch):
+    out = tmp_path / "bench"
+    written = earlier_run(fake_data, out, *mode)
+    capsys.readouterr()
+    assert sorted(os.listdir(out)) == sorted(os.path.basename(p) for p in written)
+    before = snapshot(tmp_path)
+    argv = ["benchmark", "--data", fake_data, "--out", str(out), *mode]
+    err = tool_refused(capsys, argv)
+    assert err.startswith(f"error: --out {out}: holds {os.path.basename(written[0])}, ") and \
+        "from an earlier run; add --force to replace them, or give another --out" in err, err
+    args = benchmark.parse_args([*argv[1:], "--force"])
+    assert snapshot(tmp_path) == before  # checking destroys nothing
+    # With --force, main() first removes the earlier traces (a stale rank2.json would be read with the new
+    # run's two), nothing else; then the runs (not run here).
+    class Started(Exception):
+        pass
+
+    def runs_start(*args, **kwargs):  # main() makes the runs' working folder, then runs: stop there
+        seen["left"] = sorted(os.listdir(out))
+        raise Started
+
+    seen = {}
+    monkeypatch.setattr(benchmark.tempfile, "TemporaryDirectory", runs_start)
+    with pytest.raises(Started):
+        benchmark.main(args)
+    assert seen["left"] == sorted(os.path.basename(p) for p in written if not p.endswith(".trace"))
+
+
+@pytest.mark.parametrize("change", ["edited_table", "own_table", "extra_file_in_trace", "own_json", "link",
+                                    "own_picture"])
+def test_benchmark_force_replaces_nothing_it_did_not_write(change, tmp_path, fake_data, capsys):
+    out = tmp_path / "bench"
+    earlier_run(fake_data, out)
+    if change == "edited_table":
+        (out / "results.md").write_text((out / "results.md").read_text() + "my notes\n")
+    elif change == "own_table":
+        for path in out.iterdir():
+            if path.name != "results.md":
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+    elif change == "extra_file_in_trace":
+        (out / "gpipe.trace" / "notes.txt").write_text("mine")
+    elif change == "own_json":
+        (out / "results.json").write_text('{"mine": 1}')
+    elif change == "link":
+        (tmp_path / "elsewhere.md").write_text("mine")
+        (out / "results.md").unlink()
+        (out / "results.md").symlink_to(tmp_path / "elsewhere.md")
+    elif change == "own_picture":
+        (out / "1f1b.png").write_bytes(b"mine")
+        record = json.loads((out / "results.json").read_text())
+        del record["results"]["1f1b.png"]
+        (out / "results.json").write_text(json.dumps(record))
+    before = snapshot(tmp_path)
+    for force in ([], ["--force"]):
+        err = tool_refused(capsys, ["benchmark", "--data", fake_data, "--out", str(out), *force])
+        assert err.startswith(f"error: --out {out}: holds ") and ", not written by benchmark.py, where this run " \
+            "writes; move them away or give another --out" in err, err
+    assert snapshot(tmp_path) == before
