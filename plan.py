@@ -486,12 +486,12 @@ def plan(args) -> dict:
           f"activations of the fullest rank, {unit_name}, without / with checkpointing):")
     for name in SCHEDULES:
         try:
-            _, lay = (ns, layout) if name == schedule else check(
+            each, lay = (ns, layout) if name == schedule else check(
                 args, config, name, args.split if args.split in ("even", "balanced") else "balanced")
         except UsageError as e:
             print(f"  {name:22s} not possible here: {str(e).split(';')[0]}")
             continue
-        out = [schedule_result(name, pp, m, per_rank, lay, costs, *held(lay, ac)) for ac in (False, True)]
+        out = [schedule_result(name, pp, m, each.stages_per_rank, lay, costs, *held(lay, ac)) for ac in (False, True)]
         seconds = out[0]["step"] * tokens / ASSUMED_FLOPS
         ideal = sum(stage_costs(lay, costs)) * m / pp * tokens / ASSUMED_FLOPS  # all work, no bubble
         report["schedules"][name] = {"step": seconds, "bubble": out[0]["bubble"],

@@ -654,6 +654,8 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
         ("--schedule", "dualpipev", "--microbatches", "1", "--batch-size", "4"): "--microbatches",
         ("--schedule", "zbvzerobubble", "--stages-per-rank", "3"): "--stages-per-rank",
         ("--schedule", "interleaved1f1b", "--stages-per-rank", "5", "--layers", "4"): "--stages-per-rank",
+        ("--schedule", "1f1b", "--stages-per-rank", "3"): "--stages-per-rank 3: 1f1b holds one stage per rank",
+        ("--stages-per-rank", "2"): "--stages-per-rank 2: gpipe holds one stage per rank",
         ("--split", "3,2"): "--split 3,2: give 1 layer counts",
         ("--split", "fast"): "--split fast",
     }
@@ -661,7 +663,9 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
     # The other scripts share the checks; their own choices are checked too.
     cases += [("train_pipeline_afab_manual.py", ("--split", "1,1,1"), "--split 1,1,1: give 1 layer counts", 1),
               ("train_pipeline_tracer.py", ("--schedule", "zbvzerobubble", "--stages-per-rank", "3"),
-               "--stages-per-rank", 1)]
+               "--stages-per-rank", 1),
+              ("train_pipeline_tracer.py", ("--schedule", "1f1b", "--stages-per-rank", "2"),
+               "--stages-per-rank 2: 1f1b holds one stage per rank", 1)]
     # --dp against the number of processes, as torchrun would set it: the checks run before any rendezvous.
     cases += [("train_pipeline_gpipe.py", given, named, 4) for given, named in [
         (("--dp", "3"), "--dp 3: 4 processes"), (("--dp", "2", "--batch-size", "12"), "--dp 2 x --microbatches 4"),

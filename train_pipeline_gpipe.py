@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-batches", type=whole(1), default=4, help="held-out batches per evaluation")
     g = p.add_argument_group("pipeline")
     g.add_argument("--schedule", choices=list(SCHEDULES), default="gpipe", help="the pipeline schedule")
-    g.add_argument("--stages-per-rank", type=whole(1), default=2,
-                   help="stages per rank of the multi-stage schedules (gpipe and 1f1b: 1; V-shaped: 2)")
+    g.add_argument("--stages-per-rank", type=whole(1),
+                   help="stages per rank of the looped schedules (default 2); gpipe and 1f1b hold 1, V-shaped 2")
     g.add_argument("--split", default="balanced",
                    help="the layers of each stage: balanced (by estimated compute, the head and loss counted on "
                         "the last stage), even (equal counts), or layers per stage such as 5,1")
@@ -140,7 +140,12 @@ def check_args(args, world_size: int, device_type: str) -> None:
          f"--batch-size {args.batch_size} is not divisible by --dp {args.dp} x --microbatches {args.microbatches}; "
          "each replica splits its equal share of the batch into the microbatches")
     pp, m = world_size // group, args.microbatches
-    per_rank = 1 if args.schedule in SINGLE_STAGE else args.stages_per_rank
+    # Left out, --stages-per-rank is the schedule's own count; given, it must be one the schedule can hold.
+    need(args.schedule not in SINGLE_STAGE or args.stages_per_rank in (None, 1),
+         f"--stages-per-rank {args.stages_per_rank}: {args.schedule} holds one stage per rank; leave the flag out, "
+         "or pick a multi-stage --schedule (interleaved1f1b, ...)")
+    default = 1 if args.schedule in SINGLE_STAGE else 2
+    per_rank = args.stages_per_rank = default if args.stages_per_rank is None else args.stages_per_rank
     need(args.schedule not in V_SHAPED or per_rank == 2,
          f"--stages-per-rank {per_rank}: {args.schedule} places exactly 2 stages on each rank; use 2")
     need(args.schedule not in ("1f1b", "dualpipev") or m >= pp * per_rank,
