@@ -46,6 +46,7 @@ import gc
 import json
 import math
 import os
+import signal
 import sys
 import types
 import unittest.mock
@@ -789,6 +790,7 @@ def main(argv=None) -> dict | list:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `python plan.py ... | head` ends quietly, as other tools do
     try:
         main()
     finally:

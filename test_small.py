@@ -3158,6 +3158,13 @@ def test_plan_says_what_no_layout_fits_in_one_line(argv, message, capsys):
     assert exit_.value.code == 1 and message in err and err.count("\n") == 1, err
 
 
+def test_plan_piped_into_head_ends_quietly():
+    # `plan.py ... | head`: the reader goes away after one line; the plan ends without a BrokenPipeError traceback.
+    out = subprocess.run(f"{shlex.quote(sys.executable)} plan.py --processes 2 | head -1", shell=True, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("plan: ") and out.stderr == "", out
+
+
 def test_plan_prints_every_schedule_for_a_cluster_on_this_machine(tmp_path):
     result = launch(0, "plan.py", "--model", "llama-8b", "--seq-len", "8192", "--processes", "8", "--dp", "2",
                     "--batch-size", "64", "--microbatches", "8", "--device", "cuda", cwd=tmp_path)
