@@ -35,6 +35,7 @@ import collections
 import contextlib
 import dataclasses
 import errno
+import gc
 import hashlib
 import io
 import json
@@ -113,14 +114,16 @@ def collective_errors(group=None):
 
 def run(main, args) -> None:
     """main(args), an error a user can cause as one line on stderr (exit status 1), always torn down."""
+    status = 0
     try:
         main(args)
     except UsageError as e:  # an error every rank raised is printed once per node
         if not e.on_every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        status = 1
     except KeyboardInterrupt:
-        sys.exit("interrupted")
+        print("interrupted", file=sys.stderr, flush=True)
+        status = 1
     except (dist.DistError, RuntimeError) as e:
         # gloo reports a dead or hung peer as a RuntimeError of its transport, NCCL as a DistError. This rank
         # cannot tell whether the peer died or stopped on an error of its own, so say both.
@@ -130,10 +133,15 @@ def run(main, args) -> None:
         print(f"error: lost contact with another rank ({(str(e).strip() or type(e).__name__).splitlines()[0][:300]}"
               "); if another rank printed an error above, that is the cause; otherwise rerun the same command, or "
               "launch with torchrun --max-restarts N, to resume from the newest checkpoint", file=sys.stderr)
-        sys.exit(1)
+        status = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # The failed main's frames (held by the exception until now) hold the device mesh, and its process groups
+    # own gloo's threads: freed here, not while the interpreter shuts down, where torch 2.13 can abort the
+    # process ("terminate called without an active exception", exit -6) instead of exiting 1.
+    gc.collect()
+    sys.exit(status)
 
 
 # ----------------------------------------------------------------------------------------------------------
