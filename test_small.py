@@ -1008,8 +1008,10 @@ def test_tensor_parallel_resumes_exactly_on_any_layout_and_exports_the_whole_mod
 
     # Exported, it is the whole model: the library's own converter of the checkpoint gives the same tensors,
     # full-sized, and the Hugging Face export holds the same. They are the reference run's after 16 steps to
-    # 1e-3 of each tensor's norm: AdamW divides each gradient by its own running size, so the embedding rows of
-    # rare tokens, whose gradients are sums that nearly cancel, move by rounding-sized differences times lr.
+    # 2e-2 of each tensor's norm: AdamW divides each gradient by its own running size, so the embedding rows of
+    # rare tokens, whose gradients are sums that nearly cancel, move by rounding-sized differences times lr
+    # (measured: up to 1.25e-3, the embedding, in a fresh clone; 1e-3 failed there). A tensor-parallel shard
+    # put in the wrong place, or one rank's shard taken for the whole, is ~1 off.
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     for output, given in (("tp.pt", []), ("tp-hf", ["--format", "hf"])):
@@ -1025,7 +1027,7 @@ def test_tensor_parallel_resumes_exactly_on_any_layout_and_exports_the_whole_mod
     assert sorted(exported) == sorted(everything) == sorted(expected)
     for name, tensor in exported.items():
         assert torch.equal(tensor, everything[name]), name
-        assert ((tensor - expected[name]).norm() / expected[name].norm()).item() < 1e-3, name
+        assert ((tensor - expected[name]).norm() / expected[name].norm()).item() < 2e-2, name
         assert torch.equal(hf[model_module.hf_name(name)].float(), tensor), name
 
 
