@@ -7,7 +7,7 @@
     python benchmark.py --dp 2                                # 2 stages alone vs 2 stages x 2 replicas
     python benchmark.py --splits                              # split by layers vs by cost; checkpointing, compile
     python benchmark.py --variants 1f1b -- --layers 2         # flags after -- go to every run
-    torchrun --nproc_per_node 2 benchmark.py measure-activations OUT.json train_pipeline_gpipe.py --steps 2 ...
+    torchrun --nproc_per_node 2 benchmark.py measure-memory OUT.json train_pipeline_gpipe.py --steps 2 ...
     torchrun --nproc_per_node 2 benchmark.py run train_pipeline_gpipe.py --schedule 1f1b --trace DIR ...
     python benchmark.py loss-memory                           # the loss's peak memory, plain and in chunks
 
@@ -20,13 +20,15 @@ variants, repeat after repeat, so drift of a shared machine hits every variant a
 the median over its runs of each run's median step (first step excluded). The last run of each variant records
 a trace (the scripts' --trace DIR: torch.profiler's Chrome trace of the last 3 steps, DIR/rank{R}.json), from
 which come the measured bubble, the share of time waiting in receives, each stage's forward and backward time
-of one microbatch, and a timeline picture; a separate short run under measure-activations gives the peak
+of one microbatch, and a timeline picture; a separate short run under measure-memory gives the peak
 activation bytes per rank.
 
-measure-activations runs a training script's main() in this process (under torchrun: on every rank) inside
-an ActivationMeter: the peak bytes of tensors autograd saves for backward, parameters left out, and of the
-gradients the zero-bubble schedules keep from a backward's input half to its weight half; rank 0 writes
-{"activation_bytes_per_rank": [...]} to OUT.json.
+measure-memory runs a training script's main() in this process (under torchrun: on every rank) inside an
+ActivationMeter (the peak bytes of tensors autograd saves for backward, parameters left out, and of the
+gradients the zero-bubble schedules keep from a backward's input half to its weight half), and counts after
+each optimizer step the bytes of parameters, gradients and AdamW state the rank holds (with FSDP its shards);
+rank 0 writes {"activation_bytes_per_rank": [...], "param_bytes_per_rank": [...], "grad_bytes_per_rank":
+[...], "optimizer_bytes_per_rank": [...]} to OUT.json.
 
 Writes OUT/results.md (Markdown table), OUT/results.json, OUT/<variant>.trace/rank{R}.json and, when matplotlib
 is installed, OUT/<variant>.png (forward / backward / waiting per rank over time). An earlier run's files there
@@ -52,6 +54,8 @@ import unittest.mock
 import torch
 import torch.distributed as dist
 import torch.distributed.pipelining.stage
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import checkpoint
 from checkpoint import Parser, UsageError, whole
@@ -532,15 +536,15 @@ def labelled_1f1b():
 
 
 def in_process(argv: list[str]) -> None:
-    """benchmark.py run SCRIPT [SCRIPT ARGS...] and benchmark.py measure-activations OUT.json SCRIPT [SCRIPT
-    ARGS...], on every rank under torchrun: the script's main() in this process, with torch's 1F1B labelled for
-    --trace (labelled_1f1b); measuring, inside an ActivationMeter, then every rank's peak to rank 0, which
-    writes {"activation_bytes_per_rank": [...]} to OUT.json. Errors as the scripts give them: one line."""
-    measure = argv[0] == "measure-activations"
+    """benchmark.py run SCRIPT [SCRIPT ARGS...] and benchmark.py measure-memory OUT.json SCRIPT [SCRIPT ARGS...],
+    on every rank under torchrun: the script's main() in this process, with torch's 1F1B labelled for --trace
+    (labelled_1f1b); measuring, every rank's activations (ActivationMeter) and held bytes to rank 0, which writes
+    them to OUT.json. Errors as the scripts give them: one line."""
+    measure = argv[0] == "measure-memory"
     p = Parser(prog=f"benchmark.py {argv[0]}",
                description="Run a training script with torch's 1F1B labelled for --trace" + (
-                   " inside an ActivationMeter on every rank, and write {\"activation_bytes_per_rank\": [...]} "
-                   "to OUT.json" if measure else "") + ".")
+                   "; write each rank's peak activations and the bytes of parameters, gradients and AdamW state it "
+                   "holds to OUT.json" if measure else "") + ".")
     if measure:
         p.add_argument("out", metavar="OUT.json")
     p.add_argument("script", metavar="SCRIPT")
@@ -552,22 +556,35 @@ def in_process(argv: list[str]) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     script_args = module.build_parser().parse_args(args.script_args)
+    held = {"param": 0, "grad": 0, "optimizer": 0}
+
+    def count_held(optimizer, *_):  # after each optimizer step: what this rank holds (with FSDP, its shards)
+        size = lambda ts: sum((t.to_local() if isinstance(t, DTensor) else t).nbytes  # noqa: E731
+                              for t in ts if torch.is_tensor(t))
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        held.update(param=size(params), grad=size(p.grad for p in params),
+                    optimizer=size(v for state in optimizer.state.values() for v in state.values()))
 
     def measured(script_args):
-        with labelled_1f1b(), ActivationMeter() if measure else contextlib.nullcontext() as meter:
-            module.main(script_args)  # leaves the process group up; checkpoint.run takes it down
+        hook = register_optimizer_step_post_hook(count_held)
+        try:
+            with labelled_1f1b(), ActivationMeter() if measure else contextlib.nullcontext() as meter:
+                module.main(script_args)  # leaves the process group up; checkpoint.run takes it down
+        finally:
+            hook.remove()
         if not measure:
             return
-        peaks = [meter.peak_bytes]
+        ranks = [(meter.peak_bytes, held)]
         if dist.is_initialized():
-            peaks = [None] * dist.get_world_size()
-            dist.all_gather_object(peaks, meter.peak_bytes)
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, (meter.peak_bytes, held))
         if not dist.is_initialized() or dist.get_rank() == 0:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out + ".tmp", "w") as f:
-                json.dump({"activation_bytes_per_rank": peaks}, f)
+                json.dump({"activation_bytes_per_rank": [peak for peak, _ in ranks],
+                           **{f"{kind}_bytes_per_rank": [h[kind] for _, h in ranks] for kind in held}}, f)
             os.replace(args.out + ".tmp", args.out)
-            print(f"peak activations held per rank (MiB): {', '.join(f'{b / 2**20:.1f}' for b in peaks)} -> "
+            print(f"peak activations held per rank (MiB): {', '.join(f'{p / 2**20:.1f}' for p, _ in ranks)} -> "
                   f"{args.out}", flush=True)
 
     checkpoint.run(measured, script_args)  # a UsageError: one line, exit 1; the process group torn down
@@ -603,15 +620,15 @@ def run(args, script, schedule, steps, workdir, microbatches=None, extra=(), ran
         return [json.loads(line)["summary"] for line in f if line.startswith('{"summary"')][-1], stdout
 
 
-def activations(args, script, schedule, workdir, microbatches=None, extra=(), ranks=None) -> tuple[list[int], str]:
-    """A short untimed run under measure-activations (the saved-tensor hooks slow a step down): the peak
-    activation bytes of every rank, and the run's stdout."""
-    out = os.path.join(workdir, "activations.json")
-    stdout = launch([os.path.abspath(__file__), "measure-activations", out,
+def memory(args, script, schedule, workdir, microbatches=None, extra=(), ranks=None) -> tuple[dict, str]:
+    """A short untimed run under measure-memory (the saved-tensor hooks slow a step down): every rank's peak
+    activation bytes and the bytes it holds ({"activation_bytes_per_rank": [...], ...}), and the run's stdout."""
+    out = os.path.join(workdir, "memory.json")
+    stdout = launch([os.path.abspath(__file__), "measure-memory", out,
                      *command(args, script, schedule, 2, workdir, microbatches, extra)], ranks or args.ranks,
-                    workdir, f"measure-activations {script} --schedule {schedule}")
+                    workdir, f"measure-memory {script} --schedule {schedule}")
     with open(out) as f:
-        return json.load(f)["activation_bytes_per_rank"], stdout
+        return json.load(f), stdout
 
 
 def trace_dir(args, name: str) -> str:
@@ -656,7 +673,8 @@ def main(args):
                 print(f"repeat {repeat + 1}/{args.repeats} {name}: median step "
                       f"{summary['median_step_time'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
         for name, (script, schedule) in variants.items():
-            results[name]["activation_bytes_per_rank"], _ = activations(args, script, schedule, workdir)
+            results[name]["activation_bytes_per_rank"] = memory(args, script, schedule, workdir)[0][
+                "activation_bytes_per_rank"]
 
     base = statistics.median(results["gpipe"]["step_times"])
     gpipe_act = results["gpipe"]["activation_bytes_per_rank"][0]
@@ -741,9 +759,12 @@ def data_parallel(args, workdir):
         for name, (ranks, extra) in layouts.items():
             summary, _ = run(args, "train_pipeline_gpipe.py", "gpipe", args.steps, workdir, extra=extra, ranks=ranks)
             results[name]["step_times"].append(summary["median_step_time"])
-            results[name]["summary"] = summary
+            results[name]["tokens_per_s"] = summary["tokens_per_s"]
             print(f"repeat {repeat + 1}/{args.repeats} {name}: median step {summary['median_step_time'] * 1e3:.1f} "
                   "ms", file=sys.stderr, flush=True)
+    for name, (ranks, extra) in layouts.items():  # untimed: what each rank holds
+        results[name]["memory"], _ = memory(args, "train_pipeline_gpipe.py", "gpipe", workdir, extra=extra,
+                                            ranks=ranks)
     base = statistics.median(results[f"{p} stages"]["step_times"])
     lines = [f"GPipe, {p} stages, batch {args.batch_size} x {args.seq_len} (global), {args.microbatches} "
              f"microbatches per replica, {args.repeats} alternating runs of {args.steps} steps; {os.cpu_count()} CPU "
@@ -752,10 +773,10 @@ def data_parallel(args, workdir):
              "| grads per rank (MiB) | AdamW state per rank (MiB) |", "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         r["median_step_time"] = median = statistics.median(r["step_times"])
-        held = [", ".join(f"{b / 2**20:.2f}" for b in r["summary"][f"{kind}_bytes_per_rank"])
+        held = [", ".join(f"{b / 2**20:.2f}" for b in r["memory"][f"{kind}_bytes_per_rank"])
                 for kind in ("param", "grad", "optimizer")]
         lines.append(f"| {name} | {layouts[name][0]} | {median * 1e3:.1f} | {median / base:.2f} | "
-                     f"{r['summary']['tokens_per_s']:.0f} | {' | '.join(held)} |")
+                     f"{r['tokens_per_s']:.0f} | {' | '.join(held)} |")
     finish(args, "\n".join(lines), results, name="data_parallel")
 
 
@@ -779,8 +800,8 @@ def splits(args, workdir):
             print(f"repeat {repeat + 1}/{args.repeats} {name}: median step {summary['median_step_time'] * 1e3:.1f} "
                   "ms", file=sys.stderr, flush=True)
     for name, (ranks, extra) in variants.items():  # untimed: the saved-tensor hooks slow a step down
-        results[name]["activation_bytes_per_rank"], stdout = activations(
-            args, "train_pipeline_gpipe.py", "gpipe", workdir, extra=extra, ranks=ranks)
+        measured, stdout = memory(args, "train_pipeline_gpipe.py", "gpipe", workdir, extra=extra, ranks=ranks)
+        results[name]["activation_bytes_per_rank"] = measured["activation_bytes_per_rank"]
         results[name]["layout"] = next((found.group(1) for line in stdout.splitlines()
                                         if (found := re.search(r"(\[embed .*\]) \|", line))), "")
     one = statistics.median(results["one process"]["step_times"])
@@ -947,7 +968,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] in (["run"], ["measure-activations"]):
+    if sys.argv[1:2] in (["run"], ["measure-memory"]):
         in_process(sys.argv[1:])
     elif sys.argv[1:2] == ["loss-memory"]:
         loss_memory(sys.argv[2:])

@@ -436,10 +436,6 @@ def loss_chunks(requested: int, config: LlamaConfig, microbatch: tuple[int, int]
     return max(1, min(microbatch[1], math.ceil(logits / LOSS_PIECE_BYTES)))
 
 
-def num_parameters(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token, 6N + 12·L·H·Q·T (PaLM, appendix B): N the parameters outside the embedding
     lookup (it does no multiply), L layers, H query heads, Q head size, T sequence length (attention)."""
@@ -570,6 +566,24 @@ def describe_layout(layout: list[range], costs: dict[str, float]) -> str:
 # Per decoder layer: activation checkpointing and compilation (on hand-split, traced and FSDP-wrapped stages),
 # and tensor parallelism
 
+def merged_stages(modules: list[nn.Module]) -> nn.Module:
+    """One module holding the parameters of a rank's stage modules under their full-model names (shared, not
+    copied), for the optimizer and checkpoints; a single stage is itself."""
+    if len(modules) == 1:
+        return modules[0]
+    root = nn.Module()
+    for module in modules:
+        for name, param in module.named_parameters():
+            *path, leaf = name.split(".")
+            node = root
+            for part in path:
+                if part not in node._modules:
+                    node.add_module(part, nn.Module())
+                node = node._modules[part]
+            node.register_parameter(leaf, param)
+    return root
+
+
 def decoder_layers(modules) -> list[nn.Module]:
     """The decoder layers (base_model.layers.K) of some stage modules, each once; traced stages keep the names."""
     layers = {id(m): m for module in modules for name, m in module.named_modules()
@@ -684,3 +698,40 @@ class TiedEmbedding:
     @property
     def copies(self) -> list:
         return [self.head] if self.active and self.head is not None else []
+
+
+def clip_grad_norm_(params, max_norm: float, copies=(), tp: int = 1) -> Tensor:
+    """Clip by the norm of the whole model's gradient, of which each rank holds a disjoint part (its stages',
+    its FSDP shard), and return it, the same on every rank. copies: a tied head's copy of the embedding,
+    clipped but counted once. Collective."""
+    def tp_copies(p) -> int:  # a tensor every tensor-parallel rank holds whole (a norm's gain) is counted once
+        names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+        return tp if "tp" not in names or p.placements[names.index("tp")].is_replicate() else 1
+
+    params, skip, squares = [p for p in params if p.grad is not None], {id(p) for p in copies}, []
+    for p in (p for p in params if id(p) not in skip):
+        # In float64 over rows of 4096: torch's float32 norm on the CPU sums a whole tensor in one running sum,
+        # 2e-5 off on the tiny model's embedding, more than two layouts may differ by.
+        flat = (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).flatten()
+        whole = flat.numel() // 4096 * 4096
+        norms = torch.cat([torch.linalg.vector_norm(flat[:whole].view(-1, 4096), dim=1),
+                           torch.linalg.vector_norm(flat[whole:])[None]])
+        squares.append((norms.double() ** 2).sum() / tp_copies(p))
+    total = torch.stack(squares).sum()
+    dist.all_reduce(total)
+    total = total.sqrt().float()
+    if max_norm > 0:  # as torch.nn.utils.clip_grads_with_norm_, on the local tensors
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params], scale)
+    return total
+
+
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}  # data sheets
+
+
+def mfu(tokens_per_s: float, config: LlamaConfig, seq_len: int, device: torch.device, gpus: int) -> float | None:
+    """Model FLOPs utilization: the model's FLOPs per second over the GPUs' dense bf16 peak; None where the
+    peak is not known (the CPU, other GPUs)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    peak = next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
+    return tokens_per_s * flops_per_token(config, seq_len) / (peak * gpus) if peak else None

@@ -28,9 +28,9 @@ hand-written script's afab is accepted too (GPipe's order).
 
 Nothing is allocated and no process group or GPU is needed. For every rank of the pipeline it prints the bytes
 of parameters, gradients and AdamW state it holds (fp32, 1/dp of its stages' with FSDP, 1/tp of the matrices,
-as the end-of-run summary measures them), the gathered parameters and gradients FSDP holds during a step, the
-activations held for backward at the worst moment of the chosen schedule (what `benchmark.py
-measure-activations` counts: for the zero-bubble schedules also the gradients kept from a backward's input half
+as `benchmark.py measure-memory` measures them), the gathered parameters and gradients FSDP holds during a
+step, the activations held for backward at the worst moment of the chosen schedule (what `benchmark.py
+measure-memory` counts: for the zero-bubble schedules also the gradients kept from a backward's input half
 to its weight half), with and without --activation-checkpointing, and the loss's logits. Then, for every
 schedule torch ships, the step time and bubble, found by replaying the schedule's own per-rank order of
 forwards and backwards (torch's, built from placeholder stages) with each stage's cost from
@@ -424,7 +424,21 @@ def check(args, config: LlamaConfig, schedule: str, split: str | None = None) ->
     ns = script_args(args, schedule, split)
     gpipe.check_args(ns, args.processes, device_type(args))
     pp = args.processes // (args.dp * args.tp)
-    return ns, gpipe.stage_layout(config, pp * len(stage_ids(schedule, 0, pp, ns.stages_per_rank)), ns)
+    num_stages = pp * len(stage_ids(schedule, 0, pp, ns.stages_per_rank))
+    layout = gpipe.stage_layout(config, num_stages, ns)
+    check_microbatches(schedule, pp, args.microbatches, num_stages)
+    return ns, layout
+
+
+def check_microbatches(schedule: str, pp: int, m: int, num_stages: int) -> None:
+    """What torch 2.13's schedules require of the microbatch count: the script gets it from the schedule's
+    constructor, once its stages are built; plan.py builds none, so it says it here, the same requirement."""
+    if schedule in ("1f1b", "dualpipev") and m < num_stages:
+        raise UsageError(f"--microbatches {m}: {schedule} needs at least as many microbatches as stages "
+                         f"({num_stages})")
+    if schedule in ("interleaved1f1b", "interleavedzerobubble") and m % max(1, m // pp):
+        raise UsageError(f"--microbatches {m}: {schedule} needs a multiple of max(1, microbatches // pipeline "
+                         f"ranks); use a multiple of {pp}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -563,6 +577,7 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
         gpipe.check_args(ns, trial.processes, "cuda")
         num_stages = pp * len(stage_ids(schedule, 0, pp, ns.stages_per_rank))
         layout = gpipe.stage_layout(config, num_stages, ns)
+        check_microbatches(schedule, pp, m, num_stages)
     except UsageError:
         return None
     row = {"pp": pp, "dp": dp, "tp": tp, "schedule": schedule, "microbatches": m, "checkpointing": checkpointing,
@@ -737,12 +752,8 @@ def search(args) -> list[dict]:
     return fits[:args.top]
 
 
-class _Parser(Parser):
-    MOVED = {flag: where for flag, where in Parser.MOVED.items() if flag != "--vocab-size"}  # plan.py's own
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="plan.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="plan.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--processes", type=whole(1),
                       help="plan this layout: processes the run would start, pipeline ranks x --dp x --tp")

@@ -8,21 +8,17 @@
 
 No torch.distributed.pipelining here: this is what that library does for you. Each rank keeps a slice of the
 layers (partition_model), runs it on every microbatch (forward_stage), and passes activations forward and
-their gradients backward with point-to-point messages (_Comm). train_step_pipeline_afab runs every microbatch
-forward, then every one backward; train_step_pipeline_1f1b starts each microbatch's backward as early as it
-can, so a rank holds at most (stages - rank) microbatches' activations instead of all of them. The functions
-also train a Hugging Face LlamaForCausalLM that a user brings: partition_model(hf_model, rank, world_size).
-
-A template: this file, model.py and checkpoint.py are all it needs, with data from prepare_data.py. It reads
-top to bottom: flags, processes and mesh, data, this rank's stage, the schedule, training, the main loop; the
-same flags, checkpoints and, for the same --seed, losses as train_pipeline_gpipe.py.
+their gradients back with point-to-point messages. AFAB runs every microbatch forward, then every one
+backward; 1F1B starts each backward as early as it can, so a rank holds at most (stages - rank) microbatches'
+activations. The functions also train a Hugging Face LlamaForCausalLM: partition_model(hf_model, rank, size).
+Needs model.py and checkpoint.py. Reads top to bottom: flags, mesh, data, split, schedule, training.
 """
 
 import argparse
 import contextlib
 import dataclasses
 import datetime
-import json
+import functools
 import math
 import os
 import resource
@@ -35,15 +31,14 @@ import torch.nn as nn
 import tqdm
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import record_function
 
 import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
-from model import (PRESETS, LlamaForPretraining, TiedEmbedding, check_layout, checkpoint_layers, compile_layers,
-                   chunked_loss, config_from_preset, decoder_layers, describe_layout, estimated_costs, even,
-                   flops_per_token, layout, loss_chunks, tensor_parallel)
+from model import (PRESETS, LlamaForPretraining, TiedEmbedding, checkpoint_layers, chunked_loss, clip_grad_norm_,
+                   compile_layers, config_from_preset, decoder_layers, describe_layout, estimated_costs, even,
+                   layout, loss_chunks, mfu, tensor_parallel)
 
 # ----------------------------------------------------------------------------------------------------------
 # Flags: the same names and meanings in every script of the collection
@@ -53,11 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=sorted(PRESETS), help="model preset (default: tiny on CPU, small on GPU)")
     g.add_argument("--layers", type=whole(1), help="another number of decoder layers than the preset's")
-    g.add_argument("--init-from", metavar="DIR",
-                   help="start a new run from a model's weights: a Hugging Face Llama directory (config.json, "
-                        "safetensors, tokenizer.json) or a checkpoint of this project (a step-N directory or a "
-                        "--checkpoint-dir: its newest). Its shape comes from there, its tokenizer must be the "
-                        "data's. Ignored once --checkpoint-dir holds checkpoints: they are resumed")
+    g.add_argument("--init-from", metavar="DIR", help="start a new run from a Hugging Face Llama directory or a "
+                   "checkpoint of this project (its tokenizer must be the data's)")
     g = p.add_argument_group("training")
     g.add_argument("--data", default="data", help="data prepared by prepare_data.py")
     g.add_argument("--steps", type=whole(0), default=300, help="optimizer steps; 0: only evaluate")
@@ -67,85 +59,65 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=number(positive=True), default=3e-3, help="peak learning rate (AdamW)")
     g.add_argument("--warmup-steps", type=whole(0), default=30, help="linear, then cosine decay to 10%% of --lr")
     g.add_argument("--weight-decay", type=number(positive=False), default=0.1, help="AdamW's, of matrices")
-    g.add_argument("--grad-clip", type=number(positive=False), default=1.0,
-                   help="clip the whole model's gradient norm to this; 0: no clipping")
+    g.add_argument("--grad-clip", type=number(positive=False), default=1.0, help="of the whole model; 0: none")
     g.add_argument("--seed", type=int, default=0, help="of the weights and the data order")
-    g.add_argument("--eval-every", type=whole(0), default=0,
-                   help="after every N steps and at the end, the held-out loss, forward only; 0: never")
+    g.add_argument("--eval-every", type=whole(0), default=0, help="held-out loss every N steps and at the end")
     g.add_argument("--eval-batches", type=whole(1), default=4, help="held-out batches per evaluation")
-    g = p.add_argument_group("pipeline")
-    g.add_argument("--schedule", choices=list(SCHEDULES), default="afab", help="the pipeline schedule")
-    g.add_argument("--split", default="balanced",
-                   help="the layers of each stage: balanced (by estimated compute, the head and loss counted on "
-                        "the last stage), even (equal counts), or layers per stage such as 5,1")
-    g.add_argument("--dp", type=whole(1), default=1,
-                   help="data-parallel replicas of the pipeline (FSDP2); pipeline ranks = processes / (dp x tp)")
-    g.add_argument("--tp", type=whole(1), default=1,
-                   help="tensor-parallel ranks per stage: each layer's heads and MLP, the embedding and the head "
-                        "split over them (neighbouring ranks: inside a node)")
-    g.add_argument("--loss-chunks", type=whole(0), default=0,
-                   help="the loss applies the head to this many pieces of the sequence, each recomputed in "
-                        "backward, so the whole logits never exist; 1: the plain loss; 0: as few as keep a "
-                        "piece's fp32 logits within 256 MiB (1 for small models)")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--schedule", choices=["afab", "1f1b"], default="afab", help="the pipeline schedule")
+    g.add_argument("--split", default="balanced", help="layers per stage: balanced (by estimated compute), even, "
+                   "or counts such as 5,1")
+    g.add_argument("--dp", type=whole(1), default=1, help="data-parallel replicas of the pipeline (FSDP2)")
+    g.add_argument("--tp", type=whole(1), default=1, help="tensor-parallel ranks per stage (inside a node)")
+    g.add_argument("--loss-chunks", type=whole(0), default=0, help="pieces of the sequence the loss takes at a "
+                   "time, recomputed in backward; 0: as few as keep a piece's fp32 logits within 256 MiB")
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
     g.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     g = p.add_argument_group("checkpoints and output")
     g.add_argument("--checkpoint-dir", default="checkpoints", help="saved to and resumed from")
     g.add_argument("--checkpoint-every", type=whole(0), default=0, help="save every N steps; 0: at the end only")
     g.add_argument("--keep-checkpoints", type=whole(1), default=3, help="the newest K complete ones are kept")
-    g.add_argument("--fresh", action="store_true",
-                   help="start at step 0 even if --checkpoint-dir holds checkpoints (moved to DIR.previous-TIME)")
+    g.add_argument("--fresh", action="store_true", help="start at step 0; move --checkpoint-dir's checkpoints aside")
     g.add_argument("--metrics", help="write one JSON line per step, and a summary, to this file")
-    g.add_argument("--trace", metavar="DIR",
-                   help="write each rank's Chrome trace of the last 3 steps (torch.profiler) to DIR/rankN.json")
+    g.add_argument("--trace", metavar="DIR", help="each rank's Chrome trace of the last 3 steps: DIR/rankN.json")
     g = p.add_argument_group("system")
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto: cuda:LOCAL_RANK with NCCL and bf16 autocast when a GPU is present, else CPU, gloo, "
-                        "fp32")
-    g.add_argument("--timeout", type=number(positive=True), default=600,
-                   help="seconds a rank waits for its peers before the job stops with an error, not a hang")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda:LOCAL_RANK with "
+                   "NCCL and bf16 autocast if there is a GPU, else the CPU, gloo, fp32")
+    g.add_argument("--timeout", type=number(positive=True), default=600, help="seconds a rank waits for its peers")
     return p
 
 
 def check_args(args, world_size: int, device_type: str) -> None:
-    """What the flags alone show to be impossible, checked identically on every rank before any work."""
-    def need(ok: bool, message: str):
-        if not ok:
-            raise UsageError(message, on_every_rank=True)
-    group = args.dp * args.tp  # the processes of one pipeline stage: its replicas x its tensor-parallel ranks
-    need(world_size % group == 0, f"--dp {args.dp}{f' x --tp {args.tp}' if args.tp > 1 else ''}: {world_size} "
-                                  f"processes cannot be split into {group} {'replicas' if args.tp == 1 else 'ranks'} "
-                                  f"per stage; start a multiple of {group} processes (pipeline ranks x dp x tp)")
-    # Tried: torch 2.13's compiled layers fail in backward on the tensor-parallel layers' DTensors.
-    need(not (args.compile and args.tp > 1), f"--compile with --tp {args.tp}: compiled tensor-parallel layers "
-                                             "fail in torch 2.13's backward; leave --compile out with --tp")
-    need(args.batch_size % (args.dp * args.microbatches) == 0,
-         f"--batch-size {args.batch_size} is not divisible by --dp {args.dp} x --microbatches {args.microbatches}; "
-         "each replica splits its equal share of the batch into the microbatches")
-    pp, per_rank = world_size // group, 1  # one stage per rank
-    preset = config_from_preset(args.model or ("small" if device_type == "cuda" else "tiny"), 0, args.layers)
-    # The preset's shape (its vocabulary comes with the data); --init-from's, or a resumed run's, once known.
-    stage_layout(preset if checkpoint.preset_model(args) else None, pp * per_rank, args)
+    """What the flags alone rule out, checked alike on every rank before any work."""
+    group = args.dp * args.tp  # the processes of one stage: its replicas x its tensor-parallel ranks
+    if world_size % group:
+        raise UsageError(f"--dp {args.dp} x --tp {args.tp}: {world_size} processes do not divide into stages of "
+                         f"{group}; start a multiple of {group} (pipeline ranks x dp x tp)", on_every_rank=True)
+    if args.batch_size % (args.dp * args.microbatches):
+        raise UsageError(f"--batch-size {args.batch_size} is not divisible by --dp {args.dp} x --microbatches "
+                         f"{args.microbatches}", on_every_rank=True)
+    if args.compile and args.tp > 1:  # tried
+        raise UsageError("--compile with --tp: torch 2.13's compiled tensor-parallel layers fail in backward; "
+                         "leave --compile out", on_every_rank=True)
+    if checkpoint.preset_model(args):  # the model's shape is --model's: its layout can be checked already
+        preset = config_from_preset(args.model or ("small" if device_type == "cuda" else "tiny"), 0, args.layers)
+        stage_layout(preset, world_size // group, args)
 
 
 def stage_layout(config, num_stages: int, args) -> list[range]:
-    """The layers of each stage (--split), after what the model's shape allows: a layer per stage, --seq-len
-    within its positions. config None: only --split's spelling."""
-    if config is not None and num_stages > config.num_hidden_layers:
-        stages = "processes / (--dp x --tp)" + (" x --stages-per-rank" if "stages_per_rank" in vars(args) else "")
-        raise UsageError(f"{num_stages} pipeline stages ({stages}) but the model has {config.num_hidden_layers} "
-                         "layers: each stage needs one; use fewer stages or more --layers", on_every_rank=True)
-    if config is not None and args.seq_len > config.max_position_embeddings:
+    """The layers of each stage (--split), once the model's shape is known; what that shape rules out."""
+    if num_stages > config.num_hidden_layers:
+        raise UsageError(f"{num_stages} pipeline stages but the model has {config.num_hidden_layers} layers: each "
+                         "stage needs one; use fewer stages or more --layers", on_every_rank=True)
+    if args.seq_len > config.max_position_embeddings:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions",
                          on_every_rank=True)
     for what, count in (("attention heads", config.num_attention_heads), ("KV heads", config.num_key_value_heads),
-                        ("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)) if config else ():
+                        ("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)):
         if count % args.tp:  # tensor parallelism gives each rank an equal share of these
             raise UsageError(f"--tp {args.tp}: the model's {what} ({count}) do not divide by it; use a --tp that "
                              f"divides {count}", on_every_rank=True)
     try:
-        if config is None:
-            return check_layout(args.split)
         microbatch = (args.batch_size // (args.dp * args.microbatches), args.seq_len)
         return layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing,
                       loss_chunks(args.loss_chunks, config, microbatch, args.tp))
@@ -161,12 +133,12 @@ class Env:
     rank: int
     world_size: int
     device: torch.device  # cuda:LOCAL_RANK with NCCL, or the CPU with gloo
-    dtype: torch.dtype  # compute dtype: bf16 autocast on GPU (weights and AdamW stay fp32), fp32 on CPU
+    dtype: torch.dtype  # of the computation: bf16 autocast on GPU (weights and AdamW stay fp32), fp32 on CPU
     restart: int  # how often torchrun --max-restarts has restarted this job
 
 
 def launch_env(device_flag: str) -> Env:
-    """What torchrun set (or one process, under plain python), and the one place that picks device and dtype."""
+    """What torchrun set (or one process); the one place that picks the device and the dtype."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     cuda = device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available())
     if cuda and not torch.cuda.is_available():
@@ -180,24 +152,16 @@ def launch_env(device_flag: str) -> Env:
 
 
 def init_distributed(env: Env, timeout_s: float, dp: int, tp: int):
-    """Join the other processes and arrange them in a mesh: "pp" (pipeline ranks) outermost, then "dp"
-    (replicas of the pipeline), then "tp" (the tensor-parallel ranks of one stage) innermost.
-
-    Ranks fill the mesh row by row, rank = (pp_rank * dp + dp_rank) * tp + tp_rank. tp innermost: a layer's
-    tensor-parallel ranks, which all-reduce inside every layer, are neighbouring ranks, on one node when tp
-    divides its GPUs; then a stage's replicas, whose FSDP all-gathers and reduce-scatters (a stage's whole
-    parameters and gradients, every step) stay on the node's links as far as they fit; and only one
-    microbatch's activations at a time cross nodes, between pipeline stages. The timeout bounds every
-    collective and send/recv: a peer that died or hangs stops the job with an error instead of leaving the
-    others waiting forever."""
+    """Join the other processes in a ("pp", "dp", "tp") mesh. tp innermost: the ranks that all-reduce in every
+    layer are neighbours, on one node; only activations cross between pipeline ranks, maybe between nodes."""
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if env.device.type == "cuda" else "gloo"
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
     if "MASTER_ADDR" in os.environ:  # started by torchrun
         store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
-        # After torchrun --max-restarts restarts the job, the new processes meet in the same store as the dead
-        # ones, whose addresses are still in it: a key prefix per attempt keeps each to itself.
+        # A job restarted by torchrun --max-restarts meets in the same store as the dead processes, whose
+        # addresses are still in it: a key prefix per attempt keeps each attempt to itself.
         store = dist.PrefixStore(f"attempt{env.restart}", store)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
                                 **({"device_id": env.device} if env.device.type == "cuda" else {}))
@@ -207,8 +171,8 @@ def init_distributed(env: Env, timeout_s: float, dp: int, tp: int):
 
 
 def compute(env: Env, tp: int):
-    """The context of every forward and backward: bf16 autocast on GPU; with tensor parallelism, loss_parallel,
-    so that the cross-entropy works on the head's vocabulary-sharded logits without gathering them."""
+    """The context of every forward and backward: bf16 autocast on GPU; with tensor parallelism loss_parallel,
+    so the cross-entropy takes the head's vocabulary-sharded logits without gathering them."""
     stack = contextlib.ExitStack()
     if env.dtype != torch.float32:
         stack.enter_context(torch.autocast(env.device.type, env.dtype))
@@ -221,11 +185,8 @@ def compute(env: Env, tp: int):
 # Data: windows of the token files prepare_data.py wrote, in a seeded order that a checkpoint can resume
 
 class Batches:
-    """Windows of seq_len + 1 tokens (inputs = window[:-1], targets = window[1:]) from the token files of a
-    split ("train" or "val"), batch_size windows per batch. Consecutive windows share one token, so every token
-    is a target once per epoch. shuffle: a permutation of the windows drawn from (seed, epoch) for each epoch;
-    else in order. Every rank reads the whole global batch, so the position is the run's whatever the layout,
-    and each data-parallel replica trains on its own rows of it."""
+    """Batches of windows of seq_len + 1 tokens from a split's token files, in an order drawn from (seed, epoch).
+    Every rank reads the whole global batch: the position is the run's on any layout."""
 
     def __init__(self, directory: str, meta: dict, split: str, seq_len: int, batch_size: int, seed: int,
                  shuffle: bool = True):
@@ -261,25 +222,7 @@ class Batches:
 
 def open_data(args) -> tuple[dict, Batches, Batches]:
     """The prepared data's meta.json, the training batches, and the held-out ones (the same each evaluation)."""
-    prepare = f"python prepare_data.py{'' if args.data == 'data' else ' --out ' + args.data}"
-    try:
-        with open(os.path.join(args.data, "meta.json")) as f:
-            meta = json.load(f)
-    except OSError:
-        raise UsageError(f"--data {args.data}: no data prepared there; run {prepare} first (see its --help)") from None
-    except ValueError as e:
-        raise UsageError(f"--data {args.data}: its meta.json is damaged ({e}); prepare it again: {prepare}") from None
-    try:  # a token file cut short would silently train on less, or fail mid-run
-        for name, tokens in (pair for split in ("train", "val") for pair in zip(meta[split]["files"],
-                                                                                meta[split]["tokens"], strict=True)):
-            path, expected = os.path.join(args.data, name), tokens * np.dtype(meta["dtype"]).itemsize
-            if not os.path.isfile(path) or os.path.getsize(path) != expected:
-                found = f"has {os.path.getsize(path):,} bytes" if os.path.isfile(path) else "is missing"
-                raise UsageError(f"--data {args.data}: {name} {found}, meta.json says {expected:,}; the data is "
-                                 f"incomplete or damaged, prepare it again: {prepare}")
-    except (KeyError, TypeError, ValueError) as e:
-        raise UsageError(f"--data {args.data}: its meta.json is damaged ({type(e).__name__}: {e}); prepare it "
-                         f"again: {prepare}") from None
+    meta = checkpoint.read_data_meta(args.data)
     train = Batches(args.data, meta, "train", args.seq_len, args.batch_size, args.seed)
     held_out = Batches(args.data, meta, "val", args.seq_len, args.batch_size, 0, shuffle=False)
     if train.num_windows < 1:
@@ -311,22 +254,16 @@ class Partition:
     group: dist.ProcessGroup | None = None  # the pipeline's ranks; None: the default group is the pipeline
 
     def peer(self, offset: int) -> int:
-        """The global rank of the previous (-1) or next (+1) stage. send/recv take global ranks; with data
-        parallelism, stage + 1 is not global rank + 1 (the mesh puts a stage's replicas between them)."""
-        rank = self.rank + offset
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+        """The global rank of the previous (-1) or next (+1) stage: with replicas, not global rank -1 or +1."""
+        return self.rank + offset if self.group is None else dist.get_global_rank(self.group, self.rank + offset)
 
 
 def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.ProcessGroup | None = None,
                     layout: list[range] | None = None) -> Partition:
-    """Keep this rank's slice of the layers, with the embedding on the first rank and the final norm and head on
-    the last, trimming the model in place so the other layers can be freed (on the meta device: never allocated).
-
-    rank and world_size count the pipeline's stages. group: the process group of this rank's pipeline, when it
-    is not the default group (one pipeline per data-parallel replica); rank is then this process's rank in it.
-    layout: the layers of every stage (default: even, sizes differing by at most one). Works with model.py's
-    LlamaForPretraining and with a Hugging Face LlamaForCausalLM (model.model.embed_tokens / layers / norm /
-    rotary_emb, lm_head)."""
+    """Keep this rank's slice of the layers (layout's, default even), the embedding on the first rank, the final
+    norm and head on the last, trimming the model in place (on meta: the rest is never allocated). rank and
+    world_size count the pipeline's stages, in `group` when given. Takes model.py's LlamaForPretraining or a
+    Hugging Face LlamaForCausalLM."""
     if isinstance(model, LlamaForPretraining):
         base, rotary, pad_id, eager = model.base_model, None, None, False
         model.head_in_loss = True  # the loss applies the head (loss_fn)
@@ -355,13 +292,12 @@ def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.Pr
 
 
 def forward_stage(partition: Partition, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Run this rank's slice: token ids [mb, seq] on the first stage, hidden states [mb, seq, hidden] on the
-    others; returns hidden states (the last stage's after the final norm: the loss applies the head). Positions
-    are 0..seq-1 on every stage: each sees whole sequences, so it rebuilds positions (and rotary tables) from
-    the length and only hidden states travel."""
+    """This rank's slice on token ids (first stage) or hidden states; hidden states out (the last stage's after
+    the final norm: the loss applies the head). Each stage sees whole sequences, so it rebuilds positions (and
+    rotary tables) itself: only hidden states travel."""
     if isinstance(partition.model, LlamaForPretraining):
-        # model.py's Llama skips what a stage does not hold, so the trimmed model is the stage. Calling it (not its
-        # parts) also runs FSDP's hooks when the stage is sharded over data-parallel replicas.
+        # model.py's Llama skips what a stage does not hold: the trimmed model is the stage, and calling it runs
+        # FSDP's hooks too.
         return partition.model(hidden_states)
     h = partition.embed(hidden_states) if partition.embed is not None else hidden_states
     kwargs = {}
@@ -377,89 +313,85 @@ def forward_stage(partition: Partition, hidden_states: torch.Tensor) -> torch.Te
 
 
 def loss_fn(partition: Partition, hidden: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
-    """The mean cross-entropy of the head's logits, chunks pieces of the sequence at a time (model.chunked_loss:
-    the whole logits never exist)."""
+    """The mean cross-entropy of the head's logits, chunks pieces of the sequence at a time."""
     if partition.pad_id is not None:  # a Hugging Face model's padding, if it has any
         targets = targets.masked_fill(targets == partition.pad_id, -100)
     return chunked_loss(partition.head, hidden, targets, chunks)
 
 
+def parallelize(modules: list, mesh, args) -> None:
+    """In place, in torchtitan's order: tensor parallelism, activation checkpointing, compile, then FSDP2 over
+    the stage's replicas (each decoder layer, then each stage's root, gathered and reduced as one unit)."""
+    for module in modules:
+        tensor_parallel(module, mesh["tp"])
+    if args.activation_checkpointing:
+        checkpoint_layers(modules)
+    if args.compile:
+        compile_layers(modules)
+    if mesh["dp"].size() > 1:
+        # reshard_after_forward=False: a stage runs forward once per microbatch, and gathering its parameters
+        # again for each would multiply the all-gathers by the microbatches (torchtitan's choice too).
+        for module in decoder_layers(modules) + modules:
+            fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The schedule: point-to-point messages, and AFAB and 1F1B over them
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-_MAX_DIMS = 6
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
-class _Comm:
-    """The sends and receives of one step. Sends do not wait, so two neighbours sending to each other at the
-    same moment (1F1B's steady state) cannot deadlock; they are waited for at the end of the step, and their
-    tensors kept alive until then. Each is labelled for --trace's profiler ("send 3", "recv 3")."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.pending = device, []
-
-    def send(self, tensor: torch.Tensor, dst: int, mb: int) -> None:
-        with record_function(f"send {mb}"):
-            tensor = tensor.contiguous()
-            # The receiver knows neither the shape (the sequence length may change from batch to batch) nor the
-            # dtype, and a receive buffer must match the sender's byte for byte: send both first.
-            header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-            header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
-            header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
-            header = header.to(self.device)
-            self.pending += [(dist.isend(header, dst), header), (dist.isend(tensor, dst), tensor)]
-
-    def recv(self, src: int, mb: int) -> torch.Tensor:
-        with record_function(f"recv {mb}"):
-            header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
-            dist.recv(header, src)
-            dtype, ndim, *shape = header.tolist()
-            tensor = torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=self.device)
-            dist.recv(tensor, src)
-            return tensor
-
-    def wait_all(self) -> None:
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
-
-
-class _Step:
-    """One step of AFAB or 1F1B on this rank: one forward and one backward per microbatch, in the schedule's
-    order, each labelled for --trace's profiler ("forward 3", "backward 3")."""
+class Step:
+    """One step of AFAB or 1F1B on this rank: a forward and a backward per microbatch, in the schedule's order,
+    each labelled for --trace ("forward 3", "send 3", ...). Sends do not wait, so two neighbours sending to each
+    other at once (1F1B's steady state) cannot deadlock; they are waited for at the end of the step."""
 
     def __init__(self, partition, inputs, targets, device, dtype, loss_chunks=1):
         self.p, self.inputs, self.targets, self.device, self.dtype = partition, inputs, targets, device, dtype
-        self.loss_chunks = loss_chunks
-        self.m, self.comm = len(inputs), _Comm(device)
+        self.loss_chunks, self.m, self.sends = loss_chunks, len(inputs), []
         self.first, self.last = partition.rank == 0, partition.rank == partition.world_size - 1
         self.saved: dict[int, tuple] = {}  # microbatch -> (stage input, stage output or scaled loss)
         self.loss = torch.zeros((), device=device)
 
+    def send(self, tensor: torch.Tensor, dst: int, mb: int) -> None:
+        with record_function(f"send {mb}"):
+            # The receiver knows neither the shape nor the dtype, and a receive buffer must match the sender's
+            # byte for byte: a header of both first (dtype, number of dimensions, up to 6 sizes).
+            tensor = tensor.contiguous()
+            header = torch.tensor([DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape] + [0] * (6 - tensor.dim()))
+            self.sends += [(dist.isend(header.to(self.device), dst), header),  # kept alive until waited for
+                           (dist.isend(tensor, dst), tensor)]
+
+    def recv(self, src: int, mb: int) -> torch.Tensor:
+        with record_function(f"recv {mb}"):
+            header = torch.empty(8, dtype=torch.int64, device=self.device)
+            dist.recv(header, src)
+            dtype, ndim, *shape = header.tolist()
+            tensor = torch.empty(shape[:ndim], dtype=DTYPES[dtype], device=self.device)
+            dist.recv(tensor, src)
+            return tensor
+
     def forward(self, i: int) -> None:
         p = self.p
-        # A received tensor has no autograd history. Making it a leaf that requires grad lets this stage's
-        # backward stop there and leave d(loss)/d(input) in x.grad, which is what the previous stage needs.
-        x = self.inputs[i].to(self.device) if self.first else \
-            self.comm.recv(p.peer(-1), i).to(self.dtype).requires_grad_()
+        # A received tensor has no autograd history. Made a leaf that requires grad, it stops this stage's
+        # backward and keeps d(loss)/d(input) in x.grad: what the previous stage needs.
+        x = self.inputs[i].to(self.device) if self.first else self.recv(p.peer(-1), i).to(self.dtype).requires_grad_()
         with record_function(f"forward {i}"):
             out = forward_stage(p, x)
             if self.last:  # divided by m: the gradients add up to those of the mean microbatch loss
                 out = loss_fn(p, out, self.targets[i].to(self.device), self.loss_chunks) / self.m
                 self.loss += out.detach()
         if not self.last:  # values only travel; the graph stays here in `out` for this stage's backward
-            self.comm.send(out.detach().to(self.dtype), p.peer(+1), i)
+            self.send(out.detach().to(self.dtype), p.peer(+1), i)
         self.saved[i] = (x, out)
 
     def backward(self, i: int) -> None:
         p = self.p
         x, out = self.saved.pop(i)  # dropping it frees this microbatch's activations after the backward
-        grad = None if self.last else self.comm.recv(p.peer(+1), i).to(out.dtype)
+        grad = None if self.last else self.recv(p.peer(+1), i).to(out.dtype)
         if isinstance(p.model, FSDPModule):
-            # Data parallelism: every backward adds into the local unsharded gradient, and only the last one
-            # (microbatch m - 1, in AFAB and 1F1B alike) reduce-scatters the sum over the replicas, once per step
-            # instead of m times; the parameters stay gathered until then.
+            # With replicas, every backward adds into the unsharded gradient and only the last one (microbatch
+            # m - 1, in AFAB and 1F1B alike) reduce-scatters the sum: once per step, not m times.
             last = i == self.m - 1
             p.model.set_requires_gradient_sync(last)
             p.model.set_reshard_after_backward(last)
@@ -467,36 +399,24 @@ class _Step:
         with record_function(f"backward {i}"):
             out.backward(grad)  # the last stage from its scaled loss, the others from the received gradient
         if not self.first:
-            self.comm.send(x.grad.to(self.dtype), p.peer(-1), i)
+            self.send(x.grad.to(self.dtype), p.peer(-1), i)
 
     def finish(self) -> torch.Tensor | None:
-        self.comm.wait_all()
+        for work, _ in self.sends:
+            work.wait()
         return self.loss if self.last else None
 
 
-def _as_partition(model) -> Partition:
-    return model if isinstance(model, Partition) else partition_model(model, dist.get_rank(), dist.get_world_size())
-
-
 def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chunks=1):
-    """One training step with All-Forward-All-Backward: every microbatch forward, then every one backward in
-    microbatch order. The caller zeroes gradients before and runs the optimizer after.
+    """One training step with All-Forward-All-Backward: every microbatch forward, then every one backward; all
+    m microbatches' activations are held at the peak. The caller zeroes the gradients and runs the optimizer.
 
-    Args:
-        model: a Partition from partition_model, or a model that is partitioned here (rank and world size
-            from the default process group, which must be initialized).
-        inputs, targets: lists of [mb, seq] token-id tensors, one per microbatch. Only the first rank reads
-            inputs and only the last reads targets; other ranks may pass lists of None of the same length.
-        device: where this stage computes. dtype: of the activations and gradients sent between stages.
-        loss_chunks: the pieces of the sequence the loss applies the head to, one at a time (default 1: the
-            whole microbatch at once, as the model's own forward; the script passes --loss-chunks).
-
-    Run it inside compute(env, tp): autocast, and with tensor parallelism loss_parallel (the head's logits are
-    split by vocabulary; the loss and its backward work on the pieces).
-
-    Returns the step's loss (mean over microbatches of the cross-entropy, ignoring -100 and the pad id) on the
-    last rank, None on the others. All m microbatches' activations are held at the peak."""
-    step = _Step(_as_partition(model), inputs, targets, device, dtype, loss_chunks)
+    model: a Partition (partition_model), or a model partitioned here over the default process group. inputs,
+    targets: lists of [mb, seq] token ids, one per microbatch, read on the first and last rank (elsewhere lists
+    of None). dtype: of what is sent between stages. loss_chunks: pieces of the sequence the head and loss take
+    at a time (1: the whole microbatch, as the model's own forward). Run it inside compute(env, tp) (autocast,
+    loss_parallel). Returns the mean microbatch loss on the last rank, else None."""
+    step = Step(as_partition(model), inputs, targets, device, dtype, loss_chunks)
     for i in range(step.m):
         step.forward(i)
     for i in range(step.m):
@@ -505,11 +425,10 @@ def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chun
 
 
 def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, loss_chunks=1):
-    """One training step with 1F1B (PipeDream-flush): the arguments, result and gradients of AFAB, but a rank
-    holds the activations of at most world_size - rank microbatches instead of all of them."""
-    step = _Step(_as_partition(model), inputs, targets, device, dtype, loss_chunks)
-    p = step.p
-    warmup = min(p.world_size - p.rank - 1, step.m)  # fill the pipeline below this rank; the last needs none
+    """One training step with 1F1B (PipeDream-flush): AFAB's arguments, result and gradients, but a rank holds
+    the activations of at most world_size - rank microbatches."""
+    step = Step(as_partition(model), inputs, targets, device, dtype, loss_chunks)
+    warmup = min(step.p.world_size - step.p.rank - 1, step.m)  # fill the pipeline below; the last rank needs none
     for i in range(warmup):
         step.forward(i)
     for i in range(step.m - warmup):  # steady state: each forward followed by the oldest held one's backward
@@ -521,39 +440,54 @@ def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, loss_chun
 
 
 @torch.no_grad()
-def eval_step_pipeline(model, inputs, targets, device, dtype, loss_chunks=1):
-    """Forward only, for a held-out loss: the arguments of train_step_pipeline_afab; the mean loss on the last
-    rank. No activation is kept."""
-    step = _Step(_as_partition(model), inputs, targets, device, dtype, loss_chunks=loss_chunks)
+def eval_step_pipeline(model, inputs, targets, device, dtype, *, loss_chunks=1):
+    """Forward only, AFAB's arguments: the mean loss on the last rank; no activation is kept."""
+    step = Step(as_partition(model), inputs, targets, device, dtype, loss_chunks)
     for i in range(step.m):
         step.forward(i)
         step.saved.pop(i)
     return step.finish()
 
 
+def as_partition(model) -> Partition:
+    return model if isinstance(model, Partition) else partition_model(model, dist.get_rank(), dist.get_world_size())
+
+
 SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 
 
+def train_step(partition: Partition, inputs, targets, env: Env, tp: int, schedule: str, microbatches: int,
+               chunks: int) -> torch.Tensor | None:
+    """Forward and backward of a batch: inputs on the first stage's rank, targets on the last's (else None).
+    Returns the mean microbatch loss on the last stage's rank."""
+    m = microbatches
+    with compute(env, tp):  # fp32 between stages: the residual stream is fp32 under autocast too
+        return SCHEDULES[schedule](partition, inputs.chunk(m) if inputs is not None else [None] * m,
+                                   targets.chunk(m) if targets is not None else [None] * m, env.device,
+                                   torch.float32, loss_chunks=chunks)
+
+
+@torch.no_grad()
+def eval_step(partition: Partition, inputs, targets, env: Env, tp: int, microbatches: int,
+              chunks: int) -> torch.Tensor | None:
+    """Forward only, the mean microbatch loss on the last stage's rank."""
+    m = microbatches
+    with compute(env, tp):
+        loss = eval_step_pipeline(partition, inputs.chunk(m) if inputs is not None else [None] * m,
+                                  targets.chunk(m) if targets is not None else [None] * m, env.device,
+                                  torch.float32, loss_chunks=chunks)
+    for module in partition.model.modules():
+        if isinstance(module, FSDPModule):  # gathered for the forwards; no backward frees them
+            module.reshard()
+    return loss
+
+
 # ----------------------------------------------------------------------------------------------------------
-# Training: data parallelism, the optimizer and its schedule, clipping across stages, tied embeddings, metrics
-
-def shard_replicas(stage_modules: list, mesh) -> None:
-    """Data parallelism beside the pipeline: shard each stage over its dp replicas with FSDP2, in place.
-
-    fully_shard on every decoder layer, then on the stage's root (embedding, final norm, head): each layer is
-    all-gathered and its gradient reduce-scattered as one unit, and each rank keeps 1/dp of its stage's
-    parameters, gradients and AdamW state. reshard_after_forward=False: a pipeline runs every stage forward
-    once per microbatch, and re-gathering the parameters for each would multiply the all-gathers by the number
-    of microbatches (torchtitan's choice with pipelining too). PipelineStage reduces gradients once per step."""
-    if mesh["dp"].size() == 1:
-        return
-    for module in decoder_layers(stage_modules) + stage_modules:
-        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
-
+# Training: the optimizer, its learning rate, the summary
 
 def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
-    # Decay matrices only; norm gains stay undecayed. Grouping is per parameter, so it is the same on any split.
-    # fused: one kernel over all of a group's tensors, on CUDA and on CPU (FSDP's DTensors too).
+    # Decay matrices only, not norm gains: per parameter, so the same on any split. fused: one kernel per group,
+    # on CUDA and on CPU (FSDP's DTensors too).
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
@@ -561,76 +495,30 @@ def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
 
 
 def lr_at(step: int, args) -> float:
-    """The LR of 1-based step `step`: linear warmup, then cosine down to 10 % of --lr. A function of the step
-    alone, so resuming needs no scheduler state."""
+    """Linear warmup, then cosine down to 10 % of --lr: a function of the step alone, nothing to resume."""
     if step <= args.warmup_steps:
         return args.lr * step / args.warmup_steps
     progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def clip_grad_norm_(params, max_norm: float, copies=(), tp: int = 1) -> torch.Tensor:
-    """Clip by the norm of the *whole model's* gradient and return it (the same on every rank).
-
-    Each rank holds part of the gradient: its stages', and with FSDP only its shard of that. The parts are
-    disjoint, so the whole's squared norm is the sum over all ranks of each part's; clipping each part by its
-    own norm would change the update. copies: a tied head's copy of the embedding, clipped but counted once.
-    A tensor each tensor-parallel rank holds whole (a norm's gain: not split by the plan) is counted once, not
-    tp times. Summed in float64 over rows of 4096: torch's float32 norm on the CPU adds a whole tensor in one
-    running sum (2e-5 relative error on the tiny model's embedding gradient, more than the layouts may differ
-    by)."""
-    def tp_copies(p) -> int:
-        names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-        return tp if "tp" not in names or p.placements[names.index("tp")].is_replicate() else 1
-
-    params, skip, squares = [p for p in params if p.grad is not None], {id(p) for p in copies}, []
-    for p in (p for p in params if id(p) not in skip):
-        flat = (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).flatten()
-        whole = flat.numel() // 4096 * 4096  # rows as views of the gradient (no copy), then the rest
-        norms = torch.cat([torch.linalg.vector_norm(flat[:whole].view(-1, 4096), dim=1),
-                           torch.linalg.vector_norm(flat[whole:])[None]])
-        squares.append((norms.double() ** 2).sum() / tp_copies(p))
-    total = torch.stack(squares).sum()
-    dist.all_reduce(total)
-    total = total.sqrt().float()
-    if max_norm > 0:  # as torch.nn.utils.clip_grads_with_norm_, on the local tensors (DTensor or not: mixed)
-        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params], scale)
-    return total
-
-
-def summary(env: Env, model, optimizer, step_times: list[float], tokens_per_step: int, config, args, reports: bool,
-            metrics) -> None:
-    """Collective: every rank's peak memory and the bytes it holds (params, gradients, AdamW state: with FSDP its
-    shards); the rank reporting the loss prints them with the step time and MFU, and writes them to --metrics."""
-    size = lambda ts: sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in ts if torch.is_tensor(t))
-    held = {"param": size(model.parameters()), "grad": size(p.grad for p in model.parameters()),
-            "optimizer": size(v for state in optimizer.state.values() for v in state.values())}
-    peak = (torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB of peak RSS
-    gathered = [None] * env.world_size
-    dist.all_gather_object(gathered, (peak, held))
-    if not (reports and step_times):
+def summary(env: Env, step_times: list[float], tokens_per_step: int, config, args, metrics) -> None:
+    """Collective: each rank's peak memory; the reporting rank prints it with the step time and MFU and writes
+    it to --metrics."""
+    peaks = [None] * env.world_size
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda"
+                           else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+    if metrics is None or not step_times:
         return
     steady = step_times[1:] or step_times  # the first step pays one-time costs
     row = {"steps": len(step_times), "median_step_time": sorted(steady)[len(steady) // 2],
-           "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
-           "peak_memory_bytes_per_rank": [p for p, _ in gathered],
-           **{f"{kind}_bytes_per_rank": [h[kind] for _, h in gathered] for kind in held}}
-    # MFU: model FLOPs over the GPUs' dense bf16 peak (vendors' data sheets; other GPUs get none).
-    peak_flops = next((f for gpu, f in {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
-                                        "L4": 121e12}.items() if env.device.type == "cuda"
-                       and gpu in torch.cuda.get_device_name(env.device)), None)
-    if peak_flops:
-        row["mfu"] = row["tokens_per_s"] * flops_per_token(config, args.seq_len) / (peak_flops * env.world_size)
-    if metrics:
-        metrics.write(json.dumps({"summary": row}) + "\n")
-    mib = lambda values: ", ".join(f"{b / 2**20:.1f}" for b in values)  # noqa: E731
-    mfu = f", MFU {row['mfu']:.1%}" if peak_flops else ""
+           "tokens_per_s": tokens_per_step * len(steady) / sum(steady), "peak_memory_bytes_per_rank": peaks,
+           "mfu": mfu(tokens_per_step * len(steady) / sum(steady), config, args.seq_len, env.device, env.world_size)}
+    metrics.write({"summary": row})
+    utilization = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
     print(f"done: {row['steps']} steps, median step {row['median_step_time'] * 1e3:.0f} ms, "
-          f"{row['tokens_per_s']:.0f} tokens/s{mfu}; peak memory per rank ({env.device.type}, MiB): "
-          f"{mib(row['peak_memory_bytes_per_rank'])}; held per rank (MiB): "
-          + "; ".join(f"{kind} {mib(row[f'{kind}_bytes_per_rank'])}" for kind in held), flush=True)
+          f"{row['tokens_per_s']:.0f} tokens/s{utilization}; peak memory per rank ({env.device.type}, MiB): "
+          + ", ".join(f"{b / 2**20:.1f}" for b in peaks), flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -644,76 +532,53 @@ def main(args):
     tp_rank, tp = mesh["tp"].get_local_rank(), mesh["tp"].size()  # and in its stage's tensor-parallel group
     say = print if env.rank == 0 else (lambda *a, **k: None)
 
-    # --- data, then what the run will write (paths, the lock, the same run as the checkpoints?)
+    # --- the data, what the run will write (paths, the lock, the same run as its checkpoints?), the model
     with collective_errors():
-        data, batches, held_out = open_data(args)
+        meta, batches, held_out = open_data(args)
     data_id = checkpoint.data_identity(args.data)
     checkpoint.check_run(args, env.rank, env.restart, data_id)
-
-    # --- this rank's stage: the full model on meta, this rank's slice kept, then allocated; sharded over replicas
-    has_first, has_last = pp_rank == 0, pp_rank == pp - 1
+    num_stages, has_first, has_last = pp, pp_rank == 0, pp_rank == pp - 1
     with collective_errors():
-        config, name = checkpoint.model_config(args, data, env.device.type)
-        layers = stage_layout(config, pp, args)
+        config, name = checkpoint.model_config(args, meta, env.device.type)
+        layers = stage_layout(config, num_stages, args)
+    microbatch = (args.batch_size // (dp * args.microbatches), args.seq_len)
+    chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
+
+    # --- the split: the full model on meta, this rank's slice kept, allocated, then tensor parallelism,
+    # checkpointing, compile, FSDP2
     with torch.device("meta"):
         model = LlamaForPretraining(config)
     partition = partition_model(model, pp_rank, pp, group=mesh.get_group("pp"), layout=layers)
     model.to_empty(device=env.device)  # allocates, uninitialized: init_weights sets every parameter and buffer
-    if pp == 1:  # embedding and head in one stage: one tensor if tied (else TiedEmbedding below)
+    if pp == 1:  # embedding and head in one stage: one tensor if tied (else TiedEmbedding)
         model.tie_weights()
     model.init_weights(args.seed)
-    tensor_parallel(model, mesh["tp"])  # before activation checkpointing, compile and FSDP2
-    if args.activation_checkpointing:
-        checkpoint_layers([model])
-    if args.compile:
-        compile_layers([model])
-    model.train()
-    shard_replicas([model], mesh)  # with dp > 1 the backward of the last microbatch syncs them (_Step.backward)
-    train_step = SCHEDULES[args.schedule]
-    chunks = loss_chunks(args.loss_chunks, config, (args.batch_size // (dp * args.microbatches), args.seq_len), tp)
-    costs = estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks)
+    parallelize([model], mesh, args)
+
+    # --- the schedule: AFAB or 1F1B by hand, over send/recv between the pipeline ranks of this replica
+    run_train = functools.partial(train_step, partition, env=env, tp=tp, schedule=args.schedule,
+                                  microbatches=args.microbatches, chunks=chunks)
+    run_eval = functools.partial(eval_step, partition, env=env, tp=tp, microbatches=args.microbatches,
+                                 chunks=chunks)
     say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
-        f"{pp} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
-        f"{describe_layout(layers, costs)} | "
-        f"{args.schedule} by hand | {env.device.type} {str(env.dtype).removeprefix('torch.')}", flush=True)
+        f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
+        f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks))}"
+        f" | {args.schedule} by hand | {env.device.type} {str(env.dtype).removeprefix('torch.')}", flush=True)
 
-    def microbatches(inputs, targets):
-        m = args.microbatches
-        return inputs.chunk(m) if has_first else [None] * m, targets.chunk(m) if has_last else [None] * m
-
-    def step_fn(inputs, targets):  # fp32 between stages: the residual stream is fp32 under autocast too
-        with compute(env, tp):
-            return train_step(partition, *microbatches(inputs, targets), env.device, torch.float32,
-                              loss_chunks=chunks)
-
-    def eval_fn(inputs, targets):
-        with compute(env, tp):
-            loss = eval_step_pipeline(partition, *microbatches(inputs, targets), env.device, torch.float32,
-                                      chunks)
-        for module in model.modules():  # FSDP gathered the parameters for the forwards; no backward frees them
-            if isinstance(module, FSDPModule):
-                module.reshard()
-        return loss
-
-    # --- optimizer, tied embedding, resume: everything below is the same in every script
+    # --- optimizer, tied embedding, resume: from here on the same in every script
     optimizer = make_optimizer(model, args)
     tied = TiedEmbedding(model, config, mesh, has_first, has_last)
     step, position = checkpoint.resume(args, env.rank, env.world_size, model, optimizer, config, data_id, say)
     if position is not None:
         batches.load_state_dict(position)
-    reports = has_last and dp_rank == tp_rank == 0  # the loss and the progress bar: one last-stage rank
-    # --metrics: one JSON line per step and evaluation, then a summary; resumed, the rows after the checkpoint
-    # (of a run killed after it) are dropped first. Nothing to do (step >= --steps): the file stays as it was.
-    metrics = checkpoint.open_metrics(args.metrics, step) if reports and args.metrics and (
-        step < args.steps or args.steps == 0) else None
-    record = lambda row: metrics and (metrics.write(json.dumps(row) + "\n"), metrics.flush())  # noqa: E731
+    reports = has_last and dp_rank == tp_rank == 0  # one last-stage rank prints the loss and writes --metrics
+    # Resumed, --metrics drops the rows after the checkpoint; with nothing left to train it stays as it was.
+    metrics = checkpoint.Metrics(args.metrics, step) if reports and (step < args.steps or not args.steps) else None
     rows = slice(dp_rank * args.batch_size // dp, (dp_rank + 1) * args.batch_size // dp)  # this replica's
 
-    def pipeline(fn, inputs, targets):
-        """fn on this replica's rows (inputs to the first stage, targets to the last); the mean loss over the
-        replicas on the last stage."""
-        loss = fn(inputs[rows].to(env.device) if has_first else None,
-                  targets[rows].to(env.device) if has_last else None)
+    def through_pipeline(run, inputs, targets):  # this replica's rows in; the mean loss over the replicas out
+        loss = run(inputs[rows].to(env.device) if has_first else None,
+                   targets[rows].to(env.device) if has_last else None)
         if has_last and dp > 1:
             dist.all_reduce(loss, group=mesh.get_group("dp"))
             loss /= dp
@@ -721,24 +586,22 @@ def main(args):
 
     def evaluate(at_step: int) -> None:
         held_out.load_state_dict({"epoch": 0, "index": 0})  # the same held-out batches every time
-        losses = [pipeline(eval_fn, *held_out.next()) for _ in range(args.eval_batches)]
-        if reports:
+        losses = [through_pipeline(run_eval, *held_out.next()) for _ in range(args.eval_batches)]
+        if metrics is not None:
             loss = torch.stack(losses).mean().item()
-            record({"eval": {"step": at_step, "loss": loss, "perplexity": math.exp(min(loss, 700)),
-                             "batches": args.eval_batches}})
+            metrics.write({"eval": {"step": at_step, "loss": loss, "perplexity": math.exp(min(loss, 700)),
+                                    "batches": args.eval_batches}})
             tqdm.tqdm.write(f"eval at step {at_step}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}")
 
     tokens_per_step, step_times = args.batch_size * args.seq_len, []
     if args.steps == 0:  # only evaluate: --init-from's weights, or this run's newest checkpoint
         evaluate(step)
-        return summary(env, model, optimizer, step_times, tokens_per_step, config, args, reports, metrics)
+        return summary(env, step_times, tokens_per_step, config, args, metrics)
     if step >= args.steps:
         return
 
-    # --- training loop
-    # --trace: each rank's Chrome trace of the last 3 steps, from torch.profiler. The schedules label their
-    # forwards and backwards in it (torch 2.13's 1F1B apart: benchmark.py adds those labels when it runs the
-    # scripts), and benchmark.py reads each stage's times and the bubble off them.
+    # --- the training loop. --trace: each rank's torch.profiler trace of the last 3 steps, the schedules'
+    # forwards and backwards labelled in it (benchmark.py times each stage and the bubble from them).
     profiler = torch.profiler.profile(
         schedule=torch.profiler.schedule(wait=max(0, args.steps - step - 4), warmup=1, active=3),
         on_trace_ready=lambda p: (os.makedirs(args.trace, exist_ok=True),
@@ -756,7 +619,7 @@ def main(args):
                 torch.cuda.synchronize(env.device)  # time the step's work, not its launch
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss = pipeline(step_fn, *batches.next())
+            loss = through_pipeline(run_train, *batches.next())
             tied.sync_grads()
             grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies, tp)
             optimizer.step()
@@ -765,21 +628,21 @@ def main(args):
             step_times.append(time.perf_counter() - started)
             if args.trace:
                 profiler.step()
-            if reports:
-                record({"step": step, "loss": loss.item(), "lr": lr, "tokens": step * tokens_per_step,
-                        "step_time": step_times[-1], "tokens_per_s": tokens_per_step / step_times[-1],
-                        "grad_norm": grad_norm.item()})
+            if metrics is not None:
+                metrics.write({"step": step, "loss": loss.item(), "lr": lr, "tokens": step * tokens_per_step,
+                               "step_time": step_times[-1], "tokens_per_s": tokens_per_step / step_times[-1],
+                               "grad_norm": grad_norm.item()})
                 bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{tokens_per_step / step_times[-1]:.0f}",
                                 refresh=False)
                 bar.update()
-            # Save before evaluating: whatever happens in an evaluation, this step's work is kept.
+            # Saved before evaluating: whatever happens in an evaluation, this step's work is kept.
             path = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id,
                                           batches.state_dict())
             if path and reports:
                 bar.write(f"saved {path}")
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                 evaluate(step)
-    summary(env, model, optimizer, step_times, tokens_per_step, config, args, reports, metrics)
+    summary(env, step_times, tokens_per_step, config, args, metrics)
 
 
 if __name__ == "__main__":
