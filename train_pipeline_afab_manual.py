@@ -11,7 +11,8 @@ layers (partition_model), runs it on every microbatch (forward_stage), and passe
 their gradients back with point-to-point messages. AFAB runs every microbatch forward, then every one
 backward; 1F1B starts each backward as early as it can, so a rank holds at most (stages - rank) microbatches'
 activations. The functions also train a Hugging Face LlamaForCausalLM: partition_model(hf_model, rank, size).
-Needs model.py and checkpoint.py. Reads top to bottom: flags, mesh, data, split, schedule, training.
+Needs model.py and checkpoint.py. Reads top to bottom: the flags, main (the whole run), then each of its steps
+in order: checks, mesh, data, split, schedule, training.
 """
 
 import argparse
@@ -87,6 +88,133 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The run, in order: the sections below follow it
+
+def main(args):
+    env = launch_env(args.device)
+    check_args(args, env.world_size, env.device.type)
+    mesh = init_distributed(env, args.timeout, args.dp, args.tp)
+    pp_rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()  # this rank's place along the pipeline,
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()  # among its stage's replicas,
+    tp_rank, tp = mesh["tp"].get_local_rank(), mesh["tp"].size()  # and in its stage's tensor-parallel group
+    say = print if env.rank == 0 else (lambda *a, **k: None)
+
+    # --- the data, what the run will write (paths, the lock, the same run as its checkpoints?), the model
+    with collective_errors():
+        meta, batches, held_out = open_data(args)
+    data_id = checkpoint.data_identity(args.data)
+    checkpoint.check_run(args, env.rank, env.restart, data_id)
+    num_stages, has_first, has_last = pp, pp_rank == 0, pp_rank == pp - 1
+    with collective_errors():
+        config, name = checkpoint.model_config(args, meta, env.device.type)
+        layers = stage_layout(config, num_stages, args)
+    microbatch = (args.batch_size // (dp * args.microbatches), args.seq_len)
+    chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
+
+    # --- the split: the full model on meta, this rank's slice kept, allocated, then tensor parallelism,
+    # checkpointing, compile, FSDP2
+    with torch.device("meta"):
+        model = LlamaForPretraining(config)
+    partition = partition_model(model, pp_rank, pp, group=mesh.get_group("pp"), layout=layers)
+    model.to_empty(device=env.device)  # allocates, uninitialized: init_weights sets every parameter and buffer
+    if pp == 1:  # embedding and head in one stage: one tensor if tied (else TiedEmbedding)
+        model.tie_weights()
+    model.init_weights(args.seed)
+    parallelize([model], mesh, args)
+
+    # --- the schedule: AFAB or 1F1B by hand, over send/recv between the pipeline ranks of this replica
+    run_train = functools.partial(train_step, partition, env=env, tp=tp, schedule=args.schedule,
+                                  microbatches=args.microbatches, chunks=chunks)
+    run_eval = functools.partial(eval_step, partition, env=env, tp=tp, microbatches=args.microbatches,
+                                 chunks=chunks)
+    say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
+        f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
+        f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks))}"
+        f" | {args.schedule} by hand | {env.device.type} {str(env.dtype).removeprefix('torch.')}", flush=True)
+
+    # --- optimizer, tied embedding, resume: from here on the same in every script
+    optimizer = make_optimizer(model, args)
+    tied = TiedEmbedding(model, config, mesh, has_first, has_last)
+    step, position = checkpoint.resume(args, env.rank, env.world_size, model, optimizer, config, data_id, say)
+    if position is not None:
+        batches.load_state_dict(position)
+    reports = has_last and dp_rank == tp_rank == 0  # one last-stage rank prints the loss and writes --metrics
+    # Resumed, --metrics drops the rows after the checkpoint; with nothing left to train it stays as it was.
+    metrics = checkpoint.Metrics(args.metrics, step) if reports and (step < args.steps or not args.steps) else None
+    rows = slice(dp_rank * args.batch_size // dp, (dp_rank + 1) * args.batch_size // dp)  # this replica's
+
+    def through_pipeline(run, inputs, targets):  # this replica's rows in; the mean loss over the replicas out
+        loss = run(inputs[rows].to(env.device) if has_first else None,
+                   targets[rows].to(env.device) if has_last else None)
+        if has_last and dp > 1:
+            dist.all_reduce(loss, group=mesh.get_group("dp"))
+            loss /= dp
+        return loss
+
+    def evaluate(at_step: int) -> None:
+        held_out.load_state_dict({"epoch": 0, "index": 0})  # the same held-out batches every time
+        losses = [through_pipeline(run_eval, *held_out.next()) for _ in range(args.eval_batches)]
+        if metrics is not None:
+            loss = torch.stack(losses).mean().item()
+            metrics.write({"eval": {"step": at_step, "loss": loss, "perplexity": math.exp(min(loss, 700)),
+                                    "batches": args.eval_batches}})
+            tqdm.tqdm.write(f"eval at step {at_step}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}")
+
+    tokens_per_step, step_times = args.batch_size * args.seq_len, []
+    if args.steps == 0:  # only evaluate: --init-from's weights, or this run's newest checkpoint
+        evaluate(step)
+        return summary(env, step_times, tokens_per_step, config, args, metrics)
+    if step >= args.steps:
+        return
+
+    # --- the training loop; --trace: each rank's torch.profiler trace of the last 3 steps (see benchmark.py)
+    profiler = torch.profiler.profile(
+        schedule=torch.profiler.schedule(wait=max(0, args.steps - step - 4), warmup=1, active=3),
+        on_trace_ready=lambda p: (os.makedirs(args.trace, exist_ok=True),
+                                  p.export_chrome_trace(os.path.join(args.trace, f"rank{env.rank}.json"))),
+    ) if args.trace else contextlib.nullcontext()
+    dist.barrier()
+    with tqdm.tqdm(total=args.steps, initial=step, disable=not reports, unit="step", mininterval=1.0) as bar, \
+            profiler:
+        while step < args.steps:
+            step += 1
+            lr = lr_at(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)  # time the step's work, not its launch
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = through_pipeline(run_train, *batches.next())
+            tied.sync_grads()
+            grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies, tp)
+            optimizer.step()
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)
+            step_times.append(time.perf_counter() - started)
+            if args.trace:
+                profiler.step()
+            if metrics is not None:
+                metrics.write({"step": step, "loss": loss.item(), "lr": lr, "tokens": step * tokens_per_step,
+                               "step_time": step_times[-1], "tokens_per_s": tokens_per_step / step_times[-1],
+                               "grad_norm": grad_norm.item()})
+                bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{tokens_per_step / step_times[-1]:.0f}",
+                                refresh=False)
+                bar.update()
+            # Saved before evaluating: whatever happens in an evaluation, this step's work is kept.
+            path = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id,
+                                          batches.state_dict())
+            if path and reports:
+                bar.write(f"saved {path}")
+            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+                evaluate(step)
+    summary(env, step_times, tokens_per_step, config, args, metrics)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checks of the flags, before any work
+
 def check_args(args, world_size: int, device_type: str) -> None:
     """What the flags alone rule out, checked alike on every rank before any work."""
     group = args.dp * args.tp  # the processes of one stage: its replicas x its tensor-parallel ranks
@@ -139,13 +267,12 @@ class Env:
 
 def launch_env(device_flag: str) -> Env:
     """What torchrun set (or one process); the one place that picks the device and the dtype."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     cuda = device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available())
     if cuda and not torch.cuda.is_available():
         raise UsageError("--device cuda: no GPU is visible; use --device cpu")
-    if cuda and local_world > torch.cuda.device_count():  # NCCL refuses two ranks on one GPU
+    if cuda and (local_world := int(os.environ.get("LOCAL_WORLD_SIZE", 1))) > torch.cuda.device_count():
         raise UsageError(f"--device cuda: {local_world} processes on this node but {torch.cuda.device_count()} "
-                         "GPUs; start one process per GPU (--nproc_per_node) or use --device cpu")
+                         "GPUs (NCCL takes one per process); start one per GPU or use --device cpu")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     return Env(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device,
                torch.bfloat16 if cuda else torch.float32, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
@@ -160,8 +287,7 @@ def init_distributed(env: Env, timeout_s: float, dp: int, tp: int):
         torch.cuda.set_device(env.device)
     if "MASTER_ADDR" in os.environ:  # started by torchrun
         store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
-        # A job restarted by torchrun --max-restarts meets in the same store as the dead processes, whose
-        # addresses are still in it: a key prefix per attempt keeps each attempt to itself.
+        # A restarted job meets in the store that still holds the dead processes' addresses: a prefix per attempt.
         store = dist.PrefixStore(f"attempt{env.restart}", store)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
                                 **({"device_id": env.device} if env.device.type == "cuda" else {}))
@@ -171,8 +297,7 @@ def init_distributed(env: Env, timeout_s: float, dp: int, tp: int):
 
 
 def compute(env: Env, tp: int):
-    """The context of every forward and backward: bf16 autocast on GPU; with tensor parallelism loss_parallel,
-    so the cross-entropy takes the head's vocabulary-sharded logits without gathering them."""
+    """Every forward and backward's context: bf16 autocast on GPU; loss_parallel with tp (sharded logits)."""
     stack = contextlib.ExitStack()
     if env.dtype != torch.float32:
         stack.enter_context(torch.autocast(env.device.type, env.dtype))
@@ -253,8 +378,7 @@ class Partition:
     explicit_causal_mask: bool  # HF's eager attention applies no causal mask unless given one
     group: dist.ProcessGroup | None = None  # the pipeline's ranks; None: the default group is the pipeline
 
-    def peer(self, offset: int) -> int:
-        """The global rank of the previous (-1) or next (+1) stage: with replicas, not global rank -1 or +1."""
+    def peer(self, offset: int) -> int:  # the previous (-1) or next (+1) stage's global rank (not rank -1 / +1)
         return self.rank + offset if self.group is None else dist.get_global_rank(self.group, self.rank + offset)
 
 
@@ -342,9 +466,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
 class Step:
-    """One step of AFAB or 1F1B on this rank: a forward and a backward per microbatch, in the schedule's order,
-    each labelled for --trace ("forward 3", "send 3", ...). Sends do not wait, so two neighbours sending to each
-    other at once (1F1B's steady state) cannot deadlock; they are waited for at the end of the step."""
+    """One step of AFAB or 1F1B on this rank, each forward, backward, send and receive labelled for --trace. Sends
+    do not wait (two neighbours sending at once, as in 1F1B, cannot deadlock): they are waited for at the end."""
 
     def __init__(self, partition, inputs, targets, device, dtype, loss_chunks=1):
         self.p, self.inputs, self.targets, self.device, self.dtype = partition, inputs, targets, device, dtype
@@ -408,14 +531,13 @@ class Step:
 
 
 def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chunks=1):
-    """One training step with All-Forward-All-Backward: every microbatch forward, then every one backward; all
-    m microbatches' activations are held at the peak. The caller zeroes the gradients and runs the optimizer.
+    """One training step with All-Forward-All-Backward: every microbatch forward, then every one backward (all m
+    microbatches' activations held at the peak). The caller zeroes the gradients and runs the optimizer.
 
-    model: a Partition (partition_model), or a model partitioned here over the default process group. inputs,
-    targets: lists of [mb, seq] token ids, one per microbatch, read on the first and last rank (elsewhere lists
-    of None). dtype: of what is sent between stages. loss_chunks: pieces of the sequence the head and loss take
-    at a time (1: the whole microbatch, as the model's own forward). Run it inside compute(env, tp) (autocast,
-    loss_parallel). Returns the mean microbatch loss on the last rank, else None."""
+    model: a Partition, or a model partitioned here over the default group. inputs, targets: lists of [mb, seq]
+    token ids per microbatch, read on the first / last rank (elsewhere Nones). dtype: of what is sent. loss_chunks:
+    pieces of the sequence the loss takes at a time (1: the whole, as the model's own forward). Returns the mean
+    microbatch loss on the last rank, else None."""
     step = Step(as_partition(model), inputs, targets, device, dtype, loss_chunks)
     for i in range(step.m):
         step.forward(i)
@@ -453,6 +575,10 @@ def as_partition(model) -> Partition:
     return model if isinstance(model, Partition) else partition_model(model, dist.get_rank(), dist.get_world_size())
 
 
+def cut(inputs, targets, m: int) -> list[list]:  # into microbatches; a rank that reads neither gets Nones
+    return [x.chunk(m) if x is not None else [None] * m for x in (inputs, targets)]
+
+
 SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 
 
@@ -460,22 +586,18 @@ def train_step(partition: Partition, inputs, targets, env: Env, tp: int, schedul
                chunks: int) -> torch.Tensor | None:
     """Forward and backward of a batch: inputs on the first stage's rank, targets on the last's (else None).
     Returns the mean microbatch loss on the last stage's rank."""
-    m = microbatches
     with compute(env, tp):  # fp32 between stages: the residual stream is fp32 under autocast too
-        return SCHEDULES[schedule](partition, inputs.chunk(m) if inputs is not None else [None] * m,
-                                   targets.chunk(m) if targets is not None else [None] * m, env.device,
-                                   torch.float32, loss_chunks=chunks)
+        return SCHEDULES[schedule](partition, *cut(inputs, targets, microbatches), env.device, torch.float32,
+                                   loss_chunks=chunks)
 
 
 @torch.no_grad()
 def eval_step(partition: Partition, inputs, targets, env: Env, tp: int, microbatches: int,
               chunks: int) -> torch.Tensor | None:
     """Forward only, the mean microbatch loss on the last stage's rank."""
-    m = microbatches
     with compute(env, tp):
-        loss = eval_step_pipeline(partition, inputs.chunk(m) if inputs is not None else [None] * m,
-                                  targets.chunk(m) if targets is not None else [None] * m, env.device,
-                                  torch.float32, loss_chunks=chunks)
+        loss = eval_step_pipeline(partition, *cut(inputs, targets, microbatches), env.device, torch.float32,
+                                  loss_chunks=chunks)
     for module in partition.model.modules():
         if isinstance(module, FSDPModule):  # gathered for the forwards; no backward frees them
             module.reshard()
@@ -486,8 +608,7 @@ def eval_step(partition: Partition, inputs, targets, env: Env, tp: int, microbat
 # Training: the optimizer, its learning rate, the summary
 
 def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
-    # Decay matrices only, not norm gains: per parameter, so the same on any split. fused: one kernel per group,
-    # on CUDA and on CPU (FSDP's DTensors too).
+    # Decay matrices only, not norm gains (the same on any split); fused: one kernel per group, CUDA or CPU.
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
@@ -503,146 +624,21 @@ def lr_at(step: int, args) -> float:
 
 
 def summary(env: Env, step_times: list[float], tokens_per_step: int, config, args, metrics) -> None:
-    """Collective: each rank's peak memory; the reporting rank prints it with the step time and MFU and writes
-    it to --metrics."""
+    """Collective: every rank's peak memory, printed with the step time and MFU, and written to --metrics."""
     peaks = [None] * env.world_size
     dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda"
                            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
     if metrics is None or not step_times:
         return
-    steady = step_times[1:] or step_times  # the first step pays one-time costs
-    row = {"steps": len(step_times), "median_step_time": sorted(steady)[len(steady) // 2],
-           "tokens_per_s": tokens_per_step * len(steady) / sum(steady), "peak_memory_bytes_per_rank": peaks,
-           "mfu": mfu(tokens_per_step * len(steady) / sum(steady), config, args.seq_len, env.device, env.world_size)}
+    steady = sorted(step_times[1:] or step_times)  # the first step pays one-time costs
+    row = {"steps": len(step_times), "median_step_time": steady[len(steady) // 2], "peak_memory_bytes_per_rank": peaks,
+           "tokens_per_s": tokens_per_step * len(steady) / sum(steady)}
+    row["mfu"] = mfu(row["tokens_per_s"], config, args.seq_len, env.device, env.world_size)
     metrics.write({"summary": row})
     utilization = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
-    print(f"done: {row['steps']} steps, median step {row['median_step_time'] * 1e3:.0f} ms, "
-          f"{row['tokens_per_s']:.0f} tokens/s{utilization}; peak memory per rank ({env.device.type}, MiB): "
+    print(f"done: {row['steps']} steps, median step {row['median_step_time'] * 1e3:.0f} ms, {row['tokens_per_s']:.0f} "
+          f"tokens/s{utilization}; peak memory per rank ({env.device.type}, MiB): "
           + ", ".join(f"{b / 2**20:.1f}" for b in peaks), flush=True)
-
-
-# ----------------------------------------------------------------------------------------------------------
-
-def main(args):
-    env = launch_env(args.device)
-    check_args(args, env.world_size, env.device.type)
-    mesh = init_distributed(env, args.timeout, args.dp, args.tp)
-    pp_rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()  # this rank's place along the pipeline,
-    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()  # among its stage's replicas,
-    tp_rank, tp = mesh["tp"].get_local_rank(), mesh["tp"].size()  # and in its stage's tensor-parallel group
-    say = print if env.rank == 0 else (lambda *a, **k: None)
-
-    # --- the data, what the run will write (paths, the lock, the same run as its checkpoints?), the model
-    with collective_errors():
-        meta, batches, held_out = open_data(args)
-    data_id = checkpoint.data_identity(args.data)
-    checkpoint.check_run(args, env.rank, env.restart, data_id)
-    num_stages, has_first, has_last = pp, pp_rank == 0, pp_rank == pp - 1
-    with collective_errors():
-        config, name = checkpoint.model_config(args, meta, env.device.type)
-        layers = stage_layout(config, num_stages, args)
-    microbatch = (args.batch_size // (dp * args.microbatches), args.seq_len)
-    chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
-
-    # --- the split: the full model on meta, this rank's slice kept, allocated, then tensor parallelism,
-    # checkpointing, compile, FSDP2
-    with torch.device("meta"):
-        model = LlamaForPretraining(config)
-    partition = partition_model(model, pp_rank, pp, group=mesh.get_group("pp"), layout=layers)
-    model.to_empty(device=env.device)  # allocates, uninitialized: init_weights sets every parameter and buffer
-    if pp == 1:  # embedding and head in one stage: one tensor if tied (else TiedEmbedding)
-        model.tie_weights()
-    model.init_weights(args.seed)
-    parallelize([model], mesh, args)
-
-    # --- the schedule: AFAB or 1F1B by hand, over send/recv between the pipeline ranks of this replica
-    run_train = functools.partial(train_step, partition, env=env, tp=tp, schedule=args.schedule,
-                                  microbatches=args.microbatches, chunks=chunks)
-    run_eval = functools.partial(eval_step, partition, env=env, tp=tp, microbatches=args.microbatches,
-                                 chunks=chunks)
-    say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
-        f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
-        f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks))}"
-        f" | {args.schedule} by hand | {env.device.type} {str(env.dtype).removeprefix('torch.')}", flush=True)
-
-    # --- optimizer, tied embedding, resume: from here on the same in every script
-    optimizer = make_optimizer(model, args)
-    tied = TiedEmbedding(model, config, mesh, has_first, has_last)
-    step, position = checkpoint.resume(args, env.rank, env.world_size, model, optimizer, config, data_id, say)
-    if position is not None:
-        batches.load_state_dict(position)
-    reports = has_last and dp_rank == tp_rank == 0  # one last-stage rank prints the loss and writes --metrics
-    # Resumed, --metrics drops the rows after the checkpoint; with nothing left to train it stays as it was.
-    metrics = checkpoint.Metrics(args.metrics, step) if reports and (step < args.steps or not args.steps) else None
-    rows = slice(dp_rank * args.batch_size // dp, (dp_rank + 1) * args.batch_size // dp)  # this replica's
-
-    def through_pipeline(run, inputs, targets):  # this replica's rows in; the mean loss over the replicas out
-        loss = run(inputs[rows].to(env.device) if has_first else None,
-                   targets[rows].to(env.device) if has_last else None)
-        if has_last and dp > 1:
-            dist.all_reduce(loss, group=mesh.get_group("dp"))
-            loss /= dp
-        return loss
-
-    def evaluate(at_step: int) -> None:
-        held_out.load_state_dict({"epoch": 0, "index": 0})  # the same held-out batches every time
-        losses = [through_pipeline(run_eval, *held_out.next()) for _ in range(args.eval_batches)]
-        if metrics is not None:
-            loss = torch.stack(losses).mean().item()
-            metrics.write({"eval": {"step": at_step, "loss": loss, "perplexity": math.exp(min(loss, 700)),
-                                    "batches": args.eval_batches}})
-            tqdm.tqdm.write(f"eval at step {at_step}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}")
-
-    tokens_per_step, step_times = args.batch_size * args.seq_len, []
-    if args.steps == 0:  # only evaluate: --init-from's weights, or this run's newest checkpoint
-        evaluate(step)
-        return summary(env, step_times, tokens_per_step, config, args, metrics)
-    if step >= args.steps:
-        return
-
-    # --- the training loop. --trace: each rank's torch.profiler trace of the last 3 steps, the schedules'
-    # forwards and backwards labelled in it (benchmark.py times each stage and the bubble from them).
-    profiler = torch.profiler.profile(
-        schedule=torch.profiler.schedule(wait=max(0, args.steps - step - 4), warmup=1, active=3),
-        on_trace_ready=lambda p: (os.makedirs(args.trace, exist_ok=True),
-                                  p.export_chrome_trace(os.path.join(args.trace, f"rank{env.rank}.json"))),
-    ) if args.trace else contextlib.nullcontext()
-    dist.barrier()
-    with tqdm.tqdm(total=args.steps, initial=step, disable=not reports, unit="step", mininterval=1.0) as bar, \
-            profiler:
-        while step < args.steps:
-            step += 1
-            lr = lr_at(step, args)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            if env.device.type == "cuda":
-                torch.cuda.synchronize(env.device)  # time the step's work, not its launch
-            started = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss = through_pipeline(run_train, *batches.next())
-            tied.sync_grads()
-            grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies, tp)
-            optimizer.step()
-            if env.device.type == "cuda":
-                torch.cuda.synchronize(env.device)
-            step_times.append(time.perf_counter() - started)
-            if args.trace:
-                profiler.step()
-            if metrics is not None:
-                metrics.write({"step": step, "loss": loss.item(), "lr": lr, "tokens": step * tokens_per_step,
-                               "step_time": step_times[-1], "tokens_per_s": tokens_per_step / step_times[-1],
-                               "grad_norm": grad_norm.item()})
-                bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{tokens_per_step / step_times[-1]:.0f}",
-                                refresh=False)
-                bar.update()
-            # Saved before evaluating: whatever happens in an evaluation, this step's work is kept.
-            path = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id,
-                                          batches.state_dict())
-            if path and reports:
-                bar.write(f"saved {path}")
-            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-                evaluate(step)
-    summary(env, step_times, tokens_per_step, config, args, metrics)
 
 
 if __name__ == "__main__":

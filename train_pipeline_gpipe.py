@@ -10,7 +10,8 @@ other schedule torch ships.
 
 Every rank builds the full model on the meta device (no memory), deletes what other stages own, then
 allocates and initializes the rest. A PipelineStage per stage, and the schedule runs the microbatches through
-them. Needs model.py and checkpoint.py. Reads top to bottom: flags, mesh, data, split, schedule, training.
+them. Needs model.py and checkpoint.py. Reads top to bottom: the flags, main (the whole run), then each of its
+steps in order: checks, mesh, data, split, schedule, training.
 """
 
 import argparse
@@ -94,6 +95,130 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The run, in order: the sections below follow it
+
+def main(args):
+    env = launch_env(args.device)
+    check_args(args, env.world_size, env.device.type)
+    mesh = init_distributed(env, args.timeout, args.dp, args.tp)
+    pp_rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()  # this rank's place along the pipeline,
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()  # among its stage's replicas,
+    tp_rank, tp = mesh["tp"].get_local_rank(), mesh["tp"].size()  # and in its stage's tensor-parallel group
+    say = print if env.rank == 0 else (lambda *a, **k: None)
+
+    # --- the data, what the run will write (paths, the lock, the same run as its checkpoints?), the model
+    with collective_errors():
+        meta, batches, held_out = open_data(args)
+    data_id = checkpoint.data_identity(args.data)
+    checkpoint.check_run(args, env.rank, env.restart, data_id)
+    stages = stage_ids(args.schedule, pp_rank, pp, args.stages_per_rank)
+    num_stages, has_first, has_last = pp * len(stages), 0 in stages, pp * len(stages) - 1 in stages
+    with collective_errors():
+        config, name = checkpoint.model_config(args, meta, env.device.type)
+        layers = stage_layout(config, num_stages, args)
+    microbatch = (args.batch_size // (dp * args.microbatches), args.seq_len)
+    chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
+
+    # --- the split: this rank's stages, then tensor parallelism, checkpointing, compile, FSDP2
+    modules = [build_stage(config, s, layers, env.device, args.seed) for s in stages]
+    parallelize(modules, mesh, args)
+    model = merged_stages(modules)  # the rank's parameters, for the optimizer and checkpoints
+
+    # --- the schedule: a PipelineStage per stage, talking to the other pipeline ranks of this replica
+    pipeline_stages = [PipelineStage(module, s, num_stages, env.device, group=mesh.get_group("pp"),
+                                     **stage_io(config, s, microbatch)) for module, s in zip(modules, stages)]
+    schedule, loss_fn = make_schedule(args.schedule, pipeline_stages, args.microbatches, chunks)
+    run_train = functools.partial(train_step, schedule, env=env, tp=tp)
+    run_eval = functools.partial(eval_step, schedule, pipeline_stages, env=env, tp=tp, loss_fn=loss_fn,
+                                 microbatches=args.microbatches, hidden_shape=(*microbatch, config.hidden_size))
+    say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
+        f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
+        f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks))}"
+        f" | {args.schedule} | {env.device.type} {str(env.dtype).removeprefix('torch.')}", flush=True)
+
+    # --- optimizer, tied embedding, resume: from here on the same in every script
+    optimizer = make_optimizer(model, args)
+    tied = TiedEmbedding(model, config, mesh, has_first, has_last)
+    step, position = checkpoint.resume(args, env.rank, env.world_size, model, optimizer, config, data_id, say)
+    if position is not None:
+        batches.load_state_dict(position)
+    reports = has_last and dp_rank == tp_rank == 0  # one last-stage rank prints the loss and writes --metrics
+    # Resumed, --metrics drops the rows after the checkpoint; with nothing left to train it stays as it was.
+    metrics = checkpoint.Metrics(args.metrics, step) if reports and (step < args.steps or not args.steps) else None
+    rows = slice(dp_rank * args.batch_size // dp, (dp_rank + 1) * args.batch_size // dp)  # this replica's
+
+    def through_pipeline(run, inputs, targets):  # this replica's rows in; the mean loss over the replicas out
+        loss = run(inputs[rows].to(env.device) if has_first else None,
+                   targets[rows].to(env.device) if has_last else None)
+        if has_last and dp > 1:
+            dist.all_reduce(loss, group=mesh.get_group("dp"))
+            loss /= dp
+        return loss
+
+    def evaluate(at_step: int) -> None:
+        held_out.load_state_dict({"epoch": 0, "index": 0})  # the same held-out batches every time
+        losses = [through_pipeline(run_eval, *held_out.next()) for _ in range(args.eval_batches)]
+        if metrics is not None:
+            loss = torch.stack(losses).mean().item()
+            metrics.write({"eval": {"step": at_step, "loss": loss, "perplexity": math.exp(min(loss, 700)),
+                                    "batches": args.eval_batches}})
+            tqdm.tqdm.write(f"eval at step {at_step}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}")
+
+    tokens_per_step, step_times = args.batch_size * args.seq_len, []
+    if args.steps == 0:  # only evaluate: --init-from's weights, or this run's newest checkpoint
+        evaluate(step)
+        return summary(env, step_times, tokens_per_step, config, args, metrics)
+    if step >= args.steps:
+        return
+
+    # --- the training loop; --trace: each rank's torch.profiler trace of the last 3 steps (see benchmark.py)
+    profiler = torch.profiler.profile(
+        schedule=torch.profiler.schedule(wait=max(0, args.steps - step - 4), warmup=1, active=3),
+        on_trace_ready=lambda p: (os.makedirs(args.trace, exist_ok=True),
+                                  p.export_chrome_trace(os.path.join(args.trace, f"rank{env.rank}.json"))),
+    ) if args.trace else contextlib.nullcontext()
+    dist.barrier()
+    with tqdm.tqdm(total=args.steps, initial=step, disable=not reports, unit="step", mininterval=1.0) as bar, \
+            profiler:
+        while step < args.steps:
+            step += 1
+            lr = lr_at(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)  # time the step's work, not its launch
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = through_pipeline(run_train, *batches.next())
+            tied.sync_grads()
+            grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies, tp)
+            optimizer.step()
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)
+            step_times.append(time.perf_counter() - started)
+            if args.trace:
+                profiler.step()
+            if metrics is not None:
+                metrics.write({"step": step, "loss": loss.item(), "lr": lr, "tokens": step * tokens_per_step,
+                               "step_time": step_times[-1], "tokens_per_s": tokens_per_step / step_times[-1],
+                               "grad_norm": grad_norm.item()})
+                bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{tokens_per_step / step_times[-1]:.0f}",
+                                refresh=False)
+                bar.update()
+            # Saved before evaluating: whatever happens in an evaluation, this step's work is kept.
+            path = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id,
+                                          batches.state_dict())
+            if path and reports:
+                bar.write(f"saved {path}")
+            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+                evaluate(step)
+    summary(env, step_times, tokens_per_step, config, args, metrics)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checks of the flags, before any work
+
 def check_args(args, world_size: int, device_type: str) -> None:
     """What the flags alone rule out, checked alike on every rank before any work."""
     group = args.dp * args.tp  # the processes of one stage: its replicas x its tensor-parallel ranks
@@ -151,13 +276,12 @@ class Env:
 
 def launch_env(device_flag: str) -> Env:
     """What torchrun set (or one process); the one place that picks the device and the dtype."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     cuda = device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available())
     if cuda and not torch.cuda.is_available():
         raise UsageError("--device cuda: no GPU is visible; use --device cpu")
-    if cuda and local_world > torch.cuda.device_count():  # NCCL refuses two ranks on one GPU
+    if cuda and (local_world := int(os.environ.get("LOCAL_WORLD_SIZE", 1))) > torch.cuda.device_count():
         raise UsageError(f"--device cuda: {local_world} processes on this node but {torch.cuda.device_count()} "
-                         "GPUs; start one process per GPU (--nproc_per_node) or use --device cpu")
+                         "GPUs (NCCL takes one per process); start one per GPU or use --device cpu")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     return Env(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device,
                torch.bfloat16 if cuda else torch.float32, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
@@ -172,8 +296,7 @@ def init_distributed(env: Env, timeout_s: float, dp: int, tp: int):
         torch.cuda.set_device(env.device)
     if "MASTER_ADDR" in os.environ:  # started by torchrun
         store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
-        # A job restarted by torchrun --max-restarts meets in the same store as the dead processes, whose
-        # addresses are still in it: a key prefix per attempt keeps each attempt to itself.
+        # A restarted job meets in the store that still holds the dead processes' addresses: a prefix per attempt.
         store = dist.PrefixStore(f"attempt{env.restart}", store)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
                                 **({"device_id": env.device} if env.device.type == "cuda" else {}))
@@ -183,8 +306,7 @@ def init_distributed(env: Env, timeout_s: float, dp: int, tp: int):
 
 
 def compute(env: Env, tp: int):
-    """The context of every forward and backward: bf16 autocast on GPU; with tensor parallelism loss_parallel,
-    so the cross-entropy takes the head's vocabulary-sharded logits without gathering them."""
+    """Every forward and backward's context: bf16 autocast on GPU; loss_parallel with tp (sharded logits)."""
     stack = contextlib.ExitStack()
     if env.dtype != torch.float32:
         stack.enter_context(torch.autocast(env.device.type, env.dtype))
@@ -289,9 +411,8 @@ def parallelize(modules: list, mesh, args) -> None:
 
 
 def stage_io(config, stage: int, microbatch: tuple[int, int]) -> dict:
-    """A stage's input and output for one microbatch, as meta tensors: token ids into the first stage, fp32
-    hidden states everywhere else. Declared: torch 2.13 infers them by running a microbatch through the
-    stages, and stage 0 never frees its activations."""
+    """A stage's input and output for one microbatch as meta tensors (token ids into the first, else fp32 hidden
+    states). Declared: torch 2.13 infers them by running a microbatch, and stage 0 never frees its activations."""
     hidden = torch.empty(*microbatch, config.hidden_size, device="meta", requires_grad=True)
     return {"input_args": torch.empty(microbatch, dtype=torch.long, device="meta") if stage == 0 else hidden,
             "output_args": hidden}
@@ -374,8 +495,7 @@ def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidd
 # Training: the optimizer, its learning rate, the summary
 
 def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
-    # Decay matrices only, not norm gains: per parameter, so the same on any split. fused: one kernel per group,
-    # on CUDA and on CPU (FSDP's DTensors too).
+    # Decay matrices only, not norm gains (the same on any split); fused: one kernel per group, CUDA or CPU.
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
@@ -391,143 +511,21 @@ def lr_at(step: int, args) -> float:
 
 
 def summary(env: Env, step_times: list[float], tokens_per_step: int, config, args, metrics) -> None:
-    """Collective: each rank's peak memory; the reporting rank prints it with the step time and MFU and writes
-    it to --metrics."""
+    """Collective: every rank's peak memory, printed with the step time and MFU, and written to --metrics."""
     peaks = [None] * env.world_size
     dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda"
                            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
     if metrics is None or not step_times:
         return
-    steady = step_times[1:] or step_times  # the first step pays one-time costs
-    row = {"steps": len(step_times), "median_step_time": sorted(steady)[len(steady) // 2],
-           "tokens_per_s": tokens_per_step * len(steady) / sum(steady), "peak_memory_bytes_per_rank": peaks,
-           "mfu": mfu(tokens_per_step * len(steady) / sum(steady), config, args.seq_len, env.device, env.world_size)}
+    steady = sorted(step_times[1:] or step_times)  # the first step pays one-time costs
+    row = {"steps": len(step_times), "median_step_time": steady[len(steady) // 2], "peak_memory_bytes_per_rank": peaks,
+           "tokens_per_s": tokens_per_step * len(steady) / sum(steady)}
+    row["mfu"] = mfu(row["tokens_per_s"], config, args.seq_len, env.device, env.world_size)
     metrics.write({"summary": row})
     utilization = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
-    print(f"done: {row['steps']} steps, median step {row['median_step_time'] * 1e3:.0f} ms, "
-          f"{row['tokens_per_s']:.0f} tokens/s{utilization}; peak memory per rank ({env.device.type}, MiB): "
+    print(f"done: {row['steps']} steps, median step {row['median_step_time'] * 1e3:.0f} ms, {row['tokens_per_s']:.0f} "
+          f"tokens/s{utilization}; peak memory per rank ({env.device.type}, MiB): "
           + ", ".join(f"{b / 2**20:.1f}" for b in peaks), flush=True)
-
-
-# ----------------------------------------------------------------------------------------------------------
-
-def main(args):
-    env = launch_env(args.device)
-    check_args(args, env.world_size, env.device.type)
-    mesh = init_distributed(env, args.timeout, args.dp, args.tp)
-    pp_rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()  # this rank's place along the pipeline,
-    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()  # among its stage's replicas,
-    tp_rank, tp = mesh["tp"].get_local_rank(), mesh["tp"].size()  # and in its stage's tensor-parallel group
-    say = print if env.rank == 0 else (lambda *a, **k: None)
-
-    # --- the data, what the run will write (paths, the lock, the same run as its checkpoints?), the model
-    with collective_errors():
-        meta, batches, held_out = open_data(args)
-    data_id = checkpoint.data_identity(args.data)
-    checkpoint.check_run(args, env.rank, env.restart, data_id)
-    stages = stage_ids(args.schedule, pp_rank, pp, args.stages_per_rank)
-    num_stages, has_first, has_last = pp * len(stages), 0 in stages, pp * len(stages) - 1 in stages
-    with collective_errors():
-        config, name = checkpoint.model_config(args, meta, env.device.type)
-        layers = stage_layout(config, num_stages, args)
-    microbatch = (args.batch_size // (dp * args.microbatches), args.seq_len)
-    chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
-
-    # --- the split: this rank's stages, then tensor parallelism, checkpointing, compile, FSDP2
-    modules = [build_stage(config, s, layers, env.device, args.seed) for s in stages]
-    parallelize(modules, mesh, args)
-    model = merged_stages(modules)  # the rank's parameters, for the optimizer and checkpoints
-
-    # --- the schedule: a PipelineStage per stage, talking to the other pipeline ranks of this replica
-    pipeline_stages = [PipelineStage(module, s, num_stages, env.device, group=mesh.get_group("pp"),
-                                     **stage_io(config, s, microbatch)) for module, s in zip(modules, stages)]
-    schedule, loss_fn = make_schedule(args.schedule, pipeline_stages, args.microbatches, chunks)
-    run_train = functools.partial(train_step, schedule, env=env, tp=tp)
-    run_eval = functools.partial(eval_step, schedule, pipeline_stages, env=env, tp=tp, loss_fn=loss_fn,
-                                 microbatches=args.microbatches, hidden_shape=(*microbatch, config.hidden_size))
-    say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
-        f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
-        f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks))}"
-        f" | {args.schedule} | {env.device.type} {str(env.dtype).removeprefix('torch.')}", flush=True)
-
-    # --- optimizer, tied embedding, resume: from here on the same in every script
-    optimizer = make_optimizer(model, args)
-    tied = TiedEmbedding(model, config, mesh, has_first, has_last)
-    step, position = checkpoint.resume(args, env.rank, env.world_size, model, optimizer, config, data_id, say)
-    if position is not None:
-        batches.load_state_dict(position)
-    reports = has_last and dp_rank == tp_rank == 0  # one last-stage rank prints the loss and writes --metrics
-    # Resumed, --metrics drops the rows after the checkpoint; with nothing left to train it stays as it was.
-    metrics = checkpoint.Metrics(args.metrics, step) if reports and (step < args.steps or not args.steps) else None
-    rows = slice(dp_rank * args.batch_size // dp, (dp_rank + 1) * args.batch_size // dp)  # this replica's
-
-    def through_pipeline(run, inputs, targets):  # this replica's rows in; the mean loss over the replicas out
-        loss = run(inputs[rows].to(env.device) if has_first else None,
-                   targets[rows].to(env.device) if has_last else None)
-        if has_last and dp > 1:
-            dist.all_reduce(loss, group=mesh.get_group("dp"))
-            loss /= dp
-        return loss
-
-    def evaluate(at_step: int) -> None:
-        held_out.load_state_dict({"epoch": 0, "index": 0})  # the same held-out batches every time
-        losses = [through_pipeline(run_eval, *held_out.next()) for _ in range(args.eval_batches)]
-        if metrics is not None:
-            loss = torch.stack(losses).mean().item()
-            metrics.write({"eval": {"step": at_step, "loss": loss, "perplexity": math.exp(min(loss, 700)),
-                                    "batches": args.eval_batches}})
-            tqdm.tqdm.write(f"eval at step {at_step}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}")
-
-    tokens_per_step, step_times = args.batch_size * args.seq_len, []
-    if args.steps == 0:  # only evaluate: --init-from's weights, or this run's newest checkpoint
-        evaluate(step)
-        return summary(env, step_times, tokens_per_step, config, args, metrics)
-    if step >= args.steps:
-        return
-
-    # --- the training loop. --trace: each rank's torch.profiler trace of the last 3 steps, the schedules'
-    # forwards and backwards labelled in it (benchmark.py times each stage and the bubble from them).
-    profiler = torch.profiler.profile(
-        schedule=torch.profiler.schedule(wait=max(0, args.steps - step - 4), warmup=1, active=3),
-        on_trace_ready=lambda p: (os.makedirs(args.trace, exist_ok=True),
-                                  p.export_chrome_trace(os.path.join(args.trace, f"rank{env.rank}.json"))),
-    ) if args.trace else contextlib.nullcontext()
-    dist.barrier()
-    with tqdm.tqdm(total=args.steps, initial=step, disable=not reports, unit="step", mininterval=1.0) as bar, \
-            profiler:
-        while step < args.steps:
-            step += 1
-            lr = lr_at(step, args)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            if env.device.type == "cuda":
-                torch.cuda.synchronize(env.device)  # time the step's work, not its launch
-            started = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss = through_pipeline(run_train, *batches.next())
-            tied.sync_grads()
-            grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies, tp)
-            optimizer.step()
-            if env.device.type == "cuda":
-                torch.cuda.synchronize(env.device)
-            step_times.append(time.perf_counter() - started)
-            if args.trace:
-                profiler.step()
-            if metrics is not None:
-                metrics.write({"step": step, "loss": loss.item(), "lr": lr, "tokens": step * tokens_per_step,
-                               "step_time": step_times[-1], "tokens_per_s": tokens_per_step / step_times[-1],
-                               "grad_norm": grad_norm.item()})
-                bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{tokens_per_step / step_times[-1]:.0f}",
-                                refresh=False)
-                bar.update()
-            # Saved before evaluating: whatever happens in an evaluation, this step's work is kept.
-            path = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id,
-                                          batches.state_dict())
-            if path and reports:
-                bar.write(f"saved {path}")
-            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-                evaluate(step)
-    summary(env, step_times, tokens_per_step, config, args, metrics)
 
 
 if __name__ == "__main__":
