@@ -2,6 +2,9 @@
 
 The central claim: a pipeline is the same model. Gradients and loss trajectories of the pipelined scripts are
 compared with the unsplit model on one process. Run with:  pytest -q test_small.py
+
+Nine sections, each under a "# ---" line: 1 helpers, 2 model.py, 3 data, 4 parity (a pipeline is the same model),
+5 checkpoints and runs, 6 Hugging Face, 7 planning, 8 tools (benchmark.py, run.sh), 9 bad input and templates.
 """
 
 import argparse
@@ -37,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, SplitPoint, pipeline
+from torch.distributed.pipelining import PipelineStage, SplitPoint
 from torch.distributed.tensor import DTensor
 
 import benchmark
@@ -60,7 +63,7 @@ SCRIPTS = ("train_pipeline_gpipe.py", "train_pipeline_afab_manual.py", "train_pi
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Helpers
+# 1. Helpers: the environment, launching processes, comparing numbers, small configs, shared runs
 
 def script_env():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
@@ -72,8 +75,7 @@ def script_env():
 def prepared(tmp_path_factory):
     """The builtin corpus prepared once, as `python prepare_data.py` does with no arguments: (folder, result)."""
     cwd = tmp_path_factory.mktemp("prepared")
-    result = subprocess.run([sys.executable, str(ROOT / "prepare_data.py")], cwd=cwd, env=script_env(),
-                            capture_output=True, text=True, timeout=600)
+    result = launch(0, "prepare_data.py", cwd=cwd, timeout=600)
     assert result.returncode == 0, result.stderr
     return cwd / "data", result
 
@@ -84,19 +86,25 @@ def data_dir(prepared):
     return str(prepared[0])
 
 
-def launch(nproc: int, script: str, *args, cwd, timeout=240, wait=True, torchrun_args=(), env=None):
-    """Run a script with plain python (nproc=0) or under torchrun with nproc processes.
+# -- Running things: as a real process (start, launch, launch_ranks, run_sh), or a main() in this process (run_main)
 
-    The process starts a session of its own, so it can be stopped without touching pytest.
-    """
+def start(cmd: list, *, cwd, env=None, timeout=240, wait=True):
+    """Any command as a real process, in a session of its own so that it can be stopped without touching pytest:
+    its CompletedProcess, or (wait=False) the Popen to finish() later. The others below are made of it."""
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or script_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+    return finish(proc, timeout) if wait else proc
+
+
+def launch(nproc: int, script: str, *args, cwd, timeout=240, wait=True, torchrun_args=(), env=None):
+    """A script of this folder (or at an absolute path) with plain python (nproc=0) or under torchrun with nproc
+    processes: what exit statuses, signals, stderr and torchrun show. In-process checks: run_main."""
     if nproc == 0:
         cmd = [sys.executable, str(ROOT / script), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                *torchrun_args, str(ROOT / script), *args]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env or script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, stdin=subprocess.DEVNULL, start_new_session=True)
-    return finish(proc, timeout) if wait else proc
+    return start(cmd, cwd=cwd, env=env, timeout=timeout, wait=wait)
 
 
 def finish(proc, timeout=240):
@@ -135,6 +143,80 @@ def kill_job(proc) -> None:
         except ProcessLookupError:
             pass
 
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(world_size: int, script: str, *args, cwd) -> list:
+    """Start every rank by hand, as torchrun would, so each one's exit status and output can be seen. cwd: one
+    folder for all, or one per rank."""
+    port, cwds = str(free_port()), cwd if isinstance(cwd, list) else [cwd] * world_size
+    return [launch(0, script, *args, cwd=cwds[rank], wait=False,
+                   env=dict(script_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+            for rank in range(world_size)]
+
+
+RUN_SH = str(ROOT / "run.sh")
+LAUNCHER_VARS = ["NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "MAX_RESTARTS", "LOG_DIR",
+                 "RDZV_ID", "DRY_RUN", "PYTHON"]
+
+
+def launcher_env(**overrides) -> dict:
+    """The scripts' test environment without anything run.sh would pick up from the machine running pytest."""
+    env = script_env()
+    for name in [*LAUNCHER_VARS, *(k for k in env if k.startswith("SLURM_"))]:
+        env.pop(name, None)
+    env["PYTHON"] = sys.executable  # this venv's torch, whatever python3 is on PATH
+    env.update({k: str(v) for k, v in overrides.items()})
+    return env
+
+
+def run_sh(*args, cwd, wait=True, timeout=240, **env):
+    """run.sh ARGS, its variables given as keywords (NNODES=2) and nothing else of the machine's."""
+    return start([RUN_SH, *args], cwd=cwd, env=launcher_env(**env), timeout=timeout, wait=wait)
+
+
+def run_main(capsys, main, *argv) -> tuple[int, str, str]:
+    """A tool's main(argv) in this process (prepare_data, export, plan, benchmark's parse_args, a script's parser):
+    (exit status, stdout, stderr), quicker than a process where no signal, import or torchrun is checked."""
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# -- Their output: one line that names what is wrong
+
+def one_line_error(result, *expected, status=1):
+    """A real process (launch) that stopped with one line on stderr that names what is wrong (status 1; argparse:
+    2)."""
+    assert result.returncode == status, (result.returncode, result.stderr[-2000:])
+    assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    for text in expected:
+        assert text in result.stderr, (text, result.stderr)
+
+
+def refused(capsys, main, *argv, status: int = 1) -> str:
+    """The same for a main(argv) in this process (run_main) that must exit with `status`: its one error line."""
+    code, _, err = run_main(capsys, main, *argv)
+    assert code == status and err.startswith("error: ") and err.count("\n") == 1 and err.endswith("\n"), \
+        (argv, code, err)
+    return err.rstrip("\n")
+
+
+def error_lines(text: str) -> list[str]:
+    """stderr without torch's own noise (the profiler's USDT lines, torchrun's warnings)."""
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+# -- Comparing numbers and files
 
 def read_metrics(path):
     rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
@@ -179,17 +261,37 @@ def assert_same_trajectory(rows: list[dict], reference: list[dict], what: str, s
                              what=f"{what}, step {got['step']} grad norm")
 
 
-def one_line_error(result, *expected, status=1):
-    """A plain-python run that stopped with one line on stderr that names what is wrong (status 1; argparse: 2)."""
-    assert result.returncode == status, (result.returncode, result.stderr[-2000:])
-    assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    for text in expected:
-        assert text in result.stderr, (text, result.stderr)
+def snapshot(path: Path, folder_times: bool = False) -> dict:
+    """Every file and folder under path (with hidden ones), each file's size and modification time: equal snapshots,
+    nothing touched. folder_times: folders' times too, which change when an entry is created and removed again."""
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() or folder_times
+            else "folder" for p in [path, *path.rglob("*")]}
 
+
+def mount_tmpfs(path: Path, options: str):
+    """A tmpfs at path (root only: permissions do not stop root, a read-only or full filesystem does)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small or read-only tmpfs")
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True,
+                            text=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+
+
+# -- Small configs and the scripts' pieces, in this process or in spawned workers
 
 def small_config(vocab=97, layers=4) -> LlamaConfig:
     return LlamaConfig(vocab_size=vocab, max_position_embeddings=64, hidden_size=32, intermediate_size=48,
                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+SCRIPT_MODULES = {"train_pipeline_gpipe.py": gpipe, "train_pipeline_afab_manual.py": manual,
+                  "train_pipeline_tracer.py": tracer}
 
 
 def cpu_env(rank: int, world_size: int, dtype=torch.float32) -> "gpipe.Env":
@@ -232,8 +334,73 @@ def plain_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def random_batch(config, batch=8, seq=16, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+    targets = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+    targets[0, :3] = -100  # ignored targets must stay ignored through the pipeline
+    return inputs, targets
+
+
+@pytest.fixture
+def one_process_group():
+    """build_stage asks the process group for its rank: a group of one, in this process, for in-process tests.
+    Each test's own: one left over would meet a later test that checks no process group was started."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+# -- Runs and files that several sections use, made once
+
+# The tests' run of the scripts (the lr drift_rtol was measured at): 5 steps at every layout (LAYOUT_RUNS), 16 for
+# the reference run and what resumes from it; argparse keeps the last --steps given.
+TRAIN_ARGS = ["--layers", "4", "--steps", "5", "--batch-size", "8", "--microbatches", "4", "--seq-len", "32",
+              "--warmup-steps", "2", "--lr", "1e-2"]
+RESUME_ARGS = [*TRAIN_ARGS, "--steps", "16"]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, data_dir):
+    """2 stages x 2 replicas, 16 steps, never interrupted; checkpoints after steps 4, 8, 12, 16."""
+    directory = tmp_path_factory.mktemp("reference")
+    result = launch(4, "train_pipeline_gpipe.py", *RESUME_ARGS, "--dp", "2", "--checkpoint-every", "4",
+                    "--keep-checkpoints", "4", "--data", data_dir, "--metrics", "m.jsonl", cwd=directory)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows, _ = read_metrics(directory / "m.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    return directory, rows
+
+
+HF_MODELS = {  # name: the transformers.LlamaConfig fields that differ
+    "untied": {"num_hidden_layers": 3},  # grouped-query attention, plain RoPE
+    "tied": {"num_hidden_layers": 4, "tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE},
+    "tied_bf16": {"num_hidden_layers": 4, "tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE},
+}
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory, data_dir):
+    """Random LlamaForCausalLMs, written by save_pretrained with the builtin data's tokenizer: what --init-from
+    reads."""
+    transformers = pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
+    root = tmp_path_factory.mktemp("hf")
+    for name, fields in HF_MODELS.items():
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=8192, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=500000.0,
+            **{key: dict(value) if isinstance(value, dict) else value for key, value in fields.items()}))
+        if name.endswith("bf16"):
+            model = model.to(torch.bfloat16)
+        model.save_pretrained(root / name)
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(data_dir) / file, root / name)
+    return root
+
+
 # ----------------------------------------------------------------------------------------------------------
-# model.py
+# 2. model.py: meta init, stage weights, the same math as Hugging Face, the loss in pieces, flops, the split
 
 def test_meta_init_equals_direct_build():
     config = small_config()
@@ -273,10 +440,6 @@ def test_the_even_split_differs_by_at_most_one_layer():
         for stages in range(1, layers + 1):
             sizes = [len(r) for r in even(layers, stages)]
             assert sum(sizes) == layers and max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
-
-
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
 
 
 @pytest.mark.parametrize("variant", ["plain", "tied_llama3_head_dim"])
@@ -348,67 +511,720 @@ def test_model_flops_per_token_counts_every_matmul_once():
     assert model_module.flops_per_token(config, seq_len=16) == 6 * n + 12 * 2 * 4 * 8 * 16
 
 
+def test_the_balanced_split_is_the_optimum_of_every_contiguous_split():
+    gen = torch.Generator().manual_seed(0)
+    for layers, stages in [(4, 2), (5, 3), (6, 2), (7, 4), (8, 3)]:
+        for _ in range(20):
+            layer, head, embed = (torch.rand(3, generator=gen) * torch.tensor([1.0, 6.0, 0.5])).tolist()
+            costs = {"layer": layer, "head": head, "embed": embed}
+            best = min(max(model_module.stage_costs(model_module.from_sizes(list(sizes)), costs))
+                       for sizes in itertools.product(range(1, layers + 1), repeat=stages) if sum(sizes) == layers)
+            layout = model_module.balanced(layers, stages, costs)
+            assert sum(len(r) for r in layout) == layers and min(map(len, layout)) >= 1
+            assert max(model_module.stage_costs(layout, costs)) == pytest.approx(best, rel=1e-12), \
+                (layers, stages, costs)
+    # The tiny model at --seq-len 128: the head and the loss are worth about 4.6 layers; the last stage keeps one.
+    tiny = config_from_preset("tiny", 8192, 6)
+    assert [len(r) for r in model_module.balanced(6, 2, model_module.estimated_costs(tiny, 128))] == [5, 1]
+    # Activation checkpointing runs each layer's forward (a third of its cost) again; the head is not recomputed.
+    plain, again = model_module.estimated_costs(tiny, 128), model_module.estimated_costs(tiny, 128, recompute=True)
+    assert again["layer"] == pytest.approx(plain["layer"] * 4 / 3) and again["head"] == plain["head"]
+
+
 # ----------------------------------------------------------------------------------------------------------
-# One pipelined step: every gradient equals the unsplit model's
+# 3. Data: prepare_data.py (documents -> tokenizer -> token files, once), and the scripts' Batches
 
-def _grad_worker(rank, world_size, store_path, out_dir, config, batch, microbatches):
-    mesh = start_group(rank, world_size, store_path)
+WORDS = ("the pipeline stage sends activations forward and gradients backward while each microbatch waits for its "
+         "turn été café 中文 tokens 42 (x) = y;").split()
+
+
+def corpus(n: int = 250, seed: int = 0) -> list[str]:
+    """n documents of 1-3 lines each, no blank lines inside (so a .txt holds them one per paragraph)."""
+    rng = random.Random(seed)
+    return [f"doc {i}: " + "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 25)))
+                                     for _ in range(rng.randint(1, 3))) for i in range(n)]
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({"id": i, field: d}) + "\n" for i, d in enumerate(docs)), encoding="utf-8")
+    return path
+
+
+def write_txt(path: Path, docs: list[str]) -> Path:
+    path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    return path
+
+
+def write_parquet(path: Path, docs: list, field: str = "text") -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": list(range(len(docs))), field: docs}), path)
+    return path
+
+
+def tokens(out: Path, part: str) -> np.ndarray:
+    """A split read back the way a training script reads it: np.memmap of each file, concatenated."""
+    meta = json.loads((out / "meta.json").read_text())
+    return np.concatenate([np.memmap(out / name, dtype=meta["dtype"], mode="r") for name in meta[part]["files"]])
+
+
+def framed(backend, bos: int, eos: int, docs: list[str]) -> np.ndarray:
+    return np.array([t for d in docs for t in [bos, *backend.encode(d, add_special_tokens=False).ids, eos]])
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory) -> Path:
+    """A small BPE tokenizer with [PAD]/[BOT]/[EOT], trained on the test corpus (fast, unlike the builtin one)."""
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    prep.train_tokenizer(corpus(), 400).backend.save(str(path))
+    return path
+
+
+# -- prepare_data.py: the builtin corpus, prepared once (the session's `prepared`)
+
+def test_builtin(prepared):
+    from tokenizers import Tokenizer
+
+    out, result = prepared
+    pad = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id("[PAD]")
+    assert result.stdout.splitlines()[-1].startswith("prepared data: ")
+    meta = json.loads((out / "meta.json").read_text())
+    assert (meta["dtype"], meta["vocab_size"]) == ("uint16", 8192)
+    assert (meta["bos_token"], meta["eos_token"]) == ("[BOT]", "[EOT]")
+    assert meta["source"] == {"data": "builtin", "eval_data": None, "tokenizer": None, "vocab_size": 8192,
+                              "text_field": "text", "max_tokens": None}
+    n_files = len(prep.builtin_files())
+    assert meta["val"]["documents"] == n_files // 50 and meta["train"]["documents"] == n_files - n_files // 50
+    for part in ("train", "val"):
+        ids = tokens(out, part)
+        assert len(ids) == sum(meta[part]["tokens"]) > 10_000 and ids[0] == meta["bos_id"]
+        # Every document framed once: as many bos as eos as documents, and the stream ends on an eos.
+        assert (ids == meta["bos_id"]).sum() == (ids == meta["eos_id"]).sum() == meta[part]["documents"]
+        assert ids[-1] == meta["eos_id"] and not (ids == pad).any()
+    assert sorted(os.listdir(out.parent)) == ["data"]  # no temporary folder left
+
+
+def test_builtin_rerun_is_ready_fast_and_touches_nothing(prepared):
+    out, _ = prepared
+    before = snapshot(out.parent, folder_times=True)  # not even a temporary folder made and removed
+    result = launch(0, "prepare_data.py", cwd=out.parent, timeout=300)
+    assert result.returncode == 0 and result.stderr == ""
+    assert len(result.stdout.splitlines()) == 1 and "ready" in result.stdout
+    assert snapshot(out.parent, folder_times=True) == before  # nothing read or written: no tokenizing again
+
+
+# -- prepare_data.py: what is written
+
+def test_jsonl_tokens_are_framed_documents_in_order(tmp_path, capsys):
+    from tokenizers import Tokenizer
+
+    docs = corpus()
+    data, out = write_jsonl(tmp_path / "docs.jsonl", docs), tmp_path / "out"
+    code, stdout, err = run_main(capsys, prep.main, "--data", data, "--out", out)
+    assert (code, err) == (0, "") and "prepared" in stdout.splitlines()[-1]
+    meta = json.loads((out / "meta.json").read_text())
+    backend = Tokenizer.from_file(str(out / "tokenizer.json"))
+    bos, eos, pad = meta["bos_id"], meta["eos_id"], backend.token_to_id("[PAD]")
+    held_out = [d for i, d in enumerate(docs) if i % 50 == 49]  # documents 49, 99, ...
+    assert len(held_out) == 5 and meta["val"]["documents"] == 5 and meta["train"]["documents"] == 245
+    trained_on = [d for i, d in enumerate(docs) if i % 50 != 49]
+    np.testing.assert_array_equal(tokens(out, "train"), framed(backend, bos, eos, trained_on))
+    np.testing.assert_array_equal(tokens(out, "val"), framed(backend, bos, eos, held_out))
+    assert pad is not None and not (tokens(out, "train") == pad).any() and not (tokens(out, "val") == pad).any()
+    assert meta["vocab_size"] == backend.get_vocab_size() and meta["dtype"] == "uint16"
+    assert meta["tokenizer_sha256"] == hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
+    assert meta["fingerprint"].startswith(f"data={data.resolve()}:")
+    # Same request again: ready, nothing rewritten.
+    before = snapshot(tmp_path, folder_times=True)
+    code, stdout, _ = run_main(capsys, prep.main, "--data", data, "--out", out)
+    assert code == 0 and "ready" in stdout and snapshot(tmp_path, folder_times=True) == before
+
+
+def test_every_source_form_gives_the_same_documents(tmp_path):
+    docs = corpus(60)
+    write_txt(tmp_path / "docs.txt", docs)
+    write_jsonl(tmp_path / "docs.jsonl", docs)
+    write_parquet(tmp_path / "docs.parquet", docs)
+    write_jsonl(tmp_path / "body.jsonl", docs, field="body")
+    write_parquet(tmp_path / "body.parquet", docs, field="body")
+    folder = tmp_path / "folder"
+    (folder / "b" / ".cache").mkdir(parents=True)
+    write_jsonl(folder / "a.jsonl", docs[:20])
+    write_txt(folder / "b" / "c.txt", docs[20:40])
+    write_parquet(folder / "d.parquet", docs[40:])
+    write_txt(folder / "b" / ".cache" / "hidden.txt", ["not a document"])
+    (folder / "notes.md").write_text("not a document either")
+    for spec in ["docs.txt", "docs.jsonl", "docs.parquet", "folder", "folder/a.jsonl,folder/b/c.txt,folder/d.parquet"]:
+        got = list(prep.documents(",".join(str(tmp_path / p) for p in spec.split(","))))
+        assert got == docs, spec
+    for spec in ["body.jsonl", "body.parquet"]:
+        assert list(prep.documents(str(tmp_path / spec), text_field="body")) == docs, spec
+    # Windows line ends, blank lines of spaces, several blank lines in a row: still one document per paragraph.
+    (tmp_path / "crlf.txt").write_bytes(b"a\r\nb\r\n\r\n  \n\n\nc\r\n")
+    assert list(prep.documents(str(tmp_path / "crlf.txt"))) == ["a\nb", "c"]
+
+
+def test_dtype_follows_the_vocabulary(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    assert prep.token_dtype(8192) == prep.token_dtype(65_536) == "uint16"
+    assert prep.token_dtype(65_537) == prep.token_dtype(128_256) == "uint32"
+    # A real vocabulary past 65,536 (a word-level one is quick to build): ids above 65,535 come back intact.
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70_000)} | {"[UNK]": 70_000}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(["[BOT]", "[EOT]"])
+    backend.save(str(tmp_path / "big.json"))
+    docs = [" ".join(f"w{(i * 7919 + j * 104_729) % 70_000}" for j in range(30)) for i in range(250)]
+    out = tmp_path / "out"
+    code, _, err = run_main(capsys, prep.main, "--data", write_jsonl(tmp_path / "d.jsonl", docs), "--tokenizer",
+                            tmp_path / "big.json", "--out", out)
+    assert (code, err) == (0, "")
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70_003
+    train = tokens(out, "train")
+    assert train.dtype == np.uint32 and train.max() > 65_535
+    trained_on = [d for i, d in enumerate(docs) if i % 50 != 49]
+    np.testing.assert_array_equal(train, framed(backend, 70_001, 70_002, trained_on))
+
+
+def test_given_tokenizer_file_with_bot_eot(tmp_path, capsys, tokenizer_file):
+    from tokenizers import Tokenizer
+
+    docs, out = corpus(), tmp_path / "out"
+    code, stdout, err = run_main(capsys, prep.main, "--data", write_jsonl(tmp_path / "d.jsonl", docs), "--tokenizer",
+                                 tokenizer_file, "--out", out)
+    assert (code, err) == (0, "") and "training a" not in stdout
+    meta = json.loads((out / "meta.json").read_text())
+    backend = Tokenizer.from_file(str(tokenizer_file))
+    assert (meta["bos_token"], meta["eos_token"], meta["bos_id"]) == ("[BOT]", "[EOT]", backend.token_to_id("[BOT]"))
+    assert meta["source"]["tokenizer"] == str(tokenizer_file) and meta["source"]["vocab_size"] is None
+    np.testing.assert_array_equal(tokens(out, "val"), framed(backend, meta["bos_id"], meta["eos_id"], docs[49::50]))
+    # The saved tokenizer encodes as the data was encoded, and puts bos in front once with special tokens.
+    saved = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert saved.encode(docs[0], add_special_tokens=False).ids == backend.encode(docs[0], add_special_tokens=False).ids
+    ids = saved.encode(docs[0]).ids
+    assert ids[0] == meta["bos_id"] and ids.count(meta["bos_id"]) == 1
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config == {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "[BOT]", "eos_token": "[EOT]",
+                      "pad_token": "[PAD]", "add_bos_token": True, "add_eos_token": False}
+
+
+def hf_style_tokenizer(folder: Path, docs: list[str], adds_bos: bool) -> Path:
+    """A Llama-2-like model folder: tokenizer.json with <s>/</s>, named in tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                          show_progress=False))
+    if adds_bos:  # as Llama 2's does already: the saved tokenizer must not get a second one
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                               special_tokens=[("<s>", 1)])
+    backend.enable_truncation(max_length=16)  # as some model folders' files have: it must not cut documents
+    backend.enable_padding(pad_id=0, pad_token="<unk>")  # nor pad them to the batch's longest
+    folder.mkdir()
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "</s>", "pad_token": None,
+         "model_max_length": 64}))
+    return folder
+
+
+def test_hf_style_tokenizer_folder(tmp_path, capsys):
+    import transformers
+    from tokenizers import Tokenizer
+
+    docs = corpus()
+    data = write_jsonl(tmp_path / "d.jsonl", docs)
+    for adds_bos in (False, True):
+        folder = hf_style_tokenizer(tmp_path / f"model-{adds_bos}", docs, adds_bos)
+        out = tmp_path / f"out-{adds_bos}"
+        code, _, err = run_main(capsys, prep.main, "--data", data, "--tokenizer", folder, "--out", out)
+        assert (code, err) == (0, "")
+        meta = json.loads((out / "meta.json").read_text())
+        assert (meta["bos_token"], meta["eos_token"], meta["bos_id"], meta["eos_id"]) == ("<s>", "</s>", 1, 2)
+        backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        backend.no_truncation()
+        backend.no_padding()
+        # Documents come out whole and unpadded, though the tokenizer.json says truncate to 16 and pad.
+        trained_on = [d for i, d in enumerate(docs) if i % 50 != 49]
+        np.testing.assert_array_equal(tokens(out, "train"), framed(backend, 1, 2, trained_on))
+        assert json.loads((out / "tokenizer_config.json").read_text())["bos_token"] == "<s>"
+        assert "pad_token" not in json.loads((out / "tokenizer_config.json").read_text())
+        ids = Tokenizer.from_file(str(out / "tokenizer.json")).encode("the pipeline stage").ids
+        assert ids[0] == 1 and ids.count(1) == 1
+        hf_ids = transformers.AutoTokenizer.from_pretrained(str(out))("the pipeline stage")["input_ids"]
+        assert hf_ids[0] == 1 and hf_ids.count(1) == 1 and hf_ids[1:] == ids[1:]
+
+
+def test_shards_concatenate_to_the_one_file_result(tmp_path, capsys, monkeypatch, tokenizer_file):
+    data = write_jsonl(tmp_path / "d.jsonl", corpus())
+    code, _, _ = run_main(capsys, prep.main, "--data", data, "--tokenizer", tokenizer_file, "--out", tmp_path / "one")
+    assert code == 0
+    monkeypatch.setattr(prep, "SHARD_TOKENS", 1000)
+    code, _, _ = run_main(capsys, prep.main, "--data", data, "--tokenizer", tokenizer_file, "--out", tmp_path / "many")
+    assert code == 0
+    one, many = (json.loads((tmp_path / d / "meta.json").read_text()) for d in ("one", "many"))
+    assert one["train"]["files"] == ["train-00000.bin"]
+    assert len(many["train"]["files"]) > 3 and many["train"]["files"][1] == "train-00001.bin"
+    assert set(many["train"]["tokens"][:-1]) == {1000} and 0 < many["train"]["tokens"][-1] <= 1000
+    for name, count in zip(many["train"]["files"], many["train"]["tokens"]):
+        assert (tmp_path / "many" / name).stat().st_size == 2 * count
+    np.testing.assert_array_equal(tokens(tmp_path / "many", "train"), tokens(tmp_path / "one", "train"))
+    assert (tmp_path / "many" / "val.bin").read_bytes() == (tmp_path / "one" / "val.bin").read_bytes()
+
+
+def test_max_tokens_and_eval_data(tmp_path, capsys, tokenizer_file):
+    from tokenizers import Tokenizer
+
+    docs, held_out = corpus(), corpus(10, seed=1)
+    data, eval_data = write_jsonl(tmp_path / "d.jsonl", docs), write_txt(tmp_path / "held_out.txt", held_out)
+    code, _, err = run_main(capsys, prep.main, "--data", data, "--eval-data", eval_data, "--tokenizer", tokenizer_file,
+                            "--max-tokens", 500, "--out", tmp_path / "out")
+    assert (code, err) == (0, "")
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    backend = Tokenizer.from_file(str(tokenizer_file))
+    bos, eos = meta["bos_id"], meta["eos_id"]
+    # With --eval-data nothing of --data is held out; --max-tokens cuts the training stream at exactly 500.
+    np.testing.assert_array_equal(tokens(tmp_path / "out", "train"), framed(backend, bos, eos, docs)[:500])
+    np.testing.assert_array_equal(tokens(tmp_path / "out", "val"), framed(backend, bos, eos, held_out))
+    assert meta["train"]["tokens"] == [500] and meta["val"]["documents"] == 10
+    assert meta["source"]["max_tokens"] == 500 and meta["source"]["eval_data"] == str(eval_data)
+    assert "eval_data=" in meta["fingerprint"] and "tokenizer=" in meta["fingerprint"]
+
+
+# -- prepare_data.py, bad input: one line, exit status 1, nothing left behind
+
+def _bad_inputs(d: Path, tokenizer_file: Path) -> dict:
+    """name -> (arguments, words the one error line must hold); the files are written into d."""
+    from tokenizers import Tokenizer, models
+
+    (d / "binary.txt").write_bytes(b"good text\n\nmore \xff\xfe\x00 binary\n")
+    (d / "bad.jsonl").write_text('{"text": "a"}\n\n{"text": "b"\n')
+    (d / "list.jsonl").write_text('["text"]\n')
+    (d / "nofield.jsonl").write_text('{"body": "x", "id": 1}\n')
+    (d / "number.jsonl").write_text('{"text": "a"}\n{"text": 5}\n')
+    (d / "tok.json").write_text("not json")
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(d / "plain.json"))
+    write_parquet(d / "body.parquet", ["x", "y"], field="body")
+    write_parquet(d / "null.parquet", ["x", None])
+    (d / "a.csv").write_text("text\nx\n")
+    small, docs = write_jsonl(d / "small.jsonl", ["hi", "there"]), write_jsonl(d / "docs.jsonl", corpus(40))
+    return {
+        "missing": (["--data", d / "nope.jsonl"], ["nope.jsonl", "no such file"]),
+        "missing_eval": (["--data", docs, "--eval-data", d / "nope.txt"], ["--eval-data", "nope.txt"]),
+        "extension": (["--data", d / "a.csv"], ["a.csv", ".jsonl"]),
+        "binary_txt": (["--data", d / "binary.txt"], ["binary.txt", "line 3", "UTF-8"]),
+        "bad_json": (["--data", d / "bad.jsonl"], ["bad.jsonl", "line 3", "not valid JSON"]),
+        "json_list": (["--data", d / "list.jsonl"], ["list.jsonl", "line 1", "list"]),
+        "json_no_field": (["--data", d / "nofield.jsonl"], ["nofield.jsonl", "line 1", "'body'", "--text-field"]),
+        "json_number": (["--data", d / "number.jsonl"], ["number.jsonl", "line 2", "not a string"]),
+        "parquet_column": (["--data", d / "body.parquet"], ["body.parquet", "'body'", "--text-field"]),
+        "parquet_null": (["--data", d / "null.parquet"], ["null.parquet", "row 2"]),
+        "tokenizer_missing": (["--data", docs, "--tokenizer", d / "nope.json"], ["nope.json"]),
+        "tokenizer_garbage": (["--data", docs, "--tokenizer", d / "tok.json"], ["tok.json", "not a tokenizers"]),
+        "tokenizer_no_bos": (["--data", docs, "--tokenizer", d / "plain.json"], ["plain.json", "bos_token"]),
+        "vocab_with_tokenizer": (["--data", docs, "--tokenizer", tokenizer_file, "--vocab-size", 100],
+                                 ["--vocab-size", "--tokenizer"]),
+        "train_too_small": (["--data", small, "--eval-data", docs], ["training split", "tokens", "more documents"]),
+    }
+
+
+PREPARE_BAD = ["missing", "missing_eval", "extension", "binary_txt", "bad_json", "json_list", "json_no_field",
+               "json_number", "parquet_column", "parquet_null", "tokenizer_missing", "tokenizer_garbage",
+               "tokenizer_no_bos", "vocab_with_tokenizer", "train_too_small"]
+
+
+@pytest.mark.parametrize("case", PREPARE_BAD)
+def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, tokenizer_file, case):
+    (tmp_path / "in").mkdir()
+    argv, words = _bad_inputs(tmp_path / "in", tokenizer_file)[case]
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "keep.txt").write_text("untouched")
+    before = snapshot(work)
+    # Its parent is created, and removed again.
+    code, _, err = run_main(capsys, prep.main, *argv, "--out", work / "new" / "out")
+    assert code == 1
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    for word in words:
+        assert word in err, (word, err)
+    assert snapshot(work) == before
+
+
+def test_error_while_writing_removes_the_partial_dataset(tmp_path, capsys, monkeypatch, tokenizer_file):
+    lines = [json.dumps({"text": d}) for d in corpus(300)]
+    lines[289] = '{"text": '
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(prep, "BATCH_DOCUMENTS", 10)  # many batches are written before line 290 is read
+    written, write = [], prep.TokenFiles.write
+
+    def spy(self, ids):  # where the partial dataset was written
+        written.append(self.directory)
+        write(self, ids)
+
+    monkeypatch.setattr(prep.TokenFiles, "write", spy)
+    before = snapshot(tmp_path)
+    code, _, err = run_main(capsys, prep.main, "--data", tmp_path / "d.jsonl", "--tokenizer", tokenizer_file,
+                            "--out", tmp_path / "out")
+    assert code == 1 and "line 290" in err and len(err.splitlines()) == 1
+    assert len(written) > 20 and not os.path.exists(written[0])
+    assert snapshot(tmp_path) == before
+
+
+def test_hf_dataset_that_cannot_be_opened(tmp_path):
+    result = launch(0, "prepare_data.py", "--data", "hf:no-such-user-xyz/no-such-dataset", "--out", tmp_path / "out",
+                    cwd=tmp_path, timeout=300)
+    assert result.returncode == 1 and result.stdout.startswith("training a")
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("error: --data hf:no-such-user-xyz/no-such-dataset: cannot open the dataset (")
+    assert os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_removes_the_temporary_folder(tmp_path, capsys, monkeypatch, tokenizer_file):
+    def interrupt(self, ids):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prep.TokenFiles, "write", interrupt)
+    data = write_jsonl(tmp_path / "d.jsonl", corpus())
+    before = snapshot(tmp_path)
+    code, _, err = run_main(capsys, prep.main, "--data", data, "--tokenizer", tokenizer_file, "--out", tmp_path / "out")
+    assert code == 130 and len(err.splitlines()) == 1
+    assert snapshot(tmp_path) == before
+
+
+def test_command_line_errors_are_one_line_with_status_2(capsys):
+    for argv in (["--max-tokens", "lots"], ["--vocab-size", "0"], ["--no-such-flag"]):
+        code, out, err = run_main(capsys, prep.main, *argv)
+        assert code == 2 and out == "" and len(err.splitlines()) == 1, (argv, err)
+        assert err.startswith("error: ") and err.rstrip().endswith("(see --help)")
+
+
+def backend_of(path: Path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+# -- prepare_data.py: --out and what is read; what --force replaces
+
+def test_out_that_is_holds_or_lies_inside_an_input_is_refused_even_with_force(tmp_path, capsys, tokenizer_file):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    good, second = write_jsonl(folder / "good.jsonl", corpus(60)), write_jsonl(folder / "second.jsonl", corpus(60, 1))
+    (folder / "notes.md").write_text("mine")
+    (tmp_path / "link").symlink_to(folder)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    tok = ["--tokenizer", tokenizer_file]
+    cases = [  # (arguments, what the line says)
+        (["--data", folder, *tok, "--out", folder], f"it is --data {folder}"),
+        (["--data", good, *tok, "--out", good], f"it is --data {good}"),
+        (["--data", good, *tok, "--out", folder], f"it holds --data {good}"),
+        (["--data", folder, *tok, "--out", folder / "sub"], f"it lies inside --data {folder}"),
+        (["--data", folder, *tok, "--out", tmp_path / "link"], f"it is --data {folder}"),  # real paths compared
+        (["--data", good, "--eval-data", second, *tok, "--out", folder], f"it holds --data {good}"),
+        (["--data", good, "--tokenizer", tmp_path / "tok", "--out", tmp_path / "tok"], "it is --tokenizer"),
+    ]
+    before = snapshot(tmp_path, folder_times=True)
+    for argv in (a + extra for a, _ in cases for extra in ([], ["--force"])):
+        err = refused(capsys, prep.main, *argv)
+        assert "another --out" in err, err
+        assert snapshot(tmp_path, folder_times=True) == before, argv  # nothing created, nothing deleted
+    for argv, words in cases:
+        assert words in refused(capsys, prep.main, *argv, "--force"), (argv, words)
+
+
+def test_force_replaces_only_a_dataset_written_here(tmp_path, capsys, tokenizer_file):
+    """Replaces test_small.py's test_out_holding_other_things_is_refused_and_force_replaces_it."""
+    data_a, data_b = write_jsonl(tmp_path / "a.jsonl", corpus()), write_jsonl(tmp_path / "b.jsonl", corpus(seed=2))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    common = ["--tokenizer", tokenizer_file, "--out", out]
+    # Other files: refused, --force or not, saying what is there; untouched.
+    before = snapshot(tmp_path)
+    for force in ([], ["--force"]):
+        err = refused(capsys, prep.main, "--data", data_a, *common, *force)
+        assert f"--out {out}: it holds other files (notes.txt)" in err and "another --out" in err, err
+        assert snapshot(tmp_path) == before
+    (out / "notes.txt").unlink()
+    assert run_main(capsys, prep.main, "--data", data_a, *common)[0] == 0  # an empty folder is no obstacle
+    # Another request: refused naming what changed, then replaced with --force.
+    before = snapshot(tmp_path)
+    err = refused(capsys, prep.main, "--data", data_b, *common)
+    assert f"--data {data_a} -> {data_b}" in err and "--force" in err, err
+    err = refused(capsys, prep.main, "--data", data_a, *common, "--max-tokens", 1000)
+    assert "--max-tokens unset -> 1000" in err and "--data" not in err.split("(")[1], err
+    assert snapshot(tmp_path) == before
+    assert run_main(capsys, prep.main, "--data", data_b, *common, "--force")[0] == 0
+    assert json.loads((out / "meta.json").read_text())["source"]["data"] == str(data_b)
+    # The same request after its files changed: the refusal says so.
+    os.utime(data_b, ns=(0, 0))
+    err = refused(capsys, prep.main, "--data", data_b, *common)
+    assert "the files of --data changed since" in err and "--force" in err, err
+    # A file of the user's beside the dataset: --force does not delete it.
+    (out / "notes.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    err = refused(capsys, prep.main, "--data", data_b, *common, "--force")
+    assert "a dataset and other files (notes.txt)" in err and "another --out" in err, err
+    assert snapshot(tmp_path) == before
+    (out / "notes.txt").unlink()
+    assert run_main(capsys, prep.main, "--data", data_b, *common, "--force")[0] == 0
+    assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "b.jsonl", "out"]  # no lock, no temporary folder
+    # An --out that is a file of the user's is never replaced.
+    (tmp_path / "file").write_text("mine")
+    err = refused(capsys, prep.main, "--data", data_a, "--tokenizer", tokenizer_file, "--out", tmp_path / "file",
+                  "--force")
+    assert "is not a folder" in err and (tmp_path / "file").read_text() == "mine"
+
+
+def test_damaged_meta_json_is_named_and_replaced_only_when_the_folder_is_ours(tmp_path, capsys, tokenizer_file):
+    data = write_jsonl(tmp_path / "a.jsonl", corpus())
+    out = tmp_path / "out"
+    common = ["--data", data, "--tokenizer", tokenizer_file, "--out", out]
+    assert run_main(capsys, prep.main, *common)[0] == 0
+    (out / "meta.json").write_text('{"format": 1, "dtype": "uint1')  # cut short
+    err = refused(capsys, prep.main, *common)
+    assert "damaged dataset" in err and "--force" in err, err
+    assert run_main(capsys, prep.main, *common, "--force")[0] == 0 and prep.read_meta(str(out)) is not None
+    (out / "meta.json").write_text("[]")
+    (out / "notes.md").write_text("mine")
+    before = snapshot(tmp_path)
+    err = refused(capsys, prep.main, *common, "--force")
+    assert "damaged meta.json and other files (notes.md)" in err and "another --out" in err, err
+    assert snapshot(tmp_path) == before
+
+
+# -- prepare_data.py, small corpora: a held-out tail
+
+def test_single_document_or_small_corpus_holds_out_the_last_tokens(tmp_path, capsys, monkeypatch, tokenizer_file):
+    backend = backend_of(tokenizer_file)
+    bos, eos = backend.token_to_id("[BOT]"), backend.token_to_id("[EOT]")
+    lines = [" ".join(d.split()[:12]) for d in corpus(400)]  # one paragraph per line: one document
+    cases = {"one.txt": (lines, ["\n".join(lines)]), "few.jsonl": (corpus(30), corpus(30)),
+             # document 49 is held out whole, but is less than a window: it goes at the end of the tail
+             "sixty.jsonl": (corpus(60), [d for i, d in enumerate(corpus(60)) if i != 49] + [corpus(60)[49]])}
+    monkeypatch.setattr(prep, "SHARD_TOKENS", 100)  # the tail spans several training files
+    for name, (docs, stream) in cases.items():
+        data = tmp_path / name
+        if name == "one.txt":
+            data.write_text("\n".join(docs) + "\n")  # no blank line anywhere
+        else:
+            write_jsonl(data, docs)
+        out = tmp_path / f"out-{name}"
+        code, stdout, err = run_main(capsys, prep.main, "--data", data, "--tokenizer", tokenizer_file, "--out", out)
+        assert (code, err) == (0, ""), (name, err)
+        assert "the last 10 % of the tokens" in stdout.splitlines()[-1], stdout
+        meta = json.loads((out / "meta.json").read_text())
+        train, val, expected = tokens(out, "train"), tokens(out, "val"), framed(backend, bos, eos, stream)
+        assert meta["val"]["held_out"] == "tail" and len(val) == max(129, len(expected) // 10), name
+        np.testing.assert_array_equal(np.concatenate([train, val]), expected)
+        for part in ("train", "val"):
+            for file, count in zip(meta[part]["files"], meta[part]["tokens"]):
+                assert (out / file).stat().st_size == 2 * count > 0
+        assert sorted(os.listdir(out)) == sorted(meta["train"]["files"] + ["val.bin", "meta.json", "tokenizer.json",
+                                                                           "tokenizer_config.json"])
+    # Enough documents: every 50th held out whole, as before; but --max-tokens 2000 stops before the 50th (a tail).
+    many = write_jsonl(tmp_path / "many.jsonl", corpus())
+    for max_tokens, held_out, counts in [([], "documents", None), (["--max-tokens", 2000], "tail", (1800, [200]))]:
+        out = tmp_path / f"out-many-{held_out}"
+        code, _, err = run_main(capsys, prep.main, "--data", many, "--tokenizer", tokenizer_file, *max_tokens, "--out",
+                                out)
+        meta = json.loads((out / "meta.json").read_text())
+        assert (code, err, meta["val"]["held_out"]) == (0, "", held_out)
+        assert counts in (None, (sum(meta["train"]["tokens"]), meta["val"]["tokens"]))
+
+
+def test_too_few_tokens_name_the_cause_and_the_scripts_window(tmp_path, capsys, tokenizer_file):
+    docs, small = write_jsonl(tmp_path / "d.jsonl", corpus()), write_jsonl(tmp_path / "s.jsonl", ["hi", "there"])
+    window = "one window of 129 tokens (the training scripts' default --seq-len 128, plus one)"
+    tok = ["--tokenizer", tokenizer_file]
+    before = snapshot(tmp_path)
+    err = refused(capsys, prep.main, "--data", docs, "--eval-data", small, *tok, "--max-tokens", 100, "--out",
+                  tmp_path / "out")
+    assert err.startswith("error: --max-tokens 100: ") and window in err, err
+    err = refused(capsys, prep.main, "--data", docs, *tok, "--max-tokens", 200, "--out", tmp_path / "out")
+    assert err.startswith("error: --max-tokens 200: ") and window in err and "258" in err, err
+    err = refused(capsys, prep.main, "--data", small, *tok, "--out", tmp_path / "out")
+    assert err.startswith(f"error: --data {small}: ") and window in err and "more documents" in err, err
+    err = refused(capsys, prep.main, "--data", small, "--eval-data", docs, *tok, "--out", tmp_path / "out")
+    assert "training split" in err and window in err, err
+    assert snapshot(tmp_path) == before
+
+
+# -- prepare_data.py: one line instead of a traceback or a surprise
+
+def test_lone_surrogate_in_jsonl_is_one_line_naming_file_and_line(tmp_path, capsys, tokenizer_file):
+    rows = ['{"text": "plain"}', '{"text": "a pair \\ud83d\\ude00 is fine"}', '{"text": "lone \\ud800 here"}']
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    before = snapshot(tmp_path)
+    for tok in (["--vocab-size", 300], ["--tokenizer", tokenizer_file]):  # training a tokenizer, or encoding
+        err = refused(capsys, prep.main, "--data", data, *tok, "--out", tmp_path / "out")
+        assert f"--data {data}, line 3: " in err and "surrogate" in err and "line 2" not in err, err
+        assert snapshot(tmp_path) == before
+
+
+def test_long_text_without_whitespace_trains_quickly_and_is_encoded_whole(tmp_path, capsys):
+    rng = random.Random(0)
+    blob = "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=600_000))
+    # The trainer's pieces: bounded, whole again when joined, and cut before whitespace (pre-tokens unchanged).
+    from tokenizers import pre_tokenizers
+
+    text = "\n".join(corpus(300))
+    code = "".join(f"\n{'    ' * (i % 5)}x = {i}  # {'c ' * (i % 7)}\t" for i in range(3000))  # runs of whitespace
+    split = pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str
+    for sample in (text, code, blob, "  " * 3000, "x" * 999 + " y"):
+        parts = list(prep.pieces(sample))
+        assert "".join(parts) == sample and max(map(len, parts)) <= prep.TOKENIZER_PIECE_CHARS
+    for sample in (text, code):
+        assert [t for p in prep.pieces(sample) for t, _ in split(p)] == [t for t, _ in split(sample)]
+    started = time.perf_counter()
+    prep.train_tokenizer([blob], 300)
+    took = time.perf_counter() - started
+    assert took < 5, took  # 0.3 s; 20-40 s uncut (the trainer's time grows with the square of a pre-token's length)
+    data = write_jsonl(tmp_path / "d.jsonl", [blob, *corpus(60)])
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", corpus(20, seed=1))
+    code, _, err = run_main(capsys, prep.main, "--data", data, "--eval-data", held_out, "--vocab-size", 300, "--out",
+                            tmp_path / "out")
+    assert (code, err) == (0, "")
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    expected = backend_of(tmp_path / "out" / "tokenizer.json").encode(blob, add_special_tokens=False).ids
+    train = tokens(tmp_path / "out", "train")  # the blob is the first document, encoded whole
+    assert train[0] == meta["bos_id"] and train[len(expected) + 1] == meta["eos_id"]
+    np.testing.assert_array_equal(train[1:len(expected) + 1], expected)
+
+
+def test_eval_data_overlapping_data_is_refused(tmp_path, capsys, tokenizer_file):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    data = write_jsonl(folder / "a.jsonl", corpus(60))
+    other = write_jsonl(tmp_path / "b.jsonl", corpus(20, 1))
+    (tmp_path / "alias.jsonl").symlink_to(data)
+    before = snapshot(tmp_path, folder_times=True)
+    for d, e in [(data, data), (folder, data), (data, folder), (data, tmp_path / "alias.jsonl"),
+                 (f"{other},{data}", f"{folder}"), ("builtin", "builtin")]:
+        err = refused(capsys, prep.main, "--data", d, "--eval-data", e, "--tokenizer", tokenizer_file, "--out",
+                      tmp_path / "o")
+        assert err.startswith(f"error: --eval-data {e}: it overlaps --data {d}"), err
+    assert snapshot(tmp_path, folder_times=True) == before
+
+
+# -- prepare_data.py: runs at once, SIGTERM, SIGKILL
+
+def _blocked_run(tmp_path: Path, vocabulary: list, out: Path) -> subprocess.Popen:
+    """prepare_data.py writing out, held up reading its --data: a FIFO no one writes to."""
+    fifo = tmp_path / "stuck.jsonl"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    proc = launch(0, "prepare_data.py", "--data", fifo, *vocabulary, "--out", out, cwd=tmp_path, wait=False)
+    deadline = time.time() + 60
+    while not [n for n in os.listdir(out.parent) if n.endswith(".tmp")]:  # it has begun writing
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.1)
+    return proc
+
+
+def test_a_second_run_into_the_same_out_is_refused_and_a_killed_ones_leftovers_removed(tmp_path, capsys,
+                                                                                        tokenizer_file):
+    out = tmp_path / "out"
+    first = _blocked_run(tmp_path, ["--tokenizer", tokenizer_file], out)
     try:
-        inputs, targets = batch
-        shape = (len(inputs) // microbatches, inputs.shape[1])
-        model, _, schedule, _ = library_pipeline(config, "gpipe", [rank], even(config.num_hidden_layers, world_size),
-                                                 mesh, shape, microbatches)
-        loss = gpipe.train_step(schedule, inputs if rank == 0 else None, targets if rank == world_size - 1 else None,
-                                cpu_env(rank, world_size), 1)
-        grads = {name: p.grad for name, p in model.named_parameters()}
-        torch.save({"grads": grads, "loss": loss}, os.path.join(out_dir, f"rank{rank}.pt"))
+        data = write_jsonl(tmp_path / "d.jsonl", corpus())
+        err = refused(capsys, prep.main, "--data", data, "--tokenizer", tokenizer_file, "--out", out, "--force")
+        assert f"--out {out}: another prepare_data.py (pid {first.pid}) is writing it" in err, err
     finally:
-        dist.destroy_process_group()
+        first.kill()  # SIGKILL: it can clean nothing up
+        first.communicate()
+    leftovers = [n for n in os.listdir(tmp_path) if n.startswith(".out.")]
+    assert any(n.endswith(".tmp") for n in leftovers), leftovers
+    code, _, err = run_main(capsys, prep.main, "--data", data, "--tokenizer", tokenizer_file, "--out", out)
+    assert (code, err) == (0, "")
+    assert sorted(os.listdir(tmp_path)) == ["d.jsonl", "out", "stuck.jsonl"]  # its folder and lock are gone
 
 
-def random_batch(config, batch=8, seq=16, seed=5):
-    gen = torch.Generator().manual_seed(seed)
-    inputs = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
-    targets = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
-    targets[0, :3] = -100  # ignored targets must stay ignored through the pipeline
-    return inputs, targets
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path, tokenizer_file):
+    (tmp_path / "new").mkdir()
+    # While tokenizing with a given tokenizer, and while reading documents to train one.
+    for vocabulary in (["--tokenizer", tokenizer_file], ["--vocab-size", 300]):
+        proc = _blocked_run(tmp_path, vocabulary, tmp_path / "new" / "out")
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+        assert proc.returncode == 128 + signal.SIGTERM and err == "interrupted: nothing written\n", \
+            (vocabulary, proc.returncode, err)
+        assert os.listdir(tmp_path / "new") == []
 
 
-@pytest.mark.parametrize("layers,world_size", [(4, 2), (4, 3), (6, 3)])
-def test_pipeline_gradients_equal_unsplit_model(tmp_path, layers, world_size):
-    config, microbatches = small_config(layers=layers), 4
-    inputs, targets = random_batch(config)
-    mp.start_processes(_grad_worker, nprocs=world_size, start_method="spawn", join=True,
-                       args=(world_size, str(tmp_path / "store"), str(tmp_path), config, (inputs, targets),
-                             microbatches))
-    check_against_unsplit(tmp_path, config, inputs, targets, microbatches, world_size)
+def test_nothing_runs_at_import_and_torch_is_not_needed():
+    code = "import sys, prepare_data; assert 'torch' not in sys.modules and 'datasets' not in sys.modules; print('ok')"
+    result = start([sys.executable, "-c", code], cwd=ROOT, timeout=60)
+    assert result.stdout == "ok\n", result.stderr
 
 
-def check_against_unsplit(tmp_path, config, inputs, targets, microbatches, world_size):
-    """The ranks' saved loss and gradients equal the whole model's on this process, fed the same microbatches
-    one after another. Returns the ranks' results and the reference model, for further checks."""
+# -- The scripts' Batches
+
+def test_batches_visit_every_window_once_per_epoch_in_a_seeded_order_and_resume(tmp_path):
+    # Two token files of 1001 and 501 tokens: windows of 10 + 1 tokens, 100 + 50 of them.
+    files = [np.arange(1001, dtype=np.uint16), np.arange(5000, 5501, dtype=np.uint16)]
+    for name, tokens in zip(("a.bin", "b.bin"), files):
+        tokens.tofile(tmp_path / name)
+    meta = {"dtype": "uint16", "train": {"files": ["a.bin", "b.bin"]}}
+    batches = gpipe.Batches(str(tmp_path), meta, "train", seq_len=10, batch_size=5, seed=1)
+    assert batches.num_windows == 150
+    epoch = [batches.next() for _ in range(30)]
+    starts = torch.cat([inputs[:, 0] for inputs, _ in epoch]).tolist()
+    assert sorted(starts) == list(range(0, 1000, 10)) + list(range(5000, 5500, 10))  # each window once
+    for inputs, targets in epoch:  # targets are the inputs shifted by one; a window never crosses two files
+        assert torch.equal(inputs[:, 1:], targets[:, :-1]) and torch.equal(targets[:, -1], inputs[:, -1] + 1)
+    same = gpipe.Batches(str(tmp_path), meta, "train", 10, 5, seed=1)
+    assert torch.equal(torch.cat([same.next()[0][:, 0] for _ in range(30)]), torch.tensor(starts))
+    other = gpipe.Batches(str(tmp_path), meta, "train", 10, 5, seed=2)
+    assert torch.cat([other.next()[0][:, 0] for _ in range(30)]).tolist() != starts
+    state = json.loads(json.dumps(batches.state_dict()))  # it goes into meta.json
+    ahead = [batches.next()[0] for _ in range(7)]
+    assert batches.epoch == 1 and state == {"epoch": 0, "index": 150}  # the next epoch starts at the next call
+    resumed = gpipe.Batches(str(tmp_path), meta, "train", 10, 5, seed=1)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(a, resumed.next()[0]) for a in ahead)
+    in_order = gpipe.Batches(str(tmp_path), meta, "train", 10, 5, seed=0, shuffle=False)  # held-out batches
+    assert in_order.next()[0][:, 0].tolist() == [0, 10, 20, 30, 40]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4. Parity: a pipeline is the same model, in each script
+
+# -- One pipelined step: every gradient equals the unsplit model's, for every split and schedule
+
+def parity_config(layers: int) -> LlamaConfig:
+    """The parity tests' model: a vocabulary of 98, which 2 tensor-parallel ranks take in halves."""
+    return small_config(vocab=98, layers=layers)
+
+
+def unsplit_step(config, inputs, targets, microbatches: int):
+    """The reference for one pipelined step: the unsplit model on this process, from the pipelines' seed, fed the
+    same microbatches one after another, each loss divided by their count as the schedules do: (the mean
+    microbatch loss, every parameter's gradient, the model)."""
     reference = LlamaForPretraining(config)
     reference.init_weights(seed=11)
     losses = []
     for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches)):
-        loss = plain_loss(reference(x), y)
-        (loss / microbatches).backward()
-        losses.append(loss.detach())
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
-    assert_close_rel(results[-1]["loss"].item(), torch.stack(losses).mean().item(), what="loss")
-    expected = {name: p.grad for name, p in reference.named_parameters()}
-    got = {name: g for result in results for name, g in result["grads"].items()}
-    assert sorted(got) == sorted(expected)
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-8, msg=name)
-    return results, reference
+        losses.append(plain_loss(reference(x), y))
+        (losses[-1] / microbatches).backward()
+    return torch.stack(losses).mean().detach(), {name: p.grad for name, p in reference.named_parameters()}, reference
 
 
-def _layout_worker(rank, world_size, store_path, out_dir, config, batch, pp, dp, tp, microbatches):
-    """One training step, then an evaluation of the same batch, of every split (by hand, traced, hand-written)
-    and schedule at (pp, dp, tp), as the scripts build them, on real gloo ranks (the traced split without
-    tensor parallelism, which it refuses). Saves the full gradients, the global loss, the evaluated loss and
-    the activations held."""
+def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, dp, tp, microbatches):
+    """One training step, then an evaluation of the same batch, of each (split, schedule, layers) in variants at
+    (pp, dp, tp), as the scripts build them, on real gloo ranks: the split by the library (the GPipe script's),
+    traced (the tracer script's) or by hand (the AFAB script's). Saves, per variant, the full gradients, the global
+    loss, the evaluated loss, the activations held, and the stages' initial tensors and state_dict keys."""
     mesh = start_group(rank, world_size, store_path, pp, dp, tp)
     try:
         env = cpu_env(rank, world_size)
@@ -417,22 +1233,18 @@ def _layout_worker(rank, world_size, store_path, out_dir, config, batch, pp, dp,
         share = len(inputs) // dp  # this replica's rows of the global batch
         x, y = (t[dp_rank * share:(dp_rank + 1) * share] for t in (inputs, targets))
         shape, m = (share // microbatches, inputs.shape[1]), microbatches
+        reports = dp_rank == tp_rank == 0  # the others hold the same (gathered) tensors and losses
         results = {}
-        variants = [*(("library", s) for s in gpipe.SCHEDULES), *(("tracer", s) for s in gpipe.SCHEDULES),
-                    *(("manual", s) for s in manual.SCHEDULES)]
-        if dp > 1:  # the tracer's split is the hand split's (checked at dp 1): one of each kind with replicas
-            variants = [v for v in variants if v[0] != "tracer" or v[1] in ("1f1b", "interleaved1f1b", "dualpipev")]
-        if tp > 1:  # one of each kind: single-stage, looped, V-shaped, by hand (the tracer refuses --tp)
-            variants = [("library", "gpipe"), ("library", "1f1b"), ("library", "interleaved1f1b"),
-                        ("library", "zbvzerobubble"), ("manual", "1f1b")]
-        for kind, name in variants:
+        for kind, name, num_layers in variants:
+            config = parity_config(num_layers)
             stages = [pp_rank] if kind == "manual" else gpipe.stage_ids(name, pp_rank, pp, 2)
             num_stages = pp * len(stages)
             first, last = 0 in stages, num_stages - 1 in stages
-            layers = even(config.num_hidden_layers, num_stages)
+            layers = even(num_layers, num_stages)
             if kind in ("library", "tracer"):
-                build = library_pipeline if kind == "library" else traced_pipeline
+                build, script = (library_pipeline, gpipe) if kind == "library" else (traced_pipeline, tracer)
                 model, built, schedule, loss_fn = build(config, name, stages, layers, mesh, shape, m)
+                modules = [stage.submod for stage in built]
             else:
                 with torch.device("meta"):
                     model = LlamaForPretraining(config)
@@ -440,6 +1252,9 @@ def _layout_worker(rank, world_size, store_path, out_dir, config, batch, pp, dp,
                 model.to_empty(device="cpu")
                 model.init_weights(11)
                 manual.parallelize([model], mesh, NO_EXTRAS)
+                modules = [model]
+            initial = {n: t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+                       for module in modules for n, t in [*module.named_parameters(), *module.named_buffers()]}
             meter = benchmark.ActivationMeter()
             with meter:
                 if kind == "manual":
@@ -448,7 +1263,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, config, batch, pp, dp,
                                                       y.chunk(m) if last else [None] * m, env.device, torch.float32,
                                                       loss_chunks=8)  # as the library's loss above
                 else:
-                    loss = gpipe.train_step(schedule, x if first else None, y if last else None, env, tp)
+                    loss = script.train_step(schedule, x if first else None, y if last else None, env, tp)
             grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
                      for n, p in model.named_parameters()}
             # The evaluation of the same batch (the weights are unchanged: no optimizer step), forward only: the
@@ -459,75 +1274,96 @@ def _layout_worker(rank, world_size, store_path, out_dir, config, batch, pp, dp,
                                                           y.chunk(m) if last else [None] * m, env.device,
                                                           torch.float32, loss_chunks=8)
             else:
-                evaluated = gpipe.eval_step(schedule, built, x if first else None, y if last else None, env, tp,
-                                            loss_fn, m, (*shape, config.hidden_size))
+                evaluated = script.eval_step(schedule, built, x if first else None, y if last else None, env, tp,
+                                             loss_fn, m, (*shape, config.hidden_size))
             if last and dp > 1:
                 for value in (loss, evaluated):
                     dist.all_reduce(value, group=mesh.get_group("dp"))
                     value /= dp
-            reports = dp_rank == tp_rank == 0  # the others hold the same (gathered) gradients and losses
-            results[kind, name] = {"grads": grads if reports else {},
-                                   "loss": loss if last and reports else None,
-                                   "eval": evaluated if last and reports else None,
-                                   "activations": meter.peak_bytes}
+            results[kind, name, num_layers] = {
+                "grads": grads if reports else {}, "initial": initial if reports else {},
+                "state_keys": list(model.state_dict()) if reports else [],
+                "loss": loss if last and reports else None, "eval": evaluated if last and reports else None,
+                "activations": meter.peak_bytes}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("pp,dp,tp", [(2, 1, 1), (2, 2, 1), (2, 1, 2)])
-def test_every_split_and_schedule_gives_the_unsplit_gradients(tmp_path, pp, dp, tp):
-    # 4 layers: 2 stages, or 4 with the multi-stage schedules (looped or V-shaped); 4 microbatches per replica.
+EVERY_SPLIT_AND_SCHEDULE = [*(("library", s) for s in gpipe.SCHEDULES), *(("tracer", s) for s in tracer.SCHEDULES),
+                            *(("manual", s) for s in manual.SCHEDULES)]
+PARITY_LAYOUTS = {  # (pp, dp, tp) -> the (split, schedule, layers) that one launch runs there
+    # 4 layers: 2 stages, or 4 with the multi-stage schedules (looped or V-shaped).
+    (2, 1, 1): [(kind, name, 4) for kind, name in EVERY_SPLIT_AND_SCHEDULE],
+    # The tracer's split is the hand split's (checked at dp 1): one of each kind with replicas.
+    (2, 2, 1): [(kind, name, 4) for kind, name in EVERY_SPLIT_AND_SCHEDULE
+                if kind != "tracer" or name in ("1f1b", "interleaved1f1b", "dualpipev")],
     # tp 2: each layer's heads, MLP, the embedding and the head split over 2 ranks (2 of 4 heads, 1 of 2 KV heads
-    # each; the vocabulary, 98, in halves).
-    config, microbatches = small_config(vocab=98, layers=4), 4
-    inputs, targets = random_batch(config)
-    world_size = pp * dp * tp
+    # each; the vocabulary, 98, in halves). One of each kind: single-stage, looped, V-shaped, by hand (the tracer
+    # refuses --tp).
+    (2, 1, 2): [("library", "gpipe", 4), ("library", "1f1b", 4), ("library", "interleaved1f1b", 4),
+                ("library", "zbvzerobubble", 4), ("manual", "1f1b", 4)],
+    # 3 stages, by the library and traced: 4 layers split unevenly (2, 1, 1), and 6.
+    (3, 1, 1): [(kind, "gpipe", layers) for layers in (4, 6) for kind in ("library", "tracer")],
+}
+
+
+@pytest.mark.parametrize("pp,dp,tp", PARITY_LAYOUTS)
+def test_every_split_and_schedule_gives_the_unsplit_gradients(tmp_path, pp, dp, tp):
+    # 4 microbatches per replica; every variant of a layout in one launch.
+    variants, microbatches, world_size = PARITY_LAYOUTS[pp, dp, tp], 4, pp * dp * tp
+    inputs, targets = random_batch(parity_config(4))
     mp.start_processes(_layout_worker, nprocs=world_size, start_method="spawn", join=True,
-                       args=(world_size, str(tmp_path / "store"), str(tmp_path), config, (inputs, targets), pp, dp,
+                       args=(world_size, str(tmp_path / "store"), str(tmp_path), variants, (inputs, targets), pp, dp,
                              tp, microbatches))
     # The unsplit model on this process, fed every replica's microbatches one after another.
-    reference = LlamaForPretraining(config)
-    reference.init_weights(seed=11)
-    losses = []
-    for x, y in zip(inputs.chunk(dp * microbatches), targets.chunk(dp * microbatches)):
-        losses.append(plain_loss(reference(x), y))
-        (losses[-1] / (dp * microbatches)).backward()
-    expected = {name: p.grad for name, p in reference.named_parameters()}
+    references = {layers: unsplit_step(parity_config(layers), inputs, targets, dp * microbatches)
+                  for layers in {layers for _, _, layers in variants}}
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
-    for variant in ranks[0]:
+    assert sorted(ranks[0]) == sorted(variants)
+    for variant in variants:
+        loss, expected, reference = references[variant[2]]
         got = {name: g for result in ranks for name, g in result[variant]["grads"].items()}
         assert sorted(got) == sorted(expected), variant
         for name in expected:
             torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-8, msg=f"{variant} {name}")
         for kind in ("loss", "eval"):  # the evaluation under every schedule too (forward only)
-            loss = next(result[variant][kind] for result in ranks if result[variant][kind] is not None)
-            assert_close_rel(loss.item(), torch.stack(losses).mean().item(), what=f"{variant} {kind}")
+            value = next(result[variant][kind] for result in ranks if result[variant][kind] is not None)
+            assert_close_rel(value.item(), loss.item(), what=f"{variant} {kind}")
+        # Every stage started from exactly the full model's weights and RoPE buffers for the seed (nothing
+        # trained them: no optimizer step) ...
+        tensors = dict(reference.named_parameters()) | dict(reference.named_buffers())
+        initial = {name: t for result in ranks for name, t in result[variant]["initial"].items()}
+        assert sorted(initial) == sorted(tensors), variant
+        for name, tensor in initial.items():
+            assert torch.equal(tensor, tensors[name]), (variant, name)
+        # ... and what a checkpoint saves is the full model's state_dict keys, split across the stages, nothing more.
+        assert sorted(k for result in ranks for k in result[variant]["state_keys"]) == sorted(reference.state_dict())
     # 1F1B holds the activations of (p - r) of the m = 4 microbatches on stage r, GPipe all of them: nothing
     # more (e.g. none left over from torch's own shape inference, which the declared stage_io avoids).
-    for variant in [("library", "1f1b"), ("tracer", "1f1b"), ("manual", "1f1b")]:
-        gpipe_variant = ("manual", "afab") if variant[0] == "manual" else ("library", "gpipe")
-        if variant not in ranks[0] or gpipe_variant not in ranks[0]:
+    for kind, name, layers in variants:
+        gpipe_variant = ("manual", "afab", layers) if kind == "manual" else ("library", "gpipe", layers)
+        if name != "1f1b" or gpipe_variant not in variants:
             continue
-        ratios = [r[variant]["activations"] / r[gpipe_variant]["activations"] for r in ranks]
+        ratios = [r[kind, name, layers]["activations"] / r[gpipe_variant]["activations"] for r in ranks]
         assert ratios == pytest.approx([(pp - r // (dp * tp)) / microbatches for r in range(world_size)],
                                        abs=0.01), \
-            (variant, ratios)
+            (kind, name, ratios)
     # plan.py's replay of each schedule's order counts each rank's peak within 10 %: the zero-bubble schedules'
     # too, whose I keeps the output gradients its W starts from (and stage 0 runs whole at W).
-    sizes = plan.activation_bytes(config, len(inputs) // (dp * microbatches) * inputs.shape[1], inputs.shape[1],
-                                  False, tp, 8)
-    for kind, name in ranks[0]:
+    for kind, name, layers in variants:
+        sizes = plan.activation_bytes(parity_config(layers), len(inputs) // (dp * microbatches) * inputs.shape[1],
+                                      inputs.shape[1], False, tp, 8)
         library = {"afab": "gpipe"}.get(name, name)
         per_rank = 1 if kind == "manual" else 2
         num_stages = pp * len(gpipe.stage_ids(library, 0, pp, per_rank))
-        layout = even(config.num_hidden_layers, num_stages)
+        layout = even(layers, num_stages)
         peak = plan.replay(plan.schedule_orders(library, pp, microbatches, per_rank), [1.0] * num_stages,
                            [2.0] * num_stages, plan.stage_held(layout, sizes, False),
                            plan.stage_between(layout, sizes))["peak"]
-        measured = [r[kind, name]["activations"] for r in ranks]
+        measured = [r[kind, name, layers]["activations"] for r in ranks]
         assert measured == pytest.approx([peak[r // (dp * tp)] for r in range(world_size)], rel=0.1), \
-            (kind, name, measured)
+            (kind, name, layers, measured)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -547,17 +1383,7 @@ def test_declared_stage_inputs_and_outputs_are_what_the_stages_compute(dtype):
             x = y
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The scripts themselves: losses at every layout, the README command, bad input
-
-TRAIN_ARGS = ["--layers", "4", "--steps", "5", "--batch-size", "8", "--microbatches", "4", "--seq-len", "32",
-              "--warmup-steps", "2", "--lr", "1e-2"]
-
-
-def planned(processes: int, data: str, *given) -> list[dict]:
-    """plan.py's figures per pipeline rank for a run of the scripts' flags `given` on that many processes."""
-    return plan.plan(plan.build_parser().parse_args(["--processes", str(processes), "--data", data, *given]))["ranks"]
-
+# -- The scripts themselves: the same losses at every layout
 
 LAYOUT_RUNS = {
     # name: (processes (0: plain python), script, extra flags); the stages are balanced by cost unless --split
@@ -624,6 +1450,278 @@ def test_loss_trajectory_is_the_same_at_any_layout_and_by_hand(layout_runs):
     assert len(benchmark.stage_times(str(tmp_path / "gpipe_trace"))) == 2
 
 
+# -- train_pipeline_afab_manual.py: the pipeline by hand, on our model and on Hugging Face's Llama
+
+def _hf_config(layers=4):
+    import transformers
+    return transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    tie_word_embeddings=False, pad_token_id=0, attn_implementation="eager")
+
+
+def _build(kind: str, layers: int):
+    """The same full model on every process: ours from (seed, names), HF's from the global seed."""
+    if kind == "ours":
+        model = LlamaForPretraining(small_config(layers=layers))
+        model.init_weights(seed=2)
+        return model
+    import transformers
+    torch.manual_seed(2)
+    return transformers.LlamaForCausalLM(_hf_config(layers))
+
+
+def _batches(seq_len: int, microbatches: int = 6):
+    gen = torch.Generator().manual_seed(seq_len)
+    inputs = torch.randint(1, 97, (microbatches * 2, seq_len), generator=gen)
+    targets = torch.randint(0, 97, (microbatches * 2, seq_len), generator=gen)  # HF: token 0 is the pad id
+    targets[0, :3] = -100
+    return list(inputs.chunk(microbatches)), list(targets.chunk(microbatches))
+
+
+@contextlib.contextmanager
+def module_calls(model: nn.Module):
+    """Every call of every module of model while inside, by module name, in order: its output tensors and the
+    gradient each of them receives in backward. How a user checks a pipeline against the model's own forward."""
+    calls, handles = {}, []
+
+    def record(name, module, args, output):
+        tensors = [t for t in (output if isinstance(output, (tuple, list)) else [output]) if torch.is_tensor(t)]
+        call = {"outputs": [t.detach().clone() for t in tensors], "grads": [None] * len(tensors)}
+        calls.setdefault(name, []).append(call)
+        for k, t in enumerate(tensors):
+            if t.requires_grad:
+                t.register_hook(functools.partial(lambda call, k, grad: call["grads"].__setitem__(k, grad.clone()),
+                                                  call, k))
+
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_hook(functools.partial(record, name)))
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _manual_worker(rank, world_size, store_path, out_dir, kinds, layers):
+    """Each kind of model (_build) split by partition_model over the ranks, a step of AFAB and of 1F1B (and of
+    AFAB on shorter sequences) with every module's calls recorded: saves each one's loss, calls, activations held
+    and gradients."""
+    start_group(rank, world_size, store_path)  # partition_model's default: the whole group is the pipeline
+    try:
+        results = {}
+        for kind in kinds:
+            model = _build(kind, layers)
+            partition = manual.partition_model(model, rank, world_size)
+            runs = {}
+            for name, step, seq_len in [("afab", manual.train_step_pipeline_afab, 16),
+                                        ("1f1b", manual.train_step_pipeline_1f1b, 16),
+                                        ("afab_short", manual.train_step_pipeline_afab, 9)]:
+                model.zero_grad(set_to_none=True)
+                inputs, targets = _batches(seq_len)
+                with benchmark.ActivationMeter() as meter, module_calls(model) as calls:
+                    loss = step(partition, inputs, targets, torch.device("cpu"), torch.float32)
+                runs[name] = {"loss": loss, "calls": calls, "activation_bytes": meter.peak_bytes,
+                              "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+            results[kind] = runs
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _reference(kind: str, layers: int, seq_len: int):
+    """The whole model on one process, the same microbatches one after another through its own forward: the
+    mean loss, the gradients, and every module's calls (module_calls)."""
+    model = _build(kind, layers)
+    inputs, targets = _batches(seq_len)
+    losses = []
+    with module_calls(model) as calls:
+        for x, y in zip(inputs, targets):
+            logits = model(x) if kind == "ours" else model(x).logits
+            if kind == "hf":
+                y = y.masked_fill(y == 0, -100)  # the pad id is ignored like -100
+            loss = plain_loss(logits, y)
+            (loss / len(inputs)).backward()
+            losses.append(loss.detach())
+    return torch.stack(losses).mean(), {n: p.grad for n, p in model.named_parameters()}, calls
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_manual_pipeline_runs_every_module_as_the_models_own_forward(tmp_path, world_size):
+    """Called on a model (ours, and transformers' LlamaForCausalLM as a user's), the hand-written AFAB and 1F1B
+    run each of its modules once a microbatch, the head on the whole microbatch, with the outputs and output
+    gradients of its own forward on one process; the parameters' gradients and the loss are the same too."""
+    pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
+    layers, kinds, m = 4, ("ours", "hf"), 6  # 4 layers on 3 stages: 2, 1, 1
+    mp.start_processes(_manual_worker, nprocs=world_size, start_method="spawn", join=True,
+                       args=(world_size, str(tmp_path / "store"), str(tmp_path), kinds, layers))
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
+    for kind in kinds:
+        loss, grads, calls = _reference(kind, layers, 16)
+        assert_close_rel(results[-1][kind]["afab"]["loss"].item(), loss.item(), what=f"{kind} loss")
+        assert_close_rel(results[-1][kind]["afab_short"]["loss"].item(), _reference(kind, layers, 9)[0].item(),
+                         what="seq 9")
+        # The stages replace the model's own containers (the root and its decoder stack); every other module
+        # runs on the stage that holds it (the rotary embedding of transformers' Llama: on every stage).
+        containers = {"", "base_model", "model"}
+        ran = set()
+        for rank, result in enumerate(results):
+            for schedule in ("afab", "1f1b"):
+                for name, got in result[kind][schedule]["calls"].items():
+                    if name in containers:
+                        continue
+                    ran.add(name)
+                    want = calls[name]
+                    assert len(got) == len(want) == m, (kind, schedule, rank, name, len(got))
+                    for i, (g, w) in enumerate(zip(got, want)):
+                        for a, b in zip(g["outputs"], w["outputs"], strict=True):
+                            torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-5, msg=f"{kind} {name} out {i}")
+                        for a, b in zip(g["grads"], w["grads"], strict=True):
+                            assert (a is None) == (b is None), (kind, name, i)
+                            if b is not None:  # relative to the gradient's scale: a microbatch's is ~1e-3
+                                torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-5 * b.abs().max().item(),
+                                                           msg=f"{kind} {schedule} {name} grad {i}")
+            afab, one_f_one_b = result[kind]["afab"], result[kind]["1f1b"]
+            if rank != world_size - 1:
+                assert afab["loss"] is None
+            for name, grad in afab["grads"].items():
+                torch.testing.assert_close(grad, grads[name], rtol=RTOL, atol=1e-6, msg=f"{kind} {name}")
+                assert torch.equal(one_f_one_b["grads"][name], grad), f"1F1B differs from AFAB: {name}"
+            # AFAB holds every microbatch's activations at its peak; 1F1B at most world_size - rank of them.
+            ratio = one_f_one_b["activation_bytes"] / afab["activation_bytes"]
+            assert abs(ratio - (world_size - rank) / m) < 0.02, (rank, ratio)  # (p - r) / m, as README says
+        assert ran == set(calls) - containers, (kind, set(calls) - containers - ran)
+
+
+# -- train_pipeline_tracer.py: the split made by pipeline() and SplitPoint
+
+def meta_model(config) -> LlamaForPretraining:
+    with torch.device("meta"):
+        return LlamaForPretraining(config)
+
+
+def test_traced_stages_hold_exactly_what_the_hand_split_holds():
+    assert tracer.split_spec(even(4, 3)) == {"base_model.layers.2": SplitPoint.BEGINNING,
+                                             "base_model.layers.3": SplitPoint.BEGINNING}
+    assert tracer.split_spec(even(4, 1)) == {}  # one process: no split point, one stage
+    config = small_config(layers=4)
+    example = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    for num_stages in range(1, 5):
+        pipe = tracer.trace(meta_model(config), example, tracer.split_spec(even(4, num_stages)))
+        for stage in range(num_stages):
+            hand = gpipe.build_stage(config, stage, even(4, num_stages), torch.device("cpu"), seed=0)
+            traced = pipe.get_stage_module(stage)
+            assert {name for name, _ in [*traced.named_parameters(), *traced.named_buffers()]} == \
+                {name for name, _ in [*hand.named_parameters(), *hand.named_buffers()]}, (num_stages, stage)
+
+
+def test_bf16_autocast_runs_the_traced_stages_in_bf16(one_process_group, monkeypatch):
+    config = small_config(layers=4)
+    _, pipe = tracer.build_traced_stages(config, [0, 1], even(4, 2), (2, 16), torch.device("cpu"), 3)
+    stages = [tracer.build_stage(pipe, s, torch.device("cpu"), None).submod for s in range(2)]
+    eager = LlamaForPretraining(config)
+    eager.init_weights(seed=3)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 97, (2, 16), generator=gen), torch.randint(0, 97, (2, 16), generator=gen)
+
+    def run(forward, autocast):
+        for module in (eager, *stages):
+            module.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = forward(x)
+            plain_loss(logits, y).backward()
+        grads = {n: p.grad for m in (eager, *stages) for n, p in m.named_parameters() if p.grad is not None}
+        return logits.detach(), grads
+
+    traced = lambda tokens: stages[1].lm_head(stages[1](stages[0](tokens)))  # noqa: E731
+    fp32_logits, fp32_grads = run(eager, autocast=False)
+    traced_fp32, traced_fp32_grads = run(traced, autocast=False)
+    assert torch.equal(traced_fp32, fp32_logits)  # without autocast: bit for bit the eager model
+    for name in fp32_grads:
+        assert torch.equal(traced_fp32_grads[name], fp32_grads[name]), name
+
+    eager_bf16, _ = run(eager, autocast=True)
+    traced_bf16, traced_bf16_grads = run(traced, autocast=True)
+    assert traced_bf16.dtype == eager_bf16.dtype == torch.bfloat16  # autocast applies to the graph's ops
+    # Not bit for bit the eager bf16 model: tracing froze `q.dtype` (fp32 then) into the RoPE tables' cast, so
+    # the traced stages rotate q and k in fp32 where eager bf16 rotates in bf16. Just as close to fp32, though.
+    assert not torch.equal(traced_bf16, eager_bf16)
+    eager_error = (eager_bf16.float() - fp32_logits).abs().max()
+    assert (traced_bf16.float() - fp32_logits).abs().max() <= 1.5 * eager_error
+    # ... and exactly eager bf16 with the RoPE tables kept in fp32: that cast is the only difference.
+    original = model_module.rope_tables
+    monkeypatch.setattr(model_module, "rope_tables", lambda inv_freq, seq_len, dtype: original(
+        inv_freq, seq_len, torch.float32))
+    eager_fp32_rope, eager_fp32_rope_grads = run(eager, autocast=True)
+    assert torch.equal(traced_bf16, eager_fp32_rope)
+    for name in eager_fp32_rope_grads:
+        assert torch.equal(traced_bf16_grads[name], eager_fp32_rope_grads[name]), name
+
+
+def test_weights_shared_across_stages_are_refused():
+    # pipeline() itself accepts tied weights split over two stages and gives each stage a copy of its own.
+    example = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    tied = meta_model(small_config())
+    tied.lm_head.weight = tied.base_model.embed_tokens.weight
+    with pytest.raises(RuntimeError, match=r"base_model.embed_tokens.weight is held as 3 separate tensors by "
+                                           r"stages \[0, 1\] \(tied weights\?\)"):
+        tracer.trace(tied, example, tracer.split_spec(even(4, 2)))
+    tied = meta_model(small_config())  # a fresh model: pipeline() patched the split points into the last one
+    tied.lm_head.weight = tied.base_model.embed_tokens.weight
+    pipe = tracer.trace(tied, example, tracer.split_spec(even(4, 1)))  # on one stage the tie survives
+    assert "base_model.embed_tokens.weight" in dict(pipe.get_stage_module(0).named_parameters())
+
+
+def test_traced_stage_only_takes_the_traced_microbatch_shape(one_process_group):
+    _, pipe = tracer.build_traced_stages(small_config(layers=2), [0], even(2, 1), (2, 16), torch.device("cpu"), 0)
+    module = tracer.build_stage(pipe, 0, torch.device("cpu"), None).submod
+    assert module(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 32)  # hidden states: the loss has the head
+    with pytest.raises(RuntimeError):
+        module(torch.zeros(2, 24, dtype=torch.long))  # a longer sequence: the trace baked in 16
+
+
+def test_losses_equal_gpipe_script_and_checkpoints_cross_over(tmp_path, data_dir):
+    args = [*TRAIN_ARGS, "--steps", "8", "--checkpoint-every", "4", "--data", data_dir, "--metrics", "m.jsonl"]
+    fresh = {"tracer3": (3, "train_pipeline_tracer.py"), "gpipe2": (2, "train_pipeline_gpipe.py")}
+    procs = {}
+    for name, (nproc, script) in fresh.items():
+        (tmp_path / name).mkdir()
+        procs[name] = launch(nproc, script, *args, cwd=tmp_path / name, wait=False)
+    rows = {}
+    for name, proc in procs.items():
+        result = finish(proc)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows[name], _ = read_metrics(tmp_path / name / "m.jsonl")
+        assert [r["step"] for r in rows[name]] == list(range(1, 9))
+        if name == "tracer3":  # the one-time cost, reported for every rank
+            assert re.search(r"traced and built the stages in [\d.]+, [\d.]+, [\d.]+ s", result.stdout), result.stdout
+    reference = rows["gpipe2"]
+    assert_same_trajectory(rows["tracer3"], reference, "tracer3")
+
+    # Both scripts save the same keys (model and flattened AdamW state under full-model names, no RoPE buffers).
+    def saved_keys(run):
+        return set(FileSystemReader(str(tmp_path / run / "checkpoints" / "step-00000004")).read_metadata()
+                   .state_dict_metadata)
+    assert saved_keys("tracer3") == saved_keys("gpipe2")
+
+    # Tracer (3 stages) -> GPipe script (2 stages), and GPipe script -> tracer, which then runs on 2 stages.
+    crossings = {"to_gpipe": ("tracer3", 2, "train_pipeline_gpipe.py"),
+                 "to_tracer": ("gpipe2", 2, "train_pipeline_tracer.py")}
+    for name, (source, nproc, script) in crossings.items():
+        shutil.copytree(tmp_path / source / "checkpoints" / "step-00000004",
+                        tmp_path / name / "checkpoints" / "step-00000004")
+        procs[name] = launch(nproc, script, *args, cwd=tmp_path / name, wait=False)
+    for name in crossings:
+        result = finish(procs[name])
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "resumed from checkpoints/step-00000004 at step 4" in result.stdout, result.stdout
+        resumed, _ = read_metrics(tmp_path / name / "m.jsonl")
+        assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+        assert_same_trajectory(resumed, reference[4:], name, since=4)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5. Checkpoints and runs: exact resume after SIGKILL, reshard, restarts, damaged input, one run per directory
+
 def test_readme_command_trains_saves_and_resumes(tmp_path, data_dir):
     # The README's main command, shortened: loss must fall, a checkpoint must appear, a rerun must resume.
     shutil.copytree(data_dir, tmp_path / "data")  # where `python prepare_data.py` puts it: read by default
@@ -642,270 +1740,6 @@ def test_readme_command_trains_saves_and_resumes(tmp_path, data_dir):
     assert "checkpoints/step-00000012 is step 12: --steps 12 are done, nothing to train" in result.stdout
     assert (tmp_path / "m.jsonl").read_text() == written
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000012"]  # lock released
-
-
-SCRIPT_MODULES = {"train_pipeline_gpipe.py": gpipe, "train_pipeline_afab_manual.py": manual,
-                  "train_pipeline_tracer.py": tracer}
-
-
-def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsys):
-    # In this process, each script's own main() on each mistake the flags alone show: the error names the flag and
-    # comes before any process group, file or model. (The test below runs the same checks as real processes.)
-    ckpt = tmp_path / "ckpt"
-    common = ["--checkpoint-dir", str(ckpt), "--data", str(tmp_path / "data")]
-    gpipe_cases = {  # given -> what the message must name
-        ("--batch-size", "10", "--microbatches", "4"): "--microbatches",
-        ("--seq-len", "5000"): "--seq-len",
-        ("--schedule", "zbvzerobubble", "--stages-per-rank", "3"): "--stages-per-rank",
-        ("--schedule", "interleaved1f1b", "--stages-per-rank", "5", "--layers", "4"): "5 pipeline stages but the "
-                                                                                      "model has 4 layers",
-        ("--schedule", "1f1b", "--stages-per-rank", "3"): "--stages-per-rank 3: 1f1b holds 1 stage(s) per rank",
-        ("--stages-per-rank", "2"): "--stages-per-rank 2: gpipe holds 1 stage(s) per rank",
-        ("--split", "3,2"): "--split 3,2: give 1 layer counts",
-        ("--split", "fast"): "--split fast",
-    }
-    cases = [("train_pipeline_gpipe.py", given, named, 1) for given, named in gpipe_cases.items()]
-    # The other scripts share the checks; their own choices are checked too.
-    cases += [("train_pipeline_afab_manual.py", ("--split", "1,1,1"), "--split 1,1,1: give 1 layer counts", 1),
-              ("train_pipeline_tracer.py", ("--schedule", "zbvzerobubble", "--stages-per-rank", "3"),
-               "--stages-per-rank", 1),
-              ("train_pipeline_tracer.py", ("--schedule", "1f1b", "--stages-per-rank", "2"),
-               "--stages-per-rank 2: 1f1b holds 1 stage(s) per rank", 1)]
-    # --dp against the number of processes, as torchrun would set it: the checks run before any rendezvous.
-    cases += [("train_pipeline_gpipe.py", given, named, 4) for given, named in [
-        (("--dp", "3"), "--dp 3 x --tp 1: 4 processes do not divide"), (("--dp", "2", "--batch-size", "12"), "--dp 2 x --microbatches 4"),
-        (("--dp", "2", "--layers", "1"), "2 pipeline stages")]]
-    # --tp the same way (the model's heads are checked by the processes: test_tensor_parallel_mistakes...).
-    cases += [("train_pipeline_gpipe.py", ("--tp", "3"), "--dp 1 x --tp 3: 4 processes do not divide into stages", 4),
-              ("train_pipeline_afab_manual.py", ("--dp", "2", "--tp", "2"), "--dp 2 x --tp 2: 6 processes", 6),
-              ("train_pipeline_tracer.py", ("--tp", "2"), "--tp 2: the traced stages cannot be split", 4),
-              ("train_pipeline_afab_manual.py", ("--tp", "2", "--compile"), "--compile with --tp: torch 2.13", 4)]
-    for script, given, named, world_size in cases:
-        monkeypatch.setenv("RANK", "0")
-        monkeypatch.setenv("WORLD_SIZE", str(world_size))
-        module = SCRIPT_MODULES[script]
-        with pytest.raises(checkpoint.UsageError) as failure:
-            module.main(module.build_parser().parse_args([*given, *common]))
-        message = str(failure.value)
-        assert named in message and "\n" not in message, (script, given, message)
-        assert not dist.is_initialized(), (script, given)
-    # Values and flags argparse refuses: one line, status 2.
-    for script, given, named in [("train_pipeline_gpipe.py", ("--model", "huge"), "--model"),
-                                 ("train_pipeline_gpipe.py", ("--steps", "ten"), "--steps"),
-                                 ("train_pipeline_gpipe.py", ("--steps", "-1"), "--steps: must be a whole number of "
-                                                                                "at least 0, got -1"),
-                                 ("train_pipeline_gpipe.py", ("--lr", "nan"), "--lr"),
-                                 ("train_pipeline_tracer.py", ("--lr", "inf"), "--lr"),
-                                 ("train_pipeline_gpipe.py", ("--dp", "0"), "--dp"),
-                                 ("train_pipeline_afab_manual.py", ("--microbatches", "0"), "--microbatches"),
-                                 ("train_pipeline_afab_manual.py", ("--schedule", "gpipe"), "--schedule"),
-                                 ("train_pipeline_gpipe.py", ("--tokenizer", "t.json"),
-                                  "unrecognized arguments: --tokenizer t.json")]:
-        with pytest.raises(SystemExit) as failure:
-            SCRIPT_MODULES[script].build_parser().parse_args(given)
-        err = capsys.readouterr().err
-        assert failure.value.code == 2 and err.startswith("error: ") and named in err and err.count("\n") == 1, err
-    assert not ckpt.exists()
-
-
-def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, data_dir):
-    ckpt = tmp_path / "ckpt" / "step-00000001"
-    ckpt.mkdir(parents=True)
-    (ckpt / "meta.json").write_text('{"step": 1, "config": {}, "files": {}}')
-    common = ["--data", data_dir, "--checkpoint-dir", str(tmp_path / "ckpt")]
-    cases = {  # given -> (the flag the message must name, exit status)
-        ("--steps", "ten"): ("--steps", 2),  # refused by argparse
-        ("--tokenizer", "t.json"): ("unrecognized arguments: --tokenizer", 2),
-        ("--batch-size", "10", "--microbatches", "4"): ("--microbatches", 1),  # by the checks of the flags
-        # Found by the checks of the files the flags name, on every rank, after the processes have met.
-        ("--data", "missing"): ("--data missing: no data prepared there; run python prepare_data.py --out missing",
-                                1),
-    }
-    procs = {given: launch(0, "train_pipeline_gpipe.py", *common, *given, cwd=tmp_path, wait=False)
-             for given in cases}
-    # More processes than layers, under torchrun: every rank must stop, none may hang.
-    procs[("torchrun", "--layers", "2")] = launch(3, "train_pipeline_gpipe.py", "--layers", "2", *common,
-                                                  cwd=tmp_path, wait=False)
-    cases[("torchrun", "--layers", "2")] = ("--layers", 1)
-    # What a schedule needs of the microbatches, torch says when the schedule is built: passed on in one line.
-    procs[("torchrun", "--schedule", "1f1b")] = launch(2, "train_pipeline_gpipe.py", "--layers", "2", "--schedule",
-                                                       "1f1b", "--microbatches", "1", "--batch-size", "4", "--data",
-                                                       data_dir, "--checkpoint-dir", "other", cwd=tmp_path, wait=False)
-    cases[("torchrun", "--schedule", "1f1b")] = ("--schedule 1f1b with --microbatches 1: ", 1)  # then torch's words
-    for given, proc in procs.items():
-        result = finish(proc, timeout=120)
-        assert result.returncode == cases[given][1], (given, result.stderr[-2000:])
-        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-        assert errors and cases[given][0] in errors[0], (given, result.stderr[-2000:])
-        if given[0] != "torchrun":
-            assert result.stderr.strip() == errors[0], (given, result.stderr)  # one line, no traceback
-    assert (ckpt / "meta.json").read_text() == '{"step": 1, "config": {}, "files": {}}'
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000001"]
-
-
-def test_damaged_data_is_one_line_when_opened_in_every_script(tmp_path, data_dir):
-    """Each token file must have the size meta.json gives it (a file cut short after a checkpoint was saved, say):
-    otherwise a run would train on less, silently, or fail mid-run."""
-    meta = json.loads((Path(data_dir) / "meta.json").read_text())
-    train, size = meta["train"]["files"][0], (Path(data_dir) / meta["train"]["files"][0]).stat().st_size
-    damage = {  # what is done to a copy of the data -> what the line must say
-        "cut short": (lambda d: os.truncate(d / train, size // 2), f"{train} has {size // 2:,} bytes"),
-        "an odd byte count": (lambda d: os.truncate(d / train, size + 1), f"meta.json says {size:,}"),
-        "val.bin missing": (lambda d: (d / "val.bin").unlink(), "val.bin is missing"),
-        "meta.json not JSON": (lambda d: (d / "meta.json").write_text("{"), "its meta.json is damaged"),
-        "meta.json without files": (lambda d: (d / "meta.json").write_text('{"dtype": "uint16"}'),
-                                    "its meta.json is damaged"),
-    }
-    for case, (do, expected) in damage.items():
-        copy = tmp_path / case.replace(" ", "_")
-        shutil.copytree(data_dir, copy)
-        do(copy)
-        for module in SCRIPT_MODULES.values():
-            args = module.build_parser().parse_args(["--data", str(copy)])
-            with pytest.raises(checkpoint.UsageError) as refused:
-                module.open_data(args)
-            assert expected in str(refused.value) and "prepare_data.py" in str(refused.value), (case, refused.value)
-
-
-def test_directories_mistaken_for_others_are_refused_and_left_alone(tmp_path, data_dir):
-    """--init-from a prepared dataset, a run.lock that is a folder, a leftover step-N.tmp that is a link to a
-    folder outside: one line (and no advice to delete anything), or a save that never writes through the link."""
-    quick = ["--layers", "2", "--steps", "1", "--batch-size", "2", "--microbatches", "1", "--seq-len", "16",
-             "--data", data_dir]
-    (tmp_path / "locked" / "run.lock").mkdir(parents=True)
-    (tmp_path / "outside").mkdir()
-    (tmp_path / "outside" / "keep").write_text("mine")
-    (tmp_path / "linked").mkdir()
-    (tmp_path / "linked" / "step-00000001.tmp").symlink_to(tmp_path / "outside")
-    before = {path: snapshot(path, folder_times=True) for path in (Path(data_dir), tmp_path / "outside")}
-    runs = {"init_from": ["--init-from", data_dir, "--checkpoint-dir", "new"],
-            "lock": ["--checkpoint-dir", "locked"], "link": ["--checkpoint-dir", "linked"]}
-    procs = {name: launch(0, "train_pipeline_gpipe.py", *quick, *flags, cwd=tmp_path, wait=False)
-             for name, flags in runs.items()}
-    results = {name: finish(proc) for name, proc in procs.items()}
-    one_line_error(results["init_from"], f"--init-from {data_dir}: not a complete checkpoint, it holds data "
-                                         "prepared by prepare_data.py")
-    assert "delete" not in results["init_from"].stderr
-    one_line_error(results["lock"], "locked/run.lock is not a run lock")
-    assert results["link"].returncode == 0, results["link"].stderr[-2000:]
-    saved = tmp_path / "linked" / "step-00000001"
-    assert saved.is_dir() and not saved.is_symlink() and (saved / "meta.json").is_file()
-    assert not (tmp_path / "linked" / "step-00000001.tmp").exists()
-    assert {path: snapshot(path, folder_times=True) for path in before} == before
-
-
-def test_help_works_without_torchrun_and_every_script_has_the_same_flags(tmp_path):
-    procs = [launch(0, script, "--help", cwd=tmp_path, wait=False) for script in SCRIPTS]
-    helps = {script: finish(proc) for script, proc in zip(SCRIPTS, procs)}
-    flags = {}
-    for script, result in helps.items():
-        assert result.returncode == 0, result.stderr
-        flags[script] = set(re.findall(r"--[a-z][a-z-]+", result.stdout[result.stdout.index("options:"):]))
-    for flag in ["--model", "--steps", "--batch-size", "--microbatches", "--seq-len", "--lr", "--warmup-steps",
-                 "--seed", "--data", "--checkpoint-dir", "--checkpoint-every", "--metrics", "--schedule", "--dp",
-                 "--trace", "--split", "--init-from", "--eval-every"]:
-        assert all(flag in found for found in flags.values()), flag
-    # The library scripts share every flag; the hand-written one lacks only what its schedules cannot use.
-    assert flags["train_pipeline_tracer.py"] == flags["train_pipeline_gpipe.py"]
-    assert flags["train_pipeline_gpipe.py"] - flags["train_pipeline_afab_manual.py"] == {"--stages-per-rank"}
-
-
-def test_batches_visit_every_window_once_per_epoch_in_a_seeded_order_and_resume(tmp_path):
-    # Two token files of 1001 and 501 tokens: windows of 10 + 1 tokens, 100 + 50 of them.
-    files = [np.arange(1001, dtype=np.uint16), np.arange(5000, 5501, dtype=np.uint16)]
-    for name, tokens in zip(("a.bin", "b.bin"), files):
-        tokens.tofile(tmp_path / name)
-    meta = {"dtype": "uint16", "train": {"files": ["a.bin", "b.bin"]}}
-    batches = gpipe.Batches(str(tmp_path), meta, "train", seq_len=10, batch_size=5, seed=1)
-    assert batches.num_windows == 150
-    epoch = [batches.next() for _ in range(30)]
-    starts = torch.cat([inputs[:, 0] for inputs, _ in epoch]).tolist()
-    assert sorted(starts) == list(range(0, 1000, 10)) + list(range(5000, 5500, 10))  # each window once
-    for inputs, targets in epoch:  # targets are the inputs shifted by one; a window never crosses two files
-        assert torch.equal(inputs[:, 1:], targets[:, :-1]) and torch.equal(targets[:, -1], inputs[:, -1] + 1)
-    same = gpipe.Batches(str(tmp_path), meta, "train", 10, 5, seed=1)
-    assert torch.equal(torch.cat([same.next()[0][:, 0] for _ in range(30)]), torch.tensor(starts))
-    other = gpipe.Batches(str(tmp_path), meta, "train", 10, 5, seed=2)
-    assert torch.cat([other.next()[0][:, 0] for _ in range(30)]).tolist() != starts
-    state = json.loads(json.dumps(batches.state_dict()))  # it goes into meta.json
-    ahead = [batches.next()[0] for _ in range(7)]
-    assert batches.epoch == 1 and state == {"epoch": 0, "index": 150}  # the next epoch starts at the next call
-    resumed = gpipe.Batches(str(tmp_path), meta, "train", 10, 5, seed=1)
-    resumed.load_state_dict(state)
-    assert all(torch.equal(a, resumed.next()[0]) for a in ahead)
-    in_order = gpipe.Batches(str(tmp_path), meta, "train", 10, 5, seed=0, shuffle=False)  # held-out batches
-    assert in_order.next()[0][:, 0].tolist() == [0, 10, 20, 30, 40]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Templates: each script with model.py and checkpoint.py alone
-
-def project_imports(path: Path) -> set[str]:
-    """The modules of this project a file imports (its own folder's .py files)."""
-    modules = {p.stem for p in ROOT.glob("*.py")}
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module.split(".")[0])
-    return names & modules
-
-
-def test_scripts_import_only_model_and_checkpoint():
-    for script in SCRIPTS:
-        assert project_imports(ROOT / script) <= {"model", "checkpoint"}, script
-    assert project_imports(ROOT / "checkpoint.py") == {"model"}
-    assert project_imports(ROOT / "export.py") == {"checkpoint", "model"}  # a tool: no script imports it
-    assert project_imports(ROOT / "model.py") == set()
-    assert project_imports(ROOT / "prepare_data.py") == set()  # and no torch: see its own test
-
-
-def test_each_script_copied_into_an_empty_folder_trains(tmp_path):
-    corpus = "\n".join(json.dumps({"text": f"document {i}: " + " ".join(f"word{(i * 7 + j) % 50}"
-                                                                         for j in range(5 + i % 17))})
-                       for i in range(600))
-    jobs = {}
-    for script, nproc, extra in [(SCRIPTS[0], 2, []), (SCRIPTS[1], 2, ["--schedule", "1f1b"]),
-                                 (SCRIPTS[2], 2, []), (SCRIPTS[0], 4, ["--dp", "2"])]:
-        folder = tmp_path / f"{Path(script).stem}-{nproc}"
-        folder.mkdir()
-        for name in (script, "model.py", "checkpoint.py", "prepare_data.py"):
-            shutil.copy(ROOT / name, folder)
-        (folder / "docs.jsonl").write_text(corpus)
-        env = dict(script_env(), PYTHONPATH="")  # nothing of the project but what was copied
-        result = subprocess.run([sys.executable, "prepare_data.py", "--data", "docs.jsonl", "--vocab-size", "300"],
-                                cwd=folder, env=env, capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, result.stderr
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
-               "--layers", "2", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--metrics", "m.jsonl",
-               *extra]
-        jobs[folder] = subprocess.Popen(cmd, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True, stdin=subprocess.DEVNULL, start_new_session=True)
-    for folder, proc in jobs.items():
-        result = finish(proc, timeout=300)
-        assert result.returncode == 0, (folder.name, result.stderr[-3000:])
-        rows, _ = read_metrics(folder / "m.jsonl")
-        assert [r["step"] for r in rows] == [1, 2, 3] and (folder / "checkpoints" / "step-00000003").is_dir()
-        assert sorted(p.name for p in folder.iterdir() if p.suffix == ".py") == sorted(
-            {proc.args[5], "model.py", "checkpoint.py", "prepare_data.py"})
-# ----------------------------------------------------------------------------------------------------------
-# checkpoint.py: exact resume after SIGKILL, reshard, restarts, damaged input, export
-
-RESUME_ARGS = ["--layers", "4", "--steps", "16", "--batch-size", "8", "--microbatches", "4", "--seq-len", "32",
-               "--warmup-steps", "2", "--lr", "1e-2"]
-
-
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, data_dir):
-    """2 stages x 2 replicas, 16 steps, never interrupted; checkpoints after steps 4, 8, 12, 16."""
-    directory = tmp_path_factory.mktemp("reference")
-    result = launch(4, "train_pipeline_gpipe.py", *RESUME_ARGS, "--dp", "2", "--checkpoint-every", "4",
-                    "--keep-checkpoints", "4", "--data", data_dir, "--metrics", "m.jsonl", cwd=directory)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows, _ = read_metrics(directory / "m.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, 17))
-    return directory, rows
 
 
 def complete_and_partial(checkpoint_dir: Path):
@@ -1022,8 +1856,7 @@ def test_tensor_parallel_resumes_exactly_on_any_layout_and_exports_the_whole_mod
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     for output, given in (("tp.pt", []), ("tp-hf", ["--format", "hf"])):
-        result = subprocess.run([sys.executable, str(ROOT / "export.py"), str(ckpt), output, *given],
-                                cwd=tmp_path, capture_output=True, text=True, env=script_env())
+        result = launch(0, "export.py", ckpt, output, *given, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
     exported = torch.load(tmp_path / "tp.pt", weights_only=True)
     dcp_to_torch_save(str(ckpt / "step-00000016"), str(tmp_path / "all.pt"))
@@ -1128,9 +1961,9 @@ def test_a_checkpoint_runs_none_of_the_code_its_files_ask_for(tmp_path, referenc
         shutil.rmtree(copy, ignore_errors=True)
         shutil.copytree(source, copy)
         tamper(copy, ".metadata", content)
-        with pytest.raises(checkpoint.UsageError) as refused:
+        with pytest.raises(checkpoint.UsageError) as failure:
             checkpoint.verify_files(str(copy), checkpoint.read_meta(str(copy)))
-        message = str(refused.value)
+        message = str(failure.value)
         assert "damaged, or not a checkpoint of this project" in message and "\n" not in message, (case, message)
         assert not ran.exists(), case
     # Python 3.11.2 pickles DCP's memory-format enum as getattr(class, name) (3.11.7 by value): still accepted.
@@ -1169,13 +2002,9 @@ def test_wrong_model_damaged_or_tampered_checkpoints_fail_in_one_line(tmp_path, 
     runs["init_from"] = launch(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--data", data_dir, "--init-from",
                                tampered, "--checkpoint-dir", "new", cwd=tmp_path, wait=False)
     expected["init_from"] = expected["tampered"]
-    code, err = run_export(capsys, tampered, tmp_path / "exported.pt")
-    assert code == 1 and expected["tampered"] in err and len(err.splitlines()) == 1, err
+    assert expected["tampered"] in refused(capsys, export.main, tampered, tmp_path / "exported.pt")
     for name, proc in runs.items():
-        result = finish(proc)
-        assert result.returncode == 1, (name, result.stderr[-2000:])
-        assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1, result.stderr
-        assert expected[name] in result.stderr, result.stderr
+        one_line_error(finish(proc), expected[name])
     assert not payload.exists()
 
     # --fresh starts over and moves the old checkpoints aside instead of deleting them.
@@ -1185,216 +2014,6 @@ def test_wrong_model_damaged_or_tampered_checkpoints_fail_in_one_line(tmp_path, 
     aside = list((tmp_path / "wrong_model").glob("checkpoints.previous-*"))
     assert len(aside) == 1 and (aside[0] / source.name / "meta.json").is_file()
     assert complete_and_partial(tmp_path / "wrong_model" / "checkpoints")[0] == ["step-00000001"]
-
-
-def readme_python_block(marker: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    block = text[text.index(marker):]
-    return block[block.index("```python\n") + 10:block.index("\n```", block.index("```python"))]
-
-
-def run_export(capsys, *argv) -> tuple[int, str]:
-    """python export.py ARGV, in this process: (exit status, stderr)."""
-    try:
-        export.main(list(map(str, argv)))
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err
-
-
-def test_export_writes_the_pipelines_weights_for_one_process(tmp_path, reference_run, capsys):
-    reference_dir, _ = reference_run
-    result = subprocess.run([sys.executable, str(ROOT / "export.py"), str(reference_dir / "checkpoints"),
-                             str(tmp_path / "tiny.pt")], capture_output=True, text=True, env=script_env())
-    assert result.returncode == 0, result.stderr
-    assert "step-00000016" in result.stdout  # the newest checkpoint of the run
-    exported = torch.load(tmp_path / "tiny.pt", weights_only=True)
-
-    # Independent route: the library's own converter of the whole DCP checkpoint to one torch.save file.
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    dcp_to_torch_save(str(reference_dir / "checkpoints" / "step-00000016"), str(tmp_path / "all.pt"))
-    everything = torch.load(tmp_path / "all.pt", weights_only=False)  # our own file, written just above
-    model_state = everything["model"]
-    assert sorted(exported) == sorted(model_state)
-    for name in exported:
-        assert torch.equal(exported[name], model_state[name]), name
-    config = LlamaConfig(**json.loads((tmp_path / "tiny.pt.config.json").read_text()))
-    LlamaForPretraining(config).load_state_dict(exported, strict=True)
-
-    # Nothing is ever written over, into or around the checkpoint that is read, whatever the flags.
-    run_dir = reference_dir / "checkpoints"
-    before = snapshot(reference_dir)
-    for output in (run_dir, run_dir / "step-00000016", run_dir / "inside.pt", reference_dir):
-        for given in ([], ["--format", "hf"]):
-            code, err = run_export(capsys, run_dir, output, *given, "--force")
-            assert code == 1 and len(err.splitlines()) == 1 and "inside the checkpoint" in err, err
-    assert snapshot(reference_dir) == before
-    # Over an existing output: refused in one line, exit status 1, nothing touched; --force replaces an earlier
-    # export, never a file or folder of the user's.
-    (tmp_path / "precious.pt").write_bytes(b"keep me")
-    (tmp_path / "hf-out").mkdir()
-    (tmp_path / "hf-out" / "keep").write_text("me")
-    for output, given in (("precious.pt", []), ("hf-out", ["--format", "hf"])):
-        before = snapshot(tmp_path)
-        code, err = run_export(capsys, run_dir, tmp_path / output, *given)
-        assert code == 1 and f"{output} exists" in err and "--force" in err, err
-        code, err = run_export(capsys, run_dir, tmp_path / output, *given, "--force")
-        assert code == 1 and "not an earlier export" in err, err
-        assert snapshot(tmp_path) == before
-    (tmp_path / "tiny.pt").write_bytes(b"an earlier export, now out of date")
-    assert run_export(capsys, run_dir, tmp_path / "tiny.pt", "--force")[0] == 0
-    forced = torch.load(tmp_path / "tiny.pt", weights_only=True)
-    assert all(torch.equal(forced[name], exported[name]) for name in exported)
-    assert run_export(capsys, run_dir, tmp_path / "hf-new", "--format", "hf")[0] == 0
-    assert run_export(capsys, run_dir, tmp_path / "hf-new", "--format", "hf", "--force")[0] == 0
-    assert {"config.json", "tokenizer.json", "model-00001-of-00001.safetensors"} <= {
-        p.name for p in (tmp_path / "hf-new").iterdir()}
-
-    # The README's inference example runs on the exported files, one process, no process group.
-    env = dict(script_env(), PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-c", readme_python_block("<!-- example: generate -->")],
-                            cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("def read_config(path):") and len(result.stdout) > 30, result.stdout
-
-
-def test_the_hugging_face_export_takes_the_special_tokens_from_the_checkpoints_tokenizer(tmp_path, reference_run,
-                                                                                          data_dir, capsys):
-    # A checkpoint records no token ids: config.json's come from its copy of the data's tokenizer files. One
-    # saved before (its meta.json's "tokens", what the data's files said) exports the same config.json.
-    from tokenizers import Tokenizer
-    source = reference_run[0] / "checkpoints" / "step-00000016"
-    meta = json.loads((source / "meta.json").read_text())
-    assert "tokens" not in meta
-    older = tmp_path / "older" / source.name
-    shutil.copytree(source, older)
-    (older / "meta.json").write_text(json.dumps({**meta, "tokens": export.special_tokens(data_dir)}))
-    configs = []
-    for path, out in ((source, tmp_path / "hf"), (older, tmp_path / "older-hf")):
-        assert run_export(capsys, path, out, "--format", "hf")[0] == 0
-        configs.append(json.loads((out / "config.json").read_text()))
-    data = json.loads((Path(data_dir) / "meta.json").read_text())
-    pad = json.loads((Path(data_dir) / "tokenizer_config.json").read_text())["pad_token"]
-    pad_id = Tokenizer.from_file(str(Path(data_dir) / "tokenizer.json")).token_to_id(pad)
-    assert pad_id is not None
-    ids = [configs[0][f"{kind}_token_id"] for kind in ("bos", "eos", "pad")]
-    assert ids == [data["bos_id"], data["eos_id"], pad_id]
-    assert configs[1] == configs[0]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Never lose a run: checks before training, one run per checkpoint directory, exact resume or a refusal
-
-def mount_tmpfs(path: Path, options: str):
-    """A tmpfs at path (root only: permissions do not stop root, a read-only or full filesystem does)."""
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a small or read-only tmpfs")
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True,
-                            text=True)
-    if result.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-
-
-@pytest.fixture
-def read_only_dir(tmp_path):
-    path = tmp_path / "read-only"
-    if os.geteuid() != 0:  # an ordinary user is stopped by permissions
-        path.mkdir()
-        path.chmod(0o555)
-        yield path
-        path.chmod(0o755)
-        return
-    mount_tmpfs(path, "ro,size=1m")
-    yield path
-    subprocess.run(["umount", str(path)])
-
-
-def test_unusable_output_paths_stop_every_script_before_any_work(tmp_path, data_dir, read_only_dir,
-                                                                 reference_run):
-    (tmp_path / "a-file").write_text("")
-    (tmp_path / "a-dir").mkdir()
-    quick = ["--layers", "2", "--steps", "1", "--batch-size", "2", "--microbatches", "1", "--seq-len", "16",
-             "--data", data_dir]
-    cases = {  # (script, flags) -> what the line must say
-        ("train_pipeline_gpipe.py", "--checkpoint-dir", "a-file"): ["--checkpoint-dir a-file", "is a file"],
-        ("train_pipeline_afab_manual.py", "--checkpoint-dir", "a-file"): ["--checkpoint-dir a-file", "is a file"],
-        ("train_pipeline_tracer.py", "--checkpoint-dir", "a-file"): ["--checkpoint-dir a-file", "is a file"],
-        ("train_pipeline_gpipe.py", "--checkpoint-dir", str(read_only_dir)): ["--checkpoint-dir", "cannot write"],
-        ("train_pipeline_gpipe.py", "--checkpoint-dir", str(read_only_dir / "new")): ["--checkpoint-dir",
-                                                                                        "cannot be created"],
-        ("train_pipeline_gpipe.py", "--metrics", str(read_only_dir / "m.jsonl")): ["--metrics", "cannot be created"],
-        ("train_pipeline_gpipe.py", "--trace", str(read_only_dir / "t")): ["--trace", "cannot be created"],
-        ("train_pipeline_gpipe.py", "--metrics", "a-dir"): ["--metrics a-dir", "is a directory"],
-        ("train_pipeline_gpipe.py", "--trace", "a-file/t"): ["--trace", "a-file is a file"],
-        # A filesystem where nothing can be created though permissions say yes: tried, not assumed.
-        ("train_pipeline_gpipe.py", "--trace", "/proc/x"): ["--trace /proc/x", "cannot be created"],
-        ("train_pipeline_afab_manual.py", "--metrics", "/proc/x/m.jsonl"): ["--metrics", "cannot be created"],
-        # The data is never written into, nor moved aside by --fresh with the checkpoints around it.
-        ("train_pipeline_gpipe.py", "--checkpoint-dir", data_dir, "--fresh"): ["is or lies inside --data"],
-        ("train_pipeline_tracer.py", "--checkpoint-dir", f"{data_dir}/ckpt"): ["is or lies inside --data"],
-        ("train_pipeline_gpipe.py", "--checkpoint-dir", str(Path(data_dir).parent), "--fresh"): ["holds --data"],
-    }
-    data_before = snapshot(Path(data_dir), folder_times=True)
-    procs = {case: launch(0, case[0], *quick, *case[1:], cwd=tmp_path, wait=False) for case in cases}
-    export = subprocess.run([sys.executable, str(ROOT / "export.py"),
-                             str(reference_run[0] / "checkpoints"), str(read_only_dir / "tiny.pt")],
-                            capture_output=True, text=True, env=script_env())
-    for case, proc in procs.items():
-        one_line_error(finish(proc), *cases[case])
-    one_line_error(export, "cannot write", "tiny.pt")
-    # Nothing was written: no default checkpoint directory, no lock, no metrics file.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-dir", "a-file", "read-only"]
-    assert list((tmp_path / "a-dir").iterdir()) == []
-    assert snapshot(Path(data_dir), folder_times=True) == data_before
-
-
-def test_a_run_killed_during_an_evaluation_keeps_the_steps_checkpoint(tmp_path, data_dir):
-    # A long evaluation after step 2 (200 held-out batches), and the step's checkpoint written before it: the
-    # job is killed as soon as the checkpoint is reported, during the evaluation, and the rerun continues there.
-    args = [*RESUME_ARGS, "--steps", "4", "--checkpoint-every", "2", "--eval-every", "2", "--eval-batches", "200",
-            "--data", data_dir, "--metrics", "m.jsonl"]
-    proc = launch(0, "train_pipeline_gpipe.py", *args, cwd=tmp_path, wait=False)
-    for line in proc.stdout:
-        if "saved checkpoints/step-00000002" in line:
-            kill_job(proc)
-            break
-    finish(proc)
-    assert complete_and_partial(tmp_path / "checkpoints") == (["step-00000002"], [])
-    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-    assert [row.get("step") for row in rows] == [1, 2]  # killed before the evaluation's row
-    result = launch(0, "train_pipeline_gpipe.py", *args, "--eval-batches", "2", cwd=tmp_path)  # continues
-    assert "resumed from checkpoints/step-00000002 at step 2" in result.stdout, result.stderr[-2000:]
-    saved, evaluated = result.stdout.index("saved checkpoints/step-00000004"), result.stdout.index("eval at step 4")
-    assert saved < evaluated  # saved before its evaluation
-
-
-def test_a_run_started_from_weights_resumes_without_them(tmp_path, hf_models, data_dir):
-    # A run started from a Hugging Face directory, stopped after its step-2 checkpoint; then the directory moved.
-    source = tmp_path / "hf"
-    shutil.copytree(hf_models / "tied", source)
-    common = ["--batch-size", "8", "--microbatches", "4", "--seq-len", "32", "--warmup-steps", "2", "--lr", "1e-2",
-              "--steps", "4", "--checkpoint-every", "2", "--data", data_dir]
-    result = launch(0, "train_pipeline_gpipe.py", *common, "--init-from", str(source), "--checkpoint-dir", "first",
-                    "--metrics", "first.jsonl", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    reference, _ = read_metrics(tmp_path / "first.jsonl")
-    source.rename(tmp_path / "hf-moved")
-    cases = {"moved": ["--init-from", str(source)],  # no longer there
-             "spelled": ["--init-from", str(tmp_path / "hf-moved") + "/"],  # another path, and a trailing slash
-             "without": []}
-    procs = {}
-    for name, given in cases.items():
-        shutil.copytree(tmp_path / "first" / "step-00000002", tmp_path / name / "step-00000002")
-        procs[name] = launch(0, "train_pipeline_gpipe.py", *common, *given, "--checkpoint-dir", name,
-                             "--metrics", f"{name}.jsonl", cwd=tmp_path, wait=False)
-    for name, proc in procs.items():
-        result = finish(proc)
-        assert result.returncode == 0, (name, result.stderr[-2000:])
-        assert f"resumed from {name}/step-00000002 at step 2" in result.stdout, (name, result.stdout)
-        rows, _ = read_metrics(tmp_path / f"{name}.jsonl")
-        assert [(r["step"], r["loss"]) for r in rows] == [(r["step"], r["loss"]) for r in reference[2:]], name
 
 
 def test_one_run_per_checkpoint_directory(tmp_path, data_dir):
@@ -1445,6 +2064,19 @@ def test_a_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path, monkeypatch)
     assert not lock_file.exists()
 
 
+def prepare_small(out: Path, documents: int = 600, tokenizer=None, seed: int = 0, vocab_size: int = 300) -> Path:
+    """A small dataset prepared from generated documents (a trained 300-token vocabulary, or the tokenizer given)."""
+    rng = random.Random(seed)
+    source = out.parent / f"{out.name}.jsonl"
+    source.write_text("".join(json.dumps({"text": f"document {i}: " + " ".join(
+        f"word{rng.randrange(50)}" for _ in range(5 + i % 17))}) + "\n" for i in range(documents)))
+    vocab = ["--tokenizer", str(tokenizer)] if tokenizer else ["--vocab-size", str(vocab_size)]
+    result = launch(0, "prepare_data.py", "--data", source, "--out", out, "--force", *vocab, cwd=out.parent,
+                    timeout=120)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
 def test_resume_refuses_changed_flags_and_touches_nothing(tmp_path, data_dir, reference_run):
     reference_dir, _ = reference_run
     other = prepare_small(tmp_path / "other", tokenizer=Path(data_dir) / "tokenizer.json")
@@ -1466,78 +2098,24 @@ def test_resume_refuses_changed_flags_and_touches_nothing(tmp_path, data_dir, re
         assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["step-00000008"]  # no lock left behind
 
 
-def prepare_small(out: Path, documents: int = 600, tokenizer=None, seed: int = 0, vocab_size: int = 300) -> Path:
-    """A small dataset prepared from generated documents (a trained 300-token vocabulary, or the tokenizer given)."""
-    rng = random.Random(seed)
-    source = out.parent / f"{out.name}.jsonl"
-    source.write_text("".join(json.dumps({"text": f"document {i}: " + " ".join(
-        f"word{rng.randrange(50)}" for _ in range(5 + i % 17))}) + "\n" for i in range(documents)))
-    vocab = ["--tokenizer", str(tokenizer)] if tokenizer else ["--vocab-size", str(vocab_size)]
-    result = subprocess.run([sys.executable, str(ROOT / "prepare_data.py"), "--data", str(source), "--out", str(out),
-                             "--force", *vocab], capture_output=True, text=True, env=script_env(), timeout=120)
-    assert result.returncode == 0, result.stderr
-    return out
-
-
-def test_data_prepared_again_is_another_run_and_its_weights_start_a_new_one(tmp_path):
-    prepare_small(tmp_path / "data")  # where the scripts read by default
-    args = ["--layers", "2", "--steps", "2", "--batch-size", "4", "--microbatches", "2", "--seq-len", "16"]
-    result = launch(0, "train_pipeline_gpipe.py", *args, "--checkpoint-every", "1", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    shutil.rmtree(tmp_path / "checkpoints" / "step-00000002")  # as if stopped after step 1
-    prepare_small(tmp_path / "data", documents=700, vocab_size=320)  # other documents and vocabulary, same folder
-    one_line_error(launch(0, "train_pipeline_gpipe.py", *args, cwd=tmp_path),
-                   "--data data → data (other data, or prepared again differently)")
-    # The way out it names: a new run from the checkpoint's weights (its shape comes from there; its tokenizer
-    # must be the data's, and is not: this vocabulary was trained on other documents, so prepare them with it).
-    new = ["--init-from", "checkpoints", "--checkpoint-dir", "new", "--steps", "1", "--metrics", "m.jsonl"]
-    one_line_error(launch(0, "train_pipeline_gpipe.py", *args[2:], *new, cwd=tmp_path),
-                   "--init-from checkpoints/step-00000001: its tokenizer is not the one --data data was prepared "
-                   "with", "python prepare_data.py --tokenizer checkpoints/step-00000001")
-    prepare_small(tmp_path / "data", documents=700, tokenizer=tmp_path / "checkpoints" / "step-00000001")
-    result = launch(0, "train_pipeline_gpipe.py", *args[2:], *new, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "initialized from the weights of checkpoints/step-00000001" in result.stdout
-    assert "model from checkpoints/step-00000001: 2 layers" in result.stdout
-
-
-def launch_ranks(world_size: int, script: str, *args, cwd) -> list:
-    """Start every rank by hand, as torchrun would, so each one's exit status and output can be seen. cwd: one
-    folder for all, or one per rank."""
-    port, cwds = str(free_port()), cwd if isinstance(cwd, list) else [cwd] * world_size
-    return [launch(0, script, *args, cwd=cwds[rank], wait=False,
-                   env=dict(script_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-            for rank in range(world_size)]
-
-
-def test_a_problem_one_rank_finds_ends_every_rank_with_the_same_line(tmp_path, data_dir):
-    # Rank 2 works in a folder where --data (a relative path) holds nothing: as a node whose disk lacks the
-    # data. The others find it; every rank must stop with the same line naming where it was found, none hang.
-    for name in ("good", "bare"):
-        (tmp_path / name).mkdir()
-    os.symlink(data_dir, tmp_path / "good" / "data")
-    procs = launch_ranks(3, "train_pipeline_gpipe.py", "--layers", "3", "--steps", "5", "--timeout", "60",
-                         cwd=[tmp_path / "good", tmp_path / "good", tmp_path / "bare"])
-    results = [finish(proc, timeout=120) for proc in procs]
-    assert [r.returncode for r in results] == [1, 1, 1], [r.stderr[-1500:] for r in results]
-    errors = [line for r in results for line in r.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == ["error: --data data: no data prepared there; run python prepare_data.py first (see its "
-                      "--help) (found on rank 2)"], errors  # one line per node: printed by its first process
-    assert not any("lost contact" in r.stderr or "Traceback" in r.stderr for r in results)
-    assert sorted(os.listdir(tmp_path / "good")) == ["data"]  # nothing written
-
-
-def test_tensor_parallel_that_the_model_cannot_take_is_one_line_on_every_rank(tmp_path, data_dir):
-    # The tiny model has 4 attention heads but 2 KV heads: 4 tensor-parallel ranks cannot share them.
-    procs = launch_ranks(4, "train_pipeline_gpipe.py", "--tp", "4", "--steps", "1", "--data", data_dir,
-                         "--timeout", "60", cwd=tmp_path)
-    results = [finish(proc, timeout=120) for proc in procs]
-    assert [r.returncode for r in results] == [1] * 4, [r.stderr[-1500:] for r in results]
-    # Printed once per node (each rank here is on the same node), nothing else on any rank's stderr.
-    assert [r.stderr for r in results] == ["error: --tp 4: the model's KV heads (2) do not divide by it; use a --tp "
-                                           "that divides 2\n", "", "", ""]
-    assert not (tmp_path / "checkpoints").exists()
+def test_a_run_killed_during_an_evaluation_keeps_the_steps_checkpoint(tmp_path, data_dir):
+    # A long evaluation after step 2 (200 held-out batches), and the step's checkpoint written before it: the
+    # job is killed as soon as the checkpoint is reported, during the evaluation, and the rerun continues there.
+    args = [*RESUME_ARGS, "--steps", "4", "--checkpoint-every", "2", "--eval-every", "2", "--eval-batches", "200",
+            "--data", data_dir, "--metrics", "m.jsonl"]
+    proc = launch(0, "train_pipeline_gpipe.py", *args, cwd=tmp_path, wait=False)
+    for line in proc.stdout:
+        if "saved checkpoints/step-00000002" in line:
+            kill_job(proc)
+            break
+    finish(proc)
+    assert complete_and_partial(tmp_path / "checkpoints") == (["step-00000002"], [])
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [row.get("step") for row in rows] == [1, 2]  # killed before the evaluation's row
+    result = launch(0, "train_pipeline_gpipe.py", *args, "--eval-batches", "2", cwd=tmp_path)  # continues
+    assert "resumed from checkpoints/step-00000002 at step 2" in result.stdout, result.stderr[-2000:]
+    saved, evaluated = result.stdout.index("saved checkpoints/step-00000004"), result.stdout.index("eval at step 4")
+    assert saved < evaluated  # saved before its evaluation
 
 
 def test_a_full_disk_stops_the_save_cleanly_and_the_rerun_resumes(tmp_path, data_dir):
@@ -1563,35 +2141,57 @@ def test_a_full_disk_stops_the_save_cleanly_and_the_rerun_resumes(tmp_path, data
         subprocess.run(["umount", str(disk)])
 
 
+def test_data_prepared_again_is_another_run_and_its_weights_start_a_new_one(tmp_path):
+    prepare_small(tmp_path / "data")  # where the scripts read by default
+    args = ["--layers", "2", "--steps", "2", "--batch-size", "4", "--microbatches", "2", "--seq-len", "16"]
+    result = launch(0, "train_pipeline_gpipe.py", *args, "--checkpoint-every", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    shutil.rmtree(tmp_path / "checkpoints" / "step-00000002")  # as if stopped after step 1
+    prepare_small(tmp_path / "data", documents=700, vocab_size=320)  # other documents and vocabulary, same folder
+    one_line_error(launch(0, "train_pipeline_gpipe.py", *args, cwd=tmp_path),
+                   "--data data → data (other data, or prepared again differently)")
+    # The way out it names: a new run from the checkpoint's weights (its shape comes from there; its tokenizer
+    # must be the data's, and is not: this vocabulary was trained on other documents, so prepare them with it).
+    new = ["--init-from", "checkpoints", "--checkpoint-dir", "new", "--steps", "1", "--metrics", "m.jsonl"]
+    one_line_error(launch(0, "train_pipeline_gpipe.py", *args[2:], *new, cwd=tmp_path),
+                   "--init-from checkpoints/step-00000001: its tokenizer is not the one --data data was prepared "
+                   "with", "python prepare_data.py --tokenizer checkpoints/step-00000001")
+    prepare_small(tmp_path / "data", documents=700, tokenizer=tmp_path / "checkpoints" / "step-00000001")
+    result = launch(0, "train_pipeline_gpipe.py", *args[2:], *new, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "initialized from the weights of checkpoints/step-00000001" in result.stdout
+    assert "model from checkpoints/step-00000001: 2 layers" in result.stdout
+
+
+def test_a_run_started_from_weights_resumes_without_them(tmp_path, hf_models, data_dir):
+    # A run started from a Hugging Face directory, stopped after its step-2 checkpoint; then the directory moved.
+    source = tmp_path / "hf"
+    shutil.copytree(hf_models / "tied", source)
+    common = ["--batch-size", "8", "--microbatches", "4", "--seq-len", "32", "--warmup-steps", "2", "--lr", "1e-2",
+              "--steps", "4", "--checkpoint-every", "2", "--data", data_dir]
+    result = launch(0, "train_pipeline_gpipe.py", *common, "--init-from", str(source), "--checkpoint-dir", "first",
+                    "--metrics", "first.jsonl", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    reference, _ = read_metrics(tmp_path / "first.jsonl")
+    source.rename(tmp_path / "hf-moved")
+    cases = {"moved": ["--init-from", str(source)],  # no longer there
+             "spelled": ["--init-from", str(tmp_path / "hf-moved") + "/"],  # another path, and a trailing slash
+             "without": []}
+    procs = {}
+    for name, given in cases.items():
+        shutil.copytree(tmp_path / "first" / "step-00000002", tmp_path / name / "step-00000002")
+        procs[name] = launch(0, "train_pipeline_gpipe.py", *common, *given, "--checkpoint-dir", name,
+                             "--metrics", f"{name}.jsonl", cwd=tmp_path, wait=False)
+    for name, proc in procs.items():
+        result = finish(proc)
+        assert result.returncode == 0, (name, result.stderr[-2000:])
+        assert f"resumed from {name}/step-00000002 at step 2" in result.stdout, (name, result.stdout)
+        rows, _ = read_metrics(tmp_path / f"{name}.jsonl")
+        assert [(r["step"], r["loss"]) for r in rows] == [(r["step"], r["loss"]) for r in reference[2:]], name
+
+
 # ----------------------------------------------------------------------------------------------------------
-# Hugging Face weights in and out, tied embeddings, validation loss
-
-HF_MODELS = {  # name: the transformers.LlamaConfig fields that differ
-    "untied": {"num_hidden_layers": 3},  # grouped-query attention, plain RoPE
-    "tied": {"num_hidden_layers": 4, "tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE},
-    "tied_bf16": {"num_hidden_layers": 4, "tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE},
-}
-
-
-@pytest.fixture(scope="module")
-def hf_models(tmp_path_factory, data_dir):
-    """Random LlamaForCausalLMs, written by save_pretrained with the builtin data's tokenizer: what --init-from
-    reads."""
-    transformers = pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
-    root = tmp_path_factory.mktemp("hf")
-    for name, fields in HF_MODELS.items():
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=8192, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=500000.0,
-            **{key: dict(value) if isinstance(value, dict) else value for key, value in fields.items()}))
-        if name.endswith("bf16"):
-            model = model.to(torch.bfloat16)
-        model.save_pretrained(root / name)
-        for file in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(Path(data_dir) / file, root / name)
-    return root
-
+# 6. Hugging Face: weights in and out, tied embeddings, the tokenizer
 
 def _hf_worker(rank, world_size, store_path, out_dir, hf_root, schedules, batch, microbatches):
     """Each model: this rank's stage loaded from the Hugging Face directory, saved as a checkpoint of ours,
@@ -1673,15 +2273,20 @@ def test_hugging_face_weights_train_like_transformers_at_any_stage_count(tmp_pat
     # Loaded and saved by the pipeline, then exported: the same tensors as the Hugging Face files, bit for bit.
     for name, dtype in (("untied", "float32"), ("tied", "float32"), ("tied_bf16", "bfloat16")):
         out = tmp_path / f"export-{name}"
-        result = subprocess.run([sys.executable, str(ROOT / "export.py"), str(tmp_path / f"ckpt-{name}"),
-                                 str(out), "--format", "hf", "--dtype", dtype], capture_output=True, text=True,
-                                env=script_env())
+        result = launch(0, "export.py", tmp_path / f"ckpt-{name}", out, "--format", "hf", "--dtype", dtype,
+                        cwd=tmp_path)
         assert result.returncode == 0, result.stderr
         source = load_file(next((hf_models / name).glob("*.safetensors")))
         exported = load_file(next(out.glob("*.safetensors")))
         assert sorted(exported) == sorted(source), name  # a tied head is stored once, as transformers does
         for key in source:
             assert exported[key].dtype == source[key].dtype and torch.equal(exported[key], source[key]), key
+
+
+def readme_python_block(marker: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index(marker):]
+    return block[block.index("```python\n") + 10:block.index("\n```", block.index("```python"))]
 
 
 def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models, data_dir):
@@ -1723,9 +2328,8 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
     # Export the 3-stage run for transformers, in several files: it loads with no missing or unexpected keys,
     # computes the pipeline model's logits, and its tokenizer encodes like ours.
     out = tmp_path / "exported"
-    result = subprocess.run([sys.executable, str(ROOT / "export.py"), str(tmp_path / "gpipe3"),
-                             str(out), "--format", "hf", "--max-shard-size", "1MB"], capture_output=True, text=True,
-                            env=script_env())
+    result = launch(0, "export.py", tmp_path / "gpipe3", out, "--format", "hf", "--max-shard-size", "1MB",
+                    cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
@@ -1740,8 +2344,7 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
         torch.testing.assert_close(model(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-6)
     # The README's generation example runs on it.
     block = readme_python_block("<!-- example: generate-hf -->").replace("Llama-3.2-1B-continued", str(out))
-    result = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, env=script_env(),
-                            timeout=300)
+    result = start([sys.executable, "-c", block], cwd=tmp_path, timeout=300)
     assert result.returncode == 0 and result.stdout.startswith("def read_config(path):"), result.stderr[-2000:]
     # Its tokenizer is the data's: it encodes as the documents were encoded, and by default begins a text with
     # the bos every training document began with, once.
@@ -1774,6 +2377,84 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
     one_line_error(finish(procs[cut]), f"--init-from {cut}: model.safetensors is not a complete safetensors file")
 
 
+def test_export_writes_the_pipelines_weights_for_one_process(tmp_path, reference_run, capsys):
+    reference_dir, _ = reference_run
+    result = launch(0, "export.py", reference_dir / "checkpoints", tmp_path / "tiny.pt", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "step-00000016" in result.stdout  # the newest checkpoint of the run
+    exported = torch.load(tmp_path / "tiny.pt", weights_only=True)
+
+    # Independent route: the library's own converter of the whole DCP checkpoint to one torch.save file.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(str(reference_dir / "checkpoints" / "step-00000016"), str(tmp_path / "all.pt"))
+    everything = torch.load(tmp_path / "all.pt", weights_only=False)  # our own file, written just above
+    model_state = everything["model"]
+    assert sorted(exported) == sorted(model_state)
+    for name in exported:
+        assert torch.equal(exported[name], model_state[name]), name
+    config = LlamaConfig(**json.loads((tmp_path / "tiny.pt.config.json").read_text()))
+    LlamaForPretraining(config).load_state_dict(exported, strict=True)
+
+    # Nothing is ever written over, into or around the checkpoint that is read, whatever the flags.
+    run_dir = reference_dir / "checkpoints"
+    before = snapshot(reference_dir)
+    for output in (run_dir, run_dir / "step-00000016", run_dir / "inside.pt", reference_dir):
+        for given in ([], ["--format", "hf"]):
+            err = refused(capsys, export.main, run_dir, output, *given, "--force")
+            assert "inside the checkpoint" in err, err
+    assert snapshot(reference_dir) == before
+    # Over an existing output: refused in one line, exit status 1, nothing touched; --force replaces an earlier
+    # export, never a file or folder of the user's.
+    (tmp_path / "precious.pt").write_bytes(b"keep me")
+    (tmp_path / "hf-out").mkdir()
+    (tmp_path / "hf-out" / "keep").write_text("me")
+    for output, given in (("precious.pt", []), ("hf-out", ["--format", "hf"])):
+        before = snapshot(tmp_path)
+        err = refused(capsys, export.main, run_dir, tmp_path / output, *given)
+        assert f"{output} exists" in err and "--force" in err, err
+        err = refused(capsys, export.main, run_dir, tmp_path / output, *given, "--force")
+        assert "not an earlier export" in err, err
+        assert snapshot(tmp_path) == before
+    (tmp_path / "tiny.pt").write_bytes(b"an earlier export, now out of date")
+    assert run_main(capsys, export.main, run_dir, tmp_path / "tiny.pt", "--force")[0] == 0
+    forced = torch.load(tmp_path / "tiny.pt", weights_only=True)
+    assert all(torch.equal(forced[name], exported[name]) for name in exported)
+    assert run_main(capsys, export.main, run_dir, tmp_path / "hf-new", "--format", "hf")[0] == 0
+    assert run_main(capsys, export.main, run_dir, tmp_path / "hf-new", "--format", "hf", "--force")[0] == 0
+    assert {"config.json", "tokenizer.json", "model-00001-of-00001.safetensors"} <= {
+        p.name for p in (tmp_path / "hf-new").iterdir()}
+
+    # The README's inference example runs on the exported files, one process, no process group.
+    result = start([sys.executable, "-c", readme_python_block("<!-- example: generate -->")], cwd=tmp_path,
+                   env=dict(script_env(), PYTHONPATH=str(ROOT)), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("def read_config(path):") and len(result.stdout) > 30, result.stdout
+
+
+def test_the_hugging_face_export_takes_the_special_tokens_from_the_checkpoints_tokenizer(tmp_path, reference_run,
+                                                                                          data_dir, capsys):
+    # A checkpoint records no token ids: config.json's come from its copy of the data's tokenizer files. One
+    # saved before (its meta.json's "tokens", what the data's files said) exports the same config.json.
+    from tokenizers import Tokenizer
+    source = reference_run[0] / "checkpoints" / "step-00000016"
+    meta = json.loads((source / "meta.json").read_text())
+    assert "tokens" not in meta
+    older = tmp_path / "older" / source.name
+    shutil.copytree(source, older)
+    (older / "meta.json").write_text(json.dumps({**meta, "tokens": export.special_tokens(data_dir)}))
+    configs = []
+    for path, out in ((source, tmp_path / "hf"), (older, tmp_path / "older-hf")):
+        assert run_main(capsys, export.main, path, out, "--format", "hf")[0] == 0
+        configs.append(json.loads((out / "config.json").read_text()))
+    data = json.loads((Path(data_dir) / "meta.json").read_text())
+    pad = json.loads((Path(data_dir) / "tokenizer_config.json").read_text())["pad_token"]
+    pad_id = Tokenizer.from_file(str(Path(data_dir) / "tokenizer.json")).token_to_id(pad)
+    assert pad_id is not None
+    ids = [configs[0][f"{kind}_token_id"] for kind in ("bos", "eos", "pad")]
+    assert ids == [data["bos_id"], data["eos_id"], pad_id]
+    assert configs[1] == configs[0]
+
+
 @pytest.mark.parametrize("field,value,named", [
     ("model_type", "mistral", "model_type"), ("attention_bias", True, "attention_bias"),
     ("mlp_bias", True, "mlp_bias"), ("hidden_act", "gelu", "hidden_act"),
@@ -1804,1284 +2485,14 @@ def test_a_tokenizer_is_the_datas_whatever_its_file_spells_differently(tmp_path,
         (tmp_path / name / "tokenizer.json").write_text(json.dumps(tokenizer))
     assert checkpoint.same_tokenizer(str(tmp_path / "older"), data_dir)
     assert not checkpoint.same_tokenizer(str(tmp_path / "other"), data_dir)
-# ----------------------------------------------------------------------------------------------------------
-# model.py's balanced split
-
-def test_the_balanced_split_is_the_optimum_of_every_contiguous_split():
-    gen = torch.Generator().manual_seed(0)
-    for layers, stages in [(4, 2), (5, 3), (6, 2), (7, 4), (8, 3)]:
-        for _ in range(20):
-            layer, head, embed = (torch.rand(3, generator=gen) * torch.tensor([1.0, 6.0, 0.5])).tolist()
-            costs = {"layer": layer, "head": head, "embed": embed}
-            best = min(max(model_module.stage_costs(model_module.from_sizes(list(sizes)), costs))
-                       for sizes in itertools.product(range(1, layers + 1), repeat=stages) if sum(sizes) == layers)
-            layout = model_module.balanced(layers, stages, costs)
-            assert sum(len(r) for r in layout) == layers and min(map(len, layout)) >= 1
-            assert max(model_module.stage_costs(layout, costs)) == pytest.approx(best, rel=1e-12), \
-                (layers, stages, costs)
-    # The tiny model at --seq-len 128: the head and the loss are worth about 4.6 layers; the last stage keeps one.
-    tiny = config_from_preset("tiny", 8192, 6)
-    assert [len(r) for r in model_module.balanced(6, 2, model_module.estimated_costs(tiny, 128))] == [5, 1]
-    # Activation checkpointing runs each layer's forward (a third of its cost) again; the head is not recomputed.
-    plain, again = model_module.estimated_costs(tiny, 128), model_module.estimated_costs(tiny, 128, recompute=True)
-    assert again["layer"] == pytest.approx(plain["layer"] * 4 / 3) and again["head"] == plain["head"]
 
 
 # ----------------------------------------------------------------------------------------------------------
-# train_pipeline_afab_manual.py: the pipeline by hand, on our model and on Hugging Face's Llama
-
-def _hf_config(layers=4):
-    import transformers
-    return transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                    tie_word_embeddings=False, pad_token_id=0, attn_implementation="eager")
-
-
-def _build(kind: str, layers: int):
-    """The same full model on every process: ours from (seed, names), HF's from the global seed."""
-    if kind == "ours":
-        model = LlamaForPretraining(small_config(layers=layers))
-        model.init_weights(seed=2)
-        return model
-    import transformers
-    torch.manual_seed(2)
-    return transformers.LlamaForCausalLM(_hf_config(layers))
-
-
-def _batches(seq_len: int, microbatches: int = 6):
-    gen = torch.Generator().manual_seed(seq_len)
-    inputs = torch.randint(1, 97, (microbatches * 2, seq_len), generator=gen)
-    targets = torch.randint(0, 97, (microbatches * 2, seq_len), generator=gen)  # HF: token 0 is the pad id
-    targets[0, :3] = -100
-    return list(inputs.chunk(microbatches)), list(targets.chunk(microbatches))
-
-
-@contextlib.contextmanager
-def module_calls(model: nn.Module):
-    """Every call of every module of model while inside, by module name, in order: its output tensors and the
-    gradient each of them receives in backward. How a user checks a pipeline against the model's own forward."""
-    calls, handles = {}, []
-
-    def record(name, module, args, output):
-        tensors = [t for t in (output if isinstance(output, (tuple, list)) else [output]) if torch.is_tensor(t)]
-        call = {"outputs": [t.detach().clone() for t in tensors], "grads": [None] * len(tensors)}
-        calls.setdefault(name, []).append(call)
-        for k, t in enumerate(tensors):
-            if t.requires_grad:
-                t.register_hook(functools.partial(lambda call, k, grad: call["grads"].__setitem__(k, grad.clone()),
-                                                  call, k))
-
-    for name, module in model.named_modules():
-        handles.append(module.register_forward_hook(functools.partial(record, name)))
-    try:
-        yield calls
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _manual_worker(rank, world_size, store_path, out_dir, kinds, layers):
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
-    try:
-        results = {}
-        for kind in kinds:
-            model = _build(kind, layers)
-            partition = manual.partition_model(model, rank, world_size)
-            runs = {}
-            for name, step, seq_len in [("afab", manual.train_step_pipeline_afab, 16),
-                                        ("1f1b", manual.train_step_pipeline_1f1b, 16),
-                                        ("afab_short", manual.train_step_pipeline_afab, 9)]:
-                model.zero_grad(set_to_none=True)
-                inputs, targets = _batches(seq_len)
-                with benchmark.ActivationMeter() as meter, module_calls(model) as calls:
-                    loss = step(partition, inputs, targets, torch.device("cpu"), torch.float32)
-                runs[name] = {"loss": loss, "calls": calls, "activation_bytes": meter.peak_bytes,
-                              "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
-            results[kind] = runs
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _reference(kind: str, layers: int, seq_len: int):
-    """The whole model on one process, the same microbatches one after another through its own forward: the
-    mean loss, the gradients, and every module's calls (module_calls)."""
-    model = _build(kind, layers)
-    inputs, targets = _batches(seq_len)
-    losses = []
-    with module_calls(model) as calls:
-        for x, y in zip(inputs, targets):
-            logits = model(x) if kind == "ours" else model(x).logits
-            if kind == "hf":
-                y = y.masked_fill(y == 0, -100)  # the pad id is ignored like -100
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
-            (loss / len(inputs)).backward()
-            losses.append(loss.detach())
-    return torch.stack(losses).mean(), {n: p.grad for n, p in model.named_parameters()}, calls
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_manual_pipeline_runs_every_module_as_the_models_own_forward(tmp_path, world_size):
-    """Called on a model (ours, and transformers' LlamaForCausalLM as a user's), the hand-written AFAB and 1F1B
-    run each of its modules once a microbatch, the head on the whole microbatch, with the outputs and output
-    gradients of its own forward on one process; the parameters' gradients and the loss are the same too."""
-    pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
-    layers, kinds, m = 4, ("ours", "hf"), 6  # 4 layers on 3 stages: 2, 1, 1
-    mp.start_processes(_manual_worker, nprocs=world_size, start_method="spawn", join=True,
-                       args=(world_size, str(tmp_path / "store"), str(tmp_path), kinds, layers))
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
-    for kind in kinds:
-        loss, grads, calls = _reference(kind, layers, 16)
-        assert_close_rel(results[-1][kind]["afab"]["loss"].item(), loss.item(), what=f"{kind} loss")
-        assert_close_rel(results[-1][kind]["afab_short"]["loss"].item(), _reference(kind, layers, 9)[0].item(),
-                         what="seq 9")
-        # The stages replace the model's own containers (the root and its decoder stack); every other module
-        # runs on the stage that holds it (the rotary embedding of transformers' Llama: on every stage).
-        containers = {"", "base_model", "model"}
-        ran = set()
-        for rank, result in enumerate(results):
-            for schedule in ("afab", "1f1b"):
-                for name, got in result[kind][schedule]["calls"].items():
-                    if name in containers:
-                        continue
-                    ran.add(name)
-                    want = calls[name]
-                    assert len(got) == len(want) == m, (kind, schedule, rank, name, len(got))
-                    for i, (g, w) in enumerate(zip(got, want)):
-                        for a, b in zip(g["outputs"], w["outputs"], strict=True):
-                            torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-5, msg=f"{kind} {name} out {i}")
-                        for a, b in zip(g["grads"], w["grads"], strict=True):
-                            assert (a is None) == (b is None), (kind, name, i)
-                            if b is not None:  # relative to the gradient's scale: a microbatch's is ~1e-3
-                                torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-5 * b.abs().max().item(),
-                                                           msg=f"{kind} {schedule} {name} grad {i}")
-            afab, one_f_one_b = result[kind]["afab"], result[kind]["1f1b"]
-            if rank != world_size - 1:
-                assert afab["loss"] is None
-            for name, grad in afab["grads"].items():
-                torch.testing.assert_close(grad, grads[name], rtol=RTOL, atol=1e-6, msg=f"{kind} {name}")
-                assert torch.equal(one_f_one_b["grads"][name], grad), f"1F1B differs from AFAB: {name}"
-            # AFAB holds every microbatch's activations at its peak; 1F1B at most world_size - rank of them.
-            ratio = one_f_one_b["activation_bytes"] / afab["activation_bytes"]
-            assert abs(ratio - (world_size - rank) / m) < 0.02, (rank, ratio)  # (p - r) / m, as README says
-        assert ran == set(calls) - containers, (kind, set(calls) - containers - ran)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# train_pipeline_tracer.py: the split made by pipeline() and SplitPoint
-
-@pytest.fixture(scope="module")
-def one_process_group():
-    """build_stage asks the process group for its rank: a group of one, in this process, for in-process tests."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def meta_model(config) -> LlamaForPretraining:
-    with torch.device("meta"):
-        return LlamaForPretraining(config)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The split: the same stages as the hand split
-
-def test_traced_stages_hold_exactly_what_the_hand_split_holds():
-    assert tracer.split_spec(even(4, 3)) == {"base_model.layers.2": SplitPoint.BEGINNING,
-                                             "base_model.layers.3": SplitPoint.BEGINNING}
-    assert tracer.split_spec(even(4, 1)) == {}  # one process: no split point, one stage
-    config = small_config(layers=4)
-    example = torch.zeros(2, 8, dtype=torch.long, device="meta")
-    for num_stages in range(1, 5):
-        pipe = tracer.trace(meta_model(config), example, tracer.split_spec(even(4, num_stages)))
-        for stage in range(num_stages):
-            hand = gpipe.build_stage(config, stage, even(4, num_stages), torch.device("cpu"), seed=0)
-            traced = pipe.get_stage_module(stage)
-            assert {name for name, _ in [*traced.named_parameters(), *traced.named_buffers()]} == \
-                {name for name, _ in [*hand.named_parameters(), *hand.named_buffers()]}, (num_stages, stage)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# One pipelined step: weights and gradients equal the unsplit model's
-
-def _traced_grad_worker(rank, world_size, store_path, out_dir, config, batch, microbatches):
-    mesh = start_group(rank, world_size, store_path)
-    try:
-        inputs, targets = batch
-        module, _, schedule, _ = traced_pipeline(config, "gpipe", [rank], even(config.num_hidden_layers, world_size),
-                                                 mesh, (len(inputs) // microbatches, inputs.shape[1]), microbatches)
-        initial = {name: t.detach().clone() for name, t in [*module.named_parameters(), *module.named_buffers()]}
-        loss = tracer.train_step(schedule, inputs if rank == 0 else None, targets if rank == world_size - 1 else None,
-                                 cpu_env(rank, world_size), 1)
-        torch.save({"grads": {name: p.grad for name, p in module.named_parameters()}, "loss": loss,
-                    "initial": initial, "state_keys": list(module.state_dict())},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("layers,world_size", [(4, 2), (4, 3)])  # 4 layers on 3 stages: 2, 1, 1
-def test_traced_pipeline_gradients_equal_unsplit_model(tmp_path, layers, world_size):
-    config, microbatches = small_config(layers=layers), 4
-    inputs, targets = random_batch(config)
-    mp.start_processes(_traced_grad_worker, nprocs=world_size, start_method="spawn", join=True,
-                       args=(world_size, str(tmp_path / "store"), str(tmp_path), config, (inputs, targets),
-                             microbatches))
-
-    results, reference = check_against_unsplit(tmp_path, config, inputs, targets, microbatches, world_size)
-    reference_tensors = dict(reference.named_parameters()) | dict(reference.named_buffers())
-    # Every stage started from exactly the full model's weights and RoPE buffers for the seed.
-    initial = {name: t for result in results for name, t in result["initial"].items()}
-    assert sorted(initial) == sorted(reference_tensors)
-    for name, tensor in initial.items():
-        assert torch.equal(tensor, reference_tensors[name]), name
-    # What a checkpoint saves: the full model's state_dict keys, split across the stages, nothing more.
-    assert sorted(k for result in results for k in result["state_keys"]) == sorted(reference.state_dict())
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The script: losses equal the GPipe script's; checkpoints move between the two scripts
-
-def test_losses_equal_gpipe_script_and_checkpoints_cross_over(tmp_path, data_dir):
-    args = [*TRAIN_ARGS, "--steps", "8", "--checkpoint-every", "4", "--data", data_dir, "--metrics", "m.jsonl"]
-    fresh = {"tracer3": (3, "train_pipeline_tracer.py"), "gpipe2": (2, "train_pipeline_gpipe.py")}
-    procs = {}
-    for name, (nproc, script) in fresh.items():
-        (tmp_path / name).mkdir()
-        procs[name] = launch(nproc, script, *args, cwd=tmp_path / name, wait=False)
-    rows = {}
-    for name, proc in procs.items():
-        result = finish(proc)
-        assert result.returncode == 0, result.stderr[-3000:]
-        rows[name], _ = read_metrics(tmp_path / name / "m.jsonl")
-        assert [r["step"] for r in rows[name]] == list(range(1, 9))
-        if name == "tracer3":  # the one-time cost, reported for every rank
-            assert re.search(r"traced and built the stages in [\d.]+, [\d.]+, [\d.]+ s", result.stdout), result.stdout
-    reference = rows["gpipe2"]
-    assert_same_trajectory(rows["tracer3"], reference, "tracer3")
-
-    # Both scripts save the same keys (model and flattened AdamW state under full-model names, no RoPE buffers).
-    def saved_keys(run):
-        return set(FileSystemReader(str(tmp_path / run / "checkpoints" / "step-00000004")).read_metadata()
-                   .state_dict_metadata)
-    assert saved_keys("tracer3") == saved_keys("gpipe2")
-
-    # Tracer (3 stages) -> GPipe script (2 stages), and GPipe script -> tracer, which then runs on 2 stages.
-    crossings = {"to_gpipe": ("tracer3", 2, "train_pipeline_gpipe.py"),
-                 "to_tracer": ("gpipe2", 2, "train_pipeline_tracer.py")}
-    for name, (source, nproc, script) in crossings.items():
-        shutil.copytree(tmp_path / source / "checkpoints" / "step-00000004",
-                        tmp_path / name / "checkpoints" / "step-00000004")
-        procs[name] = launch(nproc, script, *args, cwd=tmp_path / name, wait=False)
-    for name in crossings:
-        result = finish(procs[name])
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "resumed from checkpoints/step-00000004 at step 4" in result.stdout, result.stdout
-        resumed, _ = read_metrics(tmp_path / name / "m.jsonl")
-        assert [r["step"] for r in resumed] == [5, 6, 7, 8]
-        assert_same_trajectory(resumed, reference[4:], name, since=4)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# bf16: autocast reaches the traced graph; the one difference from eager is a dtype frozen at trace time
-
-def test_bf16_autocast_runs_the_traced_stages_in_bf16(one_process_group, monkeypatch):
-    config = small_config(layers=4)
-    _, pipe = tracer.build_traced_stages(config, [0, 1], even(4, 2), (2, 16), torch.device("cpu"), 3)
-    stages = [tracer.build_stage(pipe, s, torch.device("cpu"), None).submod for s in range(2)]
-    eager = LlamaForPretraining(config)
-    eager.init_weights(seed=3)
-    gen = torch.Generator().manual_seed(0)
-    x, y = torch.randint(0, 97, (2, 16), generator=gen), torch.randint(0, 97, (2, 16), generator=gen)
-
-    def run(forward, autocast):
-        for module in (eager, *stages):
-            module.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits = forward(x)
-            plain_loss(logits, y).backward()
-        grads = {n: p.grad for m in (eager, *stages) for n, p in m.named_parameters() if p.grad is not None}
-        return logits.detach(), grads
-
-    traced = lambda tokens: stages[1].lm_head(stages[1](stages[0](tokens)))  # noqa: E731
-    fp32_logits, fp32_grads = run(eager, autocast=False)
-    traced_fp32, traced_fp32_grads = run(traced, autocast=False)
-    assert torch.equal(traced_fp32, fp32_logits)  # without autocast: bit for bit the eager model
-    for name in fp32_grads:
-        assert torch.equal(traced_fp32_grads[name], fp32_grads[name]), name
-
-    eager_bf16, _ = run(eager, autocast=True)
-    traced_bf16, traced_bf16_grads = run(traced, autocast=True)
-    assert traced_bf16.dtype == eager_bf16.dtype == torch.bfloat16  # autocast applies to the graph's ops
-    # Not bit for bit the eager bf16 model: tracing froze `q.dtype` (fp32 then) into the RoPE tables' cast, so
-    # the traced stages rotate q and k in fp32 where eager bf16 rotates in bf16. Just as close to fp32, though.
-    assert not torch.equal(traced_bf16, eager_bf16)
-    eager_error = (eager_bf16.float() - fp32_logits).abs().max()
-    assert (traced_bf16.float() - fp32_logits).abs().max() <= 1.5 * eager_error
-    # ... and exactly eager bf16 with the RoPE tables kept in fp32: that cast is the only difference.
-    original = model_module.rope_tables
-    monkeypatch.setattr(model_module, "rope_tables", lambda inv_freq, seq_len, dtype: original(
-        inv_freq, seq_len, torch.float32))
-    eager_fp32_rope, eager_fp32_rope_grads = run(eager, autocast=True)
-    assert torch.equal(traced_bf16, eager_fp32_rope)
-    for name in eager_fp32_rope_grads:
-        assert torch.equal(traced_bf16_grads[name], eager_fp32_rope_grads[name]), name
-
-
-# ----------------------------------------------------------------------------------------------------------
-# What the tracer needs from a model: each case with the message a user gets (quoted in the README notes)
-
-class _Rope(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("inv_freq", torch.ones(4), persistent=False)
-
-    def forward(self, x):
-        return x * self.inv_freq.sum()
-
-
-class _LayerTakingAModule(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(8, 8)
-
-    def forward(self, x, rope):
-        return rope(self.proj(x))
-
-
-class _SharedRopeModel(nn.Module):
-    """The seed article's layout: one RoPE module owned by the model, passed to every layer."""
-
-    def __init__(self):
-        super().__init__()
-        self.rope = _Rope()
-        self.layers = nn.ModuleDict({str(i): _LayerTakingAModule() for i in range(2)})
-
-    def forward(self, x):
-        for layer in self.layers.values():
-            x = layer(x, self.rope)
-        return x
-
-
-class _BranchingModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleDict({str(i): nn.Linear(8, 8) for i in range(2)})
-
-    def forward(self, x):
-        for layer in self.layers.values():
-            x = layer(x)
-            if x.sum() > 0:  # Python control flow on a tensor's value
-                x = -x
-        return x
-
-
-def test_tracer_needs_no_module_passed_as_an_argument():
-    with pytest.raises(RuntimeError, match="Child module 'rope' is not a descendant of parent module 'layers.0'"):
-        pipeline(_SharedRopeModel(), mb_args=(torch.zeros(2, 8),), split_spec={"layers.1": SplitPoint.BEGINNING})
-
-
-def test_tracer_needs_no_data_dependent_control_flow():
-    with pytest.raises(RuntimeError, match="we cannot capture your model as a full graph") as failure:
-        pipeline(_BranchingModel(), mb_args=(torch.zeros(2, 8),), split_spec={"layers.1": SplitPoint.BEGINNING})
-    assert "Could not guard on data-dependent expression" in str(failure.value.__cause__)
-
-
-def test_split_point_must_name_an_existing_module():
-    with pytest.raises(AttributeError, match="referenced nonexistent module base_model.layer"):
-        pipeline(meta_model(small_config()), mb_args=(torch.zeros(2, 8, dtype=torch.long, device="meta"),),
-                 split_spec={"base_model.layer.2": SplitPoint.BEGINNING})
-
-
-def test_weights_shared_across_stages_are_refused():
-    # pipeline() itself accepts tied weights split over two stages and gives each stage a copy of its own.
-    example = torch.zeros(2, 8, dtype=torch.long, device="meta")
-    tied = meta_model(small_config())
-    tied.lm_head.weight = tied.base_model.embed_tokens.weight
-    with pytest.raises(RuntimeError, match=r"base_model.embed_tokens.weight is held as 3 separate tensors by "
-                                           r"stages \[0, 1\] \(tied weights\?\)"):
-        tracer.trace(tied, example, tracer.split_spec(even(4, 2)))
-    tied = meta_model(small_config())  # a fresh model: pipeline() patched the split points into the last one
-    tied.lm_head.weight = tied.base_model.embed_tokens.weight
-    pipe = tracer.trace(tied, example, tracer.split_spec(even(4, 1)))  # on one stage the tie survives
-    assert "base_model.embed_tokens.weight" in dict(pipe.get_stage_module(0).named_parameters())
-
-
-def test_traced_stage_only_takes_the_traced_microbatch_shape(one_process_group):
-    _, pipe = tracer.build_traced_stages(small_config(layers=2), [0], even(2, 1), (2, 16), torch.device("cpu"), 0)
-    module = tracer.build_stage(pipe, 0, torch.device("cpu"), None).submod
-    assert module(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 32)  # hidden states: the loss has the head
-    with pytest.raises(RuntimeError):
-        module(torch.zeros(2, 24, dtype=torch.long))  # a longer sequence: the trace baked in 16
-
-
-# ----------------------------------------------------------------------------------------------------------
-# run.sh: the launcher for one node, several nodes and SLURM
-
-RUN_SH = str(ROOT / "run.sh")
-SCRIPT = "train_pipeline_gpipe.py"
-LAUNCH_ARGS = ["--layers", "4", "--steps", "4", "--batch-size", "8", "--microbatches", "4", "--seq-len", "32",
-              "--warmup-steps", "2", "--lr", "1e-2"]
-LAUNCHER_VARS = ["NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "MAX_RESTARTS", "LOG_DIR",
-                 "RDZV_ID", "DRY_RUN", "PYTHON"]
-
-
-def launcher_env(**overrides) -> dict:
-    """The scripts' test environment without anything run.sh would pick up from the machine running pytest."""
-    env = script_env()
-    for name in [*LAUNCHER_VARS, *(k for k in env if k.startswith("SLURM_"))]:
-        env.pop(name, None)
-    env["PYTHON"] = sys.executable  # this venv's torch, whatever python3 is on PATH
-    env.update({k: str(v) for k, v in overrides.items()})
-    return env
-
-
-def run_sh(*args, cwd, wait=True, timeout=240, **env):
-    proc = subprocess.Popen([RUN_SH, *args], cwd=cwd, env=launcher_env(**env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
-    return finish(proc, timeout) if wait else proc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def dry_run(tmp_path, *args, **env) -> tuple[list[str], str]:
-    """The torchrun command run.sh would execute, as a list, and its one-line report on stderr."""
-    result = run_sh(SCRIPT, *args, cwd=tmp_path, timeout=30, DRY_RUN=1, **env)
-    assert result.returncode == 0, result.stderr
-    return shlex.split(result.stdout), result.stderr.strip()
-
-
-def option(cmd: list[str], flag: str) -> str:
-    assert flag in cmd, (flag, cmd)
-    return cmd[cmd.index(flag) + 1]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Real runs
-
-def test_two_nodes_train_like_one_node(tmp_path, data_dir):
-    # Two "nodes" on this machine: two run.sh launches meeting at 127.0.0.1, each in a directory of its own.
-    # The checkpoint directory is shared, as it must be on a real cluster.
-    common = [*LAUNCH_ARGS, "--data", data_dir, "--metrics", "m.jsonl"]
-    port = free_port()
-    nodes = [tmp_path / "node0", tmp_path / "node1", tmp_path / "single"]
-    for d in nodes:
-        d.mkdir()
-    procs = [run_sh(SCRIPT, *common, "--checkpoint-dir", str(tmp_path / "shared-ckpt"), cwd=nodes[rank],
-                    wait=False, NNODES=2, NODE_RANK=rank, NPROC_PER_NODE=2, MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=port)
-             for rank in (0, 1)]
-    # The reference, one node with 4 ranks, at the same time; LOG_DIR gives one log per rank.
-    procs.append(run_sh(SCRIPT, *common, "--checkpoint-dir", "ckpt", cwd=nodes[2], wait=False, NPROC_PER_NODE=4,
-                        LOG_DIR=tmp_path / "logs"))
-    try:
-        results = [finish(p, timeout=180) for p in procs]
-    finally:  # a node that failed leaves the other waiting at the rendezvous: stop every launch
-        for p in procs:
-            if p.poll() is None:
-                kill_job(p)
-    for d, result in zip(nodes, results):
-        assert result.returncode == 0, (d.name, result.stderr[-3000:])
-    assert "NNODES=2 NODE_RANK=1, rendezvous at 127.0.0.1" in results[1].stderr.splitlines()[0]
-
-    # The rendezvous decides which node gets the last rank; only that node writes metrics.
-    written = [d / "m.jsonl" for d in nodes[:2] if (d / "m.jsonl").exists()]
-    assert len(written) == 1, written
-    two_nodes, summary = read_metrics(written[0])
-    one_node, _ = read_metrics(nodes[2] / "m.jsonl")
-    assert len(summary[0]["peak_memory_bytes_per_rank"]) == 4  # 2 nodes x 2 ranks made one 4-stage pipeline
-    assert [r["step"] for r in two_nodes] == [r["step"] for r in one_node] == [1, 2, 3, 4]
-    assert_same_trajectory(two_nodes, one_node, "two nodes")
-    assert (tmp_path / "shared-ckpt" / "step-00000004" / "meta.json").is_file()
-
-    per_rank = sorted(p.parent.name for p in (tmp_path / "logs").rglob("stderr.log"))
-    assert per_rank == ["0", "1", "2", "3"], per_rank
-
-
-def test_a_failed_job_fails_run_sh(tmp_path, data_dir):
-    result = run_sh(SCRIPT, "--steps", "-1", "--data", data_dir, cwd=tmp_path, timeout=120, NPROC_PER_NODE=1)
-    assert result.returncode != 0
-    assert "error: argument --steps: must be a whole number of at least 0, got -1" in result.stderr
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The command run.sh builds
-
-SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "node[07-08]"}
-
-
-def test_slurm_environment_sets_nodes_rank_and_master(tmp_path):
-    port = free_port()
-    cmd, report = dry_run(tmp_path, "--steps", "3", "two words", "--nnodes", "9", MASTER_PORT=port,
-                          NPROC_PER_NODE=2, **SLURM)
-    assert "SLURM job 4242" in report and "\n" not in report
-    assert option(cmd, "--nnodes") == "2"
-    assert option(cmd, "--node-rank") == "1"
-    assert option(cmd, "--rdzv-backend") == "c10d"
-    assert option(cmd, "--rdzv-endpoint") == f"node07:{port}"
-    assert option(cmd, "--rdzv-id") == "4242"
-    assert option(cmd, "--nproc-per-node") == "2"
-    assert "--standalone" not in cmd
-    script_at = next(i for i, a in enumerate(cmd) if a.endswith(SCRIPT))
-    assert cmd[script_at + 1:] == ["--steps", "3", "two words", "--nnodes", "9"]  # the script's, unchanged
-
-
-def test_explicit_variables_win_over_slurm(tmp_path):
-    cmd, _ = dry_run(tmp_path, NODE_RANK=0, MASTER_ADDR="10.0.0.5", NNODES=3, **SLURM)
-    assert (option(cmd, "--nnodes"), option(cmd, "--node-rank")) == ("3", "0")
-    assert option(cmd, "--rdzv-endpoint") == "10.0.0.5:29500"
-
-
-NODELISTS = [("node[07-08]", "node07"), ("gpu-a[007-010,012]-ib,login1", "gpu-a007-ib"), ("alpha,beta", "alpha"),
-             ("rack[2-3]-n[01-02]", "rack2-n01")]
-
-
-@pytest.mark.parametrize("nodelist,first", NODELISTS)
-def test_first_host_of_a_slurm_node_list(tmp_path, nodelist, first):
-    cmd, _ = dry_run(tmp_path, **dict(SLURM, SLURM_JOB_NODELIST=nodelist))
-    assert option(cmd, "--rdzv-endpoint") == f"{first}:29500"
-
-
-def test_one_node_is_standalone_with_restarts_and_logs(tmp_path):
-    cmd, report = dry_run(tmp_path, "--steps", "3", MAX_RESTARTS=1, NPROC_PER_NODE=3, LOG_DIR=tmp_path / "logs")
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert "--standalone" in cmd and "--rdzv-endpoint" not in cmd and "--nnodes" not in cmd
-    assert option(cmd, "--max-restarts") == "1"
-    assert option(cmd, "--nproc-per-node") == "3"
-    assert option(cmd, "--log-dir") == str(tmp_path / "logs") and option(cmd, "--tee") == "3"
-    assert cmd[-3:] == [str(ROOT / SCRIPT), "--steps", "3"]  # found next to run.sh from another directory
-    assert not (tmp_path / "logs").exists()  # a dry run creates nothing
-    assert "one node" in report
-
-
-def test_defaults(tmp_path):
-    cmd, _ = dry_run(tmp_path, CUDA_VISIBLE_DEVICES="")  # no GPU visible: 3 processes, the CPU default
-    assert option(cmd, "--nproc-per-node") == "3" and option(cmd, "--max-restarts") == "0"
-    cmd, _ = dry_run(tmp_path, CUDA_VISIBLE_DEVICES="0,1")  # one process per visible GPU
-    assert option(cmd, "--nproc-per-node") == "2"
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Bad input: one line, exit status 2, nothing started
-
-BAD = [  # (script, environment) -> what the one line must name
-    ("no_such_script.py", {}, "no_such_script.py"),
-    (SCRIPT, {"NNODES": "2"}, "MASTER_ADDR"),
-    (SCRIPT, {"NPROC_PER_NODE": "abc"}, "NPROC_PER_NODE"),
-    (SCRIPT, {"NNODES": "0"}, "NNODES"),
-    (SCRIPT, {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "NODE_RANK": "2"}, "NODE_RANK"),
-    (SCRIPT, {"MASTER_PORT": "http"}, "MASTER_PORT"),
-    (SCRIPT, {"MAX_RESTARTS": "-1"}, "MAX_RESTARTS"),
-    (SCRIPT, {"PYTHON": "no-such-python"}, "PYTHON"),
-    (SCRIPT, {"DRY_RUN": "true"}, "DRY_RUN"),  # a dry run mistyped must not start the real job
-]
-
-
-@pytest.mark.parametrize("script,env,named", BAD, ids=[b[2] for b in BAD])
-def test_bad_input_is_one_line_before_anything_starts(tmp_path, script, env, named):
-    result = run_sh(script, "--steps", "1", cwd=tmp_path, timeout=30, **env)
-    assert result.returncode == 2, result
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("run.sh: error: ") and named in lines[0], result.stderr
-    assert result.stdout == "" and list(tmp_path.iterdir()) == []  # no torchrun, no checkpoint, no metrics
-
-
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
-def test_shellcheck_is_clean():
-    result = subprocess.run(["shellcheck", RUN_SH], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout
-    assert os.access(RUN_SH, os.X_OK)
-# ----------------------------------------------------------------------------------------------------------
-# prepare_data.py: documents -> tokenizer -> token files, once
-
-WORDS = ("the pipeline stage sends activations forward and gradients backward while each microbatch waits for its "
-         "turn été café 中文 tokens 42 (x) = y;").split()
-
-
-def corpus(n: int = 250, seed: int = 0) -> list[str]:
-    """n documents of 1-3 lines each, no blank lines inside (so a .txt holds them one per paragraph)."""
-    rng = random.Random(seed)
-    return [f"doc {i}: " + "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 25)))
-                                     for _ in range(rng.randint(1, 3))) for i in range(n)]
-
-
-def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
-    path.write_text("".join(json.dumps({"id": i, field: d}) + "\n" for i, d in enumerate(docs)), encoding="utf-8")
-    return path
-
-
-def write_txt(path: Path, docs: list[str]) -> Path:
-    path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
-    return path
-
-
-def write_parquet(path: Path, docs: list, field: str = "text") -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.table({"id": list(range(len(docs))), field: docs}), path)
-    return path
-
-
-def run_main(capsys, *argv) -> tuple[int, str, str]:
-    """prepare_data.main in this process: (exit status, stdout, stderr)."""
-    try:
-        prep.main([str(a) for a in argv])
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def run_cli(*argv, cwd) -> tuple[subprocess.CompletedProcess, float]:
-    """prepare_data.py as a command: its result and wall time."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    started = time.perf_counter()
-    result = subprocess.run([sys.executable, str(ROOT / "prepare_data.py"), *map(str, argv)], cwd=cwd, env=env,
-                            capture_output=True, text=True, timeout=300)
-    return result, time.perf_counter() - started
-
-
-def tokens(out: Path, part: str) -> np.ndarray:
-    """A split read back the way a training script reads it: np.memmap of each file, concatenated."""
-    meta = json.loads((out / "meta.json").read_text())
-    return np.concatenate([np.memmap(out / name, dtype=meta["dtype"], mode="r") for name in meta[part]["files"]])
-
-
-def framed(backend, bos: int, eos: int, docs: list[str]) -> np.ndarray:
-    return np.array([t for d in docs for t in [bos, *backend.encode(d, add_special_tokens=False).ids, eos]])
-
-
-def snapshot(path: Path, folder_times: bool = False) -> dict:
-    """Every file and folder under path (with hidden ones), each file's size and modification time: equal snapshots,
-    nothing touched. folder_times: folders' times too, which change when an entry is created and removed again."""
-    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() or folder_times
-            else "folder" for p in [path, *path.rglob("*")]}
-
-
-@pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory) -> Path:
-    """A small BPE tokenizer with [PAD]/[BOT]/[EOT], trained on the test corpus (fast, unlike the builtin one)."""
-    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
-    prep.train_tokenizer(corpus(), 400).backend.save(str(path))
-    return path
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The builtin corpus, prepared once
-
-@pytest.fixture(scope="module")
-def builtin(prepared):
-    """The builtin corpus, prepared once for the session by `python prepare_data.py`: (folder, its output)."""
-    return prepared
-
-
-def test_builtin(builtin):
-    from tokenizers import Tokenizer
-
-    out, result = builtin
-    pad = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id("[PAD]")
-    assert result.stdout.splitlines()[-1].startswith("prepared data: ")
-    meta = json.loads((out / "meta.json").read_text())
-    assert (meta["dtype"], meta["vocab_size"]) == ("uint16", 8192)
-    assert (meta["bos_token"], meta["eos_token"]) == ("[BOT]", "[EOT]")
-    assert meta["source"] == {"data": "builtin", "eval_data": None, "tokenizer": None, "vocab_size": 8192,
-                              "text_field": "text", "max_tokens": None}
-    n_files = len(prep.builtin_files())
-    assert meta["val"]["documents"] == n_files // 50 and meta["train"]["documents"] == n_files - n_files // 50
-    for part in ("train", "val"):
-        ids = tokens(out, part)
-        assert len(ids) == sum(meta[part]["tokens"]) > 10_000 and ids[0] == meta["bos_id"]
-        # Every document framed once: as many bos as eos as documents, and the stream ends on an eos.
-        assert (ids == meta["bos_id"]).sum() == (ids == meta["eos_id"]).sum() == meta[part]["documents"]
-        assert ids[-1] == meta["eos_id"] and not (ids == pad).any()
-    assert sorted(os.listdir(out.parent)) == ["data"]  # no temporary folder left
-
-
-def test_builtin_rerun_is_ready_fast_and_touches_nothing(builtin):
-    out, _ = builtin
-    before = snapshot(out.parent, folder_times=True)  # not even a temporary folder made and removed
-    result, _ = run_cli(cwd=out.parent)
-    assert result.returncode == 0 and result.stderr == ""
-    assert len(result.stdout.splitlines()) == 1 and "ready" in result.stdout
-    assert snapshot(out.parent, folder_times=True) == before  # nothing read or written: no tokenizing again
-
-
-# ----------------------------------------------------------------------------------------------------------
-# What is written
-
-def test_jsonl_tokens_are_framed_documents_in_order(tmp_path, capsys):
-    from tokenizers import Tokenizer
-
-    docs = corpus()
-    data, out = write_jsonl(tmp_path / "docs.jsonl", docs), tmp_path / "out"
-    code, stdout, err = run_main(capsys, "--data", data, "--out", out)
-    assert (code, err) == (0, "") and "prepared" in stdout.splitlines()[-1]
-    meta = json.loads((out / "meta.json").read_text())
-    backend = Tokenizer.from_file(str(out / "tokenizer.json"))
-    bos, eos, pad = meta["bos_id"], meta["eos_id"], backend.token_to_id("[PAD]")
-    held_out = [d for i, d in enumerate(docs) if i % 50 == 49]  # documents 49, 99, ...
-    assert len(held_out) == 5 and meta["val"]["documents"] == 5 and meta["train"]["documents"] == 245
-    trained_on = [d for i, d in enumerate(docs) if i % 50 != 49]
-    np.testing.assert_array_equal(tokens(out, "train"), framed(backend, bos, eos, trained_on))
-    np.testing.assert_array_equal(tokens(out, "val"), framed(backend, bos, eos, held_out))
-    assert pad is not None and not (tokens(out, "train") == pad).any() and not (tokens(out, "val") == pad).any()
-    assert meta["vocab_size"] == backend.get_vocab_size() and meta["dtype"] == "uint16"
-    assert meta["tokenizer_sha256"] == hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
-    assert meta["fingerprint"].startswith(f"data={data.resolve()}:")
-    # Same request again: ready, nothing rewritten.
-    before = snapshot(tmp_path, folder_times=True)
-    code, stdout, _ = run_main(capsys, "--data", data, "--out", out)
-    assert code == 0 and "ready" in stdout and snapshot(tmp_path, folder_times=True) == before
-
-
-def test_every_source_form_gives_the_same_documents(tmp_path):
-    docs = corpus(60)
-    write_txt(tmp_path / "docs.txt", docs)
-    write_jsonl(tmp_path / "docs.jsonl", docs)
-    write_parquet(tmp_path / "docs.parquet", docs)
-    write_jsonl(tmp_path / "body.jsonl", docs, field="body")
-    write_parquet(tmp_path / "body.parquet", docs, field="body")
-    folder = tmp_path / "folder"
-    (folder / "b" / ".cache").mkdir(parents=True)
-    write_jsonl(folder / "a.jsonl", docs[:20])
-    write_txt(folder / "b" / "c.txt", docs[20:40])
-    write_parquet(folder / "d.parquet", docs[40:])
-    write_txt(folder / "b" / ".cache" / "hidden.txt", ["not a document"])
-    (folder / "notes.md").write_text("not a document either")
-    for spec in ["docs.txt", "docs.jsonl", "docs.parquet", "folder", "folder/a.jsonl,folder/b/c.txt,folder/d.parquet"]:
-        got = list(prep.documents(",".join(str(tmp_path / p) for p in spec.split(","))))
-        assert got == docs, spec
-    for spec in ["body.jsonl", "body.parquet"]:
-        assert list(prep.documents(str(tmp_path / spec), text_field="body")) == docs, spec
-    # Windows line ends, blank lines of spaces, several blank lines in a row: still one document per paragraph.
-    (tmp_path / "crlf.txt").write_bytes(b"a\r\nb\r\n\r\n  \n\n\nc\r\n")
-    assert list(prep.documents(str(tmp_path / "crlf.txt"))) == ["a\nb", "c"]
-
-
-def test_dtype_follows_the_vocabulary(tmp_path, capsys):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    assert prep.token_dtype(8192) == prep.token_dtype(65_536) == "uint16"
-    assert prep.token_dtype(65_537) == prep.token_dtype(128_256) == "uint32"
-    # A real vocabulary past 65,536 (a word-level one is quick to build): ids above 65,535 come back intact.
-    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70_000)} | {"[UNK]": 70_000}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.add_special_tokens(["[BOT]", "[EOT]"])
-    backend.save(str(tmp_path / "big.json"))
-    docs = [" ".join(f"w{(i * 7919 + j * 104_729) % 70_000}" for j in range(30)) for i in range(250)]
-    out = tmp_path / "out"
-    code, _, err = run_main(capsys, "--data", write_jsonl(tmp_path / "d.jsonl", docs), "--tokenizer",
-                            tmp_path / "big.json", "--out", out)
-    assert (code, err) == (0, "")
-    meta = json.loads((out / "meta.json").read_text())
-    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70_003
-    train = tokens(out, "train")
-    assert train.dtype == np.uint32 and train.max() > 65_535
-    trained_on = [d for i, d in enumerate(docs) if i % 50 != 49]
-    np.testing.assert_array_equal(train, framed(backend, 70_001, 70_002, trained_on))
-
-
-def test_given_tokenizer_file_with_bot_eot(tmp_path, capsys, tokenizer_file):
-    from tokenizers import Tokenizer
-
-    docs, out = corpus(), tmp_path / "out"
-    code, stdout, err = run_main(capsys, "--data", write_jsonl(tmp_path / "d.jsonl", docs), "--tokenizer",
-                                 tokenizer_file, "--out", out)
-    assert (code, err) == (0, "") and "training a" not in stdout
-    meta = json.loads((out / "meta.json").read_text())
-    backend = Tokenizer.from_file(str(tokenizer_file))
-    assert (meta["bos_token"], meta["eos_token"], meta["bos_id"]) == ("[BOT]", "[EOT]", backend.token_to_id("[BOT]"))
-    assert meta["source"]["tokenizer"] == str(tokenizer_file) and meta["source"]["vocab_size"] is None
-    np.testing.assert_array_equal(tokens(out, "val"), framed(backend, meta["bos_id"], meta["eos_id"], docs[49::50]))
-    # The saved tokenizer encodes as the data was encoded, and puts bos in front once with special tokens.
-    saved = Tokenizer.from_file(str(out / "tokenizer.json"))
-    assert saved.encode(docs[0], add_special_tokens=False).ids == backend.encode(docs[0], add_special_tokens=False).ids
-    ids = saved.encode(docs[0]).ids
-    assert ids[0] == meta["bos_id"] and ids.count(meta["bos_id"]) == 1
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    assert config == {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "[BOT]", "eos_token": "[EOT]",
-                      "pad_token": "[PAD]", "add_bos_token": True, "add_eos_token": False}
-
-
-def hf_style_tokenizer(folder: Path, docs: list[str], adds_bos: bool) -> Path:
-    """A Llama-2-like model folder: tokenizer.json with <s>/</s>, named in tokenizer_config.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    backend = Tokenizer(models.BPE(unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
-                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                          show_progress=False))
-    if adds_bos:  # as Llama 2's does already: the saved tokenizer must not get a second one
-        backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                               special_tokens=[("<s>", 1)])
-    backend.enable_truncation(max_length=16)  # as some model folders' files have: it must not cut documents
-    backend.enable_padding(pad_id=0, pad_token="<unk>")  # nor pad them to the batch's longest
-    folder.mkdir()
-    backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "</s>", "pad_token": None,
-         "model_max_length": 64}))
-    return folder
-
-
-def test_hf_style_tokenizer_folder(tmp_path, capsys):
-    import transformers
-    from tokenizers import Tokenizer
-
-    docs = corpus()
-    data = write_jsonl(tmp_path / "d.jsonl", docs)
-    for adds_bos in (False, True):
-        folder = hf_style_tokenizer(tmp_path / f"model-{adds_bos}", docs, adds_bos)
-        out = tmp_path / f"out-{adds_bos}"
-        code, _, err = run_main(capsys, "--data", data, "--tokenizer", folder, "--out", out)
-        assert (code, err) == (0, "")
-        meta = json.loads((out / "meta.json").read_text())
-        assert (meta["bos_token"], meta["eos_token"], meta["bos_id"], meta["eos_id"]) == ("<s>", "</s>", 1, 2)
-        backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        backend.no_truncation()
-        backend.no_padding()
-        # Documents come out whole and unpadded, though the tokenizer.json says truncate to 16 and pad.
-        trained_on = [d for i, d in enumerate(docs) if i % 50 != 49]
-        np.testing.assert_array_equal(tokens(out, "train"), framed(backend, 1, 2, trained_on))
-        assert json.loads((out / "tokenizer_config.json").read_text())["bos_token"] == "<s>"
-        assert "pad_token" not in json.loads((out / "tokenizer_config.json").read_text())
-        ids = Tokenizer.from_file(str(out / "tokenizer.json")).encode("the pipeline stage").ids
-        assert ids[0] == 1 and ids.count(1) == 1
-        hf_ids = transformers.AutoTokenizer.from_pretrained(str(out))("the pipeline stage")["input_ids"]
-        assert hf_ids[0] == 1 and hf_ids.count(1) == 1 and hf_ids[1:] == ids[1:]
-
-
-def test_shards_concatenate_to_the_one_file_result(tmp_path, capsys, monkeypatch, tokenizer_file):
-    data = write_jsonl(tmp_path / "d.jsonl", corpus())
-    code, _, _ = run_main(capsys, "--data", data, "--tokenizer", tokenizer_file, "--out", tmp_path / "one")
-    assert code == 0
-    monkeypatch.setattr(prep, "SHARD_TOKENS", 1000)
-    code, _, _ = run_main(capsys, "--data", data, "--tokenizer", tokenizer_file, "--out", tmp_path / "many")
-    assert code == 0
-    one, many = (json.loads((tmp_path / d / "meta.json").read_text()) for d in ("one", "many"))
-    assert one["train"]["files"] == ["train-00000.bin"]
-    assert len(many["train"]["files"]) > 3 and many["train"]["files"][1] == "train-00001.bin"
-    assert set(many["train"]["tokens"][:-1]) == {1000} and 0 < many["train"]["tokens"][-1] <= 1000
-    for name, count in zip(many["train"]["files"], many["train"]["tokens"]):
-        assert (tmp_path / "many" / name).stat().st_size == 2 * count
-    np.testing.assert_array_equal(tokens(tmp_path / "many", "train"), tokens(tmp_path / "one", "train"))
-    assert (tmp_path / "many" / "val.bin").read_bytes() == (tmp_path / "one" / "val.bin").read_bytes()
-
-
-def test_max_tokens_and_eval_data(tmp_path, capsys, tokenizer_file):
-    from tokenizers import Tokenizer
-
-    docs, held_out = corpus(), corpus(10, seed=1)
-    data, eval_data = write_jsonl(tmp_path / "d.jsonl", docs), write_txt(tmp_path / "held_out.txt", held_out)
-    code, _, err = run_main(capsys, "--data", data, "--eval-data", eval_data, "--tokenizer", tokenizer_file,
-                            "--max-tokens", 500, "--out", tmp_path / "out")
-    assert (code, err) == (0, "")
-    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
-    backend = Tokenizer.from_file(str(tokenizer_file))
-    bos, eos = meta["bos_id"], meta["eos_id"]
-    # With --eval-data nothing of --data is held out; --max-tokens cuts the training stream at exactly 500.
-    np.testing.assert_array_equal(tokens(tmp_path / "out", "train"), framed(backend, bos, eos, docs)[:500])
-    np.testing.assert_array_equal(tokens(tmp_path / "out", "val"), framed(backend, bos, eos, held_out))
-    assert meta["train"]["tokens"] == [500] and meta["val"]["documents"] == 10
-    assert meta["source"]["max_tokens"] == 500 and meta["source"]["eval_data"] == str(eval_data)
-    assert "eval_data=" in meta["fingerprint"] and "tokenizer=" in meta["fingerprint"]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Bad input: one line, exit status 1, nothing left behind
-
-def _bad_inputs(d: Path, tokenizer_file: Path) -> dict:
-    """name -> (arguments, words the one error line must hold); the files are written into d."""
-    from tokenizers import Tokenizer, models
-
-    (d / "binary.txt").write_bytes(b"good text\n\nmore \xff\xfe\x00 binary\n")
-    (d / "bad.jsonl").write_text('{"text": "a"}\n\n{"text": "b"\n')
-    (d / "list.jsonl").write_text('["text"]\n')
-    (d / "nofield.jsonl").write_text('{"body": "x", "id": 1}\n')
-    (d / "number.jsonl").write_text('{"text": "a"}\n{"text": 5}\n')
-    (d / "tok.json").write_text("not json")
-    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(d / "plain.json"))
-    write_parquet(d / "body.parquet", ["x", "y"], field="body")
-    write_parquet(d / "null.parquet", ["x", None])
-    (d / "a.csv").write_text("text\nx\n")
-    small, docs = write_jsonl(d / "small.jsonl", ["hi", "there"]), write_jsonl(d / "docs.jsonl", corpus(40))
-    return {
-        "missing": (["--data", d / "nope.jsonl"], ["nope.jsonl", "no such file"]),
-        "missing_eval": (["--data", docs, "--eval-data", d / "nope.txt"], ["--eval-data", "nope.txt"]),
-        "extension": (["--data", d / "a.csv"], ["a.csv", ".jsonl"]),
-        "binary_txt": (["--data", d / "binary.txt"], ["binary.txt", "line 3", "UTF-8"]),
-        "bad_json": (["--data", d / "bad.jsonl"], ["bad.jsonl", "line 3", "not valid JSON"]),
-        "json_list": (["--data", d / "list.jsonl"], ["list.jsonl", "line 1", "list"]),
-        "json_no_field": (["--data", d / "nofield.jsonl"], ["nofield.jsonl", "line 1", "'body'", "--text-field"]),
-        "json_number": (["--data", d / "number.jsonl"], ["number.jsonl", "line 2", "not a string"]),
-        "parquet_column": (["--data", d / "body.parquet"], ["body.parquet", "'body'", "--text-field"]),
-        "parquet_null": (["--data", d / "null.parquet"], ["null.parquet", "row 2"]),
-        "tokenizer_missing": (["--data", docs, "--tokenizer", d / "nope.json"], ["nope.json"]),
-        "tokenizer_garbage": (["--data", docs, "--tokenizer", d / "tok.json"], ["tok.json", "not a tokenizers"]),
-        "tokenizer_no_bos": (["--data", docs, "--tokenizer", d / "plain.json"], ["plain.json", "bos_token"]),
-        "vocab_with_tokenizer": (["--data", docs, "--tokenizer", tokenizer_file, "--vocab-size", 100],
-                                 ["--vocab-size", "--tokenizer"]),
-        "train_too_small": (["--data", small, "--eval-data", docs], ["training split", "tokens", "more documents"]),
-    }
-
-
-BAD = ["missing", "missing_eval", "extension", "binary_txt", "bad_json", "json_list", "json_no_field", "json_number",
-       "parquet_column", "parquet_null", "tokenizer_missing", "tokenizer_garbage", "tokenizer_no_bos",
-       "vocab_with_tokenizer", "train_too_small"]
-
-
-@pytest.mark.parametrize("case", BAD)
-def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, tokenizer_file, case):
-    (tmp_path / "in").mkdir()
-    argv, words = _bad_inputs(tmp_path / "in", tokenizer_file)[case]
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "keep.txt").write_text("untouched")
-    before = snapshot(work)
-    code, _, err = run_main(capsys, *argv, "--out", work / "new" / "out")  # its parent is created, and removed again
-    assert code == 1
-    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
-    for word in words:
-        assert word in err, (word, err)
-    assert snapshot(work) == before
-
-
-def test_error_while_writing_removes_the_partial_dataset(tmp_path, capsys, monkeypatch, tokenizer_file):
-    lines = [json.dumps({"text": d}) for d in corpus(300)]
-    lines[289] = '{"text": '
-    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
-    monkeypatch.setattr(prep, "BATCH_DOCUMENTS", 10)  # many batches are written before line 290 is read
-    written, write = [], prep.TokenFiles.write
-
-    def spy(self, ids):  # where the partial dataset was written
-        written.append(self.directory)
-        write(self, ids)
-
-    monkeypatch.setattr(prep.TokenFiles, "write", spy)
-    before = snapshot(tmp_path)
-    code, _, err = run_main(capsys, "--data", tmp_path / "d.jsonl", "--tokenizer", tokenizer_file,
-                            "--out", tmp_path / "out")
-    assert code == 1 and "line 290" in err and len(err.splitlines()) == 1
-    assert len(written) > 20 and not os.path.exists(written[0])
-    assert snapshot(tmp_path) == before
-
-
-def test_hf_dataset_that_cannot_be_opened(tmp_path):
-    result, _ = run_cli("--data", "hf:no-such-user-xyz/no-such-dataset", "--out", tmp_path / "out", cwd=tmp_path)
-    assert result.returncode == 1 and result.stdout.startswith("training a")
-    assert len(result.stderr.splitlines()) == 1, result.stderr
-    assert result.stderr.startswith("error: --data hf:no-such-user-xyz/no-such-dataset: cannot open the dataset (")
-    assert os.listdir(tmp_path) == []
-
-
-def test_ctrl_c_removes_the_temporary_folder(tmp_path, capsys, monkeypatch, tokenizer_file):
-    def interrupt(self, ids):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(prep.TokenFiles, "write", interrupt)
-    data = write_jsonl(tmp_path / "d.jsonl", corpus())
-    before = snapshot(tmp_path)
-    code, _, err = run_main(capsys, "--data", data, "--tokenizer", tokenizer_file, "--out", tmp_path / "out")
-    assert code == 130 and len(err.splitlines()) == 1
-    assert snapshot(tmp_path) == before
-
-
-def test_command_line_errors_are_one_line_with_status_2(capsys):
-    for argv in (["--max-tokens", "lots"], ["--vocab-size", "0"], ["--no-such-flag"]):
-        code, out, err = run_main(capsys, *argv)
-        assert code == 2 and out == "" and len(err.splitlines()) == 1, (argv, err)
-        assert err.startswith("error: ") and err.rstrip().endswith("(see --help)")
-
-
-def refused(capsys, *argv) -> str:
-    """The one error line of a run that must fail with status 1."""
-    code, _, err = run_main(capsys, *argv)
-    assert code == 1 and err.startswith("error: ") and len(err.splitlines()) == 1, (code, err)
-    return err
-
-
-def backend_of(path: Path):
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# --out and what is read; what --force replaces
-
-def test_out_that_is_holds_or_lies_inside_an_input_is_refused_even_with_force(tmp_path, capsys, tokenizer_file):
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    good, second = write_jsonl(folder / "good.jsonl", corpus(60)), write_jsonl(folder / "second.jsonl", corpus(60, 1))
-    (folder / "notes.md").write_text("mine")
-    (tmp_path / "link").symlink_to(folder)
-    (tmp_path / "tok").mkdir()
-    (tmp_path / "tok" / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
-    tok = ["--tokenizer", tokenizer_file]
-    cases = [  # (arguments, what the line says)
-        (["--data", folder, *tok, "--out", folder], f"it is --data {folder}"),
-        (["--data", good, *tok, "--out", good], f"it is --data {good}"),
-        (["--data", good, *tok, "--out", folder], f"it holds --data {good}"),
-        (["--data", folder, *tok, "--out", folder / "sub"], f"it lies inside --data {folder}"),
-        (["--data", folder, *tok, "--out", tmp_path / "link"], f"it is --data {folder}"),  # real paths compared
-        (["--data", good, "--eval-data", second, *tok, "--out", folder], f"it holds --data {good}"),
-        (["--data", good, "--tokenizer", tmp_path / "tok", "--out", tmp_path / "tok"], "it is --tokenizer"),
-    ]
-    before = snapshot(tmp_path, folder_times=True)
-    for argv in (a + extra for a, _ in cases for extra in ([], ["--force"])):
-        err = refused(capsys, *argv)
-        assert "another --out" in err, err
-        assert snapshot(tmp_path, folder_times=True) == before, argv  # nothing created, nothing deleted
-    for argv, words in cases:
-        assert words in refused(capsys, *argv, "--force"), (argv, words)
-
-
-def test_force_replaces_only_a_dataset_written_here(tmp_path, capsys, tokenizer_file):
-    """Replaces test_small.py's test_out_holding_other_things_is_refused_and_force_replaces_it."""
-    data_a, data_b = write_jsonl(tmp_path / "a.jsonl", corpus()), write_jsonl(tmp_path / "b.jsonl", corpus(seed=2))
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "notes.txt").write_text("mine")
-    common = ["--tokenizer", tokenizer_file, "--out", out]
-    # Other files: refused, --force or not, saying what is there; untouched.
-    before = snapshot(tmp_path)
-    for force in ([], ["--force"]):
-        err = refused(capsys, "--data", data_a, *common, *force)
-        assert f"--out {out}: it holds other files (notes.txt)" in err and "another --out" in err, err
-        assert snapshot(tmp_path) == before
-    (out / "notes.txt").unlink()
-    assert run_main(capsys, "--data", data_a, *common)[0] == 0  # an empty folder is no obstacle
-    # Another request: refused naming what changed, then replaced with --force.
-    before = snapshot(tmp_path)
-    err = refused(capsys, "--data", data_b, *common)
-    assert f"--data {data_a} -> {data_b}" in err and "--force" in err, err
-    err = refused(capsys, "--data", data_a, *common, "--max-tokens", 1000)
-    assert "--max-tokens unset -> 1000" in err and "--data" not in err.split("(")[1], err
-    assert snapshot(tmp_path) == before
-    assert run_main(capsys, "--data", data_b, *common, "--force")[0] == 0
-    assert json.loads((out / "meta.json").read_text())["source"]["data"] == str(data_b)
-    # The same request after its files changed: the refusal says so.
-    os.utime(data_b, ns=(0, 0))
-    err = refused(capsys, "--data", data_b, *common)
-    assert "the files of --data changed since" in err and "--force" in err, err
-    # A file of the user's beside the dataset: --force does not delete it.
-    (out / "notes.txt").write_text("mine")
-    before = snapshot(tmp_path)
-    err = refused(capsys, "--data", data_b, *common, "--force")
-    assert "a dataset and other files (notes.txt)" in err and "another --out" in err, err
-    assert snapshot(tmp_path) == before
-    (out / "notes.txt").unlink()
-    assert run_main(capsys, "--data", data_b, *common, "--force")[0] == 0
-    assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "b.jsonl", "out"]  # no lock, no temporary folder
-    # An --out that is a file of the user's is never replaced.
-    (tmp_path / "file").write_text("mine")
-    err = refused(capsys, "--data", data_a, "--tokenizer", tokenizer_file, "--out", tmp_path / "file", "--force")
-    assert "is not a folder" in err and (tmp_path / "file").read_text() == "mine"
-
-
-def test_damaged_meta_json_is_named_and_replaced_only_when_the_folder_is_ours(tmp_path, capsys, tokenizer_file):
-    data = write_jsonl(tmp_path / "a.jsonl", corpus())
-    out = tmp_path / "out"
-    common = ["--data", data, "--tokenizer", tokenizer_file, "--out", out]
-    assert run_main(capsys, *common)[0] == 0
-    (out / "meta.json").write_text('{"format": 1, "dtype": "uint1')  # cut short
-    err = refused(capsys, *common)
-    assert "damaged dataset" in err and "--force" in err, err
-    assert run_main(capsys, *common, "--force")[0] == 0 and prep.read_meta(str(out)) is not None
-    (out / "meta.json").write_text("[]")
-    (out / "notes.md").write_text("mine")
-    before = snapshot(tmp_path)
-    err = refused(capsys, *common, "--force")
-    assert "damaged meta.json and other files (notes.md)" in err and "another --out" in err, err
-    assert snapshot(tmp_path) == before
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Small corpora: a held-out tail
-
-def test_single_document_or_small_corpus_holds_out_the_last_tokens(tmp_path, capsys, monkeypatch, tokenizer_file):
-    backend = backend_of(tokenizer_file)
-    bos, eos = backend.token_to_id("[BOT]"), backend.token_to_id("[EOT]")
-    lines = [" ".join(d.split()[:12]) for d in corpus(400)]  # one paragraph per line: one document
-    cases = {"one.txt": (lines, ["\n".join(lines)]), "few.jsonl": (corpus(30), corpus(30)),
-             # document 49 is held out whole, but is less than a window: it goes at the end of the tail
-             "sixty.jsonl": (corpus(60), [d for i, d in enumerate(corpus(60)) if i != 49] + [corpus(60)[49]])}
-    monkeypatch.setattr(prep, "SHARD_TOKENS", 100)  # the tail spans several training files
-    for name, (docs, stream) in cases.items():
-        data = tmp_path / name
-        if name == "one.txt":
-            data.write_text("\n".join(docs) + "\n")  # no blank line anywhere
-        else:
-            write_jsonl(data, docs)
-        out = tmp_path / f"out-{name}"
-        code, stdout, err = run_main(capsys, "--data", data, "--tokenizer", tokenizer_file, "--out", out)
-        assert (code, err) == (0, ""), (name, err)
-        assert "the last 10 % of the tokens" in stdout.splitlines()[-1], stdout
-        meta = json.loads((out / "meta.json").read_text())
-        train, val, expected = tokens(out, "train"), tokens(out, "val"), framed(backend, bos, eos, stream)
-        assert meta["val"]["held_out"] == "tail" and len(val) == max(129, len(expected) // 10), name
-        np.testing.assert_array_equal(np.concatenate([train, val]), expected)
-        for part in ("train", "val"):
-            for file, count in zip(meta[part]["files"], meta[part]["tokens"]):
-                assert (out / file).stat().st_size == 2 * count > 0
-        assert sorted(os.listdir(out)) == sorted(meta["train"]["files"] + ["val.bin", "meta.json", "tokenizer.json",
-                                                                           "tokenizer_config.json"])
-    # Enough documents: every 50th held out whole, as before; but --max-tokens 2000 stops before the 50th (a tail).
-    many = write_jsonl(tmp_path / "many.jsonl", corpus())
-    for max_tokens, held_out, counts in [([], "documents", None), (["--max-tokens", 2000], "tail", (1800, [200]))]:
-        out = tmp_path / f"out-many-{held_out}"
-        code, _, err = run_main(capsys, "--data", many, "--tokenizer", tokenizer_file, *max_tokens, "--out", out)
-        meta = json.loads((out / "meta.json").read_text())
-        assert (code, err, meta["val"]["held_out"]) == (0, "", held_out)
-        assert counts in (None, (sum(meta["train"]["tokens"]), meta["val"]["tokens"]))
-
-
-def test_too_few_tokens_name_the_cause_and_the_scripts_window(tmp_path, capsys, tokenizer_file):
-    docs, small = write_jsonl(tmp_path / "d.jsonl", corpus()), write_jsonl(tmp_path / "s.jsonl", ["hi", "there"])
-    window = "one window of 129 tokens (the training scripts' default --seq-len 128, plus one)"
-    tok = ["--tokenizer", tokenizer_file]
-    before = snapshot(tmp_path)
-    err = refused(capsys, "--data", docs, "--eval-data", small, *tok, "--max-tokens", 100, "--out", tmp_path / "out")
-    assert err.startswith("error: --max-tokens 100: ") and window in err, err
-    err = refused(capsys, "--data", docs, *tok, "--max-tokens", 200, "--out", tmp_path / "out")
-    assert err.startswith("error: --max-tokens 200: ") and window in err and "258" in err, err
-    err = refused(capsys, "--data", small, *tok, "--out", tmp_path / "out")
-    assert err.startswith(f"error: --data {small}: ") and window in err and "more documents" in err, err
-    err = refused(capsys, "--data", small, "--eval-data", docs, *tok, "--out", tmp_path / "out")
-    assert "training split" in err and window in err, err
-    assert snapshot(tmp_path) == before
-
-
-# ----------------------------------------------------------------------------------------------------------
-# One line instead of a traceback or a surprise
-
-def test_lone_surrogate_in_jsonl_is_one_line_naming_file_and_line(tmp_path, capsys, tokenizer_file):
-    rows = ['{"text": "plain"}', '{"text": "a pair \\ud83d\\ude00 is fine"}', '{"text": "lone \\ud800 here"}']
-    data = tmp_path / "d.jsonl"
-    data.write_text("\n".join(rows) + "\n")
-    before = snapshot(tmp_path)
-    for tok in (["--vocab-size", 300], ["--tokenizer", tokenizer_file]):  # training a tokenizer, or encoding
-        err = refused(capsys, "--data", data, *tok, "--out", tmp_path / "out")
-        assert f"--data {data}, line 3: " in err and "surrogate" in err and "line 2" not in err, err
-        assert snapshot(tmp_path) == before
-
-
-def test_long_text_without_whitespace_trains_quickly_and_is_encoded_whole(tmp_path, capsys):
-    rng = random.Random(0)
-    blob = "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=600_000))
-    # The trainer's pieces: bounded, whole again when joined, and cut before whitespace (pre-tokens unchanged).
-    from tokenizers import pre_tokenizers
-
-    text = "\n".join(corpus(300))
-    code = "".join(f"\n{'    ' * (i % 5)}x = {i}  # {'c ' * (i % 7)}\t" for i in range(3000))  # runs of whitespace
-    split = pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str
-    for sample in (text, code, blob, "  " * 3000, "x" * 999 + " y"):
-        parts = list(prep.pieces(sample))
-        assert "".join(parts) == sample and max(map(len, parts)) <= prep.TOKENIZER_PIECE_CHARS
-    for sample in (text, code):
-        assert [t for p in prep.pieces(sample) for t, _ in split(p)] == [t for t, _ in split(sample)]
-    started = time.perf_counter()
-    prep.train_tokenizer([blob], 300)
-    took = time.perf_counter() - started
-    assert took < 5, took  # 0.3 s; 20-40 s uncut (the trainer's time grows with the square of a pre-token's length)
-    data = write_jsonl(tmp_path / "d.jsonl", [blob, *corpus(60)])
-    held_out = write_jsonl(tmp_path / "held_out.jsonl", corpus(20, seed=1))
-    code, _, err = run_main(capsys, "--data", data, "--eval-data", held_out, "--vocab-size", 300, "--out",
-                            tmp_path / "out")
-    assert (code, err) == (0, "")
-    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
-    expected = backend_of(tmp_path / "out" / "tokenizer.json").encode(blob, add_special_tokens=False).ids
-    train = tokens(tmp_path / "out", "train")  # the blob is the first document, encoded whole
-    assert train[0] == meta["bos_id"] and train[len(expected) + 1] == meta["eos_id"]
-    np.testing.assert_array_equal(train[1:len(expected) + 1], expected)
-
-
-def test_eval_data_overlapping_data_is_refused(tmp_path, capsys, tokenizer_file):
-    folder = tmp_path / "docs"
-    folder.mkdir()
-    data = write_jsonl(folder / "a.jsonl", corpus(60))
-    other = write_jsonl(tmp_path / "b.jsonl", corpus(20, 1))
-    (tmp_path / "alias.jsonl").symlink_to(data)
-    before = snapshot(tmp_path, folder_times=True)
-    for d, e in [(data, data), (folder, data), (data, folder), (data, tmp_path / "alias.jsonl"),
-                 (f"{other},{data}", f"{folder}"), ("builtin", "builtin")]:
-        err = refused(capsys, "--data", d, "--eval-data", e, "--tokenizer", tokenizer_file, "--out", tmp_path / "o")
-        assert err.startswith(f"error: --eval-data {e}: it overlaps --data {d}"), err
-    assert snapshot(tmp_path, folder_times=True) == before
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Runs at once, SIGTERM, SIGKILL
-
-def _blocked_run(tmp_path: Path, vocabulary: list, out: Path) -> subprocess.Popen:
-    """prepare_data.py writing out, held up reading its --data: a FIFO no one writes to."""
-    fifo = tmp_path / "stuck.jsonl"
-    if not fifo.exists():
-        os.mkfifo(fifo)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "prepare_data.py"), "--data", str(fifo), *map(str, vocabulary),
-                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    deadline = time.time() + 60
-    while not [n for n in os.listdir(out.parent) if n.endswith(".tmp")]:  # it has begun writing
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
-        time.sleep(0.1)
-    return proc
-
-
-def test_a_second_run_into_the_same_out_is_refused_and_a_killed_ones_leftovers_removed(tmp_path, capsys,
-                                                                                        tokenizer_file):
-    out = tmp_path / "out"
-    first = _blocked_run(tmp_path, ["--tokenizer", tokenizer_file], out)
-    try:
-        data = write_jsonl(tmp_path / "d.jsonl", corpus())
-        err = refused(capsys, "--data", data, "--tokenizer", tokenizer_file, "--out", out, "--force")
-        assert f"--out {out}: another prepare_data.py (pid {first.pid}) is writing it" in err, err
-    finally:
-        first.kill()  # SIGKILL: it can clean nothing up
-        first.communicate()
-    leftovers = [n for n in os.listdir(tmp_path) if n.startswith(".out.")]
-    assert any(n.endswith(".tmp") for n in leftovers), leftovers
-    code, _, err = run_main(capsys, "--data", data, "--tokenizer", tokenizer_file, "--out", out)
-    assert (code, err) == (0, "")
-    assert sorted(os.listdir(tmp_path)) == ["d.jsonl", "out", "stuck.jsonl"]  # its folder and lock are gone
-
-
-def test_sigterm_cleans_up_like_ctrl_c(tmp_path, tokenizer_file):
-    (tmp_path / "new").mkdir()
-    # While tokenizing with a given tokenizer, and while reading documents to train one.
-    for vocabulary in (["--tokenizer", tokenizer_file], ["--vocab-size", 300]):
-        proc = _blocked_run(tmp_path, vocabulary, tmp_path / "new" / "out")
-        proc.send_signal(signal.SIGTERM)
-        try:
-            _, err = proc.communicate(timeout=30)
-        finally:
-            proc.kill()
-        assert proc.returncode == 128 + signal.SIGTERM and err == "interrupted: nothing written\n", \
-            (vocabulary, proc.returncode, err)
-        assert os.listdir(tmp_path / "new") == []
-
-
-def test_nothing_runs_at_import_and_torch_is_not_needed():
-    code = "import sys, prepare_data; assert 'torch' not in sys.modules and 'datasets' not in sys.modules; print('ok')"
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert result.stdout == "ok\n", result.stderr
-
-
-# ----------------------------------------------------------------------------------------------------------
-# plan.py: memory and step time of a layout, computed
-
-def error_lines(text: str) -> list[str]:
-    """stderr without torch's own noise (the profiler's USDT lines, torchrun's warnings)."""
-    return [line for line in text.splitlines() if line.startswith("error:")]
-
+# 7. Planning: plan.py's memory and step time of a layout, computed, and its search
+
+def planned(processes: int, data: str, *given) -> list[dict]:
+    """plan.py's figures per pipeline rank for a run of the scripts' flags `given` on that many processes."""
+    return plan.plan(plan.build_parser().parse_args(["--processes", str(processes), "--data", data, *given]))["ranks"]
 
 
 def test_plan_says_what_torchs_schedules_say_of_the_microbatches():
@@ -3233,16 +2644,13 @@ def test_plan_finds_layouts_for_a_cluster_that_the_scripts_accept(capsys):
     (["--gpus", "8", "--gpu-memory", "1"], "; more GPUs would not fit it either"),
 ])
 def test_plan_says_what_no_layout_fits_in_one_line(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        plan.main(["--model", "llama-8b", "--seq-len", "8192", "--batch-size", "16", *argv])
-    err = capsys.readouterr().err
-    assert exit_.value.code == 1 and message in err and err.count("\n") == 1, err
+    assert message in refused(capsys, plan.main, "--model", "llama-8b", "--seq-len", "8192", "--batch-size", "16",
+                              *argv)
 
 
 def test_plan_piped_into_head_ends_quietly():
     # `plan.py ... | head`: the reader goes away after one line; the plan ends without a BrokenPipeError traceback.
-    out = subprocess.run(f"{shlex.quote(sys.executable)} plan.py --processes 2 | head -1", shell=True, cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = start(["sh", "-c", f"{shlex.quote(sys.executable)} plan.py --processes 2 | head -1"], cwd=ROOT, timeout=120)
     assert out.stdout.startswith("plan: ") and out.stderr == "", out
 
 
@@ -3274,10 +2682,8 @@ def test_plan_prints_every_schedule_for_a_cluster_on_this_machine(tmp_path):
 ])
 def test_plan_refuses_what_the_script_refuses_in_one_line(argv, status, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as exit_:
-        plan.main([*argv, "--device", "cpu"])
-    err = capsys.readouterr().err
-    assert exit_.value.code == status and err.startswith(message) and err.count("\n") == 1, err
+    err = refused(capsys, plan.main, *argv, "--device", "cpu", status=status)
+    assert err.startswith(message), err
 
 
 def test_plan_reads_the_model_from_a_hugging_face_directory(tmp_path, capsys):
@@ -3296,10 +2702,8 @@ def test_plan_reads_the_model_from_a_hugging_face_directory(tmp_path, capsys):
     for argv, message in [(["--layers", "2"], "error: --layers 2: the model's shape comes from"),
                           (["--model", "tiny"], "error: --model tiny: the model's shape comes from"),
                           (["--vocab-size", "9"], "error: --vocab-size 9: the vocabulary comes from --init-from")]:
-        with pytest.raises(SystemExit) as exit_:
-            plan.main(["--processes", "3", "--init-from", str(hf), *argv])
-        err = capsys.readouterr().err
-        assert exit_.value.code == 1 and err.startswith(message) and err.count("\n") == 1, err
+        err = refused(capsys, plan.main, "--processes", "3", "--init-from", hf, *argv)
+        assert err.startswith(message), err
 
 
 def test_a_plan_reads_the_model_from_a_checkpoint(reference_run, data_dir, capsys):
@@ -3308,19 +2712,11 @@ def test_a_plan_reads_the_model_from_a_checkpoint(reference_run, data_dir, capsy
     assert plan.main([*common, "--init-from", checkpoints]) == plan.main([*common, "--layers", "4", "--data",
                                                                          data_dir])
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_:
-        plan.main([*common, "--init-from", checkpoints, "--layers", "2"])
-    assert exit_.value.code == 1 and "--layers 2: the model's shape comes from" in capsys.readouterr().err
+    assert "--layers 2: the model's shape comes from" in refused(capsys, plan.main, *common, "--init-from",
+                                                                 checkpoints, "--layers", "2")
 
 
-def test_measure_memory_gives_a_scripts_error_in_one_line(tmp_path, data_dir):
-    result = launch(0, "benchmark.py", "measure-memory", "out.json", str(ROOT / "train_pipeline_afab_manual.py"),
-                    "--data", "nowhere", "--steps", "1", cwd=tmp_path)
-    assert result.returncode == 1 and error_lines(result.stderr) == [
-        "error: --data nowhere: no data prepared there; run python prepare_data.py --out nowhere first (see its "
-        "--help)"], result.stderr
-    assert not (tmp_path / "out.json").exists()
-
+# -- plan.py --model path/to/config.json
 
 # Llama 3 70B's config.json (Llama 3.1's long-context RoPE), as the Hugging Face hub has it.
 LLAMA_70B = {
@@ -3336,18 +2732,6 @@ def write_config(path: Path, config) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(config if isinstance(config, str) else json.dumps(config))
     return str(path)
-
-
-def tool_refused(capsys, argv: list, status: int = 1) -> str:
-    """The one error line of a plan.py or benchmark.py call that must fail with `status`."""
-    with pytest.raises(SystemExit) as exit_:
-        if argv[0] == "benchmark":
-            benchmark.parse_args(argv[1:])
-        else:
-            plan.main(argv)
-    err = capsys.readouterr().err
-    assert exit_.value.code == status and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
-    return err.rstrip("\n")
 
 
 @contextlib.contextmanager
@@ -3376,9 +2760,6 @@ def readme_plan_examples() -> list[tuple[list[str], list[str]]]:
             examples.append((shlex.split(command)[2:], shown))
     return examples
 
-
-# ----------------------------------------------------------------------------------------------------------
-# --model path/to/config.json
 
 def test_the_readmes_plan_examples_run_as_written_and_the_same_shape_as_a_config_json(tmp_path, capsys):
     examples = readme_plan_examples()
@@ -3437,21 +2818,20 @@ def test_a_llama_3_70b_config_json_plans_and_searches_as_the_preset_does(tmp_pat
 def test_flags_that_contradict_a_config_json_are_refused(tmp_path, capsys):
     config = write_config(tmp_path / "config.json", LLAMA_70B)
     common = ["--model", config, "--processes", "8", "--seq-len", "4096", "--device", "cuda"]
-    assert tool_refused(capsys, [*common, "--layers", "4"]).startswith(
+    assert refused(capsys, plan.main, *common, "--layers", "4").startswith(
         f"error: --layers 4: the model's shape comes from {config} (80 layers)")
-    assert tool_refused(capsys, [*common, "--vocab-size", "9"]).startswith(
+    assert refused(capsys, plan.main, *common, "--vocab-size", "9").startswith(
         f"error: --vocab-size 9: the vocabulary comes from --model {config}")
     assert plan.main([*common, "--layers", "80"])["ranks"]  # the config's own count is no contradiction
     # A config.json with --init-from: the checkpoint's shape or the config's? Refused, as --model with it is.
     hf = tmp_path / "hf"
     write_config(hf / "config.json", {**LLAMA_70B, "num_hidden_layers": 8})
     (hf / "model.safetensors").write_bytes(b"")
-    assert tool_refused(capsys, [*common, "--init-from", str(hf)]).startswith(
+    assert refused(capsys, plan.main, *common, "--init-from", hf).startswith(
         f"error: --model {config}: the model's shape comes from {hf}")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# What a config.json may hold
+# -- plan.py: what a config.json may hold
 
 BAD_CONFIGS = {  # name: (config.json's text or fields, what the line names)
     "empty_list": ("[]", "config.json is [], not an object of fields"),
@@ -3498,7 +2878,7 @@ def test_a_bad_config_json_is_one_line_naming_the_file_and_the_field(name, tmp_p
     before = snapshot(tmp_path)
     for mode in (["--gpus", "64"], ["--processes", "8", "--device", "cuda"]):
         with deadline(10):  # nothing searched, nothing allocated: a huge size once ran on (or overflowed)
-            err = tool_refused(capsys, ["--model", config, "--seq-len", "4096", "--batch-size", "512", *mode])
+            err = refused(capsys, plan.main, "--model", config, "--seq-len", "4096", "--batch-size", "512", *mode)
         assert err.startswith(f"error: --model {config}: cannot read it as a Hugging Face config.json (")
         assert BAD_CONFIGS[name][1] in err, err
     assert snapshot(tmp_path) == before
@@ -3513,7 +2893,7 @@ def test_a_bad_config_json_in_a_hugging_face_directory_is_one_line_too(name, tmp
         checkpoint.read_hf_config(str(tmp_path / "hf"))
     assert str(error.value).startswith(f"--init-from {tmp_path / 'hf'}: config.json ") and "\n" not in str(error.value)
     assert BAD_CONFIGS[name][1] in str(error.value)
-    err = tool_refused(capsys, ["--init-from", str(tmp_path / "hf"), "--processes", "2", "--device", "cpu"])
+    err = refused(capsys, plan.main, "--init-from", tmp_path / "hf", "--processes", "2", "--device", "cpu")
     assert err == f"error: {error.value}"
 
 
@@ -3543,8 +2923,7 @@ def test_the_largest_config_json_plans_in_one_line(tmp_path):
     assert one.returncode == 0 and "hidden 1073741824, vocab 2147483647" in one.stdout, one.stderr
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Sizes of any magnitude; the layouts the scripts accept
+# -- plan.py: sizes of any magnitude; the layouts the scripts accept; units that show small figures
 
 def test_divisors_are_found_by_trial_up_to_the_square_root():
     for n in range(1, 400):
@@ -3604,9 +2983,6 @@ def test_the_search_finds_every_layout_the_scripts_accept(gpus, batch, capsys):
     assert got == {k: m for k, m in expected.items() if k[0] > 1 or k[3] == next(iter(gpipe.SCHEDULES))}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Units that show small figures
-
 def test_step_times_and_memory_are_printed_in_units_that_show_them(capsys):
     best = plan.main(["--gpus", "8"])  # the small model: steps of a millisecond or less, MiB per GPU
     out = capsys.readouterr().out
@@ -3618,7 +2994,7 @@ def test_step_times_and_memory_are_printed_in_units_that_show_them(capsys):
         assert float(step) * scale[s_unit] == pytest.approx(row["step"], rel=0.01)
         assert 1 <= float(memory) < 1024 and float(memory) * scale[m_unit] == pytest.approx(row["memory"], rel=0.01)
     assert "fit in 72 GB" in out
-    err = tool_refused(capsys, ["--gpus", "8", "--gpu-memory", "0.001"])
+    err = refused(capsys, plan.main, "--gpus", "8", "--gpu-memory", "0.001")
     needs = re.search(r"needs ([\d.]+) (MiB|KiB) per GPU", err)
     assert needs and float(needs.group(1)) >= 1, err
     best = plan.main(["--gpus", "8", "--gpu-memory", "0.4"])
@@ -3631,7 +3007,18 @@ def test_step_times_and_memory_are_printed_in_units_that_show_them(capsys):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# benchmark.py: reading the scripts' traces
+# 8. Tools: benchmark.py and run.sh
+
+# -- benchmark.py: measure-memory, reading the scripts' traces
+
+def test_measure_memory_gives_a_scripts_error_in_one_line(tmp_path, data_dir):
+    result = launch(0, "benchmark.py", "measure-memory", "out.json", str(ROOT / "train_pipeline_afab_manual.py"),
+                    "--data", "nowhere", "--steps", "1", cwd=tmp_path)
+    assert result.returncode == 1 and error_lines(result.stderr) == [
+        "error: --data nowhere: no data prepared there; run python prepare_data.py --out nowhere first (see its "
+        "--help)"], result.stderr
+    assert not (tmp_path / "out.json").exists()
+
 
 def _span(name, ts, dur, tid=7, cat="user_annotation"):
     return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
@@ -3701,8 +3088,7 @@ def test_the_trace_of_a_multi_stage_schedule(tmp_path):
         assert benchmark.compute_actions(name) is None, name
 
 
-# ----------------------------------------------------------------------------------------------------------
-# benchmark.py: one small run of each mode
+# -- benchmark.py: one small run of each mode
 
 @pytest.mark.parametrize("argv, message", [
     (["--variants", "1f1b,nope"], "error: --variants: unknown nope; choose from gpipe, 1f1b,"),
@@ -3712,11 +3098,8 @@ def test_the_trace_of_a_multi_stage_schedule(tmp_path):
                             "nowhere first"),
 ])
 def test_benchmark_refuses_bad_flags_in_one_line(argv, message, data_dir, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        benchmark.parse_args(["--data", data_dir, *argv])
-    err = capsys.readouterr().err
-    assert exit_.value.code == (1 if "--data" in argv else 2), err
-    assert err.startswith(message) and err.count("\n") == 1, err
+    err = refused(capsys, benchmark.parse_args, "--data", data_dir, *argv, status=1 if "--data" in argv else 2)
+    assert err.startswith(message), err
 
 
 def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir):
@@ -3766,9 +3149,7 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir):
     assert re.search(r"balanced: plan.py's replay .* step [\d.]+ ms \(traced [\d.]+ ms", table), table
 
 
-
-# ----------------------------------------------------------------------------------------------------------
-# benchmark.py: its numbers and its --out
+# -- benchmark.py: its numbers and its --out
 
 @pytest.fixture
 def fake_data(tmp_path) -> str:
@@ -3786,12 +3167,12 @@ def fake_data(tmp_path) -> str:
     (["--sweep", "--sweep-microbatches", "0,2"], "error: --sweep-microbatches 0,2: each count must be at least 1"),
 ])
 def test_benchmark_refuses_counts_below_one_in_one_line(argv, message, fake_data, capsys):
-    assert tool_refused(capsys, ["benchmark", "--data", fake_data, *argv], status=2).startswith(message)
+    assert refused(capsys, benchmark.parse_args, "--data", fake_data, *argv, status=2).startswith(message)
 
 
 def test_benchmark_out_that_is_a_file_is_one_line(tmp_path, fake_data, capsys):
     (tmp_path / "file").write_text("mine")
-    assert tool_refused(capsys, ["benchmark", "--data", fake_data, "--out", str(tmp_path / "file")]) == (
+    assert refused(capsys, benchmark.parse_args, "--data", fake_data, "--out", tmp_path / "file") == (
         f"error: --out {tmp_path / 'file'}: not a folder; give a folder (it is created if missing)")
     result = launch(0, "benchmark.py", "--data", fake_data, "--out", str(tmp_path / "file" / "sub"), cwd=tmp_path)
     assert result.returncode == 1 and result.stderr == (
@@ -3824,11 +3205,11 @@ def test_benchmark_replaces_an_earlier_runs_results_only_with_force(mode, tmp_pa
     capsys.readouterr()
     assert sorted(os.listdir(out)) == sorted(os.path.basename(p) for p in written)
     before = snapshot(tmp_path)
-    argv = ["benchmark", "--data", fake_data, "--out", str(out), *mode]
-    err = tool_refused(capsys, argv)
+    argv = ["--data", fake_data, "--out", str(out), *mode]
+    err = refused(capsys, benchmark.parse_args, *argv)
     assert err.startswith(f"error: --out {out}: holds {os.path.basename(written[0])}, ") and \
         "from an earlier run; add --force to replace them, or give another --out" in err, err
-    args = benchmark.parse_args([*argv[1:], "--force"])
+    args = benchmark.parse_args([*argv, "--force"])
     assert snapshot(tmp_path) == before  # checking destroys nothing
     # With --force, main() first removes the earlier traces (a stale rank2.json would be read with the new
     # run's two), nothing else; then the runs (not run here).
@@ -3872,7 +3253,451 @@ def test_benchmark_force_replaces_nothing_it_did_not_write(change, tmp_path, fak
         (out / "results.json").write_text(json.dumps(record))
     before = snapshot(tmp_path)
     for force in ([], ["--force"]):
-        err = tool_refused(capsys, ["benchmark", "--data", fake_data, "--out", str(out), *force])
+        err = refused(capsys, benchmark.parse_args, "--data", fake_data, "--out", out, *force)
         assert err.startswith(f"error: --out {out}: holds ") and ", not written by benchmark.py, where this run " \
             "writes; move them away or give another --out" in err, err
     assert snapshot(tmp_path) == before
+
+
+# -- run.sh: real runs
+
+SCRIPT = "train_pipeline_gpipe.py"
+
+
+def dry_run(tmp_path, *args, **env) -> tuple[list[str], str]:
+    """The torchrun command run.sh would execute, as a list, and its one-line report on stderr."""
+    result = run_sh(SCRIPT, *args, cwd=tmp_path, timeout=30, DRY_RUN=1, **env)
+    assert result.returncode == 0, result.stderr
+    return shlex.split(result.stdout), result.stderr.strip()
+
+
+def option(cmd: list[str], flag: str) -> str:
+    assert flag in cmd, (flag, cmd)
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_two_nodes_train_like_one_node(tmp_path, data_dir):
+    # Two "nodes" on this machine: two run.sh launches meeting at 127.0.0.1, each in a directory of its own.
+    # The checkpoint directory is shared, as it must be on a real cluster.
+    common = [*TRAIN_ARGS, "--steps", "4", "--data", data_dir, "--metrics", "m.jsonl"]
+    port = free_port()
+    nodes = [tmp_path / "node0", tmp_path / "node1", tmp_path / "single"]
+    for d in nodes:
+        d.mkdir()
+    procs = [run_sh(SCRIPT, *common, "--checkpoint-dir", str(tmp_path / "shared-ckpt"), cwd=nodes[rank],
+                    wait=False, NNODES=2, NODE_RANK=rank, NPROC_PER_NODE=2, MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=port)
+             for rank in (0, 1)]
+    # The reference, one node with 4 ranks, at the same time; LOG_DIR gives one log per rank.
+    procs.append(run_sh(SCRIPT, *common, "--checkpoint-dir", "ckpt", cwd=nodes[2], wait=False, NPROC_PER_NODE=4,
+                        LOG_DIR=tmp_path / "logs"))
+    try:
+        results = [finish(p, timeout=180) for p in procs]
+    finally:  # a node that failed leaves the other waiting at the rendezvous: stop every launch
+        for p in procs:
+            if p.poll() is None:
+                kill_job(p)
+    for d, result in zip(nodes, results):
+        assert result.returncode == 0, (d.name, result.stderr[-3000:])
+    assert "NNODES=2 NODE_RANK=1, rendezvous at 127.0.0.1" in results[1].stderr.splitlines()[0]
+
+    # The rendezvous decides which node gets the last rank; only that node writes metrics.
+    written = [d / "m.jsonl" for d in nodes[:2] if (d / "m.jsonl").exists()]
+    assert len(written) == 1, written
+    two_nodes, summary = read_metrics(written[0])
+    one_node, _ = read_metrics(nodes[2] / "m.jsonl")
+    assert len(summary[0]["peak_memory_bytes_per_rank"]) == 4  # 2 nodes x 2 ranks made one 4-stage pipeline
+    assert [r["step"] for r in two_nodes] == [r["step"] for r in one_node] == [1, 2, 3, 4]
+    assert_same_trajectory(two_nodes, one_node, "two nodes")
+    assert (tmp_path / "shared-ckpt" / "step-00000004" / "meta.json").is_file()
+
+    per_rank = sorted(p.parent.name for p in (tmp_path / "logs").rglob("stderr.log"))
+    assert per_rank == ["0", "1", "2", "3"], per_rank
+
+
+def test_a_failed_job_fails_run_sh(tmp_path, data_dir):
+    result = run_sh(SCRIPT, "--steps", "-1", "--data", data_dir, cwd=tmp_path, timeout=120, NPROC_PER_NODE=1)
+    assert result.returncode != 0
+    assert "error: argument --steps: must be a whole number of at least 0, got -1" in result.stderr
+
+
+# -- run.sh: the command it builds
+
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "node[07-08]"}
+
+
+def test_slurm_environment_sets_nodes_rank_and_master(tmp_path):
+    port = free_port()
+    cmd, report = dry_run(tmp_path, "--steps", "3", "two words", "--nnodes", "9", MASTER_PORT=port,
+                          NPROC_PER_NODE=2, **SLURM)
+    assert "SLURM job 4242" in report and "\n" not in report
+    assert option(cmd, "--nnodes") == "2"
+    assert option(cmd, "--node-rank") == "1"
+    assert option(cmd, "--rdzv-backend") == "c10d"
+    assert option(cmd, "--rdzv-endpoint") == f"node07:{port}"
+    assert option(cmd, "--rdzv-id") == "4242"
+    assert option(cmd, "--nproc-per-node") == "2"
+    assert "--standalone" not in cmd
+    script_at = next(i for i, a in enumerate(cmd) if a.endswith(SCRIPT))
+    assert cmd[script_at + 1:] == ["--steps", "3", "two words", "--nnodes", "9"]  # the script's, unchanged
+
+
+def test_explicit_variables_win_over_slurm(tmp_path):
+    cmd, _ = dry_run(tmp_path, NODE_RANK=0, MASTER_ADDR="10.0.0.5", NNODES=3, **SLURM)
+    assert (option(cmd, "--nnodes"), option(cmd, "--node-rank")) == ("3", "0")
+    assert option(cmd, "--rdzv-endpoint") == "10.0.0.5:29500"
+
+
+NODELISTS = [("node[07-08]", "node07"), ("gpu-a[007-010,012]-ib,login1", "gpu-a007-ib"), ("alpha,beta", "alpha"),
+             ("rack[2-3]-n[01-02]", "rack2-n01")]
+
+
+@pytest.mark.parametrize("nodelist,first", NODELISTS)
+def test_first_host_of_a_slurm_node_list(tmp_path, nodelist, first):
+    cmd, _ = dry_run(tmp_path, **dict(SLURM, SLURM_JOB_NODELIST=nodelist))
+    assert option(cmd, "--rdzv-endpoint") == f"{first}:29500"
+
+
+def test_one_node_is_standalone_with_restarts_and_logs(tmp_path):
+    cmd, report = dry_run(tmp_path, "--steps", "3", MAX_RESTARTS=1, NPROC_PER_NODE=3, LOG_DIR=tmp_path / "logs")
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--standalone" in cmd and "--rdzv-endpoint" not in cmd and "--nnodes" not in cmd
+    assert option(cmd, "--max-restarts") == "1"
+    assert option(cmd, "--nproc-per-node") == "3"
+    assert option(cmd, "--log-dir") == str(tmp_path / "logs") and option(cmd, "--tee") == "3"
+    assert cmd[-3:] == [str(ROOT / SCRIPT), "--steps", "3"]  # found next to run.sh from another directory
+    assert not (tmp_path / "logs").exists()  # a dry run creates nothing
+    assert "one node" in report
+
+
+def test_defaults(tmp_path):
+    cmd, _ = dry_run(tmp_path, CUDA_VISIBLE_DEVICES="")  # no GPU visible: 3 processes, the CPU default
+    assert option(cmd, "--nproc-per-node") == "3" and option(cmd, "--max-restarts") == "0"
+    cmd, _ = dry_run(tmp_path, CUDA_VISIBLE_DEVICES="0,1")  # one process per visible GPU
+    assert option(cmd, "--nproc-per-node") == "2"
+
+
+# -- run.sh, bad input: one line, exit status 2, nothing started
+
+RUN_SH_BAD = [  # (script, environment) -> what the one line must name
+    ("no_such_script.py", {}, "no_such_script.py"),
+    (SCRIPT, {"NNODES": "2"}, "MASTER_ADDR"),
+    (SCRIPT, {"NPROC_PER_NODE": "abc"}, "NPROC_PER_NODE"),
+    (SCRIPT, {"NNODES": "0"}, "NNODES"),
+    (SCRIPT, {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "NODE_RANK": "2"}, "NODE_RANK"),
+    (SCRIPT, {"MASTER_PORT": "http"}, "MASTER_PORT"),
+    (SCRIPT, {"MAX_RESTARTS": "-1"}, "MAX_RESTARTS"),
+    (SCRIPT, {"PYTHON": "no-such-python"}, "PYTHON"),
+    (SCRIPT, {"DRY_RUN": "true"}, "DRY_RUN"),  # a dry run mistyped must not start the real job
+]
+
+
+@pytest.mark.parametrize("script,env,named", RUN_SH_BAD, ids=[b[2] for b in RUN_SH_BAD])
+def test_bad_input_is_one_line_before_anything_starts(tmp_path, script, env, named):
+    result = run_sh(script, "--steps", "1", cwd=tmp_path, timeout=30, **env)
+    assert result.returncode == 2, result
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("run.sh: error: ") and named in lines[0], result.stderr
+    assert result.stdout == "" and list(tmp_path.iterdir()) == []  # no torchrun, no checkpoint, no metrics
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_shellcheck_is_clean():
+    result = subprocess.run(["shellcheck", RUN_SH], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+    assert os.access(RUN_SH, os.X_OK)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 9. Bad input and templates: one line before any work, nothing destroyed; each script stands alone
+
+def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    # In this process, each script's own main() on each mistake the flags alone show: the error names the flag and
+    # comes before any process group, file or model. (The test below runs the same checks as real processes.)
+    ckpt = tmp_path / "ckpt"
+    common = ["--checkpoint-dir", str(ckpt), "--data", str(tmp_path / "data")]
+    gpipe_cases = {  # given -> what the message must name
+        ("--batch-size", "10", "--microbatches", "4"): "--microbatches",
+        ("--seq-len", "5000"): "--seq-len",
+        ("--schedule", "zbvzerobubble", "--stages-per-rank", "3"): "--stages-per-rank",
+        ("--schedule", "interleaved1f1b", "--stages-per-rank", "5", "--layers", "4"): "5 pipeline stages but the "
+                                                                                      "model has 4 layers",
+        ("--schedule", "1f1b", "--stages-per-rank", "3"): "--stages-per-rank 3: 1f1b holds 1 stage(s) per rank",
+        ("--stages-per-rank", "2"): "--stages-per-rank 2: gpipe holds 1 stage(s) per rank",
+        ("--split", "3,2"): "--split 3,2: give 1 layer counts",
+        ("--split", "fast"): "--split fast",
+    }
+    cases = [("train_pipeline_gpipe.py", given, named, 1) for given, named in gpipe_cases.items()]
+    # The other scripts share the checks; their own choices are checked too.
+    cases += [("train_pipeline_afab_manual.py", ("--split", "1,1,1"), "--split 1,1,1: give 1 layer counts", 1),
+              ("train_pipeline_tracer.py", ("--schedule", "zbvzerobubble", "--stages-per-rank", "3"),
+               "--stages-per-rank", 1),
+              ("train_pipeline_tracer.py", ("--schedule", "1f1b", "--stages-per-rank", "2"),
+               "--stages-per-rank 2: 1f1b holds 1 stage(s) per rank", 1)]
+    # --dp against the number of processes, as torchrun would set it: the checks run before any rendezvous.
+    cases += [("train_pipeline_gpipe.py", given, named, 4) for given, named in [
+        (("--dp", "3"), "--dp 3 x --tp 1: 4 processes do not divide"), (("--dp", "2", "--batch-size", "12"), "--dp 2 x --microbatches 4"),
+        (("--dp", "2", "--layers", "1"), "2 pipeline stages")]]
+    # --tp the same way (the model's heads are checked by the processes, below:
+    # test_tensor_parallel_that_the_model_cannot_take_is_one_line_on_every_rank).
+    cases += [("train_pipeline_gpipe.py", ("--tp", "3"), "--dp 1 x --tp 3: 4 processes do not divide into stages", 4),
+              ("train_pipeline_afab_manual.py", ("--dp", "2", "--tp", "2"), "--dp 2 x --tp 2: 6 processes", 6),
+              ("train_pipeline_tracer.py", ("--tp", "2"), "--tp 2: the traced stages cannot be split", 4),
+              ("train_pipeline_afab_manual.py", ("--tp", "2", "--compile"), "--compile with --tp: torch 2.13", 4)]
+    for script, given, named, world_size in cases:
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        module = SCRIPT_MODULES[script]
+        with pytest.raises(checkpoint.UsageError) as failure:
+            module.main(module.build_parser().parse_args([*given, *common]))
+        message = str(failure.value)
+        assert named in message and "\n" not in message, (script, given, message)
+        assert not dist.is_initialized(), (script, given)
+    # Values and flags argparse refuses: one line, status 2.
+    for script, given, named in [("train_pipeline_gpipe.py", ("--model", "huge"), "--model"),
+                                 ("train_pipeline_gpipe.py", ("--steps", "ten"), "--steps"),
+                                 ("train_pipeline_gpipe.py", ("--steps", "-1"), "--steps: must be a whole number of "
+                                                                                "at least 0, got -1"),
+                                 ("train_pipeline_gpipe.py", ("--lr", "nan"), "--lr"),
+                                 ("train_pipeline_tracer.py", ("--lr", "inf"), "--lr"),
+                                 ("train_pipeline_gpipe.py", ("--dp", "0"), "--dp"),
+                                 ("train_pipeline_afab_manual.py", ("--microbatches", "0"), "--microbatches"),
+                                 ("train_pipeline_afab_manual.py", ("--schedule", "gpipe"), "--schedule"),
+                                 ("train_pipeline_gpipe.py", ("--tokenizer", "t.json"),
+                                  "unrecognized arguments: --tokenizer t.json")]:
+        err = refused(capsys, SCRIPT_MODULES[script].build_parser().parse_args, *given, status=2)
+        assert named in err, (script, given, err)
+    assert not ckpt.exists()
+
+
+def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, data_dir):
+    ckpt = tmp_path / "ckpt" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text('{"step": 1, "config": {}, "files": {}}')
+    common = ["--data", data_dir, "--checkpoint-dir", str(tmp_path / "ckpt")]
+    cases = {  # given -> (the flag the message must name, exit status)
+        ("--steps", "ten"): ("--steps", 2),  # refused by argparse
+        ("--tokenizer", "t.json"): ("unrecognized arguments: --tokenizer", 2),
+        ("--batch-size", "10", "--microbatches", "4"): ("--microbatches", 1),  # by the checks of the flags
+        # Found by the checks of the files the flags name, on every rank, after the processes have met.
+        ("--data", "missing"): ("--data missing: no data prepared there; run python prepare_data.py --out missing",
+                                1),
+    }
+    procs = {given: launch(0, "train_pipeline_gpipe.py", *common, *given, cwd=tmp_path, wait=False)
+             for given in cases}
+    # More processes than layers, under torchrun: every rank must stop, none may hang.
+    procs[("torchrun", "--layers", "2")] = launch(3, "train_pipeline_gpipe.py", "--layers", "2", *common,
+                                                  cwd=tmp_path, wait=False)
+    cases[("torchrun", "--layers", "2")] = ("--layers", 1)
+    # What a schedule needs of the microbatches, torch says when the schedule is built: passed on in one line.
+    procs[("torchrun", "--schedule", "1f1b")] = launch(2, "train_pipeline_gpipe.py", "--layers", "2", "--schedule",
+                                                       "1f1b", "--microbatches", "1", "--batch-size", "4", "--data",
+                                                       data_dir, "--checkpoint-dir", "other", cwd=tmp_path, wait=False)
+    cases[("torchrun", "--schedule", "1f1b")] = ("--schedule 1f1b with --microbatches 1: ", 1)  # then torch's words
+    for given, proc in procs.items():
+        result = finish(proc, timeout=120)
+        assert result.returncode == cases[given][1], (given, result.stderr[-2000:])
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert errors and cases[given][0] in errors[0], (given, result.stderr[-2000:])
+        if given[0] != "torchrun":
+            assert result.stderr.strip() == errors[0], (given, result.stderr)  # one line, no traceback
+    assert (ckpt / "meta.json").read_text() == '{"step": 1, "config": {}, "files": {}}'
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000001"]
+
+
+def test_damaged_data_is_one_line_when_opened_in_every_script(tmp_path, data_dir):
+    """Each token file must have the size meta.json gives it (a file cut short after a checkpoint was saved, say):
+    otherwise a run would train on less, silently, or fail mid-run."""
+    meta = json.loads((Path(data_dir) / "meta.json").read_text())
+    train, size = meta["train"]["files"][0], (Path(data_dir) / meta["train"]["files"][0]).stat().st_size
+    damage = {  # what is done to a copy of the data -> what the line must say
+        "cut short": (lambda d: os.truncate(d / train, size // 2), f"{train} has {size // 2:,} bytes"),
+        "an odd byte count": (lambda d: os.truncate(d / train, size + 1), f"meta.json says {size:,}"),
+        "val.bin missing": (lambda d: (d / "val.bin").unlink(), "val.bin is missing"),
+        "meta.json not JSON": (lambda d: (d / "meta.json").write_text("{"), "its meta.json is damaged"),
+        "meta.json without files": (lambda d: (d / "meta.json").write_text('{"dtype": "uint16"}'),
+                                    "its meta.json is damaged"),
+    }
+    for case, (do, expected) in damage.items():
+        copy = tmp_path / case.replace(" ", "_")
+        shutil.copytree(data_dir, copy)
+        do(copy)
+        for module in SCRIPT_MODULES.values():
+            args = module.build_parser().parse_args(["--data", str(copy)])
+            with pytest.raises(checkpoint.UsageError) as failure:
+                module.open_data(args)
+            assert expected in str(failure.value) and "prepare_data.py" in str(failure.value), (case, failure.value)
+
+
+# The smallest run: what is refused is refused before its first step; what is not, ends quickly.
+QUICK_ARGS = ["--layers", "2", "--steps", "1", "--batch-size", "2", "--microbatches", "1", "--seq-len", "16"]
+
+
+def test_directories_mistaken_for_others_are_refused_and_left_alone(tmp_path, data_dir):
+    """--init-from a prepared dataset, a run.lock that is a folder, a leftover step-N.tmp that is a link to a
+    folder outside: one line (and no advice to delete anything), or a save that never writes through the link."""
+    quick = [*QUICK_ARGS, "--data", data_dir]
+    (tmp_path / "locked" / "run.lock").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "keep").write_text("mine")
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "step-00000001.tmp").symlink_to(tmp_path / "outside")
+    before = {path: snapshot(path, folder_times=True) for path in (Path(data_dir), tmp_path / "outside")}
+    runs = {"init_from": ["--init-from", data_dir, "--checkpoint-dir", "new"],
+            "lock": ["--checkpoint-dir", "locked"], "link": ["--checkpoint-dir", "linked"]}
+    procs = {name: launch(0, "train_pipeline_gpipe.py", *quick, *flags, cwd=tmp_path, wait=False)
+             for name, flags in runs.items()}
+    results = {name: finish(proc) for name, proc in procs.items()}
+    one_line_error(results["init_from"], f"--init-from {data_dir}: not a complete checkpoint, it holds data "
+                                         "prepared by prepare_data.py")
+    assert "delete" not in results["init_from"].stderr
+    one_line_error(results["lock"], "locked/run.lock is not a run lock")
+    assert results["link"].returncode == 0, results["link"].stderr[-2000:]
+    saved = tmp_path / "linked" / "step-00000001"
+    assert saved.is_dir() and not saved.is_symlink() and (saved / "meta.json").is_file()
+    assert not (tmp_path / "linked" / "step-00000001.tmp").exists()
+    assert {path: snapshot(path, folder_times=True) for path in before} == before
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    path = tmp_path / "read-only"
+    if os.geteuid() != 0:  # an ordinary user is stopped by permissions
+        path.mkdir()
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    mount_tmpfs(path, "ro,size=1m")
+    yield path
+    subprocess.run(["umount", str(path)])
+
+
+def test_unusable_output_paths_stop_every_script_before_any_work(tmp_path, data_dir, read_only_dir,
+                                                                 reference_run):
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-dir").mkdir()
+    quick = [*QUICK_ARGS, "--data", data_dir]
+    cases = {  # (script, flags) -> what the line must say
+        ("train_pipeline_gpipe.py", "--checkpoint-dir", "a-file"): ["--checkpoint-dir a-file", "is a file"],
+        ("train_pipeline_afab_manual.py", "--checkpoint-dir", "a-file"): ["--checkpoint-dir a-file", "is a file"],
+        ("train_pipeline_tracer.py", "--checkpoint-dir", "a-file"): ["--checkpoint-dir a-file", "is a file"],
+        ("train_pipeline_gpipe.py", "--checkpoint-dir", str(read_only_dir)): ["--checkpoint-dir", "cannot write"],
+        ("train_pipeline_gpipe.py", "--checkpoint-dir", str(read_only_dir / "new")): ["--checkpoint-dir",
+                                                                                        "cannot be created"],
+        ("train_pipeline_gpipe.py", "--metrics", str(read_only_dir / "m.jsonl")): ["--metrics", "cannot be created"],
+        ("train_pipeline_gpipe.py", "--trace", str(read_only_dir / "t")): ["--trace", "cannot be created"],
+        ("train_pipeline_gpipe.py", "--metrics", "a-dir"): ["--metrics a-dir", "is a directory"],
+        ("train_pipeline_gpipe.py", "--trace", "a-file/t"): ["--trace", "a-file is a file"],
+        # A filesystem where nothing can be created though permissions say yes: tried, not assumed.
+        ("train_pipeline_gpipe.py", "--trace", "/proc/x"): ["--trace /proc/x", "cannot be created"],
+        ("train_pipeline_afab_manual.py", "--metrics", "/proc/x/m.jsonl"): ["--metrics", "cannot be created"],
+        # The data is never written into, nor moved aside by --fresh with the checkpoints around it.
+        ("train_pipeline_gpipe.py", "--checkpoint-dir", data_dir, "--fresh"): ["is or lies inside --data"],
+        ("train_pipeline_tracer.py", "--checkpoint-dir", f"{data_dir}/ckpt"): ["is or lies inside --data"],
+        ("train_pipeline_gpipe.py", "--checkpoint-dir", str(Path(data_dir).parent), "--fresh"): ["holds --data"],
+    }
+    data_before = snapshot(Path(data_dir), folder_times=True)
+    procs = {case: launch(0, case[0], *quick, *case[1:], cwd=tmp_path, wait=False) for case in cases}
+    exported = launch(0, "export.py", reference_run[0] / "checkpoints", read_only_dir / "tiny.pt", cwd=tmp_path)
+    for case, proc in procs.items():
+        one_line_error(finish(proc), *cases[case])
+    one_line_error(exported, "cannot write", "tiny.pt")
+    # Nothing was written: no default checkpoint directory, no lock, no metrics file.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-dir", "a-file", "read-only"]
+    assert list((tmp_path / "a-dir").iterdir()) == []
+    assert snapshot(Path(data_dir), folder_times=True) == data_before
+
+
+def test_a_problem_one_rank_finds_ends_every_rank_with_the_same_line(tmp_path, data_dir):
+    # Rank 2 works in a folder where --data (a relative path) holds nothing: as a node whose disk lacks the
+    # data. The others find it; every rank must stop with the same line naming where it was found, none hang.
+    for name in ("good", "bare"):
+        (tmp_path / name).mkdir()
+    os.symlink(data_dir, tmp_path / "good" / "data")
+    procs = launch_ranks(3, "train_pipeline_gpipe.py", "--layers", "3", "--steps", "5", "--timeout", "60",
+                         cwd=[tmp_path / "good", tmp_path / "good", tmp_path / "bare"])
+    results = [finish(proc, timeout=120) for proc in procs]
+    assert [r.returncode for r in results] == [1, 1, 1], [r.stderr[-1500:] for r in results]
+    errors = [line for r in results for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: --data data: no data prepared there; run python prepare_data.py first (see its "
+                      "--help) (found on rank 2)"], errors  # one line per node: printed by its first process
+    assert not any("lost contact" in r.stderr or "Traceback" in r.stderr for r in results)
+    assert sorted(os.listdir(tmp_path / "good")) == ["data"]  # nothing written
+
+
+def test_tensor_parallel_that_the_model_cannot_take_is_one_line_on_every_rank(tmp_path, data_dir):
+    # The tiny model has 4 attention heads but 2 KV heads: 4 tensor-parallel ranks cannot share them.
+    procs = launch_ranks(4, "train_pipeline_gpipe.py", "--tp", "4", "--steps", "1", "--data", data_dir,
+                         "--timeout", "60", cwd=tmp_path)
+    results = [finish(proc, timeout=120) for proc in procs]
+    assert [r.returncode for r in results] == [1] * 4, [r.stderr[-1500:] for r in results]
+    # Printed once per node (each rank here is on the same node), nothing else on any rank's stderr.
+    assert [r.stderr for r in results] == ["error: --tp 4: the model's KV heads (2) do not divide by it; use a --tp "
+                                           "that divides 2\n", "", "", ""]
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_help_works_without_torchrun_and_every_script_has_the_same_flags(tmp_path):
+    procs = [launch(0, script, "--help", cwd=tmp_path, wait=False) for script in SCRIPTS]
+    helps = {script: finish(proc) for script, proc in zip(SCRIPTS, procs)}
+    flags = {}
+    for script, result in helps.items():
+        assert result.returncode == 0, result.stderr
+        flags[script] = set(re.findall(r"--[a-z][a-z-]+", result.stdout[result.stdout.index("options:"):]))
+    for flag in ["--model", "--steps", "--batch-size", "--microbatches", "--seq-len", "--lr", "--warmup-steps",
+                 "--seed", "--data", "--checkpoint-dir", "--checkpoint-every", "--metrics", "--schedule", "--dp",
+                 "--trace", "--split", "--init-from", "--eval-every"]:
+        assert all(flag in found for found in flags.values()), flag
+    # The library scripts share every flag; the hand-written one lacks only what its schedules cannot use.
+    assert flags["train_pipeline_tracer.py"] == flags["train_pipeline_gpipe.py"]
+    assert flags["train_pipeline_gpipe.py"] - flags["train_pipeline_afab_manual.py"] == {"--stages-per-rank"}
+
+
+def project_imports(path: Path) -> set[str]:
+    """The modules of this project a file imports (its own folder's .py files)."""
+    modules = {p.stem for p in ROOT.glob("*.py")}
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names & modules
+
+
+def test_scripts_import_only_model_and_checkpoint():
+    for script in SCRIPTS:
+        assert project_imports(ROOT / script) <= {"model", "checkpoint"}, script
+    assert project_imports(ROOT / "checkpoint.py") == {"model"}
+    assert project_imports(ROOT / "export.py") == {"checkpoint", "model"}  # a tool: no script imports it
+    assert project_imports(ROOT / "model.py") == set()
+    assert project_imports(ROOT / "prepare_data.py") == set()  # and no torch: see its own test
+
+
+def test_each_script_copied_into_an_empty_folder_trains(tmp_path):
+    corpus = "\n".join(json.dumps({"text": f"document {i}: " + " ".join(f"word{(i * 7 + j) % 50}"
+                                                                         for j in range(5 + i % 17))})
+                       for i in range(600))
+    jobs = {}
+    for script, nproc, extra in [(SCRIPTS[0], 2, []), (SCRIPTS[1], 2, ["--schedule", "1f1b"]),
+                                 (SCRIPTS[2], 2, []), (SCRIPTS[0], 4, ["--dp", "2"])]:
+        folder = tmp_path / f"{Path(script).stem}-{nproc}"
+        folder.mkdir()
+        for name in (script, "model.py", "checkpoint.py", "prepare_data.py"):
+            shutil.copy(ROOT / name, folder)
+        (folder / "docs.jsonl").write_text(corpus)
+        env = dict(script_env(), PYTHONPATH="")  # nothing of the project but what was copied (launched there)
+        result = launch(0, folder / "prepare_data.py", "--data", "docs.jsonl", "--vocab-size", "300", cwd=folder,
+                        env=env, timeout=120)
+        assert result.returncode == 0, result.stderr
+        jobs[folder] = script, launch(nproc, folder / script, "--layers", "2", "--steps", "3", "--batch-size", "8",
+                                      "--seq-len", "16", "--metrics", "m.jsonl", *extra, cwd=folder, env=env,
+                                      wait=False)
+    for folder, (script, proc) in jobs.items():
+        result = finish(proc, timeout=300)
+        assert result.returncode == 0, (folder.name, result.stderr[-3000:])
+        rows, _ = read_metrics(folder / "m.jsonl")
+        assert [r["step"] for r in rows] == [1, 2, 3] and (folder / "checkpoints" / "step-00000003").is_dir()
+        assert sorted(p.name for p in folder.iterdir() if p.suffix == ".py") == sorted(
+            {script, "model.py", "checkpoint.py", "prepare_data.py"})
