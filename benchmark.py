@@ -5,6 +5,7 @@
     python benchmark.py --ranks 3 --microbatches 6 --repeats 5 --out bench/ --data data/corpus
     python benchmark.py --sweep                               # GPipe step time for m = 1, 2, 4, 8, 16
     python benchmark.py --dp 2                                # 2 stages alone vs 2 stages x 2 replicas
+    python benchmark.py --tp 2                                # 2 stages x tp 2, sequence parallel or not
     python benchmark.py --splits                              # split by layers vs by cost; checkpointing, compile
     python benchmark.py --variants 1f1b -- --layers 2         # flags after -- go to every run
     torchrun --nproc_per_node 2 benchmark.py measure-memory OUT.json train_pipeline_gpipe.py --steps 2 ...
@@ -655,6 +656,8 @@ def main(args):
             return sweep(args, workdir)
         if args.dp > 1:
             return data_parallel(args, workdir)
+        if args.tp > 1:
+            return sequence_parallel(args, workdir)
         if args.splits:
             return splits(args, workdir)
         variants = chosen(VARIANTS, "gpipe", args.variants)
@@ -780,6 +783,37 @@ def data_parallel(args, workdir):
     finish(args, "\n".join(lines), results, name="data_parallel")
 
 
+def sequence_parallel(args, workdir):
+    """--ranks stages x --tp tensor-parallel ranks, with and without sequence parallelism, alternating: step
+    time, the bytes each rank sends to other stages a step (the scripts' summary), the activations it holds."""
+    layouts = {"sequence parallel": ["--tp", str(args.tp)],
+               "no sequence parallel": ["--tp", str(args.tp), "--no-sequence-parallel"]}
+    results = {name: {"step_times": []} for name in layouts}
+    ranks = args.ranks * args.tp
+    for repeat in range(args.repeats):
+        for name, extra in layouts.items():
+            summary, _ = run(args, "train_pipeline_gpipe.py", "gpipe", args.steps, workdir, extra=extra, ranks=ranks)
+            results[name]["step_times"].append(summary["median_step_time"])
+            results[name]["sent_bytes_per_rank"] = summary["sent_bytes_per_rank"]
+            print(f"repeat {repeat + 1}/{args.repeats} {name}: median step {summary['median_step_time'] * 1e3:.1f} "
+                  "ms", file=sys.stderr, flush=True)
+    for name, extra in layouts.items():  # untimed: what each rank holds
+        results[name]["memory"], _ = memory(args, "train_pipeline_gpipe.py", "gpipe", workdir, extra=extra,
+                                            ranks=ranks)
+    base = statistics.median(results["no sequence parallel"]["step_times"])
+    lines = [f"GPipe, {args.ranks} stages x tp {args.tp} ({ranks} processes), batch {args.batch_size} x "
+             f"{args.seq_len}, {args.microbatches} microbatches, {args.repeats} alternating runs of {args.steps} "
+             f"steps; {os.cpu_count()} CPU cores shared by all processes.", "",
+             "| variant | median step (ms) | vs no sequence parallel | sent to other stages a step per rank (MiB) "
+             "| peak activations per rank (MiB) |", "|---|---|---|---|---|"]
+    for name, r in results.items():
+        r["median_step_time"] = median = statistics.median(r["step_times"])
+        sent, held = (", ".join(f"{b / 2**20:.3g}" for b in values) for values in (
+            r["sent_bytes_per_rank"], r["memory"]["activation_bytes_per_rank"]))
+        lines.append(f"| {name} | {median * 1e3:.1f} | {median / base:.2f} | {sent} | {held} |")
+    finish(args, "\n".join(lines), results, name="sequence_parallel")
+
+
 def splits(args, workdir):
     """One process holding the whole model, then --ranks stages cut evenly and balanced by estimated cost; then
     the balanced split with activation checkpointing and with --compile; all GPipe, alternating run after run.
@@ -853,6 +887,8 @@ def outputs(args) -> list[str]:
         name, traced_names = "sweep", [f"sweep_m{m}" for m in args.sweep_microbatches]
     elif args.dp > 1:
         name, traced_names = "data_parallel", []
+    elif args.tp > 1:
+        name, traced_names = "sequence_parallel", []
     elif args.splits:
         name, traced_names = "splits", [variant for variant, (ranks, _) in chosen(SPLITS, "one process",
                                                                                   args.variants).items()
@@ -936,6 +972,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dp", type=int, default=1,
                         help="compare --ranks stages alone with --ranks stages x DP data-parallel replicas "
                              "(FSDP2) at the same global batch instead")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="compare --ranks stages x TP tensor-parallel ranks with and without sequence "
+                             "parallelism instead")
     parser.add_argument("--out", default="bench", help="output folder (default: %(default)s)")
     parser.add_argument("--force", action="store_true",
                         help="replace the results of an earlier run in --out (only what benchmark.py wrote)")
@@ -947,8 +986,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     # Every run's first step is left out of its median: a run needs a second step.
-    if args.repeats < 1 or args.steps < 2 or args.dp < 1:
-        parser.error("--repeats and --dp must be at least 1 and --steps at least 2")
+    if args.repeats < 1 or args.steps < 2 or args.dp < 1 or args.tp < 1:
+        parser.error("--repeats, --dp and --tp must be at least 1 and --steps at least 2")
     try:
         args.sweep_microbatches = [int(m) for m in args.sweep_microbatches.split(",")]
     except ValueError:

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
 
 
 @dataclasses.dataclass
@@ -397,7 +398,7 @@ def _module_generator(seed: int, name: str, device: torch.device) -> torch.Gener
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int = 8) -> Tensor:
+def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int = 8, sequence_shards: int = 1) -> Tensor:
     """The mean cross-entropy of head(hidden) [batch, seq, vocab] against targets [batch, seq] (-100: ignored),
     without the whole logits: the sequence is cut into `chunks` pieces, each one's logits computed in fp32,
     turned into its summed loss and freed; backward computes them again, a piece at a time (activation
@@ -406,16 +407,20 @@ def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int = 8) -> Tens
     recomputed. Gradients equal the plain loss's to rounding (tested to 1e-6).
 
     head: a callable (the head module): with tensor parallelism a vocabulary-parallel head returns logits
-    sharded over the vocabulary (a DTensor), and the loss runs inside loss_parallel(), forward and backward."""
+    sharded over the vocabulary (a DTensor), and the loss runs inside loss_parallel(), forward and backward.
+    sequence_shards: with sequence parallelism, hidden is this rank's piece [batch, seq / n, hidden] of the
+    sequence and the head gathers each chunk of it from the n ranks, in rank order: the targets of chunk i are
+    then every rank's chunk i."""
     def piece(h, y):
         logits = head(h)
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="sum")
 
+    ys = targets.view(targets.shape[0], sequence_shards, -1).chunk(chunks, -1)  # [batch, ranks, positions]
     if chunks == 1 or not torch.is_grad_enabled():
-        total = sum(piece(h, y) for h, y in zip(hidden.chunk(chunks, 1), targets.chunk(chunks, 1)))
+        total = sum(piece(h, y) for h, y in zip(hidden.chunk(chunks, 1), ys))
     else:
         total = sum(torch.utils.checkpoint.checkpoint(piece, h, y, use_reentrant=False)
-                    for h, y in zip(hidden.chunk(chunks, 1), targets.chunk(chunks, 1)))
+                    for h, y in zip(hidden.chunk(chunks, 1), ys))
     if isinstance(total, DTensor):  # loss_parallel's sum: replicated over the tensor-parallel ranks
         total = total.to_local()
     return total / (targets != -100).sum().clamp(min=1)
@@ -619,36 +624,49 @@ def _grad_as_weight(weight: DTensor) -> None:
         weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
 
 
-def tensor_parallel(model: LlamaForPretraining, tp_mesh) -> None:
+def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool = True) -> None:
     """Tensor parallelism of a model or stage over tp_mesh (a 1-D DeviceMesh): Megatron's plan, as torchtitan
-    applies it.
+    applies it. Applied to the allocated, initialized stage, before activation checkpointing, compile and FSDP2.
 
-    In each decoder layer, q/k/v and gate/up are split by output (column-wise: each rank computes its own
-    attention heads and its slice of the MLP), o and down by input (row-wise: each rank's partial sum, added by
-    one all-reduce): two all-reduces per layer forward, two backward. The embedding is split by vocabulary
-    rows (each rank looks up its rows, an all-reduce adds them up), the head by vocabulary columns, its logits
-    left sharded for loss_parallel. The norms are replicated. Every layer's output is a plain tensor, the same
-    on each rank of the group, so what crosses stages is unchanged. Applied to the allocated, initialized
-    stage (each rank holds its whole stage for a moment, then only its shards), before activation
-    checkpointing, compile and FSDP2, as torchtitan orders them."""
+    In each decoder layer q/k/v and gate/up are split by output (each rank its own attention heads and its
+    slice of the MLP), o and down by input (each rank a partial sum); the embedding by vocabulary rows, the head
+    by vocabulary columns, its logits left sharded for loss_parallel. Without sequence parallelism the partial
+    sums are all-reduced and every layer's output is whole on every rank. With it (seed 001's plan, in
+    torchtitan's form: local heads for RoPE and GQA) they are reduce-scattered by sequence instead: the
+    residual stream, the norms and what crosses to the next stage are each rank's [batch, seq / tp, hidden]
+    piece, all-gathered only where attention and the MLP need every position."""
     if tp_mesh.size() == 1:
         return
+    sp = sequence_parallel
     plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+            "self_attn.v_proj": ColwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(**SHARD_OUT if sp else {}),
+            "mlp.down_proj": RowwiseParallel(**SHARD_OUT if sp else {})}
+    if sp:
+        plan |= {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+                 "self_attn": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+                 "mlp": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())}
     for layer in model.base_model.layers.values():
         parallelize_module(layer, tp_mesh, plan)
     if model.base_model.embed_tokens is not None:
-        parallelize_module(model.base_model.embed_tokens, tp_mesh,
-                           RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
-        # DTensor has no row-wise rule for the embedding's backward: it computes the whole [vocab, hidden]
-        # gradient on each rank. Keep only this rank's rows, as the weight is held, once it is accumulated (a
-        # slice, no communication), so that clipping, the tied copy's sum and AdamW see the weight's layout.
-        model.base_model.embed_tokens.weight.register_post_accumulate_grad_hook(_grad_as_weight)
-    if model.lm_head is not None:
-        parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1),
-                                                                       use_local_output=False))
+        parallelize_module(model.base_model.embed_tokens, tp_mesh, RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()))
+    if model.base_model.norm is not None and sp:  # its output, the stage's, stays a plain [batch, seq/tp, hidden]
+        parallelize_module(model.base_model.norm, tp_mesh, SequenceParallel(use_local_output=True))
+    if model.lm_head is not None:  # the loss gathers each piece of the sequence it takes (chunked_loss)
+        parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(
+            input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False))
+    # A gradient laid out otherwise than its weight: DTensor has no row-wise rule for the embedding's backward
+    # (the whole [vocab, hidden] gradient on each rank), and a norm's gain over sequence pieces gets each rank's
+    # partial sum. Once accumulated, each takes its weight's layout (the embedding: a slice; a norm: an
+    # all-reduce of `hidden` numbers), so clipping, the tied copy's sum and AdamW see the weight's layout.
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            param.register_post_accumulate_grad_hook(_grad_as_weight)
     model.tie_weights()  # one stage, tied: the head takes the embedding's (sharded alike) matrix again
+
+
+SHARD_OUT = {"output_layouts": Shard(1)}  # a row-wise layer's partial sums reduce-scattered by sequence
 
 
 # ----------------------------------------------------------------------------------------------------------

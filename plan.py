@@ -68,7 +68,7 @@ VOCAB_SIZE = 8192  # prepare_data.py's default tokenizer
 # The flags plan.py shares with the training scripts: copied from train_pipeline_gpipe.py's parser, so their
 # names, types, defaults and help are the script's (--schedule is declared here: it also takes afab).
 SHARED = ("model", "layers", "init_from", "seq_len", "batch_size", "microbatches", "stages_per_rank", "split",
-          "dp", "tp", "loss_chunks", "activation_checkpointing", "device")
+          "dp", "tp", "sequence_parallel", "loss_chunks", "activation_checkpointing", "device", "precision")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -126,6 +126,25 @@ def device_type(args) -> str:
     return "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
+def bf16(args) -> bool:
+    """--precision as the scripts read it: auto is bf16 on GPUs, fp32 on the CPU."""
+    return args.precision == "bf16" or (args.precision == "auto" and device_type(args) == "cuda")
+
+
+def shards(args, tp: int) -> int:
+    """The pieces of the sequence a stage's positions are cut into: tp with sequence parallelism, else 1."""
+    return tp if args.sequence_parallel else 1
+
+
+def sent_bytes(per_rank: list[list[int]], num_stages: int, m: int, tokens: float, hidden: int) -> list[float]:
+    """Bytes each pipeline rank (each of its tensor-parallel ranks) sends to other ranks in a step: each
+    microbatch's fp32 hidden states of `tokens` positions to the next stage, and their gradient to the previous
+    one, where that stage is on another rank."""
+    rank_of = {s: r for r, stages in enumerate(per_rank) for s in stages}
+    return [m * tokens * hidden * 4 * sum((s + 1 < num_stages and rank_of[s + 1] != r) + (s > 0 and rank_of[s - 1] != r)
+                                          for s in stages) for r, stages in enumerate(per_rank)]
+
+
 def stage_params(config: LlamaConfig, layout: list[range], tp: int = 1) -> list[float]:
     """Parameters of each stage that one of its tensor-parallel ranks holds: its layers, the embedding on the
     first, the final norm and the head on the last (a tied head is a copy there, unless one stage holds both).
@@ -140,34 +159,37 @@ def stage_params(config: LlamaConfig, layout: list[range], tp: int = 1) -> list[
 
 
 def activation_bytes(config: LlamaConfig, tokens: int, seq_len: int, bf16: bool, tp: int = 1,
-                     chunks: int = 1) -> dict[str, float]:
+                     chunks: int = 1, shards: int = 1) -> dict[str, float]:
     """Bytes one microbatch of `tokens` tokens leaves saved for backward on one tensor-parallel rank: per
     decoder layer (all of it, and only its input with activation checkpointing), for the head and loss, and
     for the embedding; and "loss", what the loss holds for a moment (fp32 logits and their softmax and
     gradient: of the whole microbatch with --loss-chunks 1, of one piece otherwise). fp32 on the CPU (what
     benchmark.py's ActivationMeter counts on this model); under bf16 autocast the projections' inputs and
     attention run in bf16, norms, residuals and the loss in fp32. Tensor parallelism splits what is per head
-    or per MLP channel, and the logits; the norms and the projections' inputs are whole on every rank."""
+    or per MLP channel, and the logits; sequence parallelism (shards = tp) the norms' and residuals' values,
+    which are whole on every rank without it; the projections' inputs are whole (gathered) either way."""
     h, heads, kv, d, inter = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                               config.head_dim, config.intermediate_size)
     e, vocab = 2 if bf16 else 4, config.vocab_size / tp
     # fp32: norms' inputs and normalized values (4h), their rstd (2), attention's logsumexp (heads);
     # compute dtype: the projections' inputs (2h), q, k, v and the attention output, the MLP's 4 intermediates.
-    layer = tokens * (4 * (4 * h + 2 + heads / tp) + e * (2 * h + (2 * heads + 2 * kv) * d / tp + 4 * inter / tp))
+    layer = tokens * (4 * ((4 * h + 2) / shards + heads / tp) + e * (2 * h + (2 * heads + 2 * kv) * d / tp
+                                                                      + 4 * inter / tp))
     layer += 2 * seq_len * d * e  # the rotary cos/sin tables
     # The final norm's input, normalized values and rstd, and the targets; then the chunked loss keeps the fp32
     # hidden states it starts each piece from, the plain loss the head's input (compute dtype) and the fp32
     # log-softmax of the whole logits.
-    head = tokens * (4 * (2 * h + 1) + 8 + (e * h + 4 * vocab if chunks == 1 else 4 * h)) + 4
+    head = tokens * (4 * (2 * h + 1) / shards + 8 + (e * h + 4 * vocab if chunks == 1 else 4 * h / shards)) + 4
     loss = 3 * 4 * tokens / chunks * vocab  # a piece's logits, their log-softmax, then their gradient
     # Between a stage's input gradient and its weight gradient (the zero-bubble schedules' I and W), torch keeps
     # the gradient of the output of each op that multiplies by a weight: per layer the two norms' (fp32) and the
     # seven projections' (compute dtype; o's and down's are whole under tensor parallelism, before their
     # all-reduce), on the last stage the final norm's and the head's: the whole logits' gradient, in pieces too.
     # The plain loss's log-softmax goes at I (torch detaches the loss then, freeing what only it reached).
-    weight_grad = tokens * (2 * 4 * h + e * (2 * h + (heads * d + 2 * kv * d + 2 * inter) / tp))
-    head_grad = tokens * (4 * h + e * vocab - (4 * vocab if chunks == 1 else 0))
-    return {"layer": layer, "layer_checkpointed": tokens * h * 4, "head": head, "embed": tokens * 8, "loss": loss,
+    weight_grad = tokens * (2 * 4 * h / shards + e * (2 * h + (heads * d + 2 * kv * d + 2 * inter) / tp))
+    head_grad = tokens * (4 * h / shards + e * vocab - (4 * vocab if chunks == 1 else 0))
+    return {"layer": layer, "layer_checkpointed": tokens * h * 4 / shards, "head": head, "embed": tokens * 8,
+            "loss": loss,
             "weight_grad": weight_grad, "head_grad": head_grad}
 
 
@@ -207,14 +229,15 @@ def split_backward(backward: list[float], again: list[float], head_again: float)
 
 
 def rank_memory(params: float, dp: int, peak: float, peak_checkpointed: float, loss: float, layer: float,
-                checkpointing: bool) -> dict[str, float]:
+                checkpointing: bool, bf16: bool = False) -> dict[str, float]:
     """Bytes one GPU of a pipeline rank holds: its parameters (fp32), gradients and AdamW state, 1/dp of them
-    with FSDP, and the whole stage's parameters and gradients gathered during a step when dp > 1; activations
+    with FSDP, and the whole stage's parameters (bf16 under --precision bf16) and gradients (fp32, as reduced)
+    gathered during a step when dp > 1; activations
     at the schedule's worst moment, without and with checkpointing (which holds one layer's full activations
     for a moment while it recomputes it); the loss's logits on the last stage. "total": as flagged."""
     row = {"param": 4 * params / dp, "grad": 4 * params / dp, "optimizer": 8 * params / dp,
-           "gathered": 8 * params if dp > 1 else 0, "activations": peak, "activations_checkpointed": peak_checkpointed,
-           "loss": loss}
+           "gathered": (6 if bf16 else 8) * params if dp > 1 else 0, "activations": peak,
+           "activations_checkpointed": peak_checkpointed, "loss": loss}
     row["total"] = row["param"] + row["grad"] + row["optimizer"] + row["gathered"] + loss + (
         peak_checkpointed + layer if checkpointing else peak)
     return row
@@ -456,17 +479,17 @@ def plan(args) -> dict:
     ns, layout = check(args, config, schedule)
     processes, dp, tp, m, per_rank = args.processes, args.dp, args.tp, args.microbatches, ns.stages_per_rank
     pp = processes // (dp * tp)
-    bf16 = device_type(args) == "cuda"
+    half = bf16(args)
     tokens = args.batch_size // (dp * m) * args.seq_len  # one microbatch of one replica
     chunks = loss_chunks(args.loss_chunks, config, (tokens // args.seq_len, args.seq_len), tp)
     # The FLOPs of a stage are split over its tensor-parallel ranks (their all-reduces are not counted).
     costs = {k: v / tp for k, v in estimated_costs(config, args.seq_len, args.activation_checkpointing,
                                                    chunks).items()}
-    sizes = activation_bytes(config, tokens, args.seq_len, bf16, tp, chunks)
+    sizes = activation_bytes(config, tokens, args.seq_len, half, tp, chunks, shards(args, tp))
     print(f"plan: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
           f"{processes} processes = {pp} pipeline x {dp} data x {tp} tensor, --schedule {args.schedule}, "
           f"{m} microbatches of {tokens // args.seq_len} x {args.seq_len} tokens per replica, "
-          f"{'bf16 autocast (GPU)' if bf16 else 'fp32 (CPU)'}")
+          f"{'bf16 autocast' if half else 'fp32'}{', sequence parallel' if shards(args, tp) > 1 else ''}")
 
     def held(lay: list[range], checkpointing: bool) -> tuple[list[float], list[float]]:
         return stage_held(lay, sizes, checkpointing), stage_between(lay, sizes)
@@ -480,12 +503,14 @@ def plan(args) -> dict:
     unit, unit_name = (2 ** 30, "GiB") if 16 * sum(params) >= 2 ** 30 else (2 ** 20, "MiB")  # MiB for small models
     print(f"\nper pipeline rank, {unit_name} (each of its replicas and tensor-parallel ranks holds the same) | param "
           "| grad | AdamW | gathered during a step (dp > 1) | activations held | with --activation-checkpointing | "
-          f"the loss's logits ({chunks} piece{'s' if chunks > 1 else ''}) | total, as flagged")
+          f"the loss's logits ({chunks} piece{'s' if chunks > 1 else ''}) | total, as flagged | sent to other "
+          "stages a step")
     last_rank = next(r for r in range(pp) if len(layout) - 1 in stages_of[r])
+    sent = sent_bytes(list(stages_of.values()), len(layout), m, tokens / shards(args, tp), config.hidden_size)
     for r in range(pp):
         row = rank_memory(sum(params[s] for s in stages_of[r]), dp, result[False]["peak"][r],
                           result[True]["peak"][r], sizes["loss"] if r == last_rank else 0, sizes["layer"],
-                          args.activation_checkpointing)
+                          args.activation_checkpointing, half) | {"sent": sent[r]}
         report["ranks"].append(row)
         print(f"  rank {r} (stages {', '.join(map(str, stages_of[r]))}): " + " | ".join(
             f"{v / unit:.2f}" for v in row.values()))
@@ -548,7 +573,7 @@ def stage_seconds(config: LlamaConfig, layout: list[range], costs: dict, tokens:
         if rank_of[a] == rank_of[b]:
             return 0.0
         node = lambda s: rank_of[s] * dp * tp // args.gpus_per_node  # noqa: E731  (tp innermost, pp outermost)
-        return tokens * config.hidden_size * 4 / (intra if node(a) == node(b) else inter)
+        return tokens / shards(args, tp) * config.hidden_size * 4 / (intra if node(a) == node(b) else inter)
 
     work = stage_costs(layout, costs)
     again = [len(layers) * costs.get("recompute", 0.0) for layers in layout]
@@ -591,18 +616,18 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
     tokens = args.batch_size // (dp * m) * args.seq_len
     chunks = loss_chunks(args.loss_chunks, config, (tokens // args.seq_len, args.seq_len), tp)
     costs = {k: v / tp for k, v in estimated_costs(config, args.seq_len, checkpointing, chunks).items()}
-    sizes = activation_bytes(config, tokens, args.seq_len, True, tp, chunks)
+    sizes = activation_bytes(config, tokens, args.seq_len, bf16(trial), tp, chunks, shards(args, tp))
     forward, backward, split = stage_seconds(config, layout, costs, tokens, pp, dp, tp, checkpointing, per_rank,
                                              args)
     result = replay(schedule_orders(schedule, pp, m, ns.stages_per_rank), forward, backward,
                     stage_held(layout, sizes, checkpointing), stage_between(layout, sizes), split)
     memory = max(rank_memory(held[r], dp, result["peak"][r], result["peak"][r],
                              sizes["loss"] if len(layout) - 1 in per_rank[r] else 0, sizes["layer"],
-                             checkpointing)["total"] for r in range(pp))
-    # FSDP2 gathers each stage's parameters once per step and reduce-scatters its gradients once (fp32), over
-    # the node's links when a stage's replicas share a node, else across nodes.
+                             checkpointing, bf16(trial))["total"] for r in range(pp))
+    # FSDP2 gathers each stage's parameters once per step (bf16) and reduce-scatters its gradients once (fp32),
+    # over the node's links when a stage's replicas share a node, else across nodes.
     bandwidth = args.intra_node_bandwidth if dp * tp <= args.gpus_per_node else args.inter_node_bandwidth
-    sync = 2 * 4 * max(held) * (dp - 1) / dp / (bandwidth * 1e9) if dp > 1 else 0.0
+    sync = (2 + 4) * max(held) * (dp - 1) / dp / (bandwidth * 1e9) if dp > 1 else 0.0
     return {**row, "step": result["step"] + sync, "bubble": result["bubble"], "memory": memory}
 
 
@@ -657,6 +682,7 @@ def command(args, row: dict) -> str:
     flags = (f"{model} --seq-len {args.seq_len} --batch-size {args.batch_size} --microbatches {row['microbatches']} "
              f"--schedule {row['schedule']}" + (f" --dp {row['dp']}" if row["dp"] > 1 else "")
              + (f" --tp {row['tp']}" if row["tp"] > 1 else "")
+             + (" --no-sequence-parallel" if row["tp"] > 1 and not args.sequence_parallel else "")
              + (" --activation-checkpointing" if row["checkpointing"] else "")
              + (f" --loss-chunks {args.loss_chunks}" if args.loss_chunks else ""))
     nodes = args.gpus // args.gpus_per_node if args.gpus > args.gpus_per_node else 1

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import tqdm
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import (
     Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS, ScheduleZBVZeroBubble, SplitPoint, pipeline)
@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "or counts such as 5,1")
     g.add_argument("--dp", type=whole(1), default=1, help="data-parallel replicas of the pipeline (FSDP2)")
     g.add_argument("--tp", type=whole(1), default=1, help="tensor-parallel ranks per stage (inside a node)")
+    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --tp: the residual stream, the norms and what crosses stages sharded by sequence")
     g.add_argument("--loss-chunks", type=whole(0), default=0, help="pieces of the sequence the loss takes at a "
                    "time, recomputed in backward; 0: as few as keep a piece's fp32 logits within 256 MiB")
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
@@ -89,8 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics", help="write one JSON line per step, and a summary, to this file")
     g.add_argument("--trace", metavar="DIR", help="each rank's Chrome trace of the last 3 steps: DIR/rankN.json")
     g = p.add_argument_group("system")
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda:LOCAL_RANK with "
-                   "NCCL and bf16 autocast if there is a GPU, else the CPU, gloo, fp32")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda:LOCAL_RANK with NCCL if there is a GPU, else the CPU with gloo")
+    g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on a GPU that "
+                   "has it, else fp32; bf16: autocast, FSDP gathers bf16; weights, AdamW, loss, gradient sums fp32")
     g.add_argument("--timeout", type=number(positive=True), default=600, help="seconds a rank waits for its peers")
     return p
 
@@ -99,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 # The run, in order: the sections below follow it
 
 def main(args):
-    env = launch_env(args.device)
+    env = launch_env(args.device, args.precision)
     check_args(args, env.world_size, env.device.type)
     mesh = init_distributed(env, args.timeout, args.dp, args.tp)
     pp_rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()  # this rank's place along the pipeline,
@@ -119,21 +123,24 @@ def main(args):
         layers = stage_layout(config, num_stages, args)
     microbatch = (args.batch_size // (dp * args.microbatches), args.seq_len)
     chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
+    shards = tp if args.sequence_parallel else 1  # sequence parallelism: each tp rank holds seq_len / tp positions
 
     # --- the split: the whole model traced, this rank's stages built, then checkpointing, compile, FSDP2
     started = time.perf_counter()
     modules, pipe = build_traced_stages(config, stages, layers, microbatch, env.device, args.seed)
-    parallelize(modules, mesh, args)
+    parallelize(modules, mesh, args, env.dtype)
     model = merged_stages(modules)  # the rank's parameters, for the optimizer and checkpoints
 
     # --- the schedule: a traced stage per stage, talking to the other pipeline ranks of this replica
     pipeline_stages = [build_stage(pipe, s, env.device, mesh.get_group("pp")) for s in stages]
     trace_seconds = [None] * env.world_size  # the one-time cost of tracing and building, every rank's
     dist.all_gather_object(trace_seconds, time.perf_counter() - started)
-    schedule, loss_fn = make_schedule(args.schedule, pipeline_stages, args.microbatches, chunks)
+    schedule, loss_fn = make_schedule(args.schedule, pipeline_stages, args.microbatches, chunks, shards)
+    sent = count_sends(pipeline_stages)
     run_train = functools.partial(train_step, schedule, env=env, tp=tp)
     run_eval = functools.partial(eval_step, schedule, pipeline_stages, env=env, tp=tp, loss_fn=loss_fn,
-                                 microbatches=args.microbatches, hidden_shape=(*microbatch, config.hidden_size))
+                                 microbatches=args.microbatches,
+                                 hidden_shape=(microbatch[0], microbatch[1] // shards, config.hidden_size))
     say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
         f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
         f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks))}"
@@ -171,7 +178,7 @@ def main(args):
     tokens_per_step, step_times = args.batch_size * args.seq_len, []
     if args.steps == 0:  # only evaluate: --init-from's weights, or this run's newest checkpoint
         evaluate(step)
-        return summary(env, step_times, tokens_per_step, config, args, metrics)
+        return summary(env, step_times, tokens_per_step, config, args, metrics, sent[0])
     if step >= args.steps:
         return
 
@@ -216,7 +223,7 @@ def main(args):
                 bar.write(f"saved {path}")
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                 evaluate(step)
-    summary(env, step_times, tokens_per_step, config, args, metrics)
+    summary(env, step_times, tokens_per_step, config, args, metrics, sent[0])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -274,21 +281,25 @@ class Env:
     rank: int
     world_size: int
     device: torch.device  # cuda:LOCAL_RANK with NCCL, or the CPU with gloo
-    dtype: torch.dtype  # of the computation: bf16 autocast on GPU (weights and AdamW stay fp32), fp32 on CPU
+    dtype: torch.dtype  # of the computation (--precision): bf16 autocast, or fp32; weights and AdamW stay fp32
     restart: int  # how often torchrun --max-restarts has restarted this job
 
 
-def launch_env(device_flag: str) -> Env:
+def launch_env(device_flag: str, precision: str) -> Env:
     """What torchrun set (or one process); the one place that picks the device and the dtype."""
     cuda = device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available())
     if cuda and not torch.cuda.is_available():
         raise UsageError("--device cuda: no GPU is visible; use --device cpu")
+    if cuda and precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise UsageError(f"--precision bf16: {torch.cuda.get_device_name()} cannot compute in bf16; use --precision "
+                         "fp32")
     if cuda and (local_world := int(os.environ.get("LOCAL_WORLD_SIZE", 1))) > torch.cuda.device_count():
         raise UsageError(f"--device cuda: {local_world} processes on this node but {torch.cuda.device_count()} "
                          "GPUs (NCCL takes one per process); start one per GPU or use --device cpu")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    bf16 = precision == "bf16" or (precision == "auto" and cuda and torch.cuda.is_bf16_supported())
     return Env(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device,
-               torch.bfloat16 if cuda else torch.float32, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+               torch.bfloat16 if bf16 else torch.float32, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
 
 
 def init_distributed(env: Env, timeout_s: float, dp: int, tp: int):
@@ -446,7 +457,7 @@ def trace(model: torch.nn.Module, example: torch.Tensor, split_points: dict[str,
     return pipe
 
 
-def parallelize(modules: list, mesh, args) -> None:
+def parallelize(modules: list, mesh, args, dtype: torch.dtype) -> None:
     """In place, in torchtitan's order: activation checkpointing, compile, then FSDP2 over the stage's replicas
     (each decoder layer, then each stage's root, gathered and reduced as one unit). The traced layers keep their
     names (base_model.layers.K)."""
@@ -456,9 +467,11 @@ def parallelize(modules: list, mesh, args) -> None:
         compile_layers(modules)
     if mesh["dp"].size() > 1:
         # reshard_after_forward=False: a stage runs forward once per microbatch, and gathering its parameters
-        # again for each would multiply the all-gathers by the microbatches (torchtitan's choice too).
+        # again for each would multiply the all-gathers by the microbatches (torchtitan's choice too). bf16:
+        # parameters gathered in bf16, gradients reduced in fp32; a stage still gives out fp32 (as with dp 1).
         for module in decoder_layers(modules) + modules:
-            fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
+            fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=MixedPrecisionPolicy(
+                dtype, torch.float32, torch.float32 if module in modules else None))
 
 
 def build_stage(pipe, stage: int, device: torch.device, group):
@@ -479,14 +492,28 @@ def build_stage(pipe, stage: int, device: torch.device, group):
 # ----------------------------------------------------------------------------------------------------------
 # The schedule
 
-def make_schedule(name: str, pipeline_stages: list, microbatches: int, chunks: int):
+def count_sends(pipeline_stages: list) -> list[int]:
+    """[bytes] this rank's stages send to other ranks while training (activations forward, their gradients
+    back), counted from the sends each PipelineStage builds for the schedule."""
+    sent = [0]
+    for stage in pipeline_stages:
+        for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
+            def counted(*args, build=getattr(stage, name), **kwargs):
+                ops = build(*args, **kwargs)
+                sent[0] += sum(op.tensor.nbytes for op in ops) if torch.is_grad_enabled() else 0  # not evaluating
+                return ops
+            setattr(stage, name, counted)
+    return sent
+
+
+def make_schedule(name: str, pipeline_stages: list, microbatches: int, chunks: int, shards: int):
     """The schedule of this rank's stages, and its loss: a microbatch's mean cross-entropy, the head applied a
     chunk at a time. The schedule divides gradients by the microbatches: those of the batch's mean loss."""
     heads = [stage.submod.lm_head for stage in pipeline_stages if stage.is_last]
 
     def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with torch.profiler.record_function("loss"):  # for --trace: the last stage's work, outside its forward
-            return chunked_loss(heads[0], hidden, targets, chunks)
+            return chunked_loss(heads[0], hidden, targets, chunks, shards)
     try:
         stages = pipeline_stages[0] if name in SINGLE_STAGE else pipeline_stages
         return SCHEDULES[name](stages, n_microbatches=microbatches, loss_fn=loss_fn), loss_fn
@@ -568,22 +595,27 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def summary(env: Env, step_times: list[float], tokens_per_step: int, config, args, metrics) -> None:
-    """Collective: every rank's peak memory, printed with the step time and MFU, and written to --metrics."""
-    peaks = [None] * env.world_size
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda"
-                           else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+def summary(env: Env, step_times: list[float], tokens_per_step: int, config, args, metrics, sent: int) -> None:
+    """Collective: every rank's peak memory and the bytes it sent to other stages a step, printed with the step
+    time and MFU, and written to --metrics."""
+    ranks = [None] * env.world_size
+    dist.all_gather_object(ranks, (torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else
+                                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+                                   sent / max(1, len(step_times))))
     if metrics is None or not step_times:
         return
     steady = sorted(step_times[1:] or step_times)  # the first step pays one-time costs
-    row = {"steps": len(step_times), "median_step_time": steady[len(steady) // 2], "peak_memory_bytes_per_rank": peaks,
-           "tokens_per_s": tokens_per_step * len(steady) / sum(steady)}
+    row = {"steps": len(step_times), "median_step_time": steady[len(steady) // 2],
+           "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
+           "peak_memory_bytes_per_rank": [peak for peak, _ in ranks], "sent_bytes_per_rank": [b for _, b in ranks]}
     row["mfu"] = mfu(row["tokens_per_s"], config, args.seq_len, env.device, env.world_size)
     metrics.write({"summary": row})
     utilization = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
+    mib = lambda values: ", ".join(f"{b / 2**20:.3g}" for b in values)  # noqa: E731
     print(f"done: {row['steps']} steps, median step {row['median_step_time'] * 1e3:.0f} ms, {row['tokens_per_s']:.0f} "
-          f"tokens/s{utilization}; peak memory per rank ({env.device.type}, MiB): "
-          + ", ".join(f"{b / 2**20:.1f}" for b in peaks), flush=True)
+          f"tokens/s{utilization}; per rank, peak memory ({env.device.type}, MiB): "
+          f"{mib(row['peak_memory_bytes_per_rank'])}; sent to other stages a step (MiB): "
+          f"{mib(row['sent_bytes_per_rank'])}", flush=True)
 
 
 if __name__ == "__main__":
