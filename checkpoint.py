@@ -31,6 +31,7 @@ import pathlib
 import pickle
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -94,8 +95,11 @@ def collective_errors(group=None):
 
 
 def run(main, args) -> None:
-    """main(args), an error a user can cause as one line on stderr (exit status 1), always torn down."""
+    """main(args), an error a user can cause as one line on stderr (exit status 1), always torn down. SIGTERM and
+    Ctrl-C ask the run to stop after its step (see stop_requested); a second one stops it at once."""
     status = 0
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _asked_to_stop)
     try:
         main(args)
     except UsageError as e:  # an error every rank raised is printed once per node
@@ -122,6 +126,29 @@ def run(main, args) -> None:
     # with "terminate called without an active exception" (exit -6); free them here.
     gc.collect()
     sys.exit(status)
+
+
+_STOP = {"signal": None, "at": 0.0}  # the first SIGTERM or SIGINT received: the run stops after its step
+
+
+def _asked_to_stop(signum, frame) -> None:
+    if _STOP["signal"] is None:
+        _STOP["signal"], _STOP["at"] = signal.Signals(signum).name, time.monotonic()
+    elif time.monotonic() - _STOP["at"] > 2:  # asked again: now (not the same request, passed on by torchrun)
+        raise KeyboardInterrupt
+
+
+def stop_requested() -> str | None:
+    """Collective, once a step: the signal that asked any rank to stop (SLURM's preemption, torchrun stopping the
+    job, Ctrl-C), or None. Every rank gets the same answer, so all stop after the same step and none waits."""
+    return (_STOP["signal"] or "a signal on another rank") if max_over_ranks(_STOP["signal"] is not None) else None
+
+
+def max_over_ranks(value: int) -> int:
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    value = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -176,9 +203,12 @@ def check_run(args, rank: int, restart: int, data_id: str) -> None:
         if args.trace:
             check_output_dir("--trace", args.trace)
     token = [None]
+    # torchrun's restart count differs between nodes (one that came back starts at 0); the first node's, the
+    # highest, grows with every attempt of the job, so an earlier attempt's lock always holds a lower one.
+    attempt = max_over_ranks(restart)
     with collective_errors():  # 2. one run per checkpoint directory
         if rank == 0:
-            token[0] = RunLock.acquire(args.checkpoint_dir, restart).holder["token"]
+            token[0] = RunLock.acquire(args.checkpoint_dir, attempt).holder["token"]
     dist.broadcast_object_list(token, src=0)
     with collective_errors():  # 3. every rank sees that directory and can write its shard there; same run?
         probe_directory("--checkpoint-dir", args.checkpoint_dir, token[0])
@@ -432,6 +462,38 @@ class Metrics:
         if self.file is not None:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A run that torchrun restarted with more or fewer processes: the same run at a layout that fits them
+
+def relayout(args, world_size: int) -> str | None:
+    """When this torchrun job saved the newest checkpoint on another number of processes (a node lost or back,
+    and torchrun restarted it), set args.dp for a layout of the same run that fits them: --tp kept, the
+    pipeline's ranks kept while the processes allow (fewer or more replicas), else fewer; the global batch,
+    data order and schedule unchanged. Returns the line to print, or None. None fits: a UsageError.
+    Decided from the checkpoint and the job's id alone, so every rank of every node decides the same."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    path = resuming(args) if job else None
+    meta = read_meta(path) if path else {}
+    saved, old_world = meta.get("args", {}), meta.get("world_size", world_size)
+    if meta.get("job") != job or old_world == world_size or not {"dp", "tp"} <= saved.keys():
+        return None  # a new launch (its flags as given), or the same processes
+    old_pp = old_world // (saved["dp"] * saved["tp"])
+    layers = meta["config"]["num_hidden_layers"]
+    fits = [(pp, world_size // (pp * args.tp)) for pp in range(min(max(old_pp, world_size // args.tp), layers), 0, -1)
+            if world_size % (pp * args.tp) == 0
+            and args.batch_size % (world_size // (pp * args.tp) * args.microbatches) == 0]
+    if not fits:
+        counts = sorted({pp * dp * args.tp for pp in range(1, layers + 1) for dp in range(1, args.batch_size + 1)
+                         if args.batch_size % (dp * args.microbatches) == 0 and pp * dp * args.tp <= old_world})
+        raise UsageError(f"{world_size} process(es) left cannot hold this run ({os.path.basename(path)}, saved by "
+                         f"{old_world}): with --tp {args.tp}, --batch-size {args.batch_size} and --microbatches "
+                         f"{args.microbatches} it needs {', '.join(map(str, counts))} processes; start that many",
+                         on_every_rank=True)
+    pp, args.dp = next(((pp, dp) for pp, dp in fits if pp <= old_pp), fits[-1])
+    return (f"{old_world} processes -> {world_size}: pp {old_pp} x dp {saved['dp']} x tp {saved['tp']} -> pp {pp} x "
+            f"dp {args.dp} x tp {args.tp}; resuming {path} at step {meta['step']}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -972,10 +1034,11 @@ def resume(args, rank: int, world_size: int, model, optimizer, config: LlamaConf
 
 
 def save_if_due(args, rank: int, step: int, model, optimizer, config: LlamaConfig, data_id: str,
-                data_position: dict) -> str | None:
-    """Save after every --checkpoint-every steps and at the end of the run; return the path if it saved."""
-    if step != args.steps and not (args.checkpoint_every and step % args.checkpoint_every == 0):
+                data_position: dict, stopping: bool = False) -> str | None:
+    """Save after every --checkpoint-every steps, at the end of the run, and when it stops early; return the path
+    if it saved."""
+    if step != args.steps and not stopping and not (args.checkpoint_every and step % args.checkpoint_every == 0):
         return None
     meta = {"config": dataclasses.asdict(config), "run": run_identity(args, data_id), "data": data_position,
-            "args": vars(args), "torch": torch.__version__}
+            "args": vars(args), "torch": torch.__version__, "job": os.environ.get("TORCHELASTIC_RUN_ID")}
     return save(args.checkpoint_dir, step, model, optimizer, meta, rank, args.keep_checkpoints, args.data)

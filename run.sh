@@ -3,10 +3,18 @@
 #
 #   ./run.sh SCRIPT [SCRIPT ARGS...]
 #
-# Environment (defaults): NNODES (1), NODE_RANK (0), NPROC_PER_NODE (GPUs, else 3), MASTER_ADDR (needed for
-# NNODES > 1), MASTER_PORT (29500), MAX_RESTARTS (0), LOG_DIR (none: one log file per rank when set),
-# RDZV_ID (SLURM_JOB_ID, else "pipeline"), PYTHON (python3), DRY_RUN (1: print the command, start nothing).
-# Under SLURM, NNODES, NODE_RANK and MASTER_ADDR default to what the allocation says; set ones win.
+# Environment (defaults): NNODES (1; MIN:MAX such as 1:2 for an elastic job), NODE_RANK (0), NPROC_PER_NODE
+# (GPUs, else 3), MASTER_ADDR (needed for NNODES > 1 or MIN:MAX), MASTER_PORT (29500), MAX_RESTARTS (0; 3 when
+# elastic), SHUTDOWN_TIMEOUT (120: seconds the processes get, after a SIGTERM, to finish their step and save),
+# LOG_DIR (none: one log file per rank when set), RDZV_ID (SLURM_JOB_ID, else "pipeline"), RDZV_CONF (none:
+# torchrun's --rdzv-conf, e.g. last_call_timeout=5 to restart sooner after a node is lost), PYTHON (python3),
+# DRY_RUN (1: print the command, start nothing). Under SLURM, NNODES, NODE_RANK and MASTER_ADDR default to what
+# the allocation says; set ones win.
+#
+# Elastic (NNODES=MIN:MAX): the nodes meet at MASTER_ADDR:MASTER_PORT; a node lost (or back) restarts the job
+# on the processes there are, and the script resumes its newest checkpoint at a layout that fits them (the same
+# run: see docs/launching.md). The node at MASTER_ADDR hosts the meeting point and must survive; beyond that,
+# an etcd rendezvous (torchrun --rdzv-backend etcd-v2).
 #
 # 2 nodes x 4 GPUs, the pipeline across the nodes and 4 data-parallel replicas inside each (one stage per node):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 NPROC_PER_NODE=4 ./run.sh train_pipeline_gpipe.py --dp 4 ...  # node0
@@ -92,22 +100,45 @@ if [[ -z ${NPROC_PER_NODE:-} ]]; then
     ((${NPROC_PER_NODE:-0} > 0)) || NPROC_PER_NODE=3 # CPU: the collection's default of 3 stages
 fi
 
-NNODES=$(count NNODES "${NNODES:-1}" 1)
+NNODES=${NNODES:-1}
+elastic=""
+if [[ $NNODES == *:* ]]; then # MIN:MAX nodes
+    min_nodes=$(count "NNODES' minimum" "${NNODES%%:*}" 1)
+    max_nodes=$(count "NNODES' maximum" "${NNODES#*:}" 1)
+    ((min_nodes <= max_nodes)) || die "NNODES=$NNODES: the minimum is above the maximum; set NNODES=MIN:MAX with MIN <= MAX"
+    NNODES=$min_nodes:$max_nodes
+    elastic=1
+else
+    NNODES=$(count NNODES "$NNODES" 1)
+fi
 NODE_RANK=$(count NODE_RANK "${NODE_RANK:-0}" 0)
 NPROC_PER_NODE=$(count NPROC_PER_NODE "$NPROC_PER_NODE" 1)
 MASTER_PORT=$(count MASTER_PORT "${MASTER_PORT:-29500}" 1)
-MAX_RESTARTS=$(count MAX_RESTARTS "${MAX_RESTARTS:-0}" 0)
+restarts=0 && [[ -n $elastic ]] && restarts=3
+MAX_RESTARTS=$(count MAX_RESTARTS "${MAX_RESTARTS:-$restarts}" 0)
+SHUTDOWN_TIMEOUT=$(count SHUTDOWN_TIMEOUT "${SHUTDOWN_TIMEOUT:-120}" 1)
 ((MASTER_PORT <= 65535)) || die "MASTER_PORT=$MASTER_PORT is not a port; set MASTER_PORT between 1 and 65535"
-((NODE_RANK < NNODES)) || die "NODE_RANK=$NODE_RANK but NNODES=$NNODES; set NODE_RANK between 0 and $((NNODES - 1))"
-if ((NNODES > 1)) && [[ -z ${MASTER_ADDR:-} ]]; then
+[[ -n $elastic ]] || ((NODE_RANK < NNODES)) || die "NODE_RANK=$NODE_RANK but NNODES=$NNODES; set NODE_RANK between 0 and $((NNODES - 1))"
+if [[ -n $elastic || $NNODES -gt 1 ]] && [[ -z ${MASTER_ADDR:-} ]]; then
     die "NNODES=$NNODES needs MASTER_ADDR; set MASTER_ADDR to the host name or IP of one of the nodes"
 fi
 PYTHON=${PYTHON:-python3}
 command -v "$PYTHON" >/dev/null 2>&1 || die "PYTHON='$PYTHON' not found; set PYTHON to a Python with torch"
 
 # torchrun via the interpreter, not the `torchrun` entry point, so it is the torch of $PYTHON (e.g. a venv).
-cmd=("$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS")
-if ((NNODES > 1)); then
+cmd=("$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS"
+    --shutdown-timeout "$SHUTDOWN_TIMEOUT")
+if [[ -n $elastic || $NNODES -gt 1 ]]; then
+    # Several nodes: each attempt's processes meet in a store of their own. torchrun's shared one keeps the dead
+    # processes' addresses, and a per-attempt prefix cannot serve: restart counts differ between the nodes.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+fi
+if [[ -n $elastic ]]; then
+    # Any node may be lost or come back: no fixed node ranks.
+    cmd+=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
+        --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-pipeline}}" ${RDZV_CONF:+--rdzv-conf "$RDZV_CONF"})
+    where="NNODES=$NNODES (elastic), rendezvous at $MASTER_ADDR:$MASTER_PORT"
+elif ((NNODES > 1)); then
     # c10d: the agents meet at MASTER_ADDR:MASTER_PORT and, unlike the static backend, notice a failed
     # node, so MAX_RESTARTS restarts the whole job. Global ranks are assigned by the rendezvous.
     cmd+=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --rdzv-backend c10d
@@ -129,5 +160,17 @@ echo "run.sh: ${slurm:+$slurm: }$where, NPROC_PER_NODE=$NPROC_PER_NODE, MAX_REST
 if [[ ${DRY_RUN:-0} == 1 ]]; then
     printf '%q ' "${cmd[@]}" && echo && exit 0
 fi
-# exec: torchrun's exit status is ours, and signals (Ctrl-C, SLURM's SIGTERM) reach it directly.
-exec "${cmd[@]}"
+# A SIGTERM or SIGINT (SLURM's sbatch --signal=TERM@120 or preemption, a scheduler stopping the job) goes to
+# the training processes, torchrun's children: they finish their step, save it and exit 0, and torchrun with
+# them. (Sent to torchrun itself, it would pass it on but end with an error of its own.) Its status is ours.
+"${cmd[@]}" &
+torchrun=$!
+trap 'pkill -TERM -P "$torchrun" || true' TERM
+trap 'pkill -INT -P "$torchrun" || true' INT
+status=0
+wait "$torchrun" || status=$?
+while kill -0 "$torchrun" 2>/dev/null; do # a signal ended `wait` early: torchrun's own status comes next
+    status=0
+    wait "$torchrun" || status=$?
+done
+exit "$status"

@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(args):
     env = launch_env(args.device, args.precision)
+    if (relaid := checkpoint.relayout(args, env.world_size)) and env.rank == 0:
+        print(relaid, flush=True)  # torchrun restarted this job on more or fewer processes: a new layout
     check_args(args, env.world_size, env.device.type)
     mesh = init_distributed(env, args.timeout, args.dp, args.tp)
     pp_rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()  # this rank's place along the pipeline,
@@ -213,11 +215,16 @@ def main(args):
                 bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{tokens_per_step / step_times[-1]:.0f}",
                                 refresh=False)
                 bar.update()
-            # Saved before evaluating: whatever happens in an evaluation, this step's work is kept.
+            # Saved before evaluating: whatever happens in an evaluation, this step's work is kept. A SIGTERM or
+            # Ctrl-C on any rank: every rank saves this step and stops.
+            stop = checkpoint.stop_requested()
             path = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id,
-                                          batches.state_dict())
+                                          batches.state_dict(), stopping=stop is not None)
             if path and reports:
                 bar.write(f"saved {path}")
+            if stop:
+                say(f"stopped by {stop} after step {step}, saved in {path}; the same command continues the run")
+                break
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                 evaluate(step)
     summary(env, step_times, tokens_per_step, config, args, metrics, sent[0])
@@ -311,8 +318,8 @@ def init_distributed(env: Env, timeout_s: float, dp: int, tp: int):
         torch.cuda.set_device(env.device)
     if "MASTER_ADDR" in os.environ:  # started by torchrun
         store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
-        # A restarted job meets in the store that still holds the dead processes' addresses: a prefix per attempt.
-        store = dist.PrefixStore(f"attempt{env.restart}", store)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's store, kept across restarts:
+            store = dist.PrefixStore(f"attempt{env.restart}", store)  # the dead processes' addresses are in it
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
                                 **({"device_id": env.device} if env.device.type == "cuda" else {}))
     else:  # plain `python script.py`: a group of one
