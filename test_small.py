@@ -1482,10 +1482,11 @@ BF16_RUNS = {  # name: (processes (0: plain python), script, extra flags), 16 st
 def test_bf16_trains_as_fp32_does_within_bf16s_rounding_at_any_layout(tmp_path, data_dir, reference_run):
     # --precision bf16, the GPUs' path (autocast; with replicas FSDP gathers bf16 parameters and reduces fp32
     # gradients; weights, AdamW and the loss in fp32), run on this CPU, against the fp32 reference run (which is
-    # one process's to 1e-5). Measured over 20 steps: every bf16 run's loss within 2.7e-3 (relative) of fp32's,
-    # and each layout within 1.8e-3 of bf16 on one process (2 stages alone: equal, the same ops with fp32
-    # between stages; with replicas or tp the bf16 products are summed in another order; the tracer rotates q
-    # and k in fp32). Tolerances ~7x and ~5x those.
+    # one process's to 1e-5). Measured over these 16 steps, relative: with torch's CPU build, every bf16 run's
+    # loss within 2.1e-3 of fp32's and each layout within 2.2e-3 of bf16 on one process; with its CUDA build
+    # (what pip installs from PyPI) run on a CPU, whose bf16 kernels round more, 2.2e-2 and 1.1e-2 (the traced
+    # stages). 2 stages alone equal one process: the same ops, fp32 between stages; with replicas or tp the bf16
+    # products are summed in another order; the tracer rotates q and k in fp32. Tolerances ~2.5x the worst.
     procs = {name: launch(nproc, script, *RESUME_ARGS, *extra, "--data", data_dir, "--metrics",
                           str(tmp_path / f"{name}.jsonl"), "--checkpoint-dir", str(tmp_path / name), cwd=tmp_path,
                           wait=False) for name, (nproc, script, extra) in BF16_RUNS.items()}
@@ -1498,8 +1499,8 @@ def test_bf16_trains_as_fp32_does_within_bf16s_rounding_at_any_layout(tmp_path, 
         assert [r["step"] for r in rows[name]] == list(range(1, 17)), name
     for name in BF16_RUNS:
         for got, fp32, bf16 in zip(rows[name], rows["fp32"], rows["bf16"]):
-            assert_close_rel(got["loss"], fp32["loss"], 2e-2, what=f"{name} against fp32, step {got['step']}")
-            assert_close_rel(got["loss"], bf16["loss"], 1e-2, what=f"{name} against bf16, step {got['step']}")
+            assert_close_rel(got["loss"], fp32["loss"], 5e-2, what=f"{name} against fp32, step {got['step']}")
+            assert_close_rel(got["loss"], bf16["loss"], 3e-2, what=f"{name} against bf16, step {got['step']}")
     assert rows["bf16"] != rows["fp32"]  # bf16 did compute in bf16
 
 
