@@ -134,6 +134,9 @@ _STOP = {"signal": None, "at": 0.0}  # the first SIGTERM or SIGINT received: the
 def _asked_to_stop(signum, frame) -> None:
     if _STOP["signal"] is None:
         _STOP["signal"], _STOP["at"] = signal.Signals(signum).name, time.monotonic()
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # said once a node: a run still starting stops after step 1
+            print(f"{_STOP['signal']}: stopping after this step, with a checkpoint; again to stop at once",
+                  file=sys.stderr, flush=True)
     elif time.monotonic() - _STOP["at"] > 2:  # asked again: now (not the same request, passed on by torchrun)
         raise KeyboardInterrupt
 

@@ -1976,6 +1976,7 @@ def test_sigterm_stops_after_the_step_saves_it_and_the_same_command_continues_ex
                         r"continues the run$", result.stdout, re.M)
     assert stopped and stopped[1] == str(int(stopped[2])), result.stdout
     step = int(stopped[1])
+    assert result.stderr.count("SIGTERM: stopping after this step, with a checkpoint; again to stop at once") == 1
     rows, _ = read_metrics(tmp_path / "stopped" / "m.jsonl")
     assert 3 <= step < 60 and [r["step"] for r in rows] == list(range(1, step + 1))
     assert complete_and_partial(tmp_path / "stopped" / "checkpoints") == ([f"step-{step:08d}"], [])
