@@ -260,24 +260,13 @@ def check_args(args, world_size: int, device_type: str) -> None:
 
 
 def stage_layout(config, num_stages: int, args) -> list[range]:
-    """The layers of each stage (--split), once the model's shape is known; what that shape rules out."""
-    if num_stages > config.num_hidden_layers:
-        raise UsageError(f"{num_stages} pipeline stages but the model has {config.num_hidden_layers} layers: each "
-                         "stage needs one; use fewer stages or more --layers", on_every_rank=True)
-    if args.seq_len > config.max_position_embeddings:
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions",
-                         on_every_rank=True)
-    for what, count in (("attention heads", config.num_attention_heads), ("KV heads", config.num_key_value_heads),
-                        ("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)):
-        if count % args.tp:  # tensor parallelism gives each rank an equal share of these
-            raise UsageError(f"--tp {args.tp}: the model's {what} ({count}) do not divide by it; use a --tp that "
-                             f"divides {count}", on_every_rank=True)
+    """The layers of each stage (--split), once the model's shape is known; model.layout says what it rules out."""
+    microbatch = (args.batch_size // (args.dp * args.microbatches), args.seq_len)
     try:
-        microbatch = (args.batch_size // (args.dp * args.microbatches), args.seq_len)
         return layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing,
-                      loss_chunks(args.loss_chunks, config, microbatch, args.tp))
+                      loss_chunks(args.loss_chunks, config, microbatch, args.tp), args.tp)
     except ValueError as e:
-        raise UsageError(f"--split {args.split}: {e}", on_every_rank=True) from None
+        raise UsageError(str(e), on_every_rank=True) from None
 
 
 # ----------------------------------------------------------------------------------------------------------
