@@ -129,7 +129,7 @@ def main(args):
         model.tie_weights()
     model.init_weights(args.seed)
     parallelize([model], mesh, args, env.dtype)
-    partition.sequence_shards, sent = shards, partition.sent
+    partition.sequence_shards = shards
 
     # --- the schedule: AFAB or 1F1B by hand, over send/recv between the pipeline ranks of this replica
     run_train = functools.partial(train_step, partition, env=env, tp=tp, schedule=args.schedule,
@@ -172,7 +172,7 @@ def main(args):
     tokens_per_step, step_times = args.batch_size * args.seq_len, []
     if args.steps == 0:  # only evaluate: --init-from's weights, or this run's newest checkpoint
         evaluate(step)
-        return summary(env, step_times, tokens_per_step, config, args, metrics, sent[0])
+        return summary(env, step_times, tokens_per_step, config, args, metrics)
     if step >= args.steps:
         return
 
@@ -222,7 +222,7 @@ def main(args):
                 break
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                 evaluate(step)
-    summary(env, step_times, tokens_per_step, config, args, metrics, sent[0])
+    summary(env, step_times, tokens_per_step, config, args, metrics)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -388,7 +388,6 @@ class Partition:
     explicit_causal_mask: bool  # HF's eager attention applies no causal mask unless given one
     group: dist.ProcessGroup | None = None  # the pipeline's ranks; None: the default group is the pipeline
     sequence_shards: int = 1  # sequence parallelism: the stage holds 1/shards of the positions (tensor_parallel)
-    sent: list = dataclasses.field(default_factory=lambda: [0])  # bytes sent to other stages while training
 
     def peer(self, offset: int) -> int:  # the previous (-1) or next (+1) stage's global rank (not rank -1 / +1)
         return self.rank + offset if self.group is None else dist.get_global_rank(self.group, self.rank + offset)
@@ -495,7 +494,6 @@ class Step:
             # The receiver knows neither the shape nor the dtype, and a receive buffer must match the sender's
             # byte for byte: a header of both first (dtype, number of dimensions, up to 6 sizes).
             tensor = tensor.contiguous()
-            self.p.sent[0] += tensor.nbytes if torch.is_grad_enabled() else 0  # not evaluating
             header = torch.tensor([DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape] + [0] * (6 - tensor.dim()))
             self.sends += [(dist.isend(header.to(self.device), dst), header),  # kept alive until waited for
                            (dist.isend(tensor, dst), tensor)]
@@ -638,27 +636,22 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def summary(env: Env, step_times: list[float], tokens_per_step: int, config, args, metrics, sent: int) -> None:
-    """Collective: every rank's peak memory and the bytes it sent to other stages a step, printed with the step
-    time and MFU, and written to --metrics."""
-    ranks = [None] * env.world_size
-    dist.all_gather_object(ranks, (torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else
-                                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
-                                   sent / max(1, len(step_times))))
+def summary(env: Env, step_times: list[float], tokens_per_step: int, config, args, metrics) -> None:
+    """Collective: every rank's peak memory, printed with the step time, tokens/s and MFU, and written to --metrics."""
+    peaks = [None] * env.world_size
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else
+                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
     if metrics is None or not step_times:
         return
     steady = sorted(step_times[1:] or step_times)  # the first step pays one-time costs
     row = {"steps": len(step_times), "median_step_time": steady[len(steady) // 2],
-           "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
-           "peak_memory_bytes_per_rank": [peak for peak, _ in ranks], "sent_bytes_per_rank": [b for _, b in ranks]}
+           "tokens_per_s": tokens_per_step * len(steady) / sum(steady), "peak_memory_bytes_per_rank": peaks}
     row["mfu"] = mfu(row["tokens_per_s"], config, args.seq_len, env.device, env.world_size)
     metrics.write({"summary": row})
     utilization = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
-    mib = lambda values: ", ".join(f"{b / 2**20:.3g}" for b in values)  # noqa: E731
     print(f"done: {row['steps']} steps, median step {row['median_step_time'] * 1e3:.0f} ms, {row['tokens_per_s']:.0f} "
           f"tokens/s{utilization}; per rank, peak memory ({env.device.type}, MiB): "
-          f"{mib(row['peak_memory_bytes_per_rank'])}; sent to other stages a step (MiB): "
-          f"{mib(row['sent_bytes_per_rank'])}", flush=True)
+          f"{', '.join(f'{b / 2**20:.3g}' for b in peaks)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -136,7 +136,6 @@ def main(args):
     pipeline_stages = [PipelineStage(module, s, num_stages, env.device, group=mesh.get_group("pp"),
                                      **stage_io(config, s, microbatch, shards)) for module, s in zip(modules, stages)]
     schedule, loss_fn = make_schedule(args.schedule, pipeline_stages, args.microbatches, chunks, shards)
-    sent = count_sends(pipeline_stages)
     run_train = functools.partial(train_step, schedule, env=env, tp=tp)
     run_eval = functools.partial(eval_step, schedule, pipeline_stages, env=env, tp=tp, loss_fn=loss_fn,
                                  microbatches=args.microbatches,
@@ -177,7 +176,7 @@ def main(args):
     tokens_per_step, step_times = args.batch_size * args.seq_len, []
     if args.steps == 0:  # only evaluate: --init-from's weights, or this run's newest checkpoint
         evaluate(step)
-        return summary(env, step_times, tokens_per_step, config, args, metrics, sent[0])
+        return summary(env, step_times, tokens_per_step, config, args, metrics)
     if step >= args.steps:
         return
 
@@ -227,7 +226,7 @@ def main(args):
                 break
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                 evaluate(step)
-    summary(env, step_times, tokens_per_step, config, args, metrics, sent[0])
+    summary(env, step_times, tokens_per_step, config, args, metrics)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -435,20 +434,6 @@ def stage_io(config, stage: int, microbatch: tuple[int, int], shards: int) -> di
 # ----------------------------------------------------------------------------------------------------------
 # The schedule
 
-def count_sends(pipeline_stages: list) -> list[int]:
-    """[bytes] this rank's stages send to other ranks while training (activations forward, their gradients
-    back), counted from the sends each PipelineStage builds for the schedule."""
-    sent = [0]
-    for stage in pipeline_stages:
-        for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
-            def counted(*args, build=getattr(stage, name), **kwargs):
-                ops = build(*args, **kwargs)
-                sent[0] += sum(op.tensor.nbytes for op in ops) if torch.is_grad_enabled() else 0  # not evaluating
-                return ops
-            setattr(stage, name, counted)
-    return sent
-
-
 def make_schedule(name: str, pipeline_stages: list, microbatches: int, chunks: int, shards: int):
     """The schedule of this rank's stages, and its loss: a microbatch's mean cross-entropy, the head applied a
     chunk at a time. The schedule divides gradients by the microbatches: those of the batch's mean loss."""
@@ -538,27 +523,22 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def summary(env: Env, step_times: list[float], tokens_per_step: int, config, args, metrics, sent: int) -> None:
-    """Collective: every rank's peak memory and the bytes it sent to other stages a step, printed with the step
-    time and MFU, and written to --metrics."""
-    ranks = [None] * env.world_size
-    dist.all_gather_object(ranks, (torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else
-                                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
-                                   sent / max(1, len(step_times))))
+def summary(env: Env, step_times: list[float], tokens_per_step: int, config, args, metrics) -> None:
+    """Collective: every rank's peak memory, printed with the step time, tokens/s and MFU, and written to --metrics."""
+    peaks = [None] * env.world_size
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else
+                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
     if metrics is None or not step_times:
         return
     steady = sorted(step_times[1:] or step_times)  # the first step pays one-time costs
     row = {"steps": len(step_times), "median_step_time": steady[len(steady) // 2],
-           "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
-           "peak_memory_bytes_per_rank": [peak for peak, _ in ranks], "sent_bytes_per_rank": [b for _, b in ranks]}
+           "tokens_per_s": tokens_per_step * len(steady) / sum(steady), "peak_memory_bytes_per_rank": peaks}
     row["mfu"] = mfu(row["tokens_per_s"], config, args.seq_len, env.device, env.world_size)
     metrics.write({"summary": row})
     utilization = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
-    mib = lambda values: ", ".join(f"{b / 2**20:.3g}" for b in values)  # noqa: E731
     print(f"done: {row['steps']} steps, median step {row['median_step_time'] * 1e3:.0f} ms, {row['tokens_per_s']:.0f} "
           f"tokens/s{utilization}; per rank, peak memory ({env.device.type}, MiB): "
-          f"{mib(row['peak_memory_bytes_per_rank'])}; sent to other stages a step (MiB): "
-          f"{mib(row['sent_bytes_per_rank'])}", flush=True)
+          f"{', '.join(f'{b / 2**20:.3g}' for b in peaks)}", flush=True)
 
 
 if __name__ == "__main__":
