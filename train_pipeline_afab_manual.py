@@ -6,13 +6,9 @@
     torchrun --nproc_per_node 4 train_pipeline_afab_manual.py --dp 2           # 2 stages x 2 replicas
     torchrun --nproc_per_node 4 train_pipeline_afab_manual.py --tp 2           # 2 stages x 2 tensor-parallel
 
-No torch.distributed.pipelining here: this is what that library does for you. Each rank keeps a slice of the
-layers (partition_model), runs it on every microbatch (forward_stage), and passes activations forward and
-their gradients back with point-to-point messages. AFAB runs every microbatch forward, then every one
-backward; 1F1B starts each backward as early as it can, so a rank holds at most (stages - rank) microbatches'
-activations. The functions also train a Hugging Face LlamaForCausalLM: partition_model(hf_model, rank, size).
-Needs model.py and checkpoint.py. Reads top to bottom: the flags, main (the whole run), then each of its steps
-in order: checks, mesh, data, split, schedule, training.
+What torch.distributed.pipelining does, by hand: each rank keeps a slice of the layers (partition_model) and
+passes activations forward and their gradients back with send/recv. The functions also train a Hugging Face
+LlamaForCausalLM. Needs model.py and checkpoint.py beside it.
 """
 
 import argparse
@@ -119,8 +115,7 @@ def main(args):
     chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
     shards = tp if args.sequence_parallel else 1  # sequence parallelism: each tp rank holds seq_len / tp positions
 
-    # --- the split: the full model on meta, this rank's slice kept, allocated, then tensor parallelism,
-    # checkpointing, compile, FSDP2
+    # --- the split: this rank's slice, trimmed on meta, allocated; tensor parallelism, checkpointing, compile, FSDP2
     with torch.device("meta"):
         model = LlamaForPretraining(config)
     partition = partition_model(model, pp_rank, pp, group=mesh.get_group("pp"), layout=layers)
@@ -169,10 +164,8 @@ def main(args):
                                     "batches": args.eval_batches}})
             tqdm.tqdm.write(f"eval at step {at_step}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}")
 
-    tokens_per_step, step_times = args.batch_size * args.seq_len, []
     if args.steps == 0:  # only evaluate: --init-from's weights, or this run's newest checkpoint
         evaluate(step)
-        return summary(env, step_times, tokens_per_step, config, args, metrics)
     if step >= args.steps:
         return
 
@@ -182,6 +175,7 @@ def main(args):
         on_trace_ready=lambda p: (os.makedirs(args.trace, exist_ok=True),
                                   p.export_chrome_trace(os.path.join(args.trace, f"rank{env.rank}.json"))),
     ) if args.trace else contextlib.nullcontext()
+    tokens_per_step, step_times = args.batch_size * args.seq_len, []
     dist.barrier()
     with tqdm.tqdm(total=args.steps, initial=step, disable=not reports, unit="step", mininterval=1.0) as bar, \
             profiler:
@@ -395,10 +389,8 @@ class Partition:
 
 def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.ProcessGroup | None = None,
                     layout: list[range] | None = None) -> Partition:
-    """Keep this rank's slice of the layers (layout's, default even), the embedding on the first rank, the final
-    norm and head on the last, trimming the model in place (on meta: the rest is never allocated). rank and
-    world_size count the pipeline's stages, in `group` when given. Takes model.py's LlamaForPretraining or a
-    Hugging Face LlamaForCausalLM."""
+    """Trim model.py's LlamaForPretraining or a Hugging Face LlamaForCausalLM in place to this pipeline rank's
+    layers (layout's, default even), the embedding on the first rank, the final norm and head on the last."""
     if isinstance(model, LlamaForPretraining):
         base, rotary, pad_id, eager = model.base_model, None, None, False
         model.head_in_loss = True  # the loss applies the head (loss_fn)
@@ -427,12 +419,9 @@ def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.Pr
 
 
 def forward_stage(partition: Partition, hidden_states: torch.Tensor) -> torch.Tensor:
-    """This rank's slice on token ids (first stage) or hidden states; hidden states out (the last stage's after
-    the final norm: the loss applies the head). Each stage sees whole sequences, so it rebuilds positions (and
-    rotary tables) itself: only hidden states travel."""
-    if isinstance(partition.model, LlamaForPretraining):
-        # model.py's Llama skips what a stage does not hold: the trimmed model is the stage, and calling it runs
-        # FSDP's hooks too.
+    """This rank's slice on token ids (first stage) or hidden states; hidden states out, the head left to the loss.
+    Each stage rebuilds positions (and rotary tables) itself: only hidden states travel."""
+    if isinstance(partition.model, LlamaForPretraining):  # it skips what the stage lacks; the call runs FSDP's hooks
         return partition.model(hidden_states)
     h = partition.embed(hidden_states) if partition.embed is not None else hidden_states
     kwargs = {}
@@ -544,13 +533,9 @@ class Step:
 
 
 def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chunks=1):
-    """One training step with All-Forward-All-Backward: every microbatch forward, then every one backward (all m
-    microbatches' activations held at the peak). The caller zeroes the gradients and runs the optimizer.
-
-    model: a Partition, or a model partitioned here over the default group. inputs, targets: lists of [mb, seq]
-    token ids per microbatch, read on the first / last rank (elsewhere Nones). dtype: of what is sent. loss_chunks:
-    pieces of the sequence the loss takes at a time (1: the whole, as the model's own forward). Returns the mean
-    microbatch loss on the last rank, else None."""
+    """One step of All-Forward-All-Backward: every microbatch forward, then every one backward. model: a Partition
+    (or a model, partitioned here); inputs, targets: lists of microbatches' token ids (None where unread); dtype:
+    of what is sent. Returns the mean microbatch loss on the last rank, else None; the caller steps the optimizer."""
     step = Step(as_partition(model), inputs, targets, device, dtype, loss_chunks)
     for i in range(step.m):
         step.forward(i)

@@ -8,10 +8,8 @@ other schedule torch ships.
     torchrun --nproc_per_node 4 train_pipeline_gpipe.py --dp 2     # 2 stages x 2 data-parallel replicas
     torchrun --nproc_per_node 4 train_pipeline_gpipe.py --tp 2     # 2 stages x 2 tensor-parallel ranks
 
-Every rank builds the full model on the meta device (no memory), deletes what other stages own, then
-allocates and initializes the rest. A PipelineStage per stage, and the schedule runs the microbatches through
-them. Needs model.py and checkpoint.py. Reads top to bottom: the flags, main (the whole run), then each of its
-steps in order: checks, mesh, data, split, schedule, training.
+Each rank builds the model on the meta device, keeps its own stages and allocates only those; torch's schedule
+runs the microbatches through a PipelineStage per stage. Needs model.py and checkpoint.py beside it.
 """
 
 import argparse
@@ -173,10 +171,8 @@ def main(args):
                                     "batches": args.eval_batches}})
             tqdm.tqdm.write(f"eval at step {at_step}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}")
 
-    tokens_per_step, step_times = args.batch_size * args.seq_len, []
     if args.steps == 0:  # only evaluate: --init-from's weights, or this run's newest checkpoint
         evaluate(step)
-        return summary(env, step_times, tokens_per_step, config, args, metrics)
     if step >= args.steps:
         return
 
@@ -186,6 +182,7 @@ def main(args):
         on_trace_ready=lambda p: (os.makedirs(args.trace, exist_ok=True),
                                   p.export_chrome_trace(os.path.join(args.trace, f"rank{env.rank}.json"))),
     ) if args.trace else contextlib.nullcontext()
+    tokens_per_step, step_times = args.batch_size * args.seq_len, []
     dist.barrier()
     with tqdm.tqdm(total=args.steps, initial=step, disable=not reports, unit="step", mininterval=1.0) as bar, \
             profiler:
@@ -484,18 +481,16 @@ def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidd
     first = pipeline_stages[0]
     peer = lambda s: dist.get_global_rank(first.group, first.stage_index_to_group_rank[s])  # noqa: E731
     held, sends = {}, []  # (stage, microbatch) -> an output for a stage on this rank; pending sends
-    xs = inputs.chunk(microbatches) if inputs is not None else None
-    ys = targets.chunk(microbatches) if targets is not None else None
     for stage in sorted(pipeline_stages, key=lambda st: st.stage_index):
         s = stage.stage_index
         for i in range(microbatches):
-            x = xs[i] if s == 0 else held.pop((s - 1, i), None)
+            x = inputs.chunk(microbatches)[i] if s == 0 else held.pop((s - 1, i), None)
             if x is None:  # from another rank: one microbatch's hidden states, in fp32
                 x = torch.empty(hidden_shape, device=stage.device)
                 dist.recv(x, peer(s - 1))
             out = stage.submod(x)
             if s == stage.num_stages - 1:
-                losses.append(loss_fn(out, ys[i]))
+                losses.append(loss_fn(out, targets.chunk(microbatches)[i]))
             elif peer(s + 1) == dist.get_rank():
                 held[s, i] = out
             else:
