@@ -27,9 +27,10 @@ activation bytes per rank.
 measure-memory runs a training script's main() in this process (under torchrun: on every rank) inside an
 ActivationMeter (the peak bytes of tensors autograd saves for backward, parameters left out, and of the
 gradients the zero-bubble schedules keep from a backward's input half to its weight half), and counts after
-each optimizer step the bytes of parameters, gradients and AdamW state the rank holds (with FSDP its shards);
-rank 0 writes {"activation_bytes_per_rank": [...], "param_bytes_per_rank": [...], "grad_bytes_per_rank":
-[...], "optimizer_bytes_per_rank": [...]} to OUT.json.
+each optimizer step the bytes of parameters, gradients and AdamW state the rank holds (with FSDP its shards),
+and the bytes it sends to other stages a step; rank 0 writes {"activation_bytes_per_rank": [...],
+"param_bytes_per_rank": [...], "grad_bytes_per_rank": [...], "optimizer_bytes_per_rank": [...],
+"sent_bytes_per_rank": [...]} to OUT.json.
 
 Writes OUT/results.md (Markdown table), OUT/results.json, OUT/<variant>.trace/rank{R}.json and, when matplotlib
 is installed, OUT/<variant>.png (forward / backward / waiting per rank over time). An earlier run's files there
@@ -536,16 +537,45 @@ def labelled_1f1b():
         Schedule1F1B._step_microbatches = original
 
 
+@contextlib.contextmanager
+def counted_sends(module):
+    """[bytes] this rank sends to other stages while training (activations forward, their gradients back; not
+    evaluating): from the sends torch's PipelineStage builds, or the hand-written script's Step.send (its tensor,
+    not the header before it)."""
+    sent = [0]
+
+    def ops_counted(build):
+        def counted(self, *args, **kwargs):
+            ops = build(self, *args, **kwargs)
+            sent[0] += sum(op.tensor.nbytes for op in ops) if torch.is_grad_enabled() else 0
+            return ops
+        return counted
+
+    def send_counted(send):
+        def counted(self, tensor, *args, **kwargs):
+            sent[0] += tensor.nbytes if torch.is_grad_enabled() else 0
+            return send(self, tensor, *args, **kwargs)
+        return counted
+
+    base = torch.distributed.pipelining.stage._PipelineStageBase  # PipelineStage's and the tracer's stages'
+    with contextlib.ExitStack() as patches:
+        for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
+            patches.enter_context(unittest.mock.patch.object(base, name, ops_counted(getattr(base, name))))
+        if hasattr(module, "Step"):
+            patches.enter_context(unittest.mock.patch.object(module.Step, "send", send_counted(module.Step.send)))
+        yield sent
+
+
 def in_process(argv: list[str]) -> None:
     """benchmark.py run SCRIPT [SCRIPT ARGS...] and benchmark.py measure-memory OUT.json SCRIPT [SCRIPT ARGS...],
     on every rank under torchrun: the script's main() in this process, with torch's 1F1B labelled for --trace
-    (labelled_1f1b); measuring, every rank's activations (ActivationMeter) and held bytes to rank 0, which writes
-    them to OUT.json. Errors as the scripts give them: one line."""
+    (labelled_1f1b); measuring, every rank's activations (ActivationMeter), held bytes and bytes sent a step
+    (counted_sends) to rank 0, which writes them to OUT.json. Errors as the scripts give them: one line."""
     measure = argv[0] == "measure-memory"
     p = Parser(prog=f"benchmark.py {argv[0]}",
                description="Run a training script with torch's 1F1B labelled for --trace" + (
-                   "; write each rank's peak activations and the bytes of parameters, gradients and AdamW state it "
-                   "holds to OUT.json" if measure else "") + ".")
+                   "; write each rank's peak activations, the bytes of parameters, gradients and AdamW state it "
+                   "holds, and the bytes it sends to other stages a step to OUT.json" if measure else "") + ".")
     if measure:
         p.add_argument("out", metavar="OUT.json")
     p.add_argument("script", metavar="SCRIPT")
@@ -557,9 +587,10 @@ def in_process(argv: list[str]) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     script_args = module.build_parser().parse_args(args.script_args)
-    held = {"param": 0, "grad": 0, "optimizer": 0}
+    held, steps = {"param": 0, "grad": 0, "optimizer": 0}, [0]
 
     def count_held(optimizer, *_):  # after each optimizer step: what this rank holds (with FSDP, its shards)
+        steps[0] += 1
         size = lambda ts: sum((t.to_local() if isinstance(t, DTensor) else t).nbytes  # noqa: E731
                               for t in ts if torch.is_tensor(t))
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -569,24 +600,26 @@ def in_process(argv: list[str]) -> None:
     def measured(script_args):
         hook = register_optimizer_step_post_hook(count_held)
         try:
-            with labelled_1f1b(), ActivationMeter() if measure else contextlib.nullcontext() as meter:
+            with labelled_1f1b(), counted_sends(module) as sent, \
+                    ActivationMeter() if measure else contextlib.nullcontext() as meter:
                 module.main(script_args)  # leaves the process group up; checkpoint.run takes it down
         finally:
             hook.remove()
         if not measure:
             return
-        ranks = [(meter.peak_bytes, held)]
+        ranks = [(meter.peak_bytes, held, sent[0] / max(1, steps[0]))]  # bytes sent: a step's
         if dist.is_initialized():
-            ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, (meter.peak_bytes, held))
+            mine, ranks = ranks[0], [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
         if not dist.is_initialized() or dist.get_rank() == 0:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out + ".tmp", "w") as f:
-                json.dump({"activation_bytes_per_rank": [peak for peak, _ in ranks],
-                           **{f"{kind}_bytes_per_rank": [h[kind] for _, h in ranks] for kind in held}}, f)
+                json.dump({"activation_bytes_per_rank": [peak for peak, _, _ in ranks],
+                           **{f"{kind}_bytes_per_rank": [h[kind] for _, h, _ in ranks] for kind in held},
+                           "sent_bytes_per_rank": [sent for _, _, sent in ranks]}, f)
             os.replace(args.out + ".tmp", args.out)
-            print(f"peak activations held per rank (MiB): {', '.join(f'{p / 2**20:.1f}' for p, _ in ranks)} -> "
-                  f"{args.out}", flush=True)
+            print(f"peak activations held per rank (MiB): {', '.join(f'{p / 2**20:.1f}' for p, _, _ in ranks)} "
+                  f"-> {args.out}", flush=True)
 
     checkpoint.run(measured, script_args)  # a UsageError: one line, exit 1; the process group torn down
 
@@ -785,7 +818,7 @@ def data_parallel(args, workdir):
 
 def sequence_parallel(args, workdir):
     """--ranks stages x --tp tensor-parallel ranks, with and without sequence parallelism, alternating: step
-    time, the bytes each rank sends to other stages a step (the scripts' summary), the activations it holds."""
+    time, the bytes each rank sends to other stages a step and the activations it holds (measure-memory)."""
     layouts = {"sequence parallel": ["--tp", str(args.tp)],
                "no sequence parallel": ["--tp", str(args.tp), "--no-sequence-parallel"]}
     results = {name: {"step_times": []} for name in layouts}
@@ -794,12 +827,12 @@ def sequence_parallel(args, workdir):
         for name, extra in layouts.items():
             summary, _ = run(args, "train_pipeline_gpipe.py", "gpipe", args.steps, workdir, extra=extra, ranks=ranks)
             results[name]["step_times"].append(summary["median_step_time"])
-            results[name]["sent_bytes_per_rank"] = summary["sent_bytes_per_rank"]
             print(f"repeat {repeat + 1}/{args.repeats} {name}: median step {summary['median_step_time'] * 1e3:.1f} "
                   "ms", file=sys.stderr, flush=True)
-    for name, extra in layouts.items():  # untimed: what each rank holds
+    for name, extra in layouts.items():  # untimed: what each rank holds and sends
         results[name]["memory"], _ = memory(args, "train_pipeline_gpipe.py", "gpipe", workdir, extra=extra,
                                             ranks=ranks)
+        results[name]["sent_bytes_per_rank"] = results[name]["memory"]["sent_bytes_per_rank"]
     base = statistics.median(results["no sequence parallel"]["step_times"])
     lines = [f"GPipe, {args.ranks} stages x tp {args.tp} ({ranks} processes), batch {args.batch_size} x "
              f"{args.seq_len}, {args.microbatches} microbatches, {args.repeats} alternating runs of {args.steps} "

@@ -531,9 +531,19 @@ def _balanced_sizes(num_layers: int, num_stages: int, layer: float, first: float
 
 
 def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recompute: bool = False,
-           loss_chunks: int = 1) -> list[range]:
+           loss_chunks: int = 1, tp: int = 1) -> list[range]:
     """The layers of each stage: spec "balanced" (by estimated_costs), "even", or layers per stage ("5,1").
-    A spec that cannot work is a ValueError saying what would."""
+    What the model's shape rules out (a stage without a layer, --seq-len, --tp, --split) is a ValueError."""
+    if num_stages > config.num_hidden_layers:
+        raise ValueError(f"{num_stages} pipeline stages but the model has {config.num_hidden_layers} layers: each "
+                         "stage needs one; use fewer stages or more --layers")
+    if seq_len > config.max_position_embeddings:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's {config.max_position_embeddings} positions")
+    for what, count in (("attention heads", config.num_attention_heads), ("KV heads", config.num_key_value_heads),
+                        ("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)):
+        if count % tp:  # tensor parallelism gives each rank an equal share of these
+            raise ValueError(f"--tp {tp}: the model's {what} ({count}) do not divide by it; use a --tp that "
+                             f"divides {count}")
     check_layout(spec, config.num_hidden_layers, num_stages)
     if spec == "even":
         return even(config.num_hidden_layers, num_stages)
@@ -544,16 +554,16 @@ def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recomp
 
 
 def check_layout(spec: str, num_layers: int | None = None, num_stages: int | None = None) -> None:
-    """A layout spec's syntax; with the model's layers and the stage count, whether it fits them. ValueError."""
+    """A --split spec's syntax; with the model's layers and the stage count, whether it fits them. ValueError."""
     if spec in ("even", "balanced"):
         return
     try:
         sizes = [int(size) for size in spec.split(",")]
     except ValueError:
-        raise ValueError("use balanced, even, or layers per stage such as 5,1") from None
+        raise ValueError(f"--split {spec}: use balanced, even, or layers per stage such as 5,1") from None
     if num_layers is not None and (len(sizes) != num_stages or sum(sizes) != num_layers or min(sizes) < 1):
-        raise ValueError(f"give {num_stages} layer counts (one per stage), each at least 1, adding up to the "
-                         f"model's {num_layers} layers (or balanced, even)")
+        raise ValueError(f"--split {spec}: give {num_stages} layer counts (one per stage), each at least 1, adding "
+                         f"up to the model's {num_layers} layers (or balanced, even)")
 
 
 def describe_layout(layout: list[range], costs: dict[str, float]) -> str:

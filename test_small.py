@@ -2759,10 +2759,10 @@ def test_the_plan_counts_what_the_runs_hold(layout_runs, data_dir):
         key = "activations_checkpointed" if "--activation-checkpointing" in extra else "activations"
         assert measured["activation_bytes_per_rank"] == pytest.approx([row[key] for row in on_rank], rel=0.1), \
             (name, key, on_rank)
-        assert runs[name][1]["sent_bytes_per_rank"] == [row["sent"] for row in on_rank], name
+        assert measured["sent_bytes_per_rank"] == [row["sent"] for row in on_rank], name
     # Sequence parallelism: each tensor-parallel rank sends 1/tp of the bytes to the next stage (measured, 5 %) and
     # holds fewer activations (the norms' and the residual stream's on half the positions).
-    with_sp, without = (runs[name][1]["sent_bytes_per_rank"] for name in ("afab2xtp2", "afab2xtp2nosp"))
+    with_sp, without = (runs[name][3]["sent_bytes_per_rank"] for name in ("afab2xtp2", "afab2xtp2nosp"))
     assert with_sp == pytest.approx([b / 2 for b in without], rel=0.05) and min(with_sp) > 0
     with_sp, without = (runs[name][3]["activation_bytes_per_rank"] for name in ("afab2xtp2", "afab2xtp2nosp"))
     assert all(a < b for a, b in zip(with_sp, without)), (with_sp, without)
@@ -3368,7 +3368,7 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir):
         assert [b / 2 for b in alone[f"{kind}_bytes_per_rank"] for _ in range(2)] == \
             pytest.approx(sharded[f"{kind}_bytes_per_rank"], rel=0.01)
 
-    # tp 2 with and without sequence parallelism: half the bytes sent (the scripts' own count), fewer activations.
+    # tp 2 with and without sequence parallelism: half the bytes sent (measure-memory's count), fewer activations.
     layouts = json.loads((tmp_path / "tp" / "sequence_parallel.json").read_text())["results"]
     with_sp, without = (layouts[name] for name in ("sequence parallel", "no sequence parallel"))
     assert with_sp["sent_bytes_per_rank"] == [b / 2 for b in without["sent_bytes_per_rank"]] and \

@@ -6,13 +6,9 @@
     torchrun --nproc_per_node 4 train_pipeline_afab_manual.py --dp 2           # 2 stages x 2 replicas
     torchrun --nproc_per_node 4 train_pipeline_afab_manual.py --tp 2           # 2 stages x 2 tensor-parallel
 
-No torch.distributed.pipelining here: this is what that library does for you. Each rank keeps a slice of the
-layers (partition_model), runs it on every microbatch (forward_stage), and passes activations forward and
-their gradients back with point-to-point messages. AFAB runs every microbatch forward, then every one
-backward; 1F1B starts each backward as early as it can, so a rank holds at most (stages - rank) microbatches'
-activations. The functions also train a Hugging Face LlamaForCausalLM: partition_model(hf_model, rank, size).
-Needs model.py and checkpoint.py. Reads top to bottom: the flags, main (the whole run), then each of its steps
-in order: checks, mesh, data, split, schedule, training.
+What torch.distributed.pipelining does, by hand: each rank keeps a slice of the layers (partition_model) and
+passes activations forward and their gradients back with send/recv. The functions also train a Hugging Face
+LlamaForCausalLM. Needs model.py and checkpoint.py beside it.
 """
 
 import argparse
@@ -119,8 +115,7 @@ def main(args):
     chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
     shards = tp if args.sequence_parallel else 1  # sequence parallelism: each tp rank holds seq_len / tp positions
 
-    # --- the split: the full model on meta, this rank's slice kept, allocated, then tensor parallelism,
-    # checkpointing, compile, FSDP2
+    # --- the split: this rank's slice, trimmed on meta, allocated; tensor parallelism, checkpointing, compile, FSDP2
     with torch.device("meta"):
         model = LlamaForPretraining(config)
     partition = partition_model(model, pp_rank, pp, group=mesh.get_group("pp"), layout=layers)
@@ -129,7 +124,7 @@ def main(args):
         model.tie_weights()
     model.init_weights(args.seed)
     parallelize([model], mesh, args, env.dtype)
-    partition.sequence_shards, sent = shards, partition.sent
+    partition.sequence_shards = shards
 
     # --- the schedule: AFAB or 1F1B by hand, over send/recv between the pipeline ranks of this replica
     run_train = functools.partial(train_step, partition, env=env, tp=tp, schedule=args.schedule,
@@ -169,10 +164,8 @@ def main(args):
                                     "batches": args.eval_batches}})
             tqdm.tqdm.write(f"eval at step {at_step}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}")
 
-    tokens_per_step, step_times = args.batch_size * args.seq_len, []
     if args.steps == 0:  # only evaluate: --init-from's weights, or this run's newest checkpoint
         evaluate(step)
-        return summary(env, step_times, tokens_per_step, config, args, metrics, sent[0])
     if step >= args.steps:
         return
 
@@ -182,6 +175,7 @@ def main(args):
         on_trace_ready=lambda p: (os.makedirs(args.trace, exist_ok=True),
                                   p.export_chrome_trace(os.path.join(args.trace, f"rank{env.rank}.json"))),
     ) if args.trace else contextlib.nullcontext()
+    tokens_per_step, step_times = args.batch_size * args.seq_len, []
     dist.barrier()
     with tqdm.tqdm(total=args.steps, initial=step, disable=not reports, unit="step", mininterval=1.0) as bar, \
             profiler:
@@ -222,7 +216,7 @@ def main(args):
                 break
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                 evaluate(step)
-    summary(env, step_times, tokens_per_step, config, args, metrics, sent[0])
+    summary(env, step_times, tokens_per_step, config, args, metrics)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -250,24 +244,13 @@ def check_args(args, world_size: int, device_type: str) -> None:
 
 
 def stage_layout(config, num_stages: int, args) -> list[range]:
-    """The layers of each stage (--split), once the model's shape is known; what that shape rules out."""
-    if num_stages > config.num_hidden_layers:
-        raise UsageError(f"{num_stages} pipeline stages but the model has {config.num_hidden_layers} layers: each "
-                         "stage needs one; use fewer stages or more --layers", on_every_rank=True)
-    if args.seq_len > config.max_position_embeddings:
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions",
-                         on_every_rank=True)
-    for what, count in (("attention heads", config.num_attention_heads), ("KV heads", config.num_key_value_heads),
-                        ("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)):
-        if count % args.tp:  # tensor parallelism gives each rank an equal share of these
-            raise UsageError(f"--tp {args.tp}: the model's {what} ({count}) do not divide by it; use a --tp that "
-                             f"divides {count}", on_every_rank=True)
+    """The layers of each stage (--split), once the model's shape is known; model.layout says what it rules out."""
+    microbatch = (args.batch_size // (args.dp * args.microbatches), args.seq_len)
     try:
-        microbatch = (args.batch_size // (args.dp * args.microbatches), args.seq_len)
         return layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing,
-                      loss_chunks(args.loss_chunks, config, microbatch, args.tp))
+                      loss_chunks(args.loss_chunks, config, microbatch, args.tp), args.tp)
     except ValueError as e:
-        raise UsageError(f"--split {args.split}: {e}", on_every_rank=True) from None
+        raise UsageError(str(e), on_every_rank=True) from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -399,7 +382,6 @@ class Partition:
     explicit_causal_mask: bool  # HF's eager attention applies no causal mask unless given one
     group: dist.ProcessGroup | None = None  # the pipeline's ranks; None: the default group is the pipeline
     sequence_shards: int = 1  # sequence parallelism: the stage holds 1/shards of the positions (tensor_parallel)
-    sent: list = dataclasses.field(default_factory=lambda: [0])  # bytes sent to other stages while training
 
     def peer(self, offset: int) -> int:  # the previous (-1) or next (+1) stage's global rank (not rank -1 / +1)
         return self.rank + offset if self.group is None else dist.get_global_rank(self.group, self.rank + offset)
@@ -407,10 +389,8 @@ class Partition:
 
 def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.ProcessGroup | None = None,
                     layout: list[range] | None = None) -> Partition:
-    """Keep this rank's slice of the layers (layout's, default even), the embedding on the first rank, the final
-    norm and head on the last, trimming the model in place (on meta: the rest is never allocated). rank and
-    world_size count the pipeline's stages, in `group` when given. Takes model.py's LlamaForPretraining or a
-    Hugging Face LlamaForCausalLM."""
+    """Trim model.py's LlamaForPretraining or a Hugging Face LlamaForCausalLM in place to this pipeline rank's
+    layers (layout's, default even), the embedding on the first rank, the final norm and head on the last."""
     if isinstance(model, LlamaForPretraining):
         base, rotary, pad_id, eager = model.base_model, None, None, False
         model.head_in_loss = True  # the loss applies the head (loss_fn)
@@ -439,12 +419,9 @@ def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.Pr
 
 
 def forward_stage(partition: Partition, hidden_states: torch.Tensor) -> torch.Tensor:
-    """This rank's slice on token ids (first stage) or hidden states; hidden states out (the last stage's after
-    the final norm: the loss applies the head). Each stage sees whole sequences, so it rebuilds positions (and
-    rotary tables) itself: only hidden states travel."""
-    if isinstance(partition.model, LlamaForPretraining):
-        # model.py's Llama skips what a stage does not hold: the trimmed model is the stage, and calling it runs
-        # FSDP's hooks too.
+    """This rank's slice on token ids (first stage) or hidden states; hidden states out, the head left to the loss.
+    Each stage rebuilds positions (and rotary tables) itself: only hidden states travel."""
+    if isinstance(partition.model, LlamaForPretraining):  # it skips what the stage lacks; the call runs FSDP's hooks
         return partition.model(hidden_states)
     h = partition.embed(hidden_states) if partition.embed is not None else hidden_states
     kwargs = {}
@@ -506,7 +483,6 @@ class Step:
             # The receiver knows neither the shape nor the dtype, and a receive buffer must match the sender's
             # byte for byte: a header of both first (dtype, number of dimensions, up to 6 sizes).
             tensor = tensor.contiguous()
-            self.p.sent[0] += tensor.nbytes if torch.is_grad_enabled() else 0  # not evaluating
             header = torch.tensor([DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape] + [0] * (6 - tensor.dim()))
             self.sends += [(dist.isend(header.to(self.device), dst), header),  # kept alive until waited for
                            (dist.isend(tensor, dst), tensor)]
@@ -557,13 +533,9 @@ class Step:
 
 
 def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chunks=1):
-    """One training step with All-Forward-All-Backward: every microbatch forward, then every one backward (all m
-    microbatches' activations held at the peak). The caller zeroes the gradients and runs the optimizer.
-
-    model: a Partition, or a model partitioned here over the default group. inputs, targets: lists of [mb, seq]
-    token ids per microbatch, read on the first / last rank (elsewhere Nones). dtype: of what is sent. loss_chunks:
-    pieces of the sequence the loss takes at a time (1: the whole, as the model's own forward). Returns the mean
-    microbatch loss on the last rank, else None."""
+    """One step of All-Forward-All-Backward: every microbatch forward, then every one backward. model: a Partition
+    (or a model, partitioned here); inputs, targets: lists of microbatches' token ids (None where unread); dtype:
+    of what is sent. Returns the mean microbatch loss on the last rank, else None; the caller steps the optimizer."""
     step = Step(as_partition(model), inputs, targets, device, dtype, loss_chunks)
     for i in range(step.m):
         step.forward(i)
@@ -649,27 +621,22 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def summary(env: Env, step_times: list[float], tokens_per_step: int, config, args, metrics, sent: int) -> None:
-    """Collective: every rank's peak memory and the bytes it sent to other stages a step, printed with the step
-    time and MFU, and written to --metrics."""
-    ranks = [None] * env.world_size
-    dist.all_gather_object(ranks, (torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else
-                                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
-                                   sent / max(1, len(step_times))))
+def summary(env: Env, step_times: list[float], tokens_per_step: int, config, args, metrics) -> None:
+    """Collective: every rank's peak memory, printed with the step time, tokens/s and MFU, and written to --metrics."""
+    peaks = [None] * env.world_size
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else
+                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
     if metrics is None or not step_times:
         return
     steady = sorted(step_times[1:] or step_times)  # the first step pays one-time costs
     row = {"steps": len(step_times), "median_step_time": steady[len(steady) // 2],
-           "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
-           "peak_memory_bytes_per_rank": [peak for peak, _ in ranks], "sent_bytes_per_rank": [b for _, b in ranks]}
+           "tokens_per_s": tokens_per_step * len(steady) / sum(steady), "peak_memory_bytes_per_rank": peaks}
     row["mfu"] = mfu(row["tokens_per_s"], config, args.seq_len, env.device, env.world_size)
     metrics.write({"summary": row})
     utilization = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
-    mib = lambda values: ", ".join(f"{b / 2**20:.3g}" for b in values)  # noqa: E731
     print(f"done: {row['steps']} steps, median step {row['median_step_time'] * 1e3:.0f} ms, {row['tokens_per_s']:.0f} "
           f"tokens/s{utilization}; per rank, peak memory ({env.device.type}, MiB): "
-          f"{mib(row['peak_memory_bytes_per_rank'])}; sent to other stages a step (MiB): "
-          f"{mib(row['sent_bytes_per_rank'])}", flush=True)
+          f"{', '.join(f'{b / 2**20:.3g}' for b in peaks)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,8 @@ other schedule torch ships.
     torchrun --nproc_per_node 4 train_pipeline_gpipe.py --dp 2     # 2 stages x 2 data-parallel replicas
     torchrun --nproc_per_node 4 train_pipeline_gpipe.py --tp 2     # 2 stages x 2 tensor-parallel ranks
 
-Every rank builds the full model on the meta device (no memory), deletes what other stages own, then
-allocates and initializes the rest. A PipelineStage per stage, and the schedule runs the microbatches through
-them. Needs model.py and checkpoint.py. Reads top to bottom: the flags, main (the whole run), then each of its
-steps in order: checks, mesh, data, split, schedule, training.
+Each rank builds the model on the meta device, keeps its own stages and allocates only those; torch's schedule
+runs the microbatches through a PipelineStage per stage. Needs model.py and checkpoint.py beside it.
 """
 
 import argparse
@@ -136,7 +134,6 @@ def main(args):
     pipeline_stages = [PipelineStage(module, s, num_stages, env.device, group=mesh.get_group("pp"),
                                      **stage_io(config, s, microbatch, shards)) for module, s in zip(modules, stages)]
     schedule, loss_fn = make_schedule(args.schedule, pipeline_stages, args.microbatches, chunks, shards)
-    sent = count_sends(pipeline_stages)
     run_train = functools.partial(train_step, schedule, env=env, tp=tp)
     run_eval = functools.partial(eval_step, schedule, pipeline_stages, env=env, tp=tp, loss_fn=loss_fn,
                                  microbatches=args.microbatches,
@@ -174,10 +171,8 @@ def main(args):
                                     "batches": args.eval_batches}})
             tqdm.tqdm.write(f"eval at step {at_step}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}")
 
-    tokens_per_step, step_times = args.batch_size * args.seq_len, []
     if args.steps == 0:  # only evaluate: --init-from's weights, or this run's newest checkpoint
         evaluate(step)
-        return summary(env, step_times, tokens_per_step, config, args, metrics, sent[0])
     if step >= args.steps:
         return
 
@@ -187,6 +182,7 @@ def main(args):
         on_trace_ready=lambda p: (os.makedirs(args.trace, exist_ok=True),
                                   p.export_chrome_trace(os.path.join(args.trace, f"rank{env.rank}.json"))),
     ) if args.trace else contextlib.nullcontext()
+    tokens_per_step, step_times = args.batch_size * args.seq_len, []
     dist.barrier()
     with tqdm.tqdm(total=args.steps, initial=step, disable=not reports, unit="step", mininterval=1.0) as bar, \
             profiler:
@@ -227,7 +223,7 @@ def main(args):
                 break
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                 evaluate(step)
-    summary(env, step_times, tokens_per_step, config, args, metrics, sent[0])
+    summary(env, step_times, tokens_per_step, config, args, metrics)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -260,24 +256,13 @@ def check_args(args, world_size: int, device_type: str) -> None:
 
 
 def stage_layout(config, num_stages: int, args) -> list[range]:
-    """The layers of each stage (--split), once the model's shape is known; what that shape rules out."""
-    if num_stages > config.num_hidden_layers:
-        raise UsageError(f"{num_stages} pipeline stages but the model has {config.num_hidden_layers} layers: each "
-                         "stage needs one; use fewer stages or more --layers", on_every_rank=True)
-    if args.seq_len > config.max_position_embeddings:
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions",
-                         on_every_rank=True)
-    for what, count in (("attention heads", config.num_attention_heads), ("KV heads", config.num_key_value_heads),
-                        ("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)):
-        if count % args.tp:  # tensor parallelism gives each rank an equal share of these
-            raise UsageError(f"--tp {args.tp}: the model's {what} ({count}) do not divide by it; use a --tp that "
-                             f"divides {count}", on_every_rank=True)
+    """The layers of each stage (--split), once the model's shape is known; model.layout says what it rules out."""
+    microbatch = (args.batch_size // (args.dp * args.microbatches), args.seq_len)
     try:
-        microbatch = (args.batch_size // (args.dp * args.microbatches), args.seq_len)
         return layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing,
-                      loss_chunks(args.loss_chunks, config, microbatch, args.tp))
+                      loss_chunks(args.loss_chunks, config, microbatch, args.tp), args.tp)
     except ValueError as e:
-        raise UsageError(f"--split {args.split}: {e}", on_every_rank=True) from None
+        raise UsageError(str(e), on_every_rank=True) from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -446,20 +431,6 @@ def stage_io(config, stage: int, microbatch: tuple[int, int], shards: int) -> di
 # ----------------------------------------------------------------------------------------------------------
 # The schedule
 
-def count_sends(pipeline_stages: list) -> list[int]:
-    """[bytes] this rank's stages send to other ranks while training (activations forward, their gradients
-    back), counted from the sends each PipelineStage builds for the schedule."""
-    sent = [0]
-    for stage in pipeline_stages:
-        for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
-            def counted(*args, build=getattr(stage, name), **kwargs):
-                ops = build(*args, **kwargs)
-                sent[0] += sum(op.tensor.nbytes for op in ops) if torch.is_grad_enabled() else 0  # not evaluating
-                return ops
-            setattr(stage, name, counted)
-    return sent
-
-
 def make_schedule(name: str, pipeline_stages: list, microbatches: int, chunks: int, shards: int):
     """The schedule of this rank's stages, and its loss: a microbatch's mean cross-entropy, the head applied a
     chunk at a time. The schedule divides gradients by the microbatches: those of the batch's mean loss."""
@@ -510,18 +481,16 @@ def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidd
     first = pipeline_stages[0]
     peer = lambda s: dist.get_global_rank(first.group, first.stage_index_to_group_rank[s])  # noqa: E731
     held, sends = {}, []  # (stage, microbatch) -> an output for a stage on this rank; pending sends
-    xs = inputs.chunk(microbatches) if inputs is not None else None
-    ys = targets.chunk(microbatches) if targets is not None else None
     for stage in sorted(pipeline_stages, key=lambda st: st.stage_index):
         s = stage.stage_index
         for i in range(microbatches):
-            x = xs[i] if s == 0 else held.pop((s - 1, i), None)
+            x = inputs.chunk(microbatches)[i] if s == 0 else held.pop((s - 1, i), None)
             if x is None:  # from another rank: one microbatch's hidden states, in fp32
                 x = torch.empty(hidden_shape, device=stage.device)
                 dist.recv(x, peer(s - 1))
             out = stage.submod(x)
             if s == stage.num_stages - 1:
-                losses.append(loss_fn(out, ys[i]))
+                losses.append(loss_fn(out, targets.chunk(microbatches)[i]))
             elif peer(s + 1) == dist.get_rank():
                 held[s, i] = out
             else:
@@ -549,27 +518,22 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def summary(env: Env, step_times: list[float], tokens_per_step: int, config, args, metrics, sent: int) -> None:
-    """Collective: every rank's peak memory and the bytes it sent to other stages a step, printed with the step
-    time and MFU, and written to --metrics."""
-    ranks = [None] * env.world_size
-    dist.all_gather_object(ranks, (torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else
-                                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
-                                   sent / max(1, len(step_times))))
+def summary(env: Env, step_times: list[float], tokens_per_step: int, config, args, metrics) -> None:
+    """Collective: every rank's peak memory, printed with the step time, tokens/s and MFU, and written to --metrics."""
+    peaks = [None] * env.world_size
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else
+                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
     if metrics is None or not step_times:
         return
     steady = sorted(step_times[1:] or step_times)  # the first step pays one-time costs
     row = {"steps": len(step_times), "median_step_time": steady[len(steady) // 2],
-           "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
-           "peak_memory_bytes_per_rank": [peak for peak, _ in ranks], "sent_bytes_per_rank": [b for _, b in ranks]}
+           "tokens_per_s": tokens_per_step * len(steady) / sum(steady), "peak_memory_bytes_per_rank": peaks}
     row["mfu"] = mfu(row["tokens_per_s"], config, args.seq_len, env.device, env.world_size)
     metrics.write({"summary": row})
     utilization = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
-    mib = lambda values: ", ".join(f"{b / 2**20:.3g}" for b in values)  # noqa: E731
     print(f"done: {row['steps']} steps, median step {row['median_step_time'] * 1e3:.0f} ms, {row['tokens_per_s']:.0f} "
           f"tokens/s{utilization}; per rank, peak memory ({env.device.type}, MiB): "
-          f"{mib(row['peak_memory_bytes_per_rank'])}; sent to other stages a step (MiB): "
-          f"{mib(row['sent_bytes_per_rank'])}", flush=True)
+          f"{', '.join(f'{b / 2**20:.3g}' for b in peaks)}", flush=True)
 
 
 if __name__ == "__main__":
