@@ -1,7 +1,7 @@
 """The Llama model every script of this collection trains, and what is about the model: its presets, its
-Hugging Face config and tensor names, what each piece costs, how its layers are cut into pipeline stages,
-activation checkpointing, compilation and tensor parallelism per layer, the loss in chunks, and a tied
-embedding's two copies kept equal across stages.
+Hugging Face config and tensor names, what each piece costs, how its layers are cut into pipeline stages, how
+a stage is parallelized (tensor parallelism, activation checkpointing, compile, FSDP2), the loss in chunks, and a
+tied embedding's two copies kept equal across stages.
 
 The math and the parameter names are Hugging Face Llama's (``model.`` is called ``base_model.`` here), so
 weights move between the two by renaming one prefix. Three properties make it easy to split into pipeline
@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
@@ -677,6 +678,26 @@ def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool
 
 
 SHARD_OUT = {"output_layouts": Shard(1)}  # a row-wise layer's partial sums reduce-scattered by sequence
+
+
+def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_parallel: bool = True,
+                activation_checkpointing: bool = False, compile: bool = False) -> None:
+    """A rank's stage modules, in place, in torchtitan's order: tensor parallelism over mesh["tp"], activation
+    checkpointing, compile, then FSDP2 over mesh["dp"] (each decoder layer, then each stage's root, gathered and
+    reduced as one unit). dtype: of the computation; weights, their gradients' reduction and the outputs fp32."""
+    for module in modules:
+        tensor_parallel(module, mesh["tp"], sequence_parallel)
+    if activation_checkpointing:
+        checkpoint_layers(modules)
+    if compile:
+        compile_layers(modules)
+    if mesh["dp"].size() > 1:
+        # reshard_after_forward=False: a stage runs forward once per microbatch, and gathering its parameters
+        # again for each would multiply the all-gathers by the microbatches (torchtitan's choice too). bf16:
+        # parameters gathered in bf16, gradients reduced in fp32; a stage still gives out fp32 (as with dp 1).
+        for module in decoder_layers(modules) + modules:
+            fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=MixedPrecisionPolicy(
+                dtype, torch.float32, torch.float32 if module in modules else None))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ Nine sections, each under a "# ---" line: 1 helpers, 2 model.py, 3 data, 4 parit
 5 checkpoints and runs, 6 Hugging Face, 7 planning, 8 tools (benchmark.py, run.sh), 9 bad input and templates.
 """
 
-import argparse
 import ast
 import contextlib
 import dataclasses
@@ -317,15 +316,12 @@ def start_group(rank: int, world_size: int, store_path: str, pp: int | None = No
     return init_device_mesh("cpu", (pp or world_size // (dp * tp), dp, tp), mesh_dim_names=("pp", "dp", "tp"))
 
 
-NO_EXTRAS = argparse.Namespace(activation_checkpointing=False, compile=False, sequence_parallel=True)  # defaults
-
-
 def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape: tuple, microbatches: int,
                      chunks: int = 8, seed: int = 11):
     """The GPipe script's split and schedule of these stages, as its main builds them: (the rank's model, its
     PipelineStages, the schedule, the loss)."""
     modules = [gpipe.build_stage(config, s, layers, torch.device("cpu"), seed) for s in stages]
-    gpipe.parallelize(modules, mesh, NO_EXTRAS, torch.float32)
+    model_module.parallelize(modules, mesh, torch.float32)
     shards = mesh["tp"].size()  # sequence parallelism, as the scripts' default: each tp rank 1/tp of the positions
     built = [PipelineStage(module, s, len(layers), torch.device("cpu"), group=mesh.get_group("pp"),
                            **gpipe.stage_io(config, s, shape, shards)) for module, s in zip(modules, stages)]
@@ -337,7 +333,7 @@ def traced_pipeline(config, name: str, stages: list, layers: list, mesh, shape: 
                     chunks: int = 8, seed: int = 11):
     """The same, as the tracer script builds it."""
     modules, pipe = tracer.build_traced_stages(config, stages, layers, shape, torch.device("cpu"), seed)
-    tracer.parallelize(modules, mesh, NO_EXTRAS, torch.float32)
+    model_module.parallelize(modules, mesh, torch.float32)
     built = [tracer.build_stage(pipe, s, torch.device("cpu"), mesh.get_group("pp")) for s in stages]
     schedule, loss_fn = tracer.make_schedule(name, built, microbatches, chunks, 1)
     return model_module.merged_stages(modules), built, schedule, loss_fn
@@ -1265,7 +1261,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                 partition = manual.partition_model(model, pp_rank, pp, group=mesh.get_group("pp"))
                 model.to_empty(device="cpu")
                 model.init_weights(11)
-                manual.parallelize([model], mesh, NO_EXTRAS, torch.float32)
+                model_module.parallelize([model], mesh, torch.float32)
                 partition.sequence_shards = tp  # sequence parallelism with tp > 1, as the scripts' default
                 modules = [model]
             initial = {n: t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()

@@ -27,15 +27,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import tqdm
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import record_function
 
 import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
-from model import (PRESETS, LlamaForPretraining, TiedEmbedding, checkpoint_layers, chunked_loss, clip_grad_norm_,
-                   compile_layers, config_from_preset, decoder_layers, describe_layout, estimated_costs, even,
-                   layout, loss_chunks, mfu, tensor_parallel)
+from model import (PRESETS, LlamaForPretraining, TiedEmbedding, chunked_loss, clip_grad_norm_, config_from_preset,
+                   describe_layout, estimated_costs, even, layout, loss_chunks, mfu, parallelize)
 
 # ----------------------------------------------------------------------------------------------------------
 # Flags: the same names and meanings in every script of the collection
@@ -123,7 +122,8 @@ def main(args):
     if pp == 1:  # embedding and head in one stage: one tensor if tied (else TiedEmbedding)
         model.tie_weights()
     model.init_weights(args.seed)
-    parallelize([model], mesh, args, env.dtype)
+    parallelize([model], mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing,
+                args.compile)
     partition.sequence_shards = shards
 
     # --- the schedule: AFAB or 1F1B by hand, over send/recv between the pipeline ranks of this replica
@@ -441,24 +441,6 @@ def loss_fn(partition: Partition, hidden: torch.Tensor, targets: torch.Tensor, c
     if partition.pad_id is not None:  # a Hugging Face model's padding, if it has any
         targets = targets.masked_fill(targets == partition.pad_id, -100)
     return chunked_loss(partition.head, hidden, targets, chunks, partition.sequence_shards)
-
-
-def parallelize(modules: list, mesh, args, dtype: torch.dtype) -> None:
-    """In place, in torchtitan's order: tensor parallelism, activation checkpointing, compile, then FSDP2 over
-    the stage's replicas (each decoder layer, then each stage's root, gathered and reduced as one unit)."""
-    for module in modules:
-        tensor_parallel(module, mesh["tp"], args.sequence_parallel)
-    if args.activation_checkpointing:
-        checkpoint_layers(modules)
-    if args.compile:
-        compile_layers(modules)
-    if mesh["dp"].size() > 1:
-        # reshard_after_forward=False: a stage runs forward once per microbatch, and gathering its parameters
-        # again for each would multiply the all-gathers by the microbatches (torchtitan's choice too). bf16:
-        # parameters gathered in bf16, gradients reduced in fp32; a stage still gives out fp32 (as with dp 1).
-        for module in decoder_layers(modules) + modules:
-            fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=MixedPrecisionPolicy(
-                dtype, torch.float32, torch.float32 if module in modules else None))
 
 
 # ----------------------------------------------------------------------------------------------------------

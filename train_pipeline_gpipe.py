@@ -1,5 +1,4 @@
-"""Pretrain a Llama model split across processes with torch.distributed.pipelining: GPipe by default, and every
-other schedule torch ships.
+"""Pretrain a Llama model split across processes by torch.distributed.pipelining: GPipe or any schedule it ships.
 
     python prepare_data.py                                         # once: tokenize the default data into data/
     torchrun --nproc_per_node 3 train_pipeline_gpipe.py            # 3 stages; tiny model on CPU, small on GPUs
@@ -27,7 +26,7 @@ import torch
 import torch.distributed as dist
 import tqdm
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble)
@@ -35,9 +34,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
-from model import (PRESETS, LlamaForPretraining, TiedEmbedding, checkpoint_layers, chunked_loss, clip_grad_norm_,
-                   compile_layers, config_from_preset, decoder_layers, describe_layout, estimated_costs, layout,
-                   loss_chunks, merged_stages, mfu, tensor_parallel)
+from model import (PRESETS, LlamaForPretraining, TiedEmbedding, chunked_loss, clip_grad_norm_, config_from_preset,
+                   describe_layout, estimated_costs, layout, loss_chunks, merged_stages, mfu, parallelize)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
              "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
@@ -127,7 +125,8 @@ def main(args):
 
     # --- the split: this rank's stages, then tensor parallelism, checkpointing, compile, FSDP2
     modules = [build_stage(config, s, layers, env.device, args.seed) for s in stages]
-    parallelize(modules, mesh, args, env.dtype)
+    parallelize(modules, mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing,
+                args.compile)
     model = merged_stages(modules)  # the rank's parameters, for the optimizer and checkpoints
 
     # --- the schedule: a PipelineStage per stage, talking to the same tp rank of the other pipeline ranks
@@ -401,28 +400,9 @@ def build_stage(config, stage: int, layers: list[range], device: torch.device, s
     return model
 
 
-def parallelize(modules: list, mesh, args, dtype: torch.dtype) -> None:
-    """In place, in torchtitan's order: tensor parallelism, activation checkpointing, compile, then FSDP2 over
-    the stage's replicas (each decoder layer, then each stage's root, gathered and reduced as one unit)."""
-    for module in modules:
-        tensor_parallel(module, mesh["tp"], args.sequence_parallel)
-    if args.activation_checkpointing:
-        checkpoint_layers(modules)
-    if args.compile:
-        compile_layers(modules)
-    if mesh["dp"].size() > 1:
-        # reshard_after_forward=False: a stage runs forward once per microbatch, and gathering its parameters
-        # again for each would multiply the all-gathers by the microbatches (torchtitan's choice too). bf16:
-        # parameters gathered in bf16, gradients reduced in fp32; a stage still gives out fp32 (as with dp 1).
-        for module in decoder_layers(modules) + modules:
-            fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=MixedPrecisionPolicy(
-                dtype, torch.float32, torch.float32 if module in modules else None))
-
-
 def stage_io(config, stage: int, microbatch: tuple[int, int], shards: int) -> dict:
-    """A stage's input and output for one microbatch as meta tensors (token ids into the first, else fp32 hidden
-    states: with sequence parallelism this tp rank's 1/shards of the positions). Declared: torch 2.13 infers
-    them by running a microbatch, and stage 0 never frees its activations."""
+    """A stage's meta input and output for one microbatch: token ids into the first, else fp32 hidden states (this
+    tp rank's 1/shards of the positions). Declared: torch 2.13 infers them from a microbatch stage 0 never frees."""
     hidden = torch.empty(microbatch[0], microbatch[1] // shards, config.hidden_size, device="meta", requires_grad=True)
     return {"input_args": torch.empty(microbatch, dtype=torch.long, device="meta") if stage == 0 else hidden,
             "output_args": hidden}

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import tqdm
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS, ScheduleZBVZeroBubble, SplitPoint, pipeline)
@@ -35,9 +35,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
-from model import (PRESETS, LlamaForPretraining, TiedEmbedding, checkpoint_layers, chunked_loss, clip_grad_norm_,
-                   compile_layers, config_from_preset, decoder_layers, describe_layout, estimated_costs,
-                   init_tensor_, layout, loss_chunks, merged_stages, mfu)
+from model import (PRESETS, LlamaForPretraining, TiedEmbedding, chunked_loss, clip_grad_norm_, config_from_preset,
+                   describe_layout, estimated_costs, init_tensor_, layout, loss_chunks, merged_stages, mfu, parallelize)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
              "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
@@ -128,7 +127,8 @@ def main(args):
     # --- the split: the whole model traced, this rank's stages built, then checkpointing, compile, FSDP2
     started = time.perf_counter()
     modules, pipe = build_traced_stages(config, stages, layers, microbatch, env.device, args.seed)
-    parallelize(modules, mesh, args, env.dtype)
+    parallelize(modules, mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing,
+                args.compile)
     model = merged_stages(modules)  # the rank's parameters, for the optimizer and checkpoints
 
     # --- the schedule: a traced stage per stage, talking to the other pipeline ranks of this replica
@@ -447,23 +447,6 @@ def trace(model: torch.nn.Module, example: torch.Tensor, split_points: dict[str,
     if missing := set(full_name.values()) - holders.keys():
         raise RuntimeError(f"no stage holds {sorted(missing)}")
     return pipe
-
-
-def parallelize(modules: list, mesh, args, dtype: torch.dtype) -> None:
-    """In place, in torchtitan's order: activation checkpointing, compile, then FSDP2 over the stage's replicas
-    (each decoder layer, then each stage's root, gathered and reduced as one unit). The traced layers keep their
-    names (base_model.layers.K)."""
-    if args.activation_checkpointing:
-        checkpoint_layers(modules)
-    if args.compile:
-        compile_layers(modules)
-    if mesh["dp"].size() > 1:
-        # reshard_after_forward=False: a stage runs forward once per microbatch, and gathering its parameters
-        # again for each would multiply the all-gathers by the microbatches (torchtitan's choice too). bf16:
-        # parameters gathered in bf16, gradients reduced in fp32; a stage still gives out fp32 (as with dp 1).
-        for module in decoder_layers(modules) + modules:
-            fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=MixedPrecisionPolicy(
-                dtype, torch.float32, torch.float32 if module in modules else None))
 
 
 def build_stage(pipe, stage: int, device: torch.device, group):
