@@ -200,11 +200,10 @@ def check_run(args, rank: int, restart: int, data_id: str) -> None:
     the lock on rank 0. Resuming, args.init_from becomes the one the run recorded."""
     with collective_errors():  # 1. nothing written yet: is every path usable?
         check_apart(args)
-        check_output_dir("--checkpoint-dir", args.checkpoint_dir)
-        if args.metrics:
-            check_output_file("--metrics", args.metrics)
-        if args.trace:
-            check_output_dir("--trace", args.trace)
+        for flag, path, directory in (("--checkpoint-dir", args.checkpoint_dir, True),
+                                      ("--metrics", args.metrics, False), ("--trace", args.trace, True)):
+            if path:
+                check_output(flag, path, directory)
     token = [None]
     # torchrun's restart count differs between nodes (one that came back starts at 0); the first node's, the
     # highest, grows with every attempt of the job, so an earlier attempt's lock always holds a lower one.
@@ -230,29 +229,18 @@ def check_apart(args) -> None:
                              f"{args.data}; choose a {flag} apart from the data")
 
 
-def check_output_dir(flag: str, path: str) -> None:
-    if os.path.isdir(path):
-        if not os.access(path, os.W_OK | os.X_OK):
-            reason = "read-only file system" if os.statvfs(path).f_flag & os.ST_RDONLY else "permission denied"
-            raise UsageError(f"{flag} {path}: cannot write there ({reason}); choose another {flag}")
-    elif os.path.lexists(path):
-        raise UsageError(f"{flag} {path}: is a file, not a directory; choose another {flag}")
-    else:
-        _check_creatable(flag, path)
-
-
-def check_output_file(flag: str, path: str) -> None:
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: is a directory; give a file name")
+def check_output(flag: str, path: str, directory: bool) -> None:
+    """path (a directory, or a file) can be written, or created: its nearest existing ancestor takes entries."""
     if os.path.lexists(path):
-        if not os.access(path, os.W_OK):
-            raise UsageError(f"{flag} {path}: cannot be written (permission denied); choose another {flag}")
-    else:
-        _check_creatable(flag, path)
-
-
-def _check_creatable(flag: str, path: str) -> None:
-    """path does not exist yet: its nearest existing ancestor must be a directory we may create entries in."""
+        if directory and not os.path.isdir(path):
+            raise UsageError(f"{flag} {path}: is a file, not a directory; choose another {flag}")
+        if not directory and os.path.isdir(path):
+            raise UsageError(f"{flag} {path}: is a directory; give a file name")
+        if not os.access(path, (os.W_OK | os.X_OK) if directory else os.W_OK):
+            read_only = os.path.exists(path) and os.statvfs(path).f_flag & os.ST_RDONLY
+            reason = "read-only file system" if read_only else "permission denied"
+            raise UsageError(f"{flag} {path}: cannot write there ({reason}); choose another {flag}")
+        return
     ancestor = os.path.abspath(path)
     while not os.path.lexists(ancestor):
         ancestor = os.path.dirname(ancestor)
@@ -269,8 +257,7 @@ def _check_creatable(flag: str, path: str) -> None:
 def probe_directory(flag: str, path: str, lock_token: str) -> None:
     """path is the directory rank 0 locked (a filesystem every node shares), and a file can be written, fsynced,
     renamed and removed there, as a save does."""
-    held = _read_lock(os.path.join(path, LOCK_NAME)) if os.path.isdir(path) else None
-    if held is None or held.get("token") != lock_token:
+    if (_read_lock(os.path.join(path, LOCK_NAME)) or {}).get("token") != lock_token:
         raise UsageError(f"{flag} {path}: this node does not see the directory rank 0 locked; with several nodes "
                          f"{flag} must be on a filesystem they all share")
     name = os.path.join(path, f".probe-{socket.gethostname()}-{os.getpid()}")
@@ -280,8 +267,7 @@ def probe_directory(flag: str, path: str, lock_token: str) -> None:
         os.remove(name)
     except OSError as e:
         for leftover in (name + ".tmp", name):
-            if os.path.exists(leftover):
-                os.remove(leftover)
+            _remove(leftover)
         raise UsageError(f"{flag} {path}: cannot write a file there ({root_cause(e)}); choose another {flag}")
 
 
@@ -301,7 +287,8 @@ class RunLock:
     def __init__(self, path: str, holder: dict, created_dir: bool):
         self.path, self.holder, self.created_dir = path, holder, created_dir
         self._stop = threading.Event()
-        self._heartbeat = threading.Thread(target=self._beat, daemon=True)
+        threading.Thread(target=self._beat, daemon=True).start()
+        atexit.register(self.release)
 
     @classmethod
     def acquire(cls, directory: str, restart: int = 0) -> "RunLock":
@@ -316,34 +303,24 @@ class RunLock:
               "restart": restart, "token": uuid.uuid4().hex}
         for _ in range(3):
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                _write_synced(path, json.dumps(me), exclusive=True)
+                return cls(path, me, created)
             except FileExistsError:
                 holder = _read_lock(path)
-                if not _stale(holder, me, path):
-                    who = (f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
-                           if holder else "a run that is starting")
-                    raise UsageError(f"--checkpoint-dir {directory}: another run is using it ({who}); wait for "
-                                     f"it to finish or choose another --checkpoint-dir (if that run is gone, "
-                                     f"delete {path})") from None
-                try:  # moved away atomically: of two runs taking a stale lock over, only one rename succeeds
-                    os.rename(path, f"{path}.stale-{me['token']}")
-                    os.remove(f"{path}.stale-{me['token']}")
-                except FileNotFoundError:
-                    pass  # another run took it over first; the next attempt finds its lock
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-                f.flush()
-                os.fsync(f.fileno())
-            lock = cls(path, me, created)
-            lock._heartbeat.start()
-            atexit.register(lock.release)
-            return lock
+            if not _stale(holder, me, path):
+                who = (f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
+                       if holder else "a run that is starting")
+                raise UsageError(f"--checkpoint-dir {directory}: another run is using it ({who}); wait for it to "
+                                 f"finish or choose another --checkpoint-dir (if that run is gone, delete {path})")
+            try:  # moved away atomically: of two runs taking a stale lock over, only one rename succeeds
+                os.rename(path, f"{path}.stale-{me['token']}")
+                os.remove(f"{path}.stale-{me['token']}")
+            except FileNotFoundError:
+                pass  # another run took it over first; the next attempt finds its lock
         raise UsageError(f"--checkpoint-dir {directory}: another run took {path} just now")
 
     def _mine(self) -> bool:
-        held = _read_lock(self.path)
-        return held is not None and held.get("token") == self.holder["token"]
+        return (_read_lock(self.path) or {}).get("token") == self.holder["token"]
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_SECONDS):
@@ -385,9 +362,16 @@ def _stale(holder: dict | None, me: dict, path: str) -> bool:
         return age > STALE_SECONDS
     if holder.get("run_id") and holder.get("run_id") == me["run_id"] and holder.get("restart", 0) < me["restart"]:
         return True  # an earlier attempt of this torchrun job, which torchrun stopped before restarting it
-    if holder["host"] == me["host"]:
-        return not _alive(holder["pid"], holder.get("pid_started"))
-    return age > STALE_SECONDS
+    if holder["host"] != me["host"]:
+        return age > STALE_SECONDS
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # exists, another user's
+    started = holder.get("pid_started")  # a reused pid is another process: its start time differs
+    return started is not None and _process_start(holder["pid"]) not in (None, started)
 
 
 def _process_start(pid: int) -> str | None:
@@ -397,16 +381,6 @@ def _process_start(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return None
-
-
-def _alive(pid: int, started: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, another user's
-    return started is None or _process_start(pid) in (None, started)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -731,8 +705,8 @@ def root_cause(e: BaseException) -> str:
     return text[0][:200] if text else type(e).__name__
 
 
-def _write_synced(path: str, text: str) -> None:
-    with open(path, "w") as f:
+def _write_synced(path: str, text: str, exclusive: bool = False) -> None:
+    with open(path, "x" if exclusive else "w") as f:  # exclusive: FileExistsError if path exists
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
