@@ -636,9 +636,12 @@ def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int
         layers = sorted({int(k.split(".")[2]) for k in state["model"] if k.startswith("base_model.layers.")})
         layout = [None] * dist.get_world_size()  # which layers each rank held, for meta.json
         dist.all_gather_object(layout, layers)
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
         with collective_errors(), _save_errors(tmp):  # DCP itself raises on every rank if a rank failed
             dcp.save(state, checkpoint_id=tmp)  # writes and fsyncs this rank's shard
-            torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
+            torch.save(rng, os.path.join(tmp, "rng", f"rank{rank}.pt"))
         with collective_errors(), _save_errors(tmp):  # every shard is on disk: the checkpoint may become visible
             if rank == 0:
                 for name in TOKENIZER_FILES if tokenizer_dir else ():
@@ -663,14 +666,6 @@ def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int
             _remove(old)
     dist.barrier()
     return final
-
-
-def _remove(path: str) -> None:
-    """Remove a file, a link (never what it points to) or a directory, if there."""
-    if os.path.islink(path) or os.path.isfile(path):
-        os.remove(path)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -705,6 +700,14 @@ def root_cause(e: BaseException) -> str:
     return text[0][:200] if text else type(e).__name__
 
 
+def _remove(path: str) -> None:
+    """Remove a file, a link (never what it points to) or a directory, if there."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.remove(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _write_synced(path: str, text: str, exclusive: bool = False) -> None:
     with open(path, "x" if exclusive else "w") as f:  # exclusive: FileExistsError if path exists
         f.write(text)
@@ -730,21 +733,6 @@ def _tied_name(key: str) -> str:
         if key == prefix + HEAD or key.startswith(prefix + HEAD + "."):
             return prefix + EMBED + key[len(prefix + HEAD):]
     return key
-
-
-def _set_state(model, optimizer, state: dict, saved_as: dict) -> None:
-    """Hand a loaded state back to the model and optimizer under their own names."""
-    restored = {part: {key: state[part][name] for key, name in names.items()} for part, names in saved_as.items()}
-    set_model_state_dict(model, restored["model"], options=_OPTIONS)
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, restored["optim"], options=_OPTIONS)
-
-
-def _rng_state() -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -777,20 +765,14 @@ def open_untrusted(path: str, name: str):
                          "refusing to read it") from None
 
 
-def load(path: str, model, optimizer, config: LlamaConfig, rank: int, world_size: int) -> dict:
-    """Load this rank's stages, AdamW state and RNG from the checkpoint at path (verified, of this run),
-    collectively. Returns its meta.json."""
-    meta = read_meta(path)
+def load_state(path: str, model, optimizer, config: LlamaConfig) -> None:
+    """This rank's model (and AdamW) state from the checkpoint at path, verified. Collective."""
     state, saved_as = state_dicts(model, optimizer, config)
     load_dcp(state, path)
-    _set_state(model, optimizer, state, saved_as)
-    if meta.get("world_size") == world_size:  # RNG streams belong to ranks; another layout starts new ones
-        with collective_errors(), open_untrusted(path, f"rng/rank{rank}.pt"):
-            rng = torch.load(os.path.join(path, "rng", f"rank{rank}.pt"), weights_only=True)  # data, never code
-            torch.set_rng_state(rng["cpu"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng["cuda"])
-    return meta
+    restored = {part: {key: state[part][name] for key, name in names.items()} for part, names in saved_as.items()}
+    set_model_state_dict(model, restored["model"], options=_OPTIONS)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, restored["optim"], options=_OPTIONS)
 
 
 def load_dcp(state: dict, path: str, no_dist: bool = False) -> None:
@@ -875,14 +857,13 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 def load_weights(source: str, model, config: LlamaConfig) -> str:
     """Only the model's weights, each rank its own stage's (with FSDP, its shard), from a Hugging Face directory
     or one of this project's checkpoints. Collective. Returns the path read."""
+    hf = is_hf_dir(source)
     with collective_errors():
-        path = source if is_hf_dir(source) else resolve(source, "--init-from")
-        if not is_hf_dir(path):
+        path = source if hf else resolve(source, "--init-from")
+        if not hf:
             verify_files(path, read_meta(path, "--init-from"))
-    if not is_hf_dir(path):
-        state, saved_as = state_dicts(model, None, config)
-        load_dcp(state, path)
-        _set_state(model, None, state, saved_as)
+    if not hf:
+        load_state(path, model, None, config)
         return path
     # HuggingFaceStorageReader reads only the requested tensors (slices, for FSDP's shards) from the
     # memory-mapped safetensors files and casts them to the model's dtype.
@@ -964,18 +945,6 @@ def check_same_run(args, path: str, data_id: str, config: LlamaConfig | None = N
     return meta
 
 
-def set_aside(checkpoint_dir: str) -> str | None:
-    """Move what checkpoint_dir holds, but the run's lock, into DIR.previous-TIME (--fresh): nothing is deleted."""
-    entries = [n for n in os.listdir(checkpoint_dir) if n != LOCK_NAME] if os.path.isdir(checkpoint_dir) else []
-    if not entries:
-        return None
-    aside = f"{checkpoint_dir.rstrip(os.sep)}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
-    os.makedirs(aside)
-    for name in entries:
-        os.replace(os.path.join(checkpoint_dir, name), os.path.join(aside, name))
-    return aside
-
-
 def resume(args, rank: int, world_size: int, model, optimizer, config: LlamaConfig, data_id: str,
            say=print) -> tuple[int, dict | None]:
     """Continue the run in --checkpoint-dir exactly (--fresh: move its checkpoints aside first; nothing to
@@ -984,13 +953,7 @@ def resume(args, rank: int, world_size: int, model, optimizer, config: LlamaConf
     if args.fresh:
         with collective_errors():
             if rank == 0:
-                try:
-                    aside = set_aside(args.checkpoint_dir)
-                except OSError as e:
-                    raise UsageError(f"--fresh: cannot move the checkpoints in {args.checkpoint_dir} aside "
-                                     f"({e.strerror})") from None
-                if aside:
-                    say(f"--fresh: moved the previous checkpoints to {aside}", flush=True)
+                _set_aside(args.checkpoint_dir, say)
     path = resuming(args)
     if path is None:
         if args.init_from is not None:
@@ -1004,16 +967,36 @@ def resume(args, rank: int, world_size: int, model, optimizer, config: LlamaConf
     if meta["step"] >= args.steps > 0:
         say(f"{path} is step {meta['step']}: --steps {args.steps} are done, nothing to train", flush=True)
         return meta["step"], None
-    load(path, model, optimizer, config, rank, world_size)
+    load_state(path, model, optimizer, config)
+    if meta.get("world_size") == world_size:  # RNG streams belong to ranks; another layout starts new ones
+        with collective_errors(), open_untrusted(path, f"rng/rank{rank}.pt"):
+            rng = torch.load(os.path.join(path, "rng", f"rank{rank}.pt"), weights_only=True)  # data, never code
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
     say(f"resumed from {path} at step {meta['step']} (saved by {meta['world_size']} process(es))"
         if args.steps else f"evaluating {path} (step {meta['step']})", flush=True)
     return meta["step"], meta["data"]
 
 
+def _set_aside(checkpoint_dir: str, say) -> None:
+    """--fresh: move what checkpoint_dir holds, but the run's lock, into DIR.previous-TIME; nothing is deleted."""
+    entries = [n for n in os.listdir(checkpoint_dir) if n != LOCK_NAME] if os.path.isdir(checkpoint_dir) else []
+    if not entries:
+        return
+    aside = f"{checkpoint_dir.rstrip(os.sep)}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        os.makedirs(aside)
+        for name in entries:
+            os.replace(os.path.join(checkpoint_dir, name), os.path.join(aside, name))
+    except OSError as e:
+        raise UsageError(f"--fresh: cannot move the checkpoints in {checkpoint_dir} aside ({e.strerror})") from None
+    say(f"--fresh: moved the previous checkpoints to {aside}", flush=True)
+
+
 def save_if_due(args, rank: int, step: int, model, optimizer, config: LlamaConfig, data_id: str,
                 data_position: dict, stopping: bool = False) -> str | None:
-    """Save after every --checkpoint-every steps, at the end of the run, and when it stops early; return the path
-    if it saved."""
+    """Save every --checkpoint-every steps, at the end of the run, and when it stops early: the path, if saved."""
     if step != args.steps and not stopping and not (args.checkpoint_every and step % args.checkpoint_every == 0):
         return None
     meta = {"config": dataclasses.asdict(config), "run": run_identity(args, data_id), "data": data_position,
