@@ -1,18 +1,12 @@
-"""What every training script needs about files and runs: one-line errors (the same on every rank), the argparse
-helpers, the checks of the paths a run writes, the run lock, the prepared data and --metrics, which model a run
-trains, and distributed checkpoints (DCP): saving, finding, verifying, loading, --init-from and exact resume.
+"""What a training script needs besides the model: one-line errors (the same on every rank), argparse helpers,
+the checks and the lock of the paths a run writes, the prepared data and --metrics, which model a run trains, and
+distributed checkpoints (DCP): saving, verifying, loading, --init-from and exact resume. A --checkpoint-dir holds:
 
-Each rank saves only its own stages, under the full model's parameter names, so a checkpoint loads into any
-layout. A --checkpoint-dir holds:
-
-    step-00000100/         a complete checkpoint
-        __0_0.distcp ...   DCP shards: model and AdamW state of every stage, keyed by parameter name
-        .metadata          DCP's index of the shards
-        rng/rank0.pt ...   each rank's RNG states (restored when the number of processes is unchanged)
-        tokenizer.json     the data's tokenizer (and tokenizer_config.json), so an export is self-contained
-        meta.json          step, data position, model config, run flags, layout, file sizes; written last
-    step-00000200.tmp/     a save in progress, renamed to step-00000200 once complete
-    run.lock               held by the run using the directory
+    step-00000100/      a checkpoint: DCP's shards and .metadata (model and AdamW state of each rank's stages, under
+                        the full model's names: it loads into any layout), rng/rank*.pt, the data's tokenizer files,
+                        meta.json (step, data position, config, run flags, layout, file sizes; written last)
+    step-00000200.tmp/  a save in progress, renamed to step-00000200 once complete
+    run.lock            held by the run using the directory
 """
 
 import argparse
@@ -45,8 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
-from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader, metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -71,8 +64,15 @@ class UsageError(Exception):
         self.on_every_rank = on_every_rank
 
 
+def max_over_ranks(value: int) -> int:
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    value = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
 @contextlib.contextmanager
-def collective_errors(group=None):
+def collective_errors():
     """Run a block on every rank; a UsageError on any rank is raised on every rank, so no rank waits for a peer
     that stopped. The block must not start a collective that a failing rank would skip."""
     error = None
@@ -80,13 +80,10 @@ def collective_errors(group=None):
         yield
     except UsageError as e:
         error = e
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    failed = torch.tensor([error is not None], dtype=torch.int32, device=device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-    if not failed.item():
+    if not max_over_ranks(error is not None):
         return
-    messages = [None] * dist.get_world_size(group)
-    dist.all_gather_object(messages, None if error is None else str(error), group=group)
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else str(error))
     found = [rank for rank, message in enumerate(messages) if message is not None]
     message = messages[found[0]]
     if len(found) < len(messages):  # say where, when only some ranks (nodes) have the problem
@@ -97,18 +94,17 @@ def collective_errors(group=None):
 def run(main, args) -> None:
     """main(args), an error a user can cause as one line on stderr (exit status 1), always torn down. SIGTERM and
     Ctrl-C ask the run to stop after its step (see stop_requested); a second one stops it at once."""
-    status = 0
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _asked_to_stop)
+    status = 1
     try:
         main(args)
+        status = 0
     except UsageError as e:  # an error every rank raised is printed once per node
         if not e.on_every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        status = 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
-        status = 1
     except (dist.DistError, RuntimeError) as e:
         # gloo reports a dead or hung peer as a RuntimeError of its transport, NCCL as a DistError. This rank
         # cannot tell whether the peer died or stopped on an error of its own, so say both.
@@ -118,13 +114,10 @@ def run(main, args) -> None:
         print(f"error: lost contact with another rank ({(str(e).strip() or type(e).__name__).splitlines()[0][:300]}"
               "); if another rank printed an error above, that is the cause; otherwise rerun the same command, or "
               "launch with torchrun --max-restarts N, to resume from the newest checkpoint", file=sys.stderr)
-        status = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    # torch 2.13: process groups freed at interpreter shutdown (the failed main's frames hold the mesh) can abort
-    # with "terminate called without an active exception" (exit -6); free them here.
-    gc.collect()
+    gc.collect()  # torch 2.13: process groups freed at interpreter exit (held by main's frames) can abort (-6)
     sys.exit(status)
 
 
@@ -145,13 +138,6 @@ def stop_requested() -> str | None:
     """Collective, once a step: the signal that asked any rank to stop (SLURM's preemption, torchrun stopping the
     job, Ctrl-C), or None. Every rank gets the same answer, so all stop after the same step and none waits."""
     return (_STOP["signal"] or "a signal on another rank") if max_over_ranks(_STOP["signal"] is not None) else None
-
-
-def max_over_ranks(value: int) -> int:
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    value = torch.tensor([int(value)], dtype=torch.int64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return int(value.item())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -393,11 +379,6 @@ def read_data_meta(directory: str) -> dict:
     try:
         with open(os.path.join(directory, "meta.json")) as f:
             meta = json.load(f)
-    except OSError:
-        raise UsageError(f"--data {directory}: no data prepared there; run {prepare} first (see its --help)") from None
-    except ValueError as e:
-        raise UsageError(f"--data {directory}: its meta.json is damaged ({e}); prepare it again: {prepare}") from None
-    try:
         for split in ("train", "val"):
             for name, tokens in zip(meta[split]["files"], meta[split]["tokens"], strict=True):
                 path, expected = os.path.join(directory, name), tokens * np.dtype(meta["dtype"]).itemsize
@@ -405,7 +386,9 @@ def read_data_meta(directory: str) -> dict:
                     found = f"has {os.path.getsize(path):,} bytes" if os.path.isfile(path) else "is missing"
                     raise UsageError(f"--data {directory}: {name} {found}, meta.json says {expected:,}; the data "
                                      f"is incomplete or damaged, prepare it again: {prepare}")
-    except (KeyError, TypeError, ValueError) as e:
+    except OSError:
+        raise UsageError(f"--data {directory}: no data prepared there; run {prepare} first (see its --help)") from None
+    except (KeyError, TypeError, ValueError) as e:  # not JSON, or not the JSON prepare_data.py writes
         raise UsageError(f"--data {directory}: its meta.json is damaged ({type(e).__name__}: {e}); prepare it "
                          f"again: {prepare}") from None
     return meta
@@ -445,11 +428,9 @@ class Metrics:
 # A run that torchrun restarted with more or fewer processes: the same run at a layout that fits them
 
 def relayout(args, world_size: int) -> str | None:
-    """When this torchrun job saved the newest checkpoint on another number of processes (a node lost or back,
-    and torchrun restarted it), set args.dp for a layout of the same run that fits them: --tp kept, the
-    pipeline's ranks kept while the processes allow (fewer or more replicas), else fewer; the global batch,
-    data order and schedule unchanged. Returns the line to print, or None. None fits: a UsageError.
-    Decided from the checkpoint and the job's id alone, so every rank of every node decides the same."""
+    """When this torchrun job saved the newest checkpoint on another number of processes, set args.dp for a
+    layout of the same run that fits them (--tp kept; the pipeline too while it fits, else fewer stages) and
+    return the line to print. Decided from the checkpoint and the job's id alone: every rank decides the same."""
     job = os.environ.get("TORCHELASTIC_RUN_ID")
     path = resuming(args) if job else None
     meta = read_meta(path) if path else {}
@@ -482,8 +463,7 @@ def resuming(args) -> str | None:
 
 
 def preset_model(args) -> bool:
-    """Whether the model's shape is --model's; False while that cannot be told yet (a damaged checkpoint,
-    reported once the ranks have met)."""
+    """Whether the model's shape is --model's; False while a damaged checkpoint hides it (reported later)."""
     try:
         return model_source(args) is None
     except UsageError:
@@ -568,24 +548,19 @@ def same_tokenizer(a: str, b: str) -> bool:
 # Finding checkpoints
 
 def complete_checkpoints(checkpoint_dir: str) -> list[str]:
-    """Paths of the complete checkpoints in checkpoint_dir, oldest first."""
-    if not os.path.isdir(checkpoint_dir):
-        return []
-    names = [n for n in os.listdir(checkpoint_dir)
-             if re.fullmatch(r"step-\d{8}", n) and os.path.isfile(os.path.join(checkpoint_dir, n, "meta.json"))]
-    return [os.path.join(checkpoint_dir, n) for n in sorted(names)]
+    """Paths of the complete checkpoints (step-N holding meta.json) in checkpoint_dir, oldest first."""
+    names = sorted(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else []
+    return [os.path.join(checkpoint_dir, n) for n in names
+            if re.fullmatch(r"step-\d{8}", n) and os.path.isfile(os.path.join(checkpoint_dir, n, "meta.json"))]
 
 
 def latest(checkpoint_dir: str) -> str | None:
-    found = complete_checkpoints(checkpoint_dir)
-    return found[-1] if found else None
+    return (complete_checkpoints(checkpoint_dir) or [None])[-1]
 
 
 def resolve(path: str, flag: str = "checkpoint") -> str:
     """A checkpoint given either itself or a run's --checkpoint-dir (then its newest complete checkpoint)."""
-    if os.path.isfile(os.path.join(path, "meta.json")):
-        return path
-    found = latest(path)
+    found = path if os.path.isfile(os.path.join(path, "meta.json")) else latest(path)
     if found is None:
         raise UsageError(f"{flag} {path}: no complete checkpoint there (a step-N directory with meta.json, or a "
                          "--checkpoint-dir holding some)")
@@ -598,13 +573,13 @@ def read_meta(path: str, flag: str = "--checkpoint-dir") -> dict:
     try:
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
+        problem = "its meta.json lacks step, config or files"
     except (OSError, ValueError) as e:
-        problem = f"its meta.json cannot be read ({e})"
-    else:
-        if isinstance(meta, dict) and {"step", "config", "files"} <= meta.keys():
-            return meta
-        problem = "it holds data prepared by prepare_data.py" if isinstance(meta, dict) and {
-            "dtype", "train", "val"} <= meta.keys() else "its meta.json lacks step, config or files"
+        meta, problem = None, f"its meta.json cannot be read ({e})"
+    if isinstance(meta, dict) and {"step", "config", "files"} <= meta.keys():
+        return meta
+    if isinstance(meta, dict) and {"dtype", "train", "val"} <= meta.keys():
+        problem = "it holds data prepared by prepare_data.py"
     fix = "delete it to resume from an older one" if flag == "--checkpoint-dir" else \
         f"give {flag} a checkpoint of this project"
     raise UsageError(f"{flag} {path}: not a complete checkpoint, {problem}; {fix}")
