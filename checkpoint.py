@@ -1,18 +1,12 @@
-"""What every training script needs about files and runs: one-line errors (the same on every rank), the argparse
-helpers, the checks of the paths a run writes, the run lock, the prepared data and --metrics, which model a run
-trains, and distributed checkpoints (DCP): saving, finding, verifying, loading, --init-from and exact resume.
+"""What a training script needs besides the model: one-line errors (the same on every rank), argparse helpers,
+the checks and the lock of the paths a run writes, the prepared data and --metrics, which model a run trains, and
+distributed checkpoints (DCP): saving, verifying, loading, --init-from and exact resume. A --checkpoint-dir holds:
 
-Each rank saves only its own stages, under the full model's parameter names, so a checkpoint loads into any
-layout. A --checkpoint-dir holds:
-
-    step-00000100/         a complete checkpoint
-        __0_0.distcp ...   DCP shards: model and AdamW state of every stage, keyed by parameter name
-        .metadata          DCP's index of the shards
-        rng/rank0.pt ...   each rank's RNG states (restored when the number of processes is unchanged)
-        tokenizer.json     the data's tokenizer (and tokenizer_config.json), so an export is self-contained
-        meta.json          step, data position, model config, run flags, layout, file sizes; written last
-    step-00000200.tmp/     a save in progress, renamed to step-00000200 once complete
-    run.lock               held by the run using the directory
+    step-00000100/      a checkpoint: DCP's shards and .metadata (model and AdamW state of each rank's stages, under
+                        the full model's names: it loads into any layout), rng/rank*.pt, the data's tokenizer files,
+                        meta.json (step, data position, config, run flags, layout, file sizes; written last)
+    step-00000200.tmp/  a save in progress, renamed to step-00000200 once complete
+    run.lock            held by the run using the directory
 """
 
 import argparse
@@ -45,8 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
-from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader, metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -71,8 +64,15 @@ class UsageError(Exception):
         self.on_every_rank = on_every_rank
 
 
+def max_over_ranks(value: int) -> int:
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    value = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
 @contextlib.contextmanager
-def collective_errors(group=None):
+def collective_errors():
     """Run a block on every rank; a UsageError on any rank is raised on every rank, so no rank waits for a peer
     that stopped. The block must not start a collective that a failing rank would skip."""
     error = None
@@ -80,13 +80,10 @@ def collective_errors(group=None):
         yield
     except UsageError as e:
         error = e
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    failed = torch.tensor([error is not None], dtype=torch.int32, device=device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-    if not failed.item():
+    if not max_over_ranks(error is not None):
         return
-    messages = [None] * dist.get_world_size(group)
-    dist.all_gather_object(messages, None if error is None else str(error), group=group)
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else str(error))
     found = [rank for rank, message in enumerate(messages) if message is not None]
     message = messages[found[0]]
     if len(found) < len(messages):  # say where, when only some ranks (nodes) have the problem
@@ -97,18 +94,17 @@ def collective_errors(group=None):
 def run(main, args) -> None:
     """main(args), an error a user can cause as one line on stderr (exit status 1), always torn down. SIGTERM and
     Ctrl-C ask the run to stop after its step (see stop_requested); a second one stops it at once."""
-    status = 0
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _asked_to_stop)
+    status = 1
     try:
         main(args)
+        status = 0
     except UsageError as e:  # an error every rank raised is printed once per node
         if not e.on_every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        status = 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
-        status = 1
     except (dist.DistError, RuntimeError) as e:
         # gloo reports a dead or hung peer as a RuntimeError of its transport, NCCL as a DistError. This rank
         # cannot tell whether the peer died or stopped on an error of its own, so say both.
@@ -118,13 +114,10 @@ def run(main, args) -> None:
         print(f"error: lost contact with another rank ({(str(e).strip() or type(e).__name__).splitlines()[0][:300]}"
               "); if another rank printed an error above, that is the cause; otherwise rerun the same command, or "
               "launch with torchrun --max-restarts N, to resume from the newest checkpoint", file=sys.stderr)
-        status = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    # torch 2.13: process groups freed at interpreter shutdown (the failed main's frames hold the mesh) can abort
-    # with "terminate called without an active exception" (exit -6); free them here.
-    gc.collect()
+    gc.collect()  # torch 2.13: process groups freed at interpreter exit (held by main's frames) can abort (-6)
     sys.exit(status)
 
 
@@ -145,13 +138,6 @@ def stop_requested() -> str | None:
     """Collective, once a step: the signal that asked any rank to stop (SLURM's preemption, torchrun stopping the
     job, Ctrl-C), or None. Every rank gets the same answer, so all stop after the same step and none waits."""
     return (_STOP["signal"] or "a signal on another rank") if max_over_ranks(_STOP["signal"] is not None) else None
-
-
-def max_over_ranks(value: int) -> int:
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    value = torch.tensor([int(value)], dtype=torch.int64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return int(value.item())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -200,11 +186,10 @@ def check_run(args, rank: int, restart: int, data_id: str) -> None:
     the lock on rank 0. Resuming, args.init_from becomes the one the run recorded."""
     with collective_errors():  # 1. nothing written yet: is every path usable?
         check_apart(args)
-        check_output_dir("--checkpoint-dir", args.checkpoint_dir)
-        if args.metrics:
-            check_output_file("--metrics", args.metrics)
-        if args.trace:
-            check_output_dir("--trace", args.trace)
+        for flag, path, directory in (("--checkpoint-dir", args.checkpoint_dir, True),
+                                      ("--metrics", args.metrics, False), ("--trace", args.trace, True)):
+            if path:
+                check_output(flag, path, directory)
     token = [None]
     # torchrun's restart count differs between nodes (one that came back starts at 0); the first node's, the
     # highest, grows with every attempt of the job, so an earlier attempt's lock always holds a lower one.
@@ -230,29 +215,18 @@ def check_apart(args) -> None:
                              f"{args.data}; choose a {flag} apart from the data")
 
 
-def check_output_dir(flag: str, path: str) -> None:
-    if os.path.isdir(path):
-        if not os.access(path, os.W_OK | os.X_OK):
-            reason = "read-only file system" if os.statvfs(path).f_flag & os.ST_RDONLY else "permission denied"
-            raise UsageError(f"{flag} {path}: cannot write there ({reason}); choose another {flag}")
-    elif os.path.lexists(path):
-        raise UsageError(f"{flag} {path}: is a file, not a directory; choose another {flag}")
-    else:
-        _check_creatable(flag, path)
-
-
-def check_output_file(flag: str, path: str) -> None:
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: is a directory; give a file name")
+def check_output(flag: str, path: str, directory: bool) -> None:
+    """path (a directory, or a file) can be written, or created: its nearest existing ancestor takes entries."""
     if os.path.lexists(path):
-        if not os.access(path, os.W_OK):
-            raise UsageError(f"{flag} {path}: cannot be written (permission denied); choose another {flag}")
-    else:
-        _check_creatable(flag, path)
-
-
-def _check_creatable(flag: str, path: str) -> None:
-    """path does not exist yet: its nearest existing ancestor must be a directory we may create entries in."""
+        if directory and not os.path.isdir(path):
+            raise UsageError(f"{flag} {path}: is a file, not a directory; choose another {flag}")
+        if not directory and os.path.isdir(path):
+            raise UsageError(f"{flag} {path}: is a directory; give a file name")
+        if not os.access(path, (os.W_OK | os.X_OK) if directory else os.W_OK):
+            read_only = os.path.exists(path) and os.statvfs(path).f_flag & os.ST_RDONLY
+            reason = "read-only file system" if read_only else "permission denied"
+            raise UsageError(f"{flag} {path}: cannot write there ({reason}); choose another {flag}")
+        return
     ancestor = os.path.abspath(path)
     while not os.path.lexists(ancestor):
         ancestor = os.path.dirname(ancestor)
@@ -269,8 +243,7 @@ def _check_creatable(flag: str, path: str) -> None:
 def probe_directory(flag: str, path: str, lock_token: str) -> None:
     """path is the directory rank 0 locked (a filesystem every node shares), and a file can be written, fsynced,
     renamed and removed there, as a save does."""
-    held = _read_lock(os.path.join(path, LOCK_NAME)) if os.path.isdir(path) else None
-    if held is None or held.get("token") != lock_token:
+    if (_read_lock(os.path.join(path, LOCK_NAME)) or {}).get("token") != lock_token:
         raise UsageError(f"{flag} {path}: this node does not see the directory rank 0 locked; with several nodes "
                          f"{flag} must be on a filesystem they all share")
     name = os.path.join(path, f".probe-{socket.gethostname()}-{os.getpid()}")
@@ -280,8 +253,7 @@ def probe_directory(flag: str, path: str, lock_token: str) -> None:
         os.remove(name)
     except OSError as e:
         for leftover in (name + ".tmp", name):
-            if os.path.exists(leftover):
-                os.remove(leftover)
+            _remove(leftover)
         raise UsageError(f"{flag} {path}: cannot write a file there ({root_cause(e)}); choose another {flag}")
 
 
@@ -301,7 +273,8 @@ class RunLock:
     def __init__(self, path: str, holder: dict, created_dir: bool):
         self.path, self.holder, self.created_dir = path, holder, created_dir
         self._stop = threading.Event()
-        self._heartbeat = threading.Thread(target=self._beat, daemon=True)
+        threading.Thread(target=self._beat, daemon=True).start()
+        atexit.register(self.release)
 
     @classmethod
     def acquire(cls, directory: str, restart: int = 0) -> "RunLock":
@@ -316,34 +289,24 @@ class RunLock:
               "restart": restart, "token": uuid.uuid4().hex}
         for _ in range(3):
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                _write_synced(path, json.dumps(me), exclusive=True)
+                return cls(path, me, created)
             except FileExistsError:
                 holder = _read_lock(path)
-                if not _stale(holder, me, path):
-                    who = (f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
-                           if holder else "a run that is starting")
-                    raise UsageError(f"--checkpoint-dir {directory}: another run is using it ({who}); wait for "
-                                     f"it to finish or choose another --checkpoint-dir (if that run is gone, "
-                                     f"delete {path})") from None
-                try:  # moved away atomically: of two runs taking a stale lock over, only one rename succeeds
-                    os.rename(path, f"{path}.stale-{me['token']}")
-                    os.remove(f"{path}.stale-{me['token']}")
-                except FileNotFoundError:
-                    pass  # another run took it over first; the next attempt finds its lock
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-                f.flush()
-                os.fsync(f.fileno())
-            lock = cls(path, me, created)
-            lock._heartbeat.start()
-            atexit.register(lock.release)
-            return lock
+            if not _stale(holder, me, path):
+                who = (f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
+                       if holder else "a run that is starting")
+                raise UsageError(f"--checkpoint-dir {directory}: another run is using it ({who}); wait for it to "
+                                 f"finish or choose another --checkpoint-dir (if that run is gone, delete {path})")
+            try:  # moved away atomically: of two runs taking a stale lock over, only one rename succeeds
+                os.rename(path, f"{path}.stale-{me['token']}")
+                os.remove(f"{path}.stale-{me['token']}")
+            except FileNotFoundError:
+                pass  # another run took it over first; the next attempt finds its lock
         raise UsageError(f"--checkpoint-dir {directory}: another run took {path} just now")
 
     def _mine(self) -> bool:
-        held = _read_lock(self.path)
-        return held is not None and held.get("token") == self.holder["token"]
+        return (_read_lock(self.path) or {}).get("token") == self.holder["token"]
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_SECONDS):
@@ -385,9 +348,16 @@ def _stale(holder: dict | None, me: dict, path: str) -> bool:
         return age > STALE_SECONDS
     if holder.get("run_id") and holder.get("run_id") == me["run_id"] and holder.get("restart", 0) < me["restart"]:
         return True  # an earlier attempt of this torchrun job, which torchrun stopped before restarting it
-    if holder["host"] == me["host"]:
-        return not _alive(holder["pid"], holder.get("pid_started"))
-    return age > STALE_SECONDS
+    if holder["host"] != me["host"]:
+        return age > STALE_SECONDS
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # exists, another user's
+    started = holder.get("pid_started")  # a reused pid is another process: its start time differs
+    return started is not None and _process_start(holder["pid"]) not in (None, started)
 
 
 def _process_start(pid: int) -> str | None:
@@ -397,16 +367,6 @@ def _process_start(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return None
-
-
-def _alive(pid: int, started: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, another user's
-    return started is None or _process_start(pid) in (None, started)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -419,11 +379,6 @@ def read_data_meta(directory: str) -> dict:
     try:
         with open(os.path.join(directory, "meta.json")) as f:
             meta = json.load(f)
-    except OSError:
-        raise UsageError(f"--data {directory}: no data prepared there; run {prepare} first (see its --help)") from None
-    except ValueError as e:
-        raise UsageError(f"--data {directory}: its meta.json is damaged ({e}); prepare it again: {prepare}") from None
-    try:
         for split in ("train", "val"):
             for name, tokens in zip(meta[split]["files"], meta[split]["tokens"], strict=True):
                 path, expected = os.path.join(directory, name), tokens * np.dtype(meta["dtype"]).itemsize
@@ -431,7 +386,9 @@ def read_data_meta(directory: str) -> dict:
                     found = f"has {os.path.getsize(path):,} bytes" if os.path.isfile(path) else "is missing"
                     raise UsageError(f"--data {directory}: {name} {found}, meta.json says {expected:,}; the data "
                                      f"is incomplete or damaged, prepare it again: {prepare}")
-    except (KeyError, TypeError, ValueError) as e:
+    except OSError:
+        raise UsageError(f"--data {directory}: no data prepared there; run {prepare} first (see its --help)") from None
+    except (KeyError, TypeError, ValueError) as e:  # not JSON, or not the JSON prepare_data.py writes
         raise UsageError(f"--data {directory}: its meta.json is damaged ({type(e).__name__}: {e}); prepare it "
                          f"again: {prepare}") from None
     return meta
@@ -471,11 +428,9 @@ class Metrics:
 # A run that torchrun restarted with more or fewer processes: the same run at a layout that fits them
 
 def relayout(args, world_size: int) -> str | None:
-    """When this torchrun job saved the newest checkpoint on another number of processes (a node lost or back,
-    and torchrun restarted it), set args.dp for a layout of the same run that fits them: --tp kept, the
-    pipeline's ranks kept while the processes allow (fewer or more replicas), else fewer; the global batch,
-    data order and schedule unchanged. Returns the line to print, or None. None fits: a UsageError.
-    Decided from the checkpoint and the job's id alone, so every rank of every node decides the same."""
+    """When this torchrun job saved the newest checkpoint on another number of processes, set args.dp for a
+    layout of the same run that fits them (--tp kept; the pipeline too while it fits, else fewer stages) and
+    return the line to print. Decided from the checkpoint and the job's id alone: every rank decides the same."""
     job = os.environ.get("TORCHELASTIC_RUN_ID")
     path = resuming(args) if job else None
     meta = read_meta(path) if path else {}
@@ -508,8 +463,7 @@ def resuming(args) -> str | None:
 
 
 def preset_model(args) -> bool:
-    """Whether the model's shape is --model's; False while that cannot be told yet (a damaged checkpoint,
-    reported once the ranks have met)."""
+    """Whether the model's shape is --model's; False while a damaged checkpoint hides it (reported later)."""
     try:
         return model_source(args) is None
     except UsageError:
@@ -594,24 +548,19 @@ def same_tokenizer(a: str, b: str) -> bool:
 # Finding checkpoints
 
 def complete_checkpoints(checkpoint_dir: str) -> list[str]:
-    """Paths of the complete checkpoints in checkpoint_dir, oldest first."""
-    if not os.path.isdir(checkpoint_dir):
-        return []
-    names = [n for n in os.listdir(checkpoint_dir)
-             if re.fullmatch(r"step-\d{8}", n) and os.path.isfile(os.path.join(checkpoint_dir, n, "meta.json"))]
-    return [os.path.join(checkpoint_dir, n) for n in sorted(names)]
+    """Paths of the complete checkpoints (step-N holding meta.json) in checkpoint_dir, oldest first."""
+    names = sorted(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else []
+    return [os.path.join(checkpoint_dir, n) for n in names
+            if re.fullmatch(r"step-\d{8}", n) and os.path.isfile(os.path.join(checkpoint_dir, n, "meta.json"))]
 
 
 def latest(checkpoint_dir: str) -> str | None:
-    found = complete_checkpoints(checkpoint_dir)
-    return found[-1] if found else None
+    return (complete_checkpoints(checkpoint_dir) or [None])[-1]
 
 
 def resolve(path: str, flag: str = "checkpoint") -> str:
     """A checkpoint given either itself or a run's --checkpoint-dir (then its newest complete checkpoint)."""
-    if os.path.isfile(os.path.join(path, "meta.json")):
-        return path
-    found = latest(path)
+    found = path if os.path.isfile(os.path.join(path, "meta.json")) else latest(path)
     if found is None:
         raise UsageError(f"{flag} {path}: no complete checkpoint there (a step-N directory with meta.json, or a "
                          "--checkpoint-dir holding some)")
@@ -624,13 +573,13 @@ def read_meta(path: str, flag: str = "--checkpoint-dir") -> dict:
     try:
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
+        problem = "its meta.json lacks step, config or files"
     except (OSError, ValueError) as e:
-        problem = f"its meta.json cannot be read ({e})"
-    else:
-        if isinstance(meta, dict) and {"step", "config", "files"} <= meta.keys():
-            return meta
-        problem = "it holds data prepared by prepare_data.py" if isinstance(meta, dict) and {
-            "dtype", "train", "val"} <= meta.keys() else "its meta.json lacks step, config or files"
+        meta, problem = None, f"its meta.json cannot be read ({e})"
+    if isinstance(meta, dict) and {"step", "config", "files"} <= meta.keys():
+        return meta
+    if isinstance(meta, dict) and {"dtype", "train", "val"} <= meta.keys():
+        problem = "it holds data prepared by prepare_data.py"
     fix = "delete it to resume from an older one" if flag == "--checkpoint-dir" else \
         f"give {flag} a checkpoint of this project"
     raise UsageError(f"{flag} {path}: not a complete checkpoint, {problem}; {fix}")
@@ -662,9 +611,12 @@ def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int
         layers = sorted({int(k.split(".")[2]) for k in state["model"] if k.startswith("base_model.layers.")})
         layout = [None] * dist.get_world_size()  # which layers each rank held, for meta.json
         dist.all_gather_object(layout, layers)
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
         with collective_errors(), _save_errors(tmp):  # DCP itself raises on every rank if a rank failed
             dcp.save(state, checkpoint_id=tmp)  # writes and fsyncs this rank's shard
-            torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
+            torch.save(rng, os.path.join(tmp, "rng", f"rank{rank}.pt"))
         with collective_errors(), _save_errors(tmp):  # every shard is on disk: the checkpoint may become visible
             if rank == 0:
                 for name in TOKENIZER_FILES if tokenizer_dir else ():
@@ -689,14 +641,6 @@ def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int
             _remove(old)
     dist.barrier()
     return final
-
-
-def _remove(path: str) -> None:
-    """Remove a file, a link (never what it points to) or a directory, if there."""
-    if os.path.islink(path) or os.path.isfile(path):
-        os.remove(path)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -731,8 +675,16 @@ def root_cause(e: BaseException) -> str:
     return text[0][:200] if text else type(e).__name__
 
 
-def _write_synced(path: str, text: str) -> None:
-    with open(path, "w") as f:
+def _remove(path: str) -> None:
+    """Remove a file, a link (never what it points to) or a directory, if there."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.remove(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _write_synced(path: str, text: str, exclusive: bool = False) -> None:
+    with open(path, "x" if exclusive else "w") as f:  # exclusive: FileExistsError if path exists
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -756,21 +708,6 @@ def _tied_name(key: str) -> str:
         if key == prefix + HEAD or key.startswith(prefix + HEAD + "."):
             return prefix + EMBED + key[len(prefix + HEAD):]
     return key
-
-
-def _set_state(model, optimizer, state: dict, saved_as: dict) -> None:
-    """Hand a loaded state back to the model and optimizer under their own names."""
-    restored = {part: {key: state[part][name] for key, name in names.items()} for part, names in saved_as.items()}
-    set_model_state_dict(model, restored["model"], options=_OPTIONS)
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, restored["optim"], options=_OPTIONS)
-
-
-def _rng_state() -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -803,20 +740,14 @@ def open_untrusted(path: str, name: str):
                          "refusing to read it") from None
 
 
-def load(path: str, model, optimizer, config: LlamaConfig, rank: int, world_size: int) -> dict:
-    """Load this rank's stages, AdamW state and RNG from the checkpoint at path (verified, of this run),
-    collectively. Returns its meta.json."""
-    meta = read_meta(path)
+def load_state(path: str, model, optimizer, config: LlamaConfig) -> None:
+    """This rank's model (and AdamW) state from the checkpoint at path, verified. Collective."""
     state, saved_as = state_dicts(model, optimizer, config)
     load_dcp(state, path)
-    _set_state(model, optimizer, state, saved_as)
-    if meta.get("world_size") == world_size:  # RNG streams belong to ranks; another layout starts new ones
-        with collective_errors(), open_untrusted(path, f"rng/rank{rank}.pt"):
-            rng = torch.load(os.path.join(path, "rng", f"rank{rank}.pt"), weights_only=True)  # data, never code
-            torch.set_rng_state(rng["cpu"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng["cuda"])
-    return meta
+    restored = {part: {key: state[part][name] for key, name in names.items()} for part, names in saved_as.items()}
+    set_model_state_dict(model, restored["model"], options=_OPTIONS)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, restored["optim"], options=_OPTIONS)
 
 
 def load_dcp(state: dict, path: str, no_dist: bool = False) -> None:
@@ -901,14 +832,13 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 def load_weights(source: str, model, config: LlamaConfig) -> str:
     """Only the model's weights, each rank its own stage's (with FSDP, its shard), from a Hugging Face directory
     or one of this project's checkpoints. Collective. Returns the path read."""
+    hf = is_hf_dir(source)
     with collective_errors():
-        path = source if is_hf_dir(source) else resolve(source, "--init-from")
-        if not is_hf_dir(path):
+        path = source if hf else resolve(source, "--init-from")
+        if not hf:
             verify_files(path, read_meta(path, "--init-from"))
-    if not is_hf_dir(path):
-        state, saved_as = state_dicts(model, None, config)
-        load_dcp(state, path)
-        _set_state(model, None, state, saved_as)
+    if not hf:
+        load_state(path, model, None, config)
         return path
     # HuggingFaceStorageReader reads only the requested tensors (slices, for FSDP's shards) from the
     # memory-mapped safetensors files and casts them to the model's dtype.
@@ -990,18 +920,6 @@ def check_same_run(args, path: str, data_id: str, config: LlamaConfig | None = N
     return meta
 
 
-def set_aside(checkpoint_dir: str) -> str | None:
-    """Move what checkpoint_dir holds, but the run's lock, into DIR.previous-TIME (--fresh): nothing is deleted."""
-    entries = [n for n in os.listdir(checkpoint_dir) if n != LOCK_NAME] if os.path.isdir(checkpoint_dir) else []
-    if not entries:
-        return None
-    aside = f"{checkpoint_dir.rstrip(os.sep)}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
-    os.makedirs(aside)
-    for name in entries:
-        os.replace(os.path.join(checkpoint_dir, name), os.path.join(aside, name))
-    return aside
-
-
 def resume(args, rank: int, world_size: int, model, optimizer, config: LlamaConfig, data_id: str,
            say=print) -> tuple[int, dict | None]:
     """Continue the run in --checkpoint-dir exactly (--fresh: move its checkpoints aside first; nothing to
@@ -1010,13 +928,7 @@ def resume(args, rank: int, world_size: int, model, optimizer, config: LlamaConf
     if args.fresh:
         with collective_errors():
             if rank == 0:
-                try:
-                    aside = set_aside(args.checkpoint_dir)
-                except OSError as e:
-                    raise UsageError(f"--fresh: cannot move the checkpoints in {args.checkpoint_dir} aside "
-                                     f"({e.strerror})") from None
-                if aside:
-                    say(f"--fresh: moved the previous checkpoints to {aside}", flush=True)
+                _set_aside(args.checkpoint_dir, say)
     path = resuming(args)
     if path is None:
         if args.init_from is not None:
@@ -1030,16 +942,36 @@ def resume(args, rank: int, world_size: int, model, optimizer, config: LlamaConf
     if meta["step"] >= args.steps > 0:
         say(f"{path} is step {meta['step']}: --steps {args.steps} are done, nothing to train", flush=True)
         return meta["step"], None
-    load(path, model, optimizer, config, rank, world_size)
+    load_state(path, model, optimizer, config)
+    if meta.get("world_size") == world_size:  # RNG streams belong to ranks; another layout starts new ones
+        with collective_errors(), open_untrusted(path, f"rng/rank{rank}.pt"):
+            rng = torch.load(os.path.join(path, "rng", f"rank{rank}.pt"), weights_only=True)  # data, never code
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
     say(f"resumed from {path} at step {meta['step']} (saved by {meta['world_size']} process(es))"
         if args.steps else f"evaluating {path} (step {meta['step']})", flush=True)
     return meta["step"], meta["data"]
 
 
+def _set_aside(checkpoint_dir: str, say) -> None:
+    """--fresh: move what checkpoint_dir holds, but the run's lock, into DIR.previous-TIME; nothing is deleted."""
+    entries = [n for n in os.listdir(checkpoint_dir) if n != LOCK_NAME] if os.path.isdir(checkpoint_dir) else []
+    if not entries:
+        return
+    aside = f"{checkpoint_dir.rstrip(os.sep)}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        os.makedirs(aside)
+        for name in entries:
+            os.replace(os.path.join(checkpoint_dir, name), os.path.join(aside, name))
+    except OSError as e:
+        raise UsageError(f"--fresh: cannot move the checkpoints in {checkpoint_dir} aside ({e.strerror})") from None
+    say(f"--fresh: moved the previous checkpoints to {aside}", flush=True)
+
+
 def save_if_due(args, rank: int, step: int, model, optimizer, config: LlamaConfig, data_id: str,
                 data_position: dict, stopping: bool = False) -> str | None:
-    """Save after every --checkpoint-every steps, at the end of the run, and when it stops early; return the path
-    if it saved."""
+    """Save every --checkpoint-every steps, at the end of the run, and when it stops early: the path, if saved."""
     if step != args.steps and not stopping and not (args.checkpoint_every and step % args.checkpoint_every == 0):
         return None
     meta = {"config": dataclasses.asdict(config), "run": run_identity(args, data_id), "data": data_position,
