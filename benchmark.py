@@ -600,7 +600,7 @@ def in_process(argv: list[str]) -> None:
     def measured(script_args):
         hook = register_optimizer_step_post_hook(count_held)
         try:
-            with labelled_1f1b(), counted_sends(module) as sent, \
+            with labelled_1f1b(), counted_sends(module) if measure else contextlib.nullcontext() as sent, \
                     ActivationMeter() if measure else contextlib.nullcontext() as meter:
                 module.main(script_args)  # leaves the process group up; checkpoint.run takes it down
         finally:

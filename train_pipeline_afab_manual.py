@@ -6,9 +6,8 @@
     torchrun --nproc_per_node 4 train_pipeline_afab_manual.py --dp 2           # 2 stages x 2 replicas
     torchrun --nproc_per_node 4 train_pipeline_afab_manual.py --tp 2           # 2 stages x 2 tensor-parallel
 
-What torch.distributed.pipelining does, by hand: each rank keeps a slice of the layers (partition_model) and
-passes activations forward and their gradients back with send/recv. The functions also train a Hugging Face
-LlamaForCausalLM. Needs model.py and checkpoint.py beside it.
+What torch.distributed.pipelining does, by hand: each rank keeps a slice of the layers and passes activations
+forward, gradients back, with send/recv; also on a Hugging Face LlamaForCausalLM. Needs model.py, checkpoint.py.
 """
 
 import argparse
@@ -127,10 +126,10 @@ def main(args):
     partition.sequence_shards = shards
 
     # --- the schedule: AFAB or 1F1B by hand, over send/recv between the pipeline ranks of this replica
-    run_train = functools.partial(train_step, partition, env=env, tp=tp, schedule=args.schedule,
+    run_train = functools.partial(run_batch, SCHEDULES[args.schedule], partition, env=env, tp=tp,
                                   microbatches=args.microbatches, chunks=chunks)
-    run_eval = functools.partial(eval_step, partition, env=env, tp=tp, microbatches=args.microbatches,
-                                 chunks=chunks)
+    run_eval = functools.partial(run_batch, eval_step_pipeline, partition, env=env, tp=tp,
+                                 microbatches=args.microbatches, chunks=chunks)
     say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
         f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
         f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks))}"
@@ -368,86 +367,64 @@ def open_data(args) -> tuple[dict, Batches, Batches]:
 
 @dataclasses.dataclass
 class Partition:
-    """One rank's part of a model. `model` is the trimmed model itself: its parameters are exactly this stage's,
-    under the full model's names, so the optimizer and checkpoints use it directly."""
-    model: nn.Module
+    """One rank's part of a model. `model` is trimmed in place: the optimizer and checkpoints take it as it is."""
+    model: nn.Module  # model.py's LlamaForPretraining, or a Hugging Face LlamaForCausalLM
     rank: int  # this stage, counted along the pipeline
     world_size: int  # the pipeline's stages
-    layers: list[nn.Module]
-    embed: nn.Module | None  # first stage only
-    norm: nn.Module | None  # last stage only
-    head: nn.Module | None  # last stage only
-    rotary: nn.Module | None  # HF: computes (cos, sin) from positions; our layers build their own tables
-    pad_id: int | None  # targets equal to it are ignored by the loss, like -100
-    explicit_causal_mask: bool  # HF's eager attention applies no causal mask unless given one
     group: dist.ProcessGroup | None = None  # the pipeline's ranks; None: the default group is the pipeline
     sequence_shards: int = 1  # sequence parallelism: the stage holds 1/shards of the positions (tensor_parallel)
-
-    def peer(self, offset: int) -> int:  # the previous (-1) or next (+1) stage's global rank (not rank -1 / +1)
-        return self.rank + offset if self.group is None else dist.get_global_rank(self.group, self.rank + offset)
 
 
 def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.ProcessGroup | None = None,
                     layout: list[range] | None = None) -> Partition:
     """Trim model.py's LlamaForPretraining or a Hugging Face LlamaForCausalLM in place to this pipeline rank's
     layers (layout's, default even), the embedding on the first rank, the final norm and head on the last."""
-    if isinstance(model, LlamaForPretraining):
-        base, rotary, pad_id, eager = model.base_model, None, None, False
-        model.head_in_loss = True  # the loss applies the head (loss_fn)
-    elif hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(model, "lm_head"):
-        base, rotary = model.model, model.model.rotary_emb
-        pad_id = getattr(model.config, "pad_token_id", None)
-        eager = getattr(model.config, "_attn_implementation", "eager") == "eager"
-    else:
+    base = getattr(model, "base_model", None)  # the decoder stack under the head (Hugging Face's model.model)
+    if not hasattr(base, "layers") or not hasattr(model, "lm_head"):
         raise TypeError(f"partition_model: unsupported model {type(model).__name__}")
-    layers, as_dict = base.layers, isinstance(base.layers, nn.ModuleDict)
+    if isinstance(model, LlamaForPretraining):
+        model.head_in_loss = True  # the loss applies the head (loss_fn)
     keep = (layout or even(model.config.num_hidden_layers, world_size))[rank]
-    for key in [int(k) for k in layers.keys()] if as_dict else range(len(layers)):
-        if key not in keep and as_dict:
-            del layers[str(key)]  # names stay global: "layers.4" is layer 4 on any stage
-        elif key not in keep:
-            layers[key] = None  # a ModuleList cannot delete from the middle without renumbering the rest
-    kept = [layers[str(i)] if as_dict else layers[i] for i in keep]
-    if any(layer is None for layer in kept):
+    layers = base.layers.items() if isinstance(base.layers, nn.ModuleDict) else enumerate(base.layers)  # HF: a list
+    # Names stay global ("layers.4" is layer 4 on any stage), so checkpoints and weights map one to one.
+    base.layers = nn.ModuleDict({str(i): layer for i, layer in layers if int(i) in keep})
+    if len(base.layers) != len(keep):
         raise ValueError("partition_model: the model was already partitioned for another layout")
     if rank != 0:
         base.embed_tokens = None
     if rank != world_size - 1:
         base.norm = model.lm_head = None
-    return Partition(model, rank, world_size, kept, base.embed_tokens, base.norm, model.lm_head, rotary, pad_id,
-                     eager, group)
+    return Partition(model, rank, world_size, group)
 
 
 def forward_stage(partition: Partition, hidden_states: torch.Tensor) -> torch.Tensor:
     """This rank's slice on token ids (first stage) or hidden states; hidden states out, the head left to the loss.
     Each stage rebuilds positions (and rotary tables) itself: only hidden states travel."""
-    if isinstance(partition.model, LlamaForPretraining):  # it skips what the stage lacks; the call runs FSDP's hooks
-        return partition.model(hidden_states)
-    h = partition.embed(hidden_states) if partition.embed is not None else hidden_states
-    kwargs = {}
-    if partition.rotary is not None:  # Hugging Face layers take precomputed (cos, sin) and maybe a mask
-        kwargs["position_embeddings"] = partition.rotary(h, torch.arange(h.shape[1], device=h.device)[None])
-        if partition.explicit_causal_mask:
-            kwargs["attention_mask"] = torch.full((h.shape[1], h.shape[1]), float("-inf"), device=h.device,
-                                                  dtype=h.dtype).triu(1)[None, None]
-    for layer in partition.layers:
+    model, base = partition.model, partition.model.base_model
+    if isinstance(model, LlamaForPretraining):  # it skips what the stage lacks; the call runs FSDP's hooks
+        return model(hidden_states)
+    h = base.embed_tokens(hidden_states) if base.embed_tokens is not None else hidden_states
+    # Hugging Face's layers take the rotary (cos, sin), and its eager attention masks nothing unless given a mask.
+    kwargs = {"position_embeddings": base.rotary_emb(h, torch.arange(h.shape[1], device=h.device)[None])}
+    if getattr(model.config, "_attn_implementation", "eager") == "eager":
+        mask = nn.Transformer.generate_square_subsequent_mask(h.shape[1], h.device, h.dtype)  # -inf above the diagonal
+        kwargs["attention_mask"] = mask[None, None]  # [batch, heads, query, key], broadcast
+    for layer in base.layers.values():
         h = layer(h, **kwargs)
         h = h[0] if isinstance(h, tuple) else h  # older transformers return (hidden_states, ...)
-    return partition.norm(h) if partition.norm is not None else h
+    return base.norm(h) if base.norm is not None else h
 
 
 def loss_fn(partition: Partition, hidden: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
     """The mean cross-entropy of the head's logits, chunks pieces of the sequence at a time."""
-    if partition.pad_id is not None:  # a Hugging Face model's padding, if it has any
-        targets = targets.masked_fill(targets == partition.pad_id, -100)
-    return chunked_loss(partition.head, hidden, targets, chunks, partition.sequence_shards)
+    model = partition.model
+    if not isinstance(model, LlamaForPretraining) and getattr(model.config, "pad_token_id", None) is not None:
+        targets = targets.masked_fill(targets == model.config.pad_token_id, -100)  # a Hugging Face model's padding
+    return chunked_loss(model.lm_head, hidden, targets, chunks, partition.sequence_shards)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The schedule: point-to-point messages, and AFAB and 1F1B over them
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-
 
 class Step:
     """One step of AFAB or 1F1B on this rank, each forward, backward, send and receive labelled for --trace. Sends
@@ -460,42 +437,40 @@ class Step:
         self.saved: dict[int, tuple] = {}  # microbatch -> (stage input, stage output or scaled loss)
         self.loss = torch.zeros((), device=device)
 
-    def send(self, tensor: torch.Tensor, dst: int, mb: int) -> None:
+    def send(self, tensor: torch.Tensor, stage: int, mb: int) -> None:
         with record_function(f"send {mb}"):
-            # The receiver knows neither the shape nor the dtype, and a receive buffer must match the sender's
-            # byte for byte: a header of both first (dtype, number of dimensions, up to 6 sizes).
+            # A receive buffer must match what is sent, and the receiver does not know the sequence length (it
+            # may change between batches): hidden states or their gradient, [batch, seq, hidden], shape first.
             tensor = tensor.contiguous()
-            header = torch.tensor([DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape] + [0] * (6 - tensor.dim()))
-            self.sends += [(dist.isend(header.to(self.device), dst), header),  # kept alive until waited for
-                           (dist.isend(tensor, dst), tensor)]
+            shape = torch.tensor(tensor.shape, device=self.device)
+            self.sends += [(dist.isend(t, group=self.p.group, group_dst=stage), t) for t in (shape, tensor)]
 
-    def recv(self, src: int, mb: int) -> torch.Tensor:
+    def recv(self, stage: int, mb: int) -> torch.Tensor:
         with record_function(f"recv {mb}"):
-            header = torch.empty(8, dtype=torch.int64, device=self.device)
-            dist.recv(header, src)
-            dtype, ndim, *shape = header.tolist()
-            tensor = torch.empty(shape[:ndim], dtype=DTYPES[dtype], device=self.device)
-            dist.recv(tensor, src)
+            shape = torch.empty(3, dtype=torch.int64, device=self.device)
+            dist.recv(shape, group=self.p.group, group_src=stage)
+            tensor = torch.empty(shape.tolist(), dtype=self.dtype, device=self.device)
+            dist.recv(tensor, group=self.p.group, group_src=stage)
             return tensor
 
     def forward(self, i: int) -> None:
         p = self.p
         # A received tensor has no autograd history. Made a leaf that requires grad, it stops this stage's
         # backward and keeps d(loss)/d(input) in x.grad: what the previous stage needs.
-        x = self.inputs[i].to(self.device) if self.first else self.recv(p.peer(-1), i).to(self.dtype).requires_grad_()
+        x = self.inputs[i].to(self.device) if self.first else self.recv(p.rank - 1, i).requires_grad_()
         with record_function(f"forward {i}"):
             out = forward_stage(p, x)
             if self.last:  # divided by m: the gradients add up to those of the mean microbatch loss
                 out = loss_fn(p, out, self.targets[i].to(self.device), self.loss_chunks) / self.m
                 self.loss += out.detach()
         if not self.last:  # values only travel; the graph stays here in `out` for this stage's backward
-            self.send(out.detach().to(self.dtype), p.peer(+1), i)
+            self.send(out.detach().to(self.dtype), p.rank + 1, i)
         self.saved[i] = (x, out)
 
     def backward(self, i: int) -> None:
         p = self.p
         x, out = self.saved.pop(i)  # dropping it frees this microbatch's activations after the backward
-        grad = None if self.last else self.recv(p.peer(+1), i).to(out.dtype)
+        grad = None if self.last else self.recv(p.rank + 1, i).to(out.dtype)
         if isinstance(p.model, FSDPModule):
             # With replicas, every backward adds into the unsharded gradient and only the last one (microbatch
             # m - 1, in AFAB and 1F1B alike) reduce-scatters the sum: once per step, not m times.
@@ -506,7 +481,7 @@ class Step:
         with record_function(f"backward {i}"):
             out.backward(grad)  # the last stage from its scaled loss, the others from the received gradient
         if not self.first:
-            self.send(x.grad.to(self.dtype), p.peer(-1), i)
+            self.send(x.grad.to(self.dtype), p.rank - 1, i)
 
     def finish(self) -> torch.Tensor | None:
         for work, _ in self.sends:
@@ -514,11 +489,10 @@ class Step:
         return self.loss if self.last else None
 
 
-def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chunks=1):
-    """One step of All-Forward-All-Backward: every microbatch forward, then every one backward. model: a Partition
-    (or a model, partitioned here); inputs, targets: lists of microbatches' token ids (None where unread); dtype:
-    of what is sent. Returns the mean microbatch loss on the last rank, else None; the caller steps the optimizer."""
-    step = Step(as_partition(model), inputs, targets, device, dtype, loss_chunks)
+def train_step_pipeline_afab(partition, inputs, targets, device, dtype, *, loss_chunks=1):
+    """Every microbatch forward, then every one backward. inputs, targets: lists of microbatches' token ids (None
+    where unread); dtype: of what is sent. The mean microbatch loss on the last rank, else None."""
+    step = Step(partition, inputs, targets, device, dtype, loss_chunks)
     for i in range(step.m):
         step.forward(i)
     for i in range(step.m):
@@ -526,10 +500,10 @@ def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chun
     return step.finish()
 
 
-def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, loss_chunks=1):
+def train_step_pipeline_1f1b(partition, inputs, targets, device, dtype, *, loss_chunks=1):
     """One training step with 1F1B (PipeDream-flush): AFAB's arguments, result and gradients, but a rank holds
     the activations of at most world_size - rank microbatches."""
-    step = Step(as_partition(model), inputs, targets, device, dtype, loss_chunks)
+    step = Step(partition, inputs, targets, device, dtype, loss_chunks)
     warmup = min(step.p.world_size - step.p.rank - 1, step.m)  # fill the pipeline below; the last rank needs none
     for i in range(warmup):
         step.forward(i)
@@ -542,46 +516,27 @@ def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, loss_chun
 
 
 @torch.no_grad()
-def eval_step_pipeline(model, inputs, targets, device, dtype, *, loss_chunks=1):
+def eval_step_pipeline(partition, inputs, targets, device, dtype, *, loss_chunks=1):
     """Forward only, AFAB's arguments: the mean loss on the last rank; no activation is kept."""
-    step = Step(as_partition(model), inputs, targets, device, dtype, loss_chunks)
+    step = Step(partition, inputs, targets, device, dtype, loss_chunks)
     for i in range(step.m):
         step.forward(i)
         step.saved.pop(i)
+    for module in partition.model.modules():
+        if isinstance(module, FSDPModule):  # gathered for the forwards; no backward frees them
+            module.reshard()
     return step.finish()
-
-
-def as_partition(model) -> Partition:
-    return model if isinstance(model, Partition) else partition_model(model, dist.get_rank(), dist.get_world_size())
-
-
-def cut(inputs, targets, m: int) -> list[list]:  # into microbatches; a rank that reads neither gets Nones
-    return [x.chunk(m) if x is not None else [None] * m for x in (inputs, targets)]
 
 
 SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 
 
-def train_step(partition: Partition, inputs, targets, env: Env, tp: int, schedule: str, microbatches: int,
-               chunks: int) -> torch.Tensor | None:
-    """Forward and backward of a batch: inputs on the first stage's rank, targets on the last's (else None).
-    Returns the mean microbatch loss on the last stage's rank."""
-    with compute(env, tp):  # fp32 between stages: the residual stream is fp32 under autocast too
-        return SCHEDULES[schedule](partition, *cut(inputs, targets, microbatches), env.device, torch.float32,
-                                   loss_chunks=chunks)
-
-
-@torch.no_grad()
-def eval_step(partition: Partition, inputs, targets, env: Env, tp: int, microbatches: int,
+def run_batch(schedule, partition: Partition, inputs, targets, env: Env, tp: int, microbatches: int,
               chunks: int) -> torch.Tensor | None:
-    """Forward only, the mean microbatch loss on the last stage's rank."""
-    with compute(env, tp):
-        loss = eval_step_pipeline(partition, *cut(inputs, targets, microbatches), env.device, torch.float32,
-                                  loss_chunks=chunks)
-    for module in partition.model.modules():
-        if isinstance(module, FSDPModule):  # gathered for the forwards; no backward frees them
-            module.reshard()
-    return loss
+    """A batch, cut into microbatches, through a schedule: the mean microbatch loss on the last stage's rank."""
+    mbs = [x.chunk(microbatches) if x is not None else [None] * microbatches for x in (inputs, targets)]
+    with compute(env, tp):  # fp32 between stages: the residual stream is fp32 under autocast too
+        return schedule(partition, *mbs, env.device, torch.float32, loss_chunks=chunks)
 
 
 # ----------------------------------------------------------------------------------------------------------
