@@ -439,8 +439,8 @@ class Step:
 
     def send(self, tensor: torch.Tensor, stage: int, mb: int) -> None:
         with record_function(f"send {mb}"):
-            # A receive buffer must match what is sent, and the receiver does not know the sequence length (it
-            # may change between batches): hidden states or their gradient, [batch, seq, hidden], shape first.
+            # A receive buffer must match what is sent, and the receiver does not know the sequence length (it may
+            # change between batches): [batch, seq, hidden]'s shape first. Both are kept until finish() waits.
             tensor = tensor.contiguous()
             shape = torch.tensor(tensor.shape, device=self.device)
             self.sends += [(dist.isend(t, group=self.p.group, group_dst=stage), t) for t in (shape, tensor)]
