@@ -959,7 +959,8 @@ def _set_aside(checkpoint_dir: str, say) -> None:
     entries = [n for n in os.listdir(checkpoint_dir) if n != LOCK_NAME] if os.path.isdir(checkpoint_dir) else []
     if not entries:
         return
-    aside = f"{checkpoint_dir.rstrip(os.sep)}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    stamp = f"{checkpoint_dir.rstrip(os.sep)}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside = next(path for path in (stamp, *(f"{stamp}-{n}" for n in range(2, 10**6))) if not os.path.lexists(path))
     try:
         os.makedirs(aside)
         for name in entries:

@@ -8,6 +8,7 @@ Nine sections, each under a "# ---" line: 1 helpers, 2 model.py, 3 data, 4 parit
 """
 
 import ast
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -16,15 +17,18 @@ import io
 import itertools
 import json
 import math
+import multiprocessing.forkserver
 import os
 import random
 import re
+import runpy
 import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import types
 import unittest.mock
@@ -102,7 +106,8 @@ def start(cmd: list, *, cwd, env=None, timeout=240, wait=True, log=None):
 
 def launch(nproc: int, script: str, *args, cwd, timeout=240, wait=True, torchrun_args=(), env=None):
     """A script of this folder (or at an absolute path) with plain python (nproc=0) or under torchrun with nproc
-    processes: what exit statuses, signals, stderr and torchrun show. In-process checks: run_main."""
+    processes: what exit statuses, signals, stderr and torchrun show. Quicker, each rank forked: run_script;
+    in-process checks: run_main."""
     if nproc == 0:
         cmd = [sys.executable, str(ROOT / script), *args]
     else:
@@ -123,6 +128,112 @@ def finish(proc, timeout=240):
     if proc.log:
         out, err = (Path(f"{proc.log}.{kind}").read_text() for kind in ("out", "err"))
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+# -- The scripts' runs where torchrun itself is not what is tested: forked from a server that imported them once
+
+# Each process of a real launch spends ~2 s of CPU (5 on a slower machine) importing torch, DTensor, FSDP and the
+# pipelining package before the script's first line runs, and torchrun's agent as much again: most of the suite's
+# time. run_script() forks each rank from one server process that imported them once (multiprocessing's
+# forkserver, preloaded with this file and what it imports) and runs the script's file as `python SCRIPT ARGS`
+# would, as __main__ (its own argument parsing, checkpoint.run, sys.exit), with what torchrun gives each rank:
+# RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, rank 0 hosting the store. What is
+# about torchrun, signals, the command as a user types it, and copies in other folders runs under launch().
+
+@functools.cache
+def forkserver():
+    """The context ranks start from: multiprocessing's forkserver, started once, single-threaded, with this file
+    (so torch, the scripts and the tools) imported under OMP_NUM_THREADS=1 (OpenMP reads it when torch loads)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["test_small", "transformers"])
+    saved = dict(os.environ)
+    os.environ.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # Python 3.11's forkserver ignores sys.path
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return context
+
+
+def _run_as_main(script: str, argv: list, env: dict, cwd: str, log: str) -> None:
+    """In a forked rank: what `python SCRIPT ARGV` runs, in cwd with env, its output (unbuffered) to LOG.out and
+    LOG.err; the interpreter's exit handlers run at the end as they would (the run lock is released there)."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, kind in ((1, "out"), (2, "err")):
+        file = os.open(f"{log}.{kind}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(file, fd)
+        os.close(file)
+    sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
+    sys.argv, sys.path[0] = [script, *argv], os.path.dirname(script)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()
+
+
+class Forked:
+    """The ranks of run_script(), read as a launch()ed process is (poll, finish, kill_job): the exit status is the
+    rank's with plain python, torchrun's with ranks (1 when one failed, -9 when killed); the output every rank's,
+    in rank order. When a rank fails, the others get 10 s to stop on their own, then are killed, as torchrun
+    stops the rest of a failed job."""
+
+    def __init__(self, nproc: int, script, argv: list, cwd, env: dict):
+        self.nproc, self.args, self.log, self.killed = nproc, [str(script), *argv], None, False
+        self.dir = tempfile.mkdtemp(prefix="ranks-")
+        port, self.ranks = str(free_port()), []
+        for rank in range(max(nproc, 1)):
+            torchrun = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port) if nproc else {}
+            self.ranks.append(forkserver().Process(target=_run_as_main, daemon=True, args=(
+                str(script), argv, {**env, **torchrun}, str(cwd), os.path.join(self.dir, str(rank)))))
+            self.ranks[-1].start()
+        self.pid = self.ranks[0].pid
+
+    def poll(self) -> int | None:
+        codes = [p.exitcode for p in self.ranks]
+        if None in codes:
+            return None
+        return codes[0] if not self.nproc else -signal.SIGKILL if self.killed else int(any(codes))
+
+    returncode = property(poll)
+
+    def communicate(self, timeout=None):
+        deadline, failed_at = time.monotonic() + (timeout or math.inf), None
+        while self.poll() is None:
+            if failed_at is None and any(p.exitcode for p in self.ranks):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > 10:
+                for p in self.ranks:
+                    p.kill()
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        if not hasattr(self, "output"):  # read once: the files are removed
+            files = [[Path(self.dir, f"{rank}.{kind}") for rank in range(len(self.ranks))] for kind in ("out", "err")]
+            self.output = tuple("".join(f.read_text() if f.exists() else f"({f.name}: the rank never started)\n"
+                                        for f in kind) for kind in files)
+            shutil.rmtree(self.dir, ignore_errors=True)
+        return self.output
+
+    def kill(self) -> None:
+        self.killed = True
+        for p in self.ranks:
+            p.kill()
+
+
+def run_workers(worker, world_size: int, args: tuple) -> None:
+    """worker(rank, *args) on world_size ranks forked from the server (forkserver), as the parity tests run."""
+    forkserver()
+    mp.start_processes(worker, nprocs=world_size, args=args, start_method="forkserver", join=True)
+
+
+def run_script(nproc: int, script: str, *args, cwd, timeout=240, wait=True, env=None):
+    """A script of this folder as launch() runs it (nproc 0: plain python), each rank forked (Forked)."""
+    proc = Forked(nproc, ROOT / script, [str(a) for a in args], cwd, env or script_env())
+    return finish(proc, timeout) if wait else proc
 
 
 def worker_pids(parent: int) -> list[int]:
@@ -148,7 +259,9 @@ def descendants(pid: int) -> list[int]:
 def kill_job(proc) -> None:
     """SIGKILL a launched job (torchrun, or run.sh and its torchrun) and every worker at once, like a machine that
     lost power. torchrun starts each worker in a session of its own, so killing torchrun's process group would
-    leave the workers running: find them first, then kill them all."""
+    leave the workers running: find them first, then kill them all (forked ranks: each one)."""
+    if isinstance(proc, Forked):
+        return proc.kill()
     for pid in [*descendants(proc.pid), proc.pid]:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -166,9 +279,9 @@ def launch_ranks(world_size: int, script: str, *args, cwd) -> list:
     """Start every rank by hand, as torchrun would, so each one's exit status and output can be seen. cwd: one
     folder for all, or one per rank."""
     port, cwds = str(free_port()), cwd if isinstance(cwd, list) else [cwd] * world_size
-    return [launch(0, script, *args, cwd=cwds[rank], wait=False,
-                   env=dict(script_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+    return [run_script(0, script, *args, cwd=cwds[rank], wait=False,
+                       env=dict(script_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
             for rank in range(world_size)]
 
 
@@ -374,8 +487,8 @@ RESUME_ARGS = [*TRAIN_ARGS, "--steps", "16"]
 def reference_run(tmp_path_factory, data_dir):
     """2 stages x 2 replicas, 16 steps, never interrupted; checkpoints after steps 4, 8, 12, 16."""
     directory = tmp_path_factory.mktemp("reference")
-    result = launch(4, "train_pipeline_gpipe.py", *RESUME_ARGS, "--dp", "2", "--checkpoint-every", "4",
-                    "--keep-checkpoints", "4", "--data", data_dir, "--metrics", "m.jsonl", cwd=directory)
+    result = run_script(4, "train_pipeline_gpipe.py", *RESUME_ARGS, "--dp", "2", "--checkpoint-every", "4",
+                        "--keep-checkpoints", "4", "--data", data_dir, "--metrics", "m.jsonl", cwd=directory)
     assert result.returncode == 0, result.stderr[-3000:]
     rows, _ = read_metrics(directory / "m.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 17))
@@ -1331,9 +1444,8 @@ def parity_run(request, tmp_path_factory):
     (pp, dp, tp), tmp_path = request.param, tmp_path_factory.mktemp("parity")
     variants, world_size = PARITY_LAYOUTS[pp, dp, tp], pp * dp * tp
     inputs, targets = random_batch(parity_config(4))
-    mp.start_processes(_layout_worker, nprocs=world_size, start_method="spawn", join=True,
-                       args=(world_size, str(tmp_path / "store"), str(tmp_path), variants, (inputs, targets), pp, dp,
-                             tp, 4))
+    run_workers(_layout_worker, world_size, args=(world_size, str(tmp_path / "store"), str(tmp_path), variants,
+                                                  (inputs, targets), pp, dp, tp, 4))
     return (pp, dp, tp), variants, (inputs, targets), [torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
                                                        for r in range(world_size)]
 
@@ -1429,8 +1541,8 @@ def layout_runs(tmp_path_factory, data_dir):
     for name, (nproc, script, extra) in LAYOUT_RUNS.items():
         args = [*TRAIN_ARGS, *extra, "--data", data_dir, "--metrics", str(tmp_path / name / "m.jsonl"),
                 "--checkpoint-dir", str(tmp_path / name / "ckpt")]
-        procs[name] = launch(nproc, "benchmark.py", "measure-memory", str(tmp_path / f"{name}.json"),
-                             str(ROOT / script), *args, cwd=tmp_path, wait=False)
+        procs[name] = run_script(nproc, "benchmark.py", "measure-memory", str(tmp_path / f"{name}.json"),
+                                 str(ROOT / script), *args, cwd=tmp_path, wait=False)
     for name, proc in procs.items():
         result = finish(proc, timeout=400)
         assert result.returncode == 0, (name, result.stderr[-3000:])
@@ -1481,9 +1593,9 @@ def test_bf16_trains_as_fp32_does_within_bf16s_rounding_at_any_layout(tmp_path, 
     # replicas, whose FSDP sums bf16 products in another order); with torch's CUDA build (what pip installs from
     # PyPI) run on a CPU, whose bf16 kernels round more, 2.2e-2 and 1.1e-2 over 16 steps (the traced stages,
     # which rotate q and k in fp32). Tolerances ~2.5x the worst.
-    procs = {name: launch(nproc, script, *TRAIN_ARGS, *extra, "--data", data_dir, "--metrics",
-                          str(tmp_path / f"{name}.jsonl"), "--checkpoint-dir", str(tmp_path / name), cwd=tmp_path,
-                          wait=False) for name, (nproc, script, extra) in BF16_RUNS.items()}
+    procs = {name: run_script(nproc, script, *TRAIN_ARGS, *extra, "--data", data_dir, "--metrics",
+                              str(tmp_path / f"{name}.jsonl"), "--checkpoint-dir", str(tmp_path / name), cwd=tmp_path,
+                              wait=False) for name, (nproc, script, extra) in BF16_RUNS.items()}
     rows = {"fp32": layout_runs[0]["gpipe1"][0]}
     for name, proc in procs.items():
         result = finish(proc, timeout=400)
@@ -1600,8 +1712,8 @@ def test_manual_pipeline_runs_every_module_as_the_models_own_forward(tmp_path, w
     gradients of its own forward on one process; the parameters' gradients and the loss are the same too."""
     pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
     layers, kinds, m = 4, ("ours", "hf"), 6  # 4 layers on 3 stages: 2, 1, 1
-    mp.start_processes(_manual_worker, nprocs=world_size, start_method="spawn", join=True,
-                       args=(world_size, str(tmp_path / "store"), str(tmp_path), kinds, layers))
+    run_workers(_manual_worker, world_size, args=(world_size, str(tmp_path / "store"), str(tmp_path), kinds,
+                                                  layers))
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
     for kind in kinds:
         loss, grads, calls = _reference(kind, layers, 16)
@@ -1733,7 +1845,7 @@ def test_losses_equal_gpipe_script_and_checkpoints_cross_over(tmp_path, data_dir
     procs = {}
     for name, (nproc, script) in fresh.items():
         (tmp_path / name).mkdir()
-        procs[name] = launch(nproc, script, *args, cwd=tmp_path / name, wait=False)
+        procs[name] = run_script(nproc, script, *args, cwd=tmp_path / name, wait=False)
     rows = {}
     for name, proc in procs.items():
         result = finish(proc)
@@ -1757,7 +1869,7 @@ def test_losses_equal_gpipe_script_and_checkpoints_cross_over(tmp_path, data_dir
     for name, (source, nproc, script) in crossings.items():
         shutil.copytree(tmp_path / source / "checkpoints" / "step-00000004",
                         tmp_path / name / "checkpoints" / "step-00000004")
-        procs[name] = launch(nproc, script, *args, cwd=tmp_path / name, wait=False)
+        procs[name] = run_script(nproc, script, *args, cwd=tmp_path / name, wait=False)
     for name in crossings:
         result = finish(procs[name])
         assert result.returncode == 0, result.stderr[-3000:]
@@ -1802,7 +1914,7 @@ def kill_during_a_save(args: list, cwd: Path) -> int:
     is started again and killed again, a few times at most."""
     ckpt = cwd / "checkpoints"
     for _ in range(4):
-        proc = launch(4, "train_pipeline_gpipe.py", *args, cwd=cwd, wait=False)
+        proc = run_script(4, "train_pipeline_gpipe.py", *args, cwd=cwd, wait=False)
         while proc.poll() is None:
             complete, partial = complete_and_partial(ckpt)
             if complete and partial:
@@ -1824,7 +1936,7 @@ def test_sigkill_during_a_save_then_rerun_gives_bit_identical_losses(tmp_path, d
     killed_at = kill_during_a_save(args, tmp_path)
     assert killed_at < 16
 
-    result = launch(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path)  # the same command again
+    result = run_script(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path)  # the same command again
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from checkpoints/step-{killed_at:08d} at step {killed_at}" in result.stdout
     rows, _ = read_metrics(tmp_path / "m.jsonl")
@@ -1849,8 +1961,8 @@ def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, refer
     for name, (nproc, script, extra) in variants.items():
         run_dir = tmp_path / name
         shutil.copytree(reference_dir / "checkpoints" / "step-00000008", run_dir / "checkpoints" / "step-00000008")
-        procs[name] = launch(nproc, script, *RESUME_ARGS, *extra, "--data", data_dir,
-                             "--metrics", "m.jsonl", cwd=run_dir, wait=False)
+        procs[name] = run_script(nproc, script, *RESUME_ARGS, *extra, "--data", data_dir,
+                                 "--metrics", "m.jsonl", cwd=run_dir, wait=False)
     for name, proc in procs.items():
         result = finish(proc)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -1869,7 +1981,7 @@ def test_tensor_parallel_resumes_exactly_on_any_layout_and_exports_the_whole_mod
     ckpt = tmp_path / "checkpoints"
     killed_at = kill_during_a_save(args, tmp_path)
     first_attempt, _ = read_metrics(tmp_path / "m.jsonl")
-    result = launch(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path)
+    result = run_script(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from checkpoints/step-{killed_at:08d} at step {killed_at}" in result.stdout
     assert "2 pipeline x 1 data x 2 tensor" in result.stdout
@@ -1890,8 +2002,8 @@ def test_tensor_parallel_resumes_exactly_on_any_layout_and_exports_the_whole_mod
                                        ("tp2 no sp", 4, ["--tp", "2", "--no-sequence-parallel"], ckpt),
                                        ("2x2 to tp2 sp", 4, ["--tp", "2"], reference_dir / "checkpoints")):
         shutil.copytree(source / "step-00000008", tmp_path / name / "checkpoints" / "step-00000008")
-        procs[name] = launch(nproc, "train_pipeline_gpipe.py", *RESUME_ARGS, *extra, "--data", data_dir,
-                             "--metrics", "m.jsonl", cwd=tmp_path / name, wait=False)
+        procs[name] = run_script(nproc, "train_pipeline_gpipe.py", *RESUME_ARGS, *extra, "--data", data_dir,
+                                 "--metrics", "m.jsonl", cwd=tmp_path / name, wait=False)
     for name, proc in procs.items():
         result = finish(proc)
         assert result.returncode == 0, (name, result.stderr[-3000:])
@@ -1908,7 +2020,7 @@ def test_tensor_parallel_resumes_exactly_on_any_layout_and_exports_the_whole_mod
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     for output, given in (("tp.pt", []), ("tp-hf", ["--format", "hf"])):
-        result = launch(0, "export.py", ckpt, output, *given, cwd=tmp_path)
+        result = run_script(0, "export.py", ckpt, output, *given, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
     exported = torch.load(tmp_path / "tp.pt", weights_only=True)
     dcp_to_torch_save(str(ckpt / "step-00000016"), str(tmp_path / "all.pt"))
@@ -1932,7 +2044,7 @@ def test_bf16_resumes_exactly_after_sigkill_and_exports_fp32_weights_that_transf
             data_dir, "--metrics", "m.jsonl"]
     killed_at = kill_during_a_save(args, tmp_path)
     first_attempt, _ = read_metrics(tmp_path / "m.jsonl")
-    result = launch(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path)
+    result = run_script(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from checkpoints/step-{killed_at:08d} at step {killed_at}" in result.stdout
     rows, _ = read_metrics(tmp_path / "m.jsonl")
@@ -1940,7 +2052,7 @@ def test_bf16_resumes_exactly_after_sigkill_and_exports_fp32_weights_that_transf
     again = [r["step"] for r in first_attempt if r["step"] > killed_at]
     assert again, "the killed attempt logged no step after its last checkpoint"
     assert [r["loss"] for r in rows if r["step"] in again] == [r["loss"] for r in first_attempt if r["step"] in again]
-    result = launch(0, "export.py", "checkpoints", "hf", "--format", "hf", cwd=tmp_path)
+    result = run_script(0, "export.py", "checkpoints", "hf", "--format", "hf", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
     assert all(p.dtype == torch.float32 for p in exported.parameters())
@@ -1958,8 +2070,8 @@ def test_sigterm_stops_after_the_step_saves_it_and_the_same_command_continues_ex
     # checkpoint. The same command then continues: the losses of a run never stopped, bit for bit.
     args = [*TRAIN_ARGS, "--steps", "60", "--data", data_dir, "--metrics", "m.jsonl"]
     (tmp_path / "stopped").mkdir()
-    reference = launch(2, "train_pipeline_gpipe.py", *args, cwd=(tmp_path / "reference").mkdir() or
-                       tmp_path / "reference", wait=False)
+    reference = run_script(2, "train_pipeline_gpipe.py", *args, cwd=(tmp_path / "reference").mkdir() or
+                           tmp_path / "reference", wait=False)
     proc = run_sh(SCRIPT, *args, cwd=tmp_path / "stopped", wait=False, NPROC_PER_NODE=2)
     while proc.poll() is None and lines_of(tmp_path / "stopped" / "m.jsonl").count('"step"') < 3:
         time.sleep(0.05)
@@ -1974,7 +2086,7 @@ def test_sigterm_stops_after_the_step_saves_it_and_the_same_command_continues_ex
     rows, _ = read_metrics(tmp_path / "stopped" / "m.jsonl")
     assert 3 <= step < 60 and [r["step"] for r in rows] == list(range(1, step + 1))
     assert complete_and_partial(tmp_path / "stopped" / "checkpoints") == ([f"step-{step:08d}"], [])
-    result = launch(2, "train_pipeline_gpipe.py", *args, cwd=tmp_path / "stopped")  # the same command
+    result = run_script(2, "train_pipeline_gpipe.py", *args, cwd=tmp_path / "stopped")  # the same command
     assert result.returncode == 0 and f"resumed from checkpoints/step-{step:08d}" in result.stdout, result.stderr
     assert finish(reference).returncode == 0
     rows, expected = read_metrics(tmp_path / "stopped" / "m.jsonl")[0], read_metrics(tmp_path / "reference" /
@@ -2058,8 +2170,8 @@ def test_no_layout_of_the_processes_left_is_one_line_and_touches_nothing(tmp_pat
     # --tp 2 and one process left of the torchrun job that saved it (its id set as torchrun sets it): one line.
     fake_checkpoint(tmp_path / "checkpoints", 8, 4, 1, 2)
     before = snapshot(tmp_path / "checkpoints")
-    result = launch(0, "train_pipeline_gpipe.py", *TRAIN_ARGS, "--tp", "2", "--data", data_dir, cwd=tmp_path,
-                    env=dict(script_env(), TORCHELASTIC_RUN_ID="job7"))
+    result = run_script(0, "train_pipeline_gpipe.py", *TRAIN_ARGS, "--tp", "2", "--data", data_dir, cwd=tmp_path,
+                        env=dict(script_env(), TORCHELASTIC_RUN_ID="job7"))
     one_line_error(result, "1 process(es) left cannot hold this run (step-00000008, saved by 4): with --tp 2, "
                            "--batch-size 8 and --microbatches 4 it needs 2, 4 processes; start that many")
     assert snapshot(tmp_path / "checkpoints") == before
@@ -2191,10 +2303,10 @@ def test_wrong_model_damaged_or_tampered_checkpoints_fail_in_one_line(tmp_path, 
                 "rng": "rng/rank0.pt: damaged, or not a checkpoint of this project"}
     for name in expected:
         layers = ["--layers", "3"] if name == "wrong_model" else []
-        runs[name] = launch(0, "train_pipeline_gpipe.py", *RESUME_ARGS, *layers, "--data", data_dir,
-                            cwd=tmp_path / name, wait=False)
-    runs["init_from"] = launch(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--data", data_dir, "--init-from",
-                               tampered, "--checkpoint-dir", "new", cwd=tmp_path, wait=False)
+        runs[name] = run_script(0, "train_pipeline_gpipe.py", *RESUME_ARGS, *layers, "--data", data_dir,
+                                cwd=tmp_path / name, wait=False)
+    runs["init_from"] = run_script(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--data", data_dir, "--init-from",
+                                   tampered, "--checkpoint-dir", "new", cwd=tmp_path, wait=False)
     expected["init_from"] = expected["tampered"]
     assert expected["tampered"] in refused(capsys, export.main, tampered, tmp_path / "exported.pt")
     for name, proc in runs.items():
@@ -2202,22 +2314,34 @@ def test_wrong_model_damaged_or_tampered_checkpoints_fail_in_one_line(tmp_path, 
     assert not payload.exists()
 
     # --fresh starts over and moves the old checkpoints aside instead of deleting them.
-    result = launch(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--layers", "3", "--steps", "1", "--fresh",
-                    "--data", data_dir, cwd=tmp_path / "wrong_model")
+    result = run_script(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--layers", "3", "--steps", "1", "--fresh",
+                        "--data", data_dir, cwd=tmp_path / "wrong_model")
     assert result.returncode == 0, result.stderr[-2000:]
     aside = list((tmp_path / "wrong_model").glob("checkpoints.previous-*"))
     assert len(aside) == 1 and (aside[0] / source.name / "meta.json").is_file()
     assert complete_and_partial(tmp_path / "wrong_model" / "checkpoints")[0] == ["step-00000001"]
 
 
+def test_fresh_runs_within_a_second_each_set_their_checkpoints_aside(tmp_path, monkeypatch):
+    # benchmark.py starts its runs one after another with --fresh in one folder, short runs within a second.
+    monkeypatch.setattr(time, "strftime", lambda *args: "20260101-000000")
+    for step in range(3):
+        (tmp_path / "ckpt" / f"step-{step:08d}").mkdir(parents=True)
+        checkpoint._set_aside(str(tmp_path / "ckpt"), say=lambda *args, **kwargs: None)
+    aside = {p.name: os.listdir(p) for p in tmp_path.glob("ckpt.previous-*")}
+    assert aside == {"ckpt.previous-20260101-000000": ["step-00000000"],
+                     "ckpt.previous-20260101-000000-2": ["step-00000001"],
+                     "ckpt.previous-20260101-000000-3": ["step-00000002"]}
+
+
 def test_one_run_per_checkpoint_directory(tmp_path, data_dir):
     args = [*RESUME_ARGS, "--steps", "1000", "--data", data_dir, "--checkpoint-dir", "shared"]
-    first = launch(0, "train_pipeline_gpipe.py", *args, "--metrics", "m.jsonl", cwd=tmp_path, wait=False)
+    first = run_script(0, "train_pipeline_gpipe.py", *args, "--metrics", "m.jsonl", cwd=tmp_path, wait=False)
     try:
         while not (tmp_path / "m.jsonl").is_file() or not (tmp_path / "m.jsonl").read_text():
             assert first.poll() is None, finish(first).stderr[-2000:]
             time.sleep(0.05)
-        second = launch(0, "train_pipeline_gpipe.py", *args, cwd=tmp_path)
+        second = run_script(0, "train_pipeline_gpipe.py", *args, cwd=tmp_path)
         one_line_error(second, "--checkpoint-dir shared: another run is using it",
                        f"pid {first.pid} on {socket.gethostname()}")
         assert first.poll() is None  # the first run goes on undisturbed
@@ -2226,8 +2350,8 @@ def test_one_run_per_checkpoint_directory(tmp_path, data_dir):
         first.communicate()
     assert (tmp_path / "shared" / "run.lock").is_file()
     # Its holder is gone (same host, dead pid): the next run takes the lock over at once and releases it.
-    result = launch(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--steps", "2", "--data", data_dir,
-                    "--checkpoint-dir", "shared", cwd=tmp_path)
+    result = run_script(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--steps", "2", "--data", data_dir,
+                        "--checkpoint-dir", "shared", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["step-00000002"]
 
@@ -2283,8 +2407,8 @@ def test_resume_refuses_changed_flags_and_touches_nothing(tmp_path, data_dir, re
     procs = {}
     for name, (given, _) in cases.items():
         shutil.copytree(reference_dir / "checkpoints" / "step-00000008", tmp_path / name / "step-00000008")
-        procs[name] = launch(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--data", data_dir, *given,
-                             "--checkpoint-dir", name, cwd=tmp_path, wait=False)
+        procs[name] = run_script(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--data", data_dir, *given,
+                                 "--checkpoint-dir", name, cwd=tmp_path, wait=False)
     for name, proc in procs.items():
         result = finish(proc)
         one_line_error(result, "--checkpoint-dir", "step-00000008 is another run", *cases[name][1], "--fresh",
@@ -2306,7 +2430,7 @@ def test_a_run_killed_during_an_evaluation_keeps_the_steps_checkpoint(tmp_path, 
     assert complete_and_partial(tmp_path / "checkpoints") == (["step-00000002"], [])
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [row.get("step") for row in rows] == [1, 2]  # killed before the evaluation's row
-    result = launch(0, "train_pipeline_gpipe.py", *args, "--eval-batches", "2", cwd=tmp_path)  # continues
+    result = run_script(0, "train_pipeline_gpipe.py", *args, "--eval-batches", "2", cwd=tmp_path)  # continues
     assert "resumed from checkpoints/step-00000002 at step 2" in result.stdout, result.stderr[-2000:]
     saved, evaluated = result.stdout.index("saved checkpoints/step-00000004"), result.stdout.index("eval at step 4")
     assert saved < evaluated  # saved before its evaluation
@@ -2319,7 +2443,7 @@ def test_a_full_disk_stops_the_save_cleanly_and_the_rerun_resumes(tmp_path, data
     try:
         args = [*RESUME_ARGS, "--steps", "4", "--checkpoint-every", "1", "--data", data_dir,
                 "--checkpoint-dir", str(disk / "ckpt")]
-        result = launch(2, "train_pipeline_gpipe.py", *args, "--keep-checkpoints", "2", cwd=tmp_path)
+        result = run_script(2, "train_pipeline_gpipe.py", *args, "--keep-checkpoints", "2", cwd=tmp_path)
         assert result.returncode != 0
         errors = re.findall(r"error: .*", result.stderr)  # after the last rank's progress bar, maybe on its line
         assert len(errors) == 1 and "step-00000003.tmp failed (the disk is full" in errors[0], result.stderr[-3000:]
@@ -2327,7 +2451,7 @@ def test_a_full_disk_stops_the_save_cleanly_and_the_rerun_resumes(tmp_path, data
         assert "lost contact" not in result.stderr
         assert complete_and_partial(disk / "ckpt") == (["step-00000001", "step-00000002"], [])  # no partial save
         shutil.rmtree(disk / "ckpt" / "step-00000001")  # the user frees space
-        result = launch(2, "train_pipeline_gpipe.py", *args, "--keep-checkpoints", "1", cwd=tmp_path)
+        result = run_script(2, "train_pipeline_gpipe.py", *args, "--keep-checkpoints", "1", cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"resumed from {disk}/ckpt/step-00000002 at step 2" in result.stdout
         assert complete_and_partial(disk / "ckpt") == (["step-00000004"], [])
@@ -2338,20 +2462,20 @@ def test_a_full_disk_stops_the_save_cleanly_and_the_rerun_resumes(tmp_path, data
 def test_data_prepared_again_is_another_run_and_its_weights_start_a_new_one(tmp_path):
     prepare_small(tmp_path / "data")  # where the scripts read by default
     args = ["--layers", "2", "--steps", "2", "--batch-size", "4", "--microbatches", "2", "--seq-len", "16"]
-    result = launch(0, "train_pipeline_gpipe.py", *args, "--checkpoint-every", "1", cwd=tmp_path)
+    result = run_script(0, "train_pipeline_gpipe.py", *args, "--checkpoint-every", "1", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     shutil.rmtree(tmp_path / "checkpoints" / "step-00000002")  # as if stopped after step 1
     prepare_small(tmp_path / "data", documents=700, vocab_size=320)  # other documents and vocabulary, same folder
-    one_line_error(launch(0, "train_pipeline_gpipe.py", *args, cwd=tmp_path),
+    one_line_error(run_script(0, "train_pipeline_gpipe.py", *args, cwd=tmp_path),
                    "--data data → data (other data, or prepared again differently)")
     # The way out it names: a new run from the checkpoint's weights (its shape comes from there; its tokenizer
     # must be the data's, and is not: this vocabulary was trained on other documents, so prepare them with it).
     new = ["--init-from", "checkpoints", "--checkpoint-dir", "new", "--steps", "1", "--metrics", "m.jsonl"]
-    one_line_error(launch(0, "train_pipeline_gpipe.py", *args[2:], *new, cwd=tmp_path),
+    one_line_error(run_script(0, "train_pipeline_gpipe.py", *args[2:], *new, cwd=tmp_path),
                    "--init-from checkpoints/step-00000001: its tokenizer is not the one --data data was prepared "
                    "with", "python prepare_data.py --tokenizer checkpoints/step-00000001")
     prepare_small(tmp_path / "data", documents=700, tokenizer=tmp_path / "checkpoints" / "step-00000001")
-    result = launch(0, "train_pipeline_gpipe.py", *args[2:], *new, cwd=tmp_path)
+    result = run_script(0, "train_pipeline_gpipe.py", *args[2:], *new, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "initialized from the weights of checkpoints/step-00000001" in result.stdout
     assert "model from checkpoints/step-00000001: 2 layers" in result.stdout
@@ -2363,8 +2487,8 @@ def test_a_run_started_from_weights_resumes_without_them(tmp_path, hf_models, da
     shutil.copytree(hf_models / "tied", source)
     common = ["--batch-size", "8", "--microbatches", "4", "--seq-len", "32", "--warmup-steps", "2", "--lr", "1e-2",
               "--steps", "4", "--checkpoint-every", "2", "--data", data_dir]
-    result = launch(0, "train_pipeline_gpipe.py", *common, "--init-from", str(source), "--checkpoint-dir", "first",
-                    "--metrics", "first.jsonl", cwd=tmp_path)
+    result = run_script(0, "train_pipeline_gpipe.py", *common, "--init-from", str(source), "--checkpoint-dir", "first",
+                        "--metrics", "first.jsonl", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     reference, _ = read_metrics(tmp_path / "first.jsonl")
     source.rename(tmp_path / "hf-moved")
@@ -2374,8 +2498,8 @@ def test_a_run_started_from_weights_resumes_without_them(tmp_path, hf_models, da
     procs = {}
     for name, given in cases.items():
         shutil.copytree(tmp_path / "first" / "step-00000002", tmp_path / name / "step-00000002")
-        procs[name] = launch(0, "train_pipeline_gpipe.py", *common, *given, "--checkpoint-dir", name,
-                             "--metrics", f"{name}.jsonl", cwd=tmp_path, wait=False)
+        procs[name] = run_script(0, "train_pipeline_gpipe.py", *common, *given, "--checkpoint-dir", name,
+                                 "--metrics", f"{name}.jsonl", cwd=tmp_path, wait=False)
     for name, proc in procs.items():
         result = finish(proc)
         assert result.returncode == 0, (name, result.stderr[-2000:])
@@ -2436,9 +2560,8 @@ def test_hugging_face_weights_train_like_transformers_at_any_stage_count(tmp_pat
     schedules = {"untied": "gpipe", "tied": "zbvzerobubble" if world_size == 2 else "gpipe", "tied_bf16": "gpipe"}
     gen = torch.Generator().manual_seed(5)
     inputs, targets = torch.randint(0, 8192, (8, 16), generator=gen), torch.randint(0, 8192, (8, 16), generator=gen)
-    mp.start_processes(_hf_worker, nprocs=world_size, start_method="spawn", join=True,
-                       args=(world_size, str(tmp_path / "store"), str(tmp_path), str(hf_models), schedules,
-                             (inputs, targets), 4))
+    run_workers(_hf_worker, world_size, args=(world_size, str(tmp_path / "store"), str(tmp_path), str(hf_models),
+                                              schedules, (inputs, targets), 4))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
     for name in ("untied", "tied"):
         reference = transformers.LlamaForCausalLM.from_pretrained(hf_models / name)
@@ -2467,8 +2590,8 @@ def test_hugging_face_weights_train_like_transformers_at_any_stage_count(tmp_pat
     # Loaded and saved by the pipeline, then exported: the same tensors as the Hugging Face files, bit for bit.
     for name, dtype in (("untied", "float32"), ("tied", "float32"), ("tied_bf16", "bfloat16")):
         out = tmp_path / f"export-{name}"
-        result = launch(0, "export.py", tmp_path / f"ckpt-{name}", out, "--format", "hf", "--dtype", dtype,
-                        cwd=tmp_path)
+        result = run_script(0, "export.py", tmp_path / f"ckpt-{name}", out, "--format", "hf", "--dtype", dtype,
+                            cwd=tmp_path)
         assert result.returncode == 0, result.stderr
         source = load_file(next((hf_models / name).glob("*.safetensors")))
         exported = load_file(next(out.glob("*.safetensors")))
@@ -2500,8 +2623,8 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
         "eval_one": (0, "train_pipeline_gpipe.py", ["--steps", "0"]),
         "eval3": (3, "train_pipeline_afab_manual.py", ["--steps", "0"]),
     }
-    procs = {name: launch(n, script, *common, *flags, "--metrics", f"{name}.jsonl", "--checkpoint-dir", name,
-                          cwd=tmp_path, wait=False) for name, (n, script, flags) in runs.items()}
+    procs = {name: run_script(n, script, *common, *flags, "--metrics", f"{name}.jsonl", "--checkpoint-dir", name,
+                              cwd=tmp_path, wait=False) for name, (n, script, flags) in runs.items()}
     rows = {}
     for name, proc in procs.items():
         result = finish(proc)
@@ -2522,8 +2645,8 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
     # Export the 3-stage run for transformers, in several files: it loads with no missing or unexpected keys,
     # computes the pipeline model's logits, and its tokenizer encodes like ours.
     out = tmp_path / "exported"
-    result = launch(0, "export.py", tmp_path / "gpipe3", out, "--format", "hf", "--max-shard-size", "1MB",
-                    cwd=tmp_path)
+    result = run_script(0, "export.py", tmp_path / "gpipe3", out, "--format", "hf", "--max-shard-size", "1MB",
+                        cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
@@ -2564,8 +2687,8 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
     cut = tmp_path / "cut-short"
     shutil.copytree(tied, cut)
     os.truncate(cut / "model.safetensors", (cut / "model.safetensors").stat().st_size // 2)
-    procs = {model: launch(0, "train_pipeline_gpipe.py", *common[2:], "--init-from", str(model), "--steps", "0",
-                           "--checkpoint-dir", model.name, cwd=tmp_path, wait=False) for model in (other, cut)}
+    procs = {model: run_script(0, "train_pipeline_gpipe.py", *common[2:], "--init-from", str(model), "--steps", "0",
+                               "--checkpoint-dir", model.name, cwd=tmp_path, wait=False) for model in (other, cut)}
     one_line_error(finish(procs[other]),
                    f"--init-from {other}: its tokenizer is not the one --data {data_dir} was prepared with")
     one_line_error(finish(procs[cut]), f"--init-from {cut}: model.safetensors is not a complete safetensors file")
@@ -2573,7 +2696,7 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
 
 def test_export_writes_the_pipelines_weights_for_one_process(tmp_path, reference_run, capsys):
     reference_dir, _ = reference_run
-    result = launch(0, "export.py", reference_dir / "checkpoints", tmp_path / "tiny.pt", cwd=tmp_path)
+    result = run_script(0, "export.py", reference_dir / "checkpoints", tmp_path / "tiny.pt", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "step-00000016" in result.stdout  # the newest checkpoint of the run
     exported = torch.load(tmp_path / "tiny.pt", weights_only=True)
@@ -2878,8 +3001,8 @@ def test_plan_piped_into_head_ends_quietly():
 
 
 def test_plan_prints_every_schedule_for_a_cluster_on_this_machine(tmp_path):
-    result = launch(0, "plan.py", "--model", "llama-8b", "--seq-len", "8192", "--processes", "8", "--dp", "2",
-                    "--batch-size", "64", "--microbatches", "8", "--device", "cuda", cwd=tmp_path)
+    result = run_script(0, "plan.py", "--model", "llama-8b", "--seq-len", "8192", "--processes", "8", "--dp", "2",
+                        "--batch-size", "64", "--microbatches", "8", "--device", "cuda", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "32 layers, hidden 4096, vocab 8192, 8 processes = 4 pipeline x 2 data x 1 tensor" in result.stdout
     assert ", bf16 autocast" in result.stdout  # --precision auto on a GPU
@@ -3138,11 +3261,11 @@ def test_the_largest_config_json_plans_in_one_line(tmp_path):
                                                      "num_attention_heads": 2 ** 30, "num_key_value_heads": 1,
                                                      "intermediate_size": 2 ** 31 - 1})
     common = ["--model", config, "--seq-len", "4096", "--batch-size", "512"]
-    search = launch(0, "plan.py", *common, "--gpus", "64", cwd=tmp_path, timeout=60)
+    search = run_script(0, "plan.py", *common, "--gpus", "64", cwd=tmp_path, timeout=60)
     assert search.returncode == 1 and len(search.stderr.splitlines()) == 1, search.stderr
     assert search.stderr.startswith("error: --gpu-memory 80: no layout fits; the smallest, pp 64 x dp 1 x tp 1 ")
-    one = launch(0, "plan.py", *common, "--processes", "8", "--microbatches", "8", "--device", "cuda", cwd=tmp_path,
-                 timeout=60)
+    one = run_script(0, "plan.py", *common, "--processes", "8", "--microbatches", "8", "--device", "cuda", cwd=tmp_path,
+                     timeout=60)
     assert one.returncode == 0 and "hidden 1073741824, vocab 2147483647" in one.stdout, one.stderr
 
 
@@ -3161,7 +3284,7 @@ def test_divisors_are_found_by_trial_up_to_the_square_root():
 def test_a_huge_batch_or_cluster_is_searched_in_seconds(argv, tmp_path):
     # divisors() walked range(1, n + 1): each ran until killed (a timeout here).
     started = time.perf_counter()
-    result = launch(0, "plan.py", *argv, cwd=tmp_path, timeout=60)
+    result = run_script(0, "plan.py", *argv, cwd=tmp_path, timeout=60)
     assert time.perf_counter() - started < 30
     assert result.returncode in (0, 1) and error_lines(result.stderr) == result.stderr.splitlines(), result.stderr
     assert result.returncode == 0 or "no layout fits" in result.stderr
@@ -3235,8 +3358,8 @@ def test_step_times_and_memory_are_printed_in_units_that_show_them(capsys):
 # -- benchmark.py: measure-memory, reading the scripts' traces
 
 def test_measure_memory_gives_a_scripts_error_in_one_line(tmp_path, data_dir):
-    result = launch(0, "benchmark.py", "measure-memory", "out.json", str(ROOT / "train_pipeline_afab_manual.py"),
-                    "--data", "nowhere", "--steps", "1", cwd=tmp_path)
+    result = run_script(0, "benchmark.py", "measure-memory", "out.json", str(ROOT / "train_pipeline_afab_manual.py"),
+                        "--data", "nowhere", "--steps", "1", cwd=tmp_path)
     assert result.returncode == 1 and error_lines(result.stderr) == [
         "error: --data nowhere: no data prepared there; run python prepare_data.py --out nowhere first (see its "
         "--help)"], result.stderr
@@ -3325,7 +3448,15 @@ def test_benchmark_refuses_bad_flags_in_one_line(argv, message, data_dir, capsys
     assert err.startswith(message), err
 
 
-def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir):
+def forked_launch(cmd: list, ranks: int, workdir: str, what: str) -> str:
+    """benchmark.launch, each rank forked (run_script) instead of started by torchrun."""
+    result = run_script(ranks, cmd[0], *cmd[1:], cwd=workdir, timeout=600)
+    if result.returncode != 0:
+        sys.exit(f"benchmark: {what} failed:\n{result.stderr[-3000:]}")
+    return result.stdout
+
+
+def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypatch):
     small = ["--repeats", "1", "--steps", "3", "--seq-len", "16", "--data", data_dir, "--", "--layers", "2"]
     jobs = {"bench": ["--variants", "1f1b", "--batch-size", "4", "--microbatches", "4", "--out", "bench"],
             "sweep": ["--sweep", "--sweep-microbatches", "1,2", "--batch-size", "4", "--out", "sweep"],
@@ -3333,10 +3464,14 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir):
             "tp": ["--tp", "2", "--batch-size", "4", "--microbatches", "2", "--out", "tp"],
             "splits": ["--splits", "--variants", "balanced", "--batch-size", "4", "--microbatches", "2", "--out",
                        "splits"]}
-    procs = {name: launch(0, "benchmark.py", *argv, *small, cwd=tmp_path, wait=False) for name, argv in jobs.items()}
-    for name, proc in procs.items():
-        result = finish(proc, timeout=600)
-        assert result.returncode == 0, (name, result.stderr[-3000:])
+    # The sweep as users run it (its runs under torchrun); the other modes' runs with their ranks forked.
+    sweep = run_script(0, "benchmark.py", *jobs.pop("sweep"), *small, cwd=tmp_path, wait=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(benchmark, "launch", forked_launch)
+    for argv in jobs.values():
+        benchmark.main(benchmark.parse_args([*argv, *small]))
+    result = finish(sweep, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
 
     table = (tmp_path / "bench" / "results.md").read_text()
     rows = [line.split(" | ")[0].removeprefix("| ") for line in table.splitlines() if line.startswith("| ")]
@@ -3406,7 +3541,7 @@ def test_benchmark_out_that_is_a_file_is_one_line(tmp_path, fake_data, capsys):
     (tmp_path / "file").write_text("mine")
     assert refused(capsys, benchmark.parse_args, "--data", fake_data, "--out", tmp_path / "file") == (
         f"error: --out {tmp_path / 'file'}: not a folder; give a folder (it is created if missing)")
-    result = launch(0, "benchmark.py", "--data", fake_data, "--out", str(tmp_path / "file" / "sub"), cwd=tmp_path)
+    result = run_script(0, "benchmark.py", "--data", fake_data, "--out", str(tmp_path / "file" / "sub"), cwd=tmp_path)
     assert result.returncode == 1 and result.stderr == (
         f"error: --out {tmp_path / 'file' / 'sub'}: cannot create it (Not a directory); give another --out\n")
     assert (tmp_path / "file").read_text() == "mine"
@@ -3792,16 +3927,17 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, data_dir):
         ("--data", "missing"): ("--data missing: no data prepared there; run python prepare_data.py --out missing",
                                 1),
     }
-    procs = {given: launch(0, "train_pipeline_gpipe.py", *common, *given, cwd=tmp_path, wait=False)
+    procs = {given: run_script(0, "train_pipeline_gpipe.py", *common, *given, cwd=tmp_path, wait=False)
              for given in cases}
     # More processes than layers, under torchrun: every rank must stop, none may hang.
-    procs[("torchrun", "--layers", "2")] = launch(3, "train_pipeline_gpipe.py", "--layers", "2", *common,
-                                                  cwd=tmp_path, wait=False)
+    procs[("torchrun", "--layers", "2")] = run_script(3, "train_pipeline_gpipe.py", "--layers", "2", *common,
+                                                      cwd=tmp_path, wait=False)
     cases[("torchrun", "--layers", "2")] = ("--layers", 1)
     # What a schedule needs of the microbatches, torch says when the schedule is built: passed on in one line.
-    procs[("torchrun", "--schedule", "1f1b")] = launch(2, "train_pipeline_gpipe.py", "--layers", "2", "--schedule",
-                                                       "1f1b", "--microbatches", "1", "--batch-size", "4", "--data",
-                                                       data_dir, "--checkpoint-dir", "other", cwd=tmp_path, wait=False)
+    procs[("torchrun", "--schedule", "1f1b")] = run_script(2, "train_pipeline_gpipe.py", "--layers", "2", "--schedule",
+                                                           "1f1b", "--microbatches", "1", "--batch-size", "4",
+                                                           "--data", data_dir, "--checkpoint-dir", "other",
+                                                           cwd=tmp_path, wait=False)
     cases[("torchrun", "--schedule", "1f1b")] = ("--schedule 1f1b with --microbatches 1: ", 1)  # then torch's words
     for given, proc in procs.items():
         result = finish(proc, timeout=120)
@@ -3867,7 +4003,7 @@ def test_directories_mistaken_for_others_are_refused_and_left_alone(tmp_path, da
     before = {path: snapshot(path, folder_times=True) for path in (Path(data_dir), tmp_path / "outside")}
     runs = {"init_from": ["--init-from", data_dir, "--checkpoint-dir", "new"],
             "lock": ["--checkpoint-dir", "locked"], "link": ["--checkpoint-dir", "linked"]}
-    procs = {name: launch(0, "train_pipeline_gpipe.py", *quick, *flags, cwd=tmp_path, wait=False)
+    procs = {name: run_script(0, "train_pipeline_gpipe.py", *quick, *flags, cwd=tmp_path, wait=False)
              for name, flags in runs.items()}
     results = {name: finish(proc) for name, proc in procs.items()}
     one_line_error(results["init_from"], f"--init-from {data_dir}: not a complete checkpoint, it holds data "
@@ -3920,8 +4056,8 @@ def test_unusable_output_paths_stop_every_script_before_any_work(tmp_path, data_
         ("train_pipeline_gpipe.py", "--checkpoint-dir", str(Path(data_dir).parent), "--fresh"): ["holds --data"],
     }
     data_before = snapshot(Path(data_dir), folder_times=True)
-    procs = {case: launch(0, case[0], *quick, *case[1:], cwd=tmp_path, wait=False) for case in cases}
-    exported = launch(0, "export.py", reference_run[0] / "checkpoints", read_only_dir / "tiny.pt", cwd=tmp_path)
+    procs = {case: run_script(0, case[0], *quick, *case[1:], cwd=tmp_path, wait=False) for case in cases}
+    exported = run_script(0, "export.py", reference_run[0] / "checkpoints", read_only_dir / "tiny.pt", cwd=tmp_path)
     for case, proc in procs.items():
         one_line_error(finish(proc), *cases[case])
     one_line_error(exported, "cannot write", "tiny.pt")
@@ -3961,7 +4097,7 @@ def test_tensor_parallel_that_the_model_cannot_take_is_one_line_on_every_rank(tm
 
 
 def test_help_works_without_torchrun_and_every_script_has_the_same_flags(tmp_path):
-    procs = [launch(0, script, "--help", cwd=tmp_path, wait=False) for script in SCRIPTS]
+    procs = [run_script(0, script, "--help", cwd=tmp_path, wait=False) for script in SCRIPTS]
     helps = {script: finish(proc) for script, proc in zip(SCRIPTS, procs)}
     flags = {}
     for script, result in helps.items():
