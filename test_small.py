@@ -153,6 +153,8 @@ def forkserver():
     finally:
         os.environ.clear()
         os.environ.update(saved)
+    # Before multiprocessing's own exit handler, which would wait for ranks a failed test left running.
+    atexit.register(lambda: [job.kill() for job in Forked.started if job.poll() is None])
     return context
 
 
@@ -179,6 +181,7 @@ class Forked:
     rank's with plain python, torchrun's with ranks (1 when one failed, -9 when killed); the output every rank's,
     in rank order. When a rank fails, the others get 10 s to stop on their own, then are killed, as torchrun
     stops the rest of a failed job."""
+    started: list = []
 
     def __init__(self, nproc: int, script, argv: list, cwd, env: dict):
         self.nproc, self.args, self.log, self.killed = nproc, [str(script), *argv], None, False
@@ -191,6 +194,7 @@ class Forked:
                 str(script), argv, {**env, **torchrun}, str(cwd), os.path.join(self.dir, str(rank)))))
             self.ranks[-1].start()
         self.pid = self.ranks[0].pid
+        Forked.started.append(self)
 
     def poll(self) -> int | None:
         codes = [p.exitcode for p in self.ranks]
