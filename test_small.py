@@ -132,9 +132,9 @@ def finish(proc, timeout=240):
 
 # -- The scripts' runs where torchrun itself is not what is tested: forked from a server that imported them once
 
-# Each process of a real launch spends ~2 s of CPU (5 on a slower machine) importing torch, DTensor, FSDP and the
-# pipelining package before the script's first line runs, and torchrun's agent as much again: most of the suite's
-# time. run_script() forks each rank from one server process that imported them once (multiprocessing's
+# Each process of a real launch spends ~2 s of CPU (measured here; more on slower machines) importing torch,
+# DTensor, FSDP and the pipelining package before the script's first line runs, and torchrun's agent ~1 s: most
+# of the suite's time. run_script() forks each rank from one server process that imported them once (multiprocessing's
 # forkserver, preloaded with this file and what it imports) and runs the script's file as `python SCRIPT ARGS`
 # would, as __main__ (its own argument parsing, checkpoint.run, sys.exit), with what torchrun gives each rank:
 # RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, rank 0 hosting the store. What is
@@ -173,7 +173,7 @@ def _run_as_main(script: str, argv: list, env: dict, cwd: str, log: str) -> None
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
-        atexit._run_exitfuncs()
+        atexit._run_exitfuncs()  # CPython's own, as at interpreter exit: multiprocessing ends a rank with os._exit
 
 
 class Forked:
@@ -3933,23 +3933,22 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, data_dir):
     }
     procs = {given: run_script(0, "train_pipeline_gpipe.py", *common, *given, cwd=tmp_path, wait=False)
              for given in cases}
-    # More processes than layers, under torchrun: every rank must stop, none may hang.
-    procs[("torchrun", "--layers", "2")] = run_script(3, "train_pipeline_gpipe.py", "--layers", "2", *common,
+    # More processes than layers, on 3 ranks: every rank must stop, none may hang, one line for the node.
+    procs[("ranks", "--layers", "2")] = run_script(3, "train_pipeline_gpipe.py", "--layers", "2", *common,
                                                       cwd=tmp_path, wait=False)
-    cases[("torchrun", "--layers", "2")] = ("--layers", 1)
+    cases[("ranks", "--layers", "2")] = ("--layers", 1)
     # What a schedule needs of the microbatches, torch says when the schedule is built: passed on in one line.
-    procs[("torchrun", "--schedule", "1f1b")] = run_script(2, "train_pipeline_gpipe.py", "--layers", "2", "--schedule",
+    procs[("ranks", "--schedule", "1f1b")] = run_script(2, "train_pipeline_gpipe.py", "--layers", "2", "--schedule",
                                                            "1f1b", "--microbatches", "1", "--batch-size", "4",
                                                            "--data", data_dir, "--checkpoint-dir", "other",
                                                            cwd=tmp_path, wait=False)
-    cases[("torchrun", "--schedule", "1f1b")] = ("--schedule 1f1b with --microbatches 1: ", 1)  # then torch's words
+    cases[("ranks", "--schedule", "1f1b")] = ("--schedule 1f1b with --microbatches 1: ", 1)  # then torch's words
     for given, proc in procs.items():
         result = finish(proc, timeout=120)
         assert result.returncode == cases[given][1], (given, result.stderr[-2000:])
         errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
         assert errors and cases[given][0] in errors[0], (given, result.stderr[-2000:])
-        if given[0] != "torchrun":
-            assert result.stderr.strip() == errors[0], (given, result.stderr)  # one line, no traceback
+        assert result.stderr.strip() == errors[0], (given, result.stderr)  # one line, no traceback
     assert (ckpt / "meta.json").read_text() == '{"step": 1, "config": {}, "files": {}}'
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000001"]
 
