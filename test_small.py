@@ -1375,7 +1375,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
             else:
                 with torch.device("meta"):
                     model = LlamaForPretraining(config)
-                partition = manual.partition_model(model, pp_rank, pp, group=mesh.get_group("pp"))
+                partition = manual.partition_model(model, pp_rank, pp, group=mesh.get_group("pp"), trim=True)
                 model.to_empty(device="cpu")
                 model.init_weights(11)
                 model_module.parallelize([model], mesh, torch.float32)
@@ -1667,25 +1667,46 @@ def module_calls(model: nn.Module):
 
 
 def _manual_worker(rank, world_size, store_path, out_dir, kinds, layers):
-    """Each kind of model (_build) split by partition_model over the ranks, a step of AFAB and of 1F1B (and of
-    AFAB on shorter sequences) with every module's calls recorded: saves each one's loss, calls, activations held
-    and gradients."""
-    start_group(rank, world_size, store_path)  # partition_model's default: the whole group is the pipeline
+    """The tests of the torch-pipeline-parallelism guide (seed 004, "Verification Strategy"), its calls as it writes
+    them, on each kind of model (_build), whole on every rank: partition_model for every rank of one model, each
+    part's forward_stage on random hidden states; a step of AFAB and of 1F1B on the whole model (and of AFAB on a
+    Partition, on shorter sequences), every module's calls recorded; an evaluation; then a user's loop, AdamW over
+    model.parameters(). Saves each one's loss, calls, activations held, gradients and the weights that moved."""
+    start_group(rank, world_size, store_path)  # rank and world size from torch.distributed: the pipeline
+    cpu = torch.device("cpu")
     try:
         results = {}
         for kind in kinds:
             model = _build(kind, layers)
-            partition = manual.partition_model(model, rank, world_size)
+            for r in range(world_size):  # the guide's test_partition_model and test_forward_stage
+                partition = manual.partition_model(model, r, world_size)
+                assert partition is not None
+                assert len(partition.layers) > 0
+                output = manual.forward_stage(partition, torch.randn(2, 16, model.config.hidden_size))
+                assert output.shape == (2, 16, model.config.hidden_size)
+                assert not torch.isnan(output).any()
             runs = {}
             for name, step, seq_len in [("afab", manual.train_step_pipeline_afab, 16),
                                         ("1f1b", manual.train_step_pipeline_1f1b, 16),
                                         ("afab_short", manual.train_step_pipeline_afab, 9)]:
                 model.zero_grad(set_to_none=True)
                 inputs, targets = _batches(seq_len)
+                taken = manual.partition_model(model, rank, world_size) if name == "afab_short" else model
                 with benchmark.ActivationMeter() as meter, module_calls(model) as calls:
-                    loss = step(partition, inputs, targets, torch.device("cpu"), torch.float32)
-                runs[name] = {"loss": loss, "calls": calls, "activation_bytes": meter.peak_bytes,
-                              "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+                    loss = step(taken, inputs, targets, cpu, torch.float32)
+                runs[name] = {"loss": loss, "calls": calls, "activation_bytes": meter.peak_bytes, "grads": {
+                    n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+            runs["eval"] = manual.eval_step_pipeline(model, *_batches(16), cpu, torch.float32)
+            # The guide's multi-rank test: the loss decreases over iterations. AdamW's weight decay would move a
+            # weight with a zero gradient too: only those given a gradient here may move.
+            initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+            optimizer, losses = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), []
+            for _ in range(3):
+                optimizer.zero_grad()
+                losses.append(manual.train_step_pipeline_afab(model, *_batches(16), cpu, torch.float32))
+                optimizer.step()
+            runs["trained"] = {"losses": losses, "moved": {n for n, p in model.named_parameters()
+                                                           if not torch.equal(p, initial[n])}}
             results[kind] = runs
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -1711,9 +1732,11 @@ def _reference(kind: str, layers: int, seq_len: int):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_manual_pipeline_runs_every_module_as_the_models_own_forward(tmp_path, world_size):
-    """Called on a model (ours, and transformers' LlamaForCausalLM as a user's), the hand-written AFAB and 1F1B
-    run each of its modules once a microbatch, the head on the whole microbatch, with the outputs and output
-    gradients of its own forward on one process; the parameters' gradients and the loss are the same too."""
+    """Called as the guide calls them, on a whole model (ours, and transformers' LlamaForCausalLM as a user's) on
+    every rank, the hand-written AFAB and 1F1B run each of its modules once a microbatch, the head on the whole
+    microbatch, with the outputs and output gradients of its own forward on one process; the parameters'
+    gradients, the loss and the evaluated loss are the same too. Each rank's gradients, and AdamW's updates in a
+    loop of steps, touch only its part of the model, and the loss decreases."""
     pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
     layers, kinds, m = 4, ("ours", "hf"), 6  # 4 layers on 3 stages: 2, 1, 1
     run_workers(_manual_worker, world_size, args=(world_size, str(tmp_path / "store"), str(tmp_path), kinds,
@@ -1722,12 +1745,15 @@ def test_manual_pipeline_runs_every_module_as_the_models_own_forward(tmp_path, w
     for kind in kinds:
         loss, grads, calls = _reference(kind, layers, 16)
         assert_close_rel(results[-1][kind]["afab"]["loss"].item(), loss.item(), what=f"{kind} loss")
+        assert_close_rel(results[-1][kind]["eval"].item(), loss.item(), what=f"{kind} evaluated loss")
         assert_close_rel(results[-1][kind]["afab_short"]["loss"].item(), _reference(kind, layers, 9)[0].item(),
                          what="seq 9")
-        # The stages replace the model's own containers (the root and its decoder stack); every other module
+        trained = results[-1][kind]["trained"]["losses"]
+        assert trained[0] > trained[1] > trained[2], (kind, trained)
+        # The whole model's root and decoder stack are containers the stages do not call; every other module
         # runs on the stage that holds it (the rotary embedding of transformers' Llama: on every stage).
         containers = {"", "base_model", "model"}
-        ran = set()
+        ran, computed = set(), []
         for rank, result in enumerate(results):
             for schedule in ("afab", "1f1b"):
                 for name, got in result[kind][schedule]["calls"].items():
@@ -1746,14 +1772,18 @@ def test_manual_pipeline_runs_every_module_as_the_models_own_forward(tmp_path, w
                                                            msg=f"{kind} {schedule} {name} grad {i}")
             afab, one_f_one_b = result[kind]["afab"], result[kind]["1f1b"]
             if rank != world_size - 1:
-                assert afab["loss"] is None
+                assert afab["loss"] is None and result[kind]["eval"] is None
+                assert result[kind]["trained"]["losses"] == [None] * 3
             for name, grad in afab["grads"].items():
                 torch.testing.assert_close(grad, grads[name], rtol=RTOL, atol=1e-6, msg=f"{kind} {name}")
                 assert torch.equal(one_f_one_b["grads"][name], grad), f"1F1B differs from AFAB: {name}"
+            assert afab["grads"].keys() == one_f_one_b["grads"].keys() == result[kind]["trained"]["moved"], rank
+            computed += afab["grads"]
             # AFAB holds every microbatch's activations at its peak; 1F1B at most world_size - rank of them.
             ratio = one_f_one_b["activation_bytes"] / afab["activation_bytes"]
             assert abs(ratio - (world_size - rank) / m) < 0.02, (rank, ratio)  # (p - r) / m, as README says
         assert ran == set(calls) - containers, (kind, set(calls) - containers - ran)
+        assert sorted(computed) == sorted(grads), kind  # each parameter's gradient on one rank, its stage's
 
 
 # -- train_pipeline_tracer.py: the split made by pipeline() and SplitPoint

@@ -116,7 +116,7 @@ def main(args):
     # --- the split: this rank's slice, trimmed on meta, allocated; tensor parallelism, checkpointing, compile, FSDP2
     with torch.device("meta"):
         model = LlamaForPretraining(config)
-    partition = partition_model(model, pp_rank, pp, group=mesh.get_group("pp"), layout=layers)
+    partition = partition_model(model, pp_rank, pp, group=mesh.get_group("pp"), layout=layers, trim=True)
     model.to_empty(device=env.device)  # allocates, uninitialized: init_weights sets every parameter and buffer
     if pp == 1:  # embedding and head in one stage: one tensor if tied (else TiedEmbedding)
         model.tie_weights()
@@ -367,52 +367,61 @@ def open_data(args) -> tuple[dict, Batches, Batches]:
 
 @dataclasses.dataclass
 class Partition:
-    """One rank's part of a model. `model` is trimmed in place: the optimizer and checkpoints take it as it is."""
+    """One pipeline rank's part of a model: a view of its modules (the model stays whole unless trimmed)."""
     model: nn.Module  # model.py's LlamaForPretraining, or a Hugging Face LlamaForCausalLM
     rank: int  # this stage, counted along the pipeline
     world_size: int  # the pipeline's stages
+    layers: nn.ModuleDict  # this rank's decoder layers, named by global index ("4" is layer 4 on any stage)
+    embed: nn.Module | None  # on the first rank; the final norm and the head on the last
+    norm: nn.Module | None
+    head: nn.Module | None
     group: dist.ProcessGroup | None = None  # the pipeline's ranks; None: the default group is the pipeline
+    trimmed: bool = False  # the model holds this part alone, and its forward runs it
     sequence_shards: int = 1  # sequence parallelism: the stage holds 1/shards of the positions (tensor_parallel)
 
 
 def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.ProcessGroup | None = None,
-                    layout: list[range] | None = None) -> Partition:
-    """Trim model.py's LlamaForPretraining or a Hugging Face LlamaForCausalLM in place to this pipeline rank's
-    layers (layout's, default even), the embedding on the first rank, the final norm and head on the last."""
+                    layout: list[range] | None = None, trim: bool = False) -> Partition:
+    """This pipeline rank's part of model.py's LlamaForPretraining or a Hugging Face LlamaForCausalLM: its layers
+    (layout's, default even), the embedding on the first rank, the final norm and head on the last. The model is
+    left whole (any rank's part may be taken of it) unless trim: then it keeps this part alone, cut in place. main
+    trims on the meta device, so that only the stage is allocated; the optimizer and checkpoints take it as it is."""
     base = getattr(model, "base_model", None)  # the decoder stack under the head (Hugging Face's model.model)
     if not hasattr(base, "layers") or not hasattr(model, "lm_head"):
         raise TypeError(f"partition_model: unsupported model {type(model).__name__}")
-    if isinstance(model, LlamaForPretraining):
-        model.head_in_loss = True  # the loss applies the head (loss_fn)
     keep = (layout or even(model.config.num_hidden_layers, world_size))[rank]
     layers = base.layers.items() if isinstance(base.layers, nn.ModuleDict) else enumerate(base.layers)  # HF: a list
-    # Names stay global ("layers.4" is layer 4 on any stage), so checkpoints and weights map one to one.
-    base.layers = nn.ModuleDict({str(i): layer for i, layer in layers if int(i) in keep})
-    if len(base.layers) != len(keep):
-        raise ValueError("partition_model: the model was already partitioned for another layout")
-    if rank != 0:
-        base.embed_tokens = None
-    if rank != world_size - 1:
-        base.norm = model.lm_head = None
-    return Partition(model, rank, world_size, group)
+    layers = nn.ModuleDict({str(i): layer for i, layer in layers if int(i) in keep})
+    if len(layers) != len(keep):
+        raise ValueError("partition_model: the model was already trimmed to another part")
+    part = Partition(model, rank, world_size, layers, base.embed_tokens if rank == 0 else None,
+                     *(base.norm, model.lm_head) if rank == world_size - 1 else (None, None), group, trim)
+    if trim:
+        base.layers, base.embed_tokens, base.norm, model.lm_head = layers, part.embed, part.norm, part.head
+        if isinstance(model, LlamaForPretraining):
+            model.head_in_loss = True  # its forward stops at the final norm, the loss applies the head (loss_fn)
+    return part
 
 
 def forward_stage(partition: Partition, hidden_states: torch.Tensor) -> torch.Tensor:
-    """This rank's slice on token ids (first stage) or hidden states; hidden states out, the head left to the loss.
-    Each stage rebuilds positions (and rotary tables) itself: only hidden states travel."""
-    model, base = partition.model, partition.model.base_model
-    if isinstance(model, LlamaForPretraining):  # it skips what the stage lacks; the call runs FSDP's hooks
+    """This rank's part on token ids (embedded on the first rank) or hidden states; hidden states out, the head left
+    to the loss. Each stage rebuilds positions (and rotary tables) itself: only hidden states travel."""
+    model = partition.model
+    if partition.trimmed and isinstance(model, LlamaForPretraining):  # the stage's own forward runs FSDP2's hooks
         return model(hidden_states)
-    h = base.embed_tokens(hidden_states) if base.embed_tokens is not None else hidden_states
-    # Hugging Face's layers take the rotary (cos, sin), and its eager attention masks nothing unless given a mask.
-    kwargs = {"position_embeddings": base.rotary_emb(h, torch.arange(h.shape[1], device=h.device)[None])}
-    if getattr(model.config, "_attn_implementation", "eager") == "eager":
-        mask = nn.Transformer.generate_square_subsequent_mask(h.shape[1], h.device, h.dtype)  # -inf above the diagonal
-        kwargs["attention_mask"] = mask[None, None]  # [batch, heads, query, key], broadcast
-    for layer in base.layers.values():
+    ids = partition.embed is not None and not hidden_states.is_floating_point()
+    h, kwargs = partition.embed(hidden_states) if ids else hidden_states, {}
+    if not isinstance(model, LlamaForPretraining):
+        # Hugging Face's layers take the rotary (cos, sin), and its eager attention masks nothing unless given a mask.
+        positions = torch.arange(h.shape[1], device=h.device)[None]
+        kwargs["position_embeddings"] = model.base_model.rotary_emb(h, positions)
+        if getattr(model.config, "_attn_implementation", "eager") == "eager":
+            mask = nn.Transformer.generate_square_subsequent_mask(h.shape[1], h.device, h.dtype)  # -inf above it
+            kwargs["attention_mask"] = mask[None, None]  # [batch, heads, query, key], broadcast
+    for layer in partition.layers.values():
         h = layer(h, **kwargs)
         h = h[0] if isinstance(h, tuple) else h  # older transformers return (hidden_states, ...)
-    return base.norm(h) if base.norm is not None else h
+    return partition.norm(h) if partition.norm is not None else h
 
 
 def loss_fn(partition: Partition, hidden: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
@@ -420,7 +429,7 @@ def loss_fn(partition: Partition, hidden: torch.Tensor, targets: torch.Tensor, c
     model = partition.model
     if not isinstance(model, LlamaForPretraining) and getattr(model.config, "pad_token_id", None) is not None:
         targets = targets.masked_fill(targets == model.config.pad_token_id, -100)  # a Hugging Face model's padding
-    return chunked_loss(model.lm_head, hidden, targets, chunks, partition.sequence_shards)
+    return chunked_loss(partition.head, hidden, targets, chunks, partition.sequence_shards)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -430,10 +439,12 @@ class Step:
     """One step of AFAB or 1F1B on this rank, each forward, backward, send and receive labelled for --trace. Sends
     do not wait (two neighbours sending at once, as in 1F1B, cannot deadlock): they are waited for at the end."""
 
-    def __init__(self, partition, inputs, targets, device, dtype, loss_chunks=1):
-        self.p, self.inputs, self.targets, self.device, self.dtype = partition, inputs, targets, device, dtype
-        self.loss_chunks, self.m, self.sends = loss_chunks, len(inputs), []
-        self.first, self.last = partition.rank == 0, partition.rank == partition.world_size - 1
+    def __init__(self, model, inputs, targets, device, dtype, loss_chunks=1):
+        if not isinstance(model, Partition):  # the whole model, on every rank: the default group is the pipeline
+            model = partition_model(model, dist.get_rank(), dist.get_world_size())
+        self.partition, self.inputs, self.targets, self.device, self.dtype = model, inputs, targets, device, dtype
+        self.loss_chunks, self.microbatches, self.sends = loss_chunks, len(inputs), []
+        self.rank, self.first, self.last = model.rank, model.rank == 0, model.rank == model.world_size - 1
         self.saved: dict[int, tuple] = {}  # microbatch -> (stage input, stage output or scaled loss)
         self.loss = torch.zeros((), device=device)
 
@@ -443,45 +454,44 @@ class Step:
             # change between batches): [batch, seq, hidden]'s shape first. Both are kept until finish() waits.
             tensor = tensor.contiguous()
             shape = torch.tensor(tensor.shape, device=self.device)
-            self.sends += [(dist.isend(t, group=self.p.group, group_dst=stage), t) for t in (shape, tensor)]
+            self.sends += [(dist.isend(t, group=self.partition.group, group_dst=stage), t) for t in (shape, tensor)]
 
     def recv(self, stage: int, mb: int) -> torch.Tensor:
         with record_function(f"recv {mb}"):
             shape = torch.empty(3, dtype=torch.int64, device=self.device)
-            dist.recv(shape, group=self.p.group, group_src=stage)
+            dist.recv(shape, group=self.partition.group, group_src=stage)
             tensor = torch.empty(shape.tolist(), dtype=self.dtype, device=self.device)
-            dist.recv(tensor, group=self.p.group, group_src=stage)
+            dist.recv(tensor, group=self.partition.group, group_src=stage)
             return tensor
 
     def forward(self, i: int) -> None:
-        p = self.p
         # A received tensor has no autograd history. Made a leaf that requires grad, it stops this stage's
         # backward and keeps d(loss)/d(input) in x.grad: what the previous stage needs.
-        x = self.inputs[i].to(self.device) if self.first else self.recv(p.rank - 1, i).requires_grad_()
+        x = self.inputs[i].to(self.device) if self.first else self.recv(self.rank - 1, i).requires_grad_()
         with record_function(f"forward {i}"):
-            out = forward_stage(p, x)
-            if self.last:  # divided by m: the gradients add up to those of the mean microbatch loss
-                out = loss_fn(p, out, self.targets[i].to(self.device), self.loss_chunks) / self.m
+            out = forward_stage(self.partition, x)
+            if self.last:  # divided by the microbatches: the gradients add up to those of their mean loss
+                out = loss_fn(self.partition, out, self.targets[i].to(self.device), self.loss_chunks)
+                out = out / self.microbatches
                 self.loss += out.detach()
         if not self.last:  # values only travel; the graph stays here in `out` for this stage's backward
-            self.send(out.detach().to(self.dtype), p.rank + 1, i)
+            self.send(out.detach().to(self.dtype), self.rank + 1, i)
         self.saved[i] = (x, out)
 
     def backward(self, i: int) -> None:
-        p = self.p
         x, out = self.saved.pop(i)  # dropping it frees this microbatch's activations after the backward
-        grad = None if self.last else self.recv(p.rank + 1, i).to(out.dtype)
-        if isinstance(p.model, FSDPModule):
+        grad = None if self.last else self.recv(self.rank + 1, i).to(out.dtype)
+        if isinstance(model := self.partition.model, FSDPModule):
             # With replicas, every backward adds into the unsharded gradient and only the last one (microbatch
             # m - 1, in AFAB and 1F1B alike) reduce-scatters the sum: once per step, not m times.
-            last = i == self.m - 1
-            p.model.set_requires_gradient_sync(last)
-            p.model.set_reshard_after_backward(last)
-            p.model.set_is_last_backward(last)
+            last = i == self.microbatches - 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+            model.set_is_last_backward(last)
         with record_function(f"backward {i}"):
             out.backward(grad)  # the last stage from its scaled loss, the others from the received gradient
         if not self.first:
-            self.send(x.grad.to(self.dtype), p.rank - 1, i)
+            self.send(x.grad.to(self.dtype), self.rank - 1, i)
 
     def finish(self) -> torch.Tensor | None:
         for work, _ in self.sends:
@@ -489,40 +499,42 @@ class Step:
         return self.loss if self.last else None
 
 
-def train_step_pipeline_afab(partition, inputs, targets, device, dtype, *, loss_chunks=1):
-    """Every microbatch forward, then every one backward. inputs, targets: lists of microbatches' token ids (None
-    where unread); dtype: of what is sent. The mean microbatch loss on the last rank, else None."""
-    step = Step(partition, inputs, targets, device, dtype, loss_chunks)
-    for i in range(step.m):
+def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chunks=1):
+    """Every microbatch forward, then every one backward. model: the whole model, on every rank, or a Partition;
+    inputs, targets: lists of microbatches' token ids (None where unread); dtype: of what is sent. The mean
+    microbatch loss on the last rank, else None; gradients only in this rank's part."""
+    step = Step(model, inputs, targets, device, dtype, loss_chunks)
+    for i in range(step.microbatches):
         step.forward(i)
-    for i in range(step.m):
+    for i in range(step.microbatches):
         step.backward(i)
     return step.finish()
 
 
-def train_step_pipeline_1f1b(partition, inputs, targets, device, dtype, *, loss_chunks=1):
+def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, loss_chunks=1):
     """One training step with 1F1B (PipeDream-flush): AFAB's arguments, result and gradients, but a rank holds
     the activations of at most world_size - rank microbatches."""
-    step = Step(partition, inputs, targets, device, dtype, loss_chunks)
-    warmup = min(step.p.world_size - step.p.rank - 1, step.m)  # fill the pipeline below; the last rank needs none
+    step = Step(model, inputs, targets, device, dtype, loss_chunks)
+    m = step.microbatches
+    warmup = min(step.partition.world_size - step.rank - 1, m)  # fill the pipeline below; the last rank needs none
     for i in range(warmup):
         step.forward(i)
-    for i in range(step.m - warmup):  # steady state: each forward followed by the oldest held one's backward
+    for i in range(m - warmup):  # steady state: each forward followed by the oldest held one's backward
         step.forward(warmup + i)
         step.backward(i)
-    for i in range(step.m - warmup, step.m):  # cooldown: drain what is still held
+    for i in range(m - warmup, m):  # cooldown: drain what is still held
         step.backward(i)
     return step.finish()
 
 
 @torch.no_grad()
-def eval_step_pipeline(partition, inputs, targets, device, dtype, *, loss_chunks=1):
+def eval_step_pipeline(model, inputs, targets, device, dtype, *, loss_chunks=1):
     """Forward only, AFAB's arguments: the mean loss on the last rank; no activation is kept."""
-    step = Step(partition, inputs, targets, device, dtype, loss_chunks)
-    for i in range(step.m):
+    step = Step(model, inputs, targets, device, dtype, loss_chunks)
+    for i in range(step.microbatches):
         step.forward(i)
         step.saved.pop(i)
-    for module in partition.model.modules():
+    for module in step.partition.model.modules():
         if isinstance(module, FSDPModule):  # gathered for the forwards; no backward frees them
             module.reshard()
     return step.finish()
