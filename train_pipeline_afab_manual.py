@@ -7,7 +7,10 @@
     torchrun --nproc_per_node 4 train_pipeline_afab_manual.py --tp 2           # 2 stages x 2 tensor-parallel
 
 What torch.distributed.pipelining does, by hand: each rank keeps a slice of the layers and passes activations
-forward, gradients back, with send/recv; also on a Hugging Face LlamaForCausalLM. Needs model.py, checkpoint.py.
+forward, gradients back, with send/recv. Needs model.py, checkpoint.py. The functions keep the calls of the
+torch-pipeline-parallelism guide as it writes them and users test them: partition_model(model, rank,
+world_size) with .layers, forward_stage(partition, hidden_states), and train_step_pipeline_afab, _1f1b and
+eval_step_pipeline(model, inputs, targets, device, dtype) on the whole model (ours or Hugging Face's), every rank.
 """
 
 import argparse
@@ -121,8 +124,7 @@ def main(args):
     if pp == 1:  # embedding and head in one stage: one tensor if tied (else TiedEmbedding)
         model.tie_weights()
     model.init_weights(args.seed)
-    parallelize([model], mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing,
-                args.compile)
+    parallelize([model], mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing, args.compile)
     partition.sequence_shards = shards
 
     # --- the schedule: AFAB or 1F1B by hand, over send/recv between the pipeline ranks of this replica
@@ -367,25 +369,21 @@ def open_data(args) -> tuple[dict, Batches, Batches]:
 
 @dataclasses.dataclass
 class Partition:
-    """One pipeline rank's part of a model: a view of its modules (the model stays whole unless trimmed)."""
+    """One pipeline rank's part of a model, a view of its modules: the model stays whole unless trimmed to it."""
     model: nn.Module  # model.py's LlamaForPretraining, or a Hugging Face LlamaForCausalLM
     rank: int  # this stage, counted along the pipeline
     world_size: int  # the pipeline's stages
-    layers: nn.ModuleDict  # this rank's decoder layers, named by global index ("4" is layer 4 on any stage)
-    embed: nn.Module | None  # on the first rank; the final norm and the head on the last
-    norm: nn.Module | None
-    head: nn.Module | None
+    layers: nn.ModuleDict  # this rank's decoder layers by global index ("4" is layer 4 on any stage, in checkpoints)
     group: dist.ProcessGroup | None = None  # the pipeline's ranks; None: the default group is the pipeline
-    trimmed: bool = False  # the model holds this part alone, and its forward runs it
+    trimmed: bool = False  # the model holds this part alone: its own forward runs it
     sequence_shards: int = 1  # sequence parallelism: the stage holds 1/shards of the positions (tensor_parallel)
 
 
 def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.ProcessGroup | None = None,
                     layout: list[range] | None = None, trim: bool = False) -> Partition:
     """This pipeline rank's part of model.py's LlamaForPretraining or a Hugging Face LlamaForCausalLM: its layers
-    (layout's, default even), the embedding on the first rank, the final norm and head on the last. The model is
-    left whole (any rank's part may be taken of it) unless trim: then it keeps this part alone, cut in place. main
-    trims on the meta device, so that only the stage is allocated; the optimizer and checkpoints take it as it is."""
+    (layout's, default even), the embedding on the first rank, the final norm and head on the last. The model stays
+    whole, any rank's part may be taken of it, unless trim (model.py's): then it is cut down to the part in place."""
     base = getattr(model, "base_model", None)  # the decoder stack under the head (Hugging Face's model.model)
     if not hasattr(base, "layers") or not hasattr(model, "lm_head"):
         raise TypeError(f"partition_model: unsupported model {type(model).__name__}")
@@ -394,34 +392,29 @@ def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.Pr
     layers = nn.ModuleDict({str(i): layer for i, layer in layers if int(i) in keep})
     if len(layers) != len(keep):
         raise ValueError("partition_model: the model was already trimmed to another part")
-    part = Partition(model, rank, world_size, layers, base.embed_tokens if rank == 0 else None,
-                     *(base.norm, model.lm_head) if rank == world_size - 1 else (None, None), group, trim)
-    if trim:
-        base.layers, base.embed_tokens, base.norm, model.lm_head = layers, part.embed, part.norm, part.head
-        if isinstance(model, LlamaForPretraining):
-            model.head_in_loss = True  # its forward stops at the final norm, the loss applies the head (loss_fn)
-    return part
+    if trim:  # main's, on the meta device: only the stage is allocated, the optimizer and checkpoints take it so
+        model.keep_only(keep, rank == 0, rank == world_size - 1)
+        model.head_in_loss = True  # its forward stops at the final norm, the loss applies the head (loss_fn)
+    return Partition(model, rank, world_size, layers, group, trim)
 
 
 def forward_stage(partition: Partition, hidden_states: torch.Tensor) -> torch.Tensor:
     """This rank's part on token ids (embedded on the first rank) or hidden states; hidden states out, the head left
     to the loss. Each stage rebuilds positions (and rotary tables) itself: only hidden states travel."""
-    model = partition.model
-    if partition.trimmed and isinstance(model, LlamaForPretraining):  # the stage's own forward runs FSDP2's hooks
+    model, base, rank = partition.model, partition.model.base_model, partition.rank
+    if partition.trimmed:  # model.py's Llama cut down to the stage: its own forward runs FSDP2's hooks
         return model(hidden_states)
-    ids = partition.embed is not None and not hidden_states.is_floating_point()
-    h, kwargs = partition.embed(hidden_states) if ids else hidden_states, {}
+    h = base.embed_tokens(hidden_states) if rank == 0 and not hidden_states.is_floating_point() else hidden_states
+    kwargs = {}  # Hugging Face's layers take the rotary (cos, sin); its eager attention masks nothing unless told
     if not isinstance(model, LlamaForPretraining):
-        # Hugging Face's layers take the rotary (cos, sin), and its eager attention masks nothing unless given a mask.
-        positions = torch.arange(h.shape[1], device=h.device)[None]
-        kwargs["position_embeddings"] = model.base_model.rotary_emb(h, positions)
+        kwargs["position_embeddings"] = base.rotary_emb(h, torch.arange(h.shape[1], device=h.device)[None])
         if getattr(model.config, "_attn_implementation", "eager") == "eager":
             mask = nn.Transformer.generate_square_subsequent_mask(h.shape[1], h.device, h.dtype)  # -inf above it
             kwargs["attention_mask"] = mask[None, None]  # [batch, heads, query, key], broadcast
     for layer in partition.layers.values():
         h = layer(h, **kwargs)
         h = h[0] if isinstance(h, tuple) else h  # older transformers return (hidden_states, ...)
-    return partition.norm(h) if partition.norm is not None else h
+    return base.norm(h) if rank == partition.world_size - 1 else h
 
 
 def loss_fn(partition: Partition, hidden: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
@@ -429,7 +422,7 @@ def loss_fn(partition: Partition, hidden: torch.Tensor, targets: torch.Tensor, c
     model = partition.model
     if not isinstance(model, LlamaForPretraining) and getattr(model.config, "pad_token_id", None) is not None:
         targets = targets.masked_fill(targets == model.config.pad_token_id, -100)  # a Hugging Face model's padding
-    return chunked_loss(partition.head, hidden, targets, chunks, partition.sequence_shards)
+    return chunked_loss(model.lm_head, hidden, targets, chunks, partition.sequence_shards)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -440,20 +433,17 @@ class Step:
     do not wait (two neighbours sending at once, as in 1F1B, cannot deadlock): they are waited for at the end."""
 
     def __init__(self, model, inputs, targets, device, dtype, loss_chunks=1):
-        if not isinstance(model, Partition):  # the whole model, on every rank: the default group is the pipeline
-            model = partition_model(model, dist.get_rank(), dist.get_world_size())
-        self.partition, self.inputs, self.targets, self.device, self.dtype = model, inputs, targets, device, dtype
-        self.loss_chunks, self.microbatches, self.sends = loss_chunks, len(inputs), []
-        self.rank, self.first, self.last = model.rank, model.rank == 0, model.rank == model.world_size - 1
-        self.saved: dict[int, tuple] = {}  # microbatch -> (stage input, stage output or scaled loss)
-        self.loss = torch.zeros((), device=device)
+        part = model if isinstance(model, Partition) else partition_model(model, dist.get_rank(), dist.get_world_size())
+        self.partition, self.inputs, self.targets, self.device, self.dtype = part, inputs, targets, device, dtype
+        self.chunks, self.microbatches, self.sends = loss_chunks, len(inputs), []
+        self.rank, self.first, self.last = part.rank, part.rank == 0, part.rank == part.world_size - 1
+        self.saved, self.loss = {}, torch.zeros((), device=device)  # saved: microbatch -> (input, output or loss)
 
     def send(self, tensor: torch.Tensor, stage: int, mb: int) -> None:
         with record_function(f"send {mb}"):
             # A receive buffer must match what is sent, and the receiver does not know the sequence length (it may
             # change between batches): [batch, seq, hidden]'s shape first. Both are kept until finish() waits.
-            tensor = tensor.contiguous()
-            shape = torch.tensor(tensor.shape, device=self.device)
+            tensor, shape = tensor.contiguous(), torch.tensor(tensor.shape, device=self.device)
             self.sends += [(dist.isend(t, group=self.partition.group, group_dst=stage), t) for t in (shape, tensor)]
 
     def recv(self, stage: int, mb: int) -> torch.Tensor:
@@ -471,8 +461,7 @@ class Step:
         with record_function(f"forward {i}"):
             out = forward_stage(self.partition, x)
             if self.last:  # divided by the microbatches: the gradients add up to those of their mean loss
-                out = loss_fn(self.partition, out, self.targets[i].to(self.device), self.loss_chunks)
-                out = out / self.microbatches
+                out = loss_fn(self.partition, out, self.targets[i].to(self.device), self.chunks) / self.microbatches
                 self.loss += out.detach()
         if not self.last:  # values only travel; the graph stays here in `out` for this stage's backward
             self.send(out.detach().to(self.dtype), self.rank + 1, i)
@@ -543,8 +532,7 @@ def eval_step_pipeline(model, inputs, targets, device, dtype, *, loss_chunks=1):
 SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 
 
-def run_batch(schedule, partition: Partition, inputs, targets, env: Env, tp: int, microbatches: int,
-              chunks: int) -> torch.Tensor | None:
+def run_batch(schedule, partition: Partition, inputs, targets, env: Env, tp: int, microbatches: int, chunks: int):
     """A batch, cut into microbatches, through a schedule: the mean microbatch loss on the last stage's rank."""
     mbs = [x.chunk(microbatches) if x is not None else [None] * microbatches for x in (inputs, targets)]
     with compute(env, tp):  # fp32 between stages: the residual stream is fp32 under autocast too
