@@ -1667,8 +1667,8 @@ def module_calls(model: nn.Module):
 
 
 def _manual_worker(rank, world_size, store_path, out_dir, kinds, layers):
-    """The tests of the torch-pipeline-parallelism guide (seed 004, "Verification Strategy"), its calls as it writes
-    them, on each kind of model (_build), whole on every rank: partition_model for every rank of one model, each
+    """The tests of the torch-pipeline-parallelism guide (its "Verification Strategy"), its calls as it writes them,
+    on each kind of model (_build), whole on every rank: partition_model for every rank of one model, each
     part's forward_stage on random hidden states; a step of AFAB and of 1F1B on the whole model (and of AFAB on a
     Partition, on shorter sequences), every module's calls recorded; an evaluation; then a user's loop, AdamW over
     model.parameters(). Saves each one's loss, calls, activations held, gradients and the weights that moved."""
@@ -1731,7 +1731,7 @@ def _reference(kind: str, layers: int, seq_len: int):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_manual_pipeline_runs_every_module_as_the_models_own_forward(tmp_path, world_size):
+def test_the_guides_calls_of_the_manual_pipeline_run_every_module_as_the_models_own_forward(tmp_path, world_size):
     """Called as the guide calls them, on a whole model (ours, and transformers' LlamaForCausalLM as a user's) on
     every rank, the hand-written AFAB and 1F1B run each of its modules once a microbatch, the head on the whole
     microbatch, with the outputs and output gradients of its own forward on one process; the parameters'
