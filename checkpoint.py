@@ -890,7 +890,8 @@ def read_index(file: str) -> Metadata:
     the members of DCP's one enum), BUILD only on instances of DCP's dataclasses and only of their own fields
     (BUILD on a class sets its attributes for the whole process), none of the opcodes an index never holds. Its
     memo is a dict: the C unpickler's is an array of 16 bytes a slot, allocated up to the slot a file names
-    (9 bytes that name slot 2**27 took 2.4 GB), so memory stays within ~70x the file's size (an empty list a byte)."""
+    (9 bytes that name slot 2**27 took 2 GiB), so memory stays within ~72x the file's size (an empty dict a byte;
+    a real index takes ~20x)."""
     metadata = _MetadataUnpickler(io.BytesIO(read_bytes(file, MAX_INDEX_BYTES))).load()
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict) or \
             not isinstance(metadata.storage_meta, (StorageMeta, type(None))):
@@ -953,8 +954,8 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python one: its opcodes
         else:
             ok = type(state) is dict and all(type(k) is str and k in _BUILDS.get(type(inst), ()) for k in state)
         if not ok:  # type(), not isinstance: a class is never an instance of the classes above
-            raise pickle.UnpicklingError(f"it sets {shown(state)} on {type(inst).__name__} {shown(inst)}, which a "
-                                         "checkpoint never does")
+            target = f"the class {inst.__name__}" if isinstance(inst, type) else f"a {type(inst).__name__}"
+            raise pickle.UnpicklingError(f"it sets {shown(state)} on {target}, which a checkpoint never does")
         pickle._Unpickler.load_build(self)
 
     def load_mark(self):

@@ -4131,7 +4131,9 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
 def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, data_dir):
     ckpt = tmp_path / "ckpt" / "step-00000001"
     ckpt.mkdir(parents=True)
-    (ckpt / "meta.json").write_text('{"step": 1, "config": {}, "files": {}}')
+    meta = json.dumps({"step": 1, "config": dataclasses.asdict(small_config()), "files": {}, "world_size": 1,
+                       "data": None})  # a checkpoint as far as what is read before the errors below
+    (ckpt / "meta.json").write_text(meta)
     common = ["--data", data_dir, "--checkpoint-dir", str(tmp_path / "ckpt")]
     cases = {  # given -> (the flag the message must name, exit status)
         ("--steps", "ten"): ("--steps", 2),  # refused by argparse
@@ -4159,7 +4161,7 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, data_dir):
         errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
         assert errors and cases[given][0] in errors[0], (given, result.stderr[-2000:])
         assert result.stderr.strip() == errors[0], (given, result.stderr)  # one line, no traceback
-    assert (ckpt / "meta.json").read_text() == '{"step": 1, "config": {}, "files": {}}'
+    assert (ckpt / "meta.json").read_text() == meta
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000001"]
 
 
