@@ -377,8 +377,7 @@ def read_data_meta(directory: str) -> dict:
     file cut short would silently train on less, or fail mid-run)."""
     prepare = f"python prepare_data.py{'' if directory == 'data' else ' --out ' + directory}"
     try:
-        with open(os.path.join(directory, "meta.json")) as f:
-            meta = json.load(f)
+        meta = read_json(os.path.join(directory, "meta.json"))
         for split in ("train", "val"):
             for name, tokens in zip(meta[split]["files"], meta[split]["tokens"], strict=True):
                 path, expected = os.path.join(directory, name), tokens * np.dtype(meta["dtype"]).itemsize
@@ -791,7 +790,7 @@ def _meta_checks(meta: dict):
     checkpoint's meta.json; a generator, so a field is looked into only once its container passed."""
     yield "step", meta["step"], _whole(meta["step"], 0), "a whole number >= 0"
     yield "world_size", meta["world_size"], _whole(meta["world_size"], 1), "a whole number >= 1"
-    data = meta["data"]  # the data loader's position: null, or where the next batch starts
+    data = meta.get("data")  # the data loader's position: null (or none), or where the next batch starts
     yield "data", data, data is None or isinstance(data, dict) and data.keys() == {"epoch", "index"}, \
         'null or {"epoch": E, "index": I}'
     for key in ("epoch", "index") if data else ():
@@ -819,8 +818,8 @@ def _meta_problem(meta) -> str | None:
     """What in a checkpoint's meta.json is not as save() writes it, or None."""
     if isinstance(meta, dict) and {"dtype", "train", "val"} <= meta.keys():
         return "not a complete checkpoint, it holds data prepared by prepare_data.py"
-    if not isinstance(meta, dict) or not {"step", "config", "files", "world_size", "data"} <= meta.keys():
-        return "not a complete checkpoint, its meta.json lacks step, config, files, world_size or data"
+    if not isinstance(meta, dict) or not {"step", "config", "files", "world_size"} <= meta.keys():
+        return "not a complete checkpoint, its meta.json lacks step, config, files or world_size"
     for field, value, ok, what in _meta_checks(meta):
         if not ok:
             return f"its meta.json's {field} is {shown(value)}, not {what}"
@@ -1109,7 +1108,7 @@ def resume(args, rank: int, world_size: int, model, optimizer, config: LlamaConf
         verify_files(path, meta)
         # The scripts' Batches hold (tokens - 1) // --seq-len windows a file; a position past them is no run's.
         windows = sum((tokens - 1) // args.seq_len for tokens in read_data_meta(args.data)["train"]["tokens"])
-        if meta["data"] is not None and meta["data"]["index"] > windows:
+        if meta.get("data") is not None and meta["data"]["index"] > windows:
             raise bad_checkpoint("--checkpoint-dir", path, f"its meta.json's data index {meta['data']['index']} is "
                                                            f"past the {windows} windows of --data")
     if meta["step"] >= args.steps > 0:
@@ -1129,7 +1128,7 @@ def resume(args, rank: int, world_size: int, model, optimizer, config: LlamaConf
          if args.steps else f"evaluating {path} (step {meta['step']})") +
         (f"; --precision {precision} → {args.precision} (free to change: weights and AdamW stay fp32, only "
          "the computation's rounding can differ)" if precision != args.precision else ""), flush=True)
-    return meta["step"], meta["data"]
+    return meta["step"], meta.get("data")
 
 
 def _set_aside(checkpoint_dir: str, say) -> None:

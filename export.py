@@ -100,9 +100,8 @@ def _exported(outputs: list[str], format: str) -> bool:
     fields = {f.name for f in dataclasses.fields(LlamaConfig)} if format == "pt" else \
         set(hf_config(LlamaConfig(), 0, 0, None, torch.float32))
     try:
-        with open(config) as f:
-            if set(json.load(f)) != fields:
-                return False
+        if set(checkpoint.read_json(config)) != fields:
+            return False
     except (OSError, ValueError, TypeError):
         return False
     if format == "pt":  # never a directory or a link: --force would replace it, or what it points to

@@ -2143,7 +2143,7 @@ def fake_checkpoint(directory: Path, step: int, world_size: int, dp: int, tp: in
     path = directory / f"step-{step:08d}"
     path.mkdir(parents=True)
     (path / "meta.json").write_text(json.dumps({"step": step, "config": dataclasses.asdict(small_config(layers=layers)),
-                                                "files": {}, "data": None, "world_size": world_size,
+                                                "files": {}, "world_size": world_size,
                                                 "args": {"dp": dp, "tp": tp}, "job": "job7"}))
     return path
 
@@ -4131,8 +4131,8 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
 def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, data_dir):
     ckpt = tmp_path / "ckpt" / "step-00000001"
     ckpt.mkdir(parents=True)
-    meta = json.dumps({"step": 1, "config": dataclasses.asdict(small_config()), "files": {}, "world_size": 1,
-                       "data": None})  # a checkpoint as far as what is read before the errors below
+    # A checkpoint as far as what is read before the errors below.
+    meta = json.dumps({"step": 1, "config": dataclasses.asdict(small_config()), "files": {}, "world_size": 1})
     (ckpt / "meta.json").write_text(meta)
     common = ["--data", data_dir, "--checkpoint-dir", str(tmp_path / "ckpt")]
     cases = {  # given -> (the flag the message must name, exit status)
