@@ -377,8 +377,7 @@ def read_data_meta(directory: str) -> dict:
     file cut short would silently train on less, or fail mid-run)."""
     prepare = f"python prepare_data.py{'' if directory == 'data' else ' --out ' + directory}"
     try:
-        with open(os.path.join(directory, "meta.json")) as f:
-            meta = json.load(f)
+        meta = read_json(os.path.join(directory, "meta.json"))
         for split in ("train", "val"):
             for name, tokens in zip(meta[split]["files"], meta[split]["tokens"], strict=True):
                 path, expected = os.path.join(directory, name), tokens * np.dtype(meta["dtype"]).itemsize
@@ -486,7 +485,8 @@ def model_config(args, data: dict, device_type: str) -> tuple[LlamaConfig, str]:
         preset = args.model or ("small" if device_type == "cuda" else "tiny")
         return config_from_preset(preset, data["vocab_size"], args.layers), preset
     config, path = source_config(source, args)
-    if not same_tokenizer(path, args.data):
+    if not same_tokenizer(path, args.data, ("--init-from" if source == args.init_from else "--checkpoint-dir",
+                                            "--data")):
         raise UsageError(f"--init-from {path}: its tokenizer is not the one --data {args.data} was prepared "
                          f"with; prepare the data with it: python prepare_data.py --tokenizer {path} --out DIR")
     if data["vocab_size"] > config.vocab_size:  # a Hugging Face model may have more rows than tokens
@@ -522,26 +522,52 @@ def is_hf_dir(path: str) -> bool:
 def read_hf_config(path: str) -> LlamaConfig:
     """The LlamaConfig of a Hugging Face directory; what model.py does not compute is refused in one line."""
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            return config_from_hf(json.load(f))
+        return config_from_hf(read_json(os.path.join(path, "config.json")))
     except (OSError, ValueError) as e:
         raise UsageError(f"--init-from {path}: {e}") from None
 
 
-def same_tokenizer(a: str, b: str) -> bool:
-    """Whether the tokenizer.json files in directories a and b have the same vocabulary, merges and special
-    tokens; the post-processor, newer settings and the spelling of merges ("a b" or ["a", "b"]) may differ."""
-    def essence(directory):
-        with open(os.path.join(directory, "tokenizer.json")) as f:
-            tokenizer = json.load(f)
+def same_tokenizer(a: str, b: str, flags: tuple[str, str] = ("--init-from", "--data")) -> bool:
+    """Whether the tokenizer.json files in directories a and b (given by flags) have the same vocabulary, merges
+    and special tokens; the post-processor, newer settings and the spelling of merges ("a b" or ["a", "b"]) may
+    differ."""
+    def essence(directory, flag):
+        tokenizer = read_tokenizer(directory, flag)
         model = tokenizer.get("model") or {}
         merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
         return (model.get("type"), model.get("vocab"), merges,
-                [(t["id"], t["content"]) for t in tokenizer.get("added_tokens", [])])
+                [(t["id"], t["content"]) for t in tokenizer.get("added_tokens") or []])
+    return essence(a, flags[0]) == essence(b, flags[1])
+
+
+def read_tokenizer(directory: str, flag: str) -> dict:
+    """The tokenizer.json in directory (given by flag), each field this project reads checked, or one line
+    naming the file and the field."""
+    def wrong(field, value, what):
+        raise UsageError(f"{flag} {directory}: its tokenizer.json's {field} is {shown(value)}, not {what}")
     try:
-        return essence(a) == essence(b)
+        tokenizer = read_json(os.path.join(directory, "tokenizer.json"))
     except (OSError, ValueError) as e:
-        raise UsageError(f"--init-from {a}: cannot read its tokenizer.json ({e})") from None
+        raise UsageError(f"{flag} {directory}: cannot read its tokenizer.json ({e})") from None
+    if not isinstance(tokenizer, dict):
+        raise UsageError(f"{flag} {directory}: its tokenizer.json is {shown(tokenizer)}, not an object of fields")
+    model = tokenizer.get("model") or {}
+    if not isinstance(model, dict):
+        wrong("model", model, "an object")
+    vocab, merges, added = model.get("vocab") or {}, model.get("merges") or [], tokenizer.get("added_tokens") or []
+    if not isinstance(model.get("type"), (str, type(None))):
+        wrong("model.type", model.get("type"), "a string")
+    if not (isinstance(vocab, dict) and all(type(i) is int for i in vocab.values()) or isinstance(vocab, list) and
+            all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and type(p[1]) in (int, float)
+                for p in vocab)):  # a Unigram model's vocab: [token, score] pairs
+        wrong("model.vocab", vocab, "tokens and their ids")
+    if not (isinstance(merges, list) and all(isinstance(m, str) or isinstance(m, list) and len(m) == 2 and all(
+            isinstance(part, str) for part in m) for m in merges)):
+        wrong("model.merges", merges, 'a list of "a b" or ["a", "b"]')
+    if not (isinstance(added, list) and all(isinstance(t, dict) and type(t.get("id")) is int and
+                                            isinstance(t.get("content"), str) for t in added)):
+        wrong("added_tokens", added, 'a list of {"id": N, "content": TEXT}')
+    return tokenizer
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -568,21 +594,16 @@ def resolve(path: str, flag: str = "checkpoint") -> str:
 
 
 def read_meta(path: str, flag: str = "--checkpoint-dir") -> dict:
-    """The meta.json of the checkpoint at path, or one line saying why it is not one (flag: how path was given;
-    only a run's own damaged checkpoint is worth deleting)."""
+    """The meta.json of the checkpoint at path, each field the code reads checked, or one line saying why it is
+    not one (flag: how path was given)."""
     try:
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
-        problem = "its meta.json lacks step, config or files"
+        meta = read_json(os.path.join(path, "meta.json"))
+        problem = _meta_problem(meta)
     except (OSError, ValueError) as e:
-        meta, problem = None, f"its meta.json cannot be read ({e})"
-    if isinstance(meta, dict) and {"step", "config", "files"} <= meta.keys():
-        return meta
-    if isinstance(meta, dict) and {"dtype", "train", "val"} <= meta.keys():
-        problem = "it holds data prepared by prepare_data.py"
-    fix = "delete it to resume from an older one" if flag == "--checkpoint-dir" else \
-        f"give {flag} a checkpoint of this project"
-    raise UsageError(f"{flag} {path}: not a complete checkpoint, {problem}; {fix}")
+        meta, problem = None, f"not a complete checkpoint, its meta.json cannot be read ({e})"
+    if problem is not None:
+        raise bad_checkpoint(flag, path, problem)
+    return meta
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -665,12 +686,16 @@ def _save_errors(tmp: str):
 
 
 def root_cause(e: BaseException) -> str:
-    """An exception in a few words: the first failure DCP collected, a full disk named as such."""
+    """An exception in a few words: the first failure DCP collected, a full disk named as such, torch.load's
+    refusal of a file without its advice to load it unsafely."""
     if isinstance(e, CheckpointException):
         first = next(iter(e.failures.values()), None)
         e = first[0] if isinstance(first, tuple) else (first or e)
     if isinstance(e, OSError):
         return "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    if str(e).startswith("Weights only load failed"):
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        return f"it asks for {found[1] if found else 'objects'}, which a checkpoint never contains"
     text = str(e).strip().splitlines()
     return text[0][:200] if text else type(e).__name__
 
@@ -711,64 +736,172 @@ def _tied_name(key: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Loading: a checkpoint is untrusted input, read without running anything it names
+# Loading: a checkpoint is untrusted input, read without running anything it names, in bounded memory
 
-def verify_files(path: str, meta: dict) -> None:
-    """Every file the save wrote is there with its size, and the index is DCP's, naming only those files:
-    checked before DCP reads anything, so a truncated copy or a tampered index fails in one line."""
-    for name, size in meta.get("files", {}).items():
+# The largest files read whole: a JSON file (a meta.json lists ~60 bytes of files a rank; the tokenizer.json of a
+# large vocabulary runs to tens of MB) and DCP's index (~150 bytes a tensor chunk: llama-8b's model and AdamW
+# state saved by 64 ranks, 8 MB, measured on one built as DCP builds it).
+MAX_JSON_BYTES, MAX_INDEX_BYTES = 64 * 2**20, 2**30
+
+
+def bad_checkpoint(flag: str, path: str, problem: str) -> UsageError:
+    """One line for a checkpoint that is not as this project writes it, naming how it was given (flag; export.py's
+    is "checkpoint") and what to do: only a run's own checkpoint is worth deleting, to resume from an older one.
+    Every rank reads the same files, so every rank raises it: said once a node."""
+    fix = "delete it to resume from an older one" if flag == "--checkpoint-dir" else \
+        f"give {'export.py' if flag == 'checkpoint' else flag} another checkpoint"
+    return UsageError(f"{flag} {path}: {problem}; {fix}", on_every_rank=True)
+
+
+def read_bytes(file: str, most: int) -> bytes:
+    """A regular file of at most `most` bytes, or ValueError saying why not; OSError if missing."""
+    if os.path.exists(file) and not os.path.isfile(file):  # a FIFO would block open(), a device never end
+        raise ValueError("not a regular file")
+    with open(file, "rb") as f:
+        if os.fstat(f.fileno()).st_size > most:
+            raise ValueError(f"larger than {most // 2**20} MiB")
+        return f.read()
+
+
+def read_json(file: str, most: int = MAX_JSON_BYTES):
+    """A JSON file, or ValueError saying why not (not a regular file, too large, nested too deeply, not JSON);
+    OSError if missing."""
+    text = read_bytes(file, most)
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def shown(value) -> str:
+    """A value read from an input, in a few characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):  # not JSON's, or nested deeper than json.dumps goes
+        text = type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _whole(value, least: int, most: int = 2**32) -> bool:
+    return type(value) is int and least <= value < most
+
+
+def _meta_checks(meta: dict):
+    """(field, value, whether it is as save() writes it, what it must be) for each field the code reads of a
+    checkpoint's meta.json; a generator, so a field is looked into only once its container passed."""
+    yield "step", meta["step"], _whole(meta["step"], 0), "a whole number >= 0"
+    yield "world_size", meta["world_size"], _whole(meta["world_size"], 1), "a whole number >= 1"
+    data = meta.get("data")  # the data loader's position: null (or none), or where the next batch starts
+    yield "data", data, data is None or isinstance(data, dict) and data.keys() == {"epoch", "index"}, \
+        'null or {"epoch": E, "index": I}'
+    for key in ("epoch", "index") if data else ():
+        yield f"data.{key}", data[key], _whole(data[key], 0), "a whole number >= 0"
+    run, args = meta.get("run", {}), meta.get("args", {})
+    yield "run", run, isinstance(run, dict), "an object"
+    for key, value in run.items():  # compared with the flags, and printed
+        yield f"run.{key}", value, isinstance(value, (str, type(None))) if key == "init_from" else isinstance(
+            value, (str, int, float, type(None))), "a path or null" if key == "init_from" else "a number or a string"
+    yield "args", args, isinstance(args, dict), "an object"
+    for key in sorted({"dp", "tp"} & args.keys()):
+        yield f"args.{key}", args[key], _whole(args[key], 1), "a whole number >= 1"
+    yield "args.precision", args.get("precision"), isinstance(args.get("precision"), (str, type(None))), "a string"
+    yield "job", meta.get("job"), isinstance(meta.get("job"), (str, type(None))), "a string or null"
+    yield "files", meta["files"], isinstance(meta["files"], dict), "an object of file names and sizes"
+    for name, size in meta["files"].items():  # DCP and resume read them: never a path outside the checkpoint
+        yield "file name", name, not os.path.isabs(name) and os.path.normpath(name) == name and \
+            name.split(os.sep)[0] != "..", "a path inside the checkpoint"
+        yield f"files[{shown(name)}]", size, _whole(size, 0, 2**63), "a size in bytes"
+    config, fields = meta["config"], {f.name for f in dataclasses.fields(LlamaConfig)}
+    yield "config", config, isinstance(config, dict) and config.keys() == fields, "the fields of a LlamaConfig"
+
+
+def _meta_problem(meta) -> str | None:
+    """What in a checkpoint's meta.json is not as save() writes it, or None."""
+    if isinstance(meta, dict) and {"dtype", "train", "val"} <= meta.keys():
+        return "not a complete checkpoint, it holds data prepared by prepare_data.py"
+    if not isinstance(meta, dict) or not {"step", "config", "files", "world_size"} <= meta.keys():
+        return "not a complete checkpoint, its meta.json lacks step, config, files or world_size"
+    for field, value, ok, what in _meta_checks(meta):
+        if not ok:
+            return f"its meta.json's {field} is {shown(value)}, not {what}"
+    try:  # every field as Hugging Face's config.json would have it: the same checks, naming the field
+        config_from_hf({**meta["config"], "model_type": "llama"})
+    except ValueError as e:
+        return f"its meta.json's {str(e).replace('config.json ', 'config.', 1)}"
+    return None
+
+
+def verify_files(path: str, meta: dict, flag: str = "--checkpoint-dir") -> None:
+    """Every file the save wrote is there, inside the checkpoint (no link), with its size, and the index is DCP's,
+    naming only those files: checked before DCP reads anything, so a truncated copy or a tampered index fails in
+    one line. flag: how path was given."""
+    for name in (".metadata", *TOKENIZER_FILES):  # read here, by DCP, or copied into an export
+        if name not in meta["files"] and (name == ".metadata" or os.path.lexists(os.path.join(path, name))):
+            raise bad_checkpoint(flag, path, f"damaged, its meta.json does not list {name}")
+    inside = os.path.realpath(path)
+    for name, size in meta["files"].items():
         full = os.path.join(path, name)
+        if os.path.realpath(full) != os.path.join(inside, name):
+            raise bad_checkpoint(flag, path, f"{name} is a link to {os.path.realpath(full)}; a checkpoint holds "
+                                             "its own files")
         actual = os.path.getsize(full) if os.path.isfile(full) else None
         if actual != size:
-            raise UsageError(f"--checkpoint-dir: {path} is damaged: {name} has {actual} bytes, expected {size}; "
-                             "delete that checkpoint to resume from an older one")
-    with open_untrusted(path, ".metadata"):
+            raise bad_checkpoint(flag, path, f"damaged, {name} has {actual} bytes, its meta.json says {size}")
+    with open_untrusted(path, ".metadata", flag):
         metadata = read_index(os.path.join(path, ".metadata"))
         for info in metadata.storage_data.values():  # a shard outside the checkpoint would be read too
-            if info.relative_path not in meta.get("files", {}):
+            if info.relative_path not in meta["files"]:
                 raise ValueError(f"it points to {info.relative_path!r}, which the checkpoint does not hold")
 
 
 @contextlib.contextmanager
-def open_untrusted(path: str, name: str):
+def open_untrusted(path: str, name: str, flag: str = "--checkpoint-dir"):
     """A file of a checkpoint that cannot be read as what this project writes: one line, naming it."""
     try:
         yield
     except Exception as e:  # the restricted readers run nothing, whatever the file holds: any failure is its content
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise UsageError(f"{os.path.join(path, name)}: damaged, or not a checkpoint of this project ({reason}); "
-                         "refusing to read it") from None
+        raise bad_checkpoint(flag, path, f"{name}: damaged, or not a checkpoint of this project "
+                                         f"({root_cause(e)})") from None
 
 
-def load_state(path: str, model, optimizer, config: LlamaConfig) -> None:
+def load_state(path: str, model, optimizer, config: LlamaConfig, flag: str = "--checkpoint-dir") -> None:
     """This rank's model (and AdamW) state from the checkpoint at path, verified. Collective."""
     state, saved_as = state_dicts(model, optimizer, config)
-    load_dcp(state, path)
+    load_dcp(state, path, flag=flag)
     restored = {part: {key: state[part][name] for key, name in names.items()} for part, names in saved_as.items()}
     set_model_state_dict(model, restored["model"], options=_OPTIONS)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, restored["optim"], options=_OPTIONS)
 
 
-def load_dcp(state: dict, path: str, no_dist: bool = False) -> None:
+def load_dcp(state: dict, path: str, no_dist: bool = False, flag: str = "--checkpoint-dir") -> None:
     """DCP's load of state from the checkpoint at path (no_dist: on one process), through the safe readers."""
     try:
         with warnings.catch_warnings():  # no_dist: DCP warns that it loads on one process, which is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(), no_dist=no_dist)
     except (Exception, CheckpointException) as e:  # DCP gathers read errors from all ranks, raises on each
-        first = [line for line in str(e).splitlines() if line and not line[0].isspace()][-1]
-        raise UsageError(f"{path}: cannot read the checkpoint ({first}); delete it to resume from an older "
-                         "one") from None
+        raise bad_checkpoint(flag, path, f"cannot read its tensors ({root_cause(e)})") from None
 
 
 def read_index(file: str) -> Metadata:
-    """DCP's index (.metadata), a pickle, read by an unpickler that hands out only the exact (module, name) pairs
-    DCP writes: never a dotted name, never a whole module, getattr only for the members of DCP's one enum."""
-    with open(file, "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
-    if not isinstance(metadata, Metadata):
+    """DCP's index (.metadata), a pickle, read by pickle's pure-Python unpickler restricted to what DCP writes:
+    only the exact (module, name) pairs of DCP's classes (never a dotted name or a whole module; getattr only for
+    the members of DCP's one enum), BUILD only on instances of DCP's dataclasses and only of their own fields
+    (BUILD on a class sets its attributes for the whole process), none of the opcodes an index never holds. Its
+    memo is a dict: the C unpickler's is an array of 16 bytes a slot, allocated up to the slot a file names
+    (9 bytes that name slot 2**27 took 2 GiB), so memory stays within ~72x the file's size (an empty dict a byte;
+    a real index takes ~20x)."""
+    metadata = _MetadataUnpickler(io.BytesIO(read_bytes(file, MAX_INDEX_BYTES))).load()
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict) or \
+            not isinstance(metadata.storage_meta, (StorageMeta, type(None))):
         raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+    for info in metadata.storage_data.values():
+        if type(info) is not _StorageInfo or type(info.relative_path) is not str:
+            raise pickle.UnpicklingError(f"it locates a tensor by {shown(info)}, not by DCP's _StorageInfo")
+        if info.transform_descriptors:  # e.g. zstd: a small shard could decompress to any size
+            raise pickle.UnpicklingError(f"it asks for {shown(info.transform_descriptors)}, a transform this "
+                                         "project's checkpoints never use")
     return metadata
 
 
@@ -793,23 +926,53 @@ _INDEX_GLOBALS = {
        for name in ("PosixPath", "PurePosixPath")},
     ("builtins", "getattr"): _enum_member,
 }
+# BUILD's state for each dataclass: the names of its fields (TensorProperties: the 5-tuple of its __setstate__).
+_BUILDS = {cls: {f.name for f in dataclasses.fields(cls)} for cls in (
+    Metadata, StorageMeta, dcp_metadata.MetadataIndex, dcp_metadata.TensorStorageMetadata,
+    dcp_metadata.BytesStorageMetadata, dcp_metadata.ChunkStorageMetadata, _StorageInfo)}
+# Opcodes an index never holds: persistent ids, the extension registry, sets (~200 bytes of memory per byte),
+# out-of-band buffers, protocol 0/1 instances and NEWOBJ_EX's keyword arguments.
+_NOT_IN_AN_INDEX = b"PQ\x82\x83\x84\x8f\x90\x91\x97\x98io\x92"
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _Opcodes(dict):
+    def __missing__(self, code):
+        raise pickle.UnpicklingError(f"it holds pickle opcode {bytes([code])!r}, which an index never contains")
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python one: its opcodes can be replaced, its memo is a dict
     def find_class(self, module, name):
         try:
             return _INDEX_GLOBALS[module, name]
         except (KeyError, TypeError):
             raise pickle.UnpicklingError(f"it asks for {module}.{name}, which a checkpoint never contains") from None
 
-    def persistent_load(self, pid):
-        raise pickle.UnpicklingError("it asks for a persistent object, which a checkpoint never contains")
+    def load_build(self):
+        inst, state = self.stack[-2], self.stack[-1]
+        if type(inst) is dcp_metadata.TensorProperties:
+            ok = type(state) is tuple and len(state) == 5
+        else:
+            ok = type(state) is dict and all(type(k) is str and k in _BUILDS.get(type(inst), ()) for k in state)
+        if not ok:  # type(), not isinstance: a class is never an instance of the classes above
+            target = f"the class {inst.__name__}" if isinstance(inst, type) else f"a {type(inst).__name__}"
+            raise pickle.UnpicklingError(f"it sets {shown(state)} on {target}, which a checkpoint never does")
+        pickle._Unpickler.load_build(self)
+
+    def load_mark(self):
+        if len(self.metastack) >= 64:  # an index nests a few levels; a MARK a byte would hold a list a byte
+            raise pickle.UnpicklingError("it nests more than 64 levels deep, which an index never does")
+        pickle._Unpickler.load_mark(self)
+
+    dispatch = _Opcodes({code: load for code, load in pickle._Unpickler.dispatch.items()
+                         if code not in _NOT_IN_AN_INDEX})
+    dispatch.update({pickle.BUILD[0]: load_build, pickle.MARK[0]: load_mark})
 
 
 class _SafeReader(FileSystemReader):
     # FileSystemReader.read_metadata with the restricted unpickler instead of pickle.load (torch 2.13 internals).
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        metadata = read_index(self._get_metadata_path(kwargs.get("rank")))
+    # No **kwargs: DCP would then fall back to a rank's own __N.metadata, which no checkpoint here holds.
+    def read_metadata(self) -> Metadata:
+        metadata = read_index(self._get_metadata_path())
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -836,9 +999,9 @@ def load_weights(source: str, model, config: LlamaConfig) -> str:
     with collective_errors():
         path = source if hf else resolve(source, "--init-from")
         if not hf:
-            verify_files(path, read_meta(path, "--init-from"))
+            verify_files(path, read_meta(path, "--init-from"), "--init-from")
     if not hf:
-        load_state(path, model, None, config)
+        load_state(path, model, None, config, "--init-from")
         return path
     # HuggingFaceStorageReader reads only the requested tensors (slices, for FSDP's shards) from the
     # memory-mapped safetensors files and casts them to the model's dtype.
@@ -850,8 +1013,9 @@ def load_weights(source: str, model, config: LlamaConfig) -> str:
         targets.setdefault(request[name], []).append(tensor)
     try:
         dcp.load({key: tensors[0] for key, tensors in targets.items()}, storage_reader=HuggingFaceStorageReader(path))
-    except Exception as e:  # a damaged file: DCP's CheckpointException, or the reader's own errors
-        raise UsageError(f"--init-from {path}: cannot read its tensors ({root_cause(e)})") from None
+    except (Exception, CheckpointException) as e:  # DCP raises its CheckpointException on every rank
+        raise UsageError(f"--init-from {path}: cannot read its tensors ({root_cause(e)})", on_every_rank=True) \
+            from None
     for tensors in targets.values():
         for copy in tensors[1:]:
             copy.copy_(tensors[0])
@@ -860,12 +1024,13 @@ def load_weights(source: str, model, config: LlamaConfig) -> str:
 
 
 def _hf_request(path: str, state: dict, config: LlamaConfig) -> dict[str, str]:
-    """Their name for each of a stage's tensors; a tied checkpoint stores the head once, as the embedding."""
-    available = set()
+    """Their name for each of a stage's tensors (of the shape config.json gives it); a tied checkpoint stores the
+    head once, as the embedding."""
+    available = {}  # their name -> its shape
     for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
         try:  # reads the header only; a file cut short (an interrupted download) fails here
             with safe_open(os.path.join(path, name), framework="pt") as f:
-                available |= set(f.keys())
+                available.update((key, f.get_slice(key).get_shape()) for key in f.keys())
         except Exception as e:  # safetensors' own error type, whatever the damage
             raise UsageError(f"--init-from {path}: {name} is not a complete safetensors file ({root_cause(e)}); "
                              "copy or download it again") from None
@@ -877,6 +1042,9 @@ def _hf_request(path: str, state: dict, config: LlamaConfig) -> dict[str, str]:
         if key not in available:
             raise UsageError(f"--init-from {path}: no tensor {key} in its safetensors files; is it the Llama "
                              "checkpoint that config.json describes?")
+        if available[key] != list(state[name].shape):  # DCP would fail on every rank, in a traceback
+            raise UsageError(f"--init-from {path}: its tensor {key} is {available[key]}, config.json makes it "
+                             f"{list(state[name].shape)}; is it the Llama checkpoint that config.json describes?")
         request[name] = key
     return request
 
@@ -939,19 +1107,29 @@ def resume(args, rank: int, world_size: int, model, optimizer, config: LlamaConf
     with collective_errors():
         meta = check_same_run(args, path, data_id, config)
         verify_files(path, meta)
+        # The scripts' Batches hold (tokens - 1) // --seq-len windows a file; a position past them is no run's.
+        windows = sum((tokens - 1) // args.seq_len for tokens in read_data_meta(args.data)["train"]["tokens"])
+        if meta.get("data") is not None and meta["data"]["index"] > windows:
+            raise bad_checkpoint("--checkpoint-dir", path, f"its meta.json's data index {meta['data']['index']} is "
+                                                           f"past the {windows} windows of --data")
     if meta["step"] >= args.steps > 0:
         say(f"{path} is step {meta['step']}: --steps {args.steps} are done, nothing to train", flush=True)
         return meta["step"], None
     load_state(path, model, optimizer, config)
-    if meta.get("world_size") == world_size:  # RNG streams belong to ranks; another layout starts new ones
+    if meta["world_size"] == world_size:  # RNG streams belong to ranks; another layout starts new ones
         with collective_errors(), open_untrusted(path, f"rng/rank{rank}.pt"):
+            if f"rng/rank{rank}.pt" not in meta["files"]:  # those listed are verified: inside, no link
+                raise ValueError("its meta.json does not list it")
             rng = torch.load(os.path.join(path, "rng", f"rank{rank}.pt"), weights_only=True)  # data, never code
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])
-    say(f"resumed from {path} at step {meta['step']} (saved by {meta['world_size']} process(es))"
-        if args.steps else f"evaluating {path} (step {meta['step']})", flush=True)
-    return meta["step"], meta["data"]
+    precision = meta.get("args", {}).get("precision", args.precision)  # free to change: said, not refused
+    say((f"resumed from {path} at step {meta['step']} (saved by {meta['world_size']} process(es))"
+         if args.steps else f"evaluating {path} (step {meta['step']})") +
+        (f"; --precision {precision} → {args.precision} (free to change: weights and AdamW stay fp32, only "
+         "the computation's rounding can differ)" if precision != args.precision else ""), flush=True)
+    return meta["step"], meta.get("data")
 
 
 def _set_aside(checkpoint_dir: str, say) -> None:

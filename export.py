@@ -29,14 +29,14 @@ from model import LlamaConfig, LlamaForPretraining, hf_config, hf_name
 def full_model_state(path: str) -> tuple[dict, LlamaConfig]:
     """The whole model's weights from the checkpoint at path, on this one process (no process group)."""
     meta = checkpoint.read_meta(path, "checkpoint")
-    checkpoint.verify_files(path, meta)
+    checkpoint.verify_files(path, meta, "checkpoint")
     config = LlamaConfig(**meta["config"])
     with torch.device("meta"):
         model = LlamaForPretraining(config)
     model.to_empty(device="cpu")  # every saved tensor is loaded below; buffers are not part of the export
     model.tie_weights()
     state, saved_as = checkpoint.state_dicts(model, None, config)
-    checkpoint.load_dcp(state, path, no_dist=True)
+    checkpoint.load_dcp(state, path, no_dist=True, flag="checkpoint")
     return {key: state["model"][name] for key, name in saved_as["model"].items()}, config
 
 
@@ -56,15 +56,16 @@ def export(source: str, output: str, format: str = "pt", dtype: torch.dtype = to
         what = "directory" if format == "hf" else "file name"
         if not force:
             raise UsageError(f"{existing[0]} exists; give a new {what}, or add --force to replace an earlier export")
-        if not _exported(output, format):
+        if not _exported(outputs, format):
             raise UsageError(f"{existing[0]} exists and is not an earlier export (--force replaces only those); "
                              f"give a new {what}")
     path = checkpoint.resolve(source)
     state, config = full_model_state(path)
+    tokens = special_tokens(path)  # its tokenizer files checked before anything is written
     tmp = {p: f"{p}.tmp{os.getpid()}" for p in outputs}
     try:
         if format == "hf":
-            save_hf(tmp[output], state, config, path, dtype, max_shard_bytes)
+            save_hf(tmp[output], state, config, path, dtype, max_shard_bytes, tokens)
         else:
             os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
             torch.save({key: t.to(dtype) for key, t in state.items()}, tmp[output])
@@ -72,11 +73,13 @@ def export(source: str, output: str, format: str = "pt", dtype: torch.dtype = to
                 json.dump(dataclasses.asdict(config), f, indent=1)
             if os.path.isfile(os.path.join(path, "tokenizer.json")):
                 shutil.copyfile(os.path.join(path, "tokenizer.json"), tmp[output + ".tokenizer.json"])
-        for final, written in tmp.items():
-            if os.path.isdir(final) and not os.path.islink(final):  # --force over a directory: replace it whole
+        for final, written in tmp.items():  # --force: over an earlier export (_exported), all of it
+            if format == "hf" and os.path.isdir(final):
                 shutil.rmtree(final)
             if os.path.lexists(written):
                 os.replace(written, final)
+            elif os.path.lexists(final):  # an earlier export's tokenizer, of a checkpoint that had one
+                os.remove(final)
     except (OSError, RuntimeError, CheckpointException) as e:  # torch.save reports a full disk as a RuntimeError
         raise UsageError(f"cannot write {output} ({checkpoint.root_cause(e)}); choose another output") from None
     finally:  # a failed export leaves nothing of its own behind
@@ -88,27 +91,28 @@ def export(source: str, output: str, format: str = "pt", dtype: torch.dtype = to
     return path
 
 
-def _exported(output: str, format: str) -> bool:
-    """Whether output is an earlier export, recognised by its config: exactly the fields an export writes (pt:
-    OUTPUT.config.json beside it; hf: config.json, among only the files an export writes)."""
+def _exported(outputs: list[str], format: str) -> bool:
+    """Whether outputs are an earlier export, recognised by its config: exactly the fields an export writes (pt:
+    OUTPUT.config.json beside it, each output a file or absent; hf: config.json, among only the files an export
+    writes)."""
+    output = outputs[0]
     config = output + ".config.json" if format == "pt" else os.path.join(output, "config.json")
     fields = {f.name for f in dataclasses.fields(LlamaConfig)} if format == "pt" else \
         set(hf_config(LlamaConfig(), 0, 0, None, torch.float32))
     try:
-        with open(config) as f:
-            if set(json.load(f)) != fields:
-                return False
+        if set(checkpoint.read_json(config)) != fields:
+            return False
     except (OSError, ValueError, TypeError):
         return False
-    if format == "pt":
-        return not os.path.isdir(output)
+    if format == "pt":  # never a directory or a link: --force would replace it, or what it points to
+        return all(os.path.isfile(p) and not os.path.islink(p) for p in outputs if os.path.lexists(p))
     return os.path.isdir(output) and not os.path.islink(output) and all(
         re.fullmatch(r"config\.json|tokenizer(_config)?\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?", n)
         for n in os.listdir(output))
 
 
 def save_hf(path: str, state: dict[str, torch.Tensor], config: LlamaConfig, checkpoint_path: str,
-            dtype: torch.dtype, max_shard_bytes: int) -> None:
+            dtype: torch.dtype, max_shard_bytes: int, tokens: dict) -> None:
     """The full model's state dict as a Hugging Face directory: safetensors files of at most max_shard_bytes
     (DCP's Hugging Face writer, which writes the index too), config.json and the checkpoint's tokenizer files."""
     tensors = {hf_name(name): t.to(dtype) for name, t in state.items()
@@ -123,7 +127,6 @@ def save_hf(path: str, state: dict[str, torch.Tensor], config: LlamaConfig, chec
     with warnings.catch_warnings():  # DCP warns that it saves from one process, which is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(path, fqn_to_index_mapping=mapping), no_dist=True)
-    tokens = special_tokens(checkpoint_path)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config(config, tokens.get("bos_id"), tokens.get("eos_id"), tokens.get("pad_id"), dtype), f,
                   indent=1)
@@ -133,23 +136,31 @@ def save_hf(path: str, state: dict[str, torch.Tensor], config: LlamaConfig, chec
     _set_max_length(os.path.join(path, "tokenizer_config.json"), config.max_position_embeddings)
 
 
-def special_tokens(directory: str) -> dict:
+def special_tokens(directory: str, flag: str = "checkpoint") -> dict:
     """{"bos_id", "eos_id", "pad_id"} of the tokenizer files in directory (the names in tokenizer_config.json,
-    their ids in tokenizer.json); {} without both files."""
-    try:
-        with open(os.path.join(directory, "tokenizer.json")) as f:
-            tokenizer = json.load(f)
-        with open(os.path.join(directory, "tokenizer_config.json")) as f:
-            named = json.load(f)
-    except (OSError, ValueError):
+    their ids in tokenizer.json); {} without both files. A field of another type: one line naming it."""
+    if not all(os.path.isfile(os.path.join(directory, name)) for name in checkpoint.TOKENIZER_FILES):
         return {}
-    ids = {t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])}
+    tokenizer = checkpoint.read_tokenizer(directory, flag)
+    try:
+        named = checkpoint.read_json(os.path.join(directory, "tokenizer_config.json"))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{flag} {directory}: cannot read its tokenizer_config.json ({e})") from None
+    if not isinstance(named, dict):
+        raise UsageError(f"{flag} {directory}: its tokenizer_config.json is {checkpoint.shown(named)}, not an "
+                         "object of fields")
+    for key in ("bos_token", "eos_token", "pad_token"):
+        token = named.get(key)
+        if not (token is None or isinstance(token, str) or isinstance(token, dict) and isinstance(
+                token.get("content"), str)):
+            raise UsageError(f"{flag} {directory}: its tokenizer_config.json's {key} is {checkpoint.shown(token)}, "
+                             "not a token")
+    ids = {t["content"]: t["id"] for t in tokenizer.get("added_tokens") or []}
     ids.update((tokenizer.get("model") or {}).get("vocab") or {})
 
     def id_of(key):
         token = named.get(key)
-        token = token.get("content") if isinstance(token, dict) else token
-        return ids.get(token)
+        return ids.get(token.get("content") if isinstance(token, dict) else token)
     return {f"{kind}_id": id_of(f"{kind}_token") for kind in ("bos", "eos", "pad")}
 
 

@@ -19,6 +19,8 @@ import json
 import math
 import multiprocessing.forkserver
 import os
+import pathlib
+import pickle
 import random
 import re
 import runpy
@@ -26,10 +28,12 @@ import shlex
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 import types
 import unittest.mock
 from pathlib import Path
@@ -1988,7 +1992,8 @@ def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, refer
     # the hand-written script (checkpoints are shared by all scripts); 1 process; 1 stage x 2 replicas; 2
     # processes holding 2 stages each in a V, split by hand and by the tracer (the rank's stages share one set
     # of full-model names; rank 0 holds both the embedding and the head).
-    variants = {"manual2": (2, "train_pipeline_afab_manual.py", []), "one": (0, "train_pipeline_gpipe.py", []),
+    variants = {"manual2": (2, "train_pipeline_afab_manual.py", []),
+                "one": (0, "train_pipeline_gpipe.py", ["--precision", "fp32"]),  # auto is fp32 on a CPU too
                 "replicas2": (2, "train_pipeline_gpipe.py", ["--dp", "2"]),
                 "zbv2": (2, "train_pipeline_gpipe.py", ["--schedule", "zbvzerobubble"]),
                 "traced_dualpipev2": (2, "train_pipeline_tracer.py", ["--schedule", "dualpipev"])}
@@ -2001,6 +2006,7 @@ def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, refer
         result = finish(proc)
         assert result.returncode == 0, result.stderr[-3000:]
         assert "(saved by 4 process(es))" in result.stdout
+        assert ("; --precision auto → fp32 (free to change" in result.stdout) == (name == "one"), result.stdout
         rows, _ = read_metrics(tmp_path / name / "m.jsonl")
         assert [r["step"] for r in rows] == list(range(9, 17))
         assert_same_trajectory(rows, reference[8:], name, since=8)
@@ -2166,9 +2172,9 @@ def fake_checkpoint(directory: Path, step: int, world_size: int, dp: int, tp: in
     relayout reads)."""
     path = directory / f"step-{step:08d}"
     path.mkdir(parents=True)
-    (path / "meta.json").write_text(json.dumps({"step": step, "config": {"num_hidden_layers": layers}, "files": {},
-                                                "world_size": world_size, "args": {"dp": dp, "tp": tp},
-                                                "job": "job7"}))
+    (path / "meta.json").write_text(json.dumps({"step": step, "config": dataclasses.asdict(small_config(layers=layers)),
+                                                "files": {}, "world_size": world_size,
+                                                "args": {"dp": dp, "tp": tp}, "job": "job7"}))
     return path
 
 
@@ -2313,16 +2319,175 @@ def test_a_checkpoint_runs_none_of_the_code_its_files_ask_for(tmp_path, referenc
         torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
 
 
+def checkpoint_copy(source: Path, copy: Path) -> Path:
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(source, copy)
+    return copy
+
+
+def test_an_index_takes_no_memory_beyond_its_size_and_changes_no_class(tmp_path, reference_run):
+    """DCP's index is read by pickle's pure-Python unpickler, restricted: its memo is a dict, BUILD sets only the
+    fields of DCP's dataclasses' instances, an index's few levels of nesting and none of the opcodes it never
+    holds. Each payload but the first passed every check before, and then went on as the original index."""
+    source = reference_run[0] / "checkpoints" / "step-00000016"
+    original = (source / ".metadata").read_bytes()
+    zstd = pickle.loads(original)  # our own file, written by the reference run
+    for info in zstd.storage_data.values():
+        info.transform_descriptors = ["zstd"]
+    payloads = {  # the C unpickler made a memo of 16 bytes a slot up to the slot named, 2**27 here: 2 GiB
+        "a memo slot 2**27": b"\x80\x02Nr" + struct.pack("<I", 2**27) + b".",
+        # (None, {"__str__": torch.Size}) built on the class: PurePosixPath.__str__ replaced for the process
+        "BUILD on an allowed class": (b"\x80\x04cpathlib\nPurePosixPath\nN}S'__str__'\nctorch\nSize\ns\x86b0"
+                                      + original[2:]),
+        "a set, ~200 bytes of memory a byte": b"\x80\x04\x8f0" + original[2:],
+        "100 nested marks, a list each": b"\x80\x04" + b"(" * 100 + b"1" * 100 + original[2:],
+        "a shard that decompresses, to any size": pickle.dumps(zstd),
+    }
+    own_str = vars(pathlib.PurePosixPath).get("__str__")  # none: it inherits PurePath's
+    try:
+        for case, content in payloads.items():
+            copy = checkpoint_copy(source, tmp_path / "copy")
+            tamper(copy, ".metadata", content)
+            tracemalloc.start()
+            with pytest.raises(checkpoint.UsageError) as failure:
+                checkpoint.verify_files(str(copy), checkpoint.read_meta(str(copy)))
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            assert f"{copy}: .metadata: damaged, or not a checkpoint of this project" in str(failure.value), case
+            assert peak < 64 * 2**20, (case, peak)  # the index is 20 kB: what it reads, not what it names
+            assert str(pathlib.PurePosixPath("a/b")) == "a/b", case
+    finally:  # if the reader did replace it, the rest of this process must not see that
+        if vars(pathlib.PurePosixPath).get("__str__") is not own_str:
+            del pathlib.PurePosixPath.__str__
+
+
+def test_a_checkpoint_reads_no_file_outside_itself(tmp_path, reference_run):
+    """meta.json lists the files a checkpoint holds; DCP reads the shards its index names among them, export.py
+    copies its tokenizer files. A name outside it, an absolute one or a link is refused before anything is read."""
+    source = reference_run[0] / "checkpoints" / "step-00000016"
+    outside = tmp_path / "ab.dcp"  # "../../ab.dcp" from the copy, as long a name as "__0_0.distcp"
+    outside.write_bytes((source / "__0_0.distcp").read_bytes())
+    absolute = pickle.loads((source / ".metadata").read_bytes())  # our own file, written by the reference run
+    for info in absolute.storage_data.values():
+        if info.relative_path == "__0_0.distcp":
+            info.relative_path = str(outside)
+
+    def named(name, index):  # the first shard, moved out and named name in meta.json and in the index
+        def change(copy):
+            meta = json.loads((copy / "meta.json").read_text())
+            meta["files"][name] = meta["files"].pop("__0_0.distcp")
+            (copy / "__0_0.distcp").unlink()
+            (copy / "meta.json").write_text(json.dumps(meta))
+            tamper(copy, ".metadata", index)
+        return change
+
+    def linked(name, target):
+        def change(copy):
+            (copy / name).unlink()
+            (copy / name).symlink_to(target)
+        return change
+
+    cases = {
+        "../": (named("../../ab.dcp", (source / ".metadata").read_bytes().replace(b"__0_0.distcp", b"../../ab.dcp")),
+                'file name is "../../ab.dcp", not a path inside the checkpoint'),
+        "absolute": (named(str(outside), pickle.dumps(absolute)), "not a path inside the checkpoint"),
+        "a link": (linked("__0_0.distcp", outside), f"__0_0.distcp is a link to {os.path.realpath(outside)}"),
+        "a tokenizer that is a link": (linked("tokenizer.json", source / "tokenizer.json"),
+                                       "tokenizer.json is a link to"),
+    }
+    for case, (change, expected) in cases.items():
+        copy = checkpoint_copy(source, tmp_path / "in" / "copy")
+        change(copy)
+        with pytest.raises(checkpoint.UsageError) as failure:
+            checkpoint.verify_files(str(copy), checkpoint.read_meta(str(copy), "--init-from"), "--init-from")
+        assert str(failure.value).startswith(f"--init-from {copy}: ") and expected in str(failure.value), \
+            (case, str(failure.value))
+
+
+def test_a_checkpoints_json_of_another_shape_is_one_line_naming_the_file_and_the_field(tmp_path, reference_run,
+                                                                                      capsys):
+    """meta.json, tokenizer.json and tokenizer_config.json of a checkpoint: each field the code reads is checked,
+    each mistake one line naming the input as it was given and the field; only a run's own is worth deleting."""
+    source = reference_run[0] / "checkpoints" / "step-00000016"
+    meta = json.loads((source / "meta.json").read_text())
+    wrong_meta = {  # what meta.json holds -> what the line names
+        "a list": ([meta], "lacks step"),
+        "step, a string": ({**meta, "step": "16"}, 'step is "16", not a whole number >= 0'),
+        "step, negative": ({**meta, "step": -1}, "step is -1, not a whole number >= 0"),
+        "a negative data position": ({**meta, "data": {"epoch": 0, "index": -8}}, "data.index is -8, not a whole"),
+        "the data position, a list": ({**meta, "data": [0, 8]}, "data is [0, 8], not null or"),
+        "config, a list": ({**meta, "config": [1]}, "config is [1], not the fields of a LlamaConfig"),
+        "a size, a string": ({**meta, "config": {**meta["config"], "hidden_size": "64"}},
+                             'config.hidden_size = "64": must be a whole number'),
+        "files, a list": ({**meta, "files": list(meta["files"])}, "files is [\""),
+        "a file size, a string": ({**meta, "files": {**meta["files"], ".metadata": "1"}},
+                                  'files[".metadata"] is "1", not a size in bytes'),
+        "world_size 0": ({**meta, "world_size": 0}, "world_size is 0, not a whole number >= 1"),
+        "dp, a string": ({**meta, "args": {**meta["args"], "dp": "2"}}, 'args.dp is "2", not a whole number >= 1'),
+        "run, a list": ({**meta, "run": []}, "run is [], not an object"),
+        "init_from, a number": ({**meta, "run": {**meta["run"], "init_from": 3}}, "run.init_from is 3, not a path"),
+        "job, an object": ({**meta, "job": {}}, "job is {}, not a string or null"),
+        "nested deeply": ("[" * 100_000 + "]" * 100_000, "cannot be read (nested too deeply)"),
+    }
+    copy = checkpoint_copy(source, tmp_path / "copy")
+    for case, (content, expected) in wrong_meta.items():
+        (copy / "meta.json").write_text(content if isinstance(content, str) else json.dumps(content))
+        for flag, fix in (("--checkpoint-dir", "delete it to resume from an older one"),
+                          ("--init-from", "give --init-from another checkpoint")):
+            with pytest.raises(checkpoint.UsageError) as failure:
+                checkpoint.read_meta(str(copy), flag)
+            message = str(failure.value)
+            assert message.startswith(f"{flag} {copy}: ") and expected in message and message.endswith(fix), \
+                (case, message)
+        err = refused(capsys, export.main, copy, tmp_path / "out.pt")
+        assert f"checkpoint {copy}: " in err and expected in err and "give export.py another" in err, (case, err)
+    (copy / "meta.json").write_text(json.dumps(meta))
+
+    tokenizer = json.loads((source / "tokenizer.json").read_text())
+    wrong_tokenizer = {  # (file, content) -> what the line names
+        ("tokenizer.json", "a list"): ([tokenizer], "its tokenizer.json is [{"),
+        ("tokenizer.json", "model, a string"): ({**tokenizer, "model": "BPE"}, 'model is "BPE"'),
+        ("tokenizer.json", "an id, a string"): ({**tokenizer, "model": {**tokenizer["model"], "vocab": {"a": "1"}}},
+                                                'model.vocab is {"a": "1"}, not tokens and their ids'),
+        ("tokenizer.json", "a merge, a number"): ({**tokenizer, "model": {**tokenizer["model"], "merges": [1]}},
+                                                  "model.merges is [1], not a list of"),
+        ("tokenizer.json", "an added token, a string"): ({**tokenizer, "added_tokens": ["[BOT]"]},
+                                                         'added_tokens is ["[BOT]"], not a list'),
+        ("tokenizer.json", "nested deeply"): ('{"model": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                                              "cannot read its tokenizer.json (nested too deeply)"),
+        ("tokenizer_config.json", "a list"): ([], "its tokenizer_config.json is [], not an object"),
+        ("tokenizer_config.json", "bos_token, a list"): ({"bos_token": ["[BOT]"]},
+                                                         'bos_token is ["[BOT]"], not a token'),
+    }
+    for (name, case), (content, expected) in wrong_tokenizer.items():
+        copy = checkpoint_copy(source, tmp_path / "copy")
+        tamper(copy, name, (content if isinstance(content, str) else json.dumps(content)).encode())
+        err = refused(capsys, export.main, copy, tmp_path / "out", "--format", "hf")
+        assert f"checkpoint {copy}: " in err and expected in err, (name, case, err)
+        assert not (tmp_path / "out").exists()
+        if name == "tokenizer.json":  # --init-from compares it with the data's
+            with pytest.raises(checkpoint.UsageError) as failure:
+                checkpoint.same_tokenizer(str(copy), str(source))
+            assert str(failure.value).startswith(f"--init-from {copy}: ") and expected in str(failure.value), case
+
+
 def test_wrong_model_damaged_or_tampered_checkpoints_fail_in_one_line(tmp_path, data_dir, reference_run, capsys):
     reference_dir, _ = reference_run
     source = reference_dir / "checkpoints" / "step-00000016"
     runs = {}
-    for name in ("wrong_model", "truncated", "tampered"):
+    for name in ("wrong_model", "truncated", "tampered", "garbage", "position", "damaged_meta"):
         shutil.copytree(source, tmp_path / name / "checkpoints" / source.name)
     rng = tmp_path / "rng" / "checkpoints" / "step-00000012"  # a step before the last: resumed, it trains on
     shutil.copytree(source.parent / rng.name, rng)
-    shard = next((tmp_path / "truncated" / "checkpoints" / source.name).glob("__1_*.distcp"))
+    truncated, garbage = (tmp_path / name / "checkpoints" / source.name for name in ("truncated", "garbage"))
+    shard = next(truncated.glob("__1_*.distcp"))
     shard.write_bytes(shard.read_bytes()[:1000])
+    shard = next(garbage.glob("__1_*.distcp"))
+    shard.write_bytes(bytes(shard.stat().st_size))  # its size, none of its tensors
+    meta = json.loads((source / "meta.json").read_text())
+    (tmp_path / "position" / "checkpoints" / source.name / "meta.json").write_text(
+        json.dumps({**meta, "data": {"epoch": 0, "index": 10**6}}))
+    (tmp_path / "damaged_meta" / "checkpoints" / source.name / "meta.json").write_text("{")
     # Each hostile file would touch this file if anything ran it: resumed, exported or started from.
     payload = tmp_path / "payload-ran"
     tampered = tmp_path / "tampered" / "checkpoints" / source.name
@@ -2332,19 +2497,43 @@ def test_wrong_model_damaged_or_tampered_checkpoints_fail_in_one_line(tmp_path, 
     hostile_rng = io.BytesIO()
     torch.save({"cpu": _RunsACommand(f"touch {payload}")}, hostile_rng)
     tamper(rng, "rng/rank0.pt", hostile_rng.getvalue(), world_size=1)  # 1 process reads rank 0's
-    expected = {"wrong_model": "model num_hidden_layers 4 → 3", "truncated": "is damaged",
-                "tampered": ".metadata: damaged, or not a checkpoint of this project",
-                "rng": "rng/rank0.pt: damaged, or not a checkpoint of this project"}
+    # Each names the input as it was given; only a run's own checkpoint is worth deleting, and no line passes on
+    # torch.load's advice to load a file unsafely.
+    run_own = f"--checkpoint-dir checkpoints/{source.name}: "
+    expected = {"wrong_model": "model num_hidden_layers 4 → 3", "truncated": run_own + "damaged, __1_",
+                "tampered": run_own + ".metadata: damaged, or not a checkpoint of this project",
+                "rng": "checkpoints/step-00000012: rng/rank0.pt: damaged, or not a checkpoint of this project (it "
+                       "asks for posix.system, which a checkpoint never contains); delete it",
+                "position": run_own + "its meta.json's data index 1000000 is past the"}
     for name in expected:
         layers = ["--layers", "3"] if name == "wrong_model" else []
         runs[name] = run_script(0, "train_pipeline_gpipe.py", *RESUME_ARGS, *layers, "--data", data_dir,
                                 cwd=tmp_path / name, wait=False)
-    runs["init_from"] = run_script(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--data", data_dir, "--init-from",
-                                   tampered, "--checkpoint-dir", "new", cwd=tmp_path, wait=False)
-    expected["init_from"] = expected["tampered"]
-    assert expected["tampered"] in refused(capsys, export.main, tampered, tmp_path / "exported.pt")
+    for name, path in (("init_from", tampered), ("init_from_truncated", truncated)):
+        runs[name] = run_script(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--data", data_dir, "--init-from", path,
+                                "--checkpoint-dir", "new-" + name, cwd=tmp_path, wait=False)
+    expected["init_from"] = f"--init-from {tampered}: .metadata: damaged, or not a checkpoint of this project"
+    expected["init_from_truncated"] = f"--init-from {truncated}: damaged, __1_"
+    # A damaged newest meta.json, read by every rank under torchrun (to see if torchrun restarted the job on
+    # other processes): said once for the node, as the other errors.
+    runs["damaged_meta"] = launch(2, "train_pipeline_gpipe.py", *RESUME_ARGS, "--data", data_dir,
+                                  cwd=tmp_path / "damaged_meta", wait=False)
+    for path, fails_in in ((tampered, ".metadata: damaged"), (truncated, "damaged, __1_"),
+                           (garbage, "cannot read its tensors")):
+        err = refused(capsys, export.main, path, tmp_path / "exported.pt")
+        assert err.startswith(f"error: checkpoint {path}: {fails_in}") and \
+            err.endswith("; give export.py another checkpoint"), err
     for name, proc in runs.items():
-        one_line_error(finish(proc), expected[name])
+        result = finish(proc)
+        if name == "damaged_meta":
+            assert result.returncode == 1 and error_lines(result.stderr) == [
+                f"error: {run_own}not a complete checkpoint, its meta.json cannot be read (Expecting property name "
+                "enclosed in double quotes: line 1 column 2 (char 1)); delete it to resume from an older one"], \
+                result.stderr[-3000:]
+            continue
+        one_line_error(result, expected[name])
+        assert ("delete" in result.stderr) == (name != "wrong_model" and not name.startswith("init_from")), name
+        assert "weights_only" not in result.stderr
     assert not payload.exists()
 
     # --fresh starts over and moves the old checkpoints aside instead of deleting them.
@@ -2721,11 +2910,22 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
     cut = tmp_path / "cut-short"
     shutil.copytree(tied, cut)
     os.truncate(cut / "model.safetensors", (cut / "model.safetensors").stat().st_size // 2)
-    procs = {model: run_script(0, "train_pipeline_gpipe.py", *common[2:], "--init-from", str(model), "--steps", "0",
-                               "--checkpoint-dir", model.name, cwd=tmp_path, wait=False) for model in (other, cut)}
+    # And one whose tensor disagrees with its config.json, on 2 ranks: DCP's CheckpointException (a BaseException
+    # in torch 2.13) was a traceback on each; one line for the node, from the rank that holds the layer.
+    from safetensors.torch import load_file, save_file
+    reshaped = tmp_path / "reshaped"
+    shutil.copytree(tied, reshaped)
+    tensors = load_file(reshaped / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:100].clone()
+    save_file(tensors, reshaped / "model.safetensors", metadata={"format": "pt"})
+    procs = {model: run_script(2 if model == reshaped else 0, "train_pipeline_gpipe.py", *common[2:], "--init-from",
+                               str(model), "--steps", "0", "--checkpoint-dir", model.name, cwd=tmp_path, wait=False)
+             for model in (other, cut, reshaped)}
     one_line_error(finish(procs[other]),
                    f"--init-from {other}: its tokenizer is not the one --data {data_dir} was prepared with")
     one_line_error(finish(procs[cut]), f"--init-from {cut}: model.safetensors is not a complete safetensors file")
+    one_line_error(finish(procs[reshaped]), f"--init-from {reshaped}: its tensor model.layers.0.mlp.up_proj.weight "
+                                            "is [100, 64], config.json makes it [128, 64]")
 
 
 def test_export_writes_the_pipelines_weights_for_one_process(tmp_path, reference_run, capsys):
@@ -2766,8 +2966,18 @@ def test_export_writes_the_pipelines_weights_for_one_process(tmp_path, reference
         err = refused(capsys, export.main, run_dir, tmp_path / output, *given, "--force")
         assert "not an earlier export" in err, err
         assert snapshot(tmp_path) == before
+    # A directory (or a link) where an export would write OUT.pt.tokenizer.json is not an earlier export either.
+    (tmp_path / "tiny.pt.tokenizer.json").unlink()
+    (tmp_path / "tiny.pt.tokenizer.json").mkdir()
+    (tmp_path / "tiny.pt.tokenizer.json" / "keep").write_text("me")
+    before = snapshot(tmp_path)
+    assert "not an earlier export" in refused(capsys, export.main, run_dir, tmp_path / "tiny.pt", "--force")
+    assert snapshot(tmp_path) == before
+    shutil.rmtree(tmp_path / "tiny.pt.tokenizer.json")
     (tmp_path / "tiny.pt").write_bytes(b"an earlier export, now out of date")
     assert run_main(capsys, export.main, run_dir, tmp_path / "tiny.pt", "--force")[0] == 0
+    tokenizer = (run_dir / "step-00000016" / "tokenizer.json").read_bytes()
+    assert (tmp_path / "tiny.pt.tokenizer.json").read_bytes() == tokenizer
     forced = torch.load(tmp_path / "tiny.pt", weights_only=True)
     assert all(torch.equal(forced[name], exported[name]) for name in exported)
     assert run_main(capsys, export.main, run_dir, tmp_path / "hf-new", "--format", "hf")[0] == 0
@@ -3951,7 +4161,9 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
 def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, data_dir):
     ckpt = tmp_path / "ckpt" / "step-00000001"
     ckpt.mkdir(parents=True)
-    (ckpt / "meta.json").write_text('{"step": 1, "config": {}, "files": {}}')
+    # A checkpoint as far as what is read before the errors below.
+    meta = json.dumps({"step": 1, "config": dataclasses.asdict(small_config()), "files": {}, "world_size": 1})
+    (ckpt / "meta.json").write_text(meta)
     common = ["--data", data_dir, "--checkpoint-dir", str(tmp_path / "ckpt")]
     cases = {  # given -> (the flag the message must name, exit status)
         ("--steps", "ten"): ("--steps", 2),  # refused by argparse
@@ -3979,7 +4191,7 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, data_dir):
         errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
         assert errors and cases[given][0] in errors[0], (given, result.stderr[-2000:])
         assert result.stderr.strip() == errors[0], (given, result.stderr)  # one line, no traceback
-    assert (ckpt / "meta.json").read_text() == '{"step": 1, "config": {}, "files": {}}'
+    assert (ckpt / "meta.json").read_text() == meta
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000001"]
 
 
