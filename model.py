@@ -399,7 +399,7 @@ def _module_generator(seed: int, name: str, device: torch.device) -> torch.Gener
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int = 8, sequence_shards: int = 1) -> Tensor:
+def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_shards: int = 1) -> Tensor:
     """The mean cross-entropy of head(hidden) [batch, seq, vocab] against targets [batch, seq] (-100: ignored),
     without the whole logits: the sequence is cut into `chunks` pieces, each one's logits computed in fp32,
     turned into its summed loss and freed; backward computes them again, a piece at a time (activation
@@ -635,6 +635,9 @@ def _grad_as_weight(weight: DTensor) -> None:
         weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
 
 
+SHARD_OUT = {"output_layouts": Shard(1)}  # a row-wise layer's partial sums reduce-scattered by sequence
+
+
 def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool = True) -> None:
     """Tensor parallelism of a model or stage over tp_mesh (a 1-D DeviceMesh): Megatron's plan, as torchtitan
     applies it. Applied to the allocated, initialized stage, before activation checkpointing, compile and FSDP2.
@@ -676,8 +679,6 @@ def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool
             param.register_post_accumulate_grad_hook(_grad_as_weight)
     model.tie_weights()  # one stage, tied: the head takes the embedding's (sharded alike) matrix again
 
-
-SHARD_OUT = {"output_layouts": Shard(1)}  # a row-wise layer's partial sums reduce-scattered by sequence
 
 
 def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_parallel: bool = True,

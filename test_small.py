@@ -423,6 +423,18 @@ SCRIPT_MODULES = {"train_pipeline_gpipe.py": gpipe, "train_pipeline_afab_manual.
                   "train_pipeline_tracer.py": tracer}
 
 
+def checked_args(module, argv: list[str], world_size: int, device_type: str = "cuda"):
+    """A script's flags as its main resolves them (--stages-per-rank: the schedule's default), then its
+    check_args, which leaves them as they are."""
+    ns = module.build_parser().parse_args(argv)
+    if "stages_per_rank" in ns:
+        ns.stages_per_rank = ns.stages_per_rank or (1 if ns.schedule in gpipe.SINGLE_STAGE else 2)
+    resolved = vars(ns).copy()
+    module.check_args(ns, world_size, device_type)
+    assert vars(ns) == resolved
+    return ns
+
+
 def cpu_env(rank: int, world_size: int, dtype=torch.float32) -> "gpipe.Env":
     return gpipe.Env(rank, world_size, torch.device("cpu"), dtype, 0)
 
@@ -437,7 +449,7 @@ def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape:
                      chunks: int = 8, seed: int = 11):
     """The GPipe script's split and schedule of these stages, as its main builds them: (the rank's model, its
     PipelineStages, the schedule, the loss)."""
-    modules = [gpipe.build_stage(config, s, layers, torch.device("cpu"), seed) for s in stages]
+    modules = [gpipe.stage_module(config, s, layers, torch.device("cpu"), seed) for s in stages]
     model_module.parallelize(modules, mesh, torch.float32)
     shards = mesh["tp"].size()  # sequence parallelism, as the scripts' default: each tp rank 1/tp of the positions
     built = [PipelineStage(module, s, len(layers), torch.device("cpu"), group=mesh.get_group("pp"),
@@ -449,9 +461,9 @@ def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape:
 def traced_pipeline(config, name: str, stages: list, layers: list, mesh, shape: tuple, microbatches: int,
                     chunks: int = 8, seed: int = 11):
     """The same, as the tracer script builds it."""
-    modules, pipe = tracer.build_traced_stages(config, stages, layers, shape, torch.device("cpu"), seed)
+    modules, pipe = tracer.traced_modules(config, stages, layers, shape, torch.device("cpu"), seed)
     model_module.parallelize(modules, mesh, torch.float32)
-    built = [tracer.build_stage(pipe, s, torch.device("cpu"), mesh.get_group("pp")) for s in stages]
+    built = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), mesh.get_group("pp")) for s in stages]
     schedule, loss_fn = tracer.make_schedule(name, built, microbatches, chunks, 1)
     return model_module.merged_stages(modules), built, schedule, loss_fn
 
@@ -533,7 +545,7 @@ def test_meta_init_equals_direct_build():
     config = small_config()
     direct = LlamaForPretraining(config)
     direct.init_weights(seed=7)
-    via_meta = gpipe.build_stage(config, 0, even(4, 1), torch.device("cpu"), seed=7)
+    via_meta = gpipe.stage_module(config, 0, even(4, 1), torch.device("cpu"), seed=7)
     a = dict(direct.named_parameters()) | dict(direct.named_buffers())
     b = dict(via_meta.named_parameters()) | dict(via_meta.named_buffers())
     assert sorted(a) == sorted(b) and any(k.endswith("inv_freq") for k in a)
@@ -553,7 +565,7 @@ def test_each_stage_gets_the_full_models_weights(num_stages):
     full_state = full.state_dict()
     seen = set()
     for stage in range(num_stages):
-        part = gpipe.build_stage(config, stage, even(4, num_stages), torch.device("cpu"), seed=3).state_dict()
+        part = gpipe.stage_module(config, stage, even(4, num_stages), torch.device("cpu"), seed=3).state_dict()
         assert set(part) <= set(full_state)
         for name, tensor in part.items():
             assert torch.equal(tensor, full_state[name]), name
@@ -1501,7 +1513,7 @@ def test_declared_stage_inputs_and_outputs_are_what_the_stages_compute(dtype):
     with gpipe.compute(cpu_env(0, 1, dtype), 1):
         for s in range(num_stages):
             declared = gpipe.stage_io(config, s, shape, 1)
-            y = gpipe.build_stage(config, s, even(3, num_stages), torch.device("cpu"), seed=0)(x)
+            y = gpipe.stage_module(config, s, even(3, num_stages), torch.device("cpu"), seed=0)(x)
             for want, got in ((declared["input_args"], x), (declared["output_args"], y)):
                 assert (want.shape, want.dtype) == (got.shape, got.dtype), s
             assert y.requires_grad and declared["output_args"].requires_grad
@@ -1770,9 +1782,9 @@ def test_traced_stages_hold_exactly_what_the_hand_split_holds():
     config = small_config(layers=4)
     example = torch.zeros(2, 8, dtype=torch.long, device="meta")
     for num_stages in range(1, 5):
-        pipe = tracer.trace(meta_model(config), example, tracer.split_spec(even(4, num_stages)))
+        pipe = tracer.traced_pipeline(meta_model(config), example, tracer.split_spec(even(4, num_stages)))
         for stage in range(num_stages):
-            hand = gpipe.build_stage(config, stage, even(4, num_stages), torch.device("cpu"), seed=0)
+            hand = gpipe.stage_module(config, stage, even(4, num_stages), torch.device("cpu"), seed=0)
             traced = pipe.get_stage_module(stage)
             assert {name for name, _ in [*traced.named_parameters(), *traced.named_buffers()]} == \
                 {name for name, _ in [*hand.named_parameters(), *hand.named_buffers()]}, (num_stages, stage)
@@ -1780,8 +1792,8 @@ def test_traced_stages_hold_exactly_what_the_hand_split_holds():
 
 def test_bf16_autocast_runs_the_traced_stages_in_bf16(one_process_group, monkeypatch):
     config = small_config(layers=4)
-    _, pipe = tracer.build_traced_stages(config, [0, 1], even(4, 2), (2, 16), torch.device("cpu"), 3)
-    stages = [tracer.build_stage(pipe, s, torch.device("cpu"), None).submod for s in range(2)]
+    _, pipe = tracer.traced_modules(config, [0, 1], even(4, 2), (2, 16), torch.device("cpu"), 3)
+    stages = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), None).submod for s in range(2)]
     eager = LlamaForPretraining(config)
     eager.init_weights(seed=3)
     gen = torch.Generator().manual_seed(0)
@@ -1828,16 +1840,16 @@ def test_weights_shared_across_stages_are_refused():
     tied.lm_head.weight = tied.base_model.embed_tokens.weight
     with pytest.raises(RuntimeError, match=r"base_model.embed_tokens.weight is held as 3 separate tensors by "
                                            r"stages \[0, 1\] \(tied weights\?\)"):
-        tracer.trace(tied, example, tracer.split_spec(even(4, 2)))
+        tracer.traced_pipeline(tied, example, tracer.split_spec(even(4, 2)))
     tied = meta_model(small_config())  # a fresh model: pipeline() patched the split points into the last one
     tied.lm_head.weight = tied.base_model.embed_tokens.weight
-    pipe = tracer.trace(tied, example, tracer.split_spec(even(4, 1)))  # on one stage the tie survives
+    pipe = tracer.traced_pipeline(tied, example, tracer.split_spec(even(4, 1)))  # on one stage the tie survives
     assert "base_model.embed_tokens.weight" in dict(pipe.get_stage_module(0).named_parameters())
 
 
 def test_traced_stage_only_takes_the_traced_microbatch_shape(one_process_group):
-    _, pipe = tracer.build_traced_stages(small_config(layers=2), [0], even(2, 1), (2, 16), torch.device("cpu"), 0)
-    module = tracer.build_stage(pipe, 0, torch.device("cpu"), None).submod
+    _, pipe = tracer.traced_modules(small_config(layers=2), [0], even(2, 1), (2, 16), torch.device("cpu"), 0)
+    module = tracer.pipeline_stage(pipe, 0, torch.device("cpu"), None).submod
     assert module(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 32)  # hidden states: the loss has the head
     with pytest.raises(RuntimeError):
         module(torch.zeros(2, 24, dtype=torch.long))  # a longer sequence: the trace baked in 16
@@ -2937,7 +2949,7 @@ def test_the_plan_counts_the_recomputation_of_a_split_backward(one_process_group
     # runs stage 0's backward whole (one recomputation); stage 1 recomputes for its input gradient and then
     # once per weight for its weight gradient: what plan.split_backward charges.
     config, m = small_config(layers=2), 2
-    modules = [gpipe.build_stage(config, s, even(2, 2), torch.device("cpu"), seed=0) for s in (0, 1)]
+    modules = [gpipe.stage_module(config, s, even(2, 2), torch.device("cpu"), seed=0) for s in (0, 1)]
     calls = {0: 0, 1: 0}
 
     def counted(forward, i):
@@ -2975,10 +2987,8 @@ def test_plan_finds_layouts_for_a_cluster_that_the_scripts_accept(capsys):
             assert line.startswith("NNODES=2 NODE_RANK=<0..1> MASTER_ADDR=<first node> NPROC_PER_NODE=8 ./run.sh ")
             words = shlex.split(line.split("./run.sh ", 1)[1])
             module = SCRIPT_MODULES[words[0]]
-            ns = module.build_parser().parse_args(words[1:])  # the script's own parser and checks
-            module.check_args(ns, 16, "cuda")
-            stages = ns.stages_per_rank if ns.schedule not in gpipe.SINGLE_STAGE and "stages_per_rank" in ns else 1
-            module.stage_layout(config, 16 // (ns.dp * ns.tp) * (2 if ns.schedule in gpipe.V_SHAPED else stages), ns)
+            ns = checked_args(module, words[1:], 16)  # the script's own parser and checks
+            module.stage_layout(config, 16 // (ns.dp * ns.tp) * getattr(ns, "stages_per_rank", 1), ns)
     # A --tp given is kept (timed for 64 GPUs in the README, not here).
     best = plan.main([*argv[:-2], "--tp", "4", "--top", "3"])
     assert len(best) == 3 and all(row["tp"] == 4 and row["pp"] * row["dp"] == 4 for row in best)
@@ -3155,8 +3165,7 @@ def test_a_llama_3_70b_config_json_plans_and_searches_as_the_preset_does(tmp_pat
         words = shlex.split(row["command"].split("./run.sh ", 1)[1])
         assert words[1:3] == ["--init-from", str(tmp_path / "cfg")]
         module = SCRIPT_MODULES[words[0]]
-        ns = module.build_parser().parse_args(words[1:])
-        module.check_args(ns, 64, "cuda")
+        ns = checked_args(module, words[1:], 64)
         per_rank = len(gpipe.stage_ids(ns.schedule, 0, row["pp"], ns.stages_per_rank))
         module.stage_layout(shape, row["pp"] * per_rank, ns)
     # The same figures as the llama-70b preset (its RoPE is plain, which no figure depends on).
@@ -3304,12 +3313,11 @@ def accepted(config, gpus: int, batch: int, gpus_per_node: int = 8) -> dict:
             for schedule in gpipe.SCHEDULES:
                 for checkpointing in (False, True):
                     for m in range(1, batch + 1):
-                        ns = gpipe.build_parser().parse_args(
-                            ["--model", "small", "--batch-size", str(batch), "--microbatches", str(m), "--schedule",
-                             schedule, "--dp", str(dp), "--tp", str(tp), "--checkpoint-dir", os.devnull + "/none",
-                             *(["--activation-checkpointing"] if checkpointing else [])])
                         try:
-                            gpipe.check_args(ns, gpus, "cuda")
+                            ns = checked_args(gpipe, [
+                                "--model", "small", "--batch-size", str(batch), "--microbatches", str(m), "--schedule",
+                                schedule, "--dp", str(dp), "--tp", str(tp), "--checkpoint-dir", os.devnull + "/none",
+                                *(["--activation-checkpointing"] if checkpointing else [])], gpus)
                             per_rank = len(gpipe.stage_ids(schedule, 0, pp, ns.stages_per_rank))
                             gpipe.stage_layout(config, pp * per_rank, ns)
                             plan.check_microbatches(schedule, pp, m, pp * per_rank)  # what torch's schedules say
