@@ -472,10 +472,10 @@ def loss_peak_bytes(vocab_size: int, hidden_size: int, tokens: int, chunks: int,
 def loss_memory(argv: list[str]) -> None:
     """benchmark.py loss-memory: the loss's peak extra bytes, plain and in chunks, side by side."""
     p = Parser(prog="benchmark.py loss-memory", description=loss_peak_bytes.__doc__)
-    p.add_argument("--vocab-size", type=whole(1), default=32768)
+    p.add_argument("--vocab-size", type=whole(1), default=32768, help="of the one-layer model measured")
     p.add_argument("--hidden-size", type=whole(4), default=256, help="a multiple of 4 (the model's 4 heads)")
     p.add_argument("--tokens", type=whole(1), default=4096, help="one microbatch: sequences x sequence length")
-    p.add_argument("--chunks", type=whole(1), nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--chunks", type=whole(1), nargs="+", default=[1, 2, 4, 8, 16], help="the --loss-chunks to measure")
     args = p.parse_args(argv)
     print(f"the loss's peak extra memory, vocab {args.vocab_size}, hidden {args.hidden_size}, {args.tokens} tokens "
           f"(the whole fp32 logits: {4 * args.tokens * args.vocab_size / 2**20:.0f} MiB)")
@@ -984,7 +984,7 @@ def fail(message: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="benchmark.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="benchmark.py", description=__doc__)
     parser.add_argument("--ranks", type=whole(1), default=2, help="processes per run (default: %(default)s)")
     parser.add_argument("--microbatches", type=whole(1), default=8, help="(default: %(default)s)")
     parser.add_argument("--batch-size", type=whole(1), default=16, help="(default: %(default)s)")
@@ -995,7 +995,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="data prepared by prepare_data.py, read by every run (default: %(default)s)")
     parser.add_argument("--variants", default=None,
                         help="comma-separated subset of (gpipe always runs): " + ", ".join(VARIANTS) + "; with "
-                             "--splits (one process always runs): " + ", ".join(SPLITS))
+                             "--splits (one process always runs): " + ", ".join(SPLITS) + " (default: all)")
     parser.add_argument("--sweep", action="store_true", help="time GPipe against the microbatch count instead")
     parser.add_argument("--sweep-microbatches", default="1,2,4,8,16",
                         help="the microbatch counts --sweep runs (default: %(default)s)")

@@ -148,7 +148,8 @@ class Parser(argparse.ArgumentParser):
 
     class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         def _get_help_string(self, action):  # no "(default: None)" for a flag that is off unless given
-            return action.help if action.default in (None, False) else super()._get_help_string(action)
+            off = action.default is None or action.default is False  # `is`: a default of 0 (== False) is shown
+            return action.help if off else super()._get_help_string(action)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **{"formatter_class": self.Formatter, **kwargs})

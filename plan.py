@@ -780,7 +780,7 @@ def search(args) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="plan.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="plan.py", description=__doc__)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--processes", type=whole(1),
                       help="plan this layout: processes the run would start, pipeline ranks x --dp x --tp")
@@ -799,7 +799,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("vocabulary (without --init-from)").add_mutually_exclusive_group()
     g.add_argument("--vocab-size", type=whole(1),
                    help=f"tokens in the vocabulary (default: {VOCAB_SIZE}, prepare_data.py's default tokenizer)")
-    g.add_argument("--data", metavar="DIR", help="take the vocabulary from data prepared by prepare_data.py")
+    g.add_argument("--data", metavar="DIR", help="take the vocabulary from data prepared by prepare_data.py "
+                   "(default: none: --vocab-size)")
     g = p.add_argument_group("the cluster, with --gpus (the search's model of time: see its output)")
     g.add_argument("--gpus-per-node", type=whole(1), default=8, help="tensor parallelism stays inside a node")
     g.add_argument("--gpu-memory", type=number(True), default=80.0, help="GB per GPU")

@@ -4107,7 +4107,7 @@ def test_tensor_parallel_that_the_model_cannot_take_is_one_line_on_every_rank(tm
     assert not (tmp_path / "checkpoints").exists()
 
 
-def test_help_works_without_torchrun_and_every_script_has_the_same_flags(tmp_path):
+def test_help_works_without_torchrun_and_every_script_has_the_same_flags_with_their_defaults(tmp_path, capsys):
     procs = [run_script(0, script, "--help", cwd=tmp_path, wait=False) for script in SCRIPTS]
     helps = {script: finish(proc) for script, proc in zip(SCRIPTS, procs)}
     flags = {}
@@ -4121,6 +4121,20 @@ def test_help_works_without_torchrun_and_every_script_has_the_same_flags(tmp_pat
     # The library scripts share every flag; the hand-written one lacks only what its schedules cannot use.
     assert flags["train_pipeline_tracer.py"] == flags["train_pipeline_gpipe.py"]
     assert flags["train_pipeline_gpipe.py"] - flags["train_pipeline_afab_manual.py"] == {"--stages-per-rank"}
+    # Every flag that takes a value says its default in --help, in every script and tool (on/off flags are off).
+    texts = {script: result.stdout for script, result in helps.items()}
+    texts |= {name: module.build_parser().format_help() for name, module in [
+        ("plan.py", plan), ("benchmark.py", benchmark), ("prepare_data.py", prep), ("export.py", export)]}
+    with pytest.raises(SystemExit):
+        benchmark.loss_memory(["--help"])
+    texts["benchmark.py loss-memory"] = capsys.readouterr().out
+    for name, text in texts.items():
+        entries = re.split(r"\n(?=  -)", text[text.index("options:"):])[1:]  # one per flag: its line(s) of help
+        takes_value = [entry.split("\n\n")[0] for entry in entries if re.match(r"  (-\w, )?--[\w-]+ [A-Z{]", entry)]
+        assert len(takes_value) > 1, name
+        silent = [entry.split()[0] for entry in takes_value if "default" not in entry
+                  and entry.split()[0] not in ("--processes", "--gpus")]  # plan.py: one of the two is required
+        assert not silent, (name, silent)
 
 
 def project_imports(path: Path) -> set[str]:
