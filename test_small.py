@@ -2416,8 +2416,10 @@ def test_resume_refuses_changed_flags_and_touches_nothing(tmp_path, data_dir, re
     other = prepare_small(tmp_path / "other", tokenizer=Path(data_dir) / "tokenizer.json")
     cases = {  # the run was --steps 16 --seq-len 32 --batch-size 8 --lr 1e-2 --seed 0 on builtin, stopped at 8
         "longer": (["--steps", "32"], ["--steps 16 → 32"]),
-        "several": (["--seq-len", "64", "--seed", "1", "--batch-size", "16", "--lr", "0.02"],
-                    ["--seq-len 32 → 64", "--seed 0 → 1", "--batch-size 8 → 16", "--lr 0.01 → 0.02"]),
+        "several": (["--seq-len", "64", "--seed", "1", "--batch-size", "16", "--lr", "0.02", "--layers", "3"],
+                    ["--seq-len 32 → 64", "--seed 0 → 1", "--batch-size 8 → 16", "--lr 0.01 → 0.02",
+                     "model num_hidden_layers 4 → 3 (--model, --layers"]),
+        "model": (["--model", "small", "--steps", "32"], ["model hidden_size 128 → 768", "--steps 16 → 32"]),
         "data": (["--data", str(other)], [f"--data {data_dir} → {other} (other data"]),
     }
     procs = {}

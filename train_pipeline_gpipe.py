@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-batches", type=whole(1), default=4, help="held-out batches per evaluation")
     g = p.add_argument_group("parallelism")
     g.add_argument("--schedule", choices=list(SCHEDULES), default="gpipe", help="the pipeline schedule")
-    g.add_argument("--stages-per-rank", type=whole(1), help="of a looped schedule (default: 2); gpipe, 1f1b: 1; V-shaped: 2")
+    g.add_argument("--stages-per-rank", type=whole(1), help="of a looped schedule (default: 2; the others' is fixed)")
     g.add_argument("--split", default="balanced", help="layers per stage: balanced (by estimated compute), even, "
                    "or counts such as 5,1")
     g.add_argument("--dp", type=whole(1), default=1, help="data-parallel replicas of the pipeline (FSDP2)")
