@@ -30,7 +30,8 @@ gradients the zero-bubble schedules keep from a backward's input half to its wei
 each optimizer step the bytes of parameters, gradients and AdamW state the rank holds (with FSDP its shards),
 and the bytes it sends to other stages a step; rank 0 writes {"activation_bytes_per_rank": [...],
 "param_bytes_per_rank": [...], "grad_bytes_per_rank": [...], "optimizer_bytes_per_rank": [...],
-"sent_bytes_per_rank": [...]} to OUT.json.
+"sent_bytes_per_rank": [...]} to OUT.json. A run that trains no step (--steps 0, or a finished run in its
+--checkpoint-dir resumed) measured nothing: one line, exit status 1, no OUT.json.
 
 Writes OUT/results.md (Markdown table), OUT/results.json, OUT/<variant>.trace/rank{R}.json and, when matplotlib
 is installed, OUT/<variant>.png (forward / backward / waiting per rank over time). An earlier run's files there
@@ -590,6 +591,8 @@ def in_process(argv: list[str]) -> None:
     held, steps = {"param": 0, "grad": 0, "optimizer": 0}, [0]
 
     def count_held(optimizer, *_):  # after each optimizer step: what this rank holds (with FSDP, its shards)
+        if all(group["lr"] == 0 for group in optimizer.param_groups):
+            return  # a resume's load initializes AdamW's state with a step at lr 0 (DCP): not a training step
         steps[0] += 1
         size = lambda ts: sum((t.to_local() if isinstance(t, DTensor) else t).nbytes  # noqa: E731
                               for t in ts if torch.is_tensor(t))
@@ -607,6 +610,12 @@ def in_process(argv: list[str]) -> None:
             hook.remove()
         if not measure:
             return
+        if steps[0] == 0:  # every rank alike: each trains the same steps
+            why = ("--steps 0 only evaluates; give --steps 2" if script_args.steps == 0 else
+                   f"--checkpoint-dir {script_args.checkpoint_dir} holds a run that already did --steps "
+                   f"{script_args.steps}; add --fresh, or give another --checkpoint-dir")
+            raise UsageError(f"measure-memory: {os.path.basename(args.script)} trained no step, so nothing was "
+                             f"measured: {why}", on_every_rank=True)
         ranks = [(meter.peak_bytes, held, sent[0] / max(1, steps[0]))]  # bytes sent: a step's
         if dist.is_initialized():
             mine, ranks = ranks[0], [None] * dist.get_world_size()

@@ -3371,13 +3371,27 @@ def test_step_times_and_memory_are_printed_in_units_that_show_them(capsys):
 
 # -- benchmark.py: measure-memory, reading the scripts' traces
 
-def test_measure_memory_gives_a_scripts_error_in_one_line(tmp_path, data_dir):
+def test_measure_memory_gives_a_scripts_error_in_one_line_and_fails_when_it_measured_nothing(tmp_path, data_dir):
     result = run_script(0, "benchmark.py", "measure-memory", "out.json", str(ROOT / "train_pipeline_afab_manual.py"),
                         "--data", "nowhere", "--steps", "1", cwd=tmp_path)
     assert result.returncode == 1 and error_lines(result.stderr) == [
         "error: --data nowhere: no data prepared there; run python prepare_data.py --out nowhere first (see its "
         "--help)"], result.stderr
     assert not (tmp_path / "out.json").exists()
+    # A run that trains no step measured nothing: it says so. Here a finished run resumed (its checkpoint made by
+    # the first run), and --steps 0, on 2 ranks.
+    measure = ["benchmark.py", "measure-memory", "out.json", str(ROOT / "train_pipeline_gpipe.py"), *TRAIN_ARGS,
+               "--steps", "1", "--data", data_dir]
+    assert run_script(2, *measure, cwd=tmp_path).returncode == 0 and (tmp_path / "out.json").exists()
+    (tmp_path / "out.json").unlink()
+    for given, why in [([], "--checkpoint-dir checkpoints holds a run that already did --steps 1; add --fresh, or "
+                            "give another --checkpoint-dir"), (["--steps", "0"], "--steps 0 only evaluates; give "
+                                                                                 "--steps 2")]:
+        result = run_script(2, *measure, *given, cwd=tmp_path)
+        assert result.returncode == 1 and error_lines(result.stderr) == [
+            f"error: measure-memory: train_pipeline_gpipe.py trained no step, so nothing was measured: {why}"], \
+            result.stderr
+        assert not (tmp_path / "out.json").exists()
 
 
 def _span(name, ts, dur, tid=7, cat="user_annotation"):
