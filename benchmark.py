@@ -738,6 +738,9 @@ def main(args):
         picture = os.path.join(args.out, os.path.basename(r["trace"]).removesuffix(".trace") + ".png")
         if draw(r["trace"], picture, name):
             r["picture"] = picture
+    if not any("picture" in r for r in results.values()):  # draw() found no matplotlib
+        print("benchmark: no timeline pictures: matplotlib is not installed (pip install matplotlib)",
+              file=sys.stderr, flush=True)
     gpipe = results["gpipe"]  # step, t_f and t_b all from the one traced run
     ideal, step = ideal_gpipe_step(gpipe["trace"], p, m), gpipe["traced_step_time"]
     lines += ["", f"GPipe step vs the bubble-limited ideal (m + p - 1) x (t_f + t_b) of the slowest stage, "

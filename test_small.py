@@ -3484,7 +3484,7 @@ def forked_launch(cmd: list, ranks: int, workdir: str, what: str) -> str:
     return result.stdout
 
 
-def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypatch):
+def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypatch, capsys):
     small = ["--repeats", "1", "--steps", "3", "--seq-len", "16", "--data", data_dir, "--", "--layers", "2"]
     jobs = {"bench": ["--variants", "1f1b", "--batch-size", "4", "--microbatches", "4", "--out", "bench"],
             "sweep": ["--sweep", "--sweep-microbatches", "1,2", "--batch-size", "4", "--out", "sweep"],
@@ -3496,8 +3496,11 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypat
     sweep = run_script(0, "benchmark.py", *jobs.pop("sweep"), *small, cwd=tmp_path, wait=False)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(benchmark, "launch", forked_launch)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: the pictures are missing, and it says so
     for argv in jobs.values():
         benchmark.main(benchmark.parse_args([*argv, *small]))
+    assert "benchmark: no timeline pictures: matplotlib is not installed (pip install matplotlib)\n" in \
+        capsys.readouterr().err and not list((tmp_path / "bench").glob("*.png"))
     result = finish(sweep, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
