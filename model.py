@@ -667,6 +667,10 @@ def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool
             input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()))
     if model.base_model.norm is not None and sp:  # its output, the stage's, stays a plain [batch, seq/tp, hidden]
         parallelize_module(model.base_model.norm, tp_mesh, SequenceParallel(use_local_output=True))
+        # to_local() returns a view of the rank's piece. FSDP2 (--dp) hooks its backward onto a stage's output, and
+        # an in-place op on a view would drop that hook (its all-gather: wrong gradients), so it warns of any view.
+        # Nothing here writes to a stage's output in place; a copy (a microbatch's piece) makes that hold for sure.
+        model.base_model.norm.register_forward_hook(lambda module, args, output: output.clone())
     if model.lm_head is not None:  # the loss gathers each piece of the sequence it takes (chunked_loss)
         parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(
             input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False))
