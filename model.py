@@ -63,9 +63,9 @@ class LlamaConfig:
             raise ValueError(f"rope_scaling: only rope_type llama3 is implemented, got {self.rope_scaling}")
 
 
-# Named shapes for --model. `small` is the seed article's model; the llama-* entries use the layer shapes of
-# the Llama 3 family (plain RoPE, no long-context frequency scaling, untied head; a real checkpoint brings its
-# own config with --init-from). The vocabulary always comes from the tokenizer, so it is not part of a preset.
+# Named shapes for --model. `small` is LlamaConfig's defaults (the size of GPT-2 small); the llama-* entries use
+# the layer shapes of the Llama 3 family (plain RoPE, no long-context frequency scaling, untied head; a real
+# checkpoint brings its own config with --init-from). The vocabulary comes from the tokenizer, not a preset.
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=1024),
@@ -639,16 +639,17 @@ SHARD_OUT = {"output_layouts": Shard(1)}  # a row-wise layer's partial sums redu
 
 
 def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool = True) -> None:
-    """Tensor parallelism of a model or stage over tp_mesh (a 1-D DeviceMesh): Megatron's plan, as torchtitan
-    applies it. Applied to the allocated, initialized stage, before activation checkpointing, compile and FSDP2.
+    """Tensor parallelism of a model or stage over tp_mesh (a 1-D DeviceMesh): Megatron-LM's plan (Shoeybi et al.
+    2019) as PyTorch's tensor-parallel tutorial and torchtitan apply it. Applied to the allocated, initialized
+    stage, before activation checkpointing, compile and FSDP2.
 
     In each decoder layer q/k/v and gate/up are split by output (each rank its own attention heads and its
     slice of the MLP), o and down by input (each rank a partial sum); the embedding by vocabulary rows, the head
     by vocabulary columns, its logits left sharded for loss_parallel. Without sequence parallelism the partial
-    sums are all-reduced and every layer's output is whole on every rank. With it (seed 001's plan, in
-    torchtitan's form: local heads for RoPE and GQA) they are reduce-scattered by sequence instead: the
-    residual stream, the norms and what crosses to the next stage are each rank's [batch, seq / tp, hidden]
-    piece, all-gathered only where attention and the MLP need every position."""
+    sums are all-reduced and every layer's output is whole on every rank. With it (Korthikanti et al. 2022; local
+    heads for RoPE and GQA) they are reduce-scattered by sequence instead: the residual stream, the norms and what
+    crosses to the next stage are each rank's [batch, seq / tp, hidden] piece, all-gathered only where attention
+    and the MLP need every position."""
     if tp_mesh.size() == 1:
         return
     sp = sequence_parallel
