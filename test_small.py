@@ -3113,6 +3113,26 @@ def deadline(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+def test_every_documented_run_after_the_default_job_has_a_checkpoint_dir_of_its_own():
+    # The default job (README's first command) leaves its finished run in checkpoints/: an example run there after
+    # it, or in another example's folder, would resume a finished run ("nothing to train") or be refused as another
+    # run. Each example then names a --checkpoint-dir, its own on one node (--steps 0 only evaluates: it writes
+    # nothing; the examples on several nodes are each a cluster's).
+    owners = {}
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"^ *```bash\n(.*?)^ *```", path.read_text(), re.M | re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                command = line.split(" #")[0].strip()
+                if not re.search(r"(torchrun|run\.sh) .*train_pipeline_\w+\.py", command) or "&& torchrun" in command \
+                        or "cd ~/my-pipeline" in block:  # the default job; a copy in a folder of its own
+                    continue
+                assert "--checkpoint-dir" in command, (path.name, command)
+                words = shlex.split(command)
+                if "--steps 0 " not in command and not re.match(r"(NNODES=|srun )", command):
+                    owners.setdefault(words[words.index("--checkpoint-dir") + 1], []).append(command)
+    assert {directory: jobs for directory, jobs in owners.items() if len(jobs) > 1} == {}
+
+
 def readme_plan_examples() -> list[tuple[list[str], list[str]]]:
     """README.md's plan.py commands, as written in its bash blocks, each with the output block that follows it
     (its lines; [] when none follows)."""
