@@ -612,7 +612,7 @@ def in_process(argv: list[str]) -> None:
             return
         if steps[0] == 0:  # every rank alike: each trains the same steps
             why = ("--steps 0 only evaluates; give --steps 2" if script_args.steps == 0 else
-                   f"--checkpoint-dir {script_args.checkpoint_dir} holds a run that already did --steps "
+                   f"--checkpoint-dir {script_args.checkpoint_dir} holds a run that already reached --steps "
                    f"{script_args.steps}; add --fresh, or give another --checkpoint-dir")
             raise UsageError(f"measure-memory: {os.path.basename(args.script)} trained no step, so nothing was "
                              f"measured: {why}", on_every_rank=True)

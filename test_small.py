@@ -3407,9 +3407,9 @@ def test_measure_memory_gives_a_scripts_error_in_one_line_and_fails_when_it_meas
                "--steps", "1", "--data", data_dir]
     assert run_script(2, *measure, cwd=tmp_path).returncode == 0 and (tmp_path / "out.json").exists()
     (tmp_path / "out.json").unlink()
-    for given, why in [([], "--checkpoint-dir checkpoints holds a run that already did --steps 1; add --fresh, or "
-                            "give another --checkpoint-dir"), (["--steps", "0"], "--steps 0 only evaluates; give "
-                                                                                 "--steps 2")]:
+    for given, why in [([], "--checkpoint-dir checkpoints holds a run that already reached --steps 1; add --fresh, "
+                            "or give another --checkpoint-dir"),
+                       (["--steps", "0"], "--steps 0 only evaluates; give --steps 2")]:
         result = run_script(2, *measure, *given, cwd=tmp_path)
         assert result.returncode == 1 and error_lines(result.stderr) == [
             f"error: measure-memory: train_pipeline_gpipe.py trained no step, so nothing was measured: {why}"], \
