@@ -30,7 +30,8 @@ gradients the zero-bubble schedules keep from a backward's input half to its wei
 each optimizer step the bytes of parameters, gradients and AdamW state the rank holds (with FSDP its shards),
 and the bytes it sends to other stages a step; rank 0 writes {"activation_bytes_per_rank": [...],
 "param_bytes_per_rank": [...], "grad_bytes_per_rank": [...], "optimizer_bytes_per_rank": [...],
-"sent_bytes_per_rank": [...]} to OUT.json.
+"sent_bytes_per_rank": [...]} to OUT.json. A run that trains no step (--steps 0, or a finished run in its
+--checkpoint-dir resumed) measured nothing: one line, exit status 1, no OUT.json.
 
 Writes OUT/results.md (Markdown table), OUT/results.json, OUT/<variant>.trace/rank{R}.json and, when matplotlib
 is installed, OUT/<variant>.png (forward / backward / waiting per rank over time). An earlier run's files there
@@ -472,10 +473,10 @@ def loss_peak_bytes(vocab_size: int, hidden_size: int, tokens: int, chunks: int,
 def loss_memory(argv: list[str]) -> None:
     """benchmark.py loss-memory: the loss's peak extra bytes, plain and in chunks, side by side."""
     p = Parser(prog="benchmark.py loss-memory", description=loss_peak_bytes.__doc__)
-    p.add_argument("--vocab-size", type=whole(1), default=32768)
+    p.add_argument("--vocab-size", type=whole(1), default=32768, help="of the one-layer model measured")
     p.add_argument("--hidden-size", type=whole(4), default=256, help="a multiple of 4 (the model's 4 heads)")
     p.add_argument("--tokens", type=whole(1), default=4096, help="one microbatch: sequences x sequence length")
-    p.add_argument("--chunks", type=whole(1), nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--chunks", type=whole(1), nargs="+", default=[1, 2, 4, 8, 16], help="the --loss-chunks to measure")
     args = p.parse_args(argv)
     print(f"the loss's peak extra memory, vocab {args.vocab_size}, hidden {args.hidden_size}, {args.tokens} tokens "
           f"(the whole fp32 logits: {4 * args.tokens * args.vocab_size / 2**20:.0f} MiB)")
@@ -590,6 +591,8 @@ def in_process(argv: list[str]) -> None:
     held, steps = {"param": 0, "grad": 0, "optimizer": 0}, [0]
 
     def count_held(optimizer, *_):  # after each optimizer step: what this rank holds (with FSDP, its shards)
+        if all(group["lr"] == 0 for group in optimizer.param_groups):
+            return  # a resume's load initializes AdamW's state with a step at lr 0 (DCP): not a training step
         steps[0] += 1
         size = lambda ts: sum((t.to_local() if isinstance(t, DTensor) else t).nbytes  # noqa: E731
                               for t in ts if torch.is_tensor(t))
@@ -607,6 +610,12 @@ def in_process(argv: list[str]) -> None:
             hook.remove()
         if not measure:
             return
+        if steps[0] == 0:  # every rank alike: each trains the same steps
+            why = ("--steps 0 only evaluates; give --steps 2" if script_args.steps == 0 else
+                   f"--checkpoint-dir {script_args.checkpoint_dir} holds a run that already reached --steps "
+                   f"{script_args.steps}; add --fresh, or give another --checkpoint-dir")
+            raise UsageError(f"measure-memory: {os.path.basename(args.script)} trained no step, so nothing was "
+                             f"measured: {why}", on_every_rank=True)
         ranks = [(meter.peak_bytes, held, sent[0] / max(1, steps[0]))]  # bytes sent: a step's
         if dist.is_initialized():
             mine, ranks = ranks[0], [None] * dist.get_world_size()
@@ -729,6 +738,9 @@ def main(args):
         picture = os.path.join(args.out, os.path.basename(r["trace"]).removesuffix(".trace") + ".png")
         if draw(r["trace"], picture, name):
             r["picture"] = picture
+    if not any("picture" in r for r in results.values()):  # draw() found no matplotlib
+        print("benchmark: no timeline pictures: matplotlib is not installed (pip install matplotlib)",
+              file=sys.stderr, flush=True)
     gpipe = results["gpipe"]  # step, t_f and t_b all from the one traced run
     ideal, step = ideal_gpipe_step(gpipe["trace"], p, m), gpipe["traced_step_time"]
     lines += ["", f"GPipe step vs the bubble-limited ideal (m + p - 1) x (t_f + t_b) of the slowest stage, "
@@ -984,7 +996,7 @@ def fail(message: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="benchmark.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="benchmark.py", description=__doc__)
     parser.add_argument("--ranks", type=whole(1), default=2, help="processes per run (default: %(default)s)")
     parser.add_argument("--microbatches", type=whole(1), default=8, help="(default: %(default)s)")
     parser.add_argument("--batch-size", type=whole(1), default=16, help="(default: %(default)s)")
@@ -995,7 +1007,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="data prepared by prepare_data.py, read by every run (default: %(default)s)")
     parser.add_argument("--variants", default=None,
                         help="comma-separated subset of (gpipe always runs): " + ", ".join(VARIANTS) + "; with "
-                             "--splits (one process always runs): " + ", ".join(SPLITS))
+                             "--splits (one process always runs): " + ", ".join(SPLITS) + " (default: all)")
     parser.add_argument("--sweep", action="store_true", help="time GPipe against the microbatch count instead")
     parser.add_argument("--sweep-microbatches", default="1,2,4,8,16",
                         help="the microbatch counts --sweep runs (default: %(default)s)")

@@ -148,7 +148,8 @@ class Parser(argparse.ArgumentParser):
 
     class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         def _get_help_string(self, action):  # no "(default: None)" for a flag that is off unless given
-            return action.help if action.default in (None, False) else super()._get_help_string(action)
+            off = action.default is None or action.default is False  # `is`: a default of 0 (== False) is shown
+            return action.help if off else super()._get_help_string(action)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **{"formatter_class": self.Formatter, **kwargs})
@@ -1065,15 +1066,25 @@ def run_identity(args, data_id: str) -> dict:
             "init_from": args.init_from}
 
 
+def named_model(args, saved: dict) -> dict:
+    """Of a preset's model, what --model and --layers say before the script builds it (without --model, the
+    preset is the device's, known later): the fields a checkpoint's config must have."""
+    if model_source(args) is not None:
+        return {}
+    if args.model:
+        return dataclasses.asdict(config_from_preset(args.model, saved.get("vocab_size"), args.layers))
+    return {"num_hidden_layers": args.layers} if args.layers else {}
+
+
 def check_same_run(args, path: str, data_id: str, config: LlamaConfig | None = None) -> dict:
     """One line naming each flag (old → new) in which this run differs from the checkpoint at path, and the
-    model when given. Returns the checkpoint's meta.json."""
+    model: config when given, else what --model and --layers already say of it. Returns the checkpoint's meta.json."""
     meta = read_meta(path)
     identity = run_identity(args, data_id)
     saved, found = meta.get("run", {}), []
-    if config is not None:
-        found += [f"model {field} {meta['config'].get(field)} → {value} (--model, --layers, --init-from)"
-                  for field, value in dataclasses.asdict(config).items() if meta["config"].get(field) != value]
+    model = dataclasses.asdict(config) if config is not None else named_model(args, meta["config"])
+    found += [f"model {field} {meta['config'].get(field)} → {value} (--model, --layers, --init-from)"
+              for field, value in model.items() if meta["config"].get(field) != value]
     for flag in RUN_FLAGS:
         old, new = saved.get(flag), identity[flag]
         if old != new and not (flag == "steps" and new <= meta["step"]):  # fewer steps than done: nothing to run

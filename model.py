@@ -63,9 +63,9 @@ class LlamaConfig:
             raise ValueError(f"rope_scaling: only rope_type llama3 is implemented, got {self.rope_scaling}")
 
 
-# Named shapes for --model. `small` is the seed article's model; the llama-* entries use the layer shapes of
-# the Llama 3 family (plain RoPE, no long-context frequency scaling, untied head; a real checkpoint brings its
-# own config with --init-from). The vocabulary always comes from the tokenizer, so it is not part of a preset.
+# Named shapes for --model. `small` is LlamaConfig's defaults (the size of GPT-2 small); the llama-* entries use
+# the layer shapes of the Llama 3 family (plain RoPE, no long-context frequency scaling, untied head; a real
+# checkpoint brings its own config with --init-from). The vocabulary comes from the tokenizer, not a preset.
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=1024),
@@ -399,7 +399,7 @@ def _module_generator(seed: int, name: str, device: torch.device) -> torch.Gener
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int = 8, sequence_shards: int = 1) -> Tensor:
+def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_shards: int = 1) -> Tensor:
     """The mean cross-entropy of head(hidden) [batch, seq, vocab] against targets [batch, seq] (-100: ignored),
     without the whole logits: the sequence is cut into `chunks` pieces, each one's logits computed in fp32,
     turned into its summed loss and freed; backward computes them again, a piece at a time (activation
@@ -635,17 +635,21 @@ def _grad_as_weight(weight: DTensor) -> None:
         weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
 
 
+SHARD_OUT = {"output_layouts": Shard(1)}  # a row-wise layer's partial sums reduce-scattered by sequence
+
+
 def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool = True) -> None:
-    """Tensor parallelism of a model or stage over tp_mesh (a 1-D DeviceMesh): Megatron's plan, as torchtitan
-    applies it. Applied to the allocated, initialized stage, before activation checkpointing, compile and FSDP2.
+    """Tensor parallelism of a model or stage over tp_mesh (a 1-D DeviceMesh): Megatron-LM's plan (Shoeybi et al.
+    2019) as PyTorch's tensor-parallel tutorial and torchtitan apply it. Applied to the allocated, initialized
+    stage, before activation checkpointing, compile and FSDP2.
 
     In each decoder layer q/k/v and gate/up are split by output (each rank its own attention heads and its
     slice of the MLP), o and down by input (each rank a partial sum); the embedding by vocabulary rows, the head
     by vocabulary columns, its logits left sharded for loss_parallel. Without sequence parallelism the partial
-    sums are all-reduced and every layer's output is whole on every rank. With it (seed 001's plan, in
-    torchtitan's form: local heads for RoPE and GQA) they are reduce-scattered by sequence instead: the
-    residual stream, the norms and what crosses to the next stage are each rank's [batch, seq / tp, hidden]
-    piece, all-gathered only where attention and the MLP need every position."""
+    sums are all-reduced and every layer's output is whole on every rank. With it (Korthikanti et al. 2022; local
+    heads for RoPE and GQA) they are reduce-scattered by sequence instead: the residual stream, the norms and what
+    crosses to the next stage are each rank's [batch, seq / tp, hidden] piece, all-gathered only where attention
+    and the MLP need every position."""
     if tp_mesh.size() == 1:
         return
     sp = sequence_parallel
@@ -664,6 +668,10 @@ def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool
             input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()))
     if model.base_model.norm is not None and sp:  # its output, the stage's, stays a plain [batch, seq/tp, hidden]
         parallelize_module(model.base_model.norm, tp_mesh, SequenceParallel(use_local_output=True))
+        # to_local() returns a view of the rank's piece. FSDP2 (--dp) hooks its backward onto a stage's output, and
+        # an in-place op on a view would drop that hook (its all-gather: wrong gradients), so it warns of any view.
+        # Nothing here writes to a stage's output in place; a copy (a microbatch's piece) makes that hold for sure.
+        model.base_model.norm.register_forward_hook(lambda module, args, output: output.clone())
     if model.lm_head is not None:  # the loss gathers each piece of the sequence it takes (chunked_loss)
         parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(
             input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False))
@@ -676,8 +684,6 @@ def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool
             param.register_post_accumulate_grad_hook(_grad_as_weight)
     model.tie_weights()  # one stage, tied: the head takes the embedding's (sharded alike) matrix again
 
-
-SHARD_OUT = {"output_layouts": Shard(1)}  # a row-wise layer's partial sums reduce-scattered by sequence
 
 
 def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_parallel: bool = True,

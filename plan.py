@@ -59,7 +59,7 @@ import train_pipeline_gpipe as gpipe
 from checkpoint import Parser, UsageError, number, whole
 from model import (PRESETS, LlamaConfig, config_from_hf, config_from_preset, describe_layout, estimated_costs,
                    loss_chunks, stage_costs)
-from train_pipeline_gpipe import SCHEDULES, V_SHAPED, stage_ids
+from train_pipeline_gpipe import SCHEDULES, SINGLE_STAGE, V_SHAPED, stage_ids
 
 # The throughput the step times are given at: 40 % of an H100's dense bf16 peak, a typical sustained rate.
 ASSUMED_FLOPS = 0.4 * 989e12
@@ -430,6 +430,7 @@ def script_args(args, schedule: str, split: str | None = None) -> argparse.Names
         setattr(ns, name, getattr(args, name))
     ns.schedule = schedule
     ns.split = args.split if split is None else split
+    ns.stages_per_rank = ns.stages_per_rank or (1 if schedule in SINGLE_STAGE else 2)  # as the script's main does
     if is_config_json(args):
         # The scripts take a config.json's shape from --init-from (its directory: the command plan.py prints),
         # and check_args leaves a shape it does not know yet to stage_layout, which plan.py calls with it.
@@ -779,7 +780,7 @@ def search(args) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="plan.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="plan.py", description=__doc__)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--processes", type=whole(1),
                       help="plan this layout: processes the run would start, pipeline ranks x --dp x --tp")
@@ -798,7 +799,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("vocabulary (without --init-from)").add_mutually_exclusive_group()
     g.add_argument("--vocab-size", type=whole(1),
                    help=f"tokens in the vocabulary (default: {VOCAB_SIZE}, prepare_data.py's default tokenizer)")
-    g.add_argument("--data", metavar="DIR", help="take the vocabulary from data prepared by prepare_data.py")
+    g.add_argument("--data", metavar="DIR", help="take the vocabulary from data prepared by prepare_data.py "
+                   "(default: none: --vocab-size)")
     g = p.add_argument_group("the cluster, with --gpus (the search's model of time: see its output)")
     g.add_argument("--gpus-per-node", type=whole(1), default=8, help="tensor parallelism stays inside a node")
     g.add_argument("--gpu-memory", type=number(True), default=80.0, help="GB per GPU")

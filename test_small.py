@@ -427,6 +427,18 @@ SCRIPT_MODULES = {"train_pipeline_gpipe.py": gpipe, "train_pipeline_afab_manual.
                   "train_pipeline_tracer.py": tracer}
 
 
+def checked_args(module, argv: list[str], world_size: int, device_type: str = "cuda"):
+    """A script's flags as its main resolves them (--stages-per-rank: the schedule's default), then its
+    check_args, which leaves them as they are."""
+    ns = module.build_parser().parse_args(argv)
+    if "stages_per_rank" in ns:
+        ns.stages_per_rank = ns.stages_per_rank or (1 if ns.schedule in gpipe.SINGLE_STAGE else 2)
+    resolved = vars(ns).copy()
+    module.check_args(ns, world_size, device_type)
+    assert vars(ns) == resolved
+    return ns
+
+
 def cpu_env(rank: int, world_size: int, dtype=torch.float32) -> "gpipe.Env":
     return gpipe.Env(rank, world_size, torch.device("cpu"), dtype, 0)
 
@@ -441,7 +453,7 @@ def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape:
                      chunks: int = 8, seed: int = 11):
     """The GPipe script's split and schedule of these stages, as its main builds them: (the rank's model, its
     PipelineStages, the schedule, the loss)."""
-    modules = [gpipe.build_stage(config, s, layers, torch.device("cpu"), seed) for s in stages]
+    modules = [gpipe.stage_module(config, s, layers, torch.device("cpu"), seed) for s in stages]
     model_module.parallelize(modules, mesh, torch.float32)
     shards = mesh["tp"].size()  # sequence parallelism, as the scripts' default: each tp rank 1/tp of the positions
     built = [PipelineStage(module, s, len(layers), torch.device("cpu"), group=mesh.get_group("pp"),
@@ -453,9 +465,9 @@ def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape:
 def traced_pipeline(config, name: str, stages: list, layers: list, mesh, shape: tuple, microbatches: int,
                     chunks: int = 8, seed: int = 11):
     """The same, as the tracer script builds it."""
-    modules, pipe = tracer.build_traced_stages(config, stages, layers, shape, torch.device("cpu"), seed)
+    modules, pipe = tracer.traced_modules(config, stages, layers, shape, torch.device("cpu"), seed)
     model_module.parallelize(modules, mesh, torch.float32)
-    built = [tracer.build_stage(pipe, s, torch.device("cpu"), mesh.get_group("pp")) for s in stages]
+    built = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), mesh.get_group("pp")) for s in stages]
     schedule, loss_fn = tracer.make_schedule(name, built, microbatches, chunks, 1)
     return model_module.merged_stages(modules), built, schedule, loss_fn
 
@@ -537,7 +549,7 @@ def test_meta_init_equals_direct_build():
     config = small_config()
     direct = LlamaForPretraining(config)
     direct.init_weights(seed=7)
-    via_meta = gpipe.build_stage(config, 0, even(4, 1), torch.device("cpu"), seed=7)
+    via_meta = gpipe.stage_module(config, 0, even(4, 1), torch.device("cpu"), seed=7)
     a = dict(direct.named_parameters()) | dict(direct.named_buffers())
     b = dict(via_meta.named_parameters()) | dict(via_meta.named_buffers())
     assert sorted(a) == sorted(b) and any(k.endswith("inv_freq") for k in a)
@@ -557,7 +569,7 @@ def test_each_stage_gets_the_full_models_weights(num_stages):
     full_state = full.state_dict()
     seen = set()
     for stage in range(num_stages):
-        part = gpipe.build_stage(config, stage, even(4, num_stages), torch.device("cpu"), seed=3).state_dict()
+        part = gpipe.stage_module(config, stage, even(4, num_stages), torch.device("cpu"), seed=3).state_dict()
         assert set(part) <= set(full_state)
         for name, tensor in part.items():
             assert torch.equal(tensor, full_state[name]), name
@@ -1505,7 +1517,7 @@ def test_declared_stage_inputs_and_outputs_are_what_the_stages_compute(dtype):
     with gpipe.compute(cpu_env(0, 1, dtype), 1):
         for s in range(num_stages):
             declared = gpipe.stage_io(config, s, shape, 1)
-            y = gpipe.build_stage(config, s, even(3, num_stages), torch.device("cpu"), seed=0)(x)
+            y = gpipe.stage_module(config, s, even(3, num_stages), torch.device("cpu"), seed=0)(x)
             for want, got in ((declared["input_args"], x), (declared["output_args"], y)):
                 assert (want.shape, want.dtype) == (got.shape, got.dtype), s
             assert y.requires_grad and declared["output_args"].requires_grad
@@ -1544,7 +1556,7 @@ LAYOUT_RUNS = {
 def layout_runs(tmp_path_factory, data_dir):
     """5 steps of every layout in LAYOUT_RUNS, at once, each under benchmark.py measure-memory (the bytes each rank
     holds: activations at their peak, parameters, gradients, AdamW state): {name: (rows, summary, stdout,
-    memory)}, and the folder they ran in."""
+    memory, stderr)}, and the folder they ran in."""
     tmp_path, procs, runs = tmp_path_factory.mktemp("layouts"), {}, {}
     for name, (nproc, script, extra) in LAYOUT_RUNS.items():
         args = [*TRAIN_ARGS, *extra, "--data", data_dir, "--metrics", str(tmp_path / name / "m.jsonl"),
@@ -1555,7 +1567,7 @@ def layout_runs(tmp_path_factory, data_dir):
         result = finish(proc, timeout=400)
         assert result.returncode == 0, (name, result.stderr[-3000:])
         rows, (summary,) = read_metrics(tmp_path / name / "m.jsonl")
-        runs[name] = rows, summary, result.stdout, json.loads((tmp_path / f"{name}.json").read_text())
+        runs[name] = rows, summary, result.stdout, json.loads((tmp_path / f"{name}.json").read_text()), result.stderr
     return runs, tmp_path
 
 
@@ -1568,6 +1580,9 @@ def test_loss_trajectory_is_the_same_at_any_layout_and_by_hand(layout_runs):
         # Inductor's kernels round differently, more in torch's CUDA build run on a CPU (1.4e-4 at step 3).
         assert_same_trajectory(rows[name], rows["gpipe1"], name, floor=5e-4 if name == "compiled1" else 0)
     assert rows["gpipe1"][0]["grad_norm"] > 1.0  # clipping was active, so the cross-stage norm was exercised
+    # No stage returns a view (the final norm's to_local() at tp x dp is copied): FSDP2 warns of one, since an
+    # in-place op on it would drop its backward hook. (pp 2 x dp 2 x tp 2 gave one process's numbers with the view.)
+    assert not [name for name, run in runs.items() if "returned a view tensor" in run[4]]
     # Activation checkpointing: the same numbers, bit for bit, and each layer keeps only its input.
     assert [(r["loss"], r["grad_norm"]) for r in rows["checkpointed2"]] == \
         [(r["loss"], r["grad_norm"]) for r in rows["gpipe2"]]
@@ -1804,9 +1819,9 @@ def test_traced_stages_hold_exactly_what_the_hand_split_holds():
     config = small_config(layers=4)
     example = torch.zeros(2, 8, dtype=torch.long, device="meta")
     for num_stages in range(1, 5):
-        pipe = tracer.trace(meta_model(config), example, tracer.split_spec(even(4, num_stages)))
+        pipe = tracer.traced_pipeline(meta_model(config), example, tracer.split_spec(even(4, num_stages)))
         for stage in range(num_stages):
-            hand = gpipe.build_stage(config, stage, even(4, num_stages), torch.device("cpu"), seed=0)
+            hand = gpipe.stage_module(config, stage, even(4, num_stages), torch.device("cpu"), seed=0)
             traced = pipe.get_stage_module(stage)
             assert {name for name, _ in [*traced.named_parameters(), *traced.named_buffers()]} == \
                 {name for name, _ in [*hand.named_parameters(), *hand.named_buffers()]}, (num_stages, stage)
@@ -1814,8 +1829,8 @@ def test_traced_stages_hold_exactly_what_the_hand_split_holds():
 
 def test_bf16_autocast_runs_the_traced_stages_in_bf16(one_process_group, monkeypatch):
     config = small_config(layers=4)
-    _, pipe = tracer.build_traced_stages(config, [0, 1], even(4, 2), (2, 16), torch.device("cpu"), 3)
-    stages = [tracer.build_stage(pipe, s, torch.device("cpu"), None).submod for s in range(2)]
+    _, pipe = tracer.traced_modules(config, [0, 1], even(4, 2), (2, 16), torch.device("cpu"), 3)
+    stages = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), None).submod for s in range(2)]
     eager = LlamaForPretraining(config)
     eager.init_weights(seed=3)
     gen = torch.Generator().manual_seed(0)
@@ -1862,16 +1877,16 @@ def test_weights_shared_across_stages_are_refused():
     tied.lm_head.weight = tied.base_model.embed_tokens.weight
     with pytest.raises(RuntimeError, match=r"base_model.embed_tokens.weight is held as 3 separate tensors by "
                                            r"stages \[0, 1\] \(tied weights\?\)"):
-        tracer.trace(tied, example, tracer.split_spec(even(4, 2)))
+        tracer.traced_pipeline(tied, example, tracer.split_spec(even(4, 2)))
     tied = meta_model(small_config())  # a fresh model: pipeline() patched the split points into the last one
     tied.lm_head.weight = tied.base_model.embed_tokens.weight
-    pipe = tracer.trace(tied, example, tracer.split_spec(even(4, 1)))  # on one stage the tie survives
+    pipe = tracer.traced_pipeline(tied, example, tracer.split_spec(even(4, 1)))  # on one stage the tie survives
     assert "base_model.embed_tokens.weight" in dict(pipe.get_stage_module(0).named_parameters())
 
 
 def test_traced_stage_only_takes_the_traced_microbatch_shape(one_process_group):
-    _, pipe = tracer.build_traced_stages(small_config(layers=2), [0], even(2, 1), (2, 16), torch.device("cpu"), 0)
-    module = tracer.build_stage(pipe, 0, torch.device("cpu"), None).submod
+    _, pipe = tracer.traced_modules(small_config(layers=2), [0], even(2, 1), (2, 16), torch.device("cpu"), 0)
+    module = tracer.pipeline_stage(pipe, 0, torch.device("cpu"), None).submod
     assert module(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 32)  # hidden states: the loss has the head
     with pytest.raises(RuntimeError):
         module(torch.zeros(2, 24, dtype=torch.long))  # a longer sequence: the trace baked in 16
@@ -2623,8 +2638,10 @@ def test_resume_refuses_changed_flags_and_touches_nothing(tmp_path, data_dir, re
     other = prepare_small(tmp_path / "other", tokenizer=Path(data_dir) / "tokenizer.json")
     cases = {  # the run was --steps 16 --seq-len 32 --batch-size 8 --lr 1e-2 --seed 0 on builtin, stopped at 8
         "longer": (["--steps", "32"], ["--steps 16 → 32"]),
-        "several": (["--seq-len", "64", "--seed", "1", "--batch-size", "16", "--lr", "0.02"],
-                    ["--seq-len 32 → 64", "--seed 0 → 1", "--batch-size 8 → 16", "--lr 0.01 → 0.02"]),
+        "several": (["--seq-len", "64", "--seed", "1", "--batch-size", "16", "--lr", "0.02", "--layers", "3"],
+                    ["--seq-len 32 → 64", "--seed 0 → 1", "--batch-size 8 → 16", "--lr 0.01 → 0.02",
+                     "model num_hidden_layers 4 → 3 (--model, --layers"]),
+        "model": (["--model", "small", "--steps", "32"], ["model hidden_size 128 → 768", "--steps 16 → 32"]),
         "data": (["--data", str(other)], [f"--data {data_dir} → {other} (other data"]),
     }
     procs = {}
@@ -3177,7 +3194,7 @@ def test_the_plan_counts_the_recomputation_of_a_split_backward(one_process_group
     # runs stage 0's backward whole (one recomputation); stage 1 recomputes for its input gradient and then
     # once per weight for its weight gradient: what plan.split_backward charges.
     config, m = small_config(layers=2), 2
-    modules = [gpipe.build_stage(config, s, even(2, 2), torch.device("cpu"), seed=0) for s in (0, 1)]
+    modules = [gpipe.stage_module(config, s, even(2, 2), torch.device("cpu"), seed=0) for s in (0, 1)]
     calls = {0: 0, 1: 0}
 
     def counted(forward, i):
@@ -3215,10 +3232,8 @@ def test_plan_finds_layouts_for_a_cluster_that_the_scripts_accept(capsys):
             assert line.startswith("NNODES=2 NODE_RANK=<0..1> MASTER_ADDR=<first node> NPROC_PER_NODE=8 ./run.sh ")
             words = shlex.split(line.split("./run.sh ", 1)[1])
             module = SCRIPT_MODULES[words[0]]
-            ns = module.build_parser().parse_args(words[1:])  # the script's own parser and checks
-            module.check_args(ns, 16, "cuda")
-            stages = ns.stages_per_rank if ns.schedule not in gpipe.SINGLE_STAGE and "stages_per_rank" in ns else 1
-            module.stage_layout(config, 16 // (ns.dp * ns.tp) * (2 if ns.schedule in gpipe.V_SHAPED else stages), ns)
+            ns = checked_args(module, words[1:], 16)  # the script's own parser and checks
+            module.stage_layout(config, 16 // (ns.dp * ns.tp) * getattr(ns, "stages_per_rank", 1), ns)
     # A --tp given is kept (timed for 64 GPUs in the README, not here).
     best = plan.main([*argv[:-2], "--tp", "4", "--top", "3"])
     assert len(best) == 3 and all(row["tp"] == 4 and row["pp"] * row["dp"] == 4 for row in best)
@@ -3338,6 +3353,26 @@ def deadline(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+def test_every_documented_run_after_the_default_job_has_a_checkpoint_dir_of_its_own():
+    # The default job (README's first command) leaves its finished run in checkpoints/: an example run there after
+    # it, or in another example's folder, would resume a finished run ("nothing to train") or be refused as another
+    # run. Each example then names a --checkpoint-dir, its own on one node (--steps 0 only evaluates: it writes
+    # nothing; the examples on several nodes are each a cluster's).
+    owners = {}
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"^ *```bash\n(.*?)^ *```", path.read_text(), re.M | re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                command = line.split(" #")[0].strip()
+                if not re.search(r"(torchrun|run\.sh) .*train_pipeline_\w+\.py", command) or "&& torchrun" in command \
+                        or "cd ~/my-pipeline" in block:  # the default job; a copy in a folder of its own
+                    continue
+                assert "--checkpoint-dir" in command, (path.name, command)
+                words = shlex.split(command)
+                if "--steps 0 " not in command and not re.match(r"(NNODES=|srun )", command):
+                    owners.setdefault(words[words.index("--checkpoint-dir") + 1], []).append(command)
+    assert {directory: jobs for directory, jobs in owners.items() if len(jobs) > 1} == {}
+
+
 def readme_plan_examples() -> list[tuple[list[str], list[str]]]:
     """README.md's plan.py commands, as written in its bash blocks, each with the output block that follows it
     (its lines; [] when none follows)."""
@@ -3395,8 +3430,7 @@ def test_a_llama_3_70b_config_json_plans_and_searches_as_the_preset_does(tmp_pat
         words = shlex.split(row["command"].split("./run.sh ", 1)[1])
         assert words[1:3] == ["--init-from", str(tmp_path / "cfg")]
         module = SCRIPT_MODULES[words[0]]
-        ns = module.build_parser().parse_args(words[1:])
-        module.check_args(ns, 64, "cuda")
+        ns = checked_args(module, words[1:], 64)
         per_rank = len(gpipe.stage_ids(ns.schedule, 0, row["pp"], ns.stages_per_rank))
         module.stage_layout(shape, row["pp"] * per_rank, ns)
     # The same figures as the llama-70b preset (its RoPE is plain, which no figure depends on).
@@ -3544,12 +3578,11 @@ def accepted(config, gpus: int, batch: int, gpus_per_node: int = 8) -> dict:
             for schedule in gpipe.SCHEDULES:
                 for checkpointing in (False, True):
                     for m in range(1, batch + 1):
-                        ns = gpipe.build_parser().parse_args(
-                            ["--model", "small", "--batch-size", str(batch), "--microbatches", str(m), "--schedule",
-                             schedule, "--dp", str(dp), "--tp", str(tp), "--checkpoint-dir", os.devnull + "/none",
-                             *(["--activation-checkpointing"] if checkpointing else [])])
                         try:
-                            gpipe.check_args(ns, gpus, "cuda")
+                            ns = checked_args(gpipe, [
+                                "--model", "small", "--batch-size", str(batch), "--microbatches", str(m), "--schedule",
+                                schedule, "--dp", str(dp), "--tp", str(tp), "--checkpoint-dir", os.devnull + "/none",
+                                *(["--activation-checkpointing"] if checkpointing else [])], gpus)
                             per_rank = len(gpipe.stage_ids(schedule, 0, pp, ns.stages_per_rank))
                             gpipe.stage_layout(config, pp * per_rank, ns)
                             plan.check_microbatches(schedule, pp, m, pp * per_rank)  # what torch's schedules say
@@ -3601,13 +3634,27 @@ def test_step_times_and_memory_are_printed_in_units_that_show_them(capsys):
 
 # -- benchmark.py: measure-memory, reading the scripts' traces
 
-def test_measure_memory_gives_a_scripts_error_in_one_line(tmp_path, data_dir):
+def test_measure_memory_gives_a_scripts_error_in_one_line_and_fails_when_it_measured_nothing(tmp_path, data_dir):
     result = run_script(0, "benchmark.py", "measure-memory", "out.json", str(ROOT / "train_pipeline_afab_manual.py"),
                         "--data", "nowhere", "--steps", "1", cwd=tmp_path)
     assert result.returncode == 1 and error_lines(result.stderr) == [
         "error: --data nowhere: no data prepared there; run python prepare_data.py --out nowhere first (see its "
         "--help)"], result.stderr
     assert not (tmp_path / "out.json").exists()
+    # A run that trains no step measured nothing: it says so. Here a finished run resumed (its checkpoint made by
+    # the first run), and --steps 0, on 2 ranks.
+    measure = ["benchmark.py", "measure-memory", "out.json", str(ROOT / "train_pipeline_gpipe.py"), *TRAIN_ARGS,
+               "--steps", "1", "--data", data_dir]
+    assert run_script(2, *measure, cwd=tmp_path).returncode == 0 and (tmp_path / "out.json").exists()
+    (tmp_path / "out.json").unlink()
+    for given, why in [([], "--checkpoint-dir checkpoints holds a run that already reached --steps 1; add --fresh, "
+                            "or give another --checkpoint-dir"),
+                       (["--steps", "0"], "--steps 0 only evaluates; give --steps 2")]:
+        result = run_script(2, *measure, *given, cwd=tmp_path)
+        assert result.returncode == 1 and error_lines(result.stderr) == [
+            f"error: measure-memory: train_pipeline_gpipe.py trained no step, so nothing was measured: {why}"], \
+            result.stderr
+        assert not (tmp_path / "out.json").exists()
 
 
 def _span(name, ts, dur, tid=7, cat="user_annotation"):
@@ -3700,7 +3747,7 @@ def forked_launch(cmd: list, ranks: int, workdir: str, what: str) -> str:
     return result.stdout
 
 
-def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypatch):
+def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypatch, capsys):
     small = ["--repeats", "1", "--steps", "3", "--seq-len", "16", "--data", data_dir, "--", "--layers", "2"]
     jobs = {"bench": ["--variants", "1f1b", "--batch-size", "4", "--microbatches", "4", "--out", "bench"],
             "sweep": ["--sweep", "--sweep-microbatches", "1,2", "--batch-size", "4", "--out", "sweep"],
@@ -3712,8 +3759,11 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypat
     sweep = run_script(0, "benchmark.py", *jobs.pop("sweep"), *small, cwd=tmp_path, wait=False)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(benchmark, "launch", forked_launch)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: the pictures are missing, and it says so
     for argv in jobs.values():
         benchmark.main(benchmark.parse_args([*argv, *small]))
+    assert "benchmark: no timeline pictures: matplotlib is not installed (pip install matplotlib)\n" in \
+        capsys.readouterr().err and not list((tmp_path / "bench").glob("*.png"))
     result = finish(sweep, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -4341,7 +4391,7 @@ def test_tensor_parallel_that_the_model_cannot_take_is_one_line_on_every_rank(tm
     assert not (tmp_path / "checkpoints").exists()
 
 
-def test_help_works_without_torchrun_and_every_script_has_the_same_flags(tmp_path):
+def test_help_works_without_torchrun_and_every_script_has_the_same_flags_with_their_defaults(tmp_path, capsys):
     procs = [run_script(0, script, "--help", cwd=tmp_path, wait=False) for script in SCRIPTS]
     helps = {script: finish(proc) for script, proc in zip(SCRIPTS, procs)}
     flags = {}
@@ -4355,6 +4405,20 @@ def test_help_works_without_torchrun_and_every_script_has_the_same_flags(tmp_pat
     # The library scripts share every flag; the hand-written one lacks only what its schedules cannot use.
     assert flags["train_pipeline_tracer.py"] == flags["train_pipeline_gpipe.py"]
     assert flags["train_pipeline_gpipe.py"] - flags["train_pipeline_afab_manual.py"] == {"--stages-per-rank"}
+    # Every flag that takes a value says its default in --help, in every script and tool (on/off flags are off).
+    texts = {script: result.stdout for script, result in helps.items()}
+    texts |= {name: module.build_parser().format_help() for name, module in [
+        ("plan.py", plan), ("benchmark.py", benchmark), ("prepare_data.py", prep), ("export.py", export)]}
+    with pytest.raises(SystemExit):
+        benchmark.loss_memory(["--help"])
+    texts["benchmark.py loss-memory"] = capsys.readouterr().out
+    for name, text in texts.items():
+        entries = re.split(r"\n(?=  -)", text[text.index("options:"):])[1:]  # one per flag: its line(s) of help
+        takes_value = [entry.split("\n\n")[0] for entry in entries if re.match(r"  (-\w, )?--[\w-]+ [A-Z{]", entry)]
+        assert len(takes_value) > 1, name
+        silent = [entry.split()[0] for entry in takes_value if "default" not in entry
+                  and entry.split()[0] not in ("--processes", "--gpus")]  # plan.py: one of the two is required
+        assert not silent, (name, silent)
 
 
 def project_imports(path: Path) -> set[str]:

@@ -45,9 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(description=__doc__)
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=sorted(PRESETS), help="model preset (default: tiny on CPU, small on GPU)")
-    g.add_argument("--layers", type=whole(1), help="another number of decoder layers than the preset's")
+    g.add_argument("--layers", type=whole(1), help="decoder layers (default: the preset's)")
     g.add_argument("--init-from", metavar="DIR", help="start a new run from a Hugging Face Llama directory or a "
-                   "checkpoint of this project (its tokenizer must be the data's)")
+                   "checkpoint of this project, its tokenizer the data's (default: none: new weights)")
     g = p.add_argument_group("training")
     g.add_argument("--data", default="data", help="data prepared by prepare_data.py")
     g.add_argument("--steps", type=whole(0), default=300, help="optimizer steps; 0: only evaluate")
@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-every", type=whole(0), default=0, help="save every N steps; 0: at the end only")
     g.add_argument("--keep-checkpoints", type=whole(1), default=3, help="the newest K complete ones are kept")
     g.add_argument("--fresh", action="store_true", help="start at step 0; move --checkpoint-dir's checkpoints aside")
-    g.add_argument("--metrics", help="write one JSON line per step, and a summary, to this file")
-    g.add_argument("--trace", metavar="DIR", help="each rank's Chrome trace of the last 3 steps: DIR/rankN.json")
+    g.add_argument("--metrics", help="write one JSON line per step, and a summary, to this file (default: none)")
+    g.add_argument("--trace", metavar="DIR", help="Chrome traces of the last 3 steps: DIR/rankN.json (default: none)")
     g = p.add_argument_group("system")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda:LOCAL_RANK with NCCL if there is a GPU, else the CPU with gloo")

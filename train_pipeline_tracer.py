@@ -51,9 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(description=__doc__)
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=sorted(PRESETS), help="model preset (default: tiny on CPU, small on GPU)")
-    g.add_argument("--layers", type=whole(1), help="another number of decoder layers than the preset's")
+    g.add_argument("--layers", type=whole(1), help="decoder layers (default: the preset's)")
     g.add_argument("--init-from", metavar="DIR", help="start a new run from a Hugging Face Llama directory or a "
-                   "checkpoint of this project (its tokenizer must be the data's)")
+                   "checkpoint of this project, its tokenizer the data's (default: none: new weights)")
     g = p.add_argument_group("training")
     g.add_argument("--data", default="data", help="data prepared by prepare_data.py")
     g.add_argument("--steps", type=whole(0), default=300, help="optimizer steps; 0: only evaluate")
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-batches", type=whole(1), default=4, help="held-out batches per evaluation")
     g = p.add_argument_group("parallelism")
     g.add_argument("--schedule", choices=list(SCHEDULES), default="gpipe", help="the pipeline schedule")
-    g.add_argument("--stages-per-rank", type=whole(1), help="of a looped schedule (default 2)")
+    g.add_argument("--stages-per-rank", type=whole(1), help="of a looped schedule (default: 2; the others' is fixed)")
     g.add_argument("--split", default="balanced", help="layers per stage: balanced (by estimated compute), even, "
                    "or counts such as 5,1")
     g.add_argument("--dp", type=whole(1), default=1, help="data-parallel replicas of the pipeline (FSDP2)")
@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-every", type=whole(0), default=0, help="save every N steps; 0: at the end only")
     g.add_argument("--keep-checkpoints", type=whole(1), default=3, help="the newest K complete ones are kept")
     g.add_argument("--fresh", action="store_true", help="start at step 0; move --checkpoint-dir's checkpoints aside")
-    g.add_argument("--metrics", help="write one JSON line per step, and a summary, to this file")
-    g.add_argument("--trace", metavar="DIR", help="each rank's Chrome trace of the last 3 steps: DIR/rankN.json")
+    g.add_argument("--metrics", help="write one JSON line per step, and a summary, to this file (default: none)")
+    g.add_argument("--trace", metavar="DIR", help="Chrome traces of the last 3 steps: DIR/rankN.json (default: none)")
     g = p.add_argument_group("system")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda:LOCAL_RANK with NCCL if there is a GPU, else the CPU with gloo")
@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 # The run, in order: the sections below follow it
 
 def main(args):
+    args.stages_per_rank = args.stages_per_rank or (1 if args.schedule in SINGLE_STAGE else 2)  # its default
     env = launch_env(args.device, args.precision)
     if (relaid := checkpoint.relayout(args, env.world_size)) and env.rank == 0:
         print(relaid, flush=True)  # torchrun restarted this job on more or fewer processes: a new layout
@@ -126,13 +127,13 @@ def main(args):
 
     # --- the split: the whole model traced, this rank's stages built, then checkpointing, compile, FSDP2
     started = time.perf_counter()
-    modules, pipe = build_traced_stages(config, stages, layers, microbatch, env.device, args.seed)
+    modules, pipe = traced_modules(config, stages, layers, microbatch, env.device, args.seed)
     parallelize(modules, mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing,
                 args.compile)
     model = merged_stages(modules)  # the rank's parameters, for the optimizer and checkpoints
 
     # --- the schedule: a traced stage per stage, talking to the other pipeline ranks of this replica
-    pipeline_stages = [build_stage(pipe, s, env.device, mesh.get_group("pp")) for s in stages]
+    pipeline_stages = [pipeline_stage(pipe, s, env.device, mesh.get_group("pp")) for s in stages]
     trace_seconds = [None] * env.world_size  # the one-time cost of tracing and building, every rank's
     dist.all_gather_object(trace_seconds, time.perf_counter() - started)
     schedule, loss_fn = make_schedule(args.schedule, pipeline_stages, args.microbatches, chunks, shards)
@@ -246,10 +247,9 @@ def check_args(args, world_size: int, device_type: str) -> None:
         raise UsageError(f"--tp {args.tp}: the traced stages cannot be split by tensor parallelism: they are a flat "
                          "graph of ops, not the modules parallelize_module splits, with the head count baked into "
                          "their shapes; use train_pipeline_gpipe.py for --tp", on_every_rank=True)
-    if fixed and args.stages_per_rank not in (None, fixed):
+    if fixed and args.stages_per_rank != fixed:
         raise UsageError(f"--stages-per-rank {args.stages_per_rank}: {args.schedule} holds {fixed} stage(s) per "
                          "rank; leave the flag out", on_every_rank=True)
-    args.stages_per_rank = args.stages_per_rank or fixed or 2
     if checkpoint.preset_model(args):  # the model's shape is --model's: its layout can be checked already
         preset = config_from_preset(args.model or ("small" if device_type == "cuda" else "tiny"), 0, args.layers)
         stage_layout(preset, world_size // group * args.stages_per_rank, args)
@@ -387,8 +387,8 @@ def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> lis
     return [pp_rank + v * pp for v in range(stages_per_rank)]
 
 
-def build_traced_stages(config, stages: list[int], layers: list[range], microbatch: tuple[int, int],
-                        device: torch.device, seed: int):
+def traced_modules(config, stages: list[int], layers: list[range], microbatch: tuple[int, int],
+                   device: torch.device, seed: int):
     """This rank's stage modules, traced from the full model on meta, then allocated and initialized by their
     full-model names (the weights of the other scripts); and the traced pipeline, to build their stages."""
     with torch.device("meta"):  # shapes only: neither the model nor the trace allocates or computes anything
@@ -398,7 +398,7 @@ def build_traced_stages(config, stages: list[int], layers: list[range], microbat
         model.lm_head = None
         example = torch.zeros(microbatch, dtype=torch.long)
     not_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())
-    pipe = trace(model, example, split_spec(layers))
+    pipe = traced_pipeline(model, example, split_spec(layers))
     modules = []
     for stage in stages:
         module = pipe.get_stage_module(stage)
@@ -424,7 +424,7 @@ def split_spec(layers: list[range]) -> dict[str, SplitPoint]:
     return {f"base_model.layers.{stage.start}": SplitPoint.BEGINNING for stage in layers[1:]}
 
 
-def trace(model: torch.nn.Module, example: torch.Tensor, split_points: dict[str, SplitPoint]):
+def traced_pipeline(model: torch.nn.Module, example: torch.Tensor, split_points: dict[str, SplitPoint]):
     """pipeline() of a (meta) model, its stages' tensors checked: each the model's own, under one of its names,
     held by exactly one stage (tied weights across stages would be trained as two copies nothing keeps equal)."""
     full_name = {id(t): name for name, t in [*model.named_parameters(), *model.named_buffers()]}
@@ -449,8 +449,9 @@ def trace(model: torch.nn.Module, example: torch.Tensor, split_points: dict[str,
     return pipe
 
 
-def build_stage(pipe, stage: int, device: torch.device, group):
-    """A traced stage, ready to run: build_stage also puts the device the trace burned into ops (meta) right."""
+def pipeline_stage(pipe, stage: int, device: torch.device, group):
+    """A traced stage's PipelineStage, ready to run: torch's build_stage also puts the device the trace burned
+    into ops (meta) right."""
     built = pipe.build_stage(stage, device, group=group)
     # torch 2.13: warming up its links, the traced stage sends to a neighbour on its own rank (V-shaped), and
     # gloo cannot ("Pair is not connected"); the schedules pass those tensors in memory anyway.
@@ -476,19 +477,19 @@ def make_schedule(name: str, pipeline_stages: list, microbatches: int, chunks: i
         with torch.profiler.record_function("loss"):  # for --trace: the last stage's work, outside its forward
             return chunked_loss(heads[0], hidden, targets, chunks, shards)
     try:
-        stages = pipeline_stages[0] if name in SINGLE_STAGE else pipeline_stages
-        return SCHEDULES[name](stages, n_microbatches=microbatches, loss_fn=loss_fn), loss_fn
+        given = pipeline_stages[0] if name in SINGLE_STAGE else pipeline_stages  # one PipelineStage, or the list
+        return SCHEDULES[name](given, n_microbatches=microbatches, loss_fn=loss_fn), loss_fn
     except ValueError as e:  # what the schedule needs of the microbatches: torch says it
         raise UsageError(f"--schedule {name} with --microbatches {microbatches}: {e}", on_every_rank=True) from None
 
 
 def train_step(schedule, inputs, targets, env: Env, tp: int) -> torch.Tensor | None:
-    """Forward and backward of a batch: inputs on the first stage's rank, targets on the last's (else None).
-    Returns the mean microbatch loss on the last stage's rank."""
+    """Forward and backward of a batch; the mean microbatch loss on the last stage's rank, else None."""
     losses: list[torch.Tensor] = []
+    args = [inputs] if inputs is not None else []  # token ids: into the first stage, on its rank
+    kwargs = {"target": targets, "losses": losses} if targets is not None else {}  # for the last stage's loss
     with compute(env, tp):  # return_outputs=False: the last stage's outputs are not kept after the loss
-        schedule.step(*([inputs] if inputs is not None else []), return_outputs=False,
-                      **({"target": targets, "losses": losses} if targets is not None else {}))
+        schedule.step(*args, return_outputs=False, **kwargs)
     return torch.stack(losses).mean().detach() if targets is not None else None
 
 
@@ -497,16 +498,16 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
               hidden_shape: tuple) -> torch.Tensor | None:
     """Forward only, the mean microbatch loss on the last stage's rank."""
     losses: list[torch.Tensor] = []
+    args = [inputs] if inputs is not None else []  # as in train_step
+    kwargs = {"target": targets, "losses": losses} if targets is not None else {}
     with compute(env, tp):
         if isinstance(schedule, (ScheduleZBVZeroBubble, ScheduleDualPipeV)):
             # torch 2.13: their eval() asserts ("can't steal_bwd_input if this stage doesn't have backward")
             forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, loss_fn, losses)
         else:
-            schedule.eval(*([inputs] if inputs is not None else []), return_outputs=False,
-                          **({"target": targets, "losses": losses} if targets is not None else {}))
-    for module in (m for stage in pipeline_stages for m in stage.submod.modules()):
-        if isinstance(module, FSDPModule):  # gathered for the forwards; no backward frees them
-            module.reshard()
+            schedule.eval(*args, return_outputs=False, **kwargs)
+    for module in (m for stage in pipeline_stages for m in stage.submod.modules() if isinstance(m, FSDPModule)):
+        module.reshard()  # gathered for the forwards; no backward frees them
     return torch.stack(losses).mean() if targets is not None else None
 
 
