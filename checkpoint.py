@@ -479,7 +479,7 @@ def relayout(args, world_size: int, job: list[str], stages_per_rank: int, say=pr
         raise UsageError(f"{world_size} process(es) cannot hold this run ({os.path.basename(path)}, saved by "
                          f"{old_world}): with --tp {tp}, --batch-size {args.batch_size}, --microbatches "
                          f"{args.microbatches} and {layers} layers in {stages_per_rank} stage(s) per pipeline rank "
-                         f"it needs {', '.join(map(str, counts)) or 'more layers'} processes; start that many",
+                         f"it needs {', '.join(map(str, counts)) or 'more layers'} process(es); start that many",
                          on_every_rank=True)
     pp = max([pp for pp in found if pp <= old_pp], default=min(found))
     dp, split, note = world_size // (pp * tp), args.split, ""

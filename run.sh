@@ -171,7 +171,8 @@ export RUN_SH_LAUNCH_ID=${SLURM_JOB_ID:+slurm-$SLURM_JOB_ID}
 : "${RUN_SH_LAUNCH_ID:=$HOSTNAME-$$-$(date +%s)}"
 # torchrun restarts a job whenever a process fails, whatever its status. A process ending on a mistake that every
 # process finds writes its status here and exits 0 instead (checkpoint.final_status): torchrun ends the job.
-status_file=$(mktemp "${TMPDIR:-/tmp}/run.sh-status.XXXXXX") || die "cannot create a file in ${TMPDIR:-/tmp}; set TMPDIR to a writable directory"
+status_file=$(mktemp "${TMPDIR:-/tmp}/run.sh-status.XXXXXX") ||
+    die "cannot create a file in ${TMPDIR:-/tmp}; set TMPDIR to a writable directory"
 trap 'rm -f "$status_file"' EXIT
 export RUN_SH_STATUS_FILE=$status_file
 # A SIGTERM or SIGINT (SLURM's sbatch --signal=TERM@120 or preemption, a scheduler stopping the job) goes to

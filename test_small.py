@@ -211,9 +211,10 @@ class Forked:
         self.dir = tempfile.mkdtemp(prefix="ranks-")
         port, self.ranks = str(free_port()), []
         context, warning_filters = forkserver()
-        # env may set the job's TORCHELASTIC_RUN_ID and TORCHELASTIC_RESTART_COUNT: another attempt of one job
+        # env may set the job's TORCHELASTIC_RUN_ID and TORCHELASTIC_RESTART_COUNT: another attempt of one job. No
+        # agent hosts a store here (torchrun's, for USE_AGENT_STORE True): rank 0 does, as under run.sh's nodes.
         job = dict(TORCHELASTIC_RUN_ID=uuid.uuid4().hex, TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
-                   TORCHELASTIC_USE_AGENT_STORE="True", GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default")
+                   TORCHELASTIC_USE_AGENT_STORE="False", GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default")
         for rank in range(max(nproc, 1)):
             torchrun = {**job, **env, **dict(
                 RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank), WORLD_SIZE=str(nproc),
@@ -322,7 +323,8 @@ def launch_ranks(world_size: int, script: str, *args, cwd) -> list:
 
 RUN_SH = str(ROOT / "run.sh")
 LAUNCHER_VARS = ["NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "MAX_RESTARTS", "LOG_DIR",
-                 "RDZV_ID", "RDZV_CONF", "DRY_RUN", "PYTHON", "SHUTDOWN_TIMEOUT", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
+                 "RDZV_ID", "RDZV_CONF", "DRY_RUN", "PYTHON", "SHUTDOWN_TIMEOUT", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+                 "RUN_SH_LAUNCH_ID", "RUN_SH_STATUS_FILE"]
 
 
 def launcher_env(**overrides) -> dict:
@@ -2220,7 +2222,7 @@ def test_a_restart_that_no_layout_fits_is_one_line_naming_the_counts_that_would(
         return
     with pytest.raises(checkpoint.UsageError, match=re.escape(
             "4 process(es) cannot hold this run (step-00000008, saved by 2): with --tp 1, --batch-size 8, "
-            "--microbatches 8 and 4 layers in 2 stage(s) per pipeline rank it needs 1, 2 processes; start that "
+            "--microbatches 8 and 4 layers in 2 stage(s) per pipeline rank it needs 1, 2 process(es); start that "
             "many")):
         checkpoint.relayout(args, 4, ["job7"], per_rank, print)
 
@@ -2233,12 +2235,16 @@ def test_no_layout_of_the_processes_left_is_one_line_and_touches_nothing(tmp_pat
                         env=dict(script_env(), TORCHELASTIC_RUN_ID="job7"))
     one_line_error(result, "1 process(es) cannot hold this run (step-00000008, saved by 4): with --tp 2, "
                            "--batch-size 8, --microbatches 4 and 4 layers in 1 stage(s) per pipeline rank it needs "
-                           "2, 4 processes; start that many")
+                           "2, 4 process(es); start that many")
     assert snapshot(tmp_path / "checkpoints") == before
 
 
-def test_dead_rank_with_max_restarts_resumes_and_finishes(tmp_path, data_dir, reference_run):
-    args = [*RESUME_ARGS, "--dp", "2", "--checkpoint-every", "2", "--data", data_dir, "--metrics", "m.jsonl"]
+def test_dead_rank_with_max_restarts_resumes_and_finishes_and_fresh_acts_once(tmp_path, data_dir, reference_run):
+    # torchrun --max-restarts 1, --fresh: the first attempt moves aside what another run left (the reference run's
+    # step 12, which these flags would resume); a rank killed after step 4's checkpoint, the restart resumes this
+    # job's checkpoint (--fresh acts once per job), and every step is trained once: the reference's losses.
+    shutil.copytree(reference_run[0] / "checkpoints" / "step-00000012", tmp_path / "checkpoints" / "step-00000012")
+    args = [*RESUME_ARGS, "--dp", "2", "--checkpoint-every", "2", "--data", data_dir, "--metrics", "m.jsonl", "--fresh"]
     proc = launch(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path, wait=False, torchrun_args=["--max-restarts=1"])
     while proc.poll() is None and "step-00000004" not in complete_and_partial(tmp_path / "checkpoints")[0]:
         time.sleep(0.01)
@@ -2247,7 +2253,9 @@ def test_dead_rank_with_max_restarts_resumes_and_finishes(tmp_path, data_dir, re
     os.kill(victims[1], signal.SIGKILL)
     result = finish(proc)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from checkpoints/step-" in result.stdout
+    assert "resumed from checkpoints/step-0000000" in result.stdout and result.stdout.count("--fresh: moved") == 1
+    aside = list(tmp_path.glob("checkpoints.previous-*"))
+    assert len(aside) == 1 and os.listdir(aside[0]) == ["step-00000012"], result.stdout
     rows, _ = read_metrics(tmp_path / "m.jsonl")
     _, reference = reference_run
     assert [r["step"] for r in rows] == list(range(1, 17))
@@ -3762,31 +3770,46 @@ def wait_for(what: str, found, proc, seconds: float = 240) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("script, back", [("train_pipeline_gpipe.py", True), ("train_pipeline_afab_manual.py", False)])
+@pytest.mark.parametrize("script, nodes, flags", [("train_pipeline_gpipe.py", (2, 2), []),
+                                                  ("train_pipeline_afab_manual.py", (3, 1), ["--split", "2,2"])])
 def test_an_elastic_job_goes_on_without_a_lost_node_and_takes_it_back(tmp_path, data_dir, reference_run, script,
-                                                                       back):
-    # Two "nodes" of 2 processes on this machine, NNODES=1:2, 2 stages x 2 replicas. The second node dies (SIGKILL
-    # of it all) after the step-6 checkpoint: the first goes on by itself at 2 stages x 1 replica, the same run.
-    # Then (GPipe) a node comes back: the job takes it in at its next restart and goes on at 2 x 2. One metrics
-    # row per step; every loss the uninterrupted GPipe run's (reference_run: the same flags, 2 x 2), to the drift
-    # of fp32 sums since step 6 (another layout from there), or from step 1 for the other script.
-    args = [*RESUME_ARGS, "--dp", "2", "--checkpoint-every", "2", "--data", data_dir,
-            "--checkpoint-dir", tmp_path / "shared" / "ckpt", "--metrics", tmp_path / "shared" / "m.jsonl"]
-    # The restart waits 3 s for more nodes after the first (torchrun's default: 30).
-    node = dict(NNODES="1:2", NPROC_PER_NODE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RDZV_ID="elastic",
-                RDZV_CONF="last_call_timeout=3")
-    first = run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "first", **node)
+                                                                       nodes, flags):
+    # Two "nodes" on this machine, NNODES=1:2, 4 processes: 2 stages x 2 replicas. The second node dies (SIGKILL of
+    # it all) after the step-6 checkpoint: the first goes on by itself, the same run: at 2 stages x 1 replica
+    # (GPipe, nodes of 2), or at 3 stages, --split 2,2 giving way to balanced (the hand-written script, nodes of 3
+    # and 1). Then (GPipe) another job is started on the same --checkpoint-dir, as the first was but on another
+    # port: it stops at once in one line, and the first job goes on; and a node comes back: the job takes it in at
+    # its next restart and goes on at 2 x 2. One metrics row per step; every loss the uninterrupted GPipe run's
+    # (reference_run: the same flags, 2 x 2), to the drift of fp32 sums since step 6 (another layout from there),
+    # or from step 1 for the other script.
+    ckpt = tmp_path / "shared" / "ckpt"
+    args = [*RESUME_ARGS, "--dp", "2", "--checkpoint-every", "2", "--data", data_dir, "--checkpoint-dir", ckpt,
+            "--metrics", tmp_path / "shared" / "m.jsonl", *flags]
+    # The restart waits 3 s for more nodes after the first (torchrun's default: 30). run.sh's own rendezvous id.
+    node = dict(NNODES="1:2", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RDZV_CONF="last_call_timeout=3")
+    first = run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "first", NPROC_PER_NODE=nodes[0], **node)
     time.sleep(1)  # the first node hosts the rendezvous: it must survive
-    second = run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "second", **node)
-    wait_for("step-6 checkpoint", lambda: (tmp_path / "shared" / "ckpt" / "step-00000006").is_dir(), first)
+    second = run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "second", NPROC_PER_NODE=nodes[1],
+                    **node)
+    wait_for("step-6 checkpoint", lambda: (ckpt / "step-00000006").is_dir(), first)
     kill_job(second)
+    back = script == SCRIPT
     if back:
         wait_for("restart on 2 processes", lambda: "resumed from" in lines_of(tmp_path / "first.out"), first)
         torchrun = worker_pids(first.pid)[0]
         workers = worker_pids(torchrun)
-        for pid in workers:  # held, so that the job is still running when the node comes back
+        for pid in workers:  # held, so that the job is still running when the others start
             os.kill(pid, signal.SIGSTOP)
-        back = run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "back", **node)
+        # torchrun would restart the other job: its rendezvous id is the same ("pipeline"), it is not the same job.
+        other = run_sh(script, *args, cwd=tmp_path, timeout=120, NPROC_PER_NODE=2,
+                       **dict(node, MASTER_PORT=free_port(), RDZV_CONF="last_call_timeout=1"))
+        holder = json.loads((ckpt / "run.lock").read_text())
+        assert other.returncode == 1 and "Traceback" not in other.stderr and holder["pid"] in workers
+        assert error_lines(other.stderr) == [
+            f"error: --checkpoint-dir {ckpt}: another run is using it (pid {holder['pid']} on {holder['host']}, "
+            f"started {holder['started']}); wait for it to finish or choose another --checkpoint-dir (if that run "
+            f"is gone, delete {ckpt / 'run.lock'})"], other.stderr[-3000:]
+        back = run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "back", NPROC_PER_NODE=2, **node)
         # torchrun sees the node waiting to join and stops the workers to restart them all: a SIGTERM they get
         # once running again (they finish their step, save, exit 0; then all 4 processes start).
         wait_for("the node coming back", lambda: all(signal_pending(pid, signal.SIGTERM) for pid in workers), first)
@@ -3796,13 +3819,40 @@ def test_an_elastic_job_goes_on_without_a_lost_node_and_takes_it_back(tmp_path, 
         result = finish(proc)
         assert result.returncode == 0, result.stderr[-3000:]
     out = lines_of(tmp_path / "first.out")
-    assert "4 processes -> 2: pp 2 x dp 2 x tp 1 -> pp 2 x dp 1 x tp 1; resuming " in out, out
+    lost = ("4 processes -> 2: pp 2 x dp 2 x tp 1 -> pp 2 x dp 1 x tp 1; resuming " if back else
+            "4 processes -> 3: pp 2 x dp 2 x tp 1 -> pp 3 x dp 1 x tp 1 (--split 2,2 is for 2 stages: balanced); "
+            "resuming ")
+    assert lost in out, out
     if back:
         assert re.search(r"2 processes -> 4: pp 2 x dp 1 x tp 1 -> pp 2 x dp 2 x tp 1; resuming .* at step \d+",
                          out + lines_of(tmp_path / "back.out")), out
     rows, _ = read_metrics(tmp_path / "shared" / "m.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 17))
     assert_same_trajectory(rows, reference_run[1], script, since=6 if script == SCRIPT else 0)
+
+
+def test_an_elastic_job_that_no_layout_of_its_processes_fits_ends_in_one_line(tmp_path, data_dir):
+    # ZBV (2 stages a rank) on a node of 2 processes: 4 stages on 4 layers. A second node of 2 joins: pp 4 would be
+    # 8 stages, 2 replicas need --batch-size 8 to divide into 2 x 8 microbatches. Each node says so in one line,
+    # and the job ends at once (no restart can mend it), its checkpoints as the first node left them.
+    ckpt = tmp_path / "ckpt"
+    args = [*RESUME_ARGS, "--steps", "1000", "--schedule", "zbvzerobubble", "--microbatches", "8",
+            "--checkpoint-every", "1", "--data", data_dir, "--checkpoint-dir", ckpt]
+    node = dict(NNODES="1:2", NPROC_PER_NODE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
+                RDZV_CONF="last_call_timeout=1")
+    first = run_sh(SCRIPT, *args, cwd=tmp_path, wait=False, log=tmp_path / "first", **node)
+    wait_for("a checkpoint", lambda: complete_and_partial(ckpt)[0], first)
+    second = run_sh(SCRIPT, *args, cwd=tmp_path, wait=False, log=tmp_path / "second", **node)
+    results = [finish(proc, timeout=180) for proc in (first, second)]
+    newest = complete_and_partial(ckpt)[0][-1]
+    for result in results:
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert error_lines(result.stderr) == [
+            f"error: 4 process(es) cannot hold this run ({newest}, saved by 2): with --tp 1, --batch-size 8, "
+            "--microbatches 8 and 4 layers in 2 stage(s) per pipeline rank it needs 1, 2 process(es); start that "
+            "many"], result.stderr[-3000:]
+    assert "stopped by SIGTERM after step" in lines_of(tmp_path / "first.out")  # saved when the node joined
+    assert sorted(os.listdir(ckpt)) == complete_and_partial(ckpt)[0]  # no lock, no partial save left
 
 
 def test_a_failed_job_fails_run_sh(tmp_path, data_dir):
