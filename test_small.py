@@ -19,7 +19,6 @@ import json
 import math
 import multiprocessing.forkserver
 import os
-import pickle
 import random
 import re
 import runpy
@@ -34,7 +33,6 @@ import time
 import types
 import unittest.mock
 import uuid
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -137,17 +135,18 @@ def finish(proc, timeout=240):
 
 # Each process of a real launch spends ~2 s of CPU (measured here; more on slower machines) importing torch,
 # DTensor, FSDP and the pipelining package before the script's first line runs, and torchrun's agent ~1 s: most
-# of the suite's time. run_script() forks each rank from one server process that imported them once (multiprocessing's
+# of the suite's time. run_script() forks each rank from a server process that imported them once (multiprocessing's
 # forkserver, preloaded with this file and what it imports) and runs the script's file as `python SCRIPT ARGS`
 # would, as __main__ (its own argument parsing, checkpoint.run, sys.exit), with what torchrun gives each rank:
 # RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (rank 0 hosting the store), and the
-# TORCHELASTIC_* variables of a --standalone launch (a new run id each). A forked rank starts as a new process would:
-# a string-hash seed other than its neighbours' (two servers, for even and odd ranks, each with a seed of its own),
-# torch's, Python's and numpy's random state from the OS, a new interpreter's warning filters. What a
-# fork cannot give: the interpreter's shutdown (the rank runs its exit handlers, then multiprocessing's os._exit),
-# and the server's imports (transformers too; of its exit handlers, only filelock's and huggingface_hub's are not a
-# script's, measured). So each error path, and what is about torchrun, signals, the command as a user types it and
-# copies in other folders, also runs under launch().
+# TORCHELASTIC_* variables of a --standalone launch (a new run id each). A forked rank starts as a new process
+# would: a string-hash seed other than its neighbours' (two servers, for even and odd ranks, each with a seed of
+# its own), torch's, Python's and numpy's random state from the OS (test_a_forked_rank_starts_as_a_torchrun_rank_does).
+# The server's warning filters are a rank's after its imports, and it shows no warning while importing (measured).
+# What a fork cannot give: the interpreter's shutdown (the rank runs its exit handlers, then multiprocessing's
+# os._exit), and no more imports than the script's (transformers is loaded; of the server's exit handlers, only
+# filelock's and huggingface_hub's are not a script's, measured). So each error path, and what is about torchrun,
+# signals, the command as a user types it and copies in other folders, also runs under launch().
 
 PRELOAD = ["test_small", "transformers"]
 ODD_RANKS = multiprocessing.forkserver.ForkServer()  # the second server
@@ -157,7 +156,7 @@ ODD_RANKS = multiprocessing.forkserver.ForkServer()  # the second server
 def forkserver():
     """The context ranks start from: multiprocessing's forkserver, started once, single-threaded, with this file
     (so torch, the scripts and the tools) imported under OMP_NUM_THREADS=1 (OpenMP reads it when torch loads); and
-    ODD_RANKS, the same with another string-hash seed. Returns the context and a new interpreter's warning filters."""
+    ODD_RANKS, the same with another string-hash seed."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     ODD_RANKS.set_forkserver_preload(PRELOAD)
@@ -172,12 +171,10 @@ def forkserver():
         os.environ.update(saved)
     # Before multiprocessing's own exit handler, which would wait for ranks a failed test left running.
     atexit.register(lambda: [job.kill() for job in Forked.started if job.poll() is None])
-    fresh = subprocess.run([sys.executable, "-c", "import pickle, sys, warnings; sys.stdout.buffer.write("
-                            "pickle.dumps(warnings.filters))"], env=script_env(), capture_output=True, check=True)
-    return context, pickle.loads(fresh.stdout)
+    return context
 
 
-def _run_as_main(script: str, argv: list, env: dict, cwd: str, log: str, warning_filters: list) -> None:
+def _run_as_main(script: str, argv: list, env: dict, cwd: str, log: str) -> None:
     """In a forked rank: what `python SCRIPT ARGV` runs, in cwd with env, its output (unbuffered) to LOG.out and
     LOG.err; the interpreter's exit handlers run at the end as they would (the run lock is released there)."""
     os.environ.clear()
@@ -189,9 +186,6 @@ def _run_as_main(script: str, argv: list, env: dict, cwd: str, log: str, warning
         os.close(file)
     sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
     sys.argv, sys.path[0] = [script, *argv], os.path.dirname(script)
-    warnings.resetwarnings()  # and no record of the warnings the server has shown
-    warnings.filters.extend(warning_filters)
-    warnings.onceregistry.clear()
     torch.seed(), random.seed(), np.random.seed()  # from the OS, as torch 2.13 seeds a new process (measured)
     try:
         runpy.run_path(script, run_name="__main__")
@@ -210,7 +204,7 @@ class Forked:
         self.nproc, self.args, self.log, self.killed = nproc, [str(script), *argv], None, False
         self.dir = tempfile.mkdtemp(prefix="ranks-")
         port, self.ranks = str(free_port()), []
-        context, warning_filters = forkserver()
+        context = forkserver()
         # env may set the job's TORCHELASTIC_RUN_ID and TORCHELASTIC_RESTART_COUNT: another attempt of one job. No
         # agent hosts a store here (torchrun's, for USE_AGENT_STORE True): rank 0 does, as under run.sh's nodes.
         job = dict(TORCHELASTIC_RUN_ID=uuid.uuid4().hex, TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
@@ -220,8 +214,7 @@ class Forked:
                 RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank), WORLD_SIZE=str(nproc),
                 LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)}
             self.ranks.append(context.Process(target=_run_as_main, daemon=True, args=(
-                str(script), argv, torchrun if nproc else env, str(cwd), os.path.join(self.dir, str(rank)),
-                warning_filters)))
+                str(script), argv, torchrun if nproc else env, str(cwd), os.path.join(self.dir, str(rank)))))
             with unittest.mock.patch.object(multiprocessing.forkserver, "connect_to_new_process",
                                             ODD_RANKS.connect_to_new_process) if rank % 2 else contextlib.nullcontext():
                 self.ranks[-1].start()  # odd ranks from the other server (multiprocessing asks its module for one)
@@ -3808,7 +3801,7 @@ def test_an_elastic_job_goes_on_without_a_lost_node_and_takes_it_back(tmp_path, 
         assert error_lines(other.stderr) == [
             f"error: --checkpoint-dir {ckpt}: another run is using it (pid {holder['pid']} on {holder['host']}, "
             f"started {holder['started']}); wait for it to finish or choose another --checkpoint-dir (if that run "
-            f"is gone, delete {ckpt / 'run.lock'})"], other.stderr[-3000:]
+            f"is gone, delete {ckpt / 'run.lock'}) (found on rank 0)"], other.stderr[-3000:]
         back = run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "back", NPROC_PER_NODE=2, **node)
         # torchrun sees the node waiting to join and stops the workers to restart them all: a SIGTERM they get
         # once running again (they finish their step, save, exit 0; then all 4 processes start).
@@ -4276,3 +4269,24 @@ def test_each_script_copied_into_an_empty_folder_trains(tmp_path):
         assert [r["step"] for r in rows] == [1, 2, 3] and (folder / "checkpoints" / "step-00000003").is_dir()
         assert sorted(p.name for p in folder.iterdir() if p.suffix == ".py") == sorted(
             {script, "model.py", "checkpoint.py", "prepare_data.py"})
+
+
+def test_a_forked_rank_starts_as_a_torchrun_rank_does(tmp_path):
+    # run_script's ranks, against a real launch's: torchrun's variables (a new run id each launch), a string-hash
+    # seed other than the next rank's, random state of its own (torch seeds each new process from the OS), the
+    # warning filters after the scripts' imports. On ranks that shared the server's, a bug could hide (issue 37).
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"import json, os, random, sys, warnings\nsys.path.insert(0, {str(ROOT)!r})\n"
+                     "import torch, train_pipeline_gpipe, train_pipeline_afab_manual, train_pipeline_tracer\n"
+                     "os.write(1, json.dumps([int(os.environ['RANK']), sorted(k for k in os.environ if k.startswith("
+                     "'TORCHELASTIC_')), os.environ['TORCHELASTIC_RUN_ID'], repr(warnings.filters), hash('a'), "
+                     "torch.initial_seed(), random.random()]).encode() + b'\\n')\n")  # one write: whole lines
+    outputs = [launch(2, probe, cwd=tmp_path).stdout, *(run_script(2, probe, cwd=tmp_path).stdout for _ in range(2))]
+    launches = [sorted(json.loads(line) for line in out.splitlines()) for out in outputs]
+    for ranks in launches:
+        assert [rank[0] for rank in ranks] == [0, 1], outputs
+        (_, names, run_id, filters, *seeds), (_, _, *second) = ranks
+        assert {"TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                "TORCHELASTIC_USE_AGENT_STORE"} <= set(names), names
+        assert second[:2] == [run_id, filters] and all(a != b for a, b in zip(seeds, second[2:])), ranks
+    assert len({ranks[0][2] for ranks in launches}) == 3 and len({ranks[0][3] for ranks in launches}) == 1, launches
