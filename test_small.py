@@ -3781,44 +3781,51 @@ def test_an_elastic_job_goes_on_without_a_lost_node_and_takes_it_back(tmp_path, 
     # The restart waits 3 s for more nodes after the first (torchrun's default: 30). run.sh's own rendezvous id.
     node = dict(NNODES="1:2", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RDZV_CONF="last_call_timeout=3")
     first = run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "first", NPROC_PER_NODE=nodes[0], **node)
-    time.sleep(1)  # the first node hosts the rendezvous: it must survive
-    second = run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "second", NPROC_PER_NODE=nodes[1],
-                    **node)
-    wait_for("step-6 checkpoint", lambda: (ckpt / "step-00000006").is_dir(), first)
-    kill_job(second)
-    back = script == SCRIPT
-    if back:
-        wait_for("restart on 2 processes", lambda: "resumed from" in lines_of(tmp_path / "first.out"), first)
-        torchrun = worker_pids(first.pid)[0]
-        workers = worker_pids(torchrun)
-        for pid in workers:  # held, so that the job is still running when the others start
-            os.kill(pid, signal.SIGSTOP)
-        # torchrun would restart the other job: its rendezvous id is the same ("pipeline"), it is not the same job.
-        other = run_sh(script, *args, cwd=tmp_path, timeout=120, NPROC_PER_NODE=2,
-                       **dict(node, MASTER_PORT=free_port(), RDZV_CONF="last_call_timeout=1"))
-        holder = json.loads((ckpt / "run.lock").read_text())
-        assert other.returncode == 1 and "Traceback" not in other.stderr and holder["pid"] in workers
-        assert error_lines(other.stderr) == [
-            f"error: --checkpoint-dir {ckpt}: another run is using it (pid {holder['pid']} on {holder['host']}, "
-            f"started {holder['started']}); wait for it to finish or choose another --checkpoint-dir (if that run "
-            f"is gone, delete {ckpt / 'run.lock'}) (found on rank 0)"], other.stderr[-3000:]
-        back = run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "back", NPROC_PER_NODE=2, **node)
-        # torchrun sees the node waiting to join and stops the workers to restart them all: a SIGTERM they get
-        # once running again (they finish their step, save, exit 0; then all 4 processes start).
-        wait_for("the node coming back", lambda: all(signal_pending(pid, signal.SIGTERM) for pid in workers), first)
-        for pid in workers:
-            os.kill(pid, signal.SIGCONT)
-    for proc in (first, back) if back else (first,):
-        result = finish(proc)
-        assert result.returncode == 0, result.stderr[-3000:]
+    jobs = [first]
+    try:  # a failure leaves no job behind, stopped processes included
+        time.sleep(1)  # the first node hosts the rendezvous: it must survive
+        jobs.append(run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "second",
+                           NPROC_PER_NODE=nodes[1], **node))
+        wait_for("step-6 checkpoint", lambda: (ckpt / "step-00000006").is_dir(), first)
+        kill_job(jobs[1])
+        if script == SCRIPT:
+            wait_for("restart on 2 processes", lambda: "resumed from" in lines_of(tmp_path / "first.out"), first)
+            torchrun = worker_pids(first.pid)[0]
+            workers = worker_pids(torchrun)
+            for pid in workers:  # held, so that the job is still running when the others start
+                os.kill(pid, signal.SIGSTOP)
+            # torchrun would restart the other job: its rendezvous id is the same ("pipeline"), it is not the same job
+            other = run_sh(script, *args, cwd=tmp_path, timeout=120, NPROC_PER_NODE=2,
+                           **dict(node, MASTER_PORT=free_port(), RDZV_CONF="last_call_timeout=1"))
+            holder = json.loads((ckpt / "run.lock").read_text())
+            assert other.returncode == 1 and "Traceback" not in other.stderr and holder["pid"] in workers
+            assert error_lines(other.stderr) == [
+                f"error: --checkpoint-dir {ckpt}: another run is using it (pid {holder['pid']} on {holder['host']}, "
+                f"started {holder['started']}); wait for it to finish or choose another --checkpoint-dir (if that "
+                f"run is gone, delete {ckpt / 'run.lock'}) (found on rank 0)"], other.stderr[-3000:]
+            jobs.append(run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "back", NPROC_PER_NODE=2,
+                               **node))
+            # torchrun sees the node waiting to join and stops the workers to restart them all: a SIGTERM they get
+            # once running again (they finish their step, save, exit 0; then all 4 processes start).
+            wait_for("the node coming back", lambda: all(signal_pending(pid, signal.SIGTERM) for pid in workers),
+                     first)
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
+        for proc in [first, *jobs[2:]]:
+            result = finish(proc)
+            assert result.returncode == 0, result.stderr[-3000:]
+    finally:
+        for proc in jobs:
+            if proc.poll() is None:
+                kill_job(proc)
     out = lines_of(tmp_path / "first.out")
-    lost = ("4 processes -> 2: pp 2 x dp 2 x tp 1 -> pp 2 x dp 1 x tp 1; resuming " if back else
-            "4 processes -> 3: pp 2 x dp 2 x tp 1 -> pp 3 x dp 1 x tp 1 (--split 2,2 is for 2 stages: balanced); "
-            "resuming ")
-    assert lost in out, out
-    if back:
+    if script == SCRIPT:
+        assert "4 processes -> 2: pp 2 x dp 2 x tp 1 -> pp 2 x dp 1 x tp 1; resuming " in out, out
         assert re.search(r"2 processes -> 4: pp 2 x dp 1 x tp 1 -> pp 2 x dp 2 x tp 1; resuming .* at step \d+",
                          out + lines_of(tmp_path / "back.out")), out
+    else:
+        assert ("4 processes -> 3: pp 2 x dp 2 x tp 1 -> pp 3 x dp 1 x tp 1 (--split 2,2 is for 2 stages: "
+                "balanced); resuming ") in out, out
     rows, _ = read_metrics(tmp_path / "shared" / "m.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 17))
     assert_same_trajectory(rows, reference_run[1], script, since=6 if script == SCRIPT else 0)
@@ -3833,10 +3840,15 @@ def test_an_elastic_job_that_no_layout_of_its_processes_fits_ends_in_one_line(tm
             "--checkpoint-every", "1", "--data", data_dir, "--checkpoint-dir", ckpt]
     node = dict(NNODES="1:2", NPROC_PER_NODE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
                 RDZV_CONF="last_call_timeout=1")
-    first = run_sh(SCRIPT, *args, cwd=tmp_path, wait=False, log=tmp_path / "first", **node)
-    wait_for("a checkpoint", lambda: complete_and_partial(ckpt)[0], first)
-    second = run_sh(SCRIPT, *args, cwd=tmp_path, wait=False, log=tmp_path / "second", **node)
-    results = [finish(proc, timeout=180) for proc in (first, second)]
+    jobs = [run_sh(SCRIPT, *args, cwd=tmp_path, wait=False, log=tmp_path / "first", **node)]
+    try:
+        wait_for("a checkpoint", lambda: complete_and_partial(ckpt)[0], jobs[0])
+        jobs.append(run_sh(SCRIPT, *args, cwd=tmp_path, wait=False, log=tmp_path / "second", **node))
+        results = [finish(proc, timeout=180) for proc in jobs]
+    finally:  # a failure leaves no job behind
+        for proc in jobs:
+            if proc.poll() is None:
+                kill_job(proc)
     newest = complete_and_partial(ckpt)[0][-1]
     for result in results:
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
@@ -3849,9 +3861,12 @@ def test_an_elastic_job_that_no_layout_of_its_processes_fits_ends_in_one_line(tm
 
 
 def test_a_failed_job_fails_run_sh(tmp_path, data_dir):
-    result = run_sh(SCRIPT, "--steps", "-1", "--data", data_dir, cwd=tmp_path, timeout=120, NPROC_PER_NODE=1)
-    assert result.returncode != 0
-    assert "error: argument --steps: must be a whole number of at least 0, got -1" in result.stderr
+    # A mistake is not retried: its one line once, and the script's status (argparse's 2), whatever MAX_RESTARTS.
+    result = run_sh(SCRIPT, "--steps", "-1", "--data", data_dir, cwd=tmp_path, timeout=120, NPROC_PER_NODE=1,
+                    MAX_RESTARTS=2)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert error_lines(result.stderr) == ["error: argument --steps: must be a whole number of at least 0, got -1 "
+                                          "(see --help)"]
 
 
 # -- run.sh: the command it builds
