@@ -4296,7 +4296,9 @@ def test_a_forked_rank_starts_as_a_torchrun_rank_does(tmp_path):
                      "os.write(1, json.dumps([int(os.environ['RANK']), sorted(k for k in os.environ if k.startswith("
                      "'TORCHELASTIC_')), os.environ['TORCHELASTIC_RUN_ID'], repr(warnings.filters), hash('a'), "
                      "torch.initial_seed(), random.random()]).encode() + b'\\n')\n")  # one write: whole lines
-    outputs = [launch(2, probe, cwd=tmp_path).stdout, *(run_script(2, probe, cwd=tmp_path).stdout for _ in range(2))]
+    env = {name: value for name, value in script_env().items() if name != "PYTHONHASHSEED"}  # torchrun's: random
+    outputs = [launch(2, probe, cwd=tmp_path, env=env).stdout,
+               *(run_script(2, probe, cwd=tmp_path, env=env).stdout for _ in range(2))]
     launches = [sorted(json.loads(line) for line in out.splitlines()) for out in outputs]
     for ranks in launches:
         assert [rank[0] for rank in ranks] == [0, 1], outputs
