@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
 
-from model import LlamaConfig, config_from_hf, config_from_preset, hf_name
+from model import LlamaConfig, check_layout, config_from_hf, config_from_preset, hf_name
 
 # ----------------------------------------------------------------------------------------------------------
 # Errors: one line, on every rank
@@ -100,9 +100,10 @@ def run(main, args) -> None:
     try:
         main(args)
         status = 0
-    except UsageError as e:  # an error every rank raised is printed once per node
+    except UsageError as e:  # an error every rank raised is printed once per node, and no restart mends it
         if not e.on_every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        status = final_status(1) if e.on_every_rank else 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
     except (dist.DistError, RuntimeError) as e:
@@ -134,6 +135,18 @@ def _asked_to_stop(signum, frame) -> None:
         raise KeyboardInterrupt
 
 
+def final_status(status: int) -> int:
+    """The exit status of a mistake that every rank found (a flag, an input, another job holding --checkpoint-dir):
+    no restart can mend it, but torchrun restarts a job whenever a process fails (torch 2.13's agent reads no exit
+    status). Under run.sh, which names a file in RUN_SH_STATUS_FILE, the status goes there and the process exits 0,
+    so that torchrun ends the job; run.sh exits with the status."""
+    if path := os.environ.get("RUN_SH_STATUS_FILE"):
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            f.write(str(status))
+            return 0
+    return status
+
+
 def stop_requested() -> str | None:
     """Collective, once a step: the signal that asked any rank to stop (SLURM's preemption, torchrun stopping the
     job, Ctrl-C), or None. Every rank gets the same answer, so all stop after the same step and none waits."""
@@ -155,7 +168,7 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **{"formatter_class": self.Formatter, **kwargs})
 
     def error(self, message):
-        self.exit(2, f"error: {message} (see --help)\n")
+        self.exit(final_status(2), f"error: {message} (see --help)\n")
 
 
 def whole(minimum: int):  # argparse type: a whole number >= minimum
@@ -182,9 +195,10 @@ def number(positive: bool):  # argparse type: a finite number > 0 (positive) or 
 # ----------------------------------------------------------------------------------------------------------
 # Before a run writes anything: its paths, its lock, and whether it continues the run in --checkpoint-dir
 
-def check_run(args, rank: int, restart: int, data_id: str) -> None:
+def check_run(args, rank: int, job: list[str], data_id: str) -> None:
     """Every check of what the run will write, collectively, so a run that cannot save fails in seconds; takes
-    the lock on rank 0. Resuming, args.init_from becomes the one the run recorded."""
+    the lock on rank 0 (job: job_ids()); --fresh moves aside what other runs left there. Resuming, args.init_from
+    becomes the one the run recorded."""
     with collective_errors():  # 1. nothing written yet: is every path usable?
         check_apart(args)
         for flag, path, directory in (("--checkpoint-dir", args.checkpoint_dir, True),
@@ -192,15 +206,16 @@ def check_run(args, rank: int, restart: int, data_id: str) -> None:
             if path:
                 check_output(flag, path, directory)
     token = [None]
-    # torchrun's restart count differs between nodes (one that came back starts at 0); the first node's, the
-    # highest, grows with every attempt of the job, so an earlier attempt's lock always holds a lower one.
-    attempt = max_over_ranks(restart)
     with collective_errors():  # 2. one run per checkpoint directory
         if rank == 0:
-            token[0] = RunLock.acquire(args.checkpoint_dir, attempt).holder["token"]
+            token[0] = RunLock.acquire(args.checkpoint_dir, job).holder["token"]
     dist.broadcast_object_list(token, src=0)
-    with collective_errors():  # 3. every rank sees that directory and can write its shard there; same run?
+    with collective_errors():  # 3. every rank sees that directory and can write its shard there
         probe_directory("--checkpoint-dir", args.checkpoint_dir, token[0])
+    with collective_errors():  # 4. --fresh, once per job: a restart keeps (and resumes) what this job saved
+        if args.fresh and rank == 0:
+            _set_aside(args.checkpoint_dir, job)
+    with collective_errors():  # 5. the same run as the checkpoint it continues?
         if (resume := resuming(args)) is not None:
             args.init_from = read_meta(resume).get("run", {}).get("init_from")
             check_same_run(args, resume, data_id)  # the flags now; the model once it is known
@@ -259,10 +274,10 @@ def probe_directory(flag: str, path: str, lock_token: str) -> None:
 
 
 # The lock: DIR/run.lock, created by the run's rank 0 and removed when the run ends; it names its holder's host,
-# pid and start time, and a second run on DIR stops at once. A lock left by a killed run is taken over at once
-# when its holder was on this host and is gone, or was an earlier attempt of this torchrun job (torchrun
-# --max-restarts); otherwise once it is older than STALE_SECONDS (the holder touches it every HEARTBEAT_SECONDS,
-# so hosts sharing DIR need clocks that agree to a few seconds).
+# pid, start time and job (job_ids()), and a second run on DIR stops at once. A lock left by a killed run is taken
+# over at once when its holder was on this host and is gone, or, on another host, was an earlier attempt of this
+# job (torchrun stops an attempt before it starts the next); otherwise once it is older than STALE_SECONDS (the
+# holder touches it every HEARTBEAT_SECONDS, so hosts sharing DIR need clocks that agree to a few seconds).
 LOCK_NAME = "run.lock"
 HEARTBEAT_SECONDS = 10
 STALE_SECONDS = 60
@@ -278,7 +293,7 @@ class RunLock:
         atexit.register(self.release)
 
     @classmethod
-    def acquire(cls, directory: str, restart: int = 0) -> "RunLock":
+    def acquire(cls, directory: str, job: list[str] = ()) -> "RunLock":
         created = not os.path.isdir(directory)
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, LOCK_NAME)
@@ -286,8 +301,7 @@ class RunLock:
             raise UsageError(f"--checkpoint-dir {directory}: {path} is not a run lock (a link or a directory); "
                              "move it away, or choose another --checkpoint-dir")
         me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_started": _process_start(os.getpid()),
-              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
-              "restart": restart, "token": uuid.uuid4().hex}
+              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "job": list(job), "token": uuid.uuid4().hex}
         for _ in range(3):
             try:
                 _write_synced(path, json.dumps(me), exclusive=True)
@@ -347,10 +361,8 @@ def _stale(holder: dict | None, me: dict, path: str) -> bool:
         return True
     if holder is None:  # unreadable: a run between creating the file and writing it, unless it died there
         return age > STALE_SECONDS
-    if holder.get("run_id") and holder.get("run_id") == me["run_id"] and holder.get("restart", 0) < me["restart"]:
-        return True  # an earlier attempt of this torchrun job, which torchrun stopped before restarting it
-    if holder["host"] != me["host"]:
-        return age > STALE_SECONDS
+    if holder["host"] != me["host"]:  # an earlier attempt of this job is gone; another job's run, once silent
+        return same_job(holder.get("job"), me["job"]) or age > STALE_SECONDS
     try:
         os.kill(holder["pid"], 0)
     except ProcessLookupError:
@@ -425,41 +437,68 @@ class Metrics:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# A run that torchrun restarted with more or fewer processes: the same run at a layout that fits them
+# This job: its attempts (torchrun restarts; a node lost or back) continue one run, on the processes there are
 
-def relayout(args, world_size: int) -> str | None:
-    """When this torchrun job saved the newest checkpoint on another number of processes, set args.dp for a
-    layout of the same run that fits them (--tp kept; the pipeline too while it fits, else fewer stages) and
-    return the line to print. Decided from the checkpoint and the job's id alone: every rank decides the same."""
-    job = os.environ.get("TORCHELASTIC_RUN_ID")
-    path = resuming(args) if job else None
+def job_ids() -> list[str]:
+    """This job, as the ids of its nodes' launches, gathered from every rank (collective): run.sh makes one per node
+    and launch (RUN_SH_LAUNCH_ID; under SLURM the job's id, which a requeue keeps), else torchrun's rendezvous id
+    (--standalone makes a new one per launch). Every attempt of the job shares one with the earlier attempts (the
+    node that hosts the rendezvous takes part in all); another job shares none, whatever its rendezvous id."""
+    ids = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, os.environ.get("RUN_SH_LAUNCH_ID") or os.environ.get("TORCHELASTIC_RUN_ID"))
+    return sorted({launch for launch in ids if launch})
+
+
+def same_job(recorded, job: list[str]) -> bool:
+    """Whether the job ids a lock or a checkpoint recorded (any JSON: the files are untrusted) share one with job."""
+    return isinstance(recorded, list) and not set(job).isdisjoint(i for i in recorded if isinstance(i, str))
+
+
+def relayout(args, world_size: int, job: list[str], stages_per_rank: int, say=print) -> tuple[int, str]:
+    """The --dp and --split this attempt runs at: the flags', or, when this job saved the newest checkpoint on
+    another number of processes (torchrun restarted it on more or fewer), a layout of the same run that fits them,
+    said in one line. --tp is kept, the pipeline too while it fits, else the most stages below it, else the fewest
+    above. The scripts' rules: pp x stages_per_rank stages (the schedule's) of at least a layer each; --split's
+    counts only while there are as many stages (else balanced, and the line says so); --batch-size divisible by
+    dp x --microbatches. Decided from the checkpoint alone, so every rank decides the same; no layout: one line."""
+    path = resuming(args)
     meta = read_meta(path) if path else {}
     saved, old_world = meta.get("args", {}), meta.get("world_size", world_size)
-    if meta.get("job") != job or old_world == world_size or not {"dp", "tp"} <= saved.keys():
-        return None  # a new launch (its flags as given), or the same processes
-    old_pp = old_world // (saved["dp"] * saved["tp"])
-    layers = meta["config"]["num_hidden_layers"]
-    fits = [(pp, world_size // (pp * args.tp)) for pp in range(min(max(old_pp, world_size // args.tp), layers), 0, -1)
-            if world_size % (pp * args.tp) == 0
-            and args.batch_size % (world_size // (pp * args.tp) * args.microbatches) == 0]
-    if not fits:
-        counts = sorted({pp * dp * args.tp for pp in range(1, layers + 1) for dp in range(1, args.batch_size + 1)
-                         if args.batch_size % (dp * args.microbatches) == 0 and pp * dp * args.tp <= old_world})
-        raise UsageError(f"{world_size} process(es) left cannot hold this run ({os.path.basename(path)}, saved by "
-                         f"{old_world}): with --tp {args.tp}, --batch-size {args.batch_size} and --microbatches "
-                         f"{args.microbatches} it needs {', '.join(map(str, counts))} processes; start that many",
+    if not same_job(meta.get("job"), job) or old_world == world_size or not {"dp", "tp"} <= saved.keys():
+        return args.dp, args.split  # a new launch takes its flags as given, as does a restart on the same processes
+    old_pp, layers, tp = old_world // (saved["dp"] * saved["tp"]), meta["config"]["num_hidden_layers"], args.tp
+
+    def fits(pp: int, dp: int) -> bool:
+        return pp * stages_per_rank <= layers and args.batch_size % (dp * args.microbatches) == 0
+
+    found = [pp for pp in range(1, world_size // tp + 1) if world_size % (pp * tp) == 0
+             and fits(pp, world_size // (pp * tp))]
+    if not found:
+        counts = sorted({pp * dp * tp for pp in range(1, layers // stages_per_rank + 1)
+                         for dp in range(1, max(old_world, world_size) // (pp * tp) + 1) if fits(pp, dp)})
+        raise UsageError(f"{world_size} process(es) cannot hold this run ({os.path.basename(path)}, saved by "
+                         f"{old_world}): with --tp {tp}, --batch-size {args.batch_size}, --microbatches "
+                         f"{args.microbatches} and {layers} layers in {stages_per_rank} stage(s) per pipeline rank "
+                         f"it needs {', '.join(map(str, counts)) or 'more layers'} process(es); start that many",
                          on_every_rank=True)
-    pp, args.dp = next(((pp, dp) for pp, dp in fits if pp <= old_pp), fits[-1])
-    return (f"{old_world} processes -> {world_size}: pp {old_pp} x dp {saved['dp']} x tp {saved['tp']} -> pp {pp} x "
-            f"dp {args.dp} x tp {args.tp}; resuming {path} at step {meta['step']}")
+    pp = max([pp for pp in found if pp <= old_pp], default=min(found))
+    dp, split, note = world_size // (pp * tp), args.split, ""
+    try:
+        check_layout(split, layers, pp * stages_per_rank)
+    except ValueError:
+        split, note = "balanced", f" (--split {args.split} is for {args.split.count(',') + 1} stages: balanced)"
+    say(f"{old_world} processes -> {world_size}: pp {old_pp} x dp {saved['dp']} x tp {saved['tp']} -> pp {pp} x dp "
+        f"{dp} x tp {tp}{note}; resuming {path} at step {meta['step']}", flush=True)
+    return dp, split
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Which model a run trains: a preset, --init-from's, or (resuming a run started from weights) its checkpoint's
 
 def resuming(args) -> str | None:
-    """The checkpoint this run continues: the newest complete one in --checkpoint-dir (None with --fresh)."""
-    return None if args.fresh else latest(args.checkpoint_dir)
+    """The checkpoint this run continues: the newest complete one in --checkpoint-dir (with --fresh, once check_run
+    has moved aside what other runs left, one this job saved: a restart of the job)."""
+    return latest(args.checkpoint_dir)
 
 
 def preset_model(args) -> bool:
@@ -806,7 +845,9 @@ def _meta_checks(meta: dict):
     for key in sorted({"dp", "tp"} & args.keys()):
         yield f"args.{key}", args[key], _whole(args[key], 1), "a whole number >= 1"
     yield "args.precision", args.get("precision"), isinstance(args.get("precision"), (str, type(None))), "a string"
-    yield "job", meta.get("job"), isinstance(meta.get("job"), (str, type(None))), "a string or null"
+    job = meta.get("job")  # the launch ids of the job that saved it (older checkpoints: a string, another job)
+    yield "job", job, job is None or isinstance(job, str) or isinstance(job, list) and all(
+        isinstance(i, str) for i in job), "a list of launch ids"
     yield "files", meta["files"], isinstance(meta["files"], dict), "an object of file names and sizes"
     for name, size in meta["files"].items():  # DCP and resume read them: never a path outside the checkpoint
         yield "file name", name, not os.path.isabs(name) and os.path.normpath(name) == name and \
@@ -1101,13 +1142,9 @@ def check_same_run(args, path: str, data_id: str, config: LlamaConfig | None = N
 
 def resume(args, rank: int, world_size: int, model, optimizer, config: LlamaConfig, data_id: str,
            say=print) -> tuple[int, dict | None]:
-    """Continue the run in --checkpoint-dir exactly (--fresh: move its checkpoints aside first; nothing to
-    resume: --init-from's weights), or refuse in one line. Collective. Returns the step done (>= --steps:
-    nothing left to do) and the data loader's position (None: from the start)."""
-    if args.fresh:
-        with collective_errors():
-            if rank == 0:
-                _set_aside(args.checkpoint_dir, say)
+    """Continue the run in --checkpoint-dir exactly (nothing to resume: --init-from's weights), or refuse in one
+    line. Collective. Returns the step done (>= --steps: nothing left to do) and the data loader's position (None:
+    from the start)."""
     path = resuming(args)
     if path is None:
         if args.init_from is not None:
@@ -1143,9 +1180,17 @@ def resume(args, rank: int, world_size: int, model, optimizer, config: LlamaConf
     return meta["step"], meta.get("data")
 
 
-def _set_aside(checkpoint_dir: str, say) -> None:
-    """--fresh: move what checkpoint_dir holds, but the run's lock, into DIR.previous-TIME; nothing is deleted."""
-    entries = [n for n in os.listdir(checkpoint_dir) if n != LOCK_NAME] if os.path.isdir(checkpoint_dir) else []
+def _set_aside(checkpoint_dir: str, job: list[str], say=print) -> None:
+    """--fresh: move what checkpoint_dir holds into DIR.previous-TIME (nothing is deleted), but the run's lock and
+    the checkpoints this job saved: a restart of the job resumes those instead of starting over again."""
+    def saved_by_this_job(name: str) -> bool:
+        try:
+            return same_job(read_meta(os.path.join(checkpoint_dir, name)).get("job"), job)
+        except UsageError:
+            return False  # damaged: nothing to resume
+    complete = {os.path.basename(path) for path in complete_checkpoints(checkpoint_dir)}
+    entries = [name for name in os.listdir(checkpoint_dir)
+               if name != LOCK_NAME and not (name in complete and saved_by_this_job(name))]
     if not entries:
         return
     stamp = f"{checkpoint_dir.rstrip(os.sep)}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -1159,11 +1204,11 @@ def _set_aside(checkpoint_dir: str, say) -> None:
     say(f"--fresh: moved the previous checkpoints to {aside}", flush=True)
 
 
-def save_if_due(args, rank: int, step: int, model, optimizer, config: LlamaConfig, data_id: str,
+def save_if_due(args, rank: int, step: int, model, optimizer, config: LlamaConfig, data_id: str, job: list[str],
                 data_position: dict, stopping: bool = False) -> str | None:
     """Save every --checkpoint-every steps, at the end of the run, and when it stops early: the path, if saved."""
     if step != args.steps and not stopping and not (args.checkpoint_every and step % args.checkpoint_every == 0):
         return None
     meta = {"config": dataclasses.asdict(config), "run": run_identity(args, data_id), "data": data_position,
-            "args": vars(args), "torch": torch.__version__, "job": os.environ.get("TORCHELASTIC_RUN_ID")}
+            "args": vars(args), "torch": torch.__version__, "job": job}
     return save(args.checkpoint_dir, step, model, optimizer, meta, rank, args.keep_checkpoints, args.data)

@@ -6,10 +6,16 @@
 # Environment (defaults): NNODES (1; MIN:MAX such as 1:2 for an elastic job), NODE_RANK (0), NPROC_PER_NODE
 # (GPUs, else 3), MASTER_ADDR (needed for NNODES > 1 or MIN:MAX), MASTER_PORT (29500), MAX_RESTARTS (0; 3 when
 # elastic), SHUTDOWN_TIMEOUT (120: seconds the processes get, after a SIGTERM, to finish their step and save),
-# LOG_DIR (none: one log file per rank when set), RDZV_ID (SLURM_JOB_ID, else "pipeline"), RDZV_CONF (none:
-# torchrun's --rdzv-conf, e.g. last_call_timeout=5 to restart sooner after a node is lost), PYTHON (python3),
-# DRY_RUN (1: print the command, start nothing). Under SLURM, NNODES, NODE_RANK and MASTER_ADDR default to what
-# the allocation says; set ones win.
+# LOG_DIR (none: one log file per rank when set), RDZV_ID (SLURM_JOB_ID, else "pipeline": the nodes of a job meet
+# under it), RDZV_CONF (none: torchrun's --rdzv-conf, e.g. last_call_timeout=5 to restart sooner after a node is
+# lost), PYTHON (python3), DRY_RUN (1: print the command, start nothing). Under SLURM, NNODES, NODE_RANK and
+# MASTER_ADDR default to what the allocation says; set ones win.
+#
+# Each launch gets an id of its own, RUN_SH_LAUNCH_ID (under SLURM the job's, which a requeue keeps): the processes
+# record their nodes' ids in the run lock and in the checkpoints, so that an attempt of the job (a torchrun
+# restart) knows the checkpoints it saved and the lock an earlier attempt left, and another job, whatever its
+# RDZV_ID, is never taken for one. A mistake that every process finds (a flag, an input, another job using
+# --checkpoint-dir) ends the job at once, with its one line and status 1 (2 for the command line): no restart.
 #
 # Elastic (NNODES=MIN:MAX): the nodes meet at MASTER_ADDR:MASTER_PORT; a node lost (or back) restarts the job
 # on the processes there are, and the script resumes its newest checkpoint at a layout that fits them (the same
@@ -160,6 +166,15 @@ echo "run.sh: ${slurm:+$slurm: }$where, NPROC_PER_NODE=$NPROC_PER_NODE, MAX_REST
 if [[ ${DRY_RUN:-0} == 1 ]]; then
     printf '%q ' "${cmd[@]}" && echo && exit 0
 fi
+# This launch: the node's part of the job's identity (host, pid and time: no two launches share it).
+export RUN_SH_LAUNCH_ID=${SLURM_JOB_ID:+slurm-$SLURM_JOB_ID}
+: "${RUN_SH_LAUNCH_ID:=$HOSTNAME-$$-$(date +%s)}"
+# torchrun restarts a job whenever a process fails, whatever its status. A process ending on a mistake that every
+# process finds writes its status here and exits 0 instead (checkpoint.final_status): torchrun ends the job.
+status_file=$(mktemp "${TMPDIR:-/tmp}/run.sh-status.XXXXXX") ||
+    die "cannot create a file in ${TMPDIR:-/tmp}; set TMPDIR to a writable directory"
+trap 'rm -f "$status_file"' EXIT
+export RUN_SH_STATUS_FILE=$status_file
 # A SIGTERM or SIGINT (SLURM's sbatch --signal=TERM@120 or preemption, a scheduler stopping the job) goes to
 # the training processes, torchrun's children: they finish their step, save it and exit 0, and torchrun with
 # them. (Sent to torchrun itself, it would pass it on but end with an error of its own.) Its status is ours.
@@ -173,4 +188,7 @@ while kill -0 "$torchrun" 2>/dev/null; do # a signal ended `wait` early: torchru
     status=0
     wait "$torchrun" || status=$?
 done
+if ((status == 0)) && [[ $(<"$status_file") =~ ^[0-9]+$ ]]; then
+    status=$(<"$status_file") # the processes ended on a mistake (they exited 0 so that torchrun would not restart)
+fi
 exit "$status"

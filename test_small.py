@@ -36,6 +36,7 @@ import time
 import tracemalloc
 import types
 import unittest.mock
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -138,22 +139,37 @@ def finish(proc, timeout=240):
 
 # Each process of a real launch spends ~2 s of CPU (measured here; more on slower machines) importing torch,
 # DTensor, FSDP and the pipelining package before the script's first line runs, and torchrun's agent ~1 s: most
-# of the suite's time. run_script() forks each rank from one server process that imported them once (multiprocessing's
+# of the suite's time. run_script() forks each rank from a server process that imported them once (multiprocessing's
 # forkserver, preloaded with this file and what it imports) and runs the script's file as `python SCRIPT ARGS`
 # would, as __main__ (its own argument parsing, checkpoint.run, sys.exit), with what torchrun gives each rank:
-# RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, rank 0 hosting the store. What is
-# about torchrun, signals, the command as a user types it, and copies in other folders runs under launch().
+# RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (rank 0 hosting the store), and the
+# TORCHELASTIC_* variables of a --standalone launch (a new run id each). A forked rank starts as a new process
+# would: a string-hash seed other than its neighbours' (two servers, for even and odd ranks, each with a seed of
+# its own), torch's, Python's and numpy's random state from the OS (test_a_forked_rank_starts_as_a_torchrun_rank_does).
+# The server's warning filters are a rank's after its imports, and it shows no warning while importing (measured).
+# What a fork cannot give: the interpreter's shutdown (the rank runs its exit handlers, then multiprocessing's
+# os._exit), and no more imports than the script's (transformers is loaded; of the server's exit handlers, only
+# filelock's and huggingface_hub's are not a script's, measured). So each error path, and what is about torchrun,
+# signals, the command as a user types it and copies in other folders, also runs under launch().
+
+PRELOAD = ["test_small", "transformers"]
+ODD_RANKS = multiprocessing.forkserver.ForkServer()  # the second server
+
 
 @functools.cache
 def forkserver():
     """The context ranks start from: multiprocessing's forkserver, started once, single-threaded, with this file
-    (so torch, the scripts and the tools) imported under OMP_NUM_THREADS=1 (OpenMP reads it when torch loads)."""
+    (so torch, the scripts and the tools) imported under OMP_NUM_THREADS=1 (OpenMP reads it when torch loads); and
+    ODD_RANKS, the same with another string-hash seed."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["test_small", "transformers"])
+    context.set_forkserver_preload(PRELOAD)
+    ODD_RANKS.set_forkserver_preload(PRELOAD)
     saved = dict(os.environ)
     os.environ.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # Python 3.11's forkserver ignores sys.path
     try:
-        multiprocessing.forkserver.ensure_running()
+        for server, seed in zip((multiprocessing.forkserver, ODD_RANKS), random.sample(range(1, 2**32), 2)):
+            os.environ["PYTHONHASHSEED"] = str(seed)
+            server.ensure_running()
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -174,6 +190,7 @@ def _run_as_main(script: str, argv: list, env: dict, cwd: str, log: str) -> None
         os.close(file)
     sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
     sys.argv, sys.path[0] = [script, *argv], os.path.dirname(script)
+    torch.seed(), random.seed(), np.random.seed()  # from the OS, as torch 2.13 seeds a new process (measured)
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
@@ -191,12 +208,20 @@ class Forked:
         self.nproc, self.args, self.log, self.killed = nproc, [str(script), *argv], None, False
         self.dir = tempfile.mkdtemp(prefix="ranks-")
         port, self.ranks = str(free_port()), []
+        context = forkserver()
+        # env may set the job's TORCHELASTIC_RUN_ID and TORCHELASTIC_RESTART_COUNT: another attempt of one job. No
+        # agent hosts a store here (torchrun's, for USE_AGENT_STORE True): rank 0 does, as under run.sh's nodes.
+        job = dict(TORCHELASTIC_RUN_ID=uuid.uuid4().hex, TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+                   TORCHELASTIC_USE_AGENT_STORE="False", GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default")
         for rank in range(max(nproc, 1)):
-            torchrun = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port) if nproc else {}
-            self.ranks.append(forkserver().Process(target=_run_as_main, daemon=True, args=(
-                str(script), argv, {**env, **torchrun}, str(cwd), os.path.join(self.dir, str(rank)))))
-            self.ranks[-1].start()
+            torchrun = {**job, **env, **dict(
+                RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank), WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)}
+            self.ranks.append(context.Process(target=_run_as_main, daemon=True, args=(
+                str(script), argv, torchrun if nproc else env, str(cwd), os.path.join(self.dir, str(rank)))))
+            with unittest.mock.patch.object(multiprocessing.forkserver, "connect_to_new_process",
+                                            ODD_RANKS.connect_to_new_process) if rank % 2 else contextlib.nullcontext():
+                self.ranks[-1].start()  # odd ranks from the other server (multiprocessing asks its module for one)
         self.pid = self.ranks[0].pid
         Forked.started.append(self)
 
@@ -295,7 +320,8 @@ def launch_ranks(world_size: int, script: str, *args, cwd) -> list:
 
 RUN_SH = str(ROOT / "run.sh")
 LAUNCHER_VARS = ["NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "MAX_RESTARTS", "LOG_DIR",
-                 "RDZV_ID", "RDZV_CONF", "DRY_RUN", "PYTHON", "SHUTDOWN_TIMEOUT", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
+                 "RDZV_ID", "RDZV_CONF", "DRY_RUN", "PYTHON", "SHUTDOWN_TIMEOUT", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+                 "RUN_SH_LAUNCH_ID", "RUN_SH_STATUS_FILE"]
 
 
 def launcher_env(**overrides) -> dict:
@@ -2182,43 +2208,67 @@ def test_a_second_signal_stops_at_once_and_torchruns_copy_of_the_first_does_not(
         checkpoint._asked_to_stop(signal.SIGINT, None)
 
 
-def fake_checkpoint(directory: Path, step: int, world_size: int, dp: int, tp: int, layers: int = 4) -> Path:
-    """A checkpoint's meta.json alone, as torchrun job "job7" of world_size processes at dp x tp saved it (what
-    relayout reads)."""
+def fake_checkpoint(directory: Path, step: int, world_size: int, dp: int, tp: int, layers: int = 4,
+                    job: tuple = ("job7",), **args) -> Path:
+    """A checkpoint's meta.json alone, as the job of launch ids job (a torchrun job: its run id) saved it on
+    world_size processes at dp x tp (and args): what relayout and --fresh read."""
     path = directory / f"step-{step:08d}"
     path.mkdir(parents=True)
     (path / "meta.json").write_text(json.dumps({"step": step, "config": dataclasses.asdict(small_config(layers=layers)),
                                                 "files": {}, "world_size": world_size,
-                                                "args": {"dp": dp, "tp": tp}, "job": "job7"}))
+                                                "args": {"dp": dp, "tp": tp, **args}, "job": list(job)}))
     return path
 
 
-@pytest.mark.parametrize("saved, processes, layout", [
-    ((4, 2, 1), 2, (2, 1)),  # a node of 2 lost: the pipeline kept, one replica
-    ((2, 1, 1), 4, (2, 2)),  # it came back: two replicas again
-    ((4, 2, 1), 3, (3, 1)),  # 3 processes cannot hold 2 stages x any replicas: 3 stages
-    ((8, 2, 2), 4, (2, 1)),  # tp kept
-    ((4, 1, 1), 4, None),  # the same number of processes: the flags as given
+@pytest.mark.parametrize("saved, processes, flags, layout", [
+    ((4, 2, 1), 2, [], (2, 1)),  # a node of 2 lost: the pipeline kept, one replica
+    ((2, 1, 1), 4, [], (2, 2)),  # it came back: two replicas again
+    ((4, 2, 1), 3, [], (3, 1)),  # 3 processes cannot hold 2 stages x any replicas: 3 stages
+    ((8, 2, 2), 4, [], (2, 1)),  # tp kept
+    ((4, 1, 1), 4, [], None),  # the same number of processes: the flags as given
+    ((4, 2, 1), 3, ["--split", "2,2"], (3, 1, "balanced")),  # 2 counts for 3 stages: balanced, and said
+    ((3, 1, 1), 4, ["--dp", "2", "--split", "2,2"], (2, 2, "2,2")),  # 2 stages again: the counts fit again
+    ((4, 2, 1), 2, ["--split", "1,3"], (2, 1, "1,3")),  # the pipeline kept, and its --split
+    ((4, 2, 1), 2, ["--schedule", "zbvzerobubble"], (2, 1)),  # V-shaped: 2 stages per rank
+    ((4, 1, 1), 3, ["--schedule", "interleaved1f1b", "--batch-size", "12", "--microbatches", "2"], (1, 3)),
 ])
-def test_a_restarted_run_takes_the_layout_that_fits_the_processes_left(tmp_path, monkeypatch, saved, processes,
-                                                                       layout):
+def test_a_restarted_run_takes_the_layout_that_fits_the_processes_left(tmp_path, saved, processes, flags, layout):
     world, dp, tp = saved
-    fake_checkpoint(tmp_path / "ckpt", 8, world, dp, tp)
+    path = fake_checkpoint(tmp_path / "ckpt", 8, world, dp, tp)
     args = gpipe.build_parser().parse_args(["--checkpoint-dir", str(tmp_path / "ckpt"), "--dp", str(dp), "--tp",
-                                            str(tp), "--batch-size", "8", "--microbatches", "4"])
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    assert checkpoint.relayout(args, processes) is None  # python, not torchrun: its flags as given
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job8")
-    assert checkpoint.relayout(args, processes) is None  # another torchrun job: a new launch, its flags as given
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")  # the job that saved it, restarted
-    said = checkpoint.relayout(args, processes)
+                                            str(tp), "--batch-size", "8", "--microbatches", "4", *flags])
+    per_rank = 1 if args.schedule in gpipe.SINGLE_STAGE else 2
+    said, given = [], (args.dp, args.split)
+
+    def say(line: str, flush: bool) -> None:
+        said.append(line)
+    for job in [], ["job8"], ["job8", "job9"]:  # plain python; other jobs: their flags as given
+        assert checkpoint.relayout(args, processes, job, per_rank, say) == given and not said
+    new = checkpoint.relayout(args, processes, ["job1", "job7"], per_rank, say)  # this job, and a node new to it
     if layout is None:
-        assert said is None and args.dp == dp
+        assert new == given and not said
         return
-    pp, new_dp = layout
-    assert args.dp == new_dp and processes == pp * new_dp * tp
-    assert said == (f"{world} processes -> {processes}: pp {world // (dp * tp)} x dp {dp} x tp {tp} -> pp {pp} x dp "
-                    f"{new_dp} x tp {tp}; resuming {tmp_path / 'ckpt' / 'step-00000008'} at step 8")
+    pp, new_dp, split = (*layout, args.split)[:3]
+    assert new == (new_dp, split) and processes == pp * new_dp * tp
+    note = f" (--split {args.split} is for 2 stages: balanced)" if split != args.split else ""
+    assert said == [f"{world} processes -> {processes}: pp {world // (dp * tp)} x dp {dp} x tp {tp} -> pp {pp} x dp "
+                    f"{new_dp} x tp {tp}{note}; resuming {path} at step 8"]
+
+
+@pytest.mark.parametrize("schedule, per_rank", [("zbvzerobubble", 2), ("interleaved1f1b", 2), ("gpipe", 1)])
+def test_a_restart_that_no_layout_fits_is_one_line_naming_the_counts_that_would(tmp_path, schedule, per_rank):
+    # Grown from 2 to 4 processes: 2 replicas would need 16 sequences, pp 4 8 stages (V-shaped, looped) on 4 layers.
+    fake_checkpoint(tmp_path / "ckpt", 8, 2, 1, 1)
+    args = gpipe.build_parser().parse_args(["--checkpoint-dir", str(tmp_path / "ckpt"), "--schedule", schedule,
+                                            "--batch-size", "8", "--microbatches", "8"])
+    if per_rank == 1:  # one stage per rank: pp 4 fits
+        assert checkpoint.relayout(args, 4, ["job7"], per_rank, print) == (1, "balanced")
+        return
+    with pytest.raises(checkpoint.UsageError, match=re.escape(
+            "4 process(es) cannot hold this run (step-00000008, saved by 2): with --tp 1, --batch-size 8, "
+            "--microbatches 8 and 4 layers in 2 stage(s) per pipeline rank it needs 1, 2 process(es); start that "
+            "many")):
+        checkpoint.relayout(args, 4, ["job7"], per_rank, print)
 
 
 def test_no_layout_of_the_processes_left_is_one_line_and_touches_nothing(tmp_path, data_dir):
@@ -2227,13 +2277,18 @@ def test_no_layout_of_the_processes_left_is_one_line_and_touches_nothing(tmp_pat
     before = snapshot(tmp_path / "checkpoints")
     result = run_script(0, "train_pipeline_gpipe.py", *TRAIN_ARGS, "--tp", "2", "--data", data_dir, cwd=tmp_path,
                         env=dict(script_env(), TORCHELASTIC_RUN_ID="job7"))
-    one_line_error(result, "1 process(es) left cannot hold this run (step-00000008, saved by 4): with --tp 2, "
-                           "--batch-size 8 and --microbatches 4 it needs 2, 4 processes; start that many")
+    one_line_error(result, "1 process(es) cannot hold this run (step-00000008, saved by 4): with --tp 2, "
+                           "--batch-size 8, --microbatches 4 and 4 layers in 1 stage(s) per pipeline rank it needs "
+                           "2, 4 process(es); start that many")
     assert snapshot(tmp_path / "checkpoints") == before
 
 
-def test_dead_rank_with_max_restarts_resumes_and_finishes(tmp_path, data_dir, reference_run):
-    args = [*RESUME_ARGS, "--dp", "2", "--checkpoint-every", "2", "--data", data_dir, "--metrics", "m.jsonl"]
+def test_dead_rank_with_max_restarts_resumes_and_finishes_and_fresh_acts_once(tmp_path, data_dir, reference_run):
+    # torchrun --max-restarts 1, --fresh: the first attempt moves aside what another run left (the reference run's
+    # step 12, which these flags would resume); a rank killed after step 4's checkpoint, the restart resumes this
+    # job's checkpoint (--fresh acts once per job), and every step is trained once: the reference's losses.
+    shutil.copytree(reference_run[0] / "checkpoints" / "step-00000012", tmp_path / "checkpoints" / "step-00000012")
+    args = [*RESUME_ARGS, "--dp", "2", "--checkpoint-every", "2", "--data", data_dir, "--metrics", "m.jsonl", "--fresh"]
     proc = launch(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path, wait=False, torchrun_args=["--max-restarts=1"])
     while proc.poll() is None and "step-00000004" not in complete_and_partial(tmp_path / "checkpoints")[0]:
         time.sleep(0.01)
@@ -2242,7 +2297,9 @@ def test_dead_rank_with_max_restarts_resumes_and_finishes(tmp_path, data_dir, re
     os.kill(victims[1], signal.SIGKILL)
     result = finish(proc)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from checkpoints/step-" in result.stdout
+    assert "resumed from checkpoints/step-0000000" in result.stdout and result.stdout.count("--fresh: moved") == 1
+    aside = list(tmp_path.glob("checkpoints.previous-*"))
+    assert len(aside) == 1 and os.listdir(aside[0]) == ["step-00000012"], result.stdout
     rows, _ = read_metrics(tmp_path / "m.jsonl")
     _, reference = reference_run
     assert [r["step"] for r in rows] == list(range(1, 17))
@@ -2565,7 +2622,7 @@ def test_fresh_runs_within_a_second_each_set_their_checkpoints_aside(tmp_path, m
     monkeypatch.setattr(time, "strftime", lambda *args: "20260101-000000")
     for step in range(3):
         (tmp_path / "ckpt" / f"step-{step:08d}").mkdir(parents=True)
-        checkpoint._set_aside(str(tmp_path / "ckpt"), say=lambda *args, **kwargs: None)
+        checkpoint._set_aside(str(tmp_path / "ckpt"), [], say=lambda *args, **kwargs: None)
     aside = {p.name: os.listdir(p) for p in tmp_path.glob("ckpt.previous-*")}
     assert aside == {"ckpt.previous-20260101-000000": ["step-00000000"],
                      "ckpt.previous-20260101-000000-2": ["step-00000001"],
@@ -2610,14 +2667,20 @@ def test_a_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path, monkeypatch)
     assert time.time() - lock_file.stat().st_mtime < checkpoint.STALE_SECONDS  # the holder's heartbeat
     lock.release()
     assert not lock_file.exists()
-    # An earlier attempt of the same torchrun job (a lower restart count) is taken over at once, wherever it ran.
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    # On another host, an earlier attempt of this job (one of its node launches the same) is taken over at once;
+    # another job's lock is not, whatever its torchrun ids (a second job that torchrun restarted, issue 37).
     lock_file.write_text(json.dumps({"host": "node-elsewhere", "pid": 4242, "started": "2026-01-01 00:00:00",
-                                     "run_id": "job-7", "restart": 0}))
-    with pytest.raises(checkpoint.UsageError, match="another run"):  # a new launch with the same id is not a restart
-        checkpoint.RunLock.acquire(str(tmp_path), restart=0)
-    checkpoint.RunLock.acquire(str(tmp_path), restart=1).release()
+                                     "job": ["node0-launch", "node1-launch"], "run_id": "pipeline", "restart": 0}))
+    for other in [], ["node2-launch"], ["pipeline"]:
+        with pytest.raises(checkpoint.UsageError, match="another run"):
+            checkpoint.RunLock.acquire(str(tmp_path), other)
+    checkpoint.RunLock.acquire(str(tmp_path), ["node0-launch", "node3-launch"]).release()
     assert not lock_file.exists()
+    # On this host, only a holder that is gone: a live one of the same job is another run, not an earlier attempt.
+    live = checkpoint.RunLock.acquire(str(tmp_path), ["node0-launch"])
+    with pytest.raises(checkpoint.UsageError, match=f"another run is using it \\(pid {os.getpid()}"):
+        checkpoint.RunLock.acquire(str(tmp_path), ["node0-launch"])
+    live.release()
 
 
 def prepare_small(out: Path, documents: int = 600, tokenizer=None, seed: int = 0, vocab_size: int = 300) -> Path:
@@ -3990,53 +4053,110 @@ def wait_for(what: str, found, proc, seconds: float = 240) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("script, back", [("train_pipeline_gpipe.py", True), ("train_pipeline_afab_manual.py", False)])
+@pytest.mark.parametrize("script, nodes, flags", [("train_pipeline_gpipe.py", (2, 2), []),
+                                                  ("train_pipeline_afab_manual.py", (3, 1), ["--split", "2,2"])])
 def test_an_elastic_job_goes_on_without_a_lost_node_and_takes_it_back(tmp_path, data_dir, reference_run, script,
-                                                                       back):
-    # Two "nodes" of 2 processes on this machine, NNODES=1:2, 2 stages x 2 replicas. The second node dies (SIGKILL
-    # of it all) after the step-6 checkpoint: the first goes on by itself at 2 stages x 1 replica, the same run.
-    # Then (GPipe) a node comes back: the job takes it in at its next restart and goes on at 2 x 2. One metrics
-    # row per step; every loss the uninterrupted GPipe run's (reference_run: the same flags, 2 x 2), to the drift
-    # of fp32 sums since step 6 (another layout from there), or from step 1 for the other script.
-    args = [*RESUME_ARGS, "--dp", "2", "--checkpoint-every", "2", "--data", data_dir,
-            "--checkpoint-dir", tmp_path / "shared" / "ckpt", "--metrics", tmp_path / "shared" / "m.jsonl"]
-    # The restart waits 3 s for more nodes after the first (torchrun's default: 30).
-    node = dict(NNODES="1:2", NPROC_PER_NODE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RDZV_ID="elastic",
-                RDZV_CONF="last_call_timeout=3")
-    first = run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "first", **node)
-    time.sleep(1)  # the first node hosts the rendezvous: it must survive
-    second = run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "second", **node)
-    wait_for("step-6 checkpoint", lambda: (tmp_path / "shared" / "ckpt" / "step-00000006").is_dir(), first)
-    kill_job(second)
-    if back:
-        wait_for("restart on 2 processes", lambda: "resumed from" in lines_of(tmp_path / "first.out"), first)
-        torchrun = worker_pids(first.pid)[0]
-        workers = worker_pids(torchrun)
-        for pid in workers:  # held, so that the job is still running when the node comes back
-            os.kill(pid, signal.SIGSTOP)
-        back = run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "back", **node)
-        # torchrun sees the node waiting to join and stops the workers to restart them all: a SIGTERM they get
-        # once running again (they finish their step, save, exit 0; then all 4 processes start).
-        wait_for("the node coming back", lambda: all(signal_pending(pid, signal.SIGTERM) for pid in workers), first)
-        for pid in workers:
-            os.kill(pid, signal.SIGCONT)
-    for proc in (first, back) if back else (first,):
-        result = finish(proc)
-        assert result.returncode == 0, result.stderr[-3000:]
+                                                                       nodes, flags):
+    # Two "nodes" on this machine, NNODES=1:2, 4 processes: 2 stages x 2 replicas. The second node dies (SIGKILL of
+    # it all) after the step-6 checkpoint: the first goes on by itself, the same run: at 2 stages x 1 replica
+    # (GPipe, nodes of 2), or at 3 stages, --split 2,2 giving way to balanced (the hand-written script, nodes of 3
+    # and 1). Then (GPipe) another job is started on the same --checkpoint-dir, as the first was but on another
+    # port: it stops at once in one line, and the first job goes on; and a node comes back: the job takes it in at
+    # its next restart and goes on at 2 x 2. One metrics row per step; every loss the uninterrupted GPipe run's
+    # (reference_run: the same flags, 2 x 2), to the drift of fp32 sums since step 6 (another layout from there),
+    # or from step 1 for the other script.
+    ckpt = tmp_path / "shared" / "ckpt"
+    args = [*RESUME_ARGS, "--dp", "2", "--checkpoint-every", "2", "--data", data_dir, "--checkpoint-dir", ckpt,
+            "--metrics", tmp_path / "shared" / "m.jsonl", *flags]
+    # The restart waits 3 s for more nodes after the first (torchrun's default: 30). run.sh's own rendezvous id.
+    node = dict(NNODES="1:2", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RDZV_CONF="last_call_timeout=3")
+    first = run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "first", NPROC_PER_NODE=nodes[0], **node)
+    jobs = [first]
+    try:  # a failure leaves no job behind, stopped processes included
+        time.sleep(1)  # the first node hosts the rendezvous: it must survive
+        jobs.append(run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "second",
+                           NPROC_PER_NODE=nodes[1], **node))
+        wait_for("step-6 checkpoint", lambda: (ckpt / "step-00000006").is_dir(), first)
+        kill_job(jobs[1])
+        if script == SCRIPT:
+            wait_for("restart on 2 processes", lambda: "resumed from" in lines_of(tmp_path / "first.out"), first)
+            torchrun = worker_pids(first.pid)[0]
+            workers = worker_pids(torchrun)
+            for pid in workers:  # held, so that the job is still running when the others start
+                os.kill(pid, signal.SIGSTOP)
+            # torchrun would restart the other job: its rendezvous id is the same ("pipeline"), it is not the same job
+            other = run_sh(script, *args, cwd=tmp_path, timeout=120, NPROC_PER_NODE=2,
+                           **dict(node, MASTER_PORT=free_port(), RDZV_CONF="last_call_timeout=1"))
+            holder = json.loads((ckpt / "run.lock").read_text())
+            assert other.returncode == 1 and "Traceback" not in other.stderr and holder["pid"] in workers
+            assert error_lines(other.stderr) == [
+                f"error: --checkpoint-dir {ckpt}: another run is using it (pid {holder['pid']} on {holder['host']}, "
+                f"started {holder['started']}); wait for it to finish or choose another --checkpoint-dir (if that "
+                f"run is gone, delete {ckpt / 'run.lock'}) (found on rank 0)"], other.stderr[-3000:]
+            jobs.append(run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "back", NPROC_PER_NODE=2,
+                               **node))
+            # torchrun sees the node waiting to join and stops the workers to restart them all: a SIGTERM they get
+            # once running again (they finish their step, save, exit 0; then all 4 processes start).
+            wait_for("the node coming back", lambda: all(signal_pending(pid, signal.SIGTERM) for pid in workers),
+                     first)
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
+        for proc in [first, *jobs[2:]]:
+            result = finish(proc)
+            assert result.returncode == 0, result.stderr[-3000:]
+    finally:
+        for proc in jobs:
+            if proc.poll() is None:
+                kill_job(proc)
     out = lines_of(tmp_path / "first.out")
-    assert "4 processes -> 2: pp 2 x dp 2 x tp 1 -> pp 2 x dp 1 x tp 1; resuming " in out, out
-    if back:
+    if script == SCRIPT:
+        assert "4 processes -> 2: pp 2 x dp 2 x tp 1 -> pp 2 x dp 1 x tp 1; resuming " in out, out
         assert re.search(r"2 processes -> 4: pp 2 x dp 1 x tp 1 -> pp 2 x dp 2 x tp 1; resuming .* at step \d+",
                          out + lines_of(tmp_path / "back.out")), out
+    else:
+        assert ("4 processes -> 3: pp 2 x dp 2 x tp 1 -> pp 3 x dp 1 x tp 1 (--split 2,2 is for 2 stages: "
+                "balanced); resuming ") in out, out
     rows, _ = read_metrics(tmp_path / "shared" / "m.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 17))
     assert_same_trajectory(rows, reference_run[1], script, since=6 if script == SCRIPT else 0)
 
 
+def test_an_elastic_job_that_no_layout_of_its_processes_fits_ends_in_one_line(tmp_path, data_dir):
+    # ZBV (2 stages a rank) on a node of 2 processes: 4 stages on 4 layers. A second node of 2 joins: pp 4 would be
+    # 8 stages, 2 replicas need --batch-size 8 to divide into 2 x 8 microbatches. Each node says so in one line,
+    # and the job ends at once (no restart can mend it), its checkpoints as the first node left them.
+    ckpt = tmp_path / "ckpt"
+    args = [*RESUME_ARGS, "--steps", "1000", "--schedule", "zbvzerobubble", "--microbatches", "8",
+            "--checkpoint-every", "1", "--data", data_dir, "--checkpoint-dir", ckpt]
+    node = dict(NNODES="1:2", NPROC_PER_NODE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
+                RDZV_CONF="last_call_timeout=1")
+    jobs = [run_sh(SCRIPT, *args, cwd=tmp_path, wait=False, log=tmp_path / "first", **node)]
+    try:
+        wait_for("a checkpoint", lambda: complete_and_partial(ckpt)[0], jobs[0])
+        jobs.append(run_sh(SCRIPT, *args, cwd=tmp_path, wait=False, log=tmp_path / "second", **node))
+        results = [finish(proc, timeout=180) for proc in jobs]
+    finally:  # a failure leaves no job behind
+        for proc in jobs:
+            if proc.poll() is None:
+                kill_job(proc)
+    newest = complete_and_partial(ckpt)[0][-1]
+    for result in results:
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert error_lines(result.stderr) == [
+            f"error: 4 process(es) cannot hold this run ({newest}, saved by 2): with --tp 1, --batch-size 8, "
+            "--microbatches 8 and 4 layers in 2 stage(s) per pipeline rank it needs 1, 2 process(es); start that "
+            "many"], result.stderr[-3000:]
+    assert "stopped by SIGTERM after step" in lines_of(tmp_path / "first.out")  # saved when the node joined
+    assert sorted(os.listdir(ckpt)) == complete_and_partial(ckpt)[0]  # no lock, no partial save left
+
+
 def test_a_failed_job_fails_run_sh(tmp_path, data_dir):
-    result = run_sh(SCRIPT, "--steps", "-1", "--data", data_dir, cwd=tmp_path, timeout=120, NPROC_PER_NODE=1)
-    assert result.returncode != 0
-    assert "error: argument --steps: must be a whole number of at least 0, got -1" in result.stderr
+    # A mistake is not retried: its one line once, and the script's status (argparse's 2), whatever MAX_RESTARTS.
+    result = run_sh(SCRIPT, "--steps", "-1", "--data", data_dir, cwd=tmp_path, timeout=120, NPROC_PER_NODE=1,
+                    MAX_RESTARTS=2)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert error_lines(result.stderr) == ["error: argument --steps: must be a whole number of at least 0, got -1 "
+                                          "(see --help)"]
 
 
 # -- run.sh: the command it builds
@@ -4146,7 +4266,7 @@ def test_shellcheck_is_clean():
 
 def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsys):
     # In this process, each script's own main() on each mistake the flags alone show: the error names the flag and
-    # comes before any process group, file or model. (The test below runs the same checks as real processes.)
+    # comes before any file or model. (The test below runs the same checks as real processes.)
     ckpt = tmp_path / "ckpt"
     common = ["--checkpoint-dir", str(ckpt), "--data", str(tmp_path / "data")]
     gpipe_cases = {  # given -> what the message must name
@@ -4167,7 +4287,7 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
                "--stages-per-rank", 1),
               ("train_pipeline_tracer.py", ("--schedule", "1f1b", "--stages-per-rank", "2"),
                "--stages-per-rank 2: 1f1b holds 1 stage(s) per rank", 1)]
-    # --dp against the number of processes, as torchrun would set it: the checks run before any rendezvous.
+    # --dp against the number of processes, as torchrun would set it (a group of one stands in for them here).
     cases += [("train_pipeline_gpipe.py", given, named, 4) for given, named in [
         (("--dp", "3"), "--dp 3 x --tp 1: 4 processes do not divide"),
         (("--dp", "2", "--batch-size", "12"), "--dp 2 x --microbatches 4"),
@@ -4186,11 +4306,13 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
         monkeypatch.setenv("RANK", "0")
         monkeypatch.setenv("WORLD_SIZE", str(world_size))
         module = SCRIPT_MODULES[script]
-        with pytest.raises(checkpoint.UsageError) as failure:
-            module.main(module.build_parser().parse_args([*given, *common]))
+        try:  # once the processes have met (a group of one here): a restart's layout needs them all
+            with pytest.raises(checkpoint.UsageError) as failure:
+                module.main(module.build_parser().parse_args([*given, *common]))
+        finally:
+            dist.destroy_process_group()
         message = str(failure.value)
         assert named in message and "\n" not in message, (script, given, message)
-        assert not dist.is_initialized(), (script, given)
     # Values and flags argparse refuses: one line, status 2.
     for script, given, named in [("train_pipeline_gpipe.py", ("--model", "huge"), "--model"),
                                  ("train_pipeline_gpipe.py", ("--steps", "ten"), "--steps"),
@@ -4468,3 +4590,26 @@ def test_each_script_copied_into_an_empty_folder_trains(tmp_path):
         assert [r["step"] for r in rows] == [1, 2, 3] and (folder / "checkpoints" / "step-00000003").is_dir()
         assert sorted(p.name for p in folder.iterdir() if p.suffix == ".py") == sorted(
             {script, "model.py", "checkpoint.py", "prepare_data.py"})
+
+
+def test_a_forked_rank_starts_as_a_torchrun_rank_does(tmp_path):
+    # run_script's ranks, against a real launch's: torchrun's variables (a new run id each launch), a string-hash
+    # seed other than the next rank's, random state of its own (torch seeds each new process from the OS), the
+    # warning filters after the scripts' imports. On ranks that shared the server's, a bug could hide (issue 37).
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"import json, os, random, sys, warnings\nsys.path.insert(0, {str(ROOT)!r})\n"
+                     "import torch, train_pipeline_gpipe, train_pipeline_afab_manual, train_pipeline_tracer\n"
+                     "os.write(1, json.dumps([int(os.environ['RANK']), sorted(k for k in os.environ if k.startswith("
+                     "'TORCHELASTIC_')), os.environ['TORCHELASTIC_RUN_ID'], repr(warnings.filters), hash('a'), "
+                     "torch.initial_seed(), random.random()]).encode() + b'\\n')\n")  # one write: whole lines
+    env = {name: value for name, value in script_env().items() if name != "PYTHONHASHSEED"}  # torchrun's: random
+    outputs = [launch(2, probe, cwd=tmp_path, env=env).stdout,
+               *(run_script(2, probe, cwd=tmp_path, env=env).stdout for _ in range(2))]
+    launches = [sorted(json.loads(line) for line in out.splitlines()) for out in outputs]
+    for ranks in launches:
+        assert [rank[0] for rank in ranks] == [0, 1], outputs
+        (_, names, run_id, filters, *seeds), (_, _, *second) = ranks
+        assert {"TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                "TORCHELASTIC_USE_AGENT_STORE"} <= set(names), names
+        assert second[:2] == [run_id, filters] and all(a != b for a, b in zip(seeds, second[2:])), ranks
+    assert len({ranks[0][2] for ranks in launches}) == 3 and len({ranks[0][3] for ranks in launches}) == 1, launches

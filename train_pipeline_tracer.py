@@ -102,20 +102,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(args):
     args.stages_per_rank = args.stages_per_rank or (1 if args.schedule in SINGLE_STAGE else 2)  # its default
     env = launch_env(args.device, args.precision)
-    if (relaid := checkpoint.relayout(args, env.world_size)) and env.rank == 0:
-        print(relaid, flush=True)  # torchrun restarted this job on more or fewer processes: a new layout
+    init_distributed(env, args.timeout)
+    say = print if env.rank == 0 else (lambda *a, **k: None)
+    job = checkpoint.job_ids()  # every attempt of this job has it: relayout fits a restart on other processes
+    args.dp, args.split = checkpoint.relayout(args, env.world_size, job, args.stages_per_rank, say)
     check_args(args, env.world_size, env.device.type)
-    mesh = init_distributed(env, args.timeout, args.dp, args.tp)
+    mesh = init_device_mesh(env.device.type, (env.world_size // (args.dp * args.tp), args.dp, args.tp),
+                            mesh_dim_names=("pp", "dp", "tp"))  # tp innermost: a layer's all-reduces in a node
     pp_rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()  # this rank's place along the pipeline,
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()  # among its stage's replicas,
     tp_rank, tp = mesh["tp"].get_local_rank(), mesh["tp"].size()  # and in its stage's tensor-parallel group
-    say = print if env.rank == 0 else (lambda *a, **k: None)
 
     # --- the data, what the run will write (paths, the lock, the same run as its checkpoints?), the model
     with collective_errors():
         meta, batches, held_out = open_data(args)
     data_id = checkpoint.data_identity(args.data)
-    checkpoint.check_run(args, env.rank, env.restart, data_id)
+    checkpoint.check_run(args, env.rank, job, data_id)
     stages = stage_ids(args.schedule, pp_rank, pp, args.stages_per_rank)
     num_stages, has_first, has_last = pp * len(stages), 0 in stages, pp * len(stages) - 1 in stages
     with collective_errors():
@@ -128,8 +130,7 @@ def main(args):
     # --- the split: the whole model traced, this rank's stages built, then checkpointing, compile, FSDP2
     started = time.perf_counter()
     modules, pipe = traced_modules(config, stages, layers, microbatch, env.device, args.seed)
-    parallelize(modules, mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing,
-                args.compile)
+    parallelize(modules, mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing, args.compile)
     model = merged_stages(modules)  # the rank's parameters, for the optimizer and checkpoints
 
     # --- the schedule: a traced stage per stage, talking to the other pipeline ranks of this replica
@@ -219,7 +220,7 @@ def main(args):
             # Ctrl-C on any rank: every rank saves this step and stops.
             stop = checkpoint.stop_requested()
             path = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id,
-                                          batches.state_dict(), stopping=stop is not None)
+                                          job, batches.state_dict(), stopping=stop is not None)
             if path and reports:
                 bar.write(f"saved {path}")
             if stop:
@@ -294,9 +295,8 @@ def launch_env(device_flag: str, precision: str) -> Env:
                torch.bfloat16 if bf16 else torch.float32, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
 
 
-def init_distributed(env: Env, timeout_s: float, dp: int, tp: int):
-    """Join the other processes in a ("pp", "dp", "tp") mesh. tp innermost: the ranks that all-reduce in every
-    layer are neighbours, on one node; only activations cross between pipeline ranks, maybe between nodes."""
+def init_distributed(env: Env, timeout_s: float) -> None:
+    """Join the other processes (torchrun's, or a group of one): the world that main's mesh divides."""
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if env.device.type == "cuda" else "gloo"
     if env.device.type == "cuda":
@@ -309,7 +309,6 @@ def init_distributed(env: Env, timeout_s: float, dp: int, tp: int):
                                 **({"device_id": env.device} if env.device.type == "cuda" else {}))
     else:  # plain `python script.py`: a group of one
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return init_device_mesh(env.device.type, (env.world_size // (dp * tp), dp, tp), mesh_dim_names=("pp", "dp", "tp"))
 
 
 def compute(env: Env, tp: int):
