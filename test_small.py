@@ -2498,7 +2498,7 @@ def test_a_checkpoints_json_of_another_shape_is_one_line_naming_the_file_and_the
         "dp, a string": ({**meta, "args": {**meta["args"], "dp": "2"}}, 'args.dp is "2", not a whole number >= 1'),
         "run, a list": ({**meta, "run": []}, "run is [], not an object"),
         "init_from, a number": ({**meta, "run": {**meta["run"], "init_from": 3}}, "run.init_from is 3, not a path"),
-        "job, an object": ({**meta, "job": {}}, "job is {}, not a string or null"),
+        "job, an object": ({**meta, "job": {}}, "job is {}, not a list of launch ids"),
         "nested deeply": ("[" * 100_000 + "]" * 100_000, "cannot be read (nested too deeply)"),
     }
     copy = checkpoint_copy(source, tmp_path / "copy")
