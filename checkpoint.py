@@ -92,19 +92,19 @@ def collective_errors():
 
 
 def run(main, args) -> None:
-    """main(args), an error a user can cause as one line on stderr (exit status 1), always torn down. SIGTERM and
-    Ctrl-C ask the run to stop after its step (see stop_requested); a second one stops it at once."""
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _asked_to_stop)
+    """main(args), an error a user can cause as one line on stderr (exit status 1), always torn down. SIGTERM,
+    Ctrl-C and SIGHUP ask the run to stop after its step (see stop_requested); a second one stops it at once."""
+    _listen_for_stops()
     status = 1
     try:
         main(args)
         status = 0
     except UsageError as e:  # an error every rank raised is printed once per node
+        if e.on_every_rank and dist.is_initialized():  # after every rank closed its progress bar: on a line of its own
+            with contextlib.suppress(Exception):
+                dist.barrier()
         if not e.on_every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
     except (dist.DistError, RuntimeError) as e:
         # gloo reports a dead or hung peer as a RuntimeError of its transport, NCCL as a DistError. This rank
         # cannot tell whether the peer died or stopped on an error of its own, so say both.
@@ -121,23 +121,128 @@ def run(main, args) -> None:
     sys.exit(status)
 
 
-_STOP = {"signal": None, "at": 0.0}  # the first SIGTERM or SIGINT received: the run stops after its step
+# ----------------------------------------------------------------------------------------------------------
+# Stopping: SIGTERM (a scheduler, SLURM's preemption), SIGINT (Ctrl-C) and SIGHUP (a closed terminal, a dropped
+# ssh) ask the run to stop after its step, with a checkpoint; another one more than 2 s later stops it at once.
+#
+# A watcher thread hears every signal at once: the main thread may wait in a collective for a hung peer until
+# --timeout, and Python runs signal handlers in the main thread only, between bytecodes. Python's C-level handler
+# writes the signal's number to set_wakeup_fd's pipe even then; the Python handlers do nothing. A request is also
+# recorded in a file for the node's ranks (NODE_STOP_FILE), created by the first to get one: run.sh, which takes
+# requests before the ranks can (torchrun starting, a rank importing torch) and exports the file's path, or a
+# rank. Whoever creates it says so, in one line for the node, though run.sh, torchrun or SLURM sends the signal
+# to every rank; ranks read it after every step, and a rank (re)started after a request stops after its step.
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+NODE_STOP_FILE = "PIPELINE_STOP_FILE"
+_STOP = {"signal": None, "at": None, "said": False}  # the request this rank knows of: the signal's name, when
 
 
-def _asked_to_stop(signum, frame) -> None:
-    if _STOP["signal"] is None:
-        _STOP["signal"], _STOP["at"] = signal.Signals(signum).name, time.monotonic()
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # said once a node: a run still starting stops after step 1
-            print(f"{_STOP['signal']}: stopping after this step, with a checkpoint; again to stop at once",
-                  file=sys.stderr, flush=True)
-    elif time.monotonic() - _STOP["at"] > 2:  # asked again: now (not the same request, passed on by torchrun)
-        raise KeyboardInterrupt
+def _listen_for_stops() -> None:
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, lambda signum, frame: None)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    threading.Thread(target=_watch_signals, args=(read,), daemon=True).start()
+    _node_request()  # asked before this process could listen: run.sh recorded it
+
+
+def _watch_signals(fd: int) -> None:
+    while True:
+        for signum in os.read(fd, 64):
+            if signum in STOP_SIGNALS:
+                _asked_to_stop(signal.Signals(signum))
+
+
+def _asked_to_stop(signum: signal.Signals) -> None:
+    """In the watcher thread, for each stop signal: the first on the node asks for a stop after the step; one more
+    than 2 s after it (not the copy run.sh, torchrun or SLURM passes on within milliseconds) ends the process."""
+    if signum == signal.SIGHUP:
+        _quiet_if_hung_up()
+    _node_request()
+    first = _STOP["at"]
+    if first is None:
+        _STOP.update(signal=signum.name, at=time.time(), said=_record_request(signum.name))
+        if _STOP["said"]:
+            _say(f"{signum.name}: stopping after this step, with a checkpoint; again to stop at once")
+    elif time.time() - first > 2:
+        if _STOP["said"]:
+            _say(f"{signum.name} again: stopped at once, without saving this step; the same command resumes from the "
+                 "newest checkpoint")
+        if _STOP["said"] and NODE_STOP_FILE not in os.environ:
+            _remove(_node_stop_file())
+        os._exit(128 + signum)  # no teardown: the main thread may be inside a collective that never returns
+
+
+def _node_stop_file() -> str | None:
+    """run.sh's file; else, under torchrun, one per torchrun agent (the node's ranks' parent); else none."""
+    if NODE_STOP_FILE in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return os.environ.get(NODE_STOP_FILE)
+    agent = f"{os.environ['TORCHELASTIC_RUN_ID']} {os.getppid()} {_process_start(os.getppid())}"
+    return os.path.join(tempfile.gettempdir(), f"torchrun-stop-{hashlib.sha256(agent.encode()).hexdigest()[:16]}")
+
+
+def _record_request(name: str) -> bool:
+    """Record this node's stop request; whether this rank is the first (and says so)."""
+    path = _node_stop_file()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644) if path else None
+    except FileExistsError:
+        return False
+    except OSError:
+        return True  # cannot record it: this rank stops its run, and says so
+    if fd is not None:
+        os.write(fd, name.encode())
+        os.close(fd)
+        if NODE_STOP_FILE not in os.environ:  # torchrun's: this rank's to remove (run.sh's stays for restarts)
+            atexit.register(_remove, path)
+    return True
+
+
+def _node_request() -> None:
+    """Take on the node's stop request, if there is one this rank did not get itself."""
+    if _STOP["at"] is not None or not (path := _node_stop_file()):
+        return
+    try:
+        with open(path) as f:
+            name, at = f.read().strip(), os.fstat(f.fileno()).st_mtime
+    except OSError:
+        return
+    if name in signal.Signals.__members__ and signal.Signals[name] in STOP_SIGNALS and _STOP["at"] is None:
+        if name == "SIGHUP":
+            _quiet_if_hung_up()
+        _STOP.update(signal=name, at=at)
+
+
+def _quiet_if_hung_up() -> None:
+    """After a terminal closed, writing to it fails (EIO): this process's output then goes nowhere, not to an
+    error that would end the run before its checkpoint."""
+    for fd in (1, 2):
+        try:
+            os.write(fd, b"")
+        except OSError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+
+
+def _say(line: str) -> None:
+    """A line on stderr, on a line of its own (after a progress bar, say), in one write: never mixed with another
+    process's line."""
+    try:
+        os.write(2, f"\n{line}\n".encode())
+    except OSError:
+        pass
 
 
 def stop_requested() -> str | None:
     """Collective, once a step: the signal that asked any rank to stop (SLURM's preemption, torchrun stopping the
-    job, Ctrl-C), or None. Every rank gets the same answer, so all stop after the same step and none waits."""
-    return (_STOP["signal"] or "a signal on another rank") if max_over_ranks(_STOP["signal"] is not None) else None
+    job, Ctrl-C, a closed terminal), or None. Every rank gets the same answer, so all stop after the same step and
+    none waits."""
+    _node_request()
+    signum = max_over_ranks(signal.Signals[_STOP["signal"]] if _STOP["signal"] else 0)
+    return signal.Signals(signum).name if signum else None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -402,7 +507,8 @@ def data_identity(directory: str) -> str:
 
 class Metrics:
     """--metrics FILE, one JSON line per row (path None: nothing is written). Resumed at resume_step, the rows
-    after it (of a run killed after its checkpoint) are dropped, so the file reads as one uninterrupted run."""
+    after it (of a run killed after its checkpoint) are dropped, and its evaluation's (the resumed run evaluates
+    that step again: a stop or a kill may have come first), so the file reads as one uninterrupted run."""
 
     def __init__(self, path: str | None, resume_step: int):
         self.file = None
@@ -413,8 +519,8 @@ class Metrics:
         if resume_step and os.path.isfile(path):
             with open(path) as f:
                 rows = [(line, json.loads(line)) for line in f]
-            kept = [line for line, row in rows
-                    if row.get("step", row.get("eval", {}).get("step", math.inf)) <= resume_step]
+            kept = [line for line, row in rows if (row["step"] <= resume_step if "step" in row else
+                                                   row.get("eval", {}).get("step", math.inf) < resume_step)]
         self.file = open(path, "w")
         self.file.writelines(kept)
 

@@ -126,8 +126,9 @@ PYTHON=${PYTHON:-python3}
 command -v "$PYTHON" >/dev/null 2>&1 || die "PYTHON='$PYTHON' not found; set PYTHON to a Python with torch"
 
 # torchrun via the interpreter, not the `torchrun` entry point, so it is the torch of $PYTHON (e.g. a venv).
+# It leaves SIGTERM, SIGINT and SIGHUP to run.sh (below).
 cmd=("$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS"
-    --shutdown-timeout "$SHUTDOWN_TIMEOUT")
+    --shutdown-timeout "$SHUTDOWN_TIMEOUT" --signals-to-handle SIGQUIT)
 if [[ -n $elastic || $NNODES -gt 1 ]]; then
     # Several nodes: each attempt's processes meet in a store of their own. torchrun's shared one keeps the dead
     # processes' addresses, and a per-attempt prefix cannot serve: restart counts differ between the nodes.
@@ -156,17 +157,51 @@ if [[ -n ${LOG_DIR:-} ]]; then
 fi
 cmd+=("$script" "$@")
 
-echo "run.sh: ${slurm:+$slurm: }$where, NPROC_PER_NODE=$NPROC_PER_NODE, MAX_RESTARTS=$MAX_RESTARTS" >&2
+report="run.sh: ${slurm:+$slurm: }$where, NPROC_PER_NODE=$NPROC_PER_NODE, MAX_RESTARTS=$MAX_RESTARTS"
 if [[ ${DRY_RUN:-0} == 1 ]]; then
-    printf '%q ' "${cmd[@]}" && echo && exit 0
+    echo "$report" >&2 && printf '%q ' "${cmd[@]}" && echo && exit 0
 fi
-# A SIGTERM or SIGINT (SLURM's sbatch --signal=TERM@120 or preemption, a scheduler stopping the job) goes to
-# the training processes, torchrun's children: they finish their step, save it and exit 0, and torchrun with
-# them. (Sent to torchrun itself, it would pass it on but end with an error of its own.) Its status is ours.
-"${cmd[@]}" &
+# Stopping. A SIGTERM (SLURM's sbatch --signal=TERM@120, a preemption, a scheduler), SIGINT (Ctrl-C) or SIGHUP (a
+# closed terminal, a dropped ssh) asks the job to stop after its step, with a checkpoint; another one, more than
+# 2 s later, stops it at once. run.sh records the request in a file whose path it exports (the training
+# processes read it after every step: one still starting, or restarted by torchrun, stops too) and passes the
+# signal on to the processes running. torchrun and the processes it starts ignore these signals until a process
+# listens (checkpoint.run): torchrun would otherwise stop the processes and end with an error of its own, and a
+# process importing torch would die of it (torchrun then restarting it, with MAX_RESTARTS, to train on). Its
+# status is ours.
+state=$(mktemp -d "${TMPDIR:-/tmp}/run.sh.XXXXXX")
+trap 'rm -rf "$state"' EXIT
+export PIPELINE_STOP_FILE=$state/stop
+asked="" torchrun=""
+# shellcheck disable=SC2329 # called by the traps below
+stop() { # SIGNAL: a request, or a second one
+    local now=${EPOCHREALTIME/[.,]/}
+    now=${now:-$((SECONDS * 1000000))} # bash < 5: whole seconds
+    if [[ -z $asked ]]; then
+        asked=$now
+        # The first on this node to record it (run.sh, or a process sent the signal too) says so.
+        if (set -o noclobber && echo "SIG$1" >"$PIPELINE_STOP_FILE") 2>/dev/null; then
+            printf '\nSIG%s: stopping after this step, with a checkpoint; again to stop at once\n' "$1" >&2 || true
+        fi
+        [[ -z $torchrun ]] || pkill "-$1" -P "$torchrun" || true
+    elif ((now - asked > 2000000)); then
+        printf '\nrun.sh: SIG%s again: stopped at once, without saving this step; the same command resumes from the newest checkpoint\n' "$1" >&2 || true
+        if [[ -n $torchrun ]]; then
+            mapfile -t workers < <(pgrep -P "$torchrun")
+            kill -KILL "$torchrun" "${workers[@]}" 2>/dev/null || true
+        fi
+        exit $((128 + $(kill -l "$1")))
+    fi
+}
+trap 'stop TERM' TERM
+trap 'stop INT' INT
+trap 'stop HUP' HUP
+echo "$report" >&2
+(
+    trap '' TERM INT HUP
+    exec "${cmd[@]}"
+) &
 torchrun=$!
-trap 'pkill -TERM -P "$torchrun" || true' TERM
-trap 'pkill -INT -P "$torchrun" || true' INT
 status=0
 wait "$torchrun" || status=$?
 while kill -0 "$torchrun" 2>/dev/null; do # a signal ended `wait` early: torchrun's own status comes next
