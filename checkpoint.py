@@ -122,20 +122,19 @@ def run(main, args) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Stopping: SIGTERM (a scheduler, SLURM's preemption), SIGINT (Ctrl-C) and SIGHUP (a closed terminal, a dropped
-# ssh) ask the run to stop after its step, with a checkpoint; another one more than 2 s later stops it at once.
+# Stopping: SIGTERM (a scheduler, SLURM's preemption, torchrun), SIGINT (Ctrl-C) and SIGHUP (a closed terminal, a
+# dropped ssh) ask the run to stop after its step, with a checkpoint; another one more than 2 s later (not a copy
+# of the same request, which run.sh, torchrun or SLURM sends every process within milliseconds) ends it at once.
 #
-# A watcher thread hears every signal at once: the main thread may wait in a collective for a hung peer until
-# --timeout, and Python runs signal handlers in the main thread only, between bytecodes. Python's C-level handler
-# writes the signal's number to set_wakeup_fd's pipe even then; the Python handlers do nothing. A request is also
-# recorded in a file for the node's ranks (NODE_STOP_FILE), created by the first to get one: run.sh, which takes
-# requests before the ranks can (torchrun starting, a rank importing torch) and exports the file's path, or a
-# rank. Whoever creates it says so, in one line for the node, though run.sh, torchrun or SLURM sends the signal
-# to every rank; ranks read it after every step, and a rank (re)started after a request stops after its step.
+# A watcher thread hears each signal at once: Python runs signal handlers in the main thread only, between
+# bytecodes, and the main thread may wait in a collective for a hung peer until --timeout. Python's C-level
+# handler writes the signal's number to set_wakeup_fd's pipe even then; the Python handlers do nothing. run.sh
+# records the requests it gets in a file, PIPELINE_STOP_FILE, which the ranks read when they start (torchrun
+# may start or restart them after the request) and after every step. The first rank of a node to hear a request
+# says so, on its own line: one line a node, though the request reaches every rank.
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-NODE_STOP_FILE = "PIPELINE_STOP_FILE"
-_STOP = {"signal": None, "at": None, "said": False}  # the request this rank knows of: the signal's name, when
+_STOP = {"signal": None, "at": None, "said": False}  # the request this rank knows of: its signal's name, when
 
 
 def _listen_for_stops() -> None:
@@ -145,7 +144,7 @@ def _listen_for_stops() -> None:
         signal.signal(signum, lambda signum, frame: None)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     threading.Thread(target=_watch_signals, args=(read,), daemon=True).start()
-    _node_request()  # asked before this process could listen: run.sh recorded it
+    _launcher_request()  # made before this process listened
 
 
 def _watch_signals(fd: int) -> None:
@@ -156,63 +155,51 @@ def _watch_signals(fd: int) -> None:
 
 
 def _asked_to_stop(signum: signal.Signals) -> None:
-    """In the watcher thread, for each stop signal: the first on the node asks for a stop after the step; one more
-    than 2 s after it (not the copy run.sh, torchrun or SLURM passes on within milliseconds) ends the process."""
     if signum == signal.SIGHUP:
         _quiet_if_hung_up()
-    _node_request()
-    first = _STOP["at"]
-    if first is None:
-        _STOP.update(signal=signum.name, at=time.time(), said=_record_request(signum.name))
-        if _STOP["said"]:
-            _say(f"{signum.name}: stopping after this step, with a checkpoint; again to stop at once")
-    elif time.time() - first > 2:
-        if _STOP["said"]:
-            _say(f"{signum.name} again: stopped at once, without saving this step; the same command resumes from the "
-                 "newest checkpoint")
-        if _STOP["said"] and NODE_STOP_FILE not in os.environ:
-            _remove(_node_stop_file())
+    _launcher_request()
+    if _STOP["at"] is None:
+        _STOP.update(signal=signum.name, at=time.time())
+        _say_request()
+    elif time.time() - _STOP["at"] > 2:
+        if _STOP["said"] and not os.path.exists(os.environ.get("PIPELINE_STOP_FILE", "")):  # else run.sh says it
+            _say(f"{signum.name} again: stopped at once, without saving this step; the same command resumes from "
+                 "the newest checkpoint")
         os._exit(128 + signum)  # no teardown: the main thread may be inside a collective that never returns
 
 
-def _node_stop_file() -> str | None:
-    """run.sh's file; else, under torchrun, one per torchrun agent (the node's ranks' parent); else none."""
-    if NODE_STOP_FILE in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return os.environ.get(NODE_STOP_FILE)
-    agent = f"{os.environ['TORCHELASTIC_RUN_ID']} {os.getppid()} {_process_start(os.getppid())}"
-    return os.path.join(tempfile.gettempdir(), f"torchrun-stop-{hashlib.sha256(agent.encode()).hexdigest()[:16]}")
-
-
-def _record_request(name: str) -> bool:
-    """Record this node's stop request; whether this rank is the first (and says so)."""
-    path = _node_stop_file()
+def _launcher_request() -> None:
+    """Take on the request run.sh recorded, if this rank has none of its own."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644) if path else None
-    except FileExistsError:
-        return False
-    except OSError:
-        return True  # cannot record it: this rank stops its run, and says so
-    if fd is not None:
-        os.write(fd, name.encode())
-        os.close(fd)
-        if NODE_STOP_FILE not in os.environ:  # torchrun's: this rank's to remove (run.sh's stays for restarts)
-            atexit.register(_remove, path)
-    return True
-
-
-def _node_request() -> None:
-    """Take on the node's stop request, if there is one this rank did not get itself."""
-    if _STOP["at"] is not None or not (path := _node_stop_file()):
-        return
-    try:
-        with open(path) as f:
+        with open(os.environ["PIPELINE_STOP_FILE"]) as f:
             name, at = f.read().strip(), os.fstat(f.fileno()).st_mtime
-    except OSError:
+    except (KeyError, OSError):
         return
-    if name in signal.Signals.__members__ and signal.Signals[name] in STOP_SIGNALS and _STOP["at"] is None:
+    if _STOP["at"] is None and name in ("SIGTERM", "SIGINT", "SIGHUP"):
         if name == "SIGHUP":
             _quiet_if_hung_up()
         _STOP.update(signal=name, at=at)
+        _say_request()
+
+
+def _say_request() -> None:
+    """Say the request, if this is the first rank of its torchrun attempt on this node to hear one."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # the node's ranks: the torchrun agent's children, of one attempt
+        agent = " ".join((os.environ["TORCHELASTIC_RUN_ID"], os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+                          str(os.getppid()), str(_process_start(os.getppid()))))
+        said = os.path.join(os.path.dirname(os.environ.get("PIPELINE_STOP_FILE", "")) or tempfile.gettempdir(),
+                            f"stop-said-{hashlib.sha256(agent.encode()).hexdigest()[:16]}")
+        try:
+            os.close(os.open(said, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+        except OSError:
+            pass
+        else:
+            if "PIPELINE_STOP_FILE" not in os.environ:  # run.sh removes its folder
+                atexit.register(_remove, said)
+    _STOP["said"] = True
+    _say(f"{_STOP['signal']}: stopping after this step, with a checkpoint; again to stop at once")
 
 
 def _quiet_if_hung_up() -> None:
@@ -240,7 +227,7 @@ def stop_requested() -> str | None:
     """Collective, once a step: the signal that asked any rank to stop (SLURM's preemption, torchrun stopping the
     job, Ctrl-C, a closed terminal), or None. Every rank gets the same answer, so all stop after the same step and
     none waits."""
-    _node_request()
+    _launcher_request()
     signum = max_over_ranks(signal.Signals[_STOP["signal"]] if _STOP["signal"] else 0)
     return signal.Signals(signum).name if signum else None
 

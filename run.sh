@@ -162,27 +162,24 @@ if [[ ${DRY_RUN:-0} == 1 ]]; then
     echo "$report" >&2 && printf '%q ' "${cmd[@]}" && echo && exit 0
 fi
 # Stopping. A SIGTERM (SLURM's sbatch --signal=TERM@120, a preemption, a scheduler), SIGINT (Ctrl-C) or SIGHUP (a
-# closed terminal, a dropped ssh) asks the job to stop after its step, with a checkpoint; another one, more than
-# 2 s later, stops it at once. run.sh records the request in a file whose path it exports (the training
-# processes read it after every step: one still starting, or restarted by torchrun, stops too) and passes the
-# signal on to the processes running. torchrun and the processes it starts ignore these signals until a process
-# listens (checkpoint.run): torchrun would otherwise stop the processes and end with an error of its own, and a
-# process importing torch would die of it (torchrun then restarting it, with MAX_RESTARTS, to train on). Its
-# status is ours.
+# closed terminal, a dropped ssh) asks the job to stop after its step, with a checkpoint (the processes say so);
+# another one, more than 2 s later, ends it at once. run.sh records the request in a file whose path it exports,
+# which the training processes read when they start and after every step (so a request made while torchrun
+# starts them, or restarts them, is kept), and passes the signal on to them. torchrun, and the processes it
+# starts until they listen (checkpoint.run), ignore the three signals: torchrun would stop the processes and end
+# with an error of its own, and a process importing torch would die (and be restarted, with MAX_RESTARTS, to
+# train on). Its status is ours.
 state=$(mktemp -d "${TMPDIR:-/tmp}/run.sh.XXXXXX")
 trap 'rm -rf "$state"' EXIT
 export PIPELINE_STOP_FILE=$state/stop
 asked="" torchrun=""
 # shellcheck disable=SC2329 # called by the traps below
-stop() { # SIGNAL: a request, or a second one
+stop() { # SIGNAL
     local now=${EPOCHREALTIME/[.,]/}
     now=${now:-$((SECONDS * 1000000))} # bash < 5: whole seconds
     if [[ -z $asked ]]; then
         asked=$now
-        # The first on this node to record it (run.sh, or a process sent the signal too) says so.
-        if (set -o noclobber && echo "SIG$1" >"$PIPELINE_STOP_FILE") 2>/dev/null; then
-            printf '\nSIG%s: stopping after this step, with a checkpoint; again to stop at once\n' "$1" >&2 || true
-        fi
+        echo "SIG$1" >"$PIPELINE_STOP_FILE"
         [[ -z $torchrun ]] || pkill "-$1" -P "$torchrun" || true
     elif ((now - asked > 2000000)); then
         printf '\nrun.sh: SIG%s again: stopped at once, without saving this step; the same command resumes from the newest checkpoint\n' "$1" >&2 || true

@@ -2113,7 +2113,8 @@ def test_sigterm_stops_after_the_step_saves_it_and_the_same_command_continues_ex
 def test_a_stop_asked_while_the_job_starts_stops_it_after_its_first_step(tmp_path, data_dir):
     # A SIGTERM to run.sh while the training processes import torch, before they listen (killed, torchrun would
     # fail the job or, with MAX_RESTARTS, restart them to train on), or before torchrun has started them: run.sh
-    # records the request, and they read it. The job stops after its first step, with its checkpoint, status 0.
+    # records the request, and they read it (and say it) when they start. The job stops after its first step,
+    # with its checkpoint, status 0.
     proc = run_sh(SCRIPT, *TRAIN_ARGS, "--steps", "20", "--data", data_dir, cwd=tmp_path, wait=False,
                   log=tmp_path / "job", NPROC_PER_NODE=2)
     wait_for("the training processes", lambda: len(descendants(proc.pid)) == 3, proc)  # torchrun's 2
@@ -2198,6 +2199,9 @@ def test_a_signal_to_any_rank_is_said_once_and_again_ends_a_rank_waiting_for_a_h
     assert result.stderr.count("\nSIGINT again: stopped at once, without saving this step") == 1  # the rank's
     assert result.stderr.count("\nrun.sh: SIGINT again: stopped at once, without saving this step") == 1
     assert "free space" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
+    deadline = time.monotonic() + 10  # a SIGKILL takes effect a moment after kill() returns
+    while any(map(running, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not any(map(running, ranks))
 
 
