@@ -155,6 +155,8 @@ def _watch_signals(fd: int) -> None:
 
 
 def _asked_to_stop(signum: signal.Signals) -> None:
+    """In the watcher thread: the first request of this rank (or of run.sh) asks for a stop after the step; a
+    signal more than 2 s after it ends the process."""
     if signum == signal.SIGHUP:
         _quiet_if_hung_up()
     _launcher_request()
@@ -175,7 +177,7 @@ def _launcher_request() -> None:
             name, at = f.read().strip(), os.fstat(f.fileno()).st_mtime
     except (KeyError, OSError):
         return
-    if _STOP["at"] is None and name in ("SIGTERM", "SIGINT", "SIGHUP"):
+    if _STOP["at"] is None and name in {s.name for s in STOP_SIGNALS}:
         if name == "SIGHUP":
             _quiet_if_hung_up()
         _STOP.update(signal=name, at=at)
@@ -494,8 +496,8 @@ def data_identity(directory: str) -> str:
 
 class Metrics:
     """--metrics FILE, one JSON line per row (path None: nothing is written). Resumed at resume_step, the rows
-    after it (of a run killed after its checkpoint) are dropped, and its evaluation's (the resumed run evaluates
-    that step again: a stop or a kill may have come first), so the file reads as one uninterrupted run."""
+    after it (of a run killed after its checkpoint) are dropped, and the evaluation of that step (the resumed run
+    does it again: a stop or a kill may have come before it), so the file reads as one uninterrupted run."""
 
     def __init__(self, path: str | None, resume_step: int):
         self.file = None

@@ -5,7 +5,8 @@
 #
 # Environment (defaults): NNODES (1; MIN:MAX such as 1:2 for an elastic job), NODE_RANK (0), NPROC_PER_NODE
 # (GPUs, else 3), MASTER_ADDR (needed for NNODES > 1 or MIN:MAX), MASTER_PORT (29500), MAX_RESTARTS (0; 3 when
-# elastic), SHUTDOWN_TIMEOUT (120: seconds the processes get, after a SIGTERM, to finish their step and save),
+# elastic), SHUTDOWN_TIMEOUT (120: seconds the processes get to finish their step and save when torchrun stops
+# the rest of a failed job),
 # LOG_DIR (none: one log file per rank when set), RDZV_ID (SLURM_JOB_ID, else "pipeline"), RDZV_CONF (none:
 # torchrun's --rdzv-conf, e.g. last_call_timeout=5 to restart sooner after a node is lost), PYTHON (python3),
 # DRY_RUN (1: print the command, start nothing). Under SLURM, NNODES, NODE_RANK and MASTER_ADDR default to what
