@@ -171,7 +171,7 @@ def main(args):
             tqdm.tqdm.write(f"eval at step {at_step}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}")
 
     if not args.steps or (args.eval_every and 0 < step < args.steps and step % args.eval_every == 0):
-        evaluate(step)  # --steps 0: only that; resumed at a step whose evaluation was due: its run saved first
+        evaluate(step)  # --steps 0: only this; resumed where one was due: the stopped (or killed) run saved first
     if step >= args.steps:
         return
 
@@ -210,8 +210,8 @@ def main(args):
                 bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{tokens_per_step / step_times[-1]:.0f}",
                                 refresh=False)
                 bar.update()
-            # Saved before evaluating: whatever happens in an evaluation, this step's work is kept (and evaluated
-            # when resumed). A stop asked of any rank: every rank saves this step and stops (after the last, ends).
+            # Saved before evaluating: whatever happens in an evaluation, this step's work is kept (and a resumed
+            # run evaluates it). A stop asked of any rank, before the last step: every rank saves this step and stops.
             stop = checkpoint.stop_requested() if step < args.steps else None
             path = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id,
                                           batches.state_dict(), stopping=stop is not None)
