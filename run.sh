@@ -183,7 +183,8 @@ stop() { # SIGNAL
         echo "SIG$1" >"$PIPELINE_STOP_FILE"
         [[ -z $torchrun ]] || pkill "-$1" -P "$torchrun" || true
     elif ((now - asked > 2000000)); then
-        printf '\nrun.sh: SIG%s again: stopped at once, without saving this step; the same command resumes from the newest checkpoint\n' "$1" >&2 || true
+        printf '\nrun.sh: SIG%s again: stopped at once, %s\n' "$1" \
+            "without saving this step; the same command resumes from the newest checkpoint" >&2 || true
         if [[ -n $torchrun ]]; then
             mapfile -t workers < <(pgrep -P "$torchrun")
             kill -KILL "$torchrun" "${workers[@]}" 2>/dev/null || true
