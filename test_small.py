@@ -2140,10 +2140,11 @@ def test_a_closed_terminal_stops_the_job_after_its_step_and_saves_it(tmp_path, d
             assert proc.poll() is None
             while select.select([master], [], [], 0.05)[0]:  # read what the job writes, so it never blocks
                 os.read(master, 1 << 16)
-    finally:
         os.close(master)  # the terminal is gone
-    os.killpg(proc.pid, signal.SIGHUP)
-    assert proc.wait(timeout=240) == 0
+        os.killpg(proc.pid, signal.SIGHUP)
+        assert proc.wait(timeout=240) == 0
+    finally:
+        kill_job(proc)
     rows, _ = read_metrics(tmp_path / "m.jsonl")
     assert 2 <= len(rows) < 100 and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [f"step-{len(rows):08d}"]
