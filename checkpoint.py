@@ -92,20 +92,20 @@ def collective_errors():
 
 
 def run(main, args) -> None:
-    """main(args), an error a user can cause as one line on stderr (exit status 1), always torn down. SIGTERM and
-    Ctrl-C ask the run to stop after its step (see stop_requested); a second one stops it at once."""
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _asked_to_stop)
+    """main(args), an error a user can cause as one line on stderr (exit status 1), always torn down. SIGTERM,
+    Ctrl-C and SIGHUP ask the run to stop after its step (see stop_requested); a second one stops it at once."""
+    _listen_for_stops()
     status = 1
     try:
         main(args)
         status = 0
     except UsageError as e:  # an error every rank raised is printed once per node, and no restart mends it
+        if e.on_every_rank and dist.is_initialized():  # after every rank closed its progress bar: on a line of its own
+            with contextlib.suppress(Exception):
+                dist.barrier()
         if not e.on_every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         status = final_status(1) if e.on_every_rank else 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
     except (dist.DistError, RuntimeError) as e:
         # gloo reports a dead or hung peer as a RuntimeError of its transport, NCCL as a DistError. This rank
         # cannot tell whether the peer died or stopped on an error of its own, so say both.
@@ -122,17 +122,108 @@ def run(main, args) -> None:
     sys.exit(status)
 
 
-_STOP = {"signal": None, "at": 0.0}  # the first SIGTERM or SIGINT received: the run stops after its step
+# ----------------------------------------------------------------------------------------------------------
+# Stopping: SIGTERM (a scheduler, SLURM's preemption, torchrun), SIGINT (Ctrl-C) and SIGHUP (a closed terminal, a
+# dropped ssh) ask the run to stop after its step, with a checkpoint; another one more than 2 s later (not a copy
+# of the same request, which run.sh, torchrun or SLURM sends every process within milliseconds) ends it at once.
+#
+# A watcher thread hears each signal at once: Python runs signal handlers in the main thread only, between
+# bytecodes, and the main thread may wait in a collective for a hung peer until --timeout. Python's C-level
+# handler writes the signal's number to set_wakeup_fd's pipe even then; the Python handlers do nothing. run.sh
+# records the requests it gets in a file, PIPELINE_STOP_FILE, which the ranks read when they start (torchrun
+# may start or restart them after the request) and after every step. The first rank of a node to hear a request
+# says so, on its own line: one line a node, though the request reaches every rank.
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_STOP = {"signal": None, "at": None, "said": False}  # the request this rank knows of: its signal's name, when
 
 
-def _asked_to_stop(signum, frame) -> None:
-    if _STOP["signal"] is None:
-        _STOP["signal"], _STOP["at"] = signal.Signals(signum).name, time.monotonic()
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # said once a node: a run still starting stops after step 1
-            print(f"{_STOP['signal']}: stopping after this step, with a checkpoint; again to stop at once",
-                  file=sys.stderr, flush=True)
-    elif time.monotonic() - _STOP["at"] > 2:  # asked again: now (not the same request, passed on by torchrun)
-        raise KeyboardInterrupt
+def _listen_for_stops() -> None:
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, lambda signum, frame: None)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    threading.Thread(target=_watch_signals, args=(read,), daemon=True).start()
+    _launcher_request()  # made before this process listened
+
+
+def _watch_signals(fd: int) -> None:
+    while True:
+        for signum in os.read(fd, 64):
+            if signum in STOP_SIGNALS:
+                _asked_to_stop(signal.Signals(signum))
+
+
+def _asked_to_stop(signum: signal.Signals) -> None:
+    """In the watcher thread: the first request of this rank (or of run.sh) asks for a stop after the step; a
+    signal more than 2 s after it ends the process."""
+    if signum == signal.SIGHUP:
+        _quiet_if_hung_up()
+    _launcher_request()
+    if _STOP["at"] is None:
+        _STOP.update(signal=signum.name, at=time.time())
+        _say_request()
+    elif time.time() - _STOP["at"] > 2:
+        if _STOP["said"] and not os.path.exists(os.environ.get("PIPELINE_STOP_FILE", "")):  # else run.sh says it
+            _say(f"{signum.name} again: stopped at once, without saving this step; the same command resumes from "
+                 "the newest checkpoint")
+        os._exit(128 + signum)  # no teardown: the main thread may be inside a collective that never returns
+
+
+def _launcher_request() -> None:
+    """Take on the request run.sh recorded, if this rank has none of its own."""
+    try:
+        with open(os.environ["PIPELINE_STOP_FILE"]) as f:
+            name, at = f.read().strip(), os.fstat(f.fileno()).st_mtime
+    except (KeyError, OSError):
+        return
+    if _STOP["at"] is None and name in {s.name for s in STOP_SIGNALS}:
+        if name == "SIGHUP":
+            _quiet_if_hung_up()
+        _STOP.update(signal=name, at=at)
+        _say_request()
+
+
+def _say_request() -> None:
+    """Say the request, if this is the first rank of its torchrun attempt on this node to hear one."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # the node's ranks: the torchrun agent's children, of one attempt
+        agent = " ".join((os.environ["TORCHELASTIC_RUN_ID"], os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+                          str(os.getppid()), str(_process_start(os.getppid()))))
+        said = os.path.join(os.path.dirname(os.environ.get("PIPELINE_STOP_FILE", "")) or tempfile.gettempdir(),
+                            f"stop-said-{hashlib.sha256(agent.encode()).hexdigest()[:16]}")
+        try:
+            os.close(os.open(said, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+        except OSError:
+            pass
+        else:
+            if "PIPELINE_STOP_FILE" not in os.environ:  # run.sh removes its folder
+                atexit.register(_remove, said)
+    _STOP["said"] = True
+    _say(f"{_STOP['signal']}: stopping after this step, with a checkpoint; again to stop at once")
+
+
+def _quiet_if_hung_up() -> None:
+    """After a terminal closed, writing to it fails (EIO): this process's output then goes nowhere, not to an
+    error that would end the run before its checkpoint."""
+    for fd in (1, 2):
+        try:
+            os.write(fd, b"")
+        except OSError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+
+
+def _say(line: str) -> None:
+    """A line on stderr, on a line of its own (after a progress bar, say), in one write: never mixed with another
+    process's line."""
+    try:
+        os.write(2, f"\n{line}\n".encode())
+    except OSError:
+        pass
 
 
 def final_status(status: int) -> int:
@@ -149,8 +240,11 @@ def final_status(status: int) -> int:
 
 def stop_requested() -> str | None:
     """Collective, once a step: the signal that asked any rank to stop (SLURM's preemption, torchrun stopping the
-    job, Ctrl-C), or None. Every rank gets the same answer, so all stop after the same step and none waits."""
-    return (_STOP["signal"] or "a signal on another rank") if max_over_ranks(_STOP["signal"] is not None) else None
+    job, Ctrl-C, a closed terminal), or None. Every rank gets the same answer, so all stop after the same step and
+    none waits."""
+    _launcher_request()
+    signum = max_over_ranks(signal.Signals[_STOP["signal"]] if _STOP["signal"] else 0)
+    return signal.Signals(signum).name if signum else None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -414,7 +508,8 @@ def data_identity(directory: str) -> str:
 
 class Metrics:
     """--metrics FILE, one JSON line per row (path None: nothing is written). Resumed at resume_step, the rows
-    after it (of a run killed after its checkpoint) are dropped, so the file reads as one uninterrupted run."""
+    after it (of a run killed after its checkpoint) are dropped, and the evaluation of that step (the resumed run
+    does it again: a stop or a kill may have come before it), so the file reads as one uninterrupted run."""
 
     def __init__(self, path: str | None, resume_step: int):
         self.file = None
@@ -425,8 +520,8 @@ class Metrics:
         if resume_step and os.path.isfile(path):
             with open(path) as f:
                 rows = [(line, json.loads(line)) for line in f]
-            kept = [line for line, row in rows
-                    if row.get("step", row.get("eval", {}).get("step", math.inf)) <= resume_step]
+            kept = [line for line, row in rows if (row["step"] <= resume_step if "step" in row else
+                                                   row.get("eval", {}).get("step", math.inf) < resume_step)]
         self.file = open(path, "w")
         self.file.writelines(kept)
 

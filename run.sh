@@ -5,11 +5,11 @@
 #
 # Environment (defaults): NNODES (1; MIN:MAX such as 1:2 for an elastic job), NODE_RANK (0), NPROC_PER_NODE
 # (GPUs, else 3), MASTER_ADDR (needed for NNODES > 1 or MIN:MAX), MASTER_PORT (29500), MAX_RESTARTS (0; 3 when
-# elastic), SHUTDOWN_TIMEOUT (120: seconds the processes get, after a SIGTERM, to finish their step and save),
-# LOG_DIR (none: one log file per rank when set), RDZV_ID (SLURM_JOB_ID, else "pipeline": the nodes of a job meet
-# under it), RDZV_CONF (none: torchrun's --rdzv-conf, e.g. last_call_timeout=5 to restart sooner after a node is
-# lost), PYTHON (python3), DRY_RUN (1: print the command, start nothing). Under SLURM, NNODES, NODE_RANK and
-# MASTER_ADDR default to what the allocation says; set ones win.
+# elastic), SHUTDOWN_TIMEOUT (120: seconds the processes get to finish their step and save when torchrun stops
+# the rest of a failed job), LOG_DIR (none: one log file per rank when set), RDZV_ID (SLURM_JOB_ID, else
+# "pipeline": the nodes of a job meet under it), RDZV_CONF (none: torchrun's --rdzv-conf, e.g. last_call_timeout=5
+# to restart sooner after a node is lost), PYTHON (python3), DRY_RUN (1: print the command, start nothing). Under
+# SLURM, NNODES, NODE_RANK and MASTER_ADDR default to what the allocation says; set ones win.
 #
 # Each launch gets an id of its own, RUN_SH_LAUNCH_ID (under SLURM the job's, which a requeue keeps): the processes
 # record their nodes' ids in the run lock and in the checkpoints, so that an attempt of the job (a torchrun
@@ -132,8 +132,9 @@ PYTHON=${PYTHON:-python3}
 command -v "$PYTHON" >/dev/null 2>&1 || die "PYTHON='$PYTHON' not found; set PYTHON to a Python with torch"
 
 # torchrun via the interpreter, not the `torchrun` entry point, so it is the torch of $PYTHON (e.g. a venv).
+# It leaves SIGTERM, SIGINT and SIGHUP to run.sh (below).
 cmd=("$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS"
-    --shutdown-timeout "$SHUTDOWN_TIMEOUT")
+    --shutdown-timeout "$SHUTDOWN_TIMEOUT" --signals-to-handle SIGQUIT)
 if [[ -n $elastic || $NNODES -gt 1 ]]; then
     # Several nodes: each attempt's processes meet in a store of their own. torchrun's shared one keeps the dead
     # processes' addresses, and a per-attempt prefix cannot serve: restart counts differ between the nodes.
@@ -162,33 +163,63 @@ if [[ -n ${LOG_DIR:-} ]]; then
 fi
 cmd+=("$script" "$@")
 
-echo "run.sh: ${slurm:+$slurm: }$where, NPROC_PER_NODE=$NPROC_PER_NODE, MAX_RESTARTS=$MAX_RESTARTS" >&2
+report="run.sh: ${slurm:+$slurm: }$where, NPROC_PER_NODE=$NPROC_PER_NODE, MAX_RESTARTS=$MAX_RESTARTS"
 if [[ ${DRY_RUN:-0} == 1 ]]; then
-    printf '%q ' "${cmd[@]}" && echo && exit 0
+    echo "$report" >&2 && printf '%q ' "${cmd[@]}" && echo && exit 0
 fi
 # This launch: the node's part of the job's identity (host, pid and time: no two launches share it).
 export RUN_SH_LAUNCH_ID=${SLURM_JOB_ID:+slurm-$SLURM_JOB_ID}
 : "${RUN_SH_LAUNCH_ID:=$HOSTNAME-$$-$(date +%s)}"
+state=$(mktemp -d "${TMPDIR:-/tmp}/run.sh.XXXXXX") ||
+    die "cannot create a folder in ${TMPDIR:-/tmp}; set TMPDIR to a writable directory"
+trap 'rm -rf "$state"' EXIT
 # torchrun restarts a job whenever a process fails, whatever its status. A process ending on a mistake that every
 # process finds writes its status here and exits 0 instead (checkpoint.final_status): torchrun ends the job.
-status_file=$(mktemp "${TMPDIR:-/tmp}/run.sh-status.XXXXXX") ||
-    die "cannot create a file in ${TMPDIR:-/tmp}; set TMPDIR to a writable directory"
-trap 'rm -f "$status_file"' EXIT
-export RUN_SH_STATUS_FILE=$status_file
-# A SIGTERM or SIGINT (SLURM's sbatch --signal=TERM@120 or preemption, a scheduler stopping the job) goes to
-# the training processes, torchrun's children: they finish their step, save it and exit 0, and torchrun with
-# them. (Sent to torchrun itself, it would pass it on but end with an error of its own.) Its status is ours.
-"${cmd[@]}" &
+export RUN_SH_STATUS_FILE=$state/status
+# Stopping. A SIGTERM (SLURM's sbatch --signal=TERM@120, a preemption, a scheduler), SIGINT (Ctrl-C) or SIGHUP (a
+# closed terminal, a dropped ssh) asks the job to stop after its step, with a checkpoint (the processes say so);
+# another one, more than 2 s later, ends it at once. run.sh records the request in a file whose path it exports,
+# which the training processes read when they start and after every step (so a request made while torchrun
+# starts them, or restarts them, is kept), and passes the signal on to them. torchrun, and the processes it
+# starts until they listen (checkpoint.run), ignore the three signals: torchrun would stop the processes and end
+# with an error of its own, and a process importing torch would die (and be restarted, with MAX_RESTARTS, to
+# train on). Its status is ours.
+export PIPELINE_STOP_FILE=$state/stop
+asked="" torchrun=""
+# shellcheck disable=SC2329 # called by the traps below
+stop() { # SIGNAL
+    local now=${EPOCHREALTIME/[.,]/}
+    now=${now:-$((SECONDS * 1000000))} # bash < 5: whole seconds
+    if [[ -z $asked ]]; then
+        asked=$now
+        echo "SIG$1" >"$PIPELINE_STOP_FILE"
+        [[ -z $torchrun ]] || pkill "-$1" -P "$torchrun" || true
+    elif ((now - asked > 2000000)); then
+        printf '\nrun.sh: SIG%s again: stopped at once, %s\n' "$1" \
+            "without saving this step; the same command resumes from the newest checkpoint" >&2 || true
+        if [[ -n $torchrun ]]; then
+            mapfile -t workers < <(pgrep -P "$torchrun")
+            kill -KILL "$torchrun" "${workers[@]}" 2>/dev/null || true
+        fi
+        exit $((128 + $(kill -l "$1")))
+    fi
+}
+trap 'stop TERM' TERM
+trap 'stop INT' INT
+trap 'stop HUP' HUP
+echo "$report" >&2
+(
+    trap '' TERM INT HUP
+    exec "${cmd[@]}"
+) &
 torchrun=$!
-trap 'pkill -TERM -P "$torchrun" || true' TERM
-trap 'pkill -INT -P "$torchrun" || true' INT
 status=0
 wait "$torchrun" || status=$?
 while kill -0 "$torchrun" 2>/dev/null; do # a signal ended `wait` early: torchrun's own status comes next
     status=0
     wait "$torchrun" || status=$?
 done
-if ((status == 0)) && [[ $(<"$status_file") =~ ^[0-9]+$ ]]; then
-    status=$(<"$status_file") # the processes ended on a mistake (they exited 0 so that torchrun would not restart)
+if ((status == 0)) && [[ -f $RUN_SH_STATUS_FILE && $(<"$RUN_SH_STATUS_FILE") =~ ^[0-9]+$ ]]; then
+    status=$(<"$RUN_SH_STATUS_FILE") # the processes ended on a mistake (they exited 0 so that torchrun would not restart)
 fi
 exit "$status"

@@ -172,8 +172,8 @@ def main(args):
                                     "batches": args.eval_batches}})
             tqdm.tqdm.write(f"eval at step {at_step}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}")
 
-    if args.steps == 0:  # only evaluate: --init-from's weights, or this run's newest checkpoint
-        evaluate(step)
+    if not args.steps or (args.eval_every and 0 < step < args.steps and step % args.eval_every == 0):
+        evaluate(step)  # --steps 0: only this; resumed where one was due: the stopped (or killed) run saved first
     if step >= args.steps:
         return
 
@@ -212,15 +212,15 @@ def main(args):
                 bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{tokens_per_step / step_times[-1]:.0f}",
                                 refresh=False)
                 bar.update()
-            # Saved before evaluating: whatever happens in an evaluation, this step's work is kept. A SIGTERM or
-            # Ctrl-C on any rank: every rank saves this step and stops.
-            stop = checkpoint.stop_requested()
+            # Saved before evaluating: whatever happens in an evaluation, this step's work is kept (and a resumed
+            # run evaluates it). A stop asked of any rank, before the last step: every rank saves this step and stops.
+            stop = checkpoint.stop_requested() if step < args.steps else None
             path = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id,
                                           job, batches.state_dict(), stopping=stop is not None)
-            if path and reports:
-                bar.write(f"saved {path}")
+            if path and reports:  # one rank prints the loop's lines: two ranks' lines never mix
+                bar.write(f"stopped by {stop} after step {step}, saved in {path}; the same command continues the "
+                          "run" if stop else f"saved {path}")
             if stop:
-                say(f"stopped by {stop} after step {step}, saved in {path}; the same command continues the run")
                 break
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                 evaluate(step)
