@@ -21,6 +21,14 @@ held out instead, as nanoGPT does (the summary line says so, and meta.json's val
 Without --tokenizer a byte-level BPE tokenizer is trained on the first 20M characters of the training documents.
 --eval-data must not overlap --data, and --out must not be, hold or lie inside anything that is read.
 
+Memory stays bounded however long a document is (a 1 GB text on one line: 470 MiB at the peak; a 40 MB one took
+5.6 GiB encoded whole): a .txt is read 1 MiB of a line at a time, and a document longer than 100,000 characters is
+encoded in pieces, each ending before a space between two non-space characters, else after a newline between two,
+else (100,000 characters without either) after 100,000 characters. Byte-level tokenizers (the one trained here,
+GPT-2's, Llama 3's) begin a token at both, so the ids are those of the document encoded whole; a piece's boundary
+can change a token or two where no such place was found, or where a tokenizer marks the start of every text (Llama
+2's, add_prefix_space; Metaspace ones after a newline). A .jsonl line or .parquet row is read whole.
+
 What --out holds (built in a temporary folder beside it and renamed at the end: a failure, Ctrl-C or SIGTERM leaves
 nothing behind; a run killed outright leaves its .OUT.PID.*.tmp folder, which the next run into --out removes;
 a second run into the same --out while one is writing it is refused):
@@ -178,12 +186,12 @@ def _texts(spec: str, text_field: str, flag: str):
 
 def _txt(path: str, text_field: str, where: str):
     """A .txt's paragraphs (lines up to a blank one, joined by "\\n") as (text, end), in parts of at most
-    READ_BYTES: a line is read and decoded in parts, so that neither a long line nor a long paragraph is held."""
+    READ_BYTES: a line is read and decoded in parts, so that no long line or paragraph is held whole."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     number, at, blank, paragraph, held = 1, 0, True, False, ""
     # at: bytes of the line before this part; blank: the line so far is whitespace; paragraph: one has begun; held:
-    # text not yet known to be the document's (a line's leading whitespace, if the line is blank; a part's last
-    # "\r"s, if the line ends there)
+    # text not yet known to be the document's (a line's leading whitespace, until the line shows it is not blank;
+    # a part's last "\r"s, which the line's end would strip)
     with open(path, "rb") as f:
         while True:
             raw = f.readline(READ_BYTES)
@@ -327,8 +335,8 @@ def in_pieces(texts, size: int):
 def _piece_end(text: str, start: int, size: int) -> int:
     """Where the piece of text from start ends, at most size characters on: before the last space that stands between
     two non-space characters, else after the last newline that does, else after size characters. The pre-tokenizers
-    of byte-level BPE (the one trained here, GPT-2's, Llama 3's) begin a token at both, Metaspace ones (that split)
-    at the first: the pieces' ids are then the whole text's."""
+    of byte-level BPE (the one trained here, GPT-2's, Llama 3's) begin a token at both, Metaspace ones that split at
+    spaces at the first: the pieces' ids are then the whole text's (the docstring at the top says where not)."""
     end = min(start + size, len(text) - 2) + 1  # (the character after the space or newline must be there)
     for sep, after in ((" ", 0), ("\n", 1)):
         cut = end - after

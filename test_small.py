@@ -1287,7 +1287,7 @@ def test_a_long_document_is_encoded_in_pieces_to_its_whole_ids_in_bounded_memory
                                   framed(llama3, 0, 1, [text]))
     # Memory: a 2 MB document on one line, in a process of its own (pieces of 10,000 characters, 50,000 at a time on 2
     # threads; the tokenizer trained on its first 100,000): its peak grows by ~20 MB whatever the document's length;
-    # read, trained on and encoded whole, by ~250x the document (500 MB).
+    # read, trained on and encoded whole, by ~220x the document (470 MB).
     data = tmp_path / "line.txt"
     data.write_text(" ".join(rng.choices(WORDS, k=350_000)) + "\n", encoding="utf-8")
     measure = ("import sys, tokenizers, prepare_data as prep\n"
