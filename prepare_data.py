@@ -21,6 +21,14 @@ held out instead, as nanoGPT does (the summary line says so, and meta.json's val
 Without --tokenizer a byte-level BPE tokenizer is trained on the first 20M characters of the training documents.
 --eval-data must not overlap --data, and --out must not be, hold or lie inside anything that is read.
 
+Memory stays bounded however long a document is (a 1 GB text on one line: 470 MiB at the peak; a 40 MB one took
+5.6 GiB encoded whole): a .txt is read 1 MiB of a line at a time, and a document longer than 100,000 characters is
+encoded in pieces, each ending before a space between two non-space characters, else after a newline between two,
+else (100,000 characters without either) after 100,000 characters. Byte-level tokenizers (the one trained here,
+GPT-2's, Llama 3's) begin a token at both, so the ids are those of the document encoded whole; a piece's boundary
+can change a token or two where no such place was found, or where a tokenizer marks the start of every text (Llama
+2's, add_prefix_space; Metaspace ones after a newline). A .jsonl line or .parquet row is read whole.
+
 What --out holds (built in a temporary folder beside it and renamed at the end: a failure, Ctrl-C or SIGTERM leaves
 nothing behind; a run killed outright leaves its .OUT.PID.*.tmp folder, which the next run into --out removes;
 a second run into the same --out while one is writing it is refused):
@@ -47,9 +55,9 @@ a time (inputs = window[:-1], targets = window[1:]):
 """
 
 import argparse
+import codecs
 import fcntl
 import hashlib
-import itertools
 import json
 import logging
 import os
@@ -71,7 +79,13 @@ HELD_OUT_EVERY = 50  # without --eval-data, documents 49, 99, 149, ... (from 0) 
 HELD_OUT_TAIL = 10  # ... unless those make less than a window: then the last 1/10 of the tokens instead
 MIN_TOKENS = 129  # each split must fill one window of the scripts' default --seq-len 128, plus one
 WINDOW = f"one window of {MIN_TOKENS} tokens (the training scripts' default --seq-len 128, plus one)"
-BATCH_DOCUMENTS = 1000  # documents tokenized together: encode_batch runs them in parallel, memory stays bounded
+# Memory: tokenizers takes ~150 bytes a character to encode a text, ~40 once encoded: a document longer than
+# PIECE_CHARS is encoded in pieces (see in_pieces), and pieces are encoded together (encode_batch runs them in
+# parallel) up to BATCH_DOCUMENTS of them or BATCH_CHARS characters: ~160 MB, however long a document is.
+PIECE_CHARS = 100_000
+BATCH_DOCUMENTS = 1000
+BATCH_CHARS = 4_000_000
+READ_BYTES = 1 << 20  # a .txt is read this many bytes of a line at a time: one line can be a whole book
 VOCAB_SIZE = 8192  # of a tokenizer trained here, unless --vocab-size
 TOKENIZER_TRAIN_CHARS = 20_000_000  # a trained tokenizer sees at most this much text
 # BPE training time grows with the square of a pre-token's length (400k characters without a space: 19 s): the
@@ -148,38 +162,66 @@ def _file_identity(path: str) -> str:
 
 
 def documents(spec: str, text_field: str = "text", flag: str = "--data"):
-    """The texts of a source, in order. A problem is a UsageError naming the file and line (or row)."""
+    """The documents of a source, in order, as (piece, end): pieces of at most PIECE_CHARS characters (see in_pieces),
+    end: the piece is its document's last. A problem is a UsageError naming the file and line (or row)."""
+    return in_pieces(_texts(spec, text_field, flag), PIECE_CHARS)
+
+
+def _texts(spec: str, text_field: str, flag: str):
+    """(text, end) as documents() says, in parts of any length: a .txt's as read, the other sources' whole."""
     if spec == "builtin":
         for path in builtin_files():
             with open(path, encoding="utf-8", errors="replace") as f:
-                yield f.read()
+                yield f.read(), True
     elif spec.startswith("hf:"):
         yield from _hf_documents(spec, text_field, flag)
     else:
         for path in source_files(spec, flag):
             reader = {".txt": _txt, ".jsonl": _jsonl, ".parquet": _parquet}[os.path.splitext(path)[1].lower()]
-            try:
+            try:  # a .jsonl line or a .parquet row is read whole: its text is in memory (a .txt's never is)
                 yield from reader(path, text_field, f"{flag} {path}")
             except OSError as e:
                 raise UsageError(f"{flag} {path}: cannot be read ({e.strerror or e})") from None
 
 
 def _txt(path: str, text_field: str, where: str):
-    lines = []
+    """A .txt's paragraphs (lines up to a blank one, joined by "\\n") as (text, end), in parts of at most
+    READ_BYTES: a line is read and decoded in parts, so that no long line or paragraph is held whole."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    number, at, blank, paragraph, held = 1, 0, True, False, ""
+    # at: bytes of the line before this part; blank: the line so far is whitespace; paragraph: one has begun; held:
+    # text not yet known to be the document's (a line's leading whitespace, until the line shows it is not blank;
+    # a part's last "\r"s, which the line's end would strip)
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:  # line by line, so the error can say where
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise UsageError(f"{where}, line {number}: not UTF-8 text ({e.reason} at byte {e.start} of the line); "
-                                 "give text files in UTF-8") from None
-            if line.strip():
-                lines.append(line.rstrip("\r\n"))
-            elif lines:  # a blank line ends a paragraph
-                yield "\n".join(lines)
-                lines = []
-    if lines:
-        yield "\n".join(lines)
+        while True:
+            raw = f.readline(READ_BYTES)
+            last = len(raw) < READ_BYTES or raw.endswith(b"\n")  # the line ends here (or the file does)
+            pending = len(decoder.getstate()[0])  # the bytes of a character that the last part cut
+            try:
+                text = held + decoder.decode(raw, final=last)
+            except UnicodeDecodeError as e:  # e.start counts from the pending bytes
+                raise UsageError(f"{where}, line {number}: not UTF-8 text ({e.reason} at byte "
+                                 f"{at - pending + e.start} of the line); give text files in UTF-8") from None
+            at += len(raw)
+            text = text.rstrip("\r\n") if last else text
+            if blank and (not text or text.isspace()):
+                held = "" if last else text
+                if last and paragraph:  # a blank line ends a paragraph
+                    yield "", True
+                    paragraph = False
+            else:
+                if blank:  # the line's first text
+                    text, blank, paragraph = "\n" + text if paragraph else text, False, True
+                keep = len(text) if last else len(text.rstrip("\r"))
+                text, held = text[:keep], text[keep:]
+                if text:
+                    yield text, False
+            if last:
+                number, at, blank, held = number + 1, 0, True, ""
+            if not raw:
+                break
+    if paragraph:
+        yield "", True
 
 
 def _text_of(row, text_field: str, where: str) -> str:
@@ -209,7 +251,7 @@ def _jsonl(path: str, text_field: str, where: str):
             except json.JSONDecodeError as e:
                 raise UsageError(f"{where}, line {number}: not valid JSON ({e.msg} at column {e.colno}); each line "
                                  "must be one JSON object") from None
-            yield _text_of(row, text_field, f"{where}, line {number}")
+            yield _text_of(row, text_field, f"{where}, line {number}"), True
 
 
 def _parquet(path: str, text_field: str, where: str):
@@ -233,7 +275,7 @@ def _parquet(path: str, text_field: str, where: str):
             row += 1
             if text is None:
                 raise UsageError(f"{where}, row {row}: {text_field!r} is null, not a string; fix or drop that row")
-            yield text
+            yield text, True
 
 
 def _hf_documents(spec: str, text_field: str, flag: str):
@@ -264,17 +306,53 @@ def _hf_documents(spec: str, text_field: str, flag: str):
         except Exception as e:  # a stream that breaks midway (a bad shard, the network)
             raise UsageError(f"{flag} {spec}: cannot read document {number + 1} ({_first_line(e)})") from None
         number += 1
-        yield _text_of(row, text_field, f"{flag} {spec}, document {number}")
+        yield _text_of(row, text_field, f"{flag} {spec}, document {number}"), True
 
 
 def _first_line(error: Exception) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
 
 
+def in_pieces(texts, size: int):
+    """(text, end) parts of documents (end: the part is its document's last) -> the same documents as (piece, end),
+    pieces of at most size characters, cut where byte-level tokenizers begin a token (see _piece_end)."""
+    parts, length = [], 0  # what is not yet a piece (joined only once it makes one: a .txt comes a line at a time)
+    for text, end in texts:
+        parts.append(text)
+        length += len(text)
+        if length > size or end:
+            text, start = "".join(parts), 0
+            while len(text) - start > size:
+                cut = _piece_end(text, start, size)
+                yield text[start:cut], False
+                start = cut
+            parts, length = [text[start:]], len(text) - start
+            if end:
+                yield parts.pop(), True
+                length = 0
+
+
+def _piece_end(text: str, start: int, size: int) -> int:
+    """Where the piece of text from start ends, at most size characters on: before the last space that stands between
+    two non-space characters, else after the last newline that does, else after size characters. The pre-tokenizers
+    of byte-level BPE (the one trained here, GPT-2's, Llama 3's) begin a token at both, Metaspace ones that split at
+    spaces at the first: the pieces' ids are then the whole text's (the docstring at the top says where not)."""
+    end = min(start + size, len(text) - 2) + 1  # (the character after the space or newline must be there)
+    for sep, after in ((" ", 0), ("\n", 1)):
+        cut = end - after
+        while (cut := text.rfind(sep, start + 1, cut)) != -1:
+            if not (text[cut - 1].isspace() or text[cut + 1].isspace()):
+                return cut + after
+    return start + size
+
+
 def split(texts, held_out: bool):
-    """("train" | "val", text) for each text; held_out: every HELD_OUT_EVERY-th one is "val"."""
-    for index, text in enumerate(texts):
-        yield "val" if held_out and index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "train", text
+    """("train" | "val", piece, end) for each (piece, end) of documents(); held_out: every HELD_OUT_EVERY-th
+    document is "val"."""
+    index = 0
+    for text, end in texts:
+        yield "val" if held_out and index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "train", text, end
+        index += end
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -334,10 +412,11 @@ def train_tokenizer(texts, vocab_size: int) -> Tokenizer:
     with tqdm(desc="reading for the tokenizer", total=TOKENIZER_TRAIN_CHARS, unit=" characters", unit_scale=True,
               disable=None, leave=False) as bar:
         for text in texts:
+            text = text[:TOKENIZER_TRAIN_CHARS - seen]
             sample += pieces(text)
             seen += len(text)
             bar.update(len(text))
-            if seen >= TOKENIZER_TRAIN_CHARS:
+            if seen == TOKENIZER_TRAIN_CHARS:
                 break
 
     backend = Backend(models.BPE())
@@ -436,28 +515,42 @@ class TokenFiles:
 
 
 def tokenize(stream, tokenizer: Tokenizer, files: dict, bar, max_tokens: int | None = None) -> None:
-    """Append each (part, text) of stream to files[part] as bos, ids, eos, BATCH_DOCUMENTS texts at a time; stop
+    """Append each document of stream ((part, piece, end), as split gives) to files[part] as bos, ids, eos; stop
     once the training files hold max_tokens (the last document cut short)."""
     bos, eos = tokenizer.backend.token_to_id(tokenizer.bos), tokenizer.backend.token_to_id(tokenizer.eos)
-    stream = iter(stream)
-    while batch := list(itertools.islice(stream, BATCH_DOCUMENTS)):
-        encodings = tokenizer.backend.encode_batch([text for _, text in batch], add_special_tokens=False)
+    first = True  # the next piece begins a document
+    for batch in batches(stream):
+        encodings = tokenizer.backend.encode_batch([text for _, text, _ in batch], add_special_tokens=False)
         ids = {"train": [], "val": []}
-        for (part, _), encoding in zip(batch, encodings):
-            document = [bos, *encoding.ids, eos]
+        for (part, _, end), encoding in zip(batch, encodings):
+            piece = [bos] * first + encoding.ids + [eos] * end
             if part == "train" and max_tokens is not None:
                 room = max_tokens - files["train"].total - len(ids["train"])
                 if room <= 0:
                     break
-                document = document[:room]
-            ids[part] += document
-            files[part].documents += 1
+                piece = piece[:room]
+            ids[part] += piece
+            files[part].documents += first
+            first = end
         for part, part_ids in ids.items():
             files[part].write(part_ids)
-        bar.update(len(batch))
+        bar.update(sum(end for _, _, end in batch))
         bar.set_postfix_str(f"{files['train'].total:,} train + {files['val'].total:,} val tokens")
         if max_tokens is not None and files["train"].total >= max_tokens:
             return
+
+
+def batches(stream):
+    """Lists of the items of stream, BATCH_DOCUMENTS at most and BATCH_CHARS characters (item[1]) about."""
+    batch, chars = [], 0
+    for item in stream:
+        batch.append(item)
+        chars += len(item[1])
+        if len(batch) == BATCH_DOCUMENTS or chars >= BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -742,8 +835,8 @@ def _write(tmp: str, args, source: dict, identity: str, tokenizer: Tokenizer | N
         vocab_size = args.vocab_size or VOCAB_SIZE
         print(f"training a byte-level BPE tokenizer ({vocab_size:,} tokens) on the first "
               f"{TOKENIZER_TRAIN_CHARS:,} characters of --data {args.data}", flush=True)
-        tokenizer = train_tokenizer((text for part, text in split(documents(args.data, args.text_field), held_out)
-                                     if part == "train"), vocab_size)
+        tokenizer = train_tokenizer((text for part, text, _ in split(documents(args.data, args.text_field),
+                                                                     held_out) if part == "train"), vocab_size)
     backend = tokenizer.backend
     # get_vocab_size() can be below the largest id + 1 (a vocabulary with holes): the dtype must hold that id.
     dtype = token_dtype(max(backend.get_vocab_size(), max(backend.get_vocab().values()) + 1))
@@ -754,8 +847,8 @@ def _write(tmp: str, args, source: dict, identity: str, tokenizer: Tokenizer | N
         with tqdm(desc="tokenizing", unit=" documents", disable=None, leave=False) as bar:
             tokenize(split(documents(args.data, args.text_field), held_out), tokenizer, files, bar, args.max_tokens)
             if args.eval_data:
-                tokenize((("val", text) for text in documents(args.eval_data, args.text_field, "--eval-data")),
-                         tokenizer, files, bar)
+                tokenize((("val", text, end) for text, end in documents(args.eval_data, args.text_field,
+                                                                         "--eval-data")), tokenizer, files, bar)
     finally:
         for f in files.values():
             f.close()

@@ -739,6 +739,18 @@ def tokens(out: Path, part: str) -> np.ndarray:
     return np.concatenate([np.memmap(out / name, dtype=meta["dtype"], mode="r") for name in meta[part]["files"]])
 
 
+def whole(stream) -> list[str]:
+    """prep.documents()'s (piece, end) stream as whole documents: the pieces joined up to each end."""
+    docs, parts = [], []
+    for text, end in stream:
+        parts.append(text)
+        if end:
+            docs.append("".join(parts))
+            parts = []
+    assert not parts, "a stream that ends inside a document"
+    return docs
+
+
 def framed(backend, bos: int, eos: int, docs: list[str]) -> np.ndarray:
     return np.array([t for d in docs for t in [bos, *backend.encode(d, add_special_tokens=False).ids, eos]])
 
@@ -826,13 +838,13 @@ def test_every_source_form_gives_the_same_documents(tmp_path):
     write_txt(folder / "b" / ".cache" / "hidden.txt", ["not a document"])
     (folder / "notes.md").write_text("not a document either")
     for spec in ["docs.txt", "docs.jsonl", "docs.parquet", "folder", "folder/a.jsonl,folder/b/c.txt,folder/d.parquet"]:
-        got = list(prep.documents(",".join(str(tmp_path / p) for p in spec.split(","))))
+        got = whole(prep.documents(",".join(str(tmp_path / p) for p in spec.split(","))))
         assert got == docs, spec
     for spec in ["body.jsonl", "body.parquet"]:
-        assert list(prep.documents(str(tmp_path / spec), text_field="body")) == docs, spec
+        assert whole(prep.documents(str(tmp_path / spec), text_field="body")) == docs, spec
     # Windows line ends, blank lines of spaces, several blank lines in a row: still one document per paragraph.
     (tmp_path / "crlf.txt").write_bytes(b"a\r\nb\r\n\r\n  \n\n\nc\r\n")
-    assert list(prep.documents(str(tmp_path / "crlf.txt"))) == ["a\nb", "c"]
+    assert whole(prep.documents(str(tmp_path / "crlf.txt"))) == ["a\nb", "c"]
 
 
 def test_dtype_follows_the_vocabulary(tmp_path, capsys):
@@ -1239,7 +1251,7 @@ def test_lone_surrogate_in_jsonl_is_one_line_naming_file_and_line(tmp_path, caps
         assert snapshot(tmp_path) == before
 
 
-def test_long_text_without_whitespace_trains_quickly_and_is_encoded_whole(tmp_path, capsys):
+def test_long_text_without_spaces_trains_quickly_and_is_encoded_in_bounded_pieces(tmp_path, capsys):
     rng = random.Random(0)
     blob = "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=600_000))
     # The trainer's pieces: bounded, whole again when joined, and cut before whitespace (pre-tokens unchanged).
@@ -1263,10 +1275,76 @@ def test_long_text_without_whitespace_trains_quickly_and_is_encoded_whole(tmp_pa
                             tmp_path / "out")
     assert (code, err) == (0, "")
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
-    expected = backend_of(tmp_path / "out" / "tokenizer.json").encode(blob, add_special_tokens=False).ids
-    train = tokens(tmp_path / "out", "train")  # the blob is the first document, encoded whole
+    # Encoded in pieces of PIECE_CHARS (no space to cut at: after PIECE_CHARS characters), not the trainer's.
+    backend, size = backend_of(tmp_path / "out" / "tokenizer.json"), prep.PIECE_CHARS
+    expected = [i for start in range(0, len(blob), size)
+                for i in backend.encode(blob[start:start + size], add_special_tokens=False).ids]
+    train = tokens(tmp_path / "out", "train")  # the blob is the first document
     assert train[0] == meta["bos_id"] and train[len(expected) + 1] == meta["eos_id"]
     np.testing.assert_array_equal(train[1:len(expected) + 1], expected)
+
+
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                  r"\s*[\r\n]+|\s+(?!\S)|\s+")  # Llama 3's tokenizer.json: where its pre-tokens begin and end
+
+
+def test_a_long_document_is_encoded_in_pieces_to_its_whole_ids_in_bounded_memory(tmp_path, capsys, monkeypatch):
+    # One document (a .txt without blank lines) of prose, indented code and lines without spaces, read, trained on
+    # and encoded in small pieces: the ids are those of the document encoded whole, from a .txt read in parts
+    # (characters cut between parts) and from a .jsonl line alike.
+    rng, lines = random.Random(0), []
+    for _ in range(40):
+        lines += [" ".join(rng.choices(WORDS, k=rng.randint(5, 30))) + end for end in ("", ".", "  ", "\t")]
+        lines += [f"{'    ' * (i % 4)}x{i} = f(y,  z)\t# {'a b ' * (i % 5)}" for i in range(4)]
+        lines += ["".join(rng.choices("中文字的是了我不人在。，、", k=rng.randint(50, 600))) for _ in range(5)]
+    text = "\n".join(lines)
+    monkeypatch.setattr(prep, "PIECE_CHARS", 1000)
+    monkeypatch.setattr(prep, "READ_BYTES", 4096)
+    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
+    pieces = [piece for piece, _ in prep.in_pieces([(text, True)], prep.PIECE_CHARS)]
+    cuts = {"before a space" if b[0] == " " else "after a newline" if a[-1] == "\n" else "inside a word"
+            for a, b in zip(pieces, pieces[1:])}
+    assert len(pieces) > 80 and cuts == {"before a space", "after a newline"}, cuts  # both kinds, and only those
+    out, data = tmp_path / "txt", tmp_path / "doc.txt"
+    data.write_text(text + "\n", encoding="utf-8")
+    code, _, err = run_main(capsys, prep.main, "--data", data, "--vocab-size", 300, "--out", out)
+    assert (code, err) == (0, "")
+    meta = json.loads((out / "meta.json").read_text())
+    backend = backend_of(out / "tokenizer.json")
+    expected = framed(backend, meta["bos_id"], meta["eos_id"], [text])
+    assert meta["train"]["documents"] == 1 and meta["val"]["held_out"] == "tail"  # the last tokens held out
+    np.testing.assert_array_equal(np.concatenate([tokens(out, "train"), tokens(out, "val")]), expected)
+    # The same with Llama 3's pre-tokenizer (its split pattern, then byte-level), the document a .jsonl line.
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+    llama3 = Tokenizer(models.BPE())
+    llama3.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_PATTERN), "isolated"),
+                                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    llama3.train_from_iterator([text[:30_000]], trainers.BpeTrainer(vocab_size=400, special_tokens=["[BOT]", "[EOT]"],
+                                                                    show_progress=False))
+    llama3.save(str(tmp_path / "llama3.json"))
+    code, _, err = run_main(capsys, prep.main, "--data", write_jsonl(tmp_path / "doc.jsonl", [text]), "--tokenizer",
+                            tmp_path / "llama3.json", "--out", tmp_path / "jsonl")
+    assert (code, err) == (0, "")
+    np.testing.assert_array_equal(np.concatenate([tokens(tmp_path / "jsonl", p) for p in ("train", "val")]),
+                                  framed(llama3, 0, 1, [text]))
+    # Memory: a 2 MB document on one line, in a process of its own (pieces of 10,000 characters, 50,000 at a time on 2
+    # threads; the tokenizer trained on its first 100,000): its peak grows by ~20 MB whatever the document's length;
+    # read, trained on and encoded whole, by ~220x the document (470 MB).
+    data = tmp_path / "line.txt"
+    data.write_text(" ".join(rng.choices(WORDS, k=350_000)) + "\n", encoding="utf-8")
+    measure = ("import sys, tokenizers, prepare_data as prep\n"
+               "def peak(): return 1024 * int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])\n"
+               "prep.PIECE_CHARS, prep.READ_BYTES, prep.BATCH_CHARS = 10_000, 1 << 16, 50_000\n"
+               "prep.TOKENIZER_TRAIN_CHARS = 100_000\n"
+               "before = peak()\n"
+               "prep.main(sys.argv[1:])\n"
+               "print(peak() - before)\n")
+    result = start([sys.executable, "-c", measure, "--data", data, "--vocab-size", 300, "--out", tmp_path / "line"],
+                   cwd=ROOT, env=dict(script_env(), RAYON_NUM_THREADS="2"), timeout=120)
+    assert result.returncode == 0, result.stderr
+    grew, size = int(result.stdout.split()[-1]), data.stat().st_size
+    assert size > 2_000_000 and grew < 16 * size, (grew, size)  # 16x: room above the ~20 MB measured
 
 
 def test_eval_data_overlapping_data_is_refused(tmp_path, capsys, tokenizer_file):
