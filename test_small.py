@@ -3209,6 +3209,15 @@ def test_the_replay_gives_gpipes_bubble_and_1f1bs_activations():
         assert plan.schedule_orders("afab", p, m, 1) == plan.schedule_orders("gpipe", p, m, 1)
         one_f_one_b = plan.replay(plan.schedule_orders("1f1b", p, m, 1), [1.0] * p, [2.0] * p, [1.0] * p)
         assert list(one_f_one_b["peak"].values()) == [min(m, p - r) for r in range(p)]
+        # A message of 0.25 delays each of the p - 1 hops down and back up once: the step by 2 (p - 1) x 0.25.
+        sent = plan.replay(plan.schedule_orders("gpipe", p, m, 1), [1.0] * p, [2.0] * p, [1.0] * p, message=0.25)
+        assert sent["step"] == pytest.approx((m + p - 1) * 3.0 + 2 * (p - 1) * 0.25)
+    # ... and only between ranks. ZB-V on 2 ranks, one microbatch: F0 F1 F2 F3 I3 I2 W2 I1 I0 W0 in a chain, 4 hops
+    # between ranks (0 to 1 and 2 to 3, and back); stages 1 and 2 are both on rank 1.
+    for message in (0.0, 0.5):
+        v = plan.replay(plan.schedule_orders("zbvzerobubble", 2, 1, 2), [1.0] * 4, [2.0] * 4, [0.0] * 4,
+                        split=([1.0] * 4, [1.0] * 4), message=message)
+        assert v["step"] == pytest.approx(10 + 4 * message), v
     # Every schedule torch ships replays (its own order, from placeholder stages) without a deadlock, and no
     # schedule beats the work itself.
     for name, pp in itertools.product(gpipe.SCHEDULES, (4, 8)):
@@ -3261,6 +3270,122 @@ def test_the_plan_counts_the_recomputation_of_a_split_backward(one_process_group
     assert calls == {0: m * 2, 1: m * (2 + plan.LAYER_WEIGHTS)}  # forward, I (and W for stage 0), W per weight
     backward, again = [2.0, 2.0], [1.0, 1.0]  # the plan's I and W: one recomputation in I, LAYER_WEIGHTS in W
     assert plan.split_backward(backward, again, 0.0) == ([0.0, 1.5], [2.0, 0.5 + plan.LAYER_WEIGHTS])
+
+
+# The Zero Bubble paper (Qi et al., ICLR 2024, arXiv 2401.10241): its 28.3B GPT (62 layers, hidden 6144, 48 heads,
+# sequence 1024, microbatch 1) on 32 GPUs, 96 microbatches, pure pipeline. Table 9 profiles a stage (the median
+# one, 2 layers) at F 10.419, B 10.207, W 7.715 ms and a message at 0.408 ms; the paper's first and last stages
+# hold a layer fewer for the embedding and the loss, each counted as a layer.
+ZERO_BUBBLE_28B = {"model_type": "llama", "vocab_size": 50304, "hidden_size": 6144, "intermediate_size": 16384,
+                   "num_hidden_layers": 62, "num_attention_heads": 48, "max_position_embeddings": 1024}
+
+
+def test_the_plan_gives_the_zero_bubble_papers_bubbles_from_its_pass_times(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(ZERO_BUBBLE_28B))
+    layer = ",".join(f"{t / 2:g}" for t in (10.419, 10.207, 7.715))  # a stage of Table 9 is 2 layers
+    report = plan.main(["--processes", "32", "--model", str(tmp_path / "config.json"), "--seq-len", "1024",
+                        "--batch-size", "96", "--microbatches", "96", "--device", "cuda", "--schedule", "1f1b",
+                        "--layer-times", layer, "--embed-times", layer, "--head-times", layer, "--message-time",
+                        "0.408"])["schedules"]
+    out = capsys.readouterr().out
+    assert "step time from the measured times, 0.408 ms a message" in out
+    # Balanced on those times: a layer fewer on the end stages; with 2 stages per rank, 62 layers on 64 stages, the
+    # embedding and the head each a stage of its own.
+    assert report["1f1b"]["split"] == ",".join(["1"] + ["2"] * 30 + ["1"])
+    for name in ("interleaved1f1b", "zbvzerobubble"):
+        assert report[name]["split"] == ",".join(["0"] + ["1"] * 62 + ["0"]), name
+    # The bubble, (step - m (F + B + W)) / step, within 2 points of its Table 8 (26.76, 15.09, 5.93 %: torch's ZB-V
+    # order is fixed, the paper's adapts to the times); 1F1B's is its Table 5's to the 4 digits printed, 26.46 %.
+    assert report["1f1b"]["bubble"] == pytest.approx(0.2646, abs=5e-5)
+    for name, published in (("1f1b", 0.2676), ("interleaved1f1b", 0.1509), ("zbvzerobubble", 0.0593)):
+        assert report[name]["bubble"] == pytest.approx(published, abs=0.02), name
+    # The step against 1F1B's within 0.1 of the measured ratios (Table 4: 0.82 / 0.76 samples per GPU per second;
+    # Table 6: 1.01 / 0.82); the paper's own bubbles say 1.16 and 1.28 (docs/plan-vs-the-zero-bubble-paper.md).
+    for name, measured in (("interleaved1f1b", 0.82 / 0.76), ("zbvzerobubble", 1.01 / 0.82)):
+        assert report["1f1b"]["step"] / report[name]["step"] == pytest.approx(measured, abs=0.1), name
+
+
+def _costs_trace(directory: Path, labelled: bool, split: list[int]) -> str:
+    """A GPipe trace of 2 microbatches whose parts cost what is known (ms): a layer forward 1, backward 2; the
+    embedding 0.5, 1; the norm, head and loss 8, 12. labelled: the library's labels (the loss a "loss" span after
+    the forward); else the hand-written script's (the loss inside "forward i", unlabelled)."""
+    ranks, number = [], iter(range(100, 1000))
+    for stage, layers in enumerate(split):
+        first, last, events, t = stage == 0, stage == len(split) - 1, [_span("ProfilerStep#1", 0, 200000)], 1000
+        forward, backward = ("Forward", "Backward") if labelled else ("forward", "backward")
+        for i in range(2):
+            made = [next(number) for _ in range(first + 2 * last)]  # the lookup's, the head's and the loss's ops
+            f, b = 1000 * layers + 500 * first, 2000 * layers + 1000 * first  # µs
+            events += [_span(f"{forward} {i}", t, f + (0 if labelled else 8000 * last))]
+            if first:
+                events += [{**_span("aten::embedding", t + 10, 500, cat="cpu_op"), "args": {"Sequence number": made[0]}}]
+            if last:
+                at = t + f if labelled else t + f - 500 * first
+                events += [_span("loss", at, 8000)] if labelled else []
+                events += [{**_span(op, at + 10 + 4000 * k, 3000, cat="cpu_op"), "args": {"Sequence number": n}}
+                           for k, (op, n) in enumerate(zip(("aten::linear", "aten::cross_entropy_loss"), made[first:]))]
+            t += f + 8000 * last + 100
+            events += [_span(f"{backward} {i}", 100000 + t, b + 12000 * last)]
+            nodes = list(zip(made, [1000] * first + [7000, 5000] * last))
+            start = 100000 + t + 10
+            for n, took in nodes:
+                events += [{**_span(f"autograd::engine::evaluate_function: Node{n}", start, took, cat="cpu_op"),
+                            "args": {"Sequence number": n}}]
+                start += took + 10
+        ranks.append(events)
+    return _write(directory, ranks)
+
+
+def test_the_plan_takes_each_parts_time_from_a_trace_of_known_costs(tmp_path, capsys):
+    # A run's per-rank trace, the parts' costs known (_costs_trace): plan.py --trace finds each part's forward and
+    # backward (the embedding's and the loss's from their own operators and the autograd nodes those made; a
+    # layer's from the rest of its stage), the split that balances them, and the step it replays for both.
+    shape = ["--layers", "4", "--batch-size", "8", "--microbatches", "2", "--seq-len", "32", "--device", "cpu"]
+    expected = {"layer": (0.001, 0.001, 0.001), "embed": (0.0005, 0.0, 0.001), "head": (0.008, 0.006, 0.006)}
+    for labelled, split, schedule, balanced_split, replayed in [
+            # Stage times (forward, backward): 2.5, 5 and 10, 16 ms; GPipe replayed: 2.5 + 2 x 10 + 2 x 16 + 5.
+            (True, [2, 2], "gpipe", "4,0", 0.0595),
+            # The hand-written script labels no loss: the head's time is the last stage's, less a layer's, which
+            # comes from the stages before it.
+            (False, [2, 1, 1], "afab", "2,2,0", None)]:
+        trace = _costs_trace(tmp_path / f"labelled{len(split)}" if labelled else tmp_path / "by_hand", labelled, split)
+        report = plan.main(["--processes", str(len(split)), "--split", ",".join(map(str, split)), "--schedule",
+                            schedule, *shape, "--trace", trace])
+        out = capsys.readouterr().out
+        for part, times in expected.items():
+            assert report["passes"][part] == pytest.approx(times, abs=1e-9), (part, report["passes"])
+        assert "a decoder layer 1 / 2 ms, the embedding 0.5 / 1 ms, the final norm, head and loss 8 / 12 ms" in out
+        # Balanced on them (a layer 3, the embedding 1.5, the head 20): the head alone on the last stage.
+        assert report["split"] == balanced_split and f"balanced on these times: --split {balanced_split}, " in out
+        assert report["traced"]["split"] == ",".join(map(str, split)) and report["traced"]["step"] == 0.2
+        if replayed:
+            assert report["traced"]["replayed"] == pytest.approx(replayed)
+            # The balanced split (4.5, 9 and 8, 12 ms): 4.5 + 2 x 8 + 2 x 12 + 9 = 53.5 ms.
+            assert report["schedules"]["gpipe"]["step"] == pytest.approx(0.0535)
+            assert "step 53.5 ms replayed (1.11 x as fast as the traced run's split)" in out
+    # Without the loss's label and with no layer before the last stage, a layer cannot be told from the head.
+    trace = _costs_trace(tmp_path / "by_hand2", False, [0, 4])
+    assert "the traced run labels no loss" in refused(capsys, plan.main, "--processes", "2", "--split", "0,4",
+                                                          *shape, "--trace", trace)
+
+
+def test_the_plan_reads_each_parts_time_from_the_runs_traces(layout_runs, data_dir, capsys):
+    # The traces of real runs (the library's GPipe on 2 stages; the hand-written AFAB on 3, 2,1,1): every part's
+    # forward and backward found (the embedding's backward and the loss's by the autograd nodes their operators
+    # made), and the traced split replayed on them close to the step the trace shows.
+    runs, tmp_path = layout_runs
+    for name, trace in (("gpipe2", "gpipe_trace"), ("afab3", "afab_trace")):
+        processes, script, extra = LAYOUT_RUNS[name]
+        flags = [flag for i, flag in enumerate(extra) if "--trace" not in extra[max(0, i - 1):i + 1]]
+        report = plan.main(["--processes", str(processes), "--data", data_dir, "--layers", "4", "--batch-size", "8",
+                            "--microbatches", "4", "--seq-len", "32", *flags, "--trace", str(tmp_path / trace)])
+        out = capsys.readouterr().out
+        assert all(t > 0 for part in plan.PARTS for t in report["passes"][part] if part != "embed"), report
+        assert report["passes"]["embed"][0] > 0 and report["passes"]["embed"][2] > 0, report
+        assert "balanced on these times: --split " in out and len(report["split"].split(",")) == processes
+        # The replay leaves out the optimizer and clipping, and each rank's waiting for the other's compute is
+        # that of medians; 2 shared cores make steps vary by a tenth or more.
+        assert 0.5 < report["traced"]["replayed"] / report["traced"]["step"] < 1.25, (name, report["traced"])
 
 
 def test_plan_finds_layouts_for_a_cluster_that_the_scripts_accept(capsys):
@@ -3333,6 +3458,13 @@ def test_plan_prints_every_schedule_for_a_cluster_on_this_machine(tmp_path):
                                                    "prepare_data.py --out nowhere first"),
     (["--processes", "2", "--data", "x", "--vocab-size", "9"], 2, "error: argument --vocab-size: not allowed with"),
     (["--processes", "2", "--schedule", "nope"], 2, "error: argument --schedule: invalid choice: 'nope'"),
+    (["--processes", "2", "--layer-times", "1,2"], 2, "error: argument --layer-times: must be three non-negative "
+                                                      "numbers of milliseconds"),
+    (["--processes", "2", "--head-times", "1,2,3"], 1, "error: --head-times: give --layer-times too"),
+    (["--processes", "2", "--trace", "t", "--layer-times", "1,2,3"], 1, "error: --layer-times: --trace t measures "
+                                                                        "the times; give one or the other"),
+    (["--processes", "2", "--trace", "nowhere"], 1, "error: --trace nowhere: "),
+    (["--gpus", "8", "--message-time", "1"], 1, "error: --message-time: measured times plan one layout"),
 ])
 def test_plan_refuses_what_the_script_refuses_in_one_line(argv, status, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
