@@ -636,7 +636,8 @@ def plan(args) -> dict:
         flops = estimated_costs(config, args.seq_len)
         print(f"measured in --trace {args.trace}, one microbatch's forward / backward: a decoder layer "
               f"{ms('layer')}, the embedding {ms('embed')}, the final norm, head and loss {ms('head')} "
-              f"({costs['head'] / costs['layer']:.2g} layers; by the FLOP estimate {flops['head'] / flops['layer']:.2g})")
+              f"({costs['head'] / costs['layer']:.2g} layers; by the FLOP estimate "
+              f"{flops['head'] / flops['layer']:.2g})")
         print(f"the traced run, --split {report['traced']['split']}: step {report['traced']['step'] * 1e3:.4g} ms "
               f"traced, {traced['step'] * 1e3:.4g} ms replayed with these times (which leave out the optimizer and "
               "the gradient clipping)")

@@ -3318,7 +3318,8 @@ def _costs_trace(directory: Path, labelled: bool, split: list[int]) -> str:
             f, b = 1000 * layers + 500 * first, 2000 * layers + 1000 * first  # µs
             events += [_span(f"{forward} {i}", t, f + (0 if labelled else 8000 * last))]
             if first:
-                events += [{**_span("aten::embedding", t + 10, 500, cat="cpu_op"), "args": {"Sequence number": made[0]}}]
+                events += [{**_span("aten::embedding", t + 10, 500, cat="cpu_op"),
+                            "args": {"Sequence number": made[0]}}]
             if last:
                 at = t + f if labelled else t + f - 500 * first
                 events += [_span("loss", at, 8000)] if labelled else []
