@@ -983,10 +983,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the final norm's, head's and loss's (default: the layer's, scaled by the FLOP estimate)")
     g.add_argument("--message-time", type=number(False), default=0.0, metavar="MS",
                    help="one microbatch's hidden states, or their gradient, on their way to another rank, while "
-                        "both compute on (default: 0)")
+                        "both compute on")
     g.add_argument("--trace", metavar="DIR",
                    help="take the layer's, embedding's and head's times from a run traced with these flags (the "
-                        "scripts' --trace DIR), and print the --split that balances them")
+                        "scripts' --trace DIR), and print the --split that balances them (default: none: the "
+                        "FLOP estimate, or the times given)")
     return p
 
 
