@@ -794,8 +794,9 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
 def layouts(args, config: LlamaConfig, schedules=tuple(SCHEDULES), checkpointing=(False, True),
             budget: float | None = None) -> list[dict]:
     """Every layout of --gpus that the scripts accept, evaluated: tp dividing a node's GPUs and the model's
-    heads, KV heads, MLP width and vocabulary; dp dividing the batch; pp at most the layers; every schedule
-    torch ships (the hand-written afab and 1f1b run GPipe's and 1F1B's orders: the same figures); with and
+    heads, KV heads, MLP width and vocabulary; dp dividing the batch; pp at most the layers and two layerless
+    end stages; every schedule torch ships (the hand-written afab and 1f1b run GPipe's and 1F1B's orders: the
+    same figures); with and
     without activation checkpointing; and the most microbatches the schedule accepts, up to MAX_MICROBATCHES,
     dividing a replica's batch. (The model of time has no cost per microbatch, so more microbatches, smaller,
     never plan slower or bigger; in a real run, microbatches too small to keep a GPU busy do run slower.)
@@ -818,7 +819,7 @@ def candidates(args, config: LlamaConfig, schedules, checkpointing):
         # A tensor-parallel group inside one node: tp divides the GPUs of a node (or of all, when fewer).
         if min(args.gpus, args.gpus_per_node) % tp or any(n % tp for n in shapes) or args.tp > 1 and tp != args.tp:
             continue
-        for pp in range(min(config.num_hidden_layers, args.gpus // tp), 0, -1):  # dp ascending
+        for pp in range(min(config.num_hidden_layers + 2, args.gpus // tp), 0, -1):  # dp ascending
             dp = args.gpus // (tp * pp)
             if (args.gpus // tp) % pp or args.dp > 1 and dp != args.dp or args.batch_size % dp:
                 continue

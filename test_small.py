@@ -3753,7 +3753,7 @@ def test_a_huge_batch_or_cluster_is_searched_in_seconds(argv, tmp_path):
     assert result.returncode == 0 or "no layout fits" in result.stderr
 
 
-def accepted(config, gpus: int, batch: int, gpus_per_node: int = 8) -> dict:
+def accepted(config, gpus: int, batch: int, gpus_per_node: int = 8, model: str = "small") -> dict:
     """(pp, dp, tp, schedule, checkpointing) -> the most microbatches train_pipeline_gpipe.py accepts (its
     check_args and stage_layout), over every pp x dp x tp = gpus with tp inside a node: found by trying all."""
     found = {}
@@ -3765,7 +3765,7 @@ def accepted(config, gpus: int, batch: int, gpus_per_node: int = 8) -> dict:
                     for m in range(1, batch + 1):
                         try:
                             ns = checked_args(gpipe, [
-                                "--model", "small", "--batch-size", str(batch), "--microbatches", str(m), "--schedule",
+                                "--model", model, "--batch-size", str(batch), "--microbatches", str(m), "--schedule",
                                 schedule, "--dp", str(dp), "--tp", str(tp), "--checkpoint-dir", os.devnull + "/none",
                                 *(["--activation-checkpointing"] if checkpointing else [])], gpus)
                             per_rank = len(gpipe.stage_ids(schedule, 0, pp, ns.stages_per_rank))
@@ -3777,14 +3777,16 @@ def accepted(config, gpus: int, batch: int, gpus_per_node: int = 8) -> dict:
     return found
 
 
-@pytest.mark.parametrize("gpus, batch", [(4, 2), (8, 4), (2, 1)])
-def test_the_search_finds_every_layout_the_scripts_accept(gpus, batch, capsys):
+@pytest.mark.parametrize("model, gpus, batch", [("small", 4, 2), ("small", 8, 4), ("small", 2, 1), ("tiny", 8, 4)])
+def test_the_search_finds_every_layout_the_scripts_accept(model, gpus, batch, capsys):
     # 4 GPUs and a batch of 2 was "no layout passes the scripts' checks": the search asked for at least as many
-    # microbatches as stages, which only 1F1B and DualPipeV need (GPipe runs 2 microbatches on 4 stages).
-    config = config_from_preset("small", plan.VOCAB_SIZE)
-    expected = accepted(config, gpus, batch)
+    # microbatches as stages, which only 1F1B and DualPipeV need (GPipe runs 2 microbatches on 4 stages). The
+    # tiny model's 6 layers on 8 stages: the embedding and the head each a stage of its own.
+    config = config_from_preset(model, plan.VOCAB_SIZE)
+    expected = accepted(config, gpus, batch, model=model)
     assert any(pp > m for (pp, *_), m in expected.items())
-    best = plan.main(["--model", "small", "--gpus", str(gpus), "--batch-size", str(batch), "--top", "1000"])
+    assert model == "small" or any(pp > config.num_hidden_layers for pp, *_ in expected)
+    best = plan.main(["--model", model, "--gpus", str(gpus), "--batch-size", str(batch), "--top", "1000"])
     capsys.readouterr()
     got = {(r["pp"], r["dp"], r["tp"], r["schedule"], r["checkpointing"]): r["microbatches"] for r in best}
     # One stage runs every schedule alike: the search times the first only.
@@ -4339,8 +4341,9 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
         ("--batch-size", "10", "--microbatches", "4"): "--microbatches",
         ("--seq-len", "5000"): "--seq-len",
         ("--schedule", "zbvzerobubble", "--stages-per-rank", "3"): "--stages-per-rank",
-        ("--schedule", "interleaved1f1b", "--stages-per-rank", "5", "--layers", "4"): "5 pipeline stages but the "
-                                                                                      "model has 4 layers",
+        # 5 stages hold 3 layers at most with the embedding and the head on stages of their own.
+        ("--schedule", "interleaved1f1b", "--stages-per-rank", "5", "--layers", "2"): "5 pipeline stages but the "
+                                                                                      "model has 2 layers",
         ("--schedule", "1f1b", "--stages-per-rank", "3"): "--stages-per-rank 3: 1f1b holds 1 stage(s) per rank",
         ("--stages-per-rank", "2"): "--stages-per-rank 2: gpipe holds 1 stage(s) per rank",
         ("--split", "3,2"): "--split 3,2: give 1 layer counts",
@@ -4357,7 +4360,8 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
     cases += [("train_pipeline_gpipe.py", given, named, 4) for given, named in [
         (("--dp", "3"), "--dp 3 x --tp 1: 4 processes do not divide"),
         (("--dp", "2", "--batch-size", "12"), "--dp 2 x --microbatches 4"),
-        (("--dp", "2", "--layers", "1"), "2 pipeline stages")]]
+        (("--dp", "2", "--schedule", "interleaved1f1b", "--stages-per-rank", "3", "--layers", "2"),
+         "6 pipeline stages")]]
     # --tp the same way (the model's heads are checked by the processes, below:
     # test_tensor_parallel_that_the_model_cannot_take_is_one_line_on_every_rank).
     cases += [("train_pipeline_gpipe.py", ("--tp", "3"), "--dp 1 x --tp 3: 4 processes do not divide into stages", 4),
