@@ -1502,9 +1502,9 @@ LAYERLESS = {"gpipe": (0, 4), "afab": (0, 4), "1f1b": (4, 0), "interleaved1f1b":
              "loopedbfs": (0, 1, 2, 1), "interleavedzerobubble": (1, 2, 1, 0), "zbvzerobubble": (0, 2, 2, 0),
              "dualpipev": (1, 2, 1, 0)}
 PARITY_LAYOUTS = {  # (pp, dp, tp) -> the (split, schedule, layers: even over that many, or per stage) of a launch
-    # 4 layers: 2 stages, or 4 with the multi-stage schedules (looped or V-shaped); evenly, and with layerless ends.
-    (2, 1, 1): [(kind, name, split) for kind, name in EVERY_SPLIT_AND_SCHEDULE for split in (4, LAYERLESS[name])],
-    # The tracer's split is the hand split's (checked at dp 1): one of each kind with replicas; half of them with
+    # 4 layers: 2 stages, or 4 with the multi-stage schedules (looped or V-shaped); with layerless ends below.
+    (2, 1, 1): [(kind, name, 4) for kind, name in EVERY_SPLIT_AND_SCHEDULE],
+    # The tracer's split is the hand split's (checked at dp 1): one of each kind with replicas; most with
     # layerless ends (a stage whose FSDP unit is the embedding, or the norm and the head, alone).
     (2, 2, 1): [(kind, name, LAYERLESS[name] if name in ("afab", "1f1b", "loopedbfs", "zbvzerobubble", "dualpipev")
                  else 4) for kind, name in EVERY_SPLIT_AND_SCHEDULE
@@ -1517,10 +1517,14 @@ PARITY_LAYOUTS = {  # (pp, dp, tp) -> the (split, schedule, layers: even over th
     (2, 1, 2): [("library", "gpipe", 4), ("library", "1f1b", (4, 0)), ("library", "interleaved1f1b", (0, 2, 2, 0)),
                 ("library", "zbvzerobubble", 4), ("manual", "afab", (0, 4)), ("manual", "1f1b", 4)],
     (2, 2, 2): [("library", "gpipe", 4), ("library", "dualpipev", (0, 2, 2, 0)), ("manual", "1f1b", (4, 0))],
-    # 3 stages: 4 layers split unevenly (2, 1, 1), and 6; the middle stage's alone (0, 4, 0).
+    # 3 stages: 4 layers split unevenly (2, 1, 1), and 6; and all 4 on the middle stage, (0, 4, 0).
     (3, 1, 1): [*((kind, "gpipe", layers) for layers in (4, 6) for kind in ("library", "tracer")),
                 *((kind, "1f1b", (0, 4, 0)) for kind in ("library", "tracer", "manual"))],
 }
+# Layerless ends at dp 1 too, for each schedule of each kind that the launches above do not run so.
+PARITY_LAYOUTS[2, 1, 1] += [(kind, name, LAYERLESS[name]) for kind, name in EVERY_SPLIT_AND_SCHEDULE
+                            if not any(v[:2] == (kind, name) and not isinstance(v[2], int)
+                                       for variants in PARITY_LAYOUTS.values() for v in variants)]
 
 
 @pytest.fixture(scope="module", params=list(PARITY_LAYOUTS), ids=lambda layout: "-".join(map(str, layout)))
