@@ -2108,6 +2108,9 @@ def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, refer
         rows, _ = read_metrics(tmp_path / name / "m.jsonl")
         assert [r["step"] for r in rows] == list(range(9, 17))
         assert_same_trajectory(rows, reference[8:], name, since=8)
+    # What each rank held, in the checkpoint's meta.json: the tracer's rank 0 no layer.
+    assert checkpoint.read_meta(str(tmp_path / "traced_dualpipev2" / "checkpoints" / "step-00000016"))[
+        "layers_per_rank"] == [[], [0, 1, 2, 3]]
 
 
 def test_tensor_parallel_resumes_exactly_on_any_layout_and_exports_the_whole_model(tmp_path, data_dir,
@@ -2849,6 +2852,8 @@ def _hf_worker(rank, world_size, store_path, out_dir, hf_root, schedules, batch,
             num_stages = world_size * len(stages)
             first, last = 0 in stages, num_stages - 1 in stages
             layers = even(config.num_hidden_layers, num_stages)
+            if name == "tied" and num_stages > 2:  # the embedding's and the head's copies on stages of no layer
+                layers = model_module.from_sizes([0, *map(len, even(config.num_hidden_layers, num_stages - 2)), 0])
             shape = (len(inputs) // microbatches, inputs.shape[1])
             model, built, run, _ = library_pipeline(config, schedule, stages, layers, mesh, shape, microbatches)
             checkpoint.load_weights(source, model, config)
@@ -2879,7 +2884,8 @@ def test_hugging_face_weights_train_like_transformers_at_any_stage_count(tmp_pat
     from safetensors.torch import load_file
 
     # 2 ranks: the tied model (4 layers) in a V, both copies on rank 0; 3 ranks: embedding and head copies on
-    # ranks 0 and 2, their gradients summed over a process group.
+    # ranks 0 and 2, their gradients summed over a process group. Each copy on a stage without layers: (0, 2, 2, 0)
+    # and (0, 4, 0).
     schedules = {"untied": "gpipe", "tied": "zbvzerobubble" if world_size == 2 else "gpipe", "tied_bf16": "gpipe"}
     gen = torch.Generator().manual_seed(5)
     inputs, targets = torch.randint(0, 8192, (8, 16), generator=gen), torch.randint(0, 8192, (8, 16), generator=gen)
