@@ -688,6 +688,9 @@ def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool
     if model.base_model.embed_tokens is not None:
         parallelize_module(model.base_model.embed_tokens, tp_mesh, RowwiseParallel(
             input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()))
+        if not model.base_model.layers and model.base_model.norm is None:  # a stage of the embedding alone gives
+            # out its to_local() view of the rank's piece: copied, as the final norm's below
+            model.base_model.embed_tokens.register_forward_hook(lambda module, args, output: output.clone())
     if model.base_model.norm is not None and sp:  # its output, the stage's, stays a plain [batch, seq/tp, hidden]
         parallelize_module(model.base_model.norm, tp_mesh, SequenceParallel(use_local_output=True))
         # to_local() returns a view of the rank's piece. FSDP2 (--dp) hooks its backward onto a stage's output, and
