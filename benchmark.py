@@ -163,7 +163,9 @@ def read_rank(path: str) -> dict:
 def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
     """One rank's trace: per profiled step (one with compute in it) its "time", "busy" and "waiting" (blocked in
     receives) seconds; per stage (None: the rank's only one) the median "forward" (with the loss) and
-    "backward" (B, or I + W) seconds of one microbatch, from the actions that were not overlapped; "segments"
+    "backward" (B, or I + W) seconds of one microbatch, from the actions that were not overlapped; "embed" and
+    "head" (None where the rank has no embedding lookup or no "loss" span), the median "forward" and
+    "backward" of one microbatch's embedding lookup and of its loss with the head in it; "segments"
     (start, end, "forward" | "backward" | "overlapped" | "waiting") and "spans" (start, end) of the steps,
     for pictures. Times in seconds on the trace's clock."""
     with open(path) as f:
@@ -171,14 +173,22 @@ def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
     steps = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
     if not steps:
         raise ValueError(f"{path}: no ProfilerStep spans; not a trace written by the scripts' --trace")
-    thread = steps[0]["tid"]  # the main thread: the schedules' labels, and the waits
+    thread = steps[0]["tid"]  # the main thread: the schedules' labels, the waits, autograd's backward on the CPU
     compute, losses, recvs, op_ends = [], [], [], []
+    lookups, made, node_time = [], [], {}  # embedding ops; (start, sequence number) of ops; backward per number
     for e in events:
         if e["tid"] != thread:
             continue
         start, end, name = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e["name"]
         if e.get("cat") == "cpu_op":
             op_ends.append(end)
+            number = e.get("args", {}).get("Sequence number")
+            if name.startswith("autograd::engine::evaluate_function: "):  # the backward of the op(s) numbered so
+                node_time[number] = node_time.get(number, 0.0) + end - start
+            elif number is not None:
+                made.append((start, number))
+                if name == "aten::embedding":
+                    lookups.append((start, end, number))
         elif name == "loss":
             losses.append((start, end))
         elif name == "gloo:recv":
@@ -235,6 +245,19 @@ def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
                         if key[1] == stage and (name[0].upper(), key) not in overlapped]
                  for name, table in (("forward", forward), ("backward", backward))}
         rank["stages"][stage] = {name: statistics.median(v) if v else 0.0 for name, v in times.items()}
+    # The embedding's and the loss's own share (the loss's span holds the head: the scripts apply it there): per
+    # lookup or loss, its forward, and the backward of the autograd nodes its ops made (autograd numbers each
+    # node as the op that makes it, and its backward's span carries the number).
+    made.sort()
+    starts = [t for t, _ in made]
+
+    def backward_of(lo: float, hi: float) -> float:
+        return sum(node_time.get(n, 0.0) for n in {n for _, n in made[bisect.bisect_left(starts, lo):
+                                                                       bisect.bisect_left(starts, hi)]})
+    for part, spans in (("embed", [(s, e) for s, e, _ in lookups]), ("head", losses)):
+        pairs = [(e - s, b) for s, e in spans if (b := backward_of(s, e)) > 0]  # evaluations have no backward
+        rank[part] = {"forward": statistics.median(f for f, _ in pairs),
+                      "backward": statistics.median(b for _, b in pairs)} if pairs else None
     return rank
 
 

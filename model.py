@@ -107,8 +107,8 @@ def hf_name(name: str) -> str:
 
 
 # The largest sizes config_from_hf takes: every tensor dimension within torch's 32-bit indexing, so plan.py's
-# sums of bytes and FLOPs stay finite; twice the deepest Llama's 126 layers, as the balanced split searches
-# stages x layers^2 cut points (plan.py --gpus 64: 1024 layers took 2 minutes).
+# sums of bytes and FLOPs stay finite; twice the deepest Llama's 126 layers, as the balanced split tries
+# layers^2 layouts (256 layers: 0.14 s for each stage count and cost that plan.py --gpus searches).
 MAX_SIZE, MAX_LAYERS = 2 ** 31 - 1, 256
 
 
@@ -466,9 +466,11 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
 #     embed  6 h                    a lookup forward, a scatter-add backward
 #
 # With activation checkpointing a layer runs its forward again in backward: 4/3 of its cost (the head is not
-# checkpointed, so the balance moves a little towards fewer layers on the last stage). (Balancing on times
-# measured on the machine was tried: on the tiny model it chose the layout the estimate chooses, and was left
-# out.)
+# checkpointed, so the balance moves a little towards fewer layers on the last stage). A head heavier than a
+# layer cannot be balanced by whole layers alone: the first and the last stage may then hold no decoder layer
+# (the embedding alone; the final norm, the head and the loss alone), as Megatron's and torchtitan's layouts
+# allow. On the tiny model with 3 stages that takes the slowest stage from 53 % of the work to 43 %. (plan.py
+# --trace balances on times measured on the machine instead.)
 
 def estimated_costs(config: LlamaConfig, seq_len: int, recompute: bool = False,
                     loss_chunks: int = 1) -> dict[str, float]:
@@ -486,7 +488,7 @@ def estimated_costs(config: LlamaConfig, seq_len: int, recompute: bool = False,
 
 
 def stage_costs(layout: list[range], costs: dict[str, float]) -> list[float]:
-    """Each stage's cost: its layers, the embedding on the first, the head on the last."""
+    """Each stage's cost: its layers (maybe none), the embedding on the first, the head on the last."""
     return [len(layers) * costs["layer"] + (costs["embed"] if i == 0 else 0)
             + (costs["head"] if i == len(layout) - 1 else 0) for i, layers in enumerate(layout)]
 
@@ -505,39 +507,50 @@ def from_sizes(sizes: list[int]) -> list[range]:
 
 
 def balanced(num_layers: int, num_stages: int, costs: dict[str, float]) -> list[range]:
-    """The contiguous layout whose slowest stage costs least (stage_costs), every stage at least one layer, by
-    dynamic programming over the boundaries (O(stages x layers^2), instant for any real model)."""
+    """The contiguous layout whose slowest stage costs least (stage_costs). Every stage between the first and the
+    last holds at least one layer; those two may hold none, but only where that makes the slowest stage faster.
+    Of the layouts as fast, the most even: the second slowest stage the cheapest, then the third, and so on."""
     return from_sizes(_balanced_sizes(num_layers, num_stages, costs["layer"], costs["embed"], costs["head"]))
 
 
-@functools.lru_cache  # a layout search (plan.py --gpus) asks for the same split hundreds of times
+@functools.lru_cache(maxsize=4096)  # a layout search (plan.py --gpus) asks for the same split hundreds of times
 def _balanced_sizes(num_layers: int, num_stages: int, layer: float, first: float, last: float) -> tuple[int, ...]:
-    # best[s][n]: the smallest possible slowest-stage cost of putting the first n layers into stages 0..s-1
-    inf = float("inf")
-    best = [[inf] * (num_layers + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (num_layers + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, num_stages + 1):
-        for n in range(s, num_layers - (num_stages - s) + 1):
-            for k in range(s - 1, n):  # stage s - 1 holds layers k .. n - 1
-                cost = (n - k) * layer + (first if s == 1 else 0) + (last if s == num_stages else 0)
-                slowest = max(best[s - 1][k], cost)
-                if slowest < best[s][n]:  # on a tie the first found stays: more layers on the later stage
-                    best[s][n], cut[s][n] = slowest, k
-    sizes, n = [], num_layers
-    for s in range(num_stages, 0, -1):
-        sizes.append(n - cut[s][n])
-        n = cut[s][n]
-    return tuple(sizes[::-1])
+    if num_stages == 1:
+        return (num_layers,)
+    # Every decoder layer costs the same, so a layout is the layer counts a and b of its first and last stage: the
+    # stages between share the rest as evenly as whole layers allow (the later ones taking the extra ones), which
+    # makes the slowest of them, and each of them, as cheap as it can be. So every (a, b) is tried: O(layers^2).
+    inner, best, found = num_stages - 2, None, None
+    for a in range(num_layers + 1):
+        for b in range(num_layers - a + 1):
+            rest = num_layers - a - b
+            if rest < inner or (inner == 0 and rest):  # a stage between the ends without a layer; layers left over
+                continue
+            few, extra = divmod(rest, inner) if inner else (0, 0)
+            counts: dict[float, int] = {}
+            for cost, n in ((a * layer + first, 1), (b * layer + last, 1), (few * layer, inner - extra),
+                            ((few + 1) * layer, extra)):
+                if n:
+                    counts[cost] = counts.get(cost, 0) + n
+            # Slowest first, then fewer layerless end stages, then the stages' costs from the slowest down (how
+            # many at each): a tuple that compares as the whole sorted list of stage costs would.
+            ranked = sorted(counts.items(), reverse=True)
+            key = (ranked[0][0], (a == 0) + (b == 0), ranked)
+            if best is None or key < best:  # on a tie the first found stays
+                best, found = key, (a, b, few, extra)
+    a, b, few, extra = found
+    return (a, *[few] * (inner - extra), *[few + 1] * extra, b)
 
 
 def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recompute: bool = False,
            loss_chunks: int = 1, tp: int = 1) -> list[range]:
-    """The layers of each stage: spec "balanced" (by estimated_costs), "even", or layers per stage ("5,1").
-    What the model's shape rules out (a stage without a layer, --seq-len, --tp, --split) is a ValueError."""
-    if num_stages > config.num_hidden_layers:
+    """The layers of each stage: spec "balanced" (by estimated_costs), "even", or layers per stage ("5,1"; the
+    first and the last may be 0). What the model's shape rules out (more stages than it has layers but for two
+    layerless ends, --seq-len, --tp, --split) is a ValueError."""
+    if num_stages > config.num_hidden_layers + 2:
         raise ValueError(f"{num_stages} pipeline stages but the model has {config.num_hidden_layers} layers: each "
-                         "stage needs one; use fewer stages or more --layers")
+                         "stage needs one, but for a first stage of the embedding alone and a last one of the head "
+                         "alone; use fewer stages or more --layers")
     if seq_len > config.max_position_embeddings:
         raise ValueError(f"--seq-len {seq_len} exceeds the model's {config.max_position_embeddings} positions")
     for what, count in (("attention heads", config.num_attention_heads), ("KV heads", config.num_key_value_heads),
@@ -556,25 +569,34 @@ def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recomp
 
 def check_layout(spec: str, num_layers: int | None = None, num_stages: int | None = None) -> None:
     """A --split spec's syntax; with the model's layers and the stage count, whether it fits them. ValueError."""
+    if spec == "even" and num_layers is not None and num_stages > num_layers:
+        raise ValueError(f"--split even: {num_stages} stages but {num_layers} layers; use balanced, or layer counts "
+                         "with a 0 for a first stage of the embedding alone or a last one of the head alone")
     if spec in ("even", "balanced"):
         return
     try:
         sizes = [int(size) for size in spec.split(",")]
     except ValueError:
-        raise ValueError(f"--split {spec}: use balanced, even, or layers per stage such as 5,1") from None
-    if num_layers is not None and (len(sizes) != num_stages or sum(sizes) != num_layers or min(sizes) < 1):
-        raise ValueError(f"--split {spec}: give {num_stages} layer counts (one per stage), each at least 1, adding "
-                         f"up to the model's {num_layers} layers (or balanced, even)")
+        raise ValueError(f"--split {spec}: use balanced, even, or layers per stage such as 5,1 (or 0,3,3,0: the "
+                         "first and the last stage may hold the embedding or the head alone)") from None
+    if min(sizes) < 0 or min(sizes[1:-1], default=1) < 1:  # a stage between the ends with 0: nothing to compute
+        raise ValueError(f"--split {spec}: a stage between the first and the last needs at least 1 layer; only the "
+                         "first (the embedding alone) and the last (the norm and the head alone) may have 0")
+    if num_layers is not None and (len(sizes) != num_stages or sum(sizes) != num_layers):
+        raise ValueError(f"--split {spec}: give {num_stages} layer counts (one per stage) adding up to the model's "
+                         f"{num_layers} layers, each at least 1 but the first and the last, which may be 0 (or "
+                         "balanced, even)")
 
 
 def describe_layout(layout: list[range], costs: dict[str, float]) -> str:
-    """[embed + layers 0-3 (41%)] [layers 4-5 + norm + head (59%)]: each stage and its share of the cost."""
+    """[embed + layers 0-3 (41%)] [layers 4-5 (30%)] [norm + head (29%)]: each stage and its share of the cost."""
     shares = stage_costs(layout, costs)
     total, parts = sum(shares), []
     for stage, layers in enumerate(layout):
-        text = f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"
-        text = ("embed + " if stage == 0 else "") + text + (" + norm + head" if stage == len(layout) - 1 else "")
-        parts.append(f"[{text} ({shares[stage] / total:.0%})]")
+        pieces = (["embed"] if stage == 0 else []) + (
+            [f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"]
+            if len(layers) else []) + (["norm + head"] if stage == len(layout) - 1 else [])
+        parts.append(f"[{' + '.join(pieces)} ({shares[stage] / total:.0%})]")
     return " ".join(parts)
 
 
@@ -666,6 +688,9 @@ def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool
     if model.base_model.embed_tokens is not None:
         parallelize_module(model.base_model.embed_tokens, tp_mesh, RowwiseParallel(
             input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()))
+        if not model.base_model.layers and model.base_model.norm is None:  # a stage of the embedding alone gives
+            # out its to_local() view of the rank's piece: copied, as the final norm's below
+            model.base_model.embed_tokens.register_forward_hook(lambda module, args, output: output.clone())
     if model.base_model.norm is not None and sp:  # its output, the stage's, stays a plain [batch, seq/tp, hidden]
         parallelize_module(model.base_model.norm, tp_mesh, SequenceParallel(use_local_output=True))
         # to_local() returns a view of the rank's piece. FSDP2 (--dp) hooks its backward onto a stage's output, and

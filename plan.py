@@ -8,6 +8,7 @@
     python plan.py --processes 4 --tp 2 --model llama-8b --vocab-size 128256 --seq-len 8192 --batch-size 16 \\
         --microbatches 16 --schedule 1f1b --activation-checkpointing --device cuda
     python plan.py --processes 2 --data data      # the tiny model on this machine, vocabulary of data/meta.json
+    python plan.py --processes 3 --data data --trace DIR   # the --split that balances a traced run's own times
 
 --gpus N searches the layouts of N GPUs: pp x dp x tp = N with tp inside a node and dividing the model's heads,
 every schedule torch ships (the hand-written script's afab and 1f1b are GPipe's and 1F1B's orders), the most
@@ -36,7 +37,15 @@ schedule torch ships, the step time and bubble, found by replaying the schedule'
 forwards and backwards (torch's, built from placeholder stages) with each stage's cost from
 model.estimated_costs: a stage's forward takes 1/3 of its forward + backward, a backward 2/3 (input and weight
 gradient 1/3 each for the zero-bubble schedules, plus what torch recomputes in each: split_backward), and a
-message takes no time.
+message takes no time (--message-time: its time).
+
+Measured times instead of the estimate: --layer-times F,B,W (a decoder layer's forward, input-gradient and
+weight-gradient milliseconds), --embed-times, --head-times (the final norm, head and loss) and --message-time,
+as the Zero Bubble paper plans (fed its profiled times, the replay gives its bubbles:
+docs/plan-vs-the-zero-bubble-paper.md); or --trace DIR, the per-rank trace of a run of these flags (the
+scripts' --trace DIR): the embedding's and the loss's own operators, each layer the rest of its stage. With
+measured times, balanced is balanced on them: plan.py prints the --split counts and the step it replays,
+against the traced run's own.
 """
 
 import argparse
@@ -57,8 +66,8 @@ import torch
 import checkpoint
 import train_pipeline_gpipe as gpipe
 from checkpoint import Parser, UsageError, number, whole
-from model import (PRESETS, LlamaConfig, config_from_hf, config_from_preset, describe_layout, estimated_costs,
-                   loss_chunks, stage_costs)
+from model import (PRESETS, LlamaConfig, balanced, config_from_hf, config_from_preset, describe_layout,
+                   estimated_costs, loss_chunks, stage_costs)
 from train_pipeline_gpipe import SCHEDULES, SINGLE_STAGE, V_SHAPED, stage_ids
 
 # The throughput the step times are given at: 40 % of an H100's dense bf16 peak, a typical sustained rate.
@@ -328,14 +337,16 @@ _INPUTS: dict[int, tuple] = {}
 
 
 def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward: list[float],
-           held: list[float], between: list[float] | None = None, split: tuple | None = None) -> dict:
+           held: list[float], between: list[float] | None = None, split: tuple | None = None,
+           message: float = 0.0) -> dict:
     """Run the orders against the dependencies: stage s's forward of microbatch i after stage s - 1's, its
     backward (B, or I for the input gradient alone) after its forward and after stage s + 1's backward, a
     weight gradient (W) after its I. forward/backward: each stage's times; split: each stage's I and W times
     (split_backward; by default half a backward each); held: each stage's activation bytes per microbatch, kept
     from its forward to its B or W; between: the bytes an I adds until its W (the gradients the weight gradient
-    needs). Returns the step time, each rank's busy time, its peak bytes held, and the bubble (the idle share
-    of all ranks' time)."""
+    needs); message: the time an output or its gradient takes to reach a stage on another rank (in flight while
+    both ranks compute other things: the Zero Bubble paper's model). Returns the step time, each rank's busy
+    time, its peak bytes held, and the bubble (the idle share of all ranks' time)."""
     last = len(forward) - 1
     finished: dict[tuple, float] = {}  # ("F" or "G" (input gradient ready) or "W", stage, microbatch) -> time
     between = between or [0.0] * len(held)
@@ -351,16 +362,18 @@ def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward:
             return (("G", s, i),)
         return (("F", s, i), ("G", s + 1, i)) if s < last else (("F", s, i),)
 
-    # Per rank, each element of its order as (what it waits for, its actions as (kind, stage, what they
-    # produce)): computed once per order (schedule_orders caches them: replayed many times).
+    # Per rank, each element of its order as (what it waits for, each with whether it comes from another rank,
+    # and its actions as (kind, stage, what they produce)): computed once per order (schedule_orders caches them:
+    # replayed many times).
     if id(orders) not in _INPUTS or _INPUTS[id(orders)][0] is not orders:
+        rank_of = {s: r for r, acts in orders.items() for group in acts for _, s, _ in group}
         steps = []
-        for acts in orders.values():
+        for r, acts in orders.items():
             steps.append([])
             for group in acts:
                 needed, actions = [], []
                 for kind, s, i in group:
-                    needed += needs(kind, s, i)
+                    needed += [(n, rank_of[n[1]] != r) for n in needs(kind, s, i)]
                     actions.append((kind, s, ("G" if kind in "BI" else kind, s, i)))
                 steps[-1].append((needed, actions))
         _INPUTS[id(orders)] = orders, steps
@@ -381,11 +394,13 @@ def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward:
         while at < len(order):
             needed, actions = order[at]
             missing = None
-            for n in needed:
+            for n, sent in needed:
                 t = finished.get(n)
                 if t is None:
                     missing = n
                     break
+                if sent:
+                    t += message
                 if t > time:
                     time = t
             if missing is not None:
@@ -410,14 +425,117 @@ def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward:
     return {"step": step, "busy": busy, "peak": peak, "bubble": 1 - sum(busy.values()) / (len(busy) * step)}
 
 
-def schedule_result(name, pp, m, stages_per_rank, layout, costs, held, between=None) -> dict:
-    """The replay of one schedule on a layout, with per-token stage costs (FLOPs) and bytes held per stage."""
-    # A forward is a third of a stage's forward + backward; the backward is the rest, with any recomputation.
-    again = [len(layers) * costs.get("recompute", 0.0) for layers in layout]
-    work = [w - r for w, r in zip(stage_costs(layout, costs), again)]
+def flop_times(layout: list[range], costs: dict, scale: float = 1.0) -> tuple[list, list, tuple]:
+    """Each stage's forward and backward, and its I and W (split_backward), from per-token costs (FLOPs) times
+    scale: a forward is a third of a stage's forward + backward, the backward the rest, with any recomputation."""
+    again = [len(layers) * costs.get("recompute", 0.0) * scale for layers in layout]
+    work = [w * scale - r for w, r in zip(stage_costs(layout, costs), again)]
     backward = [2 * w / 3 + r for w, r in zip(work, again)]
-    return replay(schedule_orders(name, pp, m, stages_per_rank), [w / 3 for w in work], backward, held, between,
-                  split_backward(backward, again, costs.get("head_recompute", 0.0)))
+    return [w / 3 for w in work], backward, split_backward(backward, again, costs.get("head_recompute", 0.0) * scale)
+
+
+def schedule_result(name, pp, m, stages_per_rank, times: tuple, held, between=None, message: float = 0.0) -> dict:
+    """The replay of one schedule with each stage's times (flop_times or measured_times) and bytes held."""
+    forward, backward, split = times
+    return replay(schedule_orders(name, pp, m, stages_per_rank), forward, backward, held, between, split, message)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Measured pass times, instead of the FLOP estimate: given (--layer-times, ...) or from a traced run (--trace)
+#
+# As the Zero Bubble paper (Qi et al., ICLR 2024) plans: a decoder layer's forward (F), input gradient (B) and
+# weight gradient (W), the embedding's and the head's (with the final norm and the loss), and the time a message
+# takes to another rank, each measured once; a stage's times are its parts' sums. Given its profiled times
+# (docs/plan-vs-the-zero-bubble-paper.md), the replay gives its published bubbles.
+
+PARTS = ("layer", "embed", "head")
+
+
+def pass_times(text: str) -> tuple[float, float, float]:
+    """argparse type: F,B,W, three finite non-negative numbers (milliseconds)."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3 or not all(math.isfinite(v) and v >= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"must be three non-negative numbers of milliseconds, forward, input "
+                                         f"gradient and weight gradient, such as 5.2,5.1,3.9; got {text}")
+    return values
+
+
+def given_passes(args, config: LlamaConfig) -> dict | None:
+    """--layer-times, --embed-times and --head-times in seconds: {part: (F, B, W)}; an embedding's or head's not
+    given is the layer's scaled by the FLOP estimate. None: not given."""
+    if args.layer_times is None:
+        return None
+    costs = estimated_costs(config, args.seq_len)
+    ms = lambda times: tuple(t / 1e3 for t in times)  # noqa: E731
+    scaled = lambda part: tuple(t * costs[part] / costs["layer"] for t in args.layer_times)  # noqa: E731
+    return {"layer": ms(args.layer_times), "embed": ms(args.embed_times or scaled("embed")),
+            "head": ms(args.head_times or scaled("head"))}
+
+
+def traced_passes(args, layout: list[range], stages_of: dict[int, list[int]], dp: int, tp: int) -> dict:
+    """The parts' times (seconds, one microbatch) in the run traced in --trace DIR, which ran with these flags and
+    so this layout: the embedding's and the loss's with the head from their own operators (benchmark.read_rank),
+    a decoder layer's the rest of its stages' time over their layers. The hand-written script labels no loss:
+    there the layer's time comes from the stages before the last, and the head's is the last stage's rest. A
+    backward is cut into its input and weight gradient halves, as the FLOP estimate cuts it (the embedding's is
+    all weight gradient)."""
+    import benchmark  # reads traces (and imports this file only to replay one)
+    try:
+        ranks = benchmark.read_trace(args.trace)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--trace {args.trace}: {e}") from None
+    if sorted(ranks) != list(range(args.processes)):
+        raise UsageError(f"--trace {args.trace}: holds the traces of {len(ranks)} ranks, but --processes is "
+                         f"{args.processes}; give the flags the traced run was started with")
+    times, found = {}, {"embed": [], "head": []}
+    for r, stages in stages_of.items():
+        traced = ranks[r * dp * tp]  # the first replica's first tensor-parallel rank of pipeline rank r
+        for s in stages:
+            key = None if list(traced["stages"]) == [None] and len(stages) == 1 else s
+            if key not in traced["stages"]:
+                raise UsageError(f"--trace {args.trace}: rank {r * dp * tp} traced no forward or backward of stage "
+                                 f"{s}; give the --schedule and --stages-per-rank the traced run was started with")
+            times[s] = traced["stages"][key]
+        for part, seen in found.items():
+            seen += [traced[part]] if traced[part] else []
+    last, zero = len(layout) - 1, {"forward": 0.0, "backward": 0.0}
+    embed, head = (found["embed"] or [zero])[0], (found["head"] or [None])[0]
+    # A layer's time, from stages whose other parts are known.
+    known = [s for s in range(len(layout)) if head is not None or s != last]
+    held = sum(len(layout[s]) for s in known)
+    if not held:
+        raise UsageError(f"--trace {args.trace}: the traced run labels no loss (the library and tracer scripts "
+                         "do) and no stage before the last holds a layer: a layer's time cannot be told from the "
+                         "head's; trace the hand-written script on 3 or more stages, or another script")
+    layer = {k: max(0.0, sum(times[s][k] for s in known) - embed[k] - (head[k] if head else 0.0)) / held
+             for k in ("forward", "backward")}
+    head = head or {k: max(0.0, times[last][k] - len(layout[last]) * layer[k]) for k in ("forward", "backward")}
+    halves = lambda t: (t["forward"], t["backward"] / 2, t["backward"] / 2)  # noqa: E731
+    return {"layer": halves(layer), "embed": (embed["forward"], 0.0, embed["backward"]), "head": halves(head)}
+
+
+def measured_times(layout: list[range], passes: dict) -> tuple[list, list, tuple]:
+    """Each stage's forward, backward (B + W) and its (B, W) from the parts' measured times. torch runs the first
+    stage's backward whole at W (it has no input gradient to hurry): its B takes no time, its W all of it."""
+    last = len(layout) - 1
+    sums = [[len(layers) * t + (e if s == 0 else 0.0) + (h if s == last else 0.0)
+             for t, e, h in zip(*(passes[part] for part in PARTS))] for s, layers in enumerate(layout)]
+    backward = [b + w for _, b, w in sums]
+    return ([f for f, _, _ in sums], backward,
+            ([0.0] + [b for _, b, _ in sums[1:]], [backward[0]] + [w for _, _, w in sums[1:]]))
+
+
+def counts(layout: list[range]) -> str:
+    """A layout as --split writes it: 3,3,0."""
+    return ",".join(str(len(layers)) for layers in layout)
+
+
+def pass_costs(passes: dict) -> dict[str, float]:
+    """Each part's forward + backward time, as balanced and describe_layout weigh costs."""
+    return {part: sum(passes[part]) for part in PARTS}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -471,8 +589,9 @@ def check_microbatches(schedule: str, pp: int, m: int, num_stages: int) -> None:
 def plan(args) -> dict:
     """Print the plan (see the module's docstring) and return it: {"ranks": [per pipeline rank {"param", "grad",
     "optimizer", "gathered", "activations", "activations_checkpointed", "total"}, bytes], "schedules": {name:
-    {"step" (seconds), "bubble", "activations", "activations_checkpointed"}}, "compute_share": [per stage]}.
-    A flag the scripts would refuse is a UsageError."""
+    {"step" (seconds), "bubble", "activations", "activations_checkpointed", "split"}}, "compute_share": [per
+    stage]; with --trace also "passes" ({part: (F, B, W) seconds}), "split" (the counts balanced on them) and
+    "traced" ({"split", "step", "replayed"}: the traced run's). A flag the scripts would refuse is a UsageError."""
     # The hand-written script's afab is GPipe's order; its 1f1b is the library's.
     schedule = "gpipe" if args.schedule == "afab" else args.schedule
     gpipe.check_args(script_args(args, schedule), args.processes, device_type(args))  # before reading files
@@ -483,24 +602,56 @@ def plan(args) -> dict:
     half = bf16(args)
     tokens = args.batch_size // (dp * m) * args.seq_len  # one microbatch of one replica
     chunks = loss_chunks(args.loss_chunks, config, (tokens // args.seq_len, args.seq_len), tp)
-    # The FLOPs of a stage are split over its tensor-parallel ranks (their all-reduces are not counted).
-    costs = {k: v / tp for k, v in estimated_costs(config, args.seq_len, args.activation_checkpointing,
-                                                   chunks).items()}
     sizes = activation_bytes(config, tokens, args.seq_len, half, tp, chunks, shards(args, tp))
+    stages_of = {r: stage_ids(schedule, r, pp, per_rank) for r in range(pp)}
+    report = {"ranks": [], "schedules": {}}
     print(f"plan: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
           f"{processes} processes = {pp} pipeline x {dp} data x {tp} tensor, --schedule {args.schedule}, "
           f"{m} microbatches of {tokens // args.seq_len} x {args.seq_len} tokens per replica, "
           f"{'bf16 autocast' if half else 'fp32'}{', sequence parallel' if shards(args, tp) > 1 else ''}")
+    passes = traced_passes(args, layout, stages_of, dp, tp) if args.trace else given_passes(args, config)
+    if passes is None:  # the FLOP estimate: split over a stage's tensor-parallel ranks (their all-reduces not counted)
+        costs = {k: v / tp for k, v in estimated_costs(config, args.seq_len, args.activation_checkpointing,
+                                                       chunks).items()}
+        timed = lambda lay: flop_times(lay, costs, tokens / ASSUMED_FLOPS)  # noqa: E731
+    else:
+        costs = pass_costs(passes)
+        timed = lambda lay: measured_times(lay, passes)  # noqa: E731
+    message = args.message_time / 1e3
+
+    def balance(spec: str, lay: list[range]) -> list[range]:  # measured: balanced on the measured times
+        return balanced(config.num_hidden_layers, len(lay), costs) if passes and spec == "balanced" else lay
 
     def held(lay: list[range], checkpointing: bool) -> tuple[list[float], list[float]]:
         return stage_held(lay, sizes, checkpointing), stage_between(lay, sizes)
 
+    if args.trace:
+        import benchmark  # reads the trace (it imports plan.py only to replay)
+        traced = schedule_result(schedule, pp, m, per_rank, timed(layout), [0.0] * len(layout), message=message)
+        report["traced"] = {"split": counts(layout), "step": benchmark.traced_step_time(args.trace),
+                            "replayed": traced["step"]}
+        layout = balanced(config.num_hidden_layers, len(layout), costs)
+        report |= {"passes": passes, "split": counts(layout)}
+        ms = lambda part: f"{passes[part][0] * 1e3:.3g} / {sum(passes[part][1:]) * 1e3:.3g} ms"  # noqa: E731
+        flops = estimated_costs(config, args.seq_len)
+        print(f"measured in --trace {args.trace}, one microbatch's forward / backward: a decoder layer "
+              f"{ms('layer')}, the embedding {ms('embed')}, the final norm, head and loss {ms('head')} "
+              f"({costs['head'] / costs['layer']:.2g} layers; by the FLOP estimate "
+              f"{flops['head'] / flops['layer']:.2g})")
+        print(f"the traced run, --split {report['traced']['split']}: step {report['traced']['step'] * 1e3:.4g} ms "
+              f"traced, {traced['step'] * 1e3:.4g} ms replayed with these times (which leave out the optimizer and "
+              "the gradient clipping)")
+    else:
+        layout = balance(args.split, layout)
+
     # Memory of the chosen schedule, per pipeline rank (each replica of a rank holds the same).
-    stages_of = {r: stage_ids(schedule, r, pp, per_rank) for r in range(pp)}
-    print(f"layout (--split {args.split}): {describe_layout(layout, costs)}")
+    result = {ac: schedule_result(schedule, pp, m, per_rank, timed(layout), *held(layout, ac), message)
+              for ac in (False, True)}
+    if args.trace:
+        print(f"balanced on these times: --split {report['split']}, step {result[False]['step'] * 1e3:.4g} ms "
+              f"replayed ({traced['step'] / result[False]['step']:.2f} x as fast as the traced run's split)")
+    print(f"layout (--split {report.get('split', args.split)}): {describe_layout(layout, costs)}")
     params = stage_params(config, layout, tp)
-    result = {ac: schedule_result(schedule, pp, m, per_rank, layout, costs, *held(layout, ac)) for ac in (False, True)}
-    report = {"ranks": [], "schedules": {}}
     unit, unit_name = (2 ** 30, "GiB") if 16 * sum(params) >= 2 ** 30 else (2 ** 20, "MiB")  # MiB for small models
     print(f"\nper pipeline rank, {unit_name} (each of its replicas and tensor-parallel ranks holds the same) | param "
           "| grad | AdamW | gathered during a step (dp > 1) | activations held | with --activation-checkpointing | "
@@ -517,27 +668,35 @@ def plan(args) -> dict:
             f"{v / unit:.2f}" for v in row.values()))
     share = stage_costs(layout, costs)
     report["compute_share"] = [c / sum(share) for c in share]
-    print("compute per stage: " + ", ".join(f"{c:.0%}" for c in report["compute_share"]))
+    print(f"{'compute' if passes is None else 'measured time'} per stage: "
+          + ", ".join(f"{c:.0%}" for c in report["compute_share"]))
 
     # Every schedule, on the layout it would use (a --split of layer counts fits one stage count only: the
-    # others are shown balanced).
-    print(f"\nschedules ({pp} ranks, {m} microbatches; step time at {ASSUMED_FLOPS / 1e12:.0f} TFLOP/s per GPU"
-          f"{', tensor-parallel all-reduces not counted' if tp > 1 else ''}"
-          f"{', each layer recomputed in backward' if args.activation_checkpointing else ''}; "
+    # others are shown balanced; --stages-per-rank is the looped schedules' alone).
+    print(f"\nschedules ({pp} ranks, {m} microbatches; step time "
+          + (f"at {ASSUMED_FLOPS / 1e12:.0f} TFLOP/s per GPU" if passes is None else "from the measured times")
+          + (f", {args.message_time:g} ms a message" if message else "")
+          + f"{', tensor-parallel all-reduces not counted' if tp > 1 and passes is None else ''}"
+          f"{', each layer recomputed in backward' if args.activation_checkpointing and passes is None else ''}; "
           f"activations of the fullest rank, {unit_name}, without / with checkpointing):")
+    spec = args.split if args.split in ("even", "balanced") else "balanced"
     for name in SCHEDULES:
+        own = argparse.Namespace(**{**vars(args), "stages_per_rank": None}) if name in SINGLE_STAGE or \
+            name in V_SHAPED else args
         try:
-            each, lay = (ns, layout) if name == schedule else check(
-                args, config, name, args.split if args.split in ("even", "balanced") else "balanced")
+            each, lay = (ns, layout) if name == schedule else check(own, config, name, spec)
         except UsageError as e:
             print(f"  {name:22s} not possible here: {str(e).split(';')[0]}")
             continue
-        out = [schedule_result(name, pp, m, each.stages_per_rank, lay, costs, *held(lay, ac)) for ac in (False, True)]
-        seconds = out[0]["step"] * tokens / ASSUMED_FLOPS
-        ideal = sum(stage_costs(lay, costs)) * m / pp * tokens / ASSUMED_FLOPS  # all work, no bubble
+        lay = lay if name == schedule else balance(spec, lay)
+        out = [schedule_result(name, pp, m, each.stages_per_rank, timed(lay), *held(lay, ac), message)
+               for ac in (False, True)]
+        seconds = out[0]["step"]
+        ideal = sum(f + b for f, b in zip(*timed(lay)[:2])) * m / pp  # all work, no bubble
         report["schedules"][name] = {"step": seconds, "bubble": out[0]["bubble"],
                                      "activations": max(out[0]["peak"].values()),
-                                     "activations_checkpointed": max(out[1]["peak"].values())}
+                                     "activations_checkpointed": max(out[1]["peak"].values()),
+                                     "split": counts(lay)}
         print(f"  {name:22s} step {seconds * 1e3:10.4g} ms ({seconds / ideal:.2f} x no bubble)  bubble "
               f"{out[0]['bubble']:6.1%}  activations {max(out[0]['peak'].values()) / unit:.2f} / "
               f"{max(out[1]['peak'].values()) / unit:.2f}")
@@ -635,8 +794,9 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
 def layouts(args, config: LlamaConfig, schedules=tuple(SCHEDULES), checkpointing=(False, True),
             budget: float | None = None) -> list[dict]:
     """Every layout of --gpus that the scripts accept, evaluated: tp dividing a node's GPUs and the model's
-    heads, KV heads, MLP width and vocabulary; dp dividing the batch; pp at most the layers; every schedule
-    torch ships (the hand-written afab and 1f1b run GPipe's and 1F1B's orders: the same figures); with and
+    heads, KV heads, MLP width and vocabulary; dp dividing the batch; pp at most the layers and two layerless
+    end stages; every schedule torch ships (the hand-written afab and 1f1b run GPipe's and 1F1B's orders: the
+    same figures); with and
     without activation checkpointing; and the most microbatches the schedule accepts, up to MAX_MICROBATCHES,
     dividing a replica's batch. (The model of time has no cost per microbatch, so more microbatches, smaller,
     never plan slower or bigger; in a real run, microbatches too small to keep a GPU busy do run slower.)
@@ -659,7 +819,7 @@ def candidates(args, config: LlamaConfig, schedules, checkpointing):
         # A tensor-parallel group inside one node: tp divides the GPUs of a node (or of all, when fewer).
         if min(args.gpus, args.gpus_per_node) % tp or any(n % tp for n in shapes) or args.tp > 1 and tp != args.tp:
             continue
-        for pp in range(min(config.num_hidden_layers, args.gpus // tp), 0, -1):  # dp ascending
+        for pp in range(min(config.num_hidden_layers + 2, args.gpus // tp), 0, -1):  # dp ascending
             dp = args.gpus // (tp * pp)
             if (args.gpus // tp) % pp or args.dp > 1 and dp != args.dp or args.batch_size % dp:
                 continue
@@ -813,7 +973,38 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--inter-node-bandwidth", type=number(True), default=25.0,
                    help="GB/s per GPU across nodes (InfiniBand), for pp's messages and dp's gradients")
     g.add_argument("--top", type=whole(1), default=5, help="how many layouts to print")
+    g = p.add_argument_group("measured times instead of the FLOP estimate, with --processes (milliseconds, one "
+                             "microbatch; docs/plan-vs-the-zero-bubble-paper.md)")
+    g.add_argument("--layer-times", type=pass_times, metavar="F,B,W",
+                   help="a decoder layer's forward, input-gradient and weight-gradient time (default: the FLOP "
+                        "estimate at 40%% of an H100)")
+    g.add_argument("--embed-times", type=pass_times, metavar="F,B,W",
+                   help="the embedding's (default: the layer's, scaled by the FLOP estimate)")
+    g.add_argument("--head-times", type=pass_times, metavar="F,B,W",
+                   help="the final norm's, head's and loss's (default: the layer's, scaled by the FLOP estimate)")
+    g.add_argument("--message-time", type=number(False), default=0.0, metavar="MS",
+                   help="one microbatch's hidden states, or their gradient, on their way to another rank, while "
+                        "both compute on")
+    g.add_argument("--trace", metavar="DIR",
+                   help="take the layer's, embedding's and head's times from a run traced with these flags (the "
+                        "scripts' --trace DIR), and print the --split that balances them (default: none: the "
+                        "FLOP estimate, or the times given)")
     return p
+
+
+def check_measured(args) -> None:
+    """What the measured-time flags rule out together (UsageError)."""
+    given = [flag for flag in ("layer_times", "embed_times", "head_times", "trace") if getattr(args, flag)]
+    if args.gpus and (given or args.message_time):
+        flag = "--" + (given or ["message_time"])[0].replace("_", "-")
+        raise UsageError(f"{flag}: measured times plan one layout (--processes); --gpus searches by the FLOP "
+                         "estimate")
+    if args.trace and len(given) > 1:
+        raise UsageError(f"--{given[0].replace('_', '-')}: --trace {args.trace} measures the times; give one or "
+                         "the other")
+    if args.layer_times is None and (args.embed_times or args.head_times):
+        raise UsageError(f"--{'embed' if args.embed_times else 'head'}-times: give --layer-times too (and the "
+                         "times of the part not given are the layer's, scaled by the FLOP estimate)")
 
 
 def main(argv=None) -> dict | list:
@@ -822,6 +1013,7 @@ def main(argv=None) -> dict | list:
         if args.model is not None and args.model not in PRESETS and not args.model.endswith(".json"):
             raise UsageError(f"--model {args.model}: give a preset ({', '.join(PRESETS)}) or a Hugging Face "
                              "config.json")
+        check_measured(args)
         return search(args) if args.gpus else plan(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

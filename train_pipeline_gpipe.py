@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--schedule", choices=list(SCHEDULES), default="gpipe", help="the pipeline schedule")
     g.add_argument("--stages-per-rank", type=whole(1), help="of a looped schedule (default: 2; the others' is fixed)")
     g.add_argument("--split", default="balanced", help="layers per stage: balanced (by estimated compute), even, "
-                   "or counts such as 5,1")
+                   "or counts such as 5,1 or 0,3,3,0 (a first or last 0: the embedding, or the head, alone)")
     g.add_argument("--dp", type=whole(1), default=1, help="data-parallel replicas of the pipeline (FSDP2)")
     g.add_argument("--tp", type=whole(1), default=1, help="tensor-parallel ranks per stage (inside a node)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,

@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--schedule", choices=list(SCHEDULES), default="gpipe", help="the pipeline schedule")
     g.add_argument("--stages-per-rank", type=whole(1), help="of a looped schedule (default: 2; the others' is fixed)")
     g.add_argument("--split", default="balanced", help="layers per stage: balanced (by estimated compute), even, "
-                   "or counts such as 5,1")
+                   "or counts such as 5,1 or 0,3,3,0 (a first or last 0: the embedding, or the head, alone)")
     g.add_argument("--dp", type=whole(1), default=1, help="data-parallel replicas of the pipeline (FSDP2)")
     g.add_argument("--tp", type=whole(1), default=1, help="tensor-parallel ranks per stage (inside a node)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
@@ -419,8 +419,8 @@ def traced_modules(config, stages: list[int], layers: list[range], microbatch: t
 
 
 def split_spec(layers: list[range]) -> dict[str, SplitPoint]:
-    """A cut before the first layer of every stage but the first: the other scripts' layout."""
-    return {f"base_model.layers.{stage.start}": SplitPoint.BEGINNING for stage in layers[1:]}
+    """A cut before each later stage's first layer (a last stage of no layer: before the final norm), as by hand."""
+    return {f"base_model.layers.{s.start}" if s else "base_model.norm": SplitPoint.BEGINNING for s in layers[1:]}
 
 
 def traced_pipeline(model: torch.nn.Module, example: torch.Tensor, split_points: dict[str, SplitPoint]):
