@@ -620,7 +620,7 @@ def test_same_math_as_hugging_face_llama(variant):
         torch.testing.assert_close(ours(tokens), hf_model(tokens).logits, rtol=1e-5, atol=1e-6)
 
 
-def test_documents_kept_apart_compute_as_each_does_alone():
+def test_documents_kept_apart_compute_as_each_does_alone(monkeypatch):
     # --document-masking: a window packs documents (each from its bos); each token attends within its own
     # document, and its rotary position counts from the document's start.
     model = LlamaForPretraining(small_config(layers=2))
@@ -656,6 +656,15 @@ def test_documents_kept_apart_compute_as_each_does_alone():
         alone = model(document, model_module.document_positions(document, BOS)).detach()
         torch.testing.assert_close(logits[row:row + 1, start:end], alone, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(alone, model(document).detach(), rtol=1e-5, atol=1e-6)  # alone: plain causal
+    # Rotary positions restart at each document: every layer rotates a document's tokens by the angles of positions
+    # 0, 1, ..., bit for bit those of the document alone. (RoPE is relative, so within a document an offset
+    # changes only the angles' rounding, which the comparisons above cannot tell from the kernels'.)
+    original, tables = model_module.rope_tables, []
+    monkeypatch.setattr(model_module, "rope_tables", lambda *args: tables.append(original(*args)) or tables[-1])
+    model(tokens, positions)
+    alone = original(model.base_model.layers["0"].self_attn.inv_freq, 10, torch.float32)
+    assert len(tables) == 2 and all(torch.equal(got[0, 0, 30:40], want) for table in tables
+                                    for got, want in zip(table, alone))
 
     # The GPU's kernel (FlexAttention's block mask from the same mask_mod) on this CPU, forward only (torch 2.13's
     # FlexAttention has no CPU backward): the dense mask the CPU path uses is the block mask's, and so are the
