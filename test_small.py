@@ -680,6 +680,26 @@ def test_documents_kept_apart_compute_as_each_does_alone(monkeypatch):
     torch.testing.assert_close(flex, model_module.document_attention(q, k, v, positions), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's path: FlexAttention, compiled")
+def test_documents_on_a_gpu_take_compiled_flexattention_and_compute_the_dense_masks_attention():
+    # What the CPU cannot run (torch 2.13's FlexAttention has no CPU backward): document_attention on a GPU,
+    # forward and backward, against SDPA with the dense mask. 5e-3: the compiled kernel may multiply fp32 in TF32
+    # (10-bit mantissas); a wrong mask is off by the size of the outputs themselves.
+    tokens = documents_batch(torch.randint(0, 97, (2, 256), generator=torch.Generator().manual_seed(0)),
+                             {0: [0, 100, 130], 1: [50, 51, 200]})
+    positions = model_module.document_positions(tokens, BOS).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [torch.randn(2, heads, 256, 64, device="cuda", generator=gen, requires_grad=True) for heads in (8, 2, 2)]
+    results = []
+    for attention in (model_module.document_attention, lambda q, k, v, positions: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=model_module.document_mask(positions), enable_gqa=True)):
+        out = attention(*inputs, positions)
+        grads = torch.autograd.grad(out, inputs, torch.ones_like(out))
+        results.append((out, *grads))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=5e-3, atol=5e-3)
+
+
 @pytest.mark.parametrize("chunks", [1, 3, 8])
 def test_the_chunked_loss_is_the_plain_loss_and_holds_a_piece_of_the_logits(chunks):
     gen = torch.Generator().manual_seed(0)
@@ -1517,9 +1537,12 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
 EVERY_SPLIT_AND_SCHEDULE = [*(("library", s) for s in gpipe.SCHEDULES), *(("tracer", s) for s in tracer.SCHEDULES),
                             *(("manual", s) for s in manual.SCHEDULES)]
 PARITY_LAYOUTS = {  # (pp, dp, tp) -> the (split, schedule, layers, --document-masking) that one launch runs there
-    # 4 layers: 2 stages, or 4 with the multi-stage schedules (looped or V-shaped); each with and without documents
-    # kept apart (their boundaries reach every stage of every microbatch, through every schedule's backward).
-    (2, 1, 1): [(kind, name, 4, documents) for kind, name in EVERY_SPLIT_AND_SCHEDULE for documents in (False, True)],
+    # 4 layers: 2 stages, or 4 with the multi-stage schedules (looped or V-shaped); and with documents kept apart
+    # (their boundaries reach every stage of every microbatch, through every schedule's backward): every schedule,
+    # traced a single-stage, a looped and a V-shaped one (each of which traces the model again, the costliest).
+    (2, 1, 1): [(kind, name, 4, False) for kind, name in EVERY_SPLIT_AND_SCHEDULE]
+               + [(kind, name, 4, True) for kind, name in EVERY_SPLIT_AND_SCHEDULE
+                  if kind != "tracer" or name in ("gpipe", "interleavedzerobubble", "zbvzerobubble")],
     # The tracer's split is the hand split's (checked at dp 1): one of each kind with replicas.
     (2, 2, 1): [(kind, name, 4, False) for kind, name in EVERY_SPLIT_AND_SCHEDULE
                 if kind != "tracer" or name in ("1f1b", "interleaved1f1b", "dualpipev")]
