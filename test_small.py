@@ -3458,9 +3458,12 @@ def test_plan_finds_layouts_for_a_cluster_that_the_scripts_accept(capsys):
             module = SCRIPT_MODULES[words[0]]
             ns = checked_args(module, words[1:], 16)  # the script's own parser and checks
             module.stage_layout(config, 16 // (ns.dp * ns.tp) * getattr(ns, "stages_per_rank", 1), ns)
-    # A --tp given is kept (timed for 64 GPUs in the README, not here).
-    best = plan.main([*argv[:-2], "--tp", "4", "--top", "3"])
+    # A --tp given is kept (timed for 64 GPUs in the README, not here); so is --document-masking, in the commands.
+    best = plan.main([*argv[:-2], "--tp", "4", "--top", "3", "--document-masking"])
     assert len(best) == 3 and all(row["tp"] == 4 and row["pp"] * row["dp"] == 4 for row in best)
+    for row in best:
+        words = shlex.split(row["command"].split("./run.sh ", 1)[1])
+        assert checked_args(SCRIPT_MODULES[words[0]], words[1:], 16).document_masking
 
 
 @pytest.mark.parametrize("argv, message", [
