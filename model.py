@@ -244,7 +244,7 @@ def rope_tables(inv_freq: Tensor, seq_len: int, dtype: torch.dtype,
         angles = torch.outer(torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32), inv_freq.float())
     else:  # the same products, a row per sequence
         angles = positions[:, None, :, None].float() * inv_freq.float()
-    angles = torch.cat((angles, angles), dim=-1)  # [seq, head_dim]
+    angles = torch.cat((angles, angles), dim=-1)  # [seq, head_dim], or [batch, 1, seq, head_dim]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -295,9 +295,9 @@ def _compiled_flex():  # compiled on first use (torch.compile costs seconds to s
 
 def document_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
     """Attention of q [batch, heads, seq, head_dim] within documents. On a GPU, FlexAttention compiled: one fused
-    kernel that skips the blocks of keys no query of theirs may see (fewer FLOPs than causal). Elsewhere (torch
-    2.13's FlexAttention has no CPU backward) SDPA with the dense mask [batch, 1, seq, seq] from the same
-    mask_mod, whose masked scores weigh exactly 0."""
+    kernel that skips the blocks of keys no query of theirs may see (with several documents a window, fewer FLOPs
+    than causal). Elsewhere (torch 2.13's FlexAttention has no CPU backward) SDPA with the dense mask
+    [batch, 1, seq, seq] from the same mask_mod, whose masked scores weigh exactly 0."""
     if q.is_cuda:
         block_mask_of, flex = _compiled_flex()
         (batch, seq), mask_mod = positions.shape, document_mask_mod(positions)

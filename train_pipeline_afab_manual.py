@@ -407,11 +407,11 @@ def forward_stage(partition: Partition, hidden_states: torch.Tensor, positions: 
         return model(hidden_states, positions)
     h = base.embed_tokens(hidden_states) if rank == 0 and not hidden_states.is_floating_point() else hidden_states
     kwargs = {"positions": positions} if positions is not None else {}
-    if not isinstance(model, LlamaForPretraining):  # Hugging Face's layers take the rotary (cos, sin) and a mask,
+    if not isinstance(model, LlamaForPretraining):  # Hugging Face's: the rotary (cos, sin) and an additive mask
         index = torch.arange(h.shape[1], device=h.device)[None] if positions is None else positions
-        kwargs = {"position_embeddings": base.rotary_emb(h, index)}  # which its eager attention needs even causal
+        kwargs = {"position_embeddings": base.rotary_emb(h, index)}  # its eager attention masks nothing unless told
         if positions is not None or getattr(model.config, "_attn_implementation", "eager") == "eager":
-            kwargs["attention_mask"] = torch.where(document_mask(index), 0.0, -torch.inf).to(h.dtype)  # -inf: hidden
+            kwargs["attention_mask"] = torch.where(document_mask(index), 0.0, -torch.inf).to(h.dtype)  # -inf: unseen
     for layer in partition.layers.values():
         h = layer(h, **kwargs)
         h = h[0] if isinstance(h, tuple) else h  # older transformers return (hidden_states, ...)
