@@ -648,8 +648,8 @@ def test_documents_kept_apart_compute_as_each_does_alone(monkeypatch):
         assert not torch.equal(got[0, 20:30], want[0, 20:30])
     leaked = outputs(changed, None)[0][0, 30:] - outputs(tokens, None)[0][0, 30:]
     assert leaked.abs().max() > 1e-3
-    # A document computes at offset k what it computes at offset 0, alone (to rounding: SDPA sums a row's
-    # masked keys in lanes placed by the offset); the tail before the first bos likewise.
+    # A document computes at offset k what it computes at offset 0, alone, to rounding (the kernel sums a row's
+    # scores, masked ones included, in another order); the tail before the first bos likewise.
     logits = outputs(tokens, positions)[0]
     for row, start, end in ((0, 30, 40), (0, 6, 19), (1, 25, 40), (0, 0, 6)):
         document = tokens[row:row + 1, start:end]
