@@ -7,6 +7,7 @@
     python benchmark.py --dp 2                                # 2 stages alone vs 2 stages x 2 replicas
     python benchmark.py --tp 2                                # 2 stages x tp 2, sequence parallel or not
     python benchmark.py --splits                              # split by layers vs by cost; checkpointing, compile
+    python benchmark.py --documents --ranks 1 --seq-len 1024  # --document-masking vs causal attention
     python benchmark.py --variants 1f1b -- --layers 2         # flags after -- go to every run
     torchrun --nproc_per_node 2 benchmark.py measure-memory OUT.json train_pipeline_gpipe.py --steps 2 ...
     torchrun --nproc_per_node 2 benchmark.py run train_pipeline_gpipe.py --schedule 1f1b --trace DIR ...
@@ -725,6 +726,8 @@ def main(args):
             return sequence_parallel(args, workdir)
         if args.splits:
             return splits(args, workdir)
+        if args.documents:
+            return documents(args, workdir)
         variants = chosen(VARIANTS, "gpipe", args.variants)
         results = {name: {"step_times": []} for name in variants}
         for repeat in range(args.repeats):
@@ -932,6 +935,33 @@ def splits(args, workdir):
     finish(args, "\n".join(lines), results, name="splits")
 
 
+def documents(args, workdir):
+    """GPipe at --ranks with --document-masking (attention within each packed document: on a GPU FlexAttention,
+    on the CPU SDPA with a dense mask) and without (causal over the window), alternating: step time and the peak
+    memory each rank reports (a GPU's allocated bytes; the CPU's resident set)."""
+    variants = {"causal": [], "document masking": ["--document-masking"]}
+    results = {name: {"step_times": []} for name in variants}
+    for repeat in range(args.repeats):
+        for name, extra in variants.items():
+            summary, _ = run(args, "train_pipeline_gpipe.py", "gpipe", args.steps, workdir, extra=extra)
+            results[name]["step_times"].append(summary["median_step_time"])
+            results[name]["tokens_per_s"] = summary["tokens_per_s"]
+            results[name]["peak_memory_bytes_per_rank"] = summary["peak_memory_bytes_per_rank"]
+            print(f"repeat {repeat + 1}/{args.repeats} {name}: median step {summary['median_step_time'] * 1e3:.1f} "
+                  "ms", file=sys.stderr, flush=True)
+    base = statistics.median(results["causal"]["step_times"])
+    lines = [f"GPipe, {args.ranks} rank(s), batch {args.batch_size} x {args.seq_len}, {args.microbatches} "
+             f"microbatches, {args.repeats} alternating runs of {args.steps} steps (OMP_NUM_THREADS="
+             f"{os.environ.get('OMP_NUM_THREADS', '1')}); flags for every run: {' '.join(args.script_args) or '-'}.",
+             "", "| attention | median step (ms) | vs causal | tokens/s | peak memory per rank (MiB) |",
+             "|---|---|---|---|---|"]
+    for name, r in results.items():
+        r["median_step_time"] = median = statistics.median(r["step_times"])
+        peaks = ", ".join(f"{b / 2**20:.0f}" for b in r["peak_memory_bytes_per_rank"])
+        lines.append(f"| {name} | {median * 1e3:.1f} | {median / base:.2f} | {r['tokens_per_s']:.0f} | {peaks} |")
+    finish(args, "\n".join(lines), results, name="documents")
+
+
 def chosen(variants: dict, reference: str, asked: str | None) -> dict:
     """The variants --variants names, and the reference every ratio is taken against (it always runs)."""
     if not asked:
@@ -961,6 +991,8 @@ def outputs(args) -> list[str]:
         name, traced_names = "splits", [variant for variant, (ranks, _) in chosen(SPLITS, "one process",
                                                                                   args.variants).items()
                                         if (ranks or args.ranks) > 1]
+    elif args.documents:
+        name, traced_names = "documents", []
     else:
         name, traced_names = "results", list(chosen(VARIANTS, "gpipe", args.variants))
     traces = [trace_dir(args, variant) for variant in traced_names]
@@ -1037,6 +1069,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--splits", action="store_true",
                         help="compare one process with --ranks stages split evenly and balanced by cost, and the "
                              "cost of activation checkpointing and --compile, instead")
+    parser.add_argument("--documents", action="store_true",
+                        help="compare --document-masking with causal attention (GPipe at --ranks) instead: step "
+                             "time and peak memory")
     parser.add_argument("--dp", type=int, default=1,
                         help="compare --ranks stages alone with --ranks stages x DP data-parallel replicas "
                              "(FSDP2) at the same global batch instead")

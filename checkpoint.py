@@ -1192,8 +1192,10 @@ def _hf_request(path: str, state: dict, config: LlamaConfig) -> dict[str, str]:
 # The flags that define what a run computes besides the model (meta.json's "config") and the data (its
 # identity): a rerun must keep them (--steps too: the LR schedule depends on it). The others (--microbatches,
 # the processes, --schedule, ...) change only how the same numbers are computed. --init-from is recorded, not
-# compared: once a run has checkpoints they are its weights.
-RUN_FLAGS = ("seed", "seq_len", "batch_size", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip")
+# compared: once a run has checkpoints they are its weights. --document-masking changes what every token sees; a
+# checkpoint from before the flag existed ran without it.
+RUN_FLAGS = ("seed", "seq_len", "batch_size", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip",
+             "document_masking")
 
 
 def run_identity(args, data_id: str) -> dict:
@@ -1222,7 +1224,7 @@ def check_same_run(args, path: str, data_id: str, config: LlamaConfig | None = N
     found += [f"model {field} {meta['config'].get(field)} → {value} (--model, --layers, --init-from)"
               for field, value in model.items() if meta["config"].get(field) != value]
     for flag in RUN_FLAGS:
-        old, new = saved.get(flag), identity[flag]
+        old, new = saved.get(flag, False if flag == "document_masking" else None), identity[flag]
         if old != new and not (flag == "steps" and new <= meta["step"]):  # fewer steps than done: nothing to run
             found.append(f"--{flag.replace('_', '-')} {old} → {new}")
     if saved.get("data_id") != data_id:

@@ -32,6 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 
 @dataclasses.dataclass
@@ -233,13 +234,17 @@ def rope_inv_freq(config: LlamaConfig, device=None) -> Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_tables(inv_freq: Tensor, seq_len: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    # Positions always start at 0: every stage sees whole sequences, so each one can rebuild the same tables
-    # from the sequence length alone and nothing but hidden states has to travel between stages.
+def rope_tables(inv_freq: Tensor, seq_len: int, dtype: torch.dtype,
+                positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    # Positions start at 0: every stage sees whole sequences, so each one can rebuild the same tables from the
+    # sequence length alone and nothing but hidden states has to travel between stages. With packed documents,
+    # positions [batch, seq] (document_positions) restart with each document: tables [batch, 1, seq, head_dim].
     # The tables are computed in fp32 and only then cast, as in HF, so bf16 runs rotate by the same angles.
-    positions = torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq.float())
-    angles = torch.cat((angles, angles), dim=-1)  # [seq, head_dim]
+    if positions is None:
+        angles = torch.outer(torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32), inv_freq.float())
+    else:  # the same products, a row per sequence
+        angles = positions[:, None, :, None].float() * inv_freq.float()
+    angles = torch.cat((angles, angles), dim=-1)  # [seq, head_dim], or [batch, 1, seq, head_dim]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -247,6 +252,61 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x of shape [batch, heads, seq, head_dim] by position."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Packed documents kept apart (--document-masking)
+#
+# The token files hold documents one after another (bos, ids, eos) and a window cuts across them. Kept apart,
+# a token attends only to the earlier tokens of its own document and its rotary position counts from the
+# document's start: it computes what it computes alone. What carries the boundaries is each token's position in
+# its document, plain integers [batch, seq]: a pipeline schedule cuts them into microbatches with the tokens and
+# hands every stage its microbatch's, and each attention layer builds its mask from them. No mask object crosses
+# a stage or goes through the schedules' autograd (torchtitan #1723, #3584).
+
+def document_positions(input_ids: Tensor, bos_id: int) -> Tensor:
+    """Each token's position in its document [batch, seq]: 0 at every bos, then counting up; a window's tokens
+    before its first bos are the tail of a document, counted from 0 too."""
+    index = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+    return index - torch.where(input_ids == bos_id, index, 0).cummax(-1).values  # minus where the document began
+
+
+def document_mask_mod(positions: Tensor):
+    """FlexAttention's mask_mod of packed documents: query q sees key k when k is q or before it, and no earlier
+    than q's document's first token. Evaluated on index grids it is also the dense mask (document_mask)."""
+    starts = torch.arange(positions.shape[-1], device=positions.device) - positions  # each token's document start
+
+    def mask_mod(b, h, q, k):
+        return (k <= q) & (k >= starts[b, q])
+    return mask_mod
+
+
+def document_mask(positions: Tensor) -> Tensor:
+    """The dense mask [batch, 1, seq, seq] of document_mask_mod: True where a query (row) sees a key."""
+    index = torch.arange(positions.shape[-1], device=positions.device)
+    batches = torch.arange(positions.shape[0], device=positions.device)[:, None, None, None]
+    return document_mask_mod(positions)(batches, None, index[:, None], index)
+
+
+@functools.cache
+def _compiled_flex():  # compiled on first use (torch.compile costs seconds to set up, even unused)
+    return torch.compile(create_block_mask), torch.compile(flex_attention)
+
+
+def document_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
+    """Attention of q [batch, heads, seq, head_dim] within documents. On a GPU, FlexAttention compiled: one fused
+    kernel that skips the blocks of keys no query of theirs may see (with several documents a window, fewer FLOPs
+    than causal). Elsewhere (torch 2.13's FlexAttention has no CPU backward) SDPA with the dense mask
+    [batch, 1, seq, seq] from the same mask_mod, whose masked scores weigh exactly 0."""
+    if q.is_cuda:
+        block_mask_of, flex = _compiled_flex()
+        (batch, seq), mask_mod = positions.shape, document_mask_mod(positions)
+        return flex(q, k, v, block_mask=block_mask_of(mask_mod, batch, None, seq, seq, device=q.device),
+                    enable_gqa=True)
+    if not q.is_cpu:  # traced on meta (the tracer), run on a GPU: CUDA's fused kernels take a mask, but with it
+        # not grouped K/V heads (torch 2.13 would fall back to its unfused math kernel), so the heads are copied
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions), enable_gqa=q.is_cpu)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -266,17 +326,20 @@ class LlamaAttention(nn.Module):
         # Not persistent: it is derived from the config, and HF does not save it either.
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        """x [batch, seq, hidden]; positions: each token's place in its document [batch, seq] (None: the
+        window is one sequence, causal)."""
         batch, seq_len, _ = x.shape
         # -1 heads: all of them, or this rank's share when tensor parallelism splits the projections by head.
         q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
-        cos, sin = rope_tables(self.inv_freq, seq_len, q.dtype)
+        cos, sin = rope_tables(self.inv_freq, seq_len, q.dtype, positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Packed training sequences need only the causal mask, which SDPA builds itself; enable_gqa lets the
-        # K/V heads serve several query heads without materializing repeated copies.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if positions is not None:
+            out = document_attention(q, k, v, positions)
+        else:  # the causal mask, which SDPA builds itself; enable_gqa: K/V heads serve several query heads uncopied
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -299,8 +362,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        # positions by keyword: tensor parallelism's input hooks take (and gather) x alone
+        x = x + self.self_attn(self.input_layernorm(x), positions=positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -313,11 +377,12 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config) for i in range(config.num_hidden_layers)})
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x: Tensor) -> Tensor:
-        # The first stage gets token ids [batch, seq]; later stages get hidden states [batch, seq, hidden].
+    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        # The first stage gets token ids [batch, seq]; later stages get hidden states [batch, seq, hidden]. Every
+        # stage gets the same positions (with --document-masking): the whole sequence's, whatever tp shards.
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         for layer in self.layers.values():  # insertion order == global layer order
-            h = layer(h)
+            h = layer(h, positions=positions)
         return self.norm(h) if self.norm is not None else h
 
 
@@ -357,10 +422,11 @@ class LlamaForPretraining(nn.Module):
             self.lm_head = None
         return self
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> Tensor:
         """Token ids [batch, seq] -> logits [batch, seq, vocab]; hidden states on a stage without the head, or
-        with head_in_loss (then chunked_loss applies the head)."""
-        h = self.base_model(input_ids)
+        with head_in_loss (then chunked_loss applies the head). positions: packed documents kept apart
+        (document_positions); None: each sequence is one causal stream."""
+        h = self.base_model(input_ids, positions)
         return self.lm_head(h) if self.lm_head is not None and not self.head_in_loss else h
 
     def init_weights(self, seed: int) -> None:

@@ -20,7 +20,7 @@ the messages between stages at --intra-node-bandwidth or --inter-node-bandwidth,
 reduce-scatter of each stage once per step; nothing overlapped.
 
 --processes N plans one layout. The flags are the training scripts' own (the same names, meanings and
-defaults: --model, --layers, --init-from, --seq-len, --batch-size, --microbatches, --schedule,
+defaults: --model, --layers, --init-from, --seq-len, --document-masking, --batch-size, --microbatches, --schedule,
 --stages-per-rank, --split, --dp, --tp, --loss-chunks, --activation-checkpointing, --device), and where the
 vocabulary comes from: --vocab-size (default 8192, prepare_data.py's default tokenizer) or --data DIR (a
 prepared dataset's meta.json); --init-from brings its own. A plan is refused, with the same one line, exactly
@@ -76,8 +76,9 @@ HEADROOM = 0.1  # of a GPU's memory, left to CUDA's context and the allocator's 
 VOCAB_SIZE = 8192  # prepare_data.py's default tokenizer
 # The flags plan.py shares with the training scripts: copied from train_pipeline_gpipe.py's parser, so their
 # names, types, defaults and help are the script's (--schedule is declared here: it also takes afab).
-SHARED = ("model", "layers", "init_from", "seq_len", "batch_size", "microbatches", "stages_per_rank", "split",
-          "dp", "tp", "sequence_parallel", "loss_chunks", "activation_checkpointing", "device", "precision")
+SHARED = ("model", "layers", "init_from", "seq_len", "document_masking", "batch_size", "microbatches",
+          "stages_per_rank", "split", "dp", "tp", "sequence_parallel", "loss_chunks", "activation_checkpointing",
+          "device", "precision")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -168,7 +169,7 @@ def stage_params(config: LlamaConfig, layout: list[range], tp: int = 1) -> list[
 
 
 def activation_bytes(config: LlamaConfig, tokens: int, seq_len: int, bf16: bool, tp: int = 1,
-                     chunks: int = 1, shards: int = 1) -> dict[str, float]:
+                     chunks: int = 1, shards: int = 1, documents: bool = False) -> dict[str, float]:
     """Bytes one microbatch of `tokens` tokens leaves saved for backward on one tensor-parallel rank: per
     decoder layer (all of it, and only its input with activation checkpointing), for the head and loss, and
     for the embedding; and "loss", what the loss holds for a moment (fp32 logits and their softmax and
@@ -184,7 +185,9 @@ def activation_bytes(config: LlamaConfig, tokens: int, seq_len: int, bf16: bool,
     # compute dtype: the projections' inputs (2h), q, k, v and the attention output, the MLP's 4 intermediates.
     layer = tokens * (4 * ((4 * h + 2) / shards + heads / tp) + e * (2 * h + (2 * heads + 2 * kv) * d / tp
                                                                       + 4 * inter / tp))
-    layer += 2 * seq_len * d * e  # the rotary cos/sin tables
+    # The rotary cos/sin tables: one for all sequences (positions 0 .. seq - 1), or with --document-masking one
+    # per sequence (positions per document). Its mask: a GPU's FlexAttention keeps a few bytes per 128 x 128 block.
+    layer += 2 * (tokens if documents else seq_len) * d * e
     # The final norm's input, normalized values and rstd, and the targets; then the chunked loss keeps the fp32
     # hidden states it starts each piece from, the plain loss the head's input (compute dtype) and the fp32
     # log-softmax of the whole logits.
@@ -602,7 +605,7 @@ def plan(args) -> dict:
     half = bf16(args)
     tokens = args.batch_size // (dp * m) * args.seq_len  # one microbatch of one replica
     chunks = loss_chunks(args.loss_chunks, config, (tokens // args.seq_len, args.seq_len), tp)
-    sizes = activation_bytes(config, tokens, args.seq_len, half, tp, chunks, shards(args, tp))
+    sizes = activation_bytes(config, tokens, args.seq_len, half, tp, chunks, shards(args, tp), args.document_masking)
     stages_of = {r: stage_ids(schedule, r, pp, per_rank) for r in range(pp)}
     report = {"ranks": [], "schedules": {}}
     print(f"plan: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
@@ -776,7 +779,8 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
     tokens = args.batch_size // (dp * m) * args.seq_len
     chunks = loss_chunks(args.loss_chunks, config, (tokens // args.seq_len, args.seq_len), tp)
     costs = {k: v / tp for k, v in estimated_costs(config, args.seq_len, checkpointing, chunks).items()}
-    sizes = activation_bytes(config, tokens, args.seq_len, bf16(trial), tp, chunks, shards(args, tp))
+    sizes = activation_bytes(config, tokens, args.seq_len, bf16(trial), tp, chunks, shards(args, tp),
+                             args.document_masking)
     forward, backward, split = stage_seconds(config, layout, costs, tokens, pp, dp, tp, checkpointing, per_rank,
                                              args)
     result = replay(schedule_orders(schedule, pp, m, ns.stages_per_rank), forward, backward,
@@ -845,6 +849,7 @@ def command(args, row: dict) -> str:
              + (f" --tp {row['tp']}" if row["tp"] > 1 else "")
              + (" --no-sequence-parallel" if row["tp"] > 1 and not args.sequence_parallel else "")
              + (" --activation-checkpointing" if row["checkpointing"] else "")
+             + (" --document-masking" if args.document_masking else "")
              + (f" --loss-chunks {args.loss_chunks}" if args.loss_chunks else ""))
     nodes = args.gpus // args.gpus_per_node if args.gpus > args.gpus_per_node else 1
     if nodes == 1:

@@ -478,9 +478,9 @@ def start_group(rank: int, world_size: int, store_path: str, pp: int | None = No
 
 
 def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape: tuple, microbatches: int,
-                     chunks: int = 8, seed: int = 11):
+                     documents: bool = False, chunks: int = 8, seed: int = 11):
     """The GPipe script's split and schedule of these stages, as its main builds them: (the rank's model, its
-    PipelineStages, the schedule, the loss)."""
+    PipelineStages, the schedule, the loss). documents: the same stages (positions are a keyword argument)."""
     modules = [gpipe.stage_module(config, s, layers, torch.device("cpu"), seed) for s in stages]
     model_module.parallelize(modules, mesh, torch.float32)
     shards = mesh["tp"].size()  # sequence parallelism, as the scripts' default: each tp rank 1/tp of the positions
@@ -491,9 +491,9 @@ def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape:
 
 
 def traced_pipeline(config, name: str, stages: list, layers: list, mesh, shape: tuple, microbatches: int,
-                    chunks: int = 8, seed: int = 11):
-    """The same, as the tracer script builds it."""
-    modules, pipe = tracer.traced_modules(config, stages, layers, shape, torch.device("cpu"), seed)
+                    documents: bool = False, chunks: int = 8, seed: int = 11):
+    """The same, as the tracer script builds it (documents: traced with --document-masking's positions)."""
+    modules, pipe = tracer.traced_modules(config, stages, layers, shape, torch.device("cpu"), seed, documents)
     model_module.parallelize(modules, mesh, torch.float32)
     built = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), mesh.get_group("pp")) for s in stages]
     schedule, loss_fn = tracer.make_schedule(name, built, microbatches, chunks, 1)
@@ -503,6 +503,17 @@ def traced_pipeline(config, name: str, stages: list, layers: list, mesh, shape: 
 def plain_loss(logits, targets):
     """The loss of the unsplit model: the mean cross-entropy of the whole logits, computed at once."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+BOS = 1  # the tests' bos: a document starts where it stands
+
+
+def documents_batch(inputs: torch.Tensor, starts: dict[int, list[int]]) -> torch.Tensor:
+    """inputs with a bos at each of starts[row]'s positions and nowhere else: documents packed as the data's are."""
+    inputs = inputs.masked_fill(inputs == BOS, BOS + 1)
+    for row, columns in starts.items():
+        inputs[row, columns] = BOS
+    return inputs
 
 
 def random_batch(config, batch=8, seq=16, seed=5):
@@ -634,6 +645,86 @@ def test_same_math_as_hugging_face_llama(variant):
     tokens = torch.randint(0, 97, (2, 33), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf_model(tokens).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_documents_kept_apart_compute_as_each_does_alone(monkeypatch):
+    # --document-masking: a window packs documents (each from its bos); each token attends within its own
+    # document, and its rotary position counts from the document's start.
+    model = LlamaForPretraining(small_config(layers=2))
+    model.init_weights(seed=4)
+    gen = torch.Generator().manual_seed(3)
+    # Row 0: the tail of a document (0-5), then documents at 6, 19 and 30; row 1: documents at 0 and 25.
+    tokens = documents_batch(torch.randint(0, 97, (2, 40), generator=gen), {0: [6, 19, 30], 1: [0, 25]})
+    targets = torch.randint(0, 97, (2, 40), generator=gen)
+    positions = model_module.document_positions(tokens, BOS)
+    assert positions.tolist() == [[*range(6), *range(13), *range(11), *range(10)], [*range(25), *range(15)]]
+
+    def outputs(x, positions):  # the logits and each token's term of the loss
+        with torch.no_grad():
+            logits = model(x, positions)
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(2, 40)
+
+    # Every token of row 0's document at 19 changed (its bos kept): no other token's logits or loss term moves,
+    # bit for bit. Without the flag the tokens after it see the change.
+    changed = tokens.clone()
+    changed[0, 20:30] = 2 + (changed[0, 20:30] - 2 + 7) % 95  # other tokens, none of them the bos
+    others = torch.ones(2, 40, dtype=torch.bool)
+    others[0, 20:30] = False
+    for got, want in zip(outputs(changed, positions), outputs(tokens, positions)):
+        assert torch.equal(got[others], want[others])
+        assert not torch.equal(got[0, 20:30], want[0, 20:30])
+    leaked = outputs(changed, None)[0][0, 30:] - outputs(tokens, None)[0][0, 30:]
+    assert leaked.abs().max() > 1e-3
+    # A document computes at offset k what it computes at offset 0, alone, to rounding (the kernel sums a row's
+    # scores, masked ones included, in another order); the tail before the first bos likewise.
+    logits = outputs(tokens, positions)[0]
+    for row, start, end in ((0, 30, 40), (0, 6, 19), (1, 25, 40), (0, 0, 6)):
+        document = tokens[row:row + 1, start:end]
+        alone = model(document, model_module.document_positions(document, BOS)).detach()
+        torch.testing.assert_close(logits[row:row + 1, start:end], alone, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(alone, model(document).detach(), rtol=1e-5, atol=1e-6)  # alone: plain causal
+    # Rotary positions restart at each document: every layer rotates a document's tokens by the angles of positions
+    # 0, 1, ..., bit for bit those of the document alone. (RoPE is relative, so within a document an offset
+    # changes only the angles' rounding, which the comparisons above cannot tell from the kernels'.)
+    original, tables = model_module.rope_tables, []
+    monkeypatch.setattr(model_module, "rope_tables", lambda *args: tables.append(original(*args)) or tables[-1])
+    model(tokens, positions)
+    alone = original(model.base_model.layers["0"].self_attn.inv_freq, 10, torch.float32)
+    assert len(tables) == 2 and all(torch.equal(got[0, 0, 30:40], want) for table in tables
+                                    for got, want in zip(table, alone))
+
+    # The GPU's kernel (FlexAttention's block mask from the same mask_mod) on this CPU, forward only (torch 2.13's
+    # FlexAttention has no CPU backward): the dense mask the CPU path uses is the block mask's, and so are the
+    # outputs, to rounding.
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+    q, k, v = (torch.randn(2, heads, 40, 8, generator=gen) for heads in (4, 2, 2))
+    mask_mod = model_module.document_mask_mod(positions)
+    assert torch.equal(model_module.document_mask(positions), create_mask(mask_mod, 2, 1, 40, 40, device="cpu"))
+    with warnings.catch_warnings():  # eager FlexAttention warns that it is the unfused reference
+        warnings.simplefilter("ignore")
+        flex = flex_attention(q, k, v, block_mask=create_block_mask(mask_mod, 2, None, 40, 40, device="cpu"),
+                              enable_gqa=True)
+    torch.testing.assert_close(flex, model_module.document_attention(q, k, v, positions), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's path: FlexAttention, compiled")
+def test_documents_on_a_gpu_take_compiled_flexattention_and_compute_the_dense_masks_attention():
+    # What the CPU cannot run (torch 2.13's FlexAttention has no CPU backward): document_attention on a GPU,
+    # forward and backward, against SDPA with the dense mask. 5e-3: the compiled kernel may multiply fp32 in TF32
+    # (10-bit mantissas); a wrong mask is off by the size of the outputs themselves.
+    tokens = documents_batch(torch.randint(0, 97, (2, 256), generator=torch.Generator().manual_seed(0)),
+                             {0: [0, 100, 130], 1: [50, 51, 200]})
+    positions = model_module.document_positions(tokens, BOS).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [torch.randn(2, heads, 256, 64, device="cuda", generator=gen, requires_grad=True) for heads in (8, 2, 2)]
+    results = []
+    for attention in (model_module.document_attention, lambda q, k, v, positions: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=model_module.document_mask(positions), enable_gqa=True)):
+        out = attention(*inputs, positions)
+        grads = torch.autograd.grad(out, inputs, torch.ones_like(out))
+        results.append((out, *grads))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=5e-3, atol=5e-3)
 
 
 @pytest.mark.parametrize("chunks", [1, 3, 8])
@@ -1503,15 +1594,15 @@ def parity_config(layers: int) -> LlamaConfig:
     return small_config(vocab=98, layers=layers)
 
 
-def unsplit_step(config, inputs, targets, microbatches: int):
+def unsplit_step(config, inputs, targets, microbatches: int, documents: bool = False):
     """The reference for one pipelined step: the unsplit model on this process, from the pipelines' seed, fed the
-    same microbatches one after another, each loss divided by their count as the schedules do: (the mean
-    microbatch loss, every parameter's gradient, the model)."""
+    same microbatches one after another, each loss divided by their count as the schedules do (documents: kept
+    apart, from the bos in inputs): (the mean microbatch loss, every parameter's gradient, the model)."""
     reference = LlamaForPretraining(config)
     reference.init_weights(seed=11)
-    losses = []
-    for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches)):
-        losses.append(plain_loss(reference(x), y))
+    losses, positions = [], model_module.document_positions(inputs, BOS) if documents else None
+    for i, (x, y) in enumerate(zip(inputs.chunk(microbatches), targets.chunk(microbatches))):
+        losses.append(plain_loss(reference(x, positions.chunk(microbatches)[i] if documents else None), y))
         (losses[-1] / microbatches).backward()
     return torch.stack(losses).mean().detach(), {name: p.grad for name, p in reference.named_parameters()}, reference
 
@@ -1526,10 +1617,11 @@ def layer_count(split: int | tuple) -> int:
 
 
 def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, dp, tp, microbatches):
-    """One training step, then an evaluation of the same batch, of each (split, schedule, layers) in variants at
-    (pp, dp, tp), as the scripts build them, on real gloo ranks: the split by the library (the GPipe script's),
-    traced (the tracer script's) or by hand (the AFAB script's). Saves, per variant, the full gradients, the global
-    loss, the evaluated loss, the activations held, and the stages' initial tensors and state_dict keys."""
+    """One training step, then an evaluation of the same batch, of each (split, schedule, layers, documents) in
+    variants at (pp, dp, tp), as the scripts build them, on real gloo ranks: the split by the library (the GPipe
+    script's), traced (the tracer script's) or by hand (the AFAB script's); documents: with --document-masking's
+    positions, every rank's from its rows of the batch. Saves, per variant, the full gradients, the global loss,
+    the evaluated loss, the activations held, and the stages' initial tensors and state_dict keys."""
     mesh = start_group(rank, world_size, store_path, pp, dp, tp)
     try:
         env = cpu_env(rank, world_size)
@@ -1540,7 +1632,8 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
         shape, m = (share // microbatches, inputs.shape[1]), microbatches
         reports = dp_rank == tp_rank == 0  # the others hold the same (gathered) tensors and losses
         results = {}
-        for kind, name, split in variants:
+        for kind, name, split, documents in variants:
+            positions = model_module.document_positions(x, BOS) if documents else None  # as the scripts do
             stages = [pp_rank] if kind == "manual" else gpipe.stage_ids(name, pp_rank, pp, 2)
             num_stages = pp * len(stages)
             first, last = 0 in stages, num_stages - 1 in stages
@@ -1548,7 +1641,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
             config = parity_config(layer_count(split))
             if kind in ("library", "tracer"):
                 build, script = (library_pipeline, gpipe) if kind == "library" else (traced_pipeline, tracer)
-                model, built, schedule, loss_fn = build(config, name, stages, layers, mesh, shape, m)
+                model, built, schedule, loss_fn = build(config, name, stages, layers, mesh, shape, m, documents)
                 modules = [stage.submod for stage in built]
             else:
                 with torch.device("meta"):
@@ -1568,9 +1661,11 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                     with manual.compute(env, tp):
                         loss = manual.SCHEDULES[name](partition, x.chunk(m) if first else [None] * m,
                                                       y.chunk(m) if last else [None] * m, env.device, torch.float32,
-                                                      loss_chunks=8)  # as the library's loss above
+                                                      loss_chunks=8,  # as the library's loss above
+                                                      positions=positions.chunk(m) if documents else None)
                 else:
-                    loss = script.train_step(schedule, x if first else None, y if last else None, env, tp)
+                    loss = script.train_step(schedule, x if first else None, y if last else None, env, tp,
+                                             **({"positions": positions} if documents else {}))
             # Copied: a replicated DTensor's full_tensor() is its local tensor, and torch 2.13's eval() below
             # divides the gradients it finds by the microbatches once more.
             grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
@@ -1581,15 +1676,17 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                 with manual.compute(env, tp):
                     evaluated = manual.eval_step_pipeline(partition, x.chunk(m) if first else [None] * m,
                                                           y.chunk(m) if last else [None] * m, env.device,
-                                                          torch.float32, loss_chunks=8)
+                                                          torch.float32, loss_chunks=8,
+                                                          positions=positions.chunk(m) if documents else None)
             else:
                 evaluated = script.eval_step(schedule, built, x if first else None, y if last else None, env, tp,
-                                             loss_fn, m, (shape[0], shape[1] // tp, config.hidden_size))
+                                             loss_fn, m, (shape[0], shape[1] // tp, config.hidden_size),
+                                             **({"positions": positions} if documents else {}))
             if last and dp > 1:
                 for value in (loss, evaluated):
                     dist.all_reduce(value, group=mesh.get_group("dp"))
                     value /= dp
-            results[kind, name, split] = {
+            results[kind, name, split, documents] = {
                 "grads": grads if reports else {}, "initial": initial if reports else {},
                 "state_keys": list(model.state_dict()) if reports else [],
                 "loss": loss if last and reports else None, "eval": evaluated if last and reports else None,
@@ -1609,28 +1706,38 @@ EVERY_SPLIT_AND_SCHEDULE = [*(("library", s) for s in gpipe.SCHEDULES), *(("trac
 LAYERLESS = {"gpipe": (0, 4), "afab": (0, 4), "1f1b": (4, 0), "interleaved1f1b": (0, 2, 2, 0),
              "loopedbfs": (0, 1, 2, 1), "interleavedzerobubble": (1, 2, 1, 0), "zbvzerobubble": (0, 2, 2, 0),
              "dualpipev": (1, 2, 1, 0)}
-PARITY_LAYOUTS = {  # (pp, dp, tp) -> the (split, schedule, layers: even over that many, or per stage) of a launch
-    # 4 layers: 2 stages, or 4 with the multi-stage schedules (looped or V-shaped); with layerless ends below.
-    (2, 1, 1): [(kind, name, 4) for kind, name in EVERY_SPLIT_AND_SCHEDULE],
+PARITY_LAYOUTS = {  # (pp, dp, tp) -> the (kind, schedule, layers: even over that many or per stage, --document-masking)
+    # 4 layers: 2 stages, or 4 with the multi-stage schedules (looped or V-shaped); with layerless ends below; and
+    # with documents kept apart (their boundaries reach every stage of every microbatch, through every schedule's
+    # backward): every schedule, traced a single-stage, a looped and a V-shaped one (each traces the model again).
+    (2, 1, 1): [(kind, name, 4, False) for kind, name in EVERY_SPLIT_AND_SCHEDULE]
+               + [(kind, name, 4, True) for kind, name in EVERY_SPLIT_AND_SCHEDULE
+                  if kind != "tracer" or name in ("gpipe", "interleavedzerobubble", "zbvzerobubble")],
     # The tracer's split is the hand split's (checked at dp 1): one of each kind with replicas; most with
     # layerless ends (a stage whose FSDP unit is the embedding, or the norm and the head, alone).
     (2, 2, 1): [(kind, name, LAYERLESS[name] if name in ("afab", "1f1b", "loopedbfs", "zbvzerobubble", "dualpipev")
-                 else 4) for kind, name in EVERY_SPLIT_AND_SCHEDULE
-                if kind != "tracer" or name in ("1f1b", "interleaved1f1b", "dualpipev")],
+                 else 4, False) for kind, name in EVERY_SPLIT_AND_SCHEDULE
+                if kind != "tracer" or name in ("1f1b", "interleaved1f1b", "dualpipev")]
+               + [("library", "interleavedzerobubble", 4, True), ("tracer", "dualpipev", 4, True),
+                  ("manual", "1f1b", 4, True)],
     # tp 2: each layer's heads, MLP, the embedding and the head split over 2 ranks (2 of 4 heads, 1 of 2 KV heads
     # each; the vocabulary, 98, in halves). One of each kind: single-stage, looped, V-shaped, by hand (the tracer
     # refuses --tp); evenly and with layerless ends.
     # With sequence parallelism (the default): the norms, the residual stream and what crosses stages are each
-    # rank's half of the positions.
-    (2, 1, 2): [("library", "gpipe", 4), ("library", "1f1b", (4, 0)), ("library", "interleaved1f1b", (0, 2, 2, 0)),
-                ("library", "zbvzerobubble", 4), ("manual", "afab", (0, 4)), ("manual", "1f1b", 4)],
-    (2, 2, 2): [("library", "gpipe", 4), ("library", "dualpipev", (0, 2, 2, 0)), ("manual", "1f1b", (0, 4))],
+    # rank's half of the positions (attention, on the gathered sequence, masks by the whole sequence's documents).
+    (2, 1, 2): [("library", "gpipe", 4, False), ("library", "1f1b", (4, 0), False),
+                ("library", "interleaved1f1b", (0, 2, 2, 0), False), ("library", "zbvzerobubble", 4, False),
+                ("manual", "afab", (0, 4), False), ("manual", "1f1b", 4, False),
+                ("library", "zbvzerobubble", 4, True), ("manual", "afab", 4, True)],
+    (2, 2, 2): [("library", "gpipe", 4, False), ("library", "dualpipev", (0, 2, 2, 0), False),
+                ("manual", "1f1b", (0, 4), False), ("library", "1f1b", 4, True)],
     # 3 stages: 4 layers split unevenly (2, 1, 1), and 6; and all 4 on the middle stage, (0, 4, 0).
-    (3, 1, 1): [*((kind, "gpipe", layers) for layers in (4, 6) for kind in ("library", "tracer")),
-                *((kind, "1f1b", (0, 4, 0)) for kind in ("library", "tracer", "manual"))],
+    (3, 1, 1): [(kind, "gpipe", layers, documents) for layers in (4, 6) for kind in ("library", "tracer")
+                for documents in ((False, True) if layers == 4 else (False,))]
+               + [(kind, "1f1b", (0, 4, 0), False) for kind in ("library", "tracer", "manual")],
 }
 # Layerless ends at dp 1 too, for each schedule of each kind that the launches above do not run so.
-PARITY_LAYOUTS[2, 1, 1] += [(kind, name, LAYERLESS[name]) for kind, name in EVERY_SPLIT_AND_SCHEDULE
+PARITY_LAYOUTS[2, 1, 1] += [(kind, name, LAYERLESS[name], False) for kind, name in EVERY_SPLIT_AND_SCHEDULE
                             if not any(v[:2] == (kind, name) and not isinstance(v[2], int)
                                        for variants in PARITY_LAYOUTS.values() for v in variants)]
 
@@ -1642,6 +1749,10 @@ def parity_run(request, tmp_path_factory):
     (pp, dp, tp), tmp_path = request.param, tmp_path_factory.mktemp("parity")
     variants, world_size = PARITY_LAYOUTS[pp, dp, tp], pp * dp * tp
     inputs, targets = random_batch(parity_config(4))
+    # Documents start in rows 2 and 3 alone (microbatch 1 of 4 at dp 1, microbatches 2 and 3 of the first replica
+    # at dp 2): a pipeline that gave every microbatch the first one's boundaries, or none to a later stage,
+    # computes those rows causally (torchtitan #1723, KempnerForge #204); the other rows are one document each.
+    inputs = documents_batch(inputs, {2: [5, 11], 3: [0, 9]})
     run_workers(_layout_worker, world_size, args=(world_size, str(tmp_path / "store"), str(tmp_path), variants,
                                                   (inputs, targets), pp, dp, tp, 4))
     return (pp, dp, tp), variants, (inputs, targets), [torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
@@ -1652,11 +1763,15 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
     (pp, dp, tp), variants, (inputs, targets), ranks = parity_run
     microbatches, world_size = 4, pp * dp * tp
     # The unsplit model on this process, fed every replica's microbatches one after another.
-    references = {layers: unsplit_step(parity_config(layers), inputs, targets, dp * microbatches)
-                  for layers in {layer_count(split) for _, _, split in variants}}
+    references = {(layer_count(split), documents): unsplit_step(parity_config(layer_count(split)), inputs, targets,
+                                                                dp * microbatches, documents)
+                  for _, _, split, documents in variants}
+    if (4, True) in references:  # kept apart, the documents compute otherwise: the comparison can fail
+        assert not torch.equal(references[4, True][1]["lm_head.weight"], unsplit_step(
+            parity_config(4), inputs, targets, dp * microbatches)[1]["lm_head.weight"])
     assert sorted(ranks[0], key=str) == sorted(variants, key=str)
     for variant in variants:
-        loss, expected, reference = references[layer_count(variant[2])]
+        loss, expected, reference = references[layer_count(variant[2]), variant[3]]
         got = {name: g for result in ranks for name, g in result[variant]["grads"].items()}
         assert sorted(got) == sorted(expected), variant
         for name in expected:
@@ -1677,12 +1792,14 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
         # FSDP2 warns of one, since an in-place op on it would drop its backward hook.
         assert not [r[variant]["views"] for r in ranks if r[variant]["views"]], variant
     # 1F1B holds the activations of (p - r) of the m = 4 microbatches on stage r, GPipe all of them: nothing
-    # more (e.g. none left over from torch's own shape inference, which the declared stage_io avoids).
-    for kind, name, layers in variants:
-        gpipe_variant = ("manual", "afab", layers) if kind == "manual" else ("library", "gpipe", layers)
+    # more (e.g. none left over from torch's own shape inference, which the declared stage_io avoids). Against the
+    # same split's GPipe where it ran (traced with documents, attention holds copied K/V heads: document_attention).
+    for kind, name, split, documents in variants:
+        own = (kind, "afab" if kind == "manual" else "gpipe", split, documents)
+        gpipe_variant = own if own in variants else ("library", "gpipe", split, documents)
         if name != "1f1b" or gpipe_variant not in variants:
             continue
-        ratios = [r[kind, name, layers]["activations"] / r[gpipe_variant]["activations"] for r in ranks]
+        ratios = [r[kind, name, split, documents]["activations"] / r[gpipe_variant]["activations"] for r in ranks]
         assert ratios == pytest.approx([(pp - r // (dp * tp)) / microbatches for r in range(world_size)],
                                        abs=0.01), \
             (kind, name, ratios)
@@ -1779,6 +1896,53 @@ def test_loss_trajectory_is_the_same_at_any_layout_and_by_hand(layout_runs):
              if e.get("cat") == "user_annotation"}
     assert {f"{kind} {i}" for kind in ("forward", "backward", "send", "recv") for i in range(4)} <= names
     assert len(benchmark.stage_times(str(tmp_path / "gpipe_trace"))) == 2
+
+
+DOCUMENTS = ["--document-masking"]
+DOCUMENT_RUNS = {  # name: (processes (0: plain python), script, flags), on short documents (document_runs)
+    "one": (0, "train_pipeline_gpipe.py", DOCUMENTS),
+    "causal": (0, "train_pipeline_gpipe.py", []),  # the same without the flag
+    "pp2 x dp2, interleaved zero bubble": (4, "train_pipeline_gpipe.py", [*DOCUMENTS, "--dp", "2", "--schedule",
+                                                                          "interleavedzerobubble"]),
+    # The evaluation of a V: the script's own forward pass.
+    "traced V, checkpointed": (2, "train_pipeline_tracer.py", [*DOCUMENTS, "--schedule", "zbvzerobubble",
+                                                               "--activation-checkpointing"]),
+    "by hand 1f1b, pp2 x tp2 without sequence parallelism": (4, "train_pipeline_afab_manual.py", [
+        *DOCUMENTS, "--schedule", "1f1b", "--tp", "2", "--no-sequence-parallel"]),
+}
+
+
+@pytest.fixture(scope="module")
+def document_runs(tmp_path_factory):
+    """5 steps and an evaluation of every run in DOCUMENT_RUNS, at once, on documents of about 35 tokens (a window
+    of 33 holds one or two boundaries): {name: (rows, evaluations)}."""
+    tmp_path, procs, runs = tmp_path_factory.mktemp("documents"), {}, {}
+    data = prepare_small(tmp_path / "data")
+    for name, (nproc, script, extra) in DOCUMENT_RUNS.items():
+        procs[name] = run_script(nproc, script, *TRAIN_ARGS, *extra, "--eval-every", "5",
+                                 "--eval-batches", "1", "--data", data, "--metrics", f"{name}.jsonl",
+                                 "--checkpoint-dir", name, cwd=tmp_path, wait=False)
+    for name, proc in procs.items():
+        result = finish(proc, timeout=400)
+        assert result.returncode == 0, (name, result.stderr[-3000:])
+        lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        runs[name] = [r for r in lines if "loss" in r], [r["eval"] for r in lines if "eval" in r]
+    return runs
+
+
+def test_documents_kept_apart_train_and_evaluate_alike_at_any_layout(document_runs):
+    # --document-masking through the scripts: each rank finds its replica's documents in the batch it reads and
+    # every stage of every microbatch gets them, through the zero-bubble schedules' split backward, with replicas,
+    # tensor parallelism, activation checkpointing and the evaluation: one process's numbers.
+    one, causal = document_runs["one"], document_runs["causal"]
+    assert [e["step"] for e in one[1]] == [5]
+    assert_close_rel(causal[0][0]["loss"], one[0][0]["loss"], 0.1)  # kept apart, the first step already differs:
+    assert abs(causal[0][0]["loss"] - one[0][0]["loss"]) > 1e-3 * one[0][0]["loss"]  # the comparisons can fail
+    for name in DOCUMENT_RUNS.keys() - {"one", "causal"}:
+        rows, evaluations = document_runs[name]
+        assert_same_trajectory(rows, one[0], name)
+        assert_same_trajectory([{"step": 6, "loss": e["loss"]} for e in evaluations],  # step 6's weights
+                               [{"step": 6, "loss": e["loss"]} for e in one[1]], f"{name} evaluation")
 
 
 BF16 = ["--precision", "bf16"]
@@ -1899,6 +2063,13 @@ def _manual_worker(rank, world_size, store_path, out_dir, kinds, layers):
                 runs[name] = {"loss": loss, "calls": calls, "activation_bytes": meter.peak_bytes, "grads": {
                     n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
             runs["eval"] = manual.eval_step_pipeline(model, *_batches(16), cpu, torch.float32)
+            # --document-masking: 1F1B on packed documents (_documents), each microbatch's positions on every rank.
+            model.zero_grad(set_to_none=True)
+            inputs, targets = _documents()
+            loss = manual.train_step_pipeline_1f1b(model, inputs, targets, cpu, torch.float32, positions=[
+                model_module.document_positions(x, BOS) for x in inputs])
+            runs["documents"] = {"loss": loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters()
+                                                         if p.grad is not None}}
             # The guide's multi-rank test: the loss decreases over iterations. AdamW's weight decay would move a
             # weight with a zero gradient too: only those given a gradient here may move.
             initial = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -1913,6 +2084,30 @@ def _manual_worker(rank, world_size, store_path, out_dir, kinds, layers):
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _documents():
+    """_batches(16) packed with documents: each microbatch's first row holds 3 (from 0, 4 and 10), its second
+    the tail of one and another (from 7)."""
+    inputs, targets = _batches(16)
+    return [documents_batch(x, {0: [0, 4, 10], 1: [7]}) for x in inputs], targets
+
+
+def _documents_alone(kind: str, layers: int):
+    """The reference of a step on _documents: each document run alone through the model's own forward (its
+    positions from 0, causal), the logits put back in place: the mean microbatch loss and the gradients."""
+    model, losses = _build(kind, layers), []
+    inputs, targets = _documents()
+    for x, y in zip(inputs, targets):
+        rows = []
+        for row in x:
+            starts = [0, *(i for i in range(1, len(row)) if row[i] == BOS), len(row)]
+            pieces = [row[None, a:b] for a, b in zip(starts, starts[1:])]
+            rows.append(torch.cat([model(d) if kind == "ours" else model(d).logits for d in pieces], 1))
+        loss = plain_loss(torch.cat(rows), y if kind == "ours" else y.masked_fill(y == 0, -100))
+        (loss / len(inputs)).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean(), {n: p.grad for n, p in model.named_parameters()}
 
 
 def _reference(kind: str, layers: int, seq_len: int):
@@ -1952,6 +2147,15 @@ def test_the_guides_calls_of_the_manual_pipeline_run_every_module_as_the_models_
                          what="seq 9")
         trained = results[-1][kind]["trained"]["losses"]
         assert trained[0] > trained[1] > trained[2], (kind, trained)
+        # Packed documents kept apart (--document-masking): the hand-written pipeline takes each microbatch's
+        # positions, and computes what each document computes alone, Hugging Face's model too (its position_ids
+        # per document, and a 4-D mask).
+        alone, alone_grads = _documents_alone(kind, layers)
+        assert_close_rel(results[-1][kind]["documents"]["loss"].item(), alone.item(), what=f"{kind} documents")
+        got = {n: g for result in results for n, g in result[kind]["documents"]["grads"].items()}
+        assert sorted(got) == sorted(alone_grads), kind
+        for name, grad in alone_grads.items():
+            torch.testing.assert_close(got[name], grad, rtol=RTOL, atol=1e-6, msg=f"{kind} documents {name}")
         # The whole model's root and decoder stack are containers the stages do not call; every other module
         # runs on the stage that holds it (the rotary embedding of transformers' Llama: on every stage).
         containers = {"", "base_model", "model"}
@@ -2052,8 +2256,8 @@ def test_bf16_autocast_runs_the_traced_stages_in_bf16(one_process_group, monkeyp
     assert (traced_bf16.float() - fp32_logits).abs().max() <= 1.5 * eager_error
     # ... and exactly eager bf16 with the RoPE tables kept in fp32: that cast is the only difference.
     original = model_module.rope_tables
-    monkeypatch.setattr(model_module, "rope_tables", lambda inv_freq, seq_len, dtype: original(
-        inv_freq, seq_len, torch.float32))
+    monkeypatch.setattr(model_module, "rope_tables", lambda inv_freq, seq_len, dtype, positions=None: original(
+        inv_freq, seq_len, torch.float32, positions))
     eager_fp32_rope, eager_fp32_rope_grads = run(eager, autocast=True)
     assert torch.equal(traced_bf16, eager_fp32_rope)
     for name in eager_fp32_rope_grads:
@@ -2964,9 +3168,10 @@ def test_resume_refuses_changed_flags_and_touches_nothing(tmp_path, data_dir, re
     other = prepare_small(tmp_path / "other", tokenizer=Path(data_dir) / "tokenizer.json")
     cases = {  # the run was --steps 16 --seq-len 32 --batch-size 8 --lr 1e-2 --seed 0 on builtin, stopped at 8
         "longer": (["--steps", "32"], ["--steps 16 → 32"]),
-        "several": (["--seq-len", "64", "--seed", "1", "--batch-size", "16", "--lr", "0.02", "--layers", "3"],
+        "several": (["--seq-len", "64", "--seed", "1", "--batch-size", "16", "--lr", "0.02", "--layers", "3",
+                     "--document-masking"],
                     ["--seq-len 32 → 64", "--seed 0 → 1", "--batch-size 8 → 16", "--lr 0.01 → 0.02",
-                     "model num_hidden_layers 4 → 3 (--model, --layers"]),
+                     "--document-masking False → True", "model num_hidden_layers 4 → 3 (--model, --layers"]),
         "model": (["--model", "small", "--steps", "32"], ["model hidden_size 128 → 768", "--steps 16 → 32"]),
         "data": (["--data", str(other)], [f"--data {data_dir} → {other} (other data"]),
     }
@@ -2980,6 +3185,19 @@ def test_resume_refuses_changed_flags_and_touches_nothing(tmp_path, data_dir, re
         one_line_error(result, "--checkpoint-dir", "step-00000008 is another run", *cases[name][1], "--fresh",
                        f"--init-from {name}/step-00000008 --checkpoint-dir NEW_DIR")
         assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["step-00000008"]  # no lock left behind
+
+
+def test_a_checkpoint_from_before_document_masking_ran_without_it(tmp_path):
+    # Checkpoints saved before --document-masking existed record no value for it: they ran without it.
+    args = gpipe.build_parser().parse_args(["--checkpoint-dir", str(tmp_path)])
+    path = fake_checkpoint(tmp_path, 8, 1, 1, 1)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["run"] = {k: v for k, v in checkpoint.run_identity(args, "d1").items() if k != "document_masking"}
+    (path / "meta.json").write_text(json.dumps(meta))
+    assert checkpoint.check_same_run(args, str(path), "d1")["step"] == 8
+    args.document_masking = True
+    with pytest.raises(checkpoint.UsageError, match="is another run: --document-masking False → True. Rerun"):
+        checkpoint.check_same_run(args, str(path), "d1")
 
 
 def test_a_run_killed_during_an_evaluation_keeps_the_steps_checkpoint(tmp_path, data_dir):
@@ -3228,8 +3446,13 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
     ours.load_state_dict(state, strict=True)
     assert torch.equal(ours.lm_head.weight, ours.base_model.embed_tokens.weight)
     tokens = torch.randint(0, 8192, (2, 24), generator=torch.Generator().manual_seed(1))
+    bos = json.loads((Path(data_dir) / "meta.json").read_text())["bos_id"]
+    document = tokens[:1].masked_fill(tokens[:1] == bos, bos + 1)
+    document[0, 0] = bos  # one document, as --document-masking computes it: the exported model's logits too
     with torch.no_grad():
         torch.testing.assert_close(model(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model(document).logits, ours(document, model_module.document_positions(
+            document, bos)), rtol=1e-5, atol=1e-6)
     # The README's generation example runs on it.
     block = readme_python_block("<!-- example: generate-hf -->").replace("Llama-3.2-1B-continued", str(out))
     result = start([sys.executable, "-c", block], cwd=tmp_path, timeout=300)
@@ -3407,13 +3630,15 @@ def planned(processes: int, data: str, *given) -> list[dict]:
 def test_the_plan_counts_each_schedules_activations(parity_run):
     # plan.py's replay of each schedule's order counts each rank's peak within 10 %: the zero-bubble schedules'
     # too, whose I keeps the output gradients its W starts from (and stage 0 runs whole at W); with sequence
-    # parallelism, the norms' and the residual stream's activations on 1/tp of the positions.
+    # parallelism, the norms' and the residual stream's activations on 1/tp of the positions; with documents, the
+    # rotary tables of each sequence. (Not the tracer's stages with documents: traced for any device, their
+    # attention copies K/V heads as a GPU's masked kernel needs, which plan.py, planning the GPipe script, omits.)
     (pp, dp, tp), variants, (inputs, targets), ranks = parity_run
     microbatches, world_size = 4, pp * dp * tp
-    for kind, name, split in variants:
+    for kind, name, split, documents in ((k, n, s, d) for k, n, s, d in variants if not (k == "tracer" and d)):
         sizes = plan.activation_bytes(parity_config(layer_count(split)),
                                       len(inputs) // (dp * microbatches) * inputs.shape[1], inputs.shape[1], False,
-                                      tp, 8, tp)
+                                      tp, 8, tp, documents)
         library = {"afab": "gpipe"}.get(name, name)
         per_rank = 1 if kind == "manual" else 2
         num_stages = pp * len(gpipe.stage_ids(library, 0, pp, per_rank))
@@ -3421,7 +3646,7 @@ def test_the_plan_counts_each_schedules_activations(parity_run):
         peak = plan.replay(plan.schedule_orders(library, pp, microbatches, per_rank), [1.0] * num_stages,
                            [2.0] * num_stages, plan.stage_held(layout, sizes, False),
                            plan.stage_between(layout, sizes))["peak"]
-        measured = [r[kind, name, split]["activations"] for r in ranks]
+        measured = [r[kind, name, split, documents]["activations"] for r in ranks]
         # The meter counts a storage whole: the token ids the embedding saves and the targets the loss saves are
         # views of the whole batch's (2 KiB), plan.py counts a microbatch's own. Seen on stages without layers.
         assert measured == pytest.approx([peak[r // (dp * tp)] for r in range(world_size)], rel=0.1,
@@ -3695,9 +3920,12 @@ def test_plan_finds_layouts_for_a_cluster_that_the_scripts_accept(capsys):
             module = SCRIPT_MODULES[words[0]]
             ns = checked_args(module, words[1:], 16)  # the script's own parser and checks
             module.stage_layout(config, 16 // (ns.dp * ns.tp) * getattr(ns, "stages_per_rank", 1), ns)
-    # A --tp given is kept (timed for 64 GPUs in the README, not here).
-    best = plan.main([*argv[:-2], "--tp", "4", "--top", "3"])
+    # A --tp given is kept (timed for 64 GPUs in the README, not here); so is --document-masking, in the commands.
+    best = plan.main([*argv[:-2], "--tp", "4", "--top", "3", "--document-masking"])
     assert len(best) == 3 and all(row["tp"] == 4 and row["pp"] * row["dp"] == 4 for row in best)
+    for row in best:
+        words = shlex.split(row["command"].split("./run.sh ", 1)[1])
+        assert checked_args(SCRIPT_MODULES[words[0]], words[1:], 16).document_masking
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -4226,7 +4454,9 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypat
             "dp": ["--dp", "2", "--batch-size", "8", "--microbatches", "2", "--out", "dp"],
             "tp": ["--tp", "2", "--batch-size", "4", "--microbatches", "2", "--out", "tp"],
             "splits": ["--splits", "--variants", "balanced", "--batch-size", "4", "--microbatches", "2", "--out",
-                       "splits"]}
+                       "splits"],
+            "documents": ["--documents", "--ranks", "1", "--batch-size", "4", "--microbatches", "2", "--out",
+                          "documents"]}
     # The sweep as users run it (its runs under torchrun); the other modes' runs with their ranks forked.
     sweep = run_script(0, "benchmark.py", *jobs.pop("sweep"), *small, cwd=tmp_path, wait=False)
     monkeypatch.chdir(tmp_path)
@@ -4281,6 +4511,11 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypat
     assert re.search(r"\| balanced \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+, [\d.]+ \| [\d.]+% \| [\d.]+, [\d.]+ \|",
                      table), table
     assert re.search(r"balanced: plan.py's replay .* step [\d.]+ ms \(traced [\d.]+ ms", table), table
+
+    # --document-masking against causal attention, one rank: the step time, its ratio, the peak memory.
+    table = (tmp_path / "documents" / "documents.md").read_text()
+    assert re.search(r"\| causal \| [\d.]+ \| 1.00 \| \d+ \| \d+ \|\n\| document masking \| [\d.]+ \| [\d.]+ \| \d+ "
+                     r"\| \d+ \|", table), table
 
 
 # -- benchmark.py: its numbers and its --out

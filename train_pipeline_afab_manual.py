@@ -36,7 +36,8 @@ from torch.profiler import record_function
 import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
 from model import (PRESETS, LlamaForPretraining, TiedEmbedding, chunked_loss, clip_grad_norm_, config_from_preset,
-                   describe_layout, estimated_costs, even, layout, loss_chunks, mfu, parallelize)
+                   describe_layout, document_mask, document_positions, estimated_costs, even, layout, loss_chunks,
+                   mfu, parallelize)
 
 # ----------------------------------------------------------------------------------------------------------
 # Flags: the same names and meanings in every script of the collection
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=whole(1), default=16, help="sequences per step, over all replicas")
     g.add_argument("--microbatches", type=whole(1), default=4, help="per replica, of its share of the batch")
     g.add_argument("--seq-len", type=whole(1), default=128, help="tokens per sequence")
+    g.add_argument("--document-masking", action="store_true", help="attention and rotary positions per document")
     g.add_argument("--lr", type=number(positive=True), default=3e-3, help="peak learning rate (AdamW)")
     g.add_argument("--warmup-steps", type=whole(0), default=30, help="linear, then cosine decay to 10%% of --lr")
     g.add_argument("--weight-decay", type=number(positive=False), default=0.1, help="AdamW's, of matrices")
@@ -130,10 +132,8 @@ def main(args):
     partition.sequence_shards = shards
 
     # --- the schedule: AFAB or 1F1B by hand, over send/recv between the pipeline ranks of this replica
-    run_train = functools.partial(run_batch, SCHEDULES[args.schedule], partition, env=env, tp=tp,
-                                  microbatches=args.microbatches, chunks=chunks)
-    run_eval = functools.partial(run_batch, eval_step_pipeline, partition, env=env, tp=tp,
-                                 microbatches=args.microbatches, chunks=chunks)
+    run_train, run_eval = (functools.partial(run_batch, s, partition, env=env, tp=tp, m=args.microbatches,
+                                             chunks=chunks) for s in (SCHEDULES[args.schedule], eval_step_pipeline))
     say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
         f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
         f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks))}"
@@ -151,8 +151,9 @@ def main(args):
     rows = slice(dp_rank * args.batch_size // dp, (dp_rank + 1) * args.batch_size // dp)  # this replica's
 
     def through_pipeline(run, inputs, targets):  # this replica's rows in; the mean loss over the replicas out
-        loss = run(inputs[rows].to(env.device) if has_first else None,
-                   targets[rows].to(env.device) if has_last else None)
+        inputs, targets = inputs[rows].to(env.device), targets[rows].to(env.device)  # every rank reads the batch
+        documents = {"positions": document_positions(inputs, meta["bos_id"])} if args.document_masking else {}
+        loss = run(inputs if has_first else None, targets if has_last else None, **documents)  # to every stage
         if has_last and dp > 1:
             dist.all_reduce(loss, group=mesh.get_group("dp"))
             loss /= dp
@@ -398,19 +399,19 @@ def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.Pr
     return Partition(model, rank, world_size, layers, group, trim)
 
 
-def forward_stage(partition: Partition, hidden_states: torch.Tensor) -> torch.Tensor:
+def forward_stage(partition: Partition, hidden_states: torch.Tensor, positions: torch.Tensor | None = None):
     """This rank's part on token ids (embedded on the first rank) or hidden states; hidden states out, the head left
-    to the loss. Each stage rebuilds positions (and rotary tables) itself: only hidden states travel."""
+    to the loss. Only hidden states travel: each stage rebuilds positions and rotary tables, or takes positions."""
     model, base, rank = partition.model, partition.model.base_model, partition.rank
     if partition.trimmed:  # model.py's Llama cut down to the stage: its own forward runs FSDP2's hooks
-        return model(hidden_states)
+        return model(hidden_states, positions)
     h = base.embed_tokens(hidden_states) if rank == 0 and not hidden_states.is_floating_point() else hidden_states
-    kwargs = {}  # Hugging Face's layers take the rotary (cos, sin); its eager attention masks nothing unless told
-    if not isinstance(model, LlamaForPretraining):
-        kwargs["position_embeddings"] = base.rotary_emb(h, torch.arange(h.shape[1], device=h.device)[None])
-        if getattr(model.config, "_attn_implementation", "eager") == "eager":
-            mask = nn.Transformer.generate_square_subsequent_mask(h.shape[1], h.device, h.dtype)  # -inf above it
-            kwargs["attention_mask"] = mask[None, None]  # [batch, heads, query, key], broadcast
+    kwargs = {"positions": positions} if positions is not None else {}
+    if not isinstance(model, LlamaForPretraining):  # Hugging Face's: the rotary (cos, sin) and an additive mask
+        index = torch.arange(h.shape[1], device=h.device)[None] if positions is None else positions
+        kwargs = {"position_embeddings": base.rotary_emb(h, index)}  # its eager attention masks nothing unless told
+        if positions is not None or getattr(model.config, "_attn_implementation", "eager") == "eager":
+            kwargs["attention_mask"] = torch.where(document_mask(index), 0.0, -torch.inf).to(h.dtype)  # -inf: unseen
     for layer in partition.layers.values():
         h = layer(h, **kwargs)
         h = h[0] if isinstance(h, tuple) else h  # older transformers return (hidden_states, ...)
@@ -432,10 +433,10 @@ class Step:
     """One step of AFAB or 1F1B on this rank, each forward, backward, send and receive labelled for --trace. Sends
     do not wait (two neighbours sending at once, as in 1F1B, cannot deadlock): they are waited for at the end."""
 
-    def __init__(self, model, inputs, targets, device, dtype, loss_chunks=1):
+    def __init__(self, model, inputs, targets, device, dtype, loss_chunks=1, positions=None):
         part = model if isinstance(model, Partition) else partition_model(model, dist.get_rank(), dist.get_world_size())
         self.partition, self.inputs, self.targets, self.device, self.dtype = part, inputs, targets, device, dtype
-        self.chunks, self.microbatches, self.sends = loss_chunks, len(inputs), []
+        self.chunks, self.microbatches, self.sends, self.positions = loss_chunks, len(inputs), [], positions
         self.rank, self.first, self.last = part.rank, part.rank == 0, part.rank == part.world_size - 1
         self.saved, self.loss = {}, torch.zeros((), device=device)  # saved: microbatch -> (input, output or loss)
 
@@ -459,7 +460,7 @@ class Step:
         # backward and keeps d(loss)/d(input) in x.grad: what the previous stage needs.
         x = self.inputs[i].to(self.device) if self.first else self.recv(self.rank - 1, i).requires_grad_()
         with record_function(f"forward {i}"):
-            out = forward_stage(self.partition, x)
+            out = forward_stage(self.partition, x, self.positions[i] if self.positions else None)
             if self.last:  # divided by the microbatches: the gradients add up to those of their mean loss
                 out = loss_fn(self.partition, out, self.targets[i].to(self.device), self.chunks) / self.microbatches
                 self.loss += out.detach()
@@ -488,11 +489,11 @@ class Step:
         return self.loss if self.last else None
 
 
-def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chunks=1):
+def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None):
     """Every microbatch forward, then every one backward. model: the whole model, on every rank, or a Partition;
     inputs, targets: lists of microbatches' token ids (None where unread); dtype: of what is sent. The mean
-    microbatch loss on the last rank, else None; gradients only in this rank's part."""
-    step = Step(model, inputs, targets, device, dtype, loss_chunks)
+    microbatch loss on the last rank, else None; gradients only in this rank's part; positions: each microbatch's."""
+    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions)
     for i in range(step.microbatches):
         step.forward(i)
     for i in range(step.microbatches):
@@ -500,10 +501,10 @@ def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chun
     return step.finish()
 
 
-def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, loss_chunks=1):
+def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None):
     """One training step with 1F1B (PipeDream-flush): AFAB's arguments, result and gradients, but a rank holds
     the activations of at most world_size - rank microbatches."""
-    step = Step(model, inputs, targets, device, dtype, loss_chunks)
+    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions)
     m = step.microbatches
     warmup = min(step.partition.world_size - step.rank - 1, m)  # fill the pipeline below; the last rank needs none
     for i in range(warmup):
@@ -517,26 +518,25 @@ def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, loss_chun
 
 
 @torch.no_grad()
-def eval_step_pipeline(model, inputs, targets, device, dtype, *, loss_chunks=1):
+def eval_step_pipeline(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None):
     """Forward only, AFAB's arguments: the mean loss on the last rank; no activation is kept."""
-    step = Step(model, inputs, targets, device, dtype, loss_chunks)
+    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions)
     for i in range(step.microbatches):
         step.forward(i)
         step.saved.pop(i)
-    for module in step.partition.model.modules():
-        if isinstance(module, FSDPModule):  # gathered for the forwards; no backward frees them
-            module.reshard()
+    for module in (m for m in step.partition.model.modules() if isinstance(m, FSDPModule)):
+        module.reshard()  # gathered for the forwards; no backward frees them
     return step.finish()
 
 
 SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 
 
-def run_batch(schedule, partition: Partition, inputs, targets, env: Env, tp: int, microbatches: int, chunks: int):
-    """A batch, cut into microbatches, through a schedule: the mean microbatch loss on the last stage's rank."""
-    mbs = [x.chunk(microbatches) if x is not None else [None] * microbatches for x in (inputs, targets)]
+def run_batch(schedule, partition: Partition, inputs, targets, env: Env, tp: int, m: int, chunks: int, positions=None):
+    """A batch, cut into m microbatches, through a schedule: the mean microbatch loss on the last stage's rank."""
+    mbs = [x.chunk(m) if x is not None else [None] * m for x in (inputs, targets, positions)]
     with compute(env, tp):  # fp32 between stages: the residual stream is fp32 under autocast too
-        return schedule(partition, *mbs, env.device, torch.float32, loss_chunks=chunks)
+        return schedule(partition, *mbs[:2], env.device, torch.float32, loss_chunks=chunks, positions=mbs[2])
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
 from model import (PRESETS, LlamaForPretraining, TiedEmbedding, chunked_loss, clip_grad_norm_, config_from_preset,
-                   describe_layout, estimated_costs, layout, loss_chunks, merged_stages, mfu, parallelize)
+                   describe_layout, document_positions, estimated_costs, layout, loss_chunks, merged_stages, mfu,
+                   parallelize)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
              "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=whole(1), default=16, help="sequences per step, over all replicas")
     g.add_argument("--microbatches", type=whole(1), default=4, help="per replica, of its share of the batch")
     g.add_argument("--seq-len", type=whole(1), default=128, help="tokens per sequence")
+    g.add_argument("--document-masking", action="store_true", help="attention and rotary positions per document")
     g.add_argument("--lr", type=number(positive=True), default=3e-3, help="peak learning rate (AdamW)")
     g.add_argument("--warmup-steps", type=whole(0), default=30, help="linear, then cosine decay to 10%% of --lr")
     g.add_argument("--weight-decay", type=number(positive=False), default=0.1, help="AdamW's, of matrices")
@@ -156,8 +158,9 @@ def main(args):
     rows = slice(dp_rank * args.batch_size // dp, (dp_rank + 1) * args.batch_size // dp)  # this replica's
 
     def through_pipeline(run, inputs, targets):  # this replica's rows in; the mean loss over the replicas out
-        loss = run(inputs[rows].to(env.device) if has_first else None,
-                   targets[rows].to(env.device) if has_last else None)
+        inputs, targets = inputs[rows].to(env.device), targets[rows].to(env.device)  # every rank reads the batch
+        documents = {"positions": document_positions(inputs, meta["bos_id"])} if args.document_masking else {}
+        loss = run(inputs if has_first else None, targets if has_last else None, **documents)  # to every stage
         if has_last and dp > 1:
             dist.all_reduce(loss, group=mesh.get_group("dp"))
             loss /= dp
@@ -425,36 +428,34 @@ def make_schedule(name: str, pipeline_stages: list, microbatches: int, chunks: i
         raise UsageError(f"--schedule {name} with --microbatches {microbatches}: {e}", on_every_rank=True) from None
 
 
-def train_step(schedule, inputs, targets, env: Env, tp: int) -> torch.Tensor | None:
+def train_step(schedule, inputs, targets, env: Env, tp: int, **documents) -> torch.Tensor | None:
     """Forward and backward of a batch; the mean microbatch loss on the last stage's rank, else None."""
-    losses: list[torch.Tensor] = []
-    args = [inputs] if inputs is not None else []  # token ids: into the first stage, on its rank
+    losses, args = [], [inputs] if inputs is not None else []  # token ids: into the first stage, on its rank
     kwargs = {"target": targets, "losses": losses} if targets is not None else {}  # for the last stage's loss
     with compute(env, tp):  # return_outputs=False: the last stage's outputs are not kept after the loss
-        schedule.step(*args, return_outputs=False, **kwargs)
+        schedule.step(*args, return_outputs=False, **kwargs, **documents)  # positions: cut as the tokens
     return torch.stack(losses).mean().detach() if targets is not None else None
 
 
 @torch.no_grad()
 def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: int, loss_fn, microbatches: int,
-              hidden_shape: tuple) -> torch.Tensor | None:
+              hidden_shape: tuple, **documents) -> torch.Tensor | None:
     """Forward only, the mean microbatch loss on the last stage's rank."""
-    losses: list[torch.Tensor] = []
-    args = [inputs] if inputs is not None else []  # as in train_step
+    losses, args = [], [inputs] if inputs is not None else []  # as in train_step
     kwargs = {"target": targets, "losses": losses} if targets is not None else {}
     with compute(env, tp):
         if isinstance(schedule, (ScheduleZBVZeroBubble, ScheduleDualPipeV)):
             # torch 2.13: their eval() asserts ("can't steal_bwd_input if this stage doesn't have backward")
-            forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, loss_fn, losses)
+            forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, loss_fn, losses, documents)
         else:
-            schedule.eval(*args, return_outputs=False, **kwargs)
+            schedule.eval(*args, return_outputs=False, **kwargs, **documents)
     for module in (m for stage in pipeline_stages for m in stage.submod.modules() if isinstance(m, FSDPModule)):
         module.reshard()  # gathered for the forwards; no backward frees them
     return torch.stack(losses).mean() if targets is not None else None
 
 
 def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidden_shape: tuple, loss_fn,
-                 losses: list) -> None:
+                 losses: list, documents: dict) -> None:
     """Every microbatch forward through this rank's stages, in the order of their index: stage s only ever
     waits for stage s - 1, which every rank runs earlier, and sends do not wait, so no rank waits on itself."""
     first = pipeline_stages[0]
@@ -465,9 +466,8 @@ def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidd
         for i in range(microbatches):
             x = inputs.chunk(microbatches)[i] if s == 0 else held.pop((s - 1, i), None)
             if x is None:  # from another rank: one microbatch's hidden states, in fp32
-                x = torch.empty(hidden_shape, device=stage.device)
-                dist.recv(x, peer(s - 1))
-            out = stage.submod(x)
+                dist.recv(x := torch.empty(hidden_shape, device=stage.device), peer(s - 1))
+            out = stage.submod(x, **{name: t.chunk(microbatches)[i] for name, t in documents.items()})
             if s == stage.num_stages - 1:
                 losses.append(loss_fn(out, targets.chunk(microbatches)[i]))
             elif peer(s + 1) == dist.get_rank():
