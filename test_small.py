@@ -484,7 +484,8 @@ def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape:
     model_module.parallelize(modules, mesh, torch.float32)
     shards = mesh["tp"].size()  # sequence parallelism, as the scripts' default: each tp rank 1/tp of the positions
     built = [PipelineStage(module, s, len(layers), torch.device("cpu"), group=mesh.get_group("pp"),
-                           **gpipe.stage_io(config, s, shape, shards)) for module, s in zip(modules, stages)]
+                           **gpipe.stage_io(config, s, len(layers), shape, shards, torch.float32))
+             for module, s in zip(modules, stages)]
     schedule, loss_fn = gpipe.make_schedule(name, built, microbatches, chunks, shards)
     return model_module.merged_stages(modules), built, schedule, loss_fn
 
@@ -494,7 +495,7 @@ def traced_pipeline(config, name: str, stages: list, layers: list, mesh, shape: 
     """The same, as the tracer script builds it."""
     modules, pipe = tracer.traced_modules(config, stages, layers, shape, torch.device("cpu"), seed)
     model_module.parallelize(modules, mesh, torch.float32)
-    built = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), mesh.get_group("pp")) for s in stages]
+    built = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), mesh.get_group("pp"), torch.float32) for s in stages]
     schedule, loss_fn = tracer.make_schedule(name, built, microbatches, chunks, 1)
     return model_module.merged_stages(modules), built, schedule, loss_fn
 
@@ -1534,19 +1535,60 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
             (kind, name, ratios)
 
 
+def _norm_reduction_worker(rank, world_size, store_path, out_dir):
+    """One step of 4 microbatches of a stage at tp 2, sequence parallel, as the GPipe script runs it, then the
+    scripts' clip_grad_norm_ (max_norm 0: nothing clipped): each norm gain's gradient as DTensor sums its partial
+    sums, and the numel of every all-reduce the step issued, in order."""
+    mesh = start_group(rank, world_size, store_path, 1, 1, 2)
+    try:
+        config = parity_config(2)
+        model, _, schedule, _ = library_pipeline(config, "gpipe", [0], even(2, 1), mesh, (2, 24), 4)
+        inputs, targets = random_batch(config, seq=24)  # 48 positions a microbatch: no all-reduce of 32 (hidden)
+        with torch.profiler.profile(record_shapes=True) as step:
+            gpipe.train_step(schedule, inputs, targets, cpu_env(rank, world_size), 2)
+        summed = {n: p.grad.full_tensor() for n, p in model.named_parameters() if "norm" in n}
+        with torch.profiler.profile(record_shapes=True) as clipping:
+            model_module.clip_grad_norm_(model.parameters(), 0.0, (), 2)
+        reduced = [math.prod(e.input_shapes[0]) for p in (step, clipping) for e in p.events()
+                   if e.name == "gloo:all_reduce"]
+        grads = {n: p.grad.to_local() for n, p in model.named_parameters() if n in summed}
+        torch.save({"summed": summed, "grads": grads, "reduced": reduced}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sequence_parallel_sums_the_norms_gradients_once_a_step_in_one_all_reduce(tmp_path):
+    # With sequence parallelism each rank's norm gains get a partial sum of their gradient (over its positions).
+    # They add up over the microbatches as partial sums and clip_grad_norm_ sums them once a step, all 5 (2 layers
+    # x 2 norms + the final one) in one all-reduce; summed after each microbatch's backward, that was 5 all-reduces
+    # a microbatch, 20 a step. The loss's all-reduces (loss_parallel: per microbatch, of the logits' pieces) and
+    # clipping's one of the norm are the others.
+    run_workers(_norm_reduction_worker, 2, args=(2, str(tmp_path / "store"), str(tmp_path)))
+    hidden, ranks = parity_config(2).hidden_size, [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for result in ranks:
+        assert hidden not in result["reduced"] and result["reduced"].count(5 * hidden) == 1, {n: result["reduced"].count(n) for n in set(result["reduced"])}
+        assert sorted(result["grads"]) == sorted(result["summed"]) and len(result["grads"]) == 5
+        for name, grad in result["grads"].items():  # the sum DTensor takes, on every rank
+            assert torch.equal(grad, result["summed"][name]), name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_declared_stage_inputs_and_outputs_are_what_the_stages_compute(dtype):
+def test_declared_stage_inputs_and_outputs_are_what_the_stages_compute(one_process_group, dtype):
     # The library script tells each PipelineStage its input and output up front (stage_io); ranks size their
-    # receive buffers by it, so a wrong shape or dtype would garble or stall the exchange. bf16 autocast on the
+    # receive buffers by it, so a wrong shape or dtype would garble or stall the exchange. Under bf16 what crosses
+    # between stages is bf16 (parallelize casts it), what the last stage gives the loss fp32. bf16 autocast on the
     # CPU stands in for the GPU's.
     config, num_stages, shape = small_config(layers=3), 3, (2, 16)
     x = torch.randint(0, config.vocab_size, shape)
+    modules = [gpipe.stage_module(config, s, even(3, num_stages), torch.device("cpu"), 0) for s in range(num_stages)]
+    model_module.parallelize(modules, init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp")), dtype)
     with gpipe.compute(cpu_env(0, 1, dtype), 1):
-        for s in range(num_stages):
-            declared = gpipe.stage_io(config, s, shape, 1)
-            y = gpipe.stage_module(config, s, even(3, num_stages), torch.device("cpu"), seed=0)(x)
+        for s, module in enumerate(modules):
+            declared = gpipe.stage_io(config, s, num_stages, shape, 1, dtype)
+            y = module(x)
             for want, got in ((declared["input_args"], x), (declared["output_args"], y)):
                 assert (want.shape, want.dtype) == (got.shape, got.dtype), s
+            assert y.dtype == (dtype if s < num_stages - 1 else torch.float32)
             assert y.requires_grad and declared["output_args"].requires_grad
             x = y
 
@@ -1857,7 +1899,7 @@ def test_traced_stages_hold_exactly_what_the_hand_split_holds():
 def test_bf16_autocast_runs_the_traced_stages_in_bf16(one_process_group, monkeypatch):
     config = small_config(layers=4)
     _, pipe = tracer.traced_modules(config, [0, 1], even(4, 2), (2, 16), torch.device("cpu"), 3)
-    stages = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), None).submod for s in range(2)]
+    stages = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), None, torch.float32).submod for s in range(2)]
     eager = LlamaForPretraining(config)
     eager.init_weights(seed=3)
     gen = torch.Generator().manual_seed(0)
@@ -1913,7 +1955,7 @@ def test_weights_shared_across_stages_are_refused():
 
 def test_traced_stage_only_takes_the_traced_microbatch_shape(one_process_group):
     _, pipe = tracer.traced_modules(small_config(layers=2), [0], even(2, 1), (2, 16), torch.device("cpu"), 0)
-    module = tracer.pipeline_stage(pipe, 0, torch.device("cpu"), None).submod
+    module = tracer.pipeline_stage(pipe, 0, torch.device("cpu"), None, torch.float32).submod
     assert module(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 32)  # hidden states: the loss has the head
     with pytest.raises(RuntimeError):
         module(torch.zeros(2, 24, dtype=torch.long))  # a longer sequence: the trace baked in 16
@@ -3365,7 +3407,8 @@ def test_the_plan_counts_the_recomputation_of_a_split_backward(one_process_group
     model_module.checkpoint_layers(modules)
     mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
     built = [PipelineStage(module, s, 2, torch.device("cpu"), group=mesh.get_group("pp"),
-                           **gpipe.stage_io(config, s, (2, 16), 1)) for module, s in zip(modules, (0, 1))]
+                           **gpipe.stage_io(config, s, 2, (2, 16), 1, torch.float32))
+             for module, s in zip(modules, (0, 1))]
     schedule, _ = gpipe.make_schedule("zbvzerobubble", built, m, 1, 1)
     inputs, targets = random_batch(config, batch=4)
     gpipe.train_step(schedule, inputs, targets, cpu_env(0, 1), 1)

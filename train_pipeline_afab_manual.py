@@ -535,8 +535,8 @@ SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 def run_batch(schedule, partition: Partition, inputs, targets, env: Env, tp: int, microbatches: int, chunks: int):
     """A batch, cut into microbatches, through a schedule: the mean microbatch loss on the last stage's rank."""
     mbs = [x.chunk(microbatches) if x is not None else [None] * microbatches for x in (inputs, targets)]
-    with compute(env, tp):  # fp32 between stages: the residual stream is fp32 under autocast too
-        return schedule(partition, *mbs, env.device, torch.float32, loss_chunks=chunks)
+    with compute(env, tp):  # in the computation's dtype between stages (model.cast_between_stages casts to it)
+        return schedule(partition, *mbs, env.device, env.dtype, loss_chunks=chunks)
 
 
 # ----------------------------------------------------------------------------------------------------------

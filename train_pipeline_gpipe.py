@@ -132,8 +132,8 @@ def main(args):
     model = merged_stages(modules)  # the rank's parameters, for the optimizer and checkpoints
 
     # --- the schedule: a PipelineStage per stage, talking to the same tp rank of the other pipeline ranks
-    pipeline_stages = [PipelineStage(module, s, num_stages, env.device, group=mesh.get_group("pp"),
-                                     **stage_io(config, s, microbatch, shards)) for module, s in zip(modules, stages)]
+    pipeline_stages = [PipelineStage(module, s, num_stages, env.device, group=mesh.get_group("pp"), **stage_io(
+        config, s, num_stages, microbatch, shards, env.dtype)) for module, s in zip(modules, stages)]
     schedule, loss_fn = make_schedule(args.schedule, pipeline_stages, args.microbatches, chunks, shards)
     run_train = functools.partial(train_step, schedule, env=env, tp=tp)
     run_eval = functools.partial(eval_step, schedule, pipeline_stages, env=env, tp=tp, loss_fn=loss_fn,
@@ -399,12 +399,14 @@ def stage_module(config, stage: int, layers: list[range], device: torch.device, 
     return model
 
 
-def stage_io(config, stage: int, microbatch: tuple[int, int], shards: int) -> dict:
-    """A stage's meta input and output for one microbatch: token ids into the first, else fp32 hidden states (this
-    tp rank's 1/shards of the positions). Declared: torch 2.13 infers them from a microbatch stage 0 never frees."""
-    hidden = torch.empty(microbatch[0], microbatch[1] // shards, config.hidden_size, device="meta", requires_grad=True)
-    return {"input_args": torch.empty(microbatch, dtype=torch.long, device="meta") if stage == 0 else hidden,
-            "output_args": hidden}
+def stage_io(config, stage: int, num_stages: int, microbatch: tuple[int, int], shards: int, dtype) -> dict:
+    """A stage's meta input and output for one microbatch: token ids into the first, else hidden states (this tp rank's
+    1/shards of the positions) in dtype between stages, fp32 from the last into the loss (cast_between_stages).
+    Declared: torch 2.13 infers them from a microbatch stage 0 never frees."""
+    hidden = [torch.empty(microbatch[0], microbatch[1] // shards, config.hidden_size, dtype=t, device="meta",
+                          requires_grad=True) for t in (dtype, torch.float32)]  # between stages; into the loss
+    return {"input_args": torch.empty(microbatch, dtype=torch.long, device="meta") if stage == 0 else hidden[0],
+            "output_args": hidden[stage == num_stages - 1]}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -445,7 +447,7 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
     with compute(env, tp):
         if isinstance(schedule, (ScheduleZBVZeroBubble, ScheduleDualPipeV)):
             # torch 2.13: their eval() asserts ("can't steal_bwd_input if this stage doesn't have backward")
-            forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, loss_fn, losses)
+            forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, env.dtype, loss_fn, losses)
         else:
             schedule.eval(*args, return_outputs=False, **kwargs)
     for module in (m for stage in pipeline_stages for m in stage.submod.modules() if isinstance(m, FSDPModule)):
@@ -453,7 +455,7 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
     return torch.stack(losses).mean() if targets is not None else None
 
 
-def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidden_shape: tuple, loss_fn,
+def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidden_shape: tuple, dtype, loss_fn,
                  losses: list) -> None:
     """Every microbatch forward through this rank's stages, in the order of their index: stage s only ever
     waits for stage s - 1, which every rank runs earlier, and sends do not wait, so no rank waits on itself."""
@@ -464,8 +466,8 @@ def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidd
         s = stage.stage_index
         for i in range(microbatches):
             x = inputs.chunk(microbatches)[i] if s == 0 else held.pop((s - 1, i), None)
-            if x is None:  # from another rank: one microbatch's hidden states, in fp32
-                x = torch.empty(hidden_shape, device=stage.device)
+            if x is None:  # from another rank: one microbatch's hidden states, in the computation's dtype
+                x = torch.empty(hidden_shape, dtype=dtype, device=stage.device)
                 dist.recv(x, peer(s - 1))
             out = stage.submod(x)
             if s == stage.num_stages - 1:

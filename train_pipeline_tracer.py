@@ -134,7 +134,7 @@ def main(args):
     model = merged_stages(modules)  # the rank's parameters, for the optimizer and checkpoints
 
     # --- the schedule: a traced stage per stage, talking to the other pipeline ranks of this replica
-    pipeline_stages = [pipeline_stage(pipe, s, env.device, mesh.get_group("pp")) for s in stages]
+    pipeline_stages = [pipeline_stage(pipe, s, env.device, mesh.get_group("pp"), env.dtype) for s in stages]
     trace_seconds = [None] * env.world_size  # the one-time cost of tracing and building, every rank's
     dist.all_gather_object(trace_seconds, time.perf_counter() - started)
     schedule, loss_fn = make_schedule(args.schedule, pipeline_stages, args.microbatches, chunks, shards)
@@ -448,10 +448,16 @@ def traced_pipeline(model: torch.nn.Module, example: torch.Tensor, split_points:
     return pipe
 
 
-def pipeline_stage(pipe, stage: int, device: torch.device, group):
+def pipeline_stage(pipe, stage: int, device: torch.device, group, dtype: torch.dtype):
     """A traced stage's PipelineStage, ready to run: torch's build_stage also puts the device the trace burned
-    into ops (meta) right."""
+    into ops (meta) right. dtype: of what crosses between stages (model.cast_between_stages casts to it)."""
     built = pipe.build_stage(stage, device, group=group)
+    # It sizes what it receives and sends by the values of the trace (fp32): in dtype, as they cross.
+    graph, sends = built.submod.graph, stage < pipe.num_stages - 1
+    for node in [n for n in graph.nodes if n.op == "placeholder"] + [n for out in graph.nodes if out.op == "output"
+                                                                     and sends for n in out.all_input_nodes]:
+        if (value := node.meta["val"]).is_floating_point():
+            node.meta["val"] = torch.empty_strided(value.shape, value.stride(), dtype=dtype, device="meta")
     # torch 2.13: warming up its links, the traced stage sends to a neighbour on its own rank (V-shaped), and
     # gloo cannot ("Pair is not connected"); the schedules pass those tensors in memory anyway.
     links, me = built._get_init_p2p_neighbors_ops, dist.get_rank()
@@ -502,7 +508,7 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
     with compute(env, tp):
         if isinstance(schedule, (ScheduleZBVZeroBubble, ScheduleDualPipeV)):
             # torch 2.13: their eval() asserts ("can't steal_bwd_input if this stage doesn't have backward")
-            forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, loss_fn, losses)
+            forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, env.dtype, loss_fn, losses)
         else:
             schedule.eval(*args, return_outputs=False, **kwargs)
     for module in (m for stage in pipeline_stages for m in stage.submod.modules() if isinstance(m, FSDPModule)):
@@ -510,7 +516,7 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
     return torch.stack(losses).mean() if targets is not None else None
 
 
-def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidden_shape: tuple, loss_fn,
+def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidden_shape: tuple, dtype, loss_fn,
                  losses: list) -> None:
     """Every microbatch forward through this rank's stages, in the order of their index: stage s only ever
     waits for stage s - 1, which every rank runs earlier, and sends do not wait, so no rank waits on itself."""
@@ -521,8 +527,8 @@ def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidd
         s = stage.stage_index
         for i in range(microbatches):
             x = inputs.chunk(microbatches)[i] if s == 0 else held.pop((s - 1, i), None)
-            if x is None:  # from another rank: one microbatch's hidden states, in fp32
-                x = torch.empty(hidden_shape, device=stage.device)
+            if x is None:  # from another rank: one microbatch's hidden states, in the computation's dtype
+                x = torch.empty(hidden_shape, dtype=dtype, device=stage.device)
                 dist.recv(x, peer(s - 1))
             out = stage.submod(x)
             if s == stage.num_stages - 1:
