@@ -1566,7 +1566,8 @@ def test_sequence_parallel_sums_the_norms_gradients_once_a_step_in_one_all_reduc
     run_workers(_norm_reduction_worker, 2, args=(2, str(tmp_path / "store"), str(tmp_path)))
     hidden, ranks = parity_config(2).hidden_size, [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for result in ranks:
-        assert hidden not in result["reduced"] and result["reduced"].count(5 * hidden) == 1, {n: result["reduced"].count(n) for n in set(result["reduced"])}
+        sizes = {n: result["reduced"].count(n) for n in set(result["reduced"])}  # numel: how many all-reduces
+        assert hidden not in sizes and sizes[5 * hidden] == 1, sizes
         assert sorted(result["grads"]) == sorted(result["summed"]) and len(result["grads"]) == 5
         for name, grad in result["grads"].items():  # the sum DTensor takes, on every rank
             assert torch.equal(grad, result["summed"][name]), name

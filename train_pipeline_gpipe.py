@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-dir", default="checkpoints", help="saved to and resumed from")
     g.add_argument("--checkpoint-every", type=whole(0), default=0, help="save every N steps; 0: at the end only")
     g.add_argument("--keep-checkpoints", type=whole(1), default=3, help="the newest K complete ones are kept")
+    g.add_argument("--async-checkpoint", action="store_true", help="periodic saves written while training goes on")
     g.add_argument("--fresh", action="store_true", help="start at step 0; move --checkpoint-dir's checkpoints aside")
     g.add_argument("--metrics", help="write one JSON line per step, and a summary, to this file (default: none)")
     g.add_argument("--trace", metavar="DIR", help="Chrome traces of the last 3 steps: DIR/rankN.json (default: none)")
@@ -215,11 +216,10 @@ def main(args):
             # Saved before evaluating: whatever happens in an evaluation, this step's work is kept (and a resumed
             # run evaluates it). A stop asked of any rank, before the last step: every rank saves this step and stops.
             stop = checkpoint.stop_requested() if step < args.steps else None
-            path = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id,
-                                          job, batches.state_dict(), stopping=stop is not None)
-            if path and reports:  # one rank prints the loop's lines: two ranks' lines never mix
-                bar.write(f"stopped by {stop} after step {step}, saved in {path}; the same command continues the "
-                          "run" if stop else f"saved {path}")
+            saved = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id, job,
+                                           batches.state_dict(), stop)
+            if saved and reports:  # one rank prints the loop's lines: two ranks' lines never mix
+                bar.write(saved)
             if stop:
                 break
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
@@ -400,9 +400,8 @@ def stage_module(config, stage: int, layers: list[range], device: torch.device, 
 
 
 def stage_io(config, stage: int, num_stages: int, microbatch: tuple[int, int], shards: int, dtype) -> dict:
-    """A stage's meta input and output for one microbatch: token ids into the first, else hidden states (this tp rank's
-    1/shards of the positions) in dtype between stages, fp32 from the last into the loss (cast_between_stages).
-    Declared: torch 2.13 infers them from a microbatch stage 0 never frees."""
+    """A stage's meta input and output for one microbatch (torch 2.13 infers them from one that stage 0 never frees):
+    token ids or hidden states (the tp rank's 1/shards of the positions) in dtype, fp32 from the last into the loss."""
     hidden = [torch.empty(microbatch[0], microbatch[1] // shards, config.hidden_size, dtype=t, device="meta",
                           requires_grad=True) for t in (dtype, torch.float32)]  # between stages; into the loss
     return {"input_args": torch.empty(microbatch, dtype=torch.long, device="meta") if stage == 0 else hidden[0],
@@ -455,8 +454,7 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
     return torch.stack(losses).mean() if targets is not None else None
 
 
-def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidden_shape: tuple, dtype, loss_fn,
-                 losses: list) -> None:
+def forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, dtype, loss_fn, losses) -> None:
     """Every microbatch forward through this rank's stages, in the order of their index: stage s only ever
     waits for stage s - 1, which every rank runs earlier, and sends do not wait, so no rank waits on itself."""
     first = pipeline_stages[0]

@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-dir", default="checkpoints", help="saved to and resumed from")
     g.add_argument("--checkpoint-every", type=whole(0), default=0, help="save every N steps; 0: at the end only")
     g.add_argument("--keep-checkpoints", type=whole(1), default=3, help="the newest K complete ones are kept")
+    g.add_argument("--async-checkpoint", action="store_true", help="periodic saves written while training goes on")
     g.add_argument("--fresh", action="store_true", help="start at step 0; move --checkpoint-dir's checkpoints aside")
     g.add_argument("--metrics", help="write one JSON line per step, and a summary, to this file (default: none)")
     g.add_argument("--trace", metavar="DIR", help="Chrome traces of the last 3 steps: DIR/rankN.json (default: none)")
@@ -219,11 +220,10 @@ def main(args):
             # Saved before evaluating: whatever happens in an evaluation, this step's work is kept (and a resumed
             # run evaluates it). A stop asked of any rank, before the last step: every rank saves this step and stops.
             stop = checkpoint.stop_requested() if step < args.steps else None
-            path = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id,
-                                          job, batches.state_dict(), stopping=stop is not None)
-            if path and reports:  # one rank prints the loop's lines: two ranks' lines never mix
-                bar.write(f"stopped by {stop} after step {step}, saved in {path}; the same command continues the "
-                          "run" if stop else f"saved {path}")
+            saved = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id, job,
+                                           batches.state_dict(), stop)
+            if saved and reports:  # one rank prints the loop's lines: two ranks' lines never mix
+                bar.write(saved)
             if stop:
                 break
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
@@ -450,13 +450,12 @@ def traced_pipeline(model: torch.nn.Module, example: torch.Tensor, split_points:
 
 def pipeline_stage(pipe, stage: int, device: torch.device, group, dtype: torch.dtype):
     """A traced stage's PipelineStage, ready to run: torch's build_stage also puts the device the trace burned
-    into ops (meta) right. dtype: of what crosses between stages (model.cast_between_stages casts to it)."""
+    into ops (meta) right."""
     built = pipe.build_stage(stage, device, group=group)
-    # It sizes what it receives and sends by the values of the trace (fp32): in dtype, as they cross.
-    graph, sends = built.submod.graph, stage < pipe.num_stages - 1
-    for node in [n for n in graph.nodes if n.op == "placeholder"] + [n for out in graph.nodes if out.op == "output"
-                                                                     and sends for n in out.all_input_nodes]:
-        if (value := node.meta["val"]).is_floating_point():
+    # It sizes its buffers by the trace's (fp32) values: what crosses stages is dtype's (cast_between_stages).
+    for node in built.submod.graph.nodes:  # the stage's inputs, and its outputs but the last's (into the loss)
+        crosses = node.op == "placeholder" or stage < pipe.num_stages - 1 and "output" in {u.op for u in node.users}
+        if crosses and (value := node.meta["val"]).is_floating_point():
             node.meta["val"] = torch.empty_strided(value.shape, value.stride(), dtype=dtype, device="meta")
     # torch 2.13: warming up its links, the traced stage sends to a neighbour on its own rank (V-shaped), and
     # gloo cannot ("Pair is not connected"); the schedules pass those tensors in memory anyway.
@@ -516,8 +515,7 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
     return torch.stack(losses).mean() if targets is not None else None
 
 
-def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidden_shape: tuple, dtype, loss_fn,
-                 losses: list) -> None:
+def forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, dtype, loss_fn, losses) -> None:
     """Every microbatch forward through this rank's stages, in the order of their index: stage s only ever
     waits for stage s - 1, which every rank runs earlier, and sends do not wait, so no rank waits on itself."""
     first = pipeline_stages[0]
