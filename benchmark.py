@@ -29,10 +29,12 @@ measure-memory runs a training script's main() in this process (under torchrun: 
 ActivationMeter (the peak bytes of tensors autograd saves for backward, parameters left out, and of the
 gradients the zero-bubble schedules keep from a backward's input half to its weight half), and counts after
 each optimizer step the bytes of parameters, gradients and AdamW state the rank holds (with FSDP its shards),
-and the bytes it sends to other stages a step; rank 0 writes {"activation_bytes_per_rank": [...],
+and the bytes it sends to other stages a step, and with --async-checkpoint the bytes of the copy of its state it
+stages in CPU memory for a background save; rank 0 writes {"activation_bytes_per_rank": [...],
 "param_bytes_per_rank": [...], "grad_bytes_per_rank": [...], "optimizer_bytes_per_rank": [...],
-"sent_bytes_per_rank": [...]} to OUT.json. A run that trains no step (--steps 0, or a finished run in its
---checkpoint-dir resumed) measured nothing: one line, exit status 1, no OUT.json.
+"sent_bytes_per_rank": [...], "checkpoint_staging_bytes_per_rank": [...]} to OUT.json. A run that trains no
+step (--steps 0, or a finished run in its --checkpoint-dir resumed) measured nothing: one line, exit status 1, no
+OUT.json.
 
 Writes OUT/results.md (Markdown table), OUT/results.json, OUT/<variant>.trace/rank{R}.json and, when matplotlib
 is installed, OUT/<variant>.png (forward / backward / waiting per rank over time). An earlier run's files there
@@ -58,6 +60,7 @@ import unittest.mock
 import torch
 import torch.distributed as dist
 import torch.distributed.pipelining.stage
+from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -591,6 +594,22 @@ def counted_sends(module):
         yield sent
 
 
+@contextlib.contextmanager
+def counted_staging():
+    """[bytes] of the copy of its state a rank stages in CPU memory for a background save (--async-checkpoint),
+    the most any save took: DCP's stager's copy, each storage once."""
+    staged, stage = [0], DefaultStager.stage
+
+    def counted(self, state_dict, **kwargs):
+        copy = stage(self, state_dict, **kwargs)
+        storages = {s.data_ptr(): s.nbytes() for t in torch.utils._pytree.tree_leaves(copy) if torch.is_tensor(t)
+                    for s in _storages(t)}
+        staged[0] = max(staged[0], sum(storages.values()))
+        return copy
+    with unittest.mock.patch.object(DefaultStager, "stage", counted):
+        yield staged
+
+
 def in_process(argv: list[str]) -> None:
     """benchmark.py run SCRIPT [SCRIPT ARGS...] and benchmark.py measure-memory OUT.json SCRIPT [SCRIPT ARGS...],
     on every rank under torchrun: the script's main() in this process, with torch's 1F1B labelled for --trace
@@ -628,7 +647,7 @@ def in_process(argv: list[str]) -> None:
         hook = register_optimizer_step_post_hook(count_held)
         try:
             with labelled_1f1b(), counted_sends(module) if measure else contextlib.nullcontext() as sent, \
-                    ActivationMeter() if measure else contextlib.nullcontext() as meter:
+                    counted_staging() as staged, ActivationMeter() if measure else contextlib.nullcontext() as meter:
                 module.main(script_args)  # leaves the process group up; checkpoint.run takes it down
         finally:
             hook.remove()
@@ -640,18 +659,19 @@ def in_process(argv: list[str]) -> None:
                    f"{script_args.steps}; add --fresh, or give another --checkpoint-dir")
             raise UsageError(f"measure-memory: {os.path.basename(args.script)} trained no step, so nothing was "
                              f"measured: {why}", on_every_rank=True)
-        ranks = [(meter.peak_bytes, held, sent[0] / max(1, steps[0]))]  # bytes sent: a step's
+        ranks = [(meter.peak_bytes, held, sent[0] / max(1, steps[0]), staged[0])]  # bytes sent: a step's
         if dist.is_initialized():
             mine, ranks = ranks[0], [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine)
         if not dist.is_initialized() or dist.get_rank() == 0:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out + ".tmp", "w") as f:
-                json.dump({"activation_bytes_per_rank": [peak for peak, _, _ in ranks],
-                           **{f"{kind}_bytes_per_rank": [h[kind] for _, h, _ in ranks] for kind in held},
-                           "sent_bytes_per_rank": [sent for _, _, sent in ranks]}, f)
+                json.dump({"activation_bytes_per_rank": [peak for peak, *_ in ranks],
+                           **{f"{kind}_bytes_per_rank": [h[kind] for _, h, *_ in ranks] for kind in held},
+                           "sent_bytes_per_rank": [sent for _, _, sent, _ in ranks],
+                           "checkpoint_staging_bytes_per_rank": [staged for *_, staged in ranks]}, f)
             os.replace(args.out + ".tmp", args.out)
-            print(f"peak activations held per rank (MiB): {', '.join(f'{p / 2**20:.1f}' for p, _, _ in ranks)} "
+            print(f"peak activations held per rank (MiB): {', '.join(f'{p / 2**20:.1f}' for p, *_ in ranks)} "
                   f"-> {args.out}", flush=True)
 
     checkpoint.run(measured, script_args)  # a UsageError: one line, exit 1; the process group torn down

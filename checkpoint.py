@@ -14,6 +14,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import datetime
 import errno
 import gc
 import hashlib
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
@@ -116,6 +118,9 @@ def run(main, args) -> None:
               "); if another rank printed an error above, that is the cause; otherwise rerun the same command, or "
               "launch with torchrun --max-restarts N, to resume from the newest checkpoint", file=sys.stderr)
     finally:
+        if _BACKGROUND["save"] is not None:  # stopped by an error: its thread may be in a collective of its group
+            _BACKGROUND["save"][0].exception()  # waited for, not completed: its step-N.tmp is never loaded
+        _BACKGROUND.update(save=None, group=None, stager=None)
         if dist.is_initialized():
             dist.destroy_process_group()
     gc.collect()  # torch 2.13: process groups freed at interpreter exit (held by main's frames) can abort (-6)
@@ -752,13 +757,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int, keep: int,
-         tokenizer_dir: str | None = None) -> str:
+         tokenizer_dir: str | None = None, background: float | None = None) -> str | None:
     """Save this rank's stages, collectively; return the checkpoint's path. meta (rank 0's is written) holds at
     least "config". A failed save raises the same UsageError on every rank and leaves no step-N.tmp; older
-    checkpoints (beyond keep) are deleted only once the new one is complete."""
+    checkpoints (beyond keep) are deleted only once the new one is complete. background (--timeout's seconds):
+    only take a copy of the state in CPU memory and leave the writing to a thread (DCP's async_save), the save
+    in flight that finish_save() completes (at most one: it must be finished first); None is returned."""
     final = os.path.join(checkpoint_dir, f"step-{step:08d}")
     tmp = final + ".tmp"
-    try:
+    with _removed_if_failed(tmp, rank):
         with collective_errors(), _save_errors(tmp):
             if rank == 0:
                 _remove(tmp)  # left over from a save that was killed
@@ -767,36 +774,87 @@ def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int
         layers = sorted({int(k.split(".")[2]) for k in state["model"] if k.startswith("base_model.layers.")})
         layout = [None] * dist.get_world_size()  # which layers each rank held, for meta.json
         dist.all_gather_object(layout, layers)
+        meta = dict(meta, step=step, world_size=len(layout), layers_per_rank=layout)
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = torch.cuda.get_rng_state()
         with collective_errors(), _save_errors(tmp):  # DCP itself raises on every rank if a rank failed
-            dcp.save(state, checkpoint_id=tmp)  # writes and fsyncs this rank's shard
             torch.save(rng, os.path.join(tmp, "rng", f"rank{rank}.pt"))
-        with collective_errors(), _save_errors(tmp):  # every shard is on disk: the checkpoint may become visible
-            if rank == 0:
-                for name in TOKENIZER_FILES if tokenizer_dir else ():
-                    if os.path.isfile(os.path.join(tokenizer_dir, name)):
-                        shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(tmp, name))
-                files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
-                         for d, _, fs in os.walk(tmp) for f in fs}
-                meta = dict(meta, step=step, world_size=len(layout), layers_per_rank=layout, files=files)
-                _write_synced(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
-                os.replace(tmp, final)
-                fd = os.open(checkpoint_dir, os.O_RDONLY)
-                try:
-                    os.fsync(fd)  # make the rename itself durable
-                finally:
-                    os.close(fd)
+            if background is None:
+                dcp.save(state, checkpoint_id=tmp)  # writes and fsyncs this rank's shard
+        if background is None:
+            return _complete(tmp, meta, rank, keep, tokenizer_dir)
+        group, stager = _background(background)
+        with collective_errors(), _save_errors(tmp):  # the copy is taken before async_save returns, so the next
+            written = dcp.async_save(state, checkpoint_id=tmp, process_group=group, async_stager=stager)  # step
+            _BACKGROUND["save"] = (written, tmp, meta, rank, keep, tokenizer_dir)  # may change the state
+    return None
+
+
+def _complete(tmp: str, meta: dict, rank: int, keep: int, tokenizer_dir: str | None) -> str:
+    """Make the save whose files every rank wrote a checkpoint (meta.json last, then the rename), then delete
+    the complete ones beyond keep. Collective."""
+    final = tmp.removesuffix(".tmp")
+    with _removed_if_failed(tmp, rank), collective_errors(), _save_errors(tmp):
+        if rank == 0:
+            for name in TOKENIZER_FILES if tokenizer_dir else ():
+                if os.path.isfile(os.path.join(tokenizer_dir, name)):
+                    shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(tmp, name))
+            files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
+                     for d, _, fs in os.walk(tmp) for f in fs}
+            _write_synced(os.path.join(tmp, "meta.json"), json.dumps(dict(meta, files=files), indent=1))
+            os.replace(tmp, final)
+            fd = os.open(os.path.dirname(final), os.O_RDONLY)
+            try:
+                os.fsync(fd)  # make the rename itself durable
+            finally:
+                os.close(fd)
+    if rank == 0:
+        for old in complete_checkpoints(os.path.dirname(final))[:-keep] if keep > 0 else []:
+            _remove(old)
+    dist.barrier()
+    return final
+
+
+# --async-checkpoint: the save in flight (DCP's future of its files, and what completes it), and what every
+# background save uses: a gloo group of its own (a CPU backend, which async_save needs, beside NCCL too; its
+# collectives, in the writing thread, never meet the training's on one group: KempnerForge #104's deadlock), made
+# collectively at the first one, and the staged copy of the state in CPU memory, kept and refilled by every save.
+_BACKGROUND = {"save": None, "group": None, "stager": None}
+
+
+def _background(timeout: float) -> tuple:
+    if _BACKGROUND["group"] is None:
+        _BACKGROUND["group"] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        pinned = torch.cuda.is_available() and torch.cuda.is_initialized()  # faster copies from the GPU
+        _BACKGROUND["stager"] = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                                             use_async_staging=False, use_non_blocking_copy=False))
+    return _BACKGROUND["group"], _BACKGROUND["stager"]
+
+
+def finish_save(wait: bool = True) -> str | None:
+    """Complete the save in flight, if any: once every rank's files are written (wait), or (not wait) only if they
+    already are. Collective; the checkpoint's path if one was completed. A failed write (a full disk) is the same
+    UsageError as a failed save's, on every rank, the partial save removed."""
+    if _BACKGROUND["save"] is None:
+        return None
+    written, tmp, meta, rank, keep, tokenizer_dir = _BACKGROUND["save"]
+    if not wait and max_over_ranks(not written.done()):
+        return None
+    _BACKGROUND["save"] = None
+    with _removed_if_failed(tmp, rank), collective_errors(), _save_errors(tmp):
+        written.result()  # DCP raises a rank's failure on every rank
+    return _complete(tmp, meta, rank, keep, tokenizer_dir)
+
+
+@contextlib.contextmanager
+def _removed_if_failed(tmp: str, rank: int):
+    try:
+        yield
     except UsageError:
         if rank == 0:
             _remove(tmp)  # frees what the failed save took; nothing else is touched
         raise
-    if rank == 0:
-        for old in complete_checkpoints(checkpoint_dir)[:-keep] if keep > 0 else []:
-            _remove(old)
-    dist.barrier()
-    return final
 
 
 @contextlib.contextmanager
@@ -1302,10 +1360,21 @@ def _set_aside(checkpoint_dir: str, job: list[str], say=print) -> None:
 
 
 def save_if_due(args, rank: int, step: int, model, optimizer, config: LlamaConfig, data_id: str, job: list[str],
-                data_position: dict, stopping: bool = False) -> str | None:
-    """Save every --checkpoint-every steps, at the end of the run, and when it stops early: the path, if saved."""
-    if step != args.steps and not stopping and not (args.checkpoint_every and step % args.checkpoint_every == 0):
-        return None
-    meta = {"config": dataclasses.asdict(config), "run": run_identity(args, data_id), "data": data_position,
-            "args": vars(args), "torch": torch.__version__, "job": job}
-    return save(args.checkpoint_dir, step, model, optimizer, meta, rank, args.keep_checkpoints, args.data)
+                data_position: dict, stop: str | None = None) -> str | None:
+    """Save every --checkpoint-every steps, at the end of the run, and when it stops (stop: the signal that asked);
+    what to say of the checkpoints this call completed, if any. Collective, after every step. With
+    --async-checkpoint the periodic saves are written in the background: one in flight at most (the next waits for
+    it), completed after the first step at which every rank's files are written; the last one (the end, a stop)
+    waits for it, then is written before the call returns."""
+    last = step == args.steps or stop is not None
+    due = last or (args.checkpoint_every and step % args.checkpoint_every == 0)
+    said = [f"saved {path}"] if (path := finish_save(wait=due)) else []
+    if due:
+        meta = {"config": dataclasses.asdict(config), "run": run_identity(args, data_id), "data": data_position,
+                "args": vars(args), "torch": torch.__version__, "job": job}
+        path = save(args.checkpoint_dir, step, model, optimizer, meta, rank, args.keep_checkpoints, args.data,
+                    args.timeout if args.async_checkpoint and not last else None)
+        if path:
+            said.append(f"stopped by {stop} after step {step}, saved in {path}; the same command continues the run"
+                        if stop else f"saved {path}")
+    return "\n".join(said) or None

@@ -719,8 +719,24 @@ def compile_layers(modules) -> None:
 
 
 def _grad_as_weight(weight: DTensor) -> None:
-    if weight.grad.placements != weight.placements:
+    if weight.grad.placements != weight.placements and not any(p.is_partial() for p in weight.grad.placements):
         weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
+
+
+def sum_partial_grads(params) -> None:
+    """Sum the gradients left as partial sums over the tensor-parallel ranks (Partial DTensors: the norms' gains
+    under sequence parallelism), all of them in one all-reduce. They add up over a step's microbatches as partial
+    sums, so one reduction a step is enough (clip_grad_norm_ does it): reduced after each microbatch's backward, it
+    was 2 x layers + 1 all-reduces a microbatch. With FSDP2 (--dp) none is left: its once-a-step reduction sums
+    them."""
+    partial = [p for p in params if isinstance(p.grad, DTensor) and p.grad.placements != p.placements]
+    if not partial:
+        return
+    local = [p.grad.to_local() for p in partial]  # on the 1-D tensor-parallel mesh, as tensor_parallel places them
+    flat = torch.cat([g.flatten() for g in local])
+    dist.all_reduce(flat, group=partial[0].device_mesh.get_group())
+    for p, g, summed in zip(partial, local, flat.split([g.numel() for g in local])):
+        p.grad = DTensor.from_local(summed.view_as(g), p.device_mesh, p.placements)
 
 
 SHARD_OUT = {"output_layouts": Shard(1)}  # a row-wise layer's partial sums reduce-scattered by sequence
@@ -768,8 +784,9 @@ def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool
             input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False))
     # A gradient laid out otherwise than its weight: DTensor has no row-wise rule for the embedding's backward
     # (the whole [vocab, hidden] gradient on each rank), and a norm's gain over sequence pieces gets each rank's
-    # partial sum. Once accumulated, each takes its weight's layout (the embedding: a slice; a norm: an
-    # all-reduce of `hidden` numbers), so clipping, the tied copy's sum and AdamW see the weight's layout.
+    # partial sum. Once accumulated, the embedding's takes its weight's layout (a slice, no message), so the tied
+    # copy's sum sees it; the norms' partial sums add up over the microbatches and are summed once a step
+    # (sum_partial_grads, from clip_grad_norm_), so clipping and AdamW see the weight's layout.
     for param in model.parameters():
         if isinstance(param, DTensor):
             param.register_post_accumulate_grad_hook(_grad_as_weight)
@@ -781,7 +798,8 @@ def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_par
                 activation_checkpointing: bool = False, compile: bool = False) -> None:
     """A rank's stage modules, in place, in torchtitan's order: tensor parallelism over mesh["tp"], activation
     checkpointing, compile, then FSDP2 over mesh["dp"] (each decoder layer, then each stage's root, gathered and
-    reduced as one unit). dtype: of the computation; weights, their gradients' reduction and the outputs fp32."""
+    reduced as one unit). dtype: of the computation and of what crosses between stages (cast_between_stages);
+    weights, their gradients' reduction and what goes into the loss fp32."""
     for module in modules:
         tensor_parallel(module, mesh["tp"], sequence_parallel)
     if activation_checkpointing:
@@ -791,10 +809,25 @@ def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_par
     if mesh["dp"].size() > 1:
         # reshard_after_forward=False: a stage runs forward once per microbatch, and gathering its parameters
         # again for each would multiply the all-gathers by the microbatches (torchtitan's choice too). bf16:
-        # parameters gathered in bf16, gradients reduced in fp32; a stage still gives out fp32 (as with dp 1).
+        # parameters gathered in bf16, gradients reduced in fp32; a stage's root gives out fp32 (as with dp 1).
         for module in decoder_layers(modules) + modules:
             fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=MixedPrecisionPolicy(
                 dtype, torch.float32, torch.float32 if module in modules else None))
+    if dtype != torch.float32:  # after FSDP2's hooks: its output cast comes first
+        for module in modules:
+            cast_between_stages(module, dtype)
+
+
+def cast_between_stages(stage: nn.Module, dtype: torch.dtype) -> None:
+    """What a stage module gives out to the next stage in dtype (bf16: half the bytes of fp32, as Megatron-LM and
+    torchtitan send), its floating input taken back to fp32: the stage computes as on one process (the residual
+    stream fp32 under autocast), and the gradient sent back is rounded to dtype once, on its way. The last stage
+    (it holds the head) gives its hidden states to the loss in fp32: with tensor parallelism the head sums their
+    gradient over the tp ranks, in fp32 as every gradient sum here."""
+    stage.register_forward_pre_hook(lambda module, args: tuple(
+        a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args))  # positions: int
+    if getattr(stage, "lm_head", None) is None:
+        stage.register_forward_hook(lambda module, args, output: output.to(dtype))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -849,12 +882,13 @@ class TiedEmbedding:
 def clip_grad_norm_(params, max_norm: float, copies=(), tp: int = 1) -> Tensor:
     """Clip by the norm of the whole model's gradient, of which each rank holds a disjoint part (its stages',
     its FSDP shard), and return it, the same on every rank. copies: a tied head's copy of the embedding,
-    clipped but counted once. Collective."""
+    clipped but counted once. Sums the partial gradients first (sum_partial_grads). Collective."""
     def tp_copies(p) -> int:  # a tensor every tensor-parallel rank holds whole (a norm's gain) is counted once
         names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
         return tp if "tp" not in names or p.placements[names.index("tp")].is_replicate() else 1
 
     params, skip, squares = [p for p in params if p.grad is not None], {id(p) for p in copies}, []
+    sum_partial_grads(params)
     for p in (p for p in params if id(p) not in skip):
         # In float64 over rows of 4096: torch's float32 norm on the CPU sums a whole tensor in one running sum,
         # 2e-5 off on the tiny model's embedding, more than two layouts may differ by.

@@ -78,7 +78,7 @@ VOCAB_SIZE = 8192  # prepare_data.py's default tokenizer
 # names, types, defaults and help are the script's (--schedule is declared here: it also takes afab).
 SHARED = ("model", "layers", "init_from", "seq_len", "document_masking", "batch_size", "microbatches",
           "stages_per_rank", "split", "dp", "tp", "sequence_parallel", "loss_chunks", "activation_checkpointing",
-          "device", "precision")
+          "device", "precision", "async_checkpoint")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -146,13 +146,15 @@ def shards(args, tp: int) -> int:
     return tp if args.sequence_parallel else 1
 
 
-def sent_bytes(per_rank: list[list[int]], num_stages: int, m: int, tokens: float, hidden: int) -> list[float]:
+def sent_bytes(per_rank: list[list[int]], num_stages: int, m: int, tokens: float, hidden: int,
+               bf16: bool = False) -> list[float]:
     """Bytes each pipeline rank (each of its tensor-parallel ranks) sends to other ranks in a step: each
-    microbatch's fp32 hidden states of `tokens` positions to the next stage, and their gradient to the previous
-    one, where that stage is on another rank."""
+    microbatch's hidden states of `tokens` positions to the next stage, and their gradient to the previous one,
+    where that stage is on another rank; in fp32, or bf16 under --precision bf16."""
     rank_of = {s: r for r, stages in enumerate(per_rank) for s in stages}
-    return [m * tokens * hidden * 4 * sum((s + 1 < num_stages and rank_of[s + 1] != r) + (s > 0 and rank_of[s - 1] != r)
-                                          for s in stages) for r, stages in enumerate(per_rank)]
+    return [m * tokens * hidden * (2 if bf16 else 4) * sum(
+        (s + 1 < num_stages and rank_of[s + 1] != r) + (s > 0 and rank_of[s - 1] != r) for s in stages)
+        for r, stages in enumerate(per_rank)]
 
 
 def stage_params(config: LlamaConfig, layout: list[range], tp: int = 1) -> list[float]:
@@ -659,13 +661,16 @@ def plan(args) -> dict:
     print(f"\nper pipeline rank, {unit_name} (each of its replicas and tensor-parallel ranks holds the same) | param "
           "| grad | AdamW | gathered during a step (dp > 1) | activations held | with --activation-checkpointing | "
           f"the loss's logits ({chunks} piece{'s' if chunks > 1 else ''}) | total, as flagged | sent to other "
-          "stages a step")
+          "stages a step" + (" | CPU memory: the checkpoint staged for --async-checkpoint" if args.async_checkpoint
+                             else ""))
     last_rank = next(r for r in range(pp) if len(layout) - 1 in stages_of[r])
-    sent = sent_bytes(list(stages_of.values()), len(layout), m, tokens / shards(args, tp), config.hidden_size)
+    sent = sent_bytes(list(stages_of.values()), len(layout), m, tokens / shards(args, tp), config.hidden_size, half)
     for r in range(pp):
         row = rank_memory(sum(params[s] for s in stages_of[r]), dp, result[False]["peak"][r],
                           result[True]["peak"][r], sizes["loss"] if r == last_rank else 0, sizes["layer"],
                           args.activation_checkpointing, half) | {"sent": sent[r]}
+        if args.async_checkpoint:  # in CPU memory: the copy of the weights and AdamW state a save writes from
+            row["staged"] = row["param"] + row["optimizer"]
         report["ranks"].append(row)
         print(f"  rank {r} (stages {', '.join(map(str, stages_of[r]))}): " + " | ".join(
             f"{v / unit:.2f}" for v in row.values()))
@@ -724,8 +729,8 @@ def stage_seconds(config: LlamaConfig, layout: list[range], costs: dict, tokens:
     (split_backward): its FLOPs at the assumed rate, plus
     tensor parallelism's all-reduces (a ring: 2 (tp - 1) / tp of the bytes over the node's links; two per layer
     forward, two backward, two more when the layer is recomputed; one for the embedding) and the hidden states
-    (fp32) sent to the next or previous stage, over the node's links or, when that stage's ranks are on another
-    node, across nodes. Nothing overlaps: an upper bound."""
+    (bf16, or fp32 under --precision fp32) sent to the next or previous stage, over the node's links or, when that
+    stage's ranks are on another node, across nodes. Nothing overlaps: an upper bound."""
     rate = args.peak_tflops * 1e12 * args.efficiency
     intra, inter = args.intra_node_bandwidth * 1e9, args.inter_node_bandwidth * 1e9
     activation = tokens * config.hidden_size * 2  # bf16, what tp all-reduces
@@ -736,7 +741,8 @@ def stage_seconds(config: LlamaConfig, layout: list[range], costs: dict, tokens:
         if rank_of[a] == rank_of[b]:
             return 0.0
         node = lambda s: rank_of[s] * dp * tp // args.gpus_per_node  # noqa: E731  (tp innermost, pp outermost)
-        return tokens / shards(args, tp) * config.hidden_size * 4 / (intra if node(a) == node(b) else inter)
+        size = tokens / shards(args, tp) * config.hidden_size * (2 if bf16(args) else 4)
+        return size / (intra if node(a) == node(b) else inter)
 
     work = stage_costs(layout, costs)
     again = [len(layers) * costs.get("recompute", 0.0) for layers in layout]
@@ -782,7 +788,7 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
     sizes = activation_bytes(config, tokens, args.seq_len, bf16(trial), tp, chunks, shards(args, tp),
                              args.document_masking)
     forward, backward, split = stage_seconds(config, layout, costs, tokens, pp, dp, tp, checkpointing, per_rank,
-                                             args)
+                                             trial)
     result = replay(schedule_orders(schedule, pp, m, ns.stages_per_rank), forward, backward,
                     stage_held(layout, sizes, checkpointing), stage_between(layout, sizes), split)
     memory = max(rank_memory(held[r], dp, result["peak"][r], result["peak"][r],

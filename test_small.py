@@ -485,7 +485,8 @@ def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape:
     model_module.parallelize(modules, mesh, torch.float32)
     shards = mesh["tp"].size()  # sequence parallelism, as the scripts' default: each tp rank 1/tp of the positions
     built = [PipelineStage(module, s, len(layers), torch.device("cpu"), group=mesh.get_group("pp"),
-                           **gpipe.stage_io(config, s, shape, shards)) for module, s in zip(modules, stages)]
+                           **gpipe.stage_io(config, s, len(layers), shape, shards, torch.float32))
+             for module, s in zip(modules, stages)]
     schedule, loss_fn = gpipe.make_schedule(name, built, microbatches, chunks, shards)
     return model_module.merged_stages(modules), built, schedule, loss_fn
 
@@ -495,7 +496,7 @@ def traced_pipeline(config, name: str, stages: list, layers: list, mesh, shape: 
     """The same, as the tracer script builds it (documents: traced with --document-masking's positions)."""
     modules, pipe = tracer.traced_modules(config, stages, layers, shape, torch.device("cpu"), seed, documents)
     model_module.parallelize(modules, mesh, torch.float32)
-    built = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), mesh.get_group("pp")) for s in stages]
+    built = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), mesh.get_group("pp"), torch.float32) for s in stages]
     schedule, loss_fn = tracer.make_schedule(name, built, microbatches, chunks, 1)
     return model_module.merged_stages(modules), built, schedule, loss_fn
 
@@ -544,10 +545,12 @@ RESUME_ARGS = [*TRAIN_ARGS, "--steps", "16"]
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, data_dir):
-    """2 stages x 2 replicas, 16 steps, never interrupted; checkpoints after steps 4, 8, 12, 16."""
+    """2 stages x 2 replicas, 16 steps, never interrupted; checkpoints after steps 4, 8, 12 written in the
+    background (--async-checkpoint: what resumes from them checks them too), and 16."""
     directory = tmp_path_factory.mktemp("reference")
     result = run_script(4, "train_pipeline_gpipe.py", *RESUME_ARGS, "--dp", "2", "--checkpoint-every", "4",
-                        "--keep-checkpoints", "4", "--data", data_dir, "--metrics", "m.jsonl", cwd=directory)
+                        "--keep-checkpoints", "4", "--async-checkpoint", "--data", data_dir, "--metrics", "m.jsonl",
+                        cwd=directory)
     assert result.returncode == 0, result.stderr[-3000:]
     rows, _ = read_metrics(directory / "m.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 17))
@@ -1805,19 +1808,61 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
             (kind, name, ratios)
 
 
+def _norm_reduction_worker(rank, world_size, store_path, out_dir):
+    """One step of 4 microbatches of a stage at tp 2, sequence parallel, as the GPipe script runs it, then the
+    scripts' clip_grad_norm_ (max_norm 0: nothing clipped): each norm gain's gradient as DTensor sums its partial
+    sums, and the numel of every all-reduce the step issued, in order."""
+    mesh = start_group(rank, world_size, store_path, 1, 1, 2)
+    try:
+        config = parity_config(2)
+        model, _, schedule, _ = library_pipeline(config, "gpipe", [0], even(2, 1), mesh, (2, 24), 4)
+        inputs, targets = random_batch(config, seq=24)  # 48 positions a microbatch: no all-reduce of 32 (hidden)
+        with torch.profiler.profile(record_shapes=True) as step:
+            gpipe.train_step(schedule, inputs, targets, cpu_env(rank, world_size), 2)
+        summed = {n: p.grad.full_tensor() for n, p in model.named_parameters() if "norm" in n}
+        with torch.profiler.profile(record_shapes=True) as clipping:
+            model_module.clip_grad_norm_(model.parameters(), 0.0, (), 2)
+        reduced = [math.prod(e.input_shapes[0]) for p in (step, clipping) for e in p.events()
+                   if e.name == "gloo:all_reduce"]
+        grads = {n: p.grad.to_local() for n, p in model.named_parameters() if n in summed}
+        torch.save({"summed": summed, "grads": grads, "reduced": reduced}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sequence_parallel_sums_the_norms_gradients_once_a_step_in_one_all_reduce(tmp_path):
+    # With sequence parallelism each rank's norm gains get a partial sum of their gradient (over its positions).
+    # They add up over the microbatches as partial sums and clip_grad_norm_ sums them once a step, all 5 (2 layers
+    # x 2 norms + the final one) in one all-reduce; summed after each microbatch's backward, that was 5 all-reduces
+    # a microbatch, 20 a step. The loss's all-reduces (loss_parallel: per microbatch, of the logits' pieces) and
+    # clipping's one of the norm are the others.
+    run_workers(_norm_reduction_worker, 2, args=(2, str(tmp_path / "store"), str(tmp_path)))
+    hidden, ranks = parity_config(2).hidden_size, [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for result in ranks:
+        sizes = {n: result["reduced"].count(n) for n in set(result["reduced"])}  # numel: how many all-reduces
+        assert hidden not in sizes and sizes[5 * hidden] == 1, sizes
+        assert sorted(result["grads"]) == sorted(result["summed"]) and len(result["grads"]) == 5
+        for name, grad in result["grads"].items():  # the sum DTensor takes, on every rank
+            assert torch.equal(grad, result["summed"][name]), name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_declared_stage_inputs_and_outputs_are_what_the_stages_compute(dtype):
+def test_declared_stage_inputs_and_outputs_are_what_the_stages_compute(one_process_group, dtype):
     # The library script tells each PipelineStage its input and output up front (stage_io); ranks size their
-    # receive buffers by it, so a wrong shape or dtype would garble or stall the exchange. bf16 autocast on the
+    # receive buffers by it, so a wrong shape or dtype would garble or stall the exchange. Under bf16 what crosses
+    # between stages is bf16 (parallelize casts it), what the last stage gives the loss fp32. bf16 autocast on the
     # CPU stands in for the GPU's.
     config, num_stages, shape = small_config(layers=3), 3, (2, 16)
     x = torch.randint(0, config.vocab_size, shape)
+    modules = [gpipe.stage_module(config, s, even(3, num_stages), torch.device("cpu"), 0) for s in range(num_stages)]
+    model_module.parallelize(modules, init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp")), dtype)
     with gpipe.compute(cpu_env(0, 1, dtype), 1):
-        for s in range(num_stages):
-            declared = gpipe.stage_io(config, s, shape, 1)
-            y = gpipe.stage_module(config, s, even(3, num_stages), torch.device("cpu"), seed=0)(x)
+        for s, module in enumerate(modules):
+            declared = gpipe.stage_io(config, s, num_stages, shape, 1, dtype)
+            y = module(x)
             for want, got in ((declared["input_args"], x), (declared["output_args"], y)):
                 assert (want.shape, want.dtype) == (got.shape, got.dtype), s
+            assert y.dtype == (dtype if s < num_stages - 1 else torch.float32)
             assert y.requires_grad and declared["output_args"].requires_grad
             x = y
 
@@ -1832,7 +1877,8 @@ LAYOUT_RUNS = {
     "checkpointed2": (2, "train_pipeline_gpipe.py", ["--activation-checkpointing"]),
     "afab3": (3, "train_pipeline_afab_manual.py", ["--trace", "afab_trace", "--split", "2,1,1"]),
     # 2 stages x 2 data-parallel replicas (FSDP2): each replica trains on half of every batch.
-    "gpipe2x2": (4, "train_pipeline_gpipe.py", ["--dp", "2"]),
+    # Its checkpoints written in the background, one a step: each waits for the one before, training goes on.
+    "gpipe2x2": (4, "train_pipeline_gpipe.py", ["--dp", "2", "--async-checkpoint", "--checkpoint-every", "1"]),
     "tracer2x2": (4, "train_pipeline_tracer.py", ["--dp", "2", "--schedule", "interleaved1f1b",
                                                   "--activation-checkpointing", "--loss-chunks", "4"]),
     "1f1b2x2": (4, "train_pipeline_afab_manual.py", ["--dp", "2", "--schedule", "1f1b", "--split", "even",
@@ -1946,26 +1992,31 @@ def test_documents_kept_apart_train_and_evaluate_alike_at_any_layout(document_ru
 
 
 BF16 = ["--precision", "bf16"]
-BF16_RUNS = {  # name: (processes (0: plain python), script, extra flags), 5 steps (TRAIN_ARGS) each
-    "bf16": (0, "train_pipeline_gpipe.py", BF16),
-    "bf16 pp2 x dp2": (4, "train_pipeline_gpipe.py", [*BF16, "--dp", "2"]),  # FSDP: bf16 gathers, fp32 reduction
-    "bf16 pp2 x tp2": (4, "train_pipeline_gpipe.py", [*BF16, "--tp", "2"]),  # with sequence parallelism
-    "bf16 by hand pp2 x tp2": (4, "train_pipeline_afab_manual.py", [*BF16, "--tp", "2", "--schedule", "1f1b"]),
-    "bf16 traced pp2": (2, "train_pipeline_tracer.py", BF16),
+BF16_RUNS = {  # name: (processes (0: plain python), script, extra flags, the fp32 layout run of the same sends)
+    "bf16": (0, "train_pipeline_gpipe.py", BF16, None),
+    # 2 ranks x 2 stages in a V: the zero-bubble split backward, a stage's output passed on the same rank, and the
+    # forward-only evaluation (torch's eval() cannot run it) receiving bf16 too.
+    "bf16 pp2 zbv": (2, "train_pipeline_gpipe.py", [*BF16, "--schedule", "zbvzerobubble", "--eval-every", "5"], None),
+    "bf16 pp2 x dp2": (4, "train_pipeline_gpipe.py", [*BF16, "--dp", "2"], "gpipe2x2"),  # FSDP: bf16 gathers
+    "bf16 pp2 x tp2": (4, "train_pipeline_gpipe.py", [*BF16, "--tp", "2"], "afab2xtp2"),  # sequence parallel
+    "bf16 by hand pp2 x tp2": (4, "train_pipeline_afab_manual.py", [*BF16, "--tp", "2", "--schedule", "1f1b"],
+                               "afab2xtp2"),
+    "bf16 traced pp2": (2, "train_pipeline_tracer.py", [*BF16, "--eval-every", "5"], "gpipe2"),
 }
 
 
 def test_bf16_trains_as_fp32_does_within_bf16s_rounding_at_any_layout(tmp_path, data_dir, layout_runs):
     # --precision bf16, the GPUs' path (autocast; with replicas FSDP gathers bf16 parameters and reduces fp32
-    # gradients; weights, AdamW and the loss in fp32), run on this CPU, against fp32 on one process (layout_runs'
-    # gpipe1, the same 5 steps). Measured, relative, with torch's CPU build: every bf16 run's loss within 2.1e-3
-    # of fp32's and each layout within 2.2e-3 of bf16 on one process, over these 5 steps and over 16 alike (the
-    # replicas, whose FSDP sums bf16 products in another order); with torch's CUDA build (what pip installs from
-    # PyPI) run on a CPU, whose bf16 kernels round more, 2.2e-2 and 1.1e-2 over 16 steps (the traced stages,
-    # which rotate q and k in fp32). Tolerances ~2.5x the worst.
-    procs = {name: run_script(nproc, script, *TRAIN_ARGS, *extra, "--data", data_dir, "--metrics",
+    # gradients; weights, AdamW and the loss in fp32; bf16 between stages), run on this CPU, against fp32 on one
+    # process (layout_runs' gpipe1, the same 5 steps). Measured, relative, with torch's CPU build: every bf16 run's
+    # loss within 2.1e-3 of fp32's and each layout within 2.2e-3 of bf16 on one process, over these 5 steps and
+    # over 16 alike (the replicas, whose FSDP sums bf16 products in another order); with torch's CUDA build (what
+    # pip installs from PyPI) run on a CPU, whose bf16 kernels round more, 2.2e-2 and 1.1e-2 over 16 steps (the
+    # traced stages, which rotate q and k in fp32). Tolerances ~2.5x the worst.
+    procs = {name: run_script(nproc, "benchmark.py", "measure-memory", str(tmp_path / f"{name}.json"),
+                              str(ROOT / script), *TRAIN_ARGS, *extra, "--data", data_dir, "--metrics",
                               str(tmp_path / f"{name}.jsonl"), "--checkpoint-dir", str(tmp_path / name), cwd=tmp_path,
-                              wait=False) for name, (nproc, script, extra) in BF16_RUNS.items()}
+                              wait=False) for name, (nproc, script, extra, _) in BF16_RUNS.items()}
     rows = {"fp32": layout_runs[0]["gpipe1"][0]}
     for name, proc in procs.items():
         result = finish(proc, timeout=400)
@@ -1978,6 +2029,12 @@ def test_bf16_trains_as_fp32_does_within_bf16s_rounding_at_any_layout(tmp_path, 
             assert_close_rel(got["loss"], fp32["loss"], 5e-2, what=f"{name} against fp32, step {got['step']}")
             assert_close_rel(got["loss"], bf16["loss"], 3e-2, what=f"{name} against bf16, step {got['step']}")
     assert rows["bf16"] != rows["fp32"]  # bf16 did compute in bf16
+    # What crosses between stages is bf16: each rank sends half the bytes of the same layout in fp32.
+    for name, (_, _, _, fp32) in BF16_RUNS.items():
+        sent = json.loads((tmp_path / f"{name}.json").read_text())["sent_bytes_per_rank"]
+        assert min(sent) > 0 or name == "bf16", name
+        if fp32:
+            assert sent == [b / 2 for b in layout_runs[0][fp32][3]["sent_bytes_per_rank"]], (name, sent)
 
 
 # -- train_pipeline_afab_manual.py: the pipeline by hand, on our model and on Hugging Face's Llama
@@ -2224,7 +2281,7 @@ def test_traced_stages_hold_exactly_what_the_hand_split_holds():
 def test_bf16_autocast_runs_the_traced_stages_in_bf16(one_process_group, monkeypatch):
     config = small_config(layers=4)
     _, pipe = tracer.traced_modules(config, [0, 1], even(4, 2), (2, 16), torch.device("cpu"), 3)
-    stages = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), None).submod for s in range(2)]
+    stages = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), None, torch.float32).submod for s in range(2)]
     eager = LlamaForPretraining(config)
     eager.init_weights(seed=3)
     gen = torch.Generator().manual_seed(0)
@@ -2269,8 +2326,8 @@ def test_weights_shared_across_stages_are_refused():
     example = torch.zeros(2, 8, dtype=torch.long, device="meta")
     tied = meta_model(small_config())
     tied.lm_head.weight = tied.base_model.embed_tokens.weight
-    with pytest.raises(RuntimeError, match=r"base_model.embed_tokens.weight is held as 3 separate tensors by "
-                                           r"stages \[0, 1\] \(tied weights\?\)"):
+    with pytest.raises(RuntimeError, match=r"base_model.embed_tokens.weight is held as 3 tensors by stages "
+                                           r"\[0, 1\] \(tied\?\)"):
         tracer.traced_pipeline(tied, example, tracer.split_spec(even(4, 2)))
     tied = meta_model(small_config())  # a fresh model: pipeline() patched the split points into the last one
     tied.lm_head.weight = tied.base_model.embed_tokens.weight
@@ -2280,7 +2337,7 @@ def test_weights_shared_across_stages_are_refused():
 
 def test_traced_stage_only_takes_the_traced_microbatch_shape(one_process_group):
     _, pipe = tracer.traced_modules(small_config(layers=2), [0], even(2, 1), (2, 16), torch.device("cpu"), 0)
-    module = tracer.pipeline_stage(pipe, 0, torch.device("cpu"), None).submod
+    module = tracer.pipeline_stage(pipe, 0, torch.device("cpu"), None, torch.float32).submod
     assert module(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 32)  # hidden states: the loss has the head
     with pytest.raises(RuntimeError):
         module(torch.zeros(2, 24, dtype=torch.long))  # a longer sequence: the trace baked in 16
@@ -2395,6 +2452,112 @@ def test_sigkill_during_a_save_then_rerun_gives_bit_identical_losses(tmp_path, d
     assert [r["loss"] for r in rows] == [r["loss"] for r in reference]  # bit for bit
     assert [r["lr"] for r in rows] == [r["lr"] for r in reference]
     assert complete_and_partial(ckpt) == (["step-00000015", "step-00000016"], [])  # keep-K, no leftovers
+
+
+# A training script run with the write of one checkpoint held: the write of the save named by HOLD_SAVE (the end of
+# its path) waits while the file HOLD_FILE exists. So a background save is in flight as long as a test needs, and
+# the product holds no hook for it.
+HOLD_A_WRITE = """
+import os, runpy, sys, time
+from torch.distributed.checkpoint import filesystem
+
+write_data = filesystem._FileSystemWriter.write_data
+
+
+def held(self, *args, **kwargs):
+    while str(self.path).endswith(os.environ["HOLD_SAVE"]) and os.path.exists(os.environ["HOLD_FILE"]):
+        time.sleep(0.05)
+    return write_data(self, *args, **kwargs)
+
+
+filesystem._FileSystemWriter.write_data = held
+sys.argv.pop(0)  # then the training script, with its arguments, as python runs it
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def holding(tmp_path: Path, save: str) -> tuple[str, dict, Path]:
+    """The command's first words that run a training script with the write of save (step-N.tmp) held, their
+    environment, and the file whose removal lets the write go on."""
+    (tmp_path / "hold_a_write.py").write_text(HOLD_A_WRITE)
+    (tmp_path / "held").touch()
+    return str(tmp_path / "hold_a_write.py"), dict(HOLD_SAVE=save, HOLD_FILE=str(tmp_path / "held")), tmp_path / "held"
+
+
+def metrics_rows(path: Path) -> int:
+    return lines_of(path).count('"step"')
+
+
+def test_training_goes_on_while_an_async_save_is_written_and_a_kill_then_resumes_the_one_before(tmp_path, data_dir,
+                                                                                             reference_run):
+    # --async-checkpoint, 2 stages x 2 replicas under torchrun: step 8's checkpoint is written in the background and
+    # its write is held; training goes on, steps 9 to 12, and at step 12 the next save waits for it (one in flight
+    # at most). A SIGKILL of the whole job then: step-00000008.tmp has no meta.json, step 4 is the newest complete
+    # checkpoint, and the same command resumes it: every loss bit for bit the reference run's (which saved in the
+    # background too).
+    args = [*RESUME_ARGS, "--dp", "2", "--checkpoint-every", "4", "--async-checkpoint", "--data", data_dir,
+            "--metrics", "m.jsonl"]
+    wrapper, env, _ = holding(tmp_path, "step-00000008.tmp")
+    proc = launch(4, wrapper, ROOT / "train_pipeline_gpipe.py", *args, cwd=tmp_path, env={**script_env(), **env},
+                  wait=False)
+    try:
+        wait_for("step 12", lambda: metrics_rows(tmp_path / "m.jsonl") >= 12, proc, seconds=180)
+        time.sleep(1)  # every rank at step 12's save, waiting: nothing changes any more
+        assert metrics_rows(tmp_path / "m.jsonl") == 12
+        assert complete_and_partial(tmp_path / "checkpoints") == (["step-00000004"], ["step-00000008.tmp"])
+        assert not (tmp_path / "checkpoints" / "step-00000008.tmp" / "meta.json").exists()
+    finally:
+        ranks = descendants(proc.pid)
+        kill_job(proc)
+        proc.communicate()
+    deadline = time.monotonic() + 30  # a killed rank holds the run lock until it is gone (reaped)
+    while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    result = run_script(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path)  # the same command
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from checkpoints/step-00000004 at step 4" in result.stdout, result.stdout
+    assert "saved checkpoints/step-00000008" in result.stdout and "saved checkpoints/step-00000016" in result.stdout
+    rows, _ = read_metrics(tmp_path / "m.jsonl")
+    assert [(r["step"], r["loss"]) for r in rows] == [(r["step"], r["loss"]) for r in reference_run[1]]
+    assert complete_and_partial(tmp_path / "checkpoints") == (["step-00000008", "step-00000012", "step-00000016"], [])
+
+
+def test_a_stop_during_an_async_save_waits_for_it_then_saves_its_step(tmp_path, data_dir, reference_run):
+    # run.sh, 2 stages x 2 replicas, --async-checkpoint: step 4's write held, and a SIGTERM to every process (as
+    # SLURM sends it) a step later. The job stops after its step, waits for the save in flight (still waiting
+    # seconds later, its step-00000004.tmp incomplete) and, once the write goes on, completes it, saves the step it
+    # stopped after, and exits 0. The same command then continues: every loss the reference run's, bit for bit.
+    args = [*RESUME_ARGS, "--dp", "2", "--checkpoint-every", "4", "--async-checkpoint", "--data", data_dir,
+            "--metrics", "m.jsonl"]
+    wrapper, env, hold = holding(tmp_path, "step-00000004.tmp")
+    proc = run_sh(wrapper, ROOT / "train_pipeline_gpipe.py", *args, cwd=tmp_path, wait=False, log=tmp_path / "job",
+                  NPROC_PER_NODE=4, **env)
+    try:
+        wait_for("step 5", lambda: metrics_rows(tmp_path / "m.jsonl") >= 5, proc)
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            os.kill(pid, signal.SIGTERM)
+        rows = metrics_rows(tmp_path / "m.jsonl")
+        while True:  # until the job waits: no step for 3 s
+            time.sleep(3)
+            if rows == (rows := metrics_rows(tmp_path / "m.jsonl")):
+                break
+        assert proc.poll() is None and complete_and_partial(tmp_path / "checkpoints") == ([], ["step-00000004.tmp"])
+        hold.unlink()
+        result = finish(proc)
+    finally:
+        kill_job(proc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stopped = re.search(r"^stopped by SIGTERM after step (\d+), saved in checkpoints/step-(\d+); the same command "
+                        r"continues the run$", result.stdout, re.M)
+    assert stopped and int(stopped[1]) == int(stopped[2]) == rows, result.stdout
+    assert "saved checkpoints/step-00000004\n" in result.stdout
+    saved = ["step-00000004", *(["step-00000008"] if rows > 8 else []), f"step-{rows:08d}"]
+    assert complete_and_partial(tmp_path / "checkpoints") == (saved, [])
+    result = run_script(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path)  # the same command
+    assert result.returncode == 0 and f"resumed from checkpoints/step-{rows:08d}" in result.stdout, result.stderr
+    rows, _ = read_metrics(tmp_path / "m.jsonl")
+    assert [(r["step"], r["loss"]) for r in rows] == [(r["step"], r["loss"]) for r in reference_run[1]]
 
 
 def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, reference_run):
@@ -3241,6 +3404,18 @@ def test_a_full_disk_stops_the_save_cleanly_and_the_rerun_resumes(tmp_path, data
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"resumed from {disk}/ckpt/step-00000002 at step 2" in result.stdout
         assert complete_and_partial(disk / "ckpt") == (["step-00000004"], [])
+
+        # Written in the background (each save waits for the one before): step 3's write fails while step 4 trains,
+        # and the run stops at the next step's end with the same line, no checkpoint looking complete.
+        shutil.rmtree(disk / "ckpt")
+        result = launch(2, "train_pipeline_gpipe.py", *args, "--keep-checkpoints", "2", "--async-checkpoint",
+                        cwd=tmp_path)
+        errors = re.findall(r"^error: .*", result.stderr, re.M)
+        assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+        assert "step-00000003.tmp failed (the disk is full" in errors[0], errors
+        assert f"the newest complete one, {disk}/ckpt/step-00000002, is untouched" in errors[0]
+        assert "lost contact" not in result.stderr
+        assert complete_and_partial(disk / "ckpt") == (["step-00000001", "step-00000002"], [])
     finally:
         subprocess.run(["umount", str(disk)])
 
@@ -3683,13 +3858,15 @@ def test_plan_says_what_torchs_schedules_say_of_the_microbatches():
 def test_the_plan_counts_what_the_runs_hold(layout_runs, data_dir):
     # plan.py computes what the layout runs measured, within 10 %: each rank's parameter, gradient and AdamW
     # bytes, with and without replicas, and the activations held, with and without checkpointing and sequence
-    # parallelism, in all three scripts; and exactly the bytes each rank sends to other stages a step.
+    # parallelism, in all three scripts; exactly the bytes each rank sends to other stages a step; and the copy of
+    # its state a background save stages.
     runs, _ = layout_runs
     for name in ("gpipe2", "checkpointed2", "gpipe2x2", "tracer2x2", "1f1b2x2", "afab2xtp2", "afab2xtp2nosp",
                  "gpipe2x2xtp2", "1f1b2x2xtp2"):
         processes, script, extra = LAYOUT_RUNS[name]
         shape = ["--layers", "4", "--batch-size", "8", "--microbatches", "4", "--seq-len", "32"]
-        ranks = planned(processes, data_dir, *shape, *extra[:extra.index("--trace")] if "--trace" in extra else extra)
+        ranks = planned(processes, data_dir, *shape, *itertools.takewhile(  # the flags plan.py shares
+            lambda flag: flag not in ("--trace", "--checkpoint-every"), extra))
         on_rank = [ranks[r // (processes // len(ranks))] for r in range(processes)]  # pp outermost, then dp, tp
         measured = runs[name][3]
         for kind in ("param", "grad", "optimizer"):
@@ -3699,6 +3876,10 @@ def test_the_plan_counts_what_the_runs_hold(layout_runs, data_dir):
         assert measured["activation_bytes_per_rank"] == pytest.approx([row[key] for row in on_rank], rel=0.1), \
             (name, key, on_rank)
         assert measured["sent_bytes_per_rank"] == [row["sent"] for row in on_rank], name
+        # --async-checkpoint: the copy of the weights and AdamW state each rank stages in CPU memory (its shards)
+        assert measured["checkpoint_staging_bytes_per_rank"] == pytest.approx(
+            [row.get("staged", 0) for row in on_rank], rel=0.1), name
+        assert ("--async-checkpoint" in extra) == (min(measured["checkpoint_staging_bytes_per_rank"]) > 0), name
     # Sequence parallelism: each tensor-parallel rank sends 1/tp of the bytes to the next stage (measured, 5 %) and
     # holds fewer activations (the norms' and the residual stream's on half the positions).
     with_sp, without = (runs[name][3]["sent_bytes_per_rank"] for name in ("afab2xtp2", "afab2xtp2nosp"))
@@ -3775,7 +3956,8 @@ def test_the_plan_counts_the_recomputation_of_a_split_backward(one_process_group
     model_module.checkpoint_layers(modules)
     mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
     built = [PipelineStage(module, s, 2, torch.device("cpu"), group=mesh.get_group("pp"),
-                           **gpipe.stage_io(config, s, (2, 16), 1)) for module, s in zip(modules, (0, 1))]
+                           **gpipe.stage_io(config, s, 2, (2, 16), 1, torch.float32))
+             for module, s in zip(modules, (0, 1))]
     schedule, _ = gpipe.make_schedule("zbvzerobubble", built, m, 1, 1)
     inputs, targets = random_batch(config, batch=4)
     gpipe.train_step(schedule, inputs, targets, cpu_env(0, 1), 1)

@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-dir", default="checkpoints", help="saved to and resumed from")
     g.add_argument("--checkpoint-every", type=whole(0), default=0, help="save every N steps; 0: at the end only")
     g.add_argument("--keep-checkpoints", type=whole(1), default=3, help="the newest K complete ones are kept")
+    g.add_argument("--async-checkpoint", action="store_true", help="periodic saves written while training goes on")
     g.add_argument("--fresh", action="store_true", help="start at step 0; move --checkpoint-dir's checkpoints aside")
     g.add_argument("--metrics", help="write one JSON line per step, and a summary, to this file (default: none)")
     g.add_argument("--trace", metavar="DIR", help="Chrome traces of the last 3 steps: DIR/rankN.json (default: none)")
@@ -211,11 +212,10 @@ def main(args):
             # Saved before evaluating: whatever happens in an evaluation, this step's work is kept (and a resumed
             # run evaluates it). A stop asked of any rank, before the last step: every rank saves this step and stops.
             stop = checkpoint.stop_requested() if step < args.steps else None
-            path = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id,
-                                          job, batches.state_dict(), stopping=stop is not None)
-            if path and reports:  # one rank prints the loop's lines: two ranks' lines never mix
-                bar.write(f"stopped by {stop} after step {step}, saved in {path}; the same command continues the "
-                          "run" if stop else f"saved {path}")
+            saved = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id, job,
+                                           batches.state_dict(), stop)
+            if saved and reports:  # one rank prints the loop's lines: two ranks' lines never mix
+                bar.write(saved)
             if stop:
                 break
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
@@ -535,8 +535,8 @@ SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 def run_batch(schedule, partition: Partition, inputs, targets, env: Env, tp: int, m: int, chunks: int, positions=None):
     """A batch, cut into m microbatches, through a schedule: the mean microbatch loss on the last stage's rank."""
     mbs = [x.chunk(m) if x is not None else [None] * m for x in (inputs, targets, positions)]
-    with compute(env, tp):  # fp32 between stages: the residual stream is fp32 under autocast too
-        return schedule(partition, *mbs[:2], env.device, torch.float32, loss_chunks=chunks, positions=mbs[2])
+    with compute(env, tp):  # in the computation's dtype between stages (model.cast_between_stages casts to it)
+        return schedule(partition, *mbs[:2], env.device, env.dtype, loss_chunks=chunks, positions=mbs[2])
 
 
 # ----------------------------------------------------------------------------------------------------------

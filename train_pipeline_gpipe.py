@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-dir", default="checkpoints", help="saved to and resumed from")
     g.add_argument("--checkpoint-every", type=whole(0), default=0, help="save every N steps; 0: at the end only")
     g.add_argument("--keep-checkpoints", type=whole(1), default=3, help="the newest K complete ones are kept")
+    g.add_argument("--async-checkpoint", action="store_true", help="periodic saves written while training goes on")
     g.add_argument("--fresh", action="store_true", help="start at step 0; move --checkpoint-dir's checkpoints aside")
     g.add_argument("--metrics", help="write one JSON line per step, and a summary, to this file (default: none)")
     g.add_argument("--trace", metavar="DIR", help="Chrome traces of the last 3 steps: DIR/rankN.json (default: none)")
@@ -134,8 +135,8 @@ def main(args):
     model = merged_stages(modules)  # the rank's parameters, for the optimizer and checkpoints
 
     # --- the schedule: a PipelineStage per stage, talking to the same tp rank of the other pipeline ranks
-    pipeline_stages = [PipelineStage(module, s, num_stages, env.device, group=mesh.get_group("pp"),
-                                     **stage_io(config, s, microbatch, shards)) for module, s in zip(modules, stages)]
+    pipeline_stages = [PipelineStage(module, s, num_stages, env.device, group=mesh.get_group("pp"), **stage_io(
+        config, s, num_stages, microbatch, shards, env.dtype)) for module, s in zip(modules, stages)]
     schedule, loss_fn = make_schedule(args.schedule, pipeline_stages, args.microbatches, chunks, shards)
     run_train = functools.partial(train_step, schedule, env=env, tp=tp)
     run_eval = functools.partial(eval_step, schedule, pipeline_stages, env=env, tp=tp, loss_fn=loss_fn,
@@ -218,11 +219,10 @@ def main(args):
             # Saved before evaluating: whatever happens in an evaluation, this step's work is kept (and a resumed
             # run evaluates it). A stop asked of any rank, before the last step: every rank saves this step and stops.
             stop = checkpoint.stop_requested() if step < args.steps else None
-            path = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id,
-                                          job, batches.state_dict(), stopping=stop is not None)
-            if path and reports:  # one rank prints the loop's lines: two ranks' lines never mix
-                bar.write(f"stopped by {stop} after step {step}, saved in {path}; the same command continues the "
-                          "run" if stop else f"saved {path}")
+            saved = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id, job,
+                                           batches.state_dict(), stop)
+            if saved and reports:  # one rank prints the loop's lines: two ranks' lines never mix
+                bar.write(saved)
             if stop:
                 break
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
@@ -402,12 +402,13 @@ def stage_module(config, stage: int, layers: list[range], device: torch.device, 
     return model
 
 
-def stage_io(config, stage: int, microbatch: tuple[int, int], shards: int) -> dict:
-    """A stage's meta input and output for one microbatch: token ids into the first, else fp32 hidden states (this
-    tp rank's 1/shards of the positions). Declared: torch 2.13 infers them from a microbatch stage 0 never frees."""
-    hidden = torch.empty(microbatch[0], microbatch[1] // shards, config.hidden_size, device="meta", requires_grad=True)
-    return {"input_args": torch.empty(microbatch, dtype=torch.long, device="meta") if stage == 0 else hidden,
-            "output_args": hidden}
+def stage_io(config, stage: int, num_stages: int, microbatch: tuple[int, int], shards: int, dtype) -> dict:
+    """A stage's meta input and output for one microbatch (torch 2.13 infers them from one that stage 0 never frees):
+    token ids or hidden states (the tp rank's 1/shards of the positions) in dtype, fp32 from the last into the loss."""
+    hidden = [torch.empty(microbatch[0], microbatch[1] // shards, config.hidden_size, dtype=t, device="meta",
+                          requires_grad=True) for t in (dtype, torch.float32)]  # between stages; into the loss
+    return {"input_args": torch.empty(microbatch, dtype=torch.long, device="meta") if stage == 0 else hidden[0],
+            "output_args": hidden[stage == num_stages - 1]}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -446,7 +447,8 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
     with compute(env, tp):
         if isinstance(schedule, (ScheduleZBVZeroBubble, ScheduleDualPipeV)):
             # torch 2.13: their eval() asserts ("can't steal_bwd_input if this stage doesn't have backward")
-            forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, loss_fn, losses, documents)
+            forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, env.dtype, loss_fn, losses,
+                         documents)
         else:
             schedule.eval(*args, return_outputs=False, **kwargs, **documents)
     for module in (m for stage in pipeline_stages for m in stage.submod.modules() if isinstance(m, FSDPModule)):
@@ -454,8 +456,7 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
     return torch.stack(losses).mean() if targets is not None else None
 
 
-def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidden_shape: tuple, loss_fn,
-                 losses: list, documents: dict) -> None:
+def forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, dtype, loss_fn, losses, documents):
     """Every microbatch forward through this rank's stages, in the order of their index: stage s only ever
     waits for stage s - 1, which every rank runs earlier, and sends do not wait, so no rank waits on itself."""
     first = pipeline_stages[0]
@@ -465,8 +466,8 @@ def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidd
         s = stage.stage_index
         for i in range(microbatches):
             x = inputs.chunk(microbatches)[i] if s == 0 else held.pop((s - 1, i), None)
-            if x is None:  # from another rank: one microbatch's hidden states, in fp32
-                dist.recv(x := torch.empty(hidden_shape, device=stage.device), peer(s - 1))
+            if x is None:  # from another rank: one microbatch's hidden states, in the computation's dtype
+                dist.recv(x := torch.empty(hidden_shape, dtype=dtype, device=stage.device), peer(s - 1))
             out = stage.submod(x, **{name: t.chunk(microbatches)[i] for name, t in documents.items()})
             if s == stage.num_stages - 1:
                 losses.append(loss_fn(out, targets.chunk(microbatches)[i]))

@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-dir", default="checkpoints", help="saved to and resumed from")
     g.add_argument("--checkpoint-every", type=whole(0), default=0, help="save every N steps; 0: at the end only")
     g.add_argument("--keep-checkpoints", type=whole(1), default=3, help="the newest K complete ones are kept")
+    g.add_argument("--async-checkpoint", action="store_true", help="periodic saves written while training goes on")
     g.add_argument("--fresh", action="store_true", help="start at step 0; move --checkpoint-dir's checkpoints aside")
     g.add_argument("--metrics", help="write one JSON line per step, and a summary, to this file (default: none)")
     g.add_argument("--trace", metavar="DIR", help="Chrome traces of the last 3 steps: DIR/rankN.json (default: none)")
@@ -136,7 +137,7 @@ def main(args):
     model = merged_stages(modules)  # the rank's parameters, for the optimizer and checkpoints
 
     # --- the schedule: a traced stage per stage, talking to the other pipeline ranks of this replica
-    pipeline_stages = [pipeline_stage(pipe, s, env.device, mesh.get_group("pp")) for s in stages]
+    pipeline_stages = [pipeline_stage(pipe, s, env.device, mesh.get_group("pp"), env.dtype) for s in stages]
     trace_seconds = [None] * env.world_size  # the one-time cost of tracing and building, every rank's
     dist.all_gather_object(trace_seconds, time.perf_counter() - started)
     schedule, loss_fn = make_schedule(args.schedule, pipeline_stages, args.microbatches, chunks, shards)
@@ -222,11 +223,10 @@ def main(args):
             # Saved before evaluating: whatever happens in an evaluation, this step's work is kept (and a resumed
             # run evaluates it). A stop asked of any rank, before the last step: every rank saves this step and stops.
             stop = checkpoint.stop_requested() if step < args.steps else None
-            path = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id,
-                                          job, batches.state_dict(), stopping=stop is not None)
-            if path and reports:  # one rank prints the loop's lines: two ranks' lines never mix
-                bar.write(f"stopped by {stop} after step {step}, saved in {path}; the same command continues the "
-                          "run" if stop else f"saved {path}")
+            saved = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id, job,
+                                           batches.state_dict(), stop)
+            if saved and reports:  # one rank prints the loop's lines: two ranks' lines never mix
+                bar.write(saved)
             if stop:
                 break
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
@@ -248,9 +248,8 @@ def check_args(args, world_size: int, device_type: str) -> None:
         raise UsageError(f"--batch-size {args.batch_size} is not divisible by --dp {args.dp} x --microbatches "
                          f"{args.microbatches}", on_every_rank=True)
     if args.tp > 1:
-        raise UsageError(f"--tp {args.tp}: the traced stages cannot be split by tensor parallelism: they are a flat "
-                         "graph of ops, not the modules parallelize_module splits, with the head count baked into "
-                         "their shapes; use train_pipeline_gpipe.py for --tp", on_every_rank=True)
+        raise UsageError(f"--tp {args.tp}: the traced stages cannot be split by tensor parallelism (a flat graph of "
+                         "ops, head counts in shapes); use train_pipeline_gpipe.py for --tp", on_every_rank=True)
     if fixed and args.stages_per_rank != fixed:
         raise UsageError(f"--stages-per-rank {args.stages_per_rank}: {args.schedule} holds {fixed} stage(s) per "
                          "rank; leave the flag out", on_every_rank=True)
@@ -444,18 +443,20 @@ def traced_pipeline(model: torch.nn.Module, example: torch.Tensor, split_points:
             holders.setdefault(full_name.get(id(t), canonical[name]), set()).add((i, id(t)))  # a copy: by name
     for name, held in holders.items():
         if len(held) > 1:
-            raise RuntimeError(f"{name} is held as {len(held)} separate tensors by stages "
-                               f"{sorted({i for i, _ in held})} (tied weights?): each copy would be trained on "
-                               "its own; untie it or keep every use of it in one stage")
+            raise RuntimeError(f"{name} is held as {len(held)} tensors by stages {sorted({i for i, _ in held})}"
+                               " (tied?): each would train on its own; untie it or keep its uses in one stage")
     if missing := set(full_name.values()) - holders.keys():
         raise RuntimeError(f"no stage holds {sorted(missing)}")
     return pipe
 
 
-def pipeline_stage(pipe, stage: int, device: torch.device, group):
-    """A traced stage's PipelineStage, ready to run: torch's build_stage also puts the device the trace burned
-    into ops (meta) right."""
+def pipeline_stage(pipe, stage: int, device: torch.device, group, dtype: torch.dtype):
+    """A traced stage's PipelineStage, ready to run: build_stage also rights the device the trace put into ops."""
     built = pipe.build_stage(stage, device, group=group)
+    for node in built.submod.graph.nodes:  # its buffers: the trace's fp32, but what crosses stages is dtype's
+        crosses = node.op == "placeholder" or stage < pipe.num_stages - 1 and "output" in {u.op for u in node.users}
+        if crosses and (value := node.meta["val"]).is_floating_point():
+            node.meta["val"] = torch.empty_strided(value.shape, value.stride(), dtype=dtype, device="meta")
     # torch 2.13: warming up its links, the traced stage sends to a neighbour on its own rank (V-shaped), and
     # gloo cannot ("Pair is not connected"); the schedules pass those tensors in memory anyway. A later stage would
     # wait for positions from the stage before ("expected non-root _RecvInfo"); the schedule passes them as kwargs.
@@ -506,7 +507,8 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
     with compute(env, tp):
         if isinstance(schedule, (ScheduleZBVZeroBubble, ScheduleDualPipeV)):
             # torch 2.13: their eval() asserts ("can't steal_bwd_input if this stage doesn't have backward")
-            forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, loss_fn, losses, documents)
+            forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, env.dtype, loss_fn, losses,
+                         documents)
         else:
             schedule.eval(*args, return_outputs=False, **kwargs, **documents)
     for module in (m for stage in pipeline_stages for m in stage.submod.modules() if isinstance(m, FSDPModule)):
@@ -514,8 +516,7 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
     return torch.stack(losses).mean() if targets is not None else None
 
 
-def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidden_shape: tuple, loss_fn,
-                 losses: list, documents: dict) -> None:
+def forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, dtype, loss_fn, losses, documents):
     """Every microbatch forward through this rank's stages, in the order of their index: stage s only ever
     waits for stage s - 1, which every rank runs earlier, and sends do not wait, so no rank waits on itself."""
     first = pipeline_stages[0]
@@ -525,8 +526,8 @@ def forward_only(pipeline_stages: list, inputs, targets, microbatches: int, hidd
         s = stage.stage_index
         for i in range(microbatches):
             x = inputs.chunk(microbatches)[i] if s == 0 else held.pop((s - 1, i), None)
-            if x is None:  # from another rank: one microbatch's hidden states, in fp32
-                dist.recv(x := torch.empty(hidden_shape, device=stage.device), peer(s - 1))
+            if x is None:  # from another rank: one microbatch's hidden states, in the computation's dtype
+                dist.recv(x := torch.empty(hidden_shape, dtype=dtype, device=stage.device), peer(s - 1))
             out = stage.submod(x, **{name: t.chunk(microbatches)[i] for name, t in documents.items()})
             if s == stage.num_stages - 1:
                 losses.append(loss_fn(out, targets.chunk(microbatches)[i]))
