@@ -3408,8 +3408,8 @@ def test_a_full_disk_stops_the_save_cleanly_and_the_rerun_resumes(tmp_path, data
         # Written in the background (each save waits for the one before): step 3's write fails while step 4 trains,
         # and the run stops at the next step's end with the same line, no checkpoint looking complete.
         shutil.rmtree(disk / "ckpt")
-        result = launch(2, "train_pipeline_gpipe.py", *args, "--keep-checkpoints", "2", "--async-checkpoint",
-                        cwd=tmp_path)
+        result = run_script(2, "train_pipeline_gpipe.py", *args, "--keep-checkpoints", "2", "--async-checkpoint",
+                            cwd=tmp_path)
         errors = re.findall(r"^error: .*", result.stderr, re.M)
         assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
         assert "step-00000003.tmp failed (the disk is full" in errors[0], errors
