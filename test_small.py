@@ -70,6 +70,12 @@ ROOT = Path(__file__).resolve().parent
 # Trajectories over several steps drift further apart: drift_rtol.
 RTOL = 1e-5
 SCRIPTS = ("train_pipeline_gpipe.py", "train_pipeline_afab_manual.py", "train_pipeline_tracer.py")
+# A suite started in the background (`pytest ... &` in a script, nohup) inherits SIGINT or SIGHUP ignored, passes
+# that on to what it starts, and a shell cannot trap a signal ignored when it started: run.sh would not hear the
+# Ctrl-C and the closed terminal the tests send it. Caught here, they start at their defaults in every process.
+for _signal, _handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGHUP, signal.SIG_DFL)):
+    if signal.getsignal(_signal) == signal.SIG_IGN:
+        signal.signal(_signal, _handler)
 
 
 # ----------------------------------------------------------------------------------------------------------
