@@ -1,7 +1,8 @@
 """Tests for the collection, on CPU with gloo and real processes.
 
 The central claim: a pipeline is the same model. Gradients and loss trajectories of the pipelined scripts are
-compared with the unsplit model on one process. Run with:  pytest -q test_small.py
+compared with the unsplit model on one process. Run with:  pytest -q -n 2 --dist loadgroup test_small.py
+(two workers, pytest-xdist; `pytest -q test_small.py` runs the same tests one at a time).
 
 Nine sections, each under a "# ---" line: 1 helpers, 2 model.py, 3 data, 4 parity (a pipeline is the same model),
 5 checkpoints and runs, 6 Hugging Face, 7 planning, 8 tools (benchmark.py, run.sh), 9 bad input and templates.
@@ -13,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import inspect
 import io
 import itertools
 import json
@@ -5448,3 +5450,13 @@ def test_a_forked_rank_starts_as_a_torchrun_rank_does(tmp_path):
                 "TORCHELASTIC_USE_AGENT_STORE"} <= set(names), names
         assert second[:2] == [run_id, filters] and all(a != b for a, b in zip(seeds, second[2:])), ranks
     assert len({ranks[0][2] for ranks in launches}) == 3 and len({ranks[0][3] for ranks in launches}) == 1, launches
+
+
+# -- Two workers, `pytest -n 2 --dist loadgroup` (pytest-xdist: requirements-dev.txt): the tests that share a
+# module fixture (the parity launches, the layout runs, ...) are one group, run by one worker that computes it once.
+# Not reference_run's 14 tests, a third of the suite's time: each worker makes that 16-step run (25 s) itself.
+SHARED_FIXTURES = ("parity_run", "layout_runs", "document_runs", "hf_models", "tokenizer_file")
+for _name, _test in list(globals().items()):
+    _shared = [f for f in SHARED_FIXTURES if _name.startswith("test_") and f in inspect.signature(_test).parameters]
+    if _shared:
+        globals()[_name] = pytest.mark.xdist_group(_shared[0])(_test)
