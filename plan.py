@@ -49,13 +49,16 @@ against the traced run's own.
 """
 
 import argparse
+import bisect
 import copy
 import functools
 import gc
 import json
 import math
 import os
+import re
 import signal
+import statistics
 import sys
 import types
 import unittest.mock
@@ -446,6 +449,202 @@ def schedule_result(name, pp, m, stages_per_rank, times: tuple, held, between=No
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Reading the scripts' traces (--trace DIR: DIR/rank{R}.json, torch.profiler's Chrome trace of the last steps)
+#
+# Each profiled step is a "ProfilerStep#N" span. Compute is labelled by the scripts and the schedules:
+#   "Forward i" / "Backward i"   torch's GPipe (one stage per rank): its blocking receives ("gloo:recv") are
+#                                nested inside; the loss ("loss") follows the forward. torch 2.13's 1F1B
+#                                labels nothing: under `benchmark.py run` (labelled_1f1b) the same labels
+#                                surround its compute alone, its receives waited for before them
+#   "PP:<action>"                torch's multi-stage schedules: "0F3", "1B0", "2I1", "2W1", "(0F1;3B0)OVERLAP_F_B"
+#                                (and "PP:1SEND_F0", "PP:0RECV_B2", "PP:UNSHARD"..., which are not compute);
+#                                a receive is posted in a RECV action and waited for in the compute action that
+#                                needs it; the loss is inside the last stage's forward
+#   "forward i" / "backward i"   the hand-written script (its loss inside the forward); its receives ("recv i")
+#                                are outside them
+# A "gloo:recv" span runs from posting the receive to the return of its wait. The rank is blocked from when it
+# stops running operators to that return: from the end of the last operator (cpu_op) it ran before then, or
+# from the post or the start of the compute action that waits (which holds the return) if later. Busy time
+# is the compute labels and the loss minus those blocked intervals; a step's time is its ProfilerStep span.
+
+_SINGLE = re.compile(r"^(Forward|Backward|forward|backward) (\d+)$")
+_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
+
+
+def compute_actions(name: str) -> list[tuple] | None:
+    """The compute a trace label stands for: [(kind F/B/I/W, stage or None (the rank's one stage), microbatch)],
+    two for an overlapped forward and backward; None: not compute."""
+    if found := _SINGLE.match(name):
+        return [(found.group(1)[0].upper(), None, int(found.group(2)))]
+    if not name.startswith("PP:"):
+        return None
+    action = name[3:]
+    parts = action[1:action.index(")")].split(";") if action.startswith("(") and action.endswith(
+        ")OVERLAP_F_B") else [action]
+    actions = [(m.group(2), int(m.group(1)), int(m.group(3))) for m in map(_ACTION.match, parts) if m]
+    return actions if actions and len(actions) == len(parts) else None
+
+
+def _union(intervals) -> list[tuple[float, float]]:
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        elif end > start:
+            merged.append((start, end))
+    return merged
+
+
+def _minus(a: list, b: list) -> list[tuple[float, float]]:
+    """Merged intervals a without merged intervals b."""
+    out, j = [], 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k, cursor = j, start
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > cursor:
+                out.append((cursor, b[k][0]))
+            cursor = max(cursor, b[k][1])
+            k += 1
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
+def _clip(intervals: list, lo: float, hi: float) -> list[tuple[float, float]]:
+    return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
+
+
+def _length(intervals) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def read_rank(path: str) -> dict:
+    """One rank's trace (read once; again only when the file changed): see _read_rank."""
+    stat = os.stat(path)
+    return _read_rank(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)  # the tables ask the same traces many questions
+def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
+    """One rank's trace: per profiled step (one with compute in it) its "time", "busy" and "waiting" (blocked in
+    receives) seconds; per stage (None: the rank's only one) the median "forward" (with the loss) and
+    "backward" (B, or I + W) seconds of one microbatch, from the actions that were not overlapped; "embed" and
+    "head" (None where the rank has no embedding lookup or no "loss" span), the median "forward" and
+    "backward" of one microbatch's embedding lookup and of its loss with the head in it; "segments"
+    (start, end, "forward" | "backward" | "overlapped" | "waiting") and "spans" (start, end) of the steps,
+    for pictures. Times in seconds on the trace's clock."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    steps = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    if not steps:
+        raise ValueError(f"{path}: no ProfilerStep spans; not a trace written by the scripts' --trace")
+    thread = steps[0]["tid"]  # the main thread: the schedules' labels, the waits, autograd's backward on the CPU
+    compute, losses, recvs, op_ends = [], [], [], []
+    lookups, made, node_time = [], [], {}  # embedding ops; (start, sequence number) of ops; backward per number
+    for e in events:
+        if e["tid"] != thread:
+            continue
+        start, end, name = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e["name"]
+        if e.get("cat") == "cpu_op":
+            op_ends.append(end)
+            number = e.get("args", {}).get("Sequence number")
+            if name.startswith("autograd::engine::evaluate_function: "):  # the backward of the op(s) numbered so
+                node_time[number] = node_time.get(number, 0.0) + end - start
+            elif number is not None:
+                made.append((start, number))
+                if name == "aten::embedding":
+                    lookups.append((start, end, number))
+        elif name == "loss":
+            losses.append((start, end))
+        elif name == "gloo:recv":
+            recvs.append((start, end))
+        elif (actions := compute_actions(name)) is not None:
+            compute.append((start, end, actions))
+    op_ends.sort()
+    blocked = []
+    for start, end in recvs:  # blocked from the post, the last operator before the wait returned, or the
+        i = bisect.bisect_right(op_ends, end) - 1  # start of the compute action waiting: whichever is latest
+        waiting_in = [s for s, e, _ in compute if s <= end <= e]
+        blocked.append((max(start, op_ends[i] if i >= 0 else start, max(waiting_in, default=start)), end))
+    blocked = _union(blocked)
+    work = _union([(s, e) for s, e, _ in compute] + losses)
+    rank = {"steps": [], "stages": {}, "segments": [], "spans": []}
+    for e in steps:
+        lo, hi = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6
+        done = _clip(work, lo, hi)
+        if not done:  # after the last step: the profiler's tail
+            continue
+        waiting = _clip(blocked, lo, hi)
+        rank["steps"].append({"time": hi - lo, "busy": _length(_minus(done, blocked)), "waiting": _length(waiting)})
+        rank["spans"].append((lo, hi))
+        rank["segments"] += [(s, t, "waiting") for s, t in waiting]
+    if not rank["steps"]:
+        raise ValueError(f"{path}: no forward or backward labelled in any profiled step (torch 2.13's 1F1B labels "
+                         "none: run the script under benchmark.py run, which labels it)")
+    # Per microbatch: (step, stage, microbatch) -> seconds of forward (with a loss outside it) and backward.
+    forward, backward, overlapped, step_of = {}, {}, set(), lambda t: bisect.bisect_right(
+        [lo for lo, _ in rank["spans"]], t)
+    for start, end, actions in compute:
+        busy = _minus([(start, end)], blocked)
+        kind = "overlapped" if len(actions) > 1 else "forward" if actions[0][0] == "F" else "backward"
+        rank["segments"] += [(s, t, kind) for s, t in busy]
+        for k, stage, mb in actions:
+            key = (step_of(start), stage, mb)
+            if len(actions) > 1:
+                overlapped.add(("F" if k == "F" else "B", key))
+            else:
+                table = forward if k == "F" else backward
+                table[key] = table.get(key, 0.0) + _length(busy)
+    labelled = _union([(s, e) for s, e, _ in compute])
+    for start, end in losses:
+        outside = _minus([(start, end)], labelled)
+        if outside:  # GPipe's and 1F1B's loss follows the forward of its microbatch
+            before = [(s, a[0]) for s, e, a in compute if s <= start and len(a) == 1 and a[0][0] == "F"]
+            if before:
+                _, (_, stage, mb) = max(before, key=lambda found: found[0])
+                key = (step_of(start), stage, mb)
+                forward[key] = forward.get(key, 0.0) + _length(outside)
+            rank["segments"] += [(s, t, "forward") for s, t in outside]
+    for stage in sorted({key[1] for key in [*forward, *backward]}, key=lambda s: -1 if s is None else s):
+        times = {name: [v for key, v in table.items()
+                        if key[1] == stage and (name[0].upper(), key) not in overlapped]
+                 for name, table in (("forward", forward), ("backward", backward))}
+        rank["stages"][stage] = {name: statistics.median(v) if v else 0.0 for name, v in times.items()}
+    # The embedding's and the loss's own share (the loss's span holds the head: the scripts apply it there): per
+    # lookup or loss, its forward, and the backward of the autograd nodes its ops made (autograd numbers each
+    # node as the op that makes it, and its backward's span carries the number).
+    made.sort()
+    starts = [t for t, _ in made]
+
+    def backward_of(lo: float, hi: float) -> float:
+        return sum(node_time.get(n, 0.0) for n in {n for _, n in made[bisect.bisect_left(starts, lo):
+                                                                       bisect.bisect_left(starts, hi)]})
+    for part, spans in (("embed", [(s, e) for s, e, _ in lookups]), ("head", losses)):
+        pairs = [(e - s, b) for s, e in spans if (b := backward_of(s, e)) > 0]  # evaluations have no backward
+        rank[part] = {"forward": statistics.median(f for f, _ in pairs),
+                      "backward": statistics.median(b for _, b in pairs)} if pairs else None
+    return rank
+
+
+def read_trace(trace_dir: str) -> dict[int, dict]:
+    """Every rank's read_rank, by rank (the files rank{R}.json of a --trace DIR)."""
+    files = {int(m.group(1)): name for name in os.listdir(trace_dir) if (m := re.fullmatch(r"rank(\d+)\.json", name))}
+    if not files:
+        raise ValueError(f"{trace_dir}: no rank{{R}}.json; not a directory written by the scripts' --trace")
+    return {rank: read_rank(os.path.join(trace_dir, files[rank])) for rank in sorted(files)}
+
+
+def traced_step_time(trace_dir: str) -> float:
+    """The median profiled step, each step as long as its slowest rank's."""
+    ranks = list(read_trace(trace_dir).values())
+    return statistics.median(max(r["steps"][i]["time"] for r in ranks)
+                             for i in range(min(len(r["steps"]) for r in ranks)))
+
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Measured pass times, instead of the FLOP estimate: given (--layer-times, ...) or from a traced run (--trace)
 #
 # As the Zero Bubble paper (Qi et al., ICLR 2024) plans: a decoder layer's forward (F), input gradient (B) and
@@ -482,14 +681,13 @@ def given_passes(args, config: LlamaConfig) -> dict | None:
 
 def traced_passes(args, layout: list[range], stages_of: dict[int, list[int]], dp: int, tp: int) -> dict:
     """The parts' times (seconds, one microbatch) in the run traced in --trace DIR, which ran with these flags and
-    so this layout: the embedding's and the loss's with the head from their own operators (benchmark.read_rank),
+    so this layout: the embedding's and the loss's with the head from their own operators (read_rank),
     a decoder layer's the rest of its stages' time over their layers. The hand-written script labels no loss:
     there the layer's time comes from the stages before the last, and the head's is the last stage's rest. A
     backward is cut into its input and weight gradient halves, as the FLOP estimate cuts it (the embedding's is
     all weight gradient)."""
-    import benchmark  # reads traces (and imports this file only to replay one)
     try:
-        ranks = benchmark.read_trace(args.trace)
+        ranks = read_trace(args.trace)
     except (OSError, ValueError) as e:
         raise UsageError(f"--trace {args.trace}: {e}") from None
     if sorted(ranks) != list(range(args.processes)):
@@ -631,9 +829,8 @@ def plan(args) -> dict:
         return stage_held(lay, sizes, checkpointing), stage_between(lay, sizes)
 
     if args.trace:
-        import benchmark  # reads the trace (it imports plan.py only to replay)
         traced = schedule_result(schedule, pp, m, per_rank, timed(layout), [0.0] * len(layout), message=message)
-        report["traced"] = {"split": counts(layout), "step": benchmark.traced_step_time(args.trace),
+        report["traced"] = {"split": counts(layout), "step": traced_step_time(args.trace),
                             "replayed": traced["step"]}
         layout = balanced(config.num_hidden_layers, len(layout), costs)
         report |= {"passes": passes, "split": counts(layout)}
