@@ -59,6 +59,7 @@ import benchmark
 import checkpoint
 import export
 import model as model_module
+import nccl_rules
 import plan
 import prepare_data as prep
 import train_pipeline_afab_manual as manual
@@ -479,6 +480,14 @@ def cpu_env(rank: int, world_size: int, dtype=torch.float32) -> "gpipe.Env":
     return gpipe.Env(rank, world_size, torch.device("cpu"), dtype, 0)
 
 
+def recorder() -> nccl_rules.Recorder:
+    """This worker's calls of torch.distributed, recorded while on (nccl_rules.Recorder: a context manager), to be
+    replayed under NCCL's rules. Made before the group starts: gloo's flight recorder, which checks the recording
+    for gaps, must be on by then."""
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "1000000"
+    return nccl_rules.Recorder()
+
+
 def start_group(rank: int, world_size: int, store_path: str, pp: int | None = None, dp: int = 1, tp: int = 1):
     """A worker's gloo process group, and the scripts' (pp, dp, tp) mesh over it."""
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
@@ -551,14 +560,19 @@ TRAIN_ARGS = ["--layers", "4", "--steps", "5", "--batch-size", "8", "--microbatc
 RESUME_ARGS = [*TRAIN_ARGS, "--steps", "16"]
 
 
+def recorded(directory: Path, script: str) -> list[str]:
+    """A script's command line, run with its calls of torch.distributed recorded into directory (nccl_rules.py)."""
+    return ["nccl_rules.py", "record", str(directory), str(ROOT / script)]
+
+
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, data_dir):
     """2 stages x 2 replicas, 16 steps, never interrupted; checkpoints after steps 4, 8, 12 written in the
-    background (--async-checkpoint: what resumes from them checks them too), and 16."""
+    background (--async-checkpoint: what resumes from them checks them too), and 16; its calls recorded (calls/)."""
     directory = tmp_path_factory.mktemp("reference")
-    result = run_script(4, "train_pipeline_gpipe.py", *RESUME_ARGS, "--dp", "2", "--checkpoint-every", "4",
-                        "--keep-checkpoints", "4", "--async-checkpoint", "--data", data_dir, "--metrics", "m.jsonl",
-                        cwd=directory)
+    result = run_script(4, *recorded(directory / "calls", "train_pipeline_gpipe.py"), *RESUME_ARGS, "--dp", "2",
+                        "--checkpoint-every", "4", "--keep-checkpoints", "4", "--async-checkpoint", "--data",
+                        data_dir, "--metrics", "m.jsonl", cwd=directory)
     assert result.returncode == 0, result.stderr[-3000:]
     rows, _ = read_metrics(directory / "m.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 17))
@@ -1632,7 +1646,9 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
     variants at (pp, dp, tp), as the scripts build them, on real gloo ranks: the split by the library (the GPipe
     script's), traced (the tracer script's) or by hand (the AFAB script's); documents: with --document-masking's
     positions, every rank's from its rows of the batch. Saves, per variant, the full gradients, the global loss,
-    the evaluated loss, the activations held, and the stages' initial tensors and state_dict keys."""
+    the evaluated loss, the activations held, the stages' initial tensors and state_dict keys, and the step's and
+    the evaluation's calls of torch.distributed (to replay under NCCL's rules)."""
+    calls = recorder()
     mesh = start_group(rank, world_size, store_path, pp, dp, tp)
     try:
         env = cpu_env(rank, world_size)
@@ -1665,34 +1681,35 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                 modules = [model]
             initial = {n: t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
                        for module in modules for n, t in [*module.named_parameters(), *module.named_buffers()]}
-            meter = benchmark.ActivationMeter()
-            with meter, warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+            with calls:  # the step and the evaluation
+                meter = benchmark.ActivationMeter()
+                with meter, warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    if kind == "manual":
+                        with manual.compute(env, tp):
+                            loss = manual.SCHEDULES[name](
+                                partition, x.chunk(m) if first else [None] * m, y.chunk(m) if last else [None] * m,
+                                env.device, torch.float32, loss_chunks=8,  # as the library's loss above
+                                positions=positions.chunk(m) if documents else None, shape=shape)
+                    else:
+                        loss = script.train_step(schedule, x if first else None, y if last else None, env, tp,
+                                                 **({"positions": positions} if documents else {}))
+                # Copied: a replicated DTensor's full_tensor() is its local tensor, and torch 2.13's eval() below
+                # divides the gradients it finds by the microbatches once more.
+                grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                         for n, p in model.named_parameters()}
+                # The evaluation of the same batch (the weights are unchanged: no optimizer step), forward only: the
+                # schedule's eval(), or the script's own forward pass where torch's cannot serve (V-shaped).
                 if kind == "manual":
                     with manual.compute(env, tp):
-                        loss = manual.SCHEDULES[name](partition, x.chunk(m) if first else [None] * m,
-                                                      y.chunk(m) if last else [None] * m, env.device, torch.float32,
-                                                      loss_chunks=8,  # as the library's loss above
-                                                      positions=positions.chunk(m) if documents else None)
+                        evaluated = manual.eval_step_pipeline(
+                            partition, x.chunk(m) if first else [None] * m, y.chunk(m) if last else [None] * m,
+                            env.device, torch.float32, loss_chunks=8,
+                            positions=positions.chunk(m) if documents else None, shape=shape)
                 else:
-                    loss = script.train_step(schedule, x if first else None, y if last else None, env, tp,
-                                             **({"positions": positions} if documents else {}))
-            # Copied: a replicated DTensor's full_tensor() is its local tensor, and torch 2.13's eval() below
-            # divides the gradients it finds by the microbatches once more.
-            grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-                     for n, p in model.named_parameters()}
-            # The evaluation of the same batch (the weights are unchanged: no optimizer step), forward only: the
-            # schedule's eval(), or the script's own forward pass where torch's cannot serve (V-shaped).
-            if kind == "manual":
-                with manual.compute(env, tp):
-                    evaluated = manual.eval_step_pipeline(partition, x.chunk(m) if first else [None] * m,
-                                                          y.chunk(m) if last else [None] * m, env.device,
-                                                          torch.float32, loss_chunks=8,
-                                                          positions=positions.chunk(m) if documents else None)
-            else:
-                evaluated = script.eval_step(schedule, built, x if first else None, y if last else None, env, tp,
-                                             loss_fn, m, (shape[0], shape[1] // tp, config.hidden_size),
-                                             **({"positions": positions} if documents else {}))
+                    evaluated = script.eval_step(schedule, built, x if first else None, y if last else None, env,
+                                                 tp, loss_fn, m, (shape[0], shape[1] // tp, config.hidden_size),
+                                                 **({"positions": positions} if documents else {}))
             if last and dp > 1:
                 for value in (loss, evaluated):
                     dist.all_reduce(value, group=mesh.get_group("dp"))
@@ -1701,7 +1718,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                 "grads": grads if reports else {}, "initial": initial if reports else {},
                 "state_keys": list(model.state_dict()) if reports else [],
                 "loss": loss if last and reports else None, "eval": evaluated if last and reports else None,
-                "activations": meter.peak_bytes,
+                "activations": meter.peak_bytes, "calls": calls.recording(),
                 "views": sum("returned a view tensor" in str(w.message) for w in caught)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -1745,7 +1762,12 @@ PARITY_LAYOUTS = {  # (pp, dp, tp) -> the (kind, schedule, layers: even over tha
     # 3 stages: 4 layers split unevenly (2, 1, 1), and 6; and all 4 on the middle stage, (0, 4, 0).
     (3, 1, 1): [(kind, "gpipe", layers, documents) for layers in (4, 6) for kind in ("library", "tracer")
                 for documents in ((False, True) if layers == 4 else (False,))]
-               + [(kind, "1f1b", (0, 4, 0), False) for kind in ("library", "tracer", "manual")],
+               + [(kind, "1f1b", (0, 4, 0), False) for kind in ("library", "tracer", "manual")]
+               # Every other schedule at 3 pipeline ranks too, for NCCL's rules (their messages cross otherwise than
+               # at 2): 6 layers, one a stage where there are 6; traced, a looped and a V-shaped one.
+               + [("library", name, 6, False) for name in gpipe.SCHEDULES if name not in ("gpipe", "1f1b")]
+               + [("tracer", "interleavedzerobubble", 6, False), ("tracer", "dualpipev", 6, False),
+                  ("manual", "afab", 6, False)],
 }
 # Layerless ends at dp 1 too, for each schedule of each kind that the launches above do not run so.
 PARITY_LAYOUTS[2, 1, 1] += [(kind, name, LAYERLESS[name], False) for kind, name in EVERY_SPLIT_AND_SCHEDULE
@@ -1753,26 +1775,33 @@ PARITY_LAYOUTS[2, 1, 1] += [(kind, name, LAYERLESS[name], False) for kind, name 
                                        for variants in PARITY_LAYOUTS.values() for v in variants)]
 
 
+def parity_step(layout: tuple) -> tuple[int, int]:
+    """(microbatches per replica, rows of the batch) of a layout's launch: 4 of 8, and at 3 pipeline ranks 6 of 12
+    (DualPipeV takes as many microbatches as stages, 6 in its V)."""
+    return (6, 12) if layout == (3, 1, 1) else (4, 8)
+
+
 @pytest.fixture(scope="module", params=list(PARITY_LAYOUTS), ids=lambda layout: "-".join(map(str, layout)))
 def parity_run(request, tmp_path_factory):
-    """One step of every variant of a layout in PARITY_LAYOUTS, in one launch, 4 microbatches per replica:
-    ((pp, dp, tp), variants, the batch, each rank's saved results)."""
+    """One step of every variant of a layout in PARITY_LAYOUTS, in one launch, parity_step's microbatches per
+    replica: ((pp, dp, tp), variants, the batch, each rank's saved results)."""
     (pp, dp, tp), tmp_path = request.param, tmp_path_factory.mktemp("parity")
     variants, world_size = PARITY_LAYOUTS[pp, dp, tp], pp * dp * tp
-    inputs, targets = random_batch(parity_config(4))
+    microbatches, rows = parity_step((pp, dp, tp))
+    inputs, targets = random_batch(parity_config(4), batch=rows)
     # Documents start in rows 2 and 3 alone (microbatch 1 of 4 at dp 1, microbatches 2 and 3 of the first replica
     # at dp 2): a pipeline that gave every microbatch the first one's boundaries, or none to a later stage,
     # computes those rows causally (torchtitan #1723, KempnerForge #204); the other rows are one document each.
     inputs = documents_batch(inputs, {2: [5, 11], 3: [0, 9]})
     run_workers(_layout_worker, world_size, args=(world_size, str(tmp_path / "store"), str(tmp_path), variants,
-                                                  (inputs, targets), pp, dp, tp, 4))
+                                                  (inputs, targets), pp, dp, tp, microbatches))
     return (pp, dp, tp), variants, (inputs, targets), [torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
                                                        for r in range(world_size)]
 
 
 def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
     (pp, dp, tp), variants, (inputs, targets), ranks = parity_run
-    microbatches, world_size = 4, pp * dp * tp
+    (microbatches, _), world_size = parity_step((pp, dp, tp)), pp * dp * tp
     # The unsplit model on this process, fed every replica's microbatches one after another.
     references = {(layer_count(split), documents): unsplit_step(parity_config(layer_count(split)), inputs, targets,
                                                                 dp * microbatches, documents)
@@ -1814,6 +1843,106 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
         assert ratios == pytest.approx([(pp - r // (dp * tp)) / microbatches for r in range(world_size)],
                                        abs=0.01), \
             (kind, name, ratios)
+
+
+def test_every_split_and_schedule_completes_under_nccls_rules(parity_run):
+    """gloo buffers sends, NCCL does not, and runs a rank's calls on one communicator in the order issued: each
+    variant's step and evaluation, replayed under NCCL's rules (nccl_rules.py), completes, with the 2-rank
+    communicators torch makes for single sends and with eager ones. The recordings miss no collective (gloo's
+    flight recorder saw as many)."""
+    _, variants, _, ranks = parity_run
+    for variant in variants:
+        recordings = [result[variant]["calls"] for result in ranks]
+        assert any("op" in event for recording in recordings for event in recording["events"]), variant
+        nccl_rules.check(recordings)
+
+
+class _StepAsItWas(manual.Step):
+    """The hand-written pipeline's messages before they kept NCCL's rules: each send and receive on its own (a
+    2-rank communicator each pair), the shape sent first and read by the host, every send kept to the end."""
+
+    def send(self, tensor, stage, mb, hold):
+        shape = torch.tensor(tensor.shape)
+        self.sends += [(dist.isend(t, group=self.partition.group, group_dst=stage), t) for t in (shape, tensor)]
+
+    def recv(self, stage, mb, shape, dtype=None):
+        dims = torch.empty(len(shape), dtype=torch.int64)
+        dist.recv(dims, group=self.partition.group, group_src=stage)
+        tensor = torch.empty(dims.tolist(), dtype=dtype or self.dtype)
+        dist.recv(tensor, group=self.partition.group, group_src=stage)
+        return tensor
+
+
+def _orders_worker(rank, world_size, store_path, out_dir):
+    """Recordings of known orders at 2 ranks: two sends that cross (each rank sends, then receives), the same
+    two in one batch, a batched send met by a single receive, the hand-written 1F1B as it was and as it is,
+    and torch's Schedule1F1B."""
+    calls = recorder()
+    mesh = start_group(rank, world_size, store_path)
+    try:
+        peer, results = 1 - rank, {}
+        x, y = torch.ones(64), torch.empty(64)
+        with calls:
+            work = dist.isend(x, peer)
+            dist.recv(y, peer)
+            work.wait()
+        results["crossed"] = calls.recording()
+        with calls:
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, y, peer)]):
+                work.wait()
+        results["batched"] = calls.recording()
+        with calls:
+            if rank == 0:
+                dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer)])[0].wait()
+            else:
+                dist.recv(y, peer)
+        results["batch against single"] = calls.recording()
+        config, (inputs, targets) = parity_config(2), random_batch(parity_config(2))
+        for name, step in (("1f1b as it was", _StepAsItWas), ("1f1b", manual.Step)):
+            with torch.device("meta"):
+                model = LlamaForPretraining(config)
+            partition = manual.partition_model(model, rank, world_size, trim=True)
+            model.to_empty(device="cpu")
+            model.init_weights(11)
+            with calls, unittest.mock.patch.object(manual, "Step", step):
+                manual.train_step_pipeline_1f1b(partition, inputs.chunk(4), targets.chunk(4),
+                                                torch.device("cpu"), torch.float32)
+            results[name] = calls.recording()
+        _, _, schedule, _ = library_pipeline(config, "1f1b", [rank], even(2, 2), mesh, (2, inputs.shape[1]), 4)
+        with calls:
+            gpipe.train_step(schedule, inputs if rank == 0 else None, targets if rank == 1 else None,
+                             cpu_env(rank, world_size), 1)
+        results["torch's 1f1b"] = calls.recording()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_nccl_rules_replay_finds_crossed_sends_and_passes_torchs_1f1b(tmp_path):
+    # The check itself: orders known to hang under NCCL hang in the replay, naming each rank's stuck call, and
+    # the ones known to complete complete. Each rank sending before it receives, as the hand-written 1F1B's steady
+    # state did (rank 0 sends activations then receives a gradient; rank 1 sends that gradient then receives those
+    # activations): under NCCL neither send completes, each waiting for a receive queued behind the other one's
+    # send on their one communicator (NVIDIA/nccl #479). In one batch_isend_irecv, as torch's Schedule1F1B sends
+    # them (fwd_send_bwd_recv), they start together. A batched send and a single receive use two communicators
+    # (the group's, a 2-rank one) under lazy initialization: they never meet.
+    run_workers(_orders_worker, 2, args=(2, str(tmp_path / "store"), str(tmp_path)))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    recorded = {name: [rank[name] for rank in ranks] for name in ranks[0]}
+    for name in ("crossed", "1f1b as it was"):
+        for eager in (False, True):
+            with pytest.raises(nccl_rules.Deadlock) as stuck:
+                nccl_rules.replay(recorded[name], eager)
+            assert "rank 0" in str(stuck.value) and "rank 1" in str(stuck.value), str(stuck.value)
+            assert "send to 1 of" in str(stuck.value) and "send to 0 of" in str(stuck.value), str(stuck.value)
+    assert "train_pipeline_afab_manual.py" in str(stuck.value)  # where the stuck call was made
+    with pytest.raises(nccl_rules.Deadlock, match="communicator's creation"):
+        nccl_rules.replay(recorded["batch against single"], eager=False)
+    nccl_rules.replay(recorded["batch against single"], eager=True)
+    for name in ("batched", "1f1b", "torch's 1f1b"):
+        nccl_rules.check(recorded[name])
+    # Rule 1 (no buffering) decides: on gloo every one of them completed, as the recordings show.
+    assert all(r["events"] for rank in ranks for r in rank.values())
 
 
 def _norm_reduction_worker(rank, world_size, store_path, out_dir):
@@ -2566,6 +2695,29 @@ def test_a_stop_during_an_async_save_waits_for_it_then_saves_its_step(tmp_path, 
     assert result.returncode == 0 and f"resumed from checkpoints/step-{rows:08d}" in result.stdout, result.stderr
     rows, _ = read_metrics(tmp_path / "m.jsonl")
     assert [(r["step"], r["loss"]) for r in rows] == [(r["step"], r["loss"]) for r in reference_run[1]]
+
+
+def test_whole_runs_complete_under_nccls_rules(tmp_path, data_dir, reference_run):
+    # Every call of torch.distributed of whole runs, replayed under NCCL's rules (nccl_rules.py; each schedule's
+    # step and evaluation: test_every_split_and_schedule_completes_under_nccls_rules). The reference run: 2 stages x
+    # 2 replicas (FSDP2), 16 steps, saves written in the background on their own gloo group by another thread.
+    nccl_rules.check(nccl_rules.load(reference_run[0] / "calls"))
+    # The V-shaped zero bubble at 2 stages x tp 2 (sequence parallel) on packed documents, evaluated (the
+    # script's own forward pass), saved in the background; the hand-written 1F1B at 3 stages asked to stop as it
+    # starts (every rank agrees on the step to stop after, and saves it).
+    (tmp_path / "stop").write_text("SIGTERM")
+    runs = {"zbv": run_script(4, *recorded(tmp_path / "zbv", "train_pipeline_gpipe.py"), *TRAIN_ARGS, "--steps", "2",
+                              "--schedule", "zbvzerobubble", "--tp", "2", "--document-masking", "--eval-every", "2",
+                              "--eval-batches", "1", "--async-checkpoint", "--checkpoint-every", "1", "--data",
+                              data_dir, "--checkpoint-dir", "zbv-checkpoints", cwd=tmp_path),
+            "stop": run_script(3, *recorded(tmp_path / "stop-calls", "train_pipeline_afab_manual.py"), *TRAIN_ARGS,
+                               "--schedule", "1f1b", "--data", data_dir, "--checkpoint-dir", "stop-checkpoints",
+                               cwd=tmp_path, env=dict(script_env(), PIPELINE_STOP_FILE=str(tmp_path / "stop")))}
+    for name, result in runs.items():
+        assert result.returncode == 0, (name, result.stderr[-3000:])
+    assert "stopped by SIGTERM after step 1" in runs["stop"].stdout, runs["stop"].stdout
+    for calls in ("zbv", "stop-calls"):
+        nccl_rules.check(nccl_rules.load(tmp_path / calls))
 
 
 def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, reference_run):
@@ -3482,7 +3634,9 @@ def test_a_run_started_from_weights_resumes_without_them(tmp_path, hf_models, da
 
 def _hf_worker(rank, world_size, store_path, out_dir, hf_root, schedules, batch, microbatches):
     """Each model: this rank's stage loaded from the Hugging Face directory, saved as a checkpoint of ours,
-    then 3 training steps; the first step's loss and gradients and the weights after the last are saved."""
+    then 3 training steps; the first step's loss and gradients and the weights after the last are saved, and the
+    calls of torch.distributed of it all (to replay under NCCL's rules)."""
+    calls = recorder()
     mesh = start_group(rank, world_size, store_path)
     try:
         env = cpu_env(rank, world_size)
@@ -3499,10 +3653,12 @@ def _hf_worker(rank, world_size, store_path, out_dir, hf_root, schedules, batch,
                 layers = model_module.from_sizes([0, *map(len, even(config.num_hidden_layers, num_stages - 2)), 0])
             shape = (len(inputs) // microbatches, inputs.shape[1])
             model, built, run, _ = library_pipeline(config, schedule, stages, layers, mesh, shape, microbatches)
+            calls.__enter__()
             checkpoint.load_weights(source, model, config)
             checkpoint.save(os.path.join(out_dir, f"ckpt-{name}"), 0, model, torch.optim.AdamW(model.parameters()),
                             {"config": dataclasses.asdict(config)}, rank, 1, tokenizer_dir=source)
             if name.endswith("bf16"):
+                calls.__exit__(None, None, None)
                 continue  # only the round trip
             optimizer = gpipe.make_optimizer(model, gpipe.build_parser().parse_args(["--lr", "1e-2"]))
             tied = model_module.TiedEmbedding(model, config, mesh, first, last)
@@ -3515,7 +3671,9 @@ def _hf_worker(rank, world_size, store_path, out_dir, hf_root, schedules, batch,
                                                              model.named_parameters(remove_duplicate=False)}}
                 model_module.clip_grad_norm_(model.parameters(), 1.0, copies=tied.copies)
                 optimizer.step()
+            calls.__exit__(None, None, None)
             results[name]["after"] = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+            results[name]["calls"] = calls.recording()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -3557,6 +3715,8 @@ def test_hugging_face_weights_train_like_transformers_at_any_stage_count(tmp_pat
             for result in ranks:
                 after.update(result[name]["after"])
             assert torch.equal(after["base_model.embed_tokens.weight"], after["lm_head.weight"])
+        # Loading, saving, training (the tied copies' gradients summed over their group): under NCCL's rules too.
+        nccl_rules.check([result[name]["calls"] for result in ranks])
     if world_size < 3:
         return  # the export below runs once, on the checkpoint of 3 stages: it gathers every rank's part
     # Loaded and saved by the pipeline, then exported: the same tensors as the Hugging Face files, bit for bit.
@@ -3817,7 +3977,7 @@ def test_the_plan_counts_each_schedules_activations(parity_run):
     # rotary tables of each sequence. (Not the tracer's stages with documents: traced for any device, their
     # attention copies K/V heads as a GPU's masked kernel needs, which plan.py, planning the GPipe script, omits.)
     (pp, dp, tp), variants, (inputs, targets), ranks = parity_run
-    microbatches, world_size = 4, pp * dp * tp
+    (microbatches, _), world_size = parity_step((pp, dp, tp)), pp * dp * tp
     for kind, name, split, documents in ((k, n, s, d) for k, n, s, d in variants if not (k == "tracer" and d)):
         sizes = plan.activation_bytes(parity_config(layer_count(split)),
                                       len(inputs) // (dp * microbatches) * inputs.shape[1], inputs.shape[1], False,
@@ -5327,9 +5487,10 @@ def test_a_problem_one_rank_finds_ends_every_rank_with_the_same_line(tmp_path, d
     for name in ("good", "bare"):
         (tmp_path / name).mkdir()
     os.symlink(data_dir, tmp_path / "good" / "data")
-    procs = launch_ranks(3, "train_pipeline_gpipe.py", "--layers", "3", "--steps", "5", "--timeout", "60",
-                         cwd=[tmp_path / "good", tmp_path / "good", tmp_path / "bare"])
+    procs = launch_ranks(3, *recorded(tmp_path / "calls", "train_pipeline_gpipe.py"), "--layers", "3", "--steps",
+                         "5", "--timeout", "60", cwd=[tmp_path / "good", tmp_path / "good", tmp_path / "bare"])
     results = [finish(proc, timeout=120) for proc in procs]
+    nccl_rules.check(nccl_rules.load(tmp_path / "calls"))  # the ranks' agreement on it, under NCCL's rules too
     assert [r.returncode for r in results] == [1, 1, 1], [r.stderr[-1500:] for r in results]
     errors = [line for r in results for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert errors == ["error: --data data: no data prepared there; run python prepare_data.py first (see its "

@@ -154,7 +154,8 @@ def main(args):
     def through_pipeline(run, inputs, targets):  # this replica's rows in; the mean loss over the replicas out
         inputs, targets = inputs[rows].to(env.device), targets[rows].to(env.device)  # every rank reads the batch
         documents = {"positions": document_positions(inputs, meta["bos_id"])} if args.document_masking else {}
-        loss = run(inputs if has_first else None, targets if has_last else None, **documents)  # to every stage
+        loss = run(inputs if has_first else None, targets if has_last else None,  # the microbatches' shape: to
+                   shape=(len(inputs) // args.microbatches, args.seq_len), **documents)  # every stage
         if has_last and dp > 1:
             dist.all_reduce(loss, group=mesh.get_group("dp"))
             loss /= dp
@@ -430,47 +431,71 @@ def loss_fn(partition: Partition, hidden: torch.Tensor, targets: torch.Tensor, c
 # The schedule: point-to-point messages, and AFAB and 1F1B over them
 
 class Step:
-    """One step of AFAB or 1F1B on this rank, each forward, backward, send and receive labelled for --trace. Sends
-    do not wait (two neighbours sending at once, as in 1F1B, cannot deadlock): they are waited for at the end."""
+    """One step of AFAB or 1F1B on this rank, each forward, backward, send and receive labelled for --trace.
 
-    def __init__(self, model, inputs, targets, device, dtype, loss_chunks=1, positions=None):
+    Right under NCCL's rules (docs/pipeline-by-hand.md): a send waits for its receive, and a rank's calls on one
+    communicator run in the order issued. Each message is a batch_isend_irecv, as in torch's schedules (both ends
+    on the group's communicator); a send that the rank's next receive crosses (1F1B's steady state) is held and
+    goes in one batch with that receive: NCCL starts them together. Receive buffers are shaped from the config
+    and the microbatch, so no receive waits for a shape message or syncs the host."""
+
+    def __init__(self, model, inputs, targets, device, dtype, loss_chunks=1, positions=None, shape=None):
         part = model if isinstance(model, Partition) else partition_model(model, dist.get_rank(), dist.get_world_size())
         self.partition, self.inputs, self.targets, self.device, self.dtype = part, inputs, targets, device, dtype
-        self.chunks, self.microbatches, self.sends, self.positions = loss_chunks, len(inputs), [], positions
+        self.chunks, self.microbatches, self.positions = loss_chunks, len(inputs), positions
         self.rank, self.first, self.last = part.rank, part.rank == 0, part.rank == part.world_size - 1
         self.saved, self.loss = {}, torch.zeros((), device=device)  # saved: microbatch -> (input, output or loss)
+        self.held, self.sends = [], []  # sends for the next receive to take along; sent, not yet complete
+        # shape: (batch, seq) of every microbatch, where every rank knows it (the scripts: each rank reads the
+        # batch); else the microbatches' shapes come down the pipeline ahead of the step (the host reads them once).
+        if shape is None:
+            shapes = torch.tensor([x.shape for x in inputs], device=device) if self.first else self.recv(
+                self.rank - 1, "shapes", (self.microbatches, 2), torch.int64)
+            if not self.last:
+                self.send(shapes, self.rank + 1, "shapes", hold=False)
+        width, shards = part.model.config.hidden_size, part.sequence_shards
+        self.shapes = [(b, s // shards, width) for b, s in ([shape] * len(inputs) if shape else shapes.tolist())]
 
-    def send(self, tensor: torch.Tensor, stage: int, mb: int) -> None:
-        with record_function(f"send {mb}"):
-            # A receive buffer must match what is sent, and the receiver does not know the sequence length (it may
-            # change between batches): [batch, seq, hidden]'s shape first. Both are kept until finish() waits.
-            tensor, shape = tensor.contiguous(), torch.tensor(tensor.shape, device=self.device)
-            self.sends += [(dist.isend(t, group=self.partition.group, group_dst=stage), t) for t in (shape, tensor)]
+    def send(self, tensor: torch.Tensor, stage: int, mb, hold: bool) -> None:
+        self.held.append(dist.P2POp(dist.isend, tensor.contiguous(), group=self.partition.group, group_peer=stage))
+        if not hold:
+            self.exchange(f"send {mb}")
 
-    def recv(self, stage: int, mb: int) -> torch.Tensor:
-        with record_function(f"recv {mb}"):
-            shape = torch.empty(3, dtype=torch.int64, device=self.device)
-            dist.recv(shape, group=self.partition.group, group_src=stage)
-            tensor = torch.empty(shape.tolist(), dtype=self.dtype, device=self.device)
-            dist.recv(tensor, group=self.partition.group, group_src=stage)
-            return tensor
+    def recv(self, stage: int, mb, shape, dtype=None) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
+        self.held.append(dist.P2POp(dist.irecv, tensor, group=self.partition.group, group_peer=stage))
+        self.exchange(f"recv {mb}")
+        return tensor
 
-    def forward(self, i: int) -> None:
+    def exchange(self, label: str) -> None:
+        # The held calls in one batch. With a receive, waited for: wait() orders NCCL's stream before the
+        # compute that reads it (the host does not block). Sends alone are kept only until complete.
+        ops, self.held = self.held, []
+        with record_function(label):
+            works = dist.batch_isend_irecv(ops)
+        if ops[-1].op is dist.irecv:
+            for work in works:
+                work.wait()
+        else:
+            self.sends = [(w, t) for w, t in self.sends if not w.is_completed()] + [(w, ops) for w in works]
+
+    def forward(self, i: int, hold: bool) -> None:
         # A received tensor has no autograd history. Made a leaf that requires grad, it stops this stage's
         # backward and keeps d(loss)/d(input) in x.grad: what the previous stage needs.
-        x = self.inputs[i].to(self.device) if self.first else self.recv(self.rank - 1, i).requires_grad_()
+        x = self.inputs[i].to(self.device) if self.first else self.recv(self.rank - 1, i, self.shapes[i])
+        x.requires_grad_(not self.first)
         with record_function(f"forward {i}"):
             out = forward_stage(self.partition, x, self.positions[i] if self.positions else None)
             if self.last:  # divided by the microbatches: the gradients add up to those of their mean loss
                 out = loss_fn(self.partition, out, self.targets[i].to(self.device), self.chunks) / self.microbatches
                 self.loss += out.detach()
         if not self.last:  # values only travel; the graph stays here in `out` for this stage's backward
-            self.send(out.detach().to(self.dtype), self.rank + 1, i)
+            self.send(out.detach().to(self.dtype), self.rank + 1, i, hold)
         self.saved[i] = (x, out)
 
-    def backward(self, i: int) -> None:
+    def backward(self, i: int, hold: bool) -> None:
         x, out = self.saved.pop(i)  # dropping it frees this microbatch's activations after the backward
-        grad = None if self.last else self.recv(self.rank + 1, i).to(out.dtype)
+        grad = None if self.last else self.recv(self.rank + 1, i, self.shapes[i]).to(out.dtype)
         if isinstance(model := self.partition.model, FSDPModule):
             # With replicas, every backward adds into the unsharded gradient and only the last one (microbatch
             # m - 1, in AFAB and 1F1B alike) reduce-scatters the sum: once per step, not m times.
@@ -481,48 +506,51 @@ class Step:
         with record_function(f"backward {i}"):
             out.backward(grad)  # the last stage from its scaled loss, the others from the received gradient
         if not self.first:
-            self.send(x.grad.to(self.dtype), self.rank - 1, i)
+            self.send(x.grad.to(self.dtype), self.rank - 1, i, hold)
 
     def finish(self) -> torch.Tensor | None:
+        if self.held:
+            self.exchange("send")
         for work, _ in self.sends:
             work.wait()
         return self.loss if self.last else None
 
 
-def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None):
+def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None, shape=None):
     """Every microbatch forward, then every one backward. model: the whole model, on every rank, or a Partition;
     inputs, targets: lists of microbatches' token ids (None where unread); dtype: of what is sent. The mean
-    microbatch loss on the last rank, else None; gradients only in this rank's part; positions: each microbatch's."""
-    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions)
+    microbatch loss on the last rank, else None; gradients only in this rank's part; positions: each microbatch's.
+    Sends go at once: no receive of this rank crosses one."""
+    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape)
     for i in range(step.microbatches):
-        step.forward(i)
+        step.forward(i, hold=False)
     for i in range(step.microbatches):
-        step.backward(i)
+        step.backward(i, hold=False)
     return step.finish()
 
 
-def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None):
+def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None, shape=None):
     """One training step with 1F1B (PipeDream-flush): AFAB's arguments, result and gradients, but a rank holds
     the activations of at most world_size - rank microbatches."""
-    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions)
+    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape)
     m = step.microbatches
     warmup = min(step.partition.world_size - step.rank - 1, m)  # fill the pipeline below; the last rank needs none
     for i in range(warmup):
-        step.forward(i)
-    for i in range(m - warmup):  # steady state: each forward followed by the oldest held one's backward
-        step.forward(warmup + i)
-        step.backward(i)
+        step.forward(i, hold=False)
+    for i in range(m - warmup):  # steady state: each forward followed by the oldest held one's backward. Rank r
+        step.forward(warmup + i, hold=True)  # sends activations to r + 1, then receives a gradient from it; r + 1
+        step.backward(i, hold=warmup + i + 1 < m)  # sends that gradient, then receives those: one batch each side
     for i in range(m - warmup, m):  # cooldown: drain what is still held
-        step.backward(i)
+        step.backward(i, hold=False)
     return step.finish()
 
 
 @torch.no_grad()
-def eval_step_pipeline(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None):
+def eval_step_pipeline(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None, shape=None):
     """Forward only, AFAB's arguments: the mean loss on the last rank; no activation is kept."""
-    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions)
+    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape)
     for i in range(step.microbatches):
-        step.forward(i)
+        step.forward(i, hold=False)
         step.saved.pop(i)
     for module in (m for m in step.partition.model.modules() if isinstance(m, FSDPModule)):
         module.reshard()  # gathered for the forwards; no backward frees them
@@ -532,11 +560,13 @@ def eval_step_pipeline(model, inputs, targets, device, dtype, *, loss_chunks=1, 
 SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 
 
-def run_batch(schedule, partition: Partition, inputs, targets, env: Env, tp: int, m: int, chunks: int, positions=None):
+def run_batch(schedule, partition: Partition, inputs, targets, env: Env, tp: int, m: int, chunks: int, shape,
+              positions=None):
     """A batch, cut into m microbatches, through a schedule: the mean microbatch loss on the last stage's rank."""
     mbs = [x.chunk(m) if x is not None else [None] * m for x in (inputs, targets, positions)]
     with compute(env, tp):  # in the computation's dtype between stages (model.cast_between_stages casts to it)
-        return schedule(partition, *mbs[:2], env.device, env.dtype, loss_chunks=chunks, positions=mbs[2])
+        return schedule(partition, *mbs[:2], env.device, env.dtype, loss_chunks=chunks, positions=mbs[2],
+                        shape=shape)
 
 
 # ----------------------------------------------------------------------------------------------------------
