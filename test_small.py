@@ -1913,6 +1913,18 @@ def _orders_worker(rank, world_size, store_path, out_dir):
             gpipe.train_step(schedule, inputs if rank == 0 else None, targets if rank == 1 else None,
                              cpu_env(rank, world_size), 1)
         results["torch's 1f1b"] = calls.recording()
+        # How many sends a rank keeps at once, over a step of 16 microbatches: its last batch, as it is; every
+        # one (two a microbatch: its shape, then the tensor), as it was.
+        inputs, targets = random_batch(config, batch=16)
+        for name, step in (("held as it was", _StepAsItWas), ("held", manual.Step)):
+            most = []
+            counted = type("Counted", (step,), {  # after each message, and at the end of the step
+                "exchange": lambda self, label: (step.exchange(self, label), most.append(len(self.sends))),
+                "finish": lambda self: (most.append(len(self.sends)), step.finish(self))[1]})
+            with unittest.mock.patch.object(manual, "Step", counted):
+                manual.train_step_pipeline_afab(partition, inputs.chunk(16), targets.chunk(16), torch.device("cpu"),
+                                                torch.float32)
+            results[name] = max(most, default=0)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -1942,7 +1954,10 @@ def test_the_nccl_rules_replay_finds_crossed_sends_and_passes_torchs_1f1b(tmp_pa
     for name in ("batched", "1f1b", "torch's 1f1b"):
         nccl_rules.check(recorded[name])
     # Rule 1 (no buffering) decides: on gloo every one of them completed, as the recordings show.
-    assert all(r["events"] for rank in ranks for r in rank.values())
+    assert all(r["events"] for rank in ranks for r in rank.values() if isinstance(r, dict))
+    # A rank keeps its last batch of sends (waited for before the next sends go), not the step's 16 outputs (or
+    # gradients) and their shapes.
+    assert [rank["held"] for rank in ranks] == [1, 1] and all(rank["held as it was"] >= 32 for rank in ranks)
 
 
 def _norm_reduction_worker(rank, world_size, store_path, out_dir):

@@ -468,16 +468,18 @@ class Step:
         return tensor
 
     def exchange(self, label: str) -> None:
-        # The held calls in one batch. With a receive, waited for: wait() orders NCCL's stream before the
-        # compute that reads it (the host does not block). Sends alone are kept only until complete.
+        # The held calls in one batch, waited for if it receives: wait() orders NCCL's stream before the compute
+        # that reads it (the host does not block). Sends alone are kept until the next sends alone go out, which
+        # first wait for them, as torch's 1F1B does: a rank holds one batch of sends, not the step's m of them.
         ops, self.held = self.held, []
+        sends_only = ops[-1].op is dist.isend
+        for work, _ in self.sends if sends_only else ():
+            work.wait()
         with record_function(label):
             works = dist.batch_isend_irecv(ops)
-        if ops[-1].op is dist.irecv:
-            for work in works:
-                work.wait()
-        else:
-            self.sends = [(w, t) for w, t in self.sends if not w.is_completed()] + [(w, ops) for w in works]
+        for work in () if sends_only else works:
+            work.wait()
+        self.sends = [(work, ops) for work in works] if sends_only else self.sends
 
     def forward(self, i: int, hold: bool) -> None:
         # A received tensor has no autograd history. Made a leaf that requires grad, it stops this stage's
