@@ -97,10 +97,11 @@ def run(main, args) -> None:
     """main(args), an error a user can cause as one line on stderr (exit status 1), always torn down. SIGTERM,
     Ctrl-C and SIGHUP ask the run to stop after its step (see stop_requested); a second one stops it at once."""
     _listen_for_stops()
-    status = 1
+    flight_recorder(args.checkpoint_dir)  # before main starts NCCL, which reads it
+    status, done = 1, False
     try:
         main(args)
-        status = 0
+        status, done = 0, True
     except UsageError as e:  # an error every rank raised is printed once per node, and no restart mends it
         if e.on_every_rank and dist.is_initialized():  # after every rank closed its progress bar: on a line of its own
             with contextlib.suppress(Exception):
@@ -121,10 +122,24 @@ def run(main, args) -> None:
         if _BACKGROUND["save"] is not None:  # stopped by an error: its thread may be in a collective of its group
             _BACKGROUND["save"][0].exception()  # waited for, not completed: its step-N.tmp is never loaded
         _BACKGROUND.update(save=None, group=None, stager=None)
-        if dist.is_initialized():
+        if dist.is_initialized() and done:
             dist.destroy_process_group()
+        elif dist.is_initialized():  # stopped on an error: destroying would flush the calls still pending (NCCL's
+            with contextlib.suppress(Exception):  # wait for a peer that stopped, until the watchdog kills the rank);
+                dist.distributed_c10d._abort_process_group()  # an abort NCCL cannot finish raises after --timeout
     gc.collect()  # torch 2.13: process groups freed at interpreter exit (held by main's frames) can abort (-6)
     sys.exit(status)
+
+
+def flight_recorder(checkpoint_dir: str, environ=os.environ) -> None:
+    """NCCL's flight recorder on, its record dumped on a timeout beside the checkpoints, DIR/nccl-trace-rankN (as
+    torchtitan does; set before init_process_group, which reads them). A user's own settings, under either name
+    torch 2.13 reads, win. Read the dumps with torch's `torchfrtrace DIR -p nccl-trace-rank` (docs/launching.md)."""
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in environ:  # the older name of TORCH_FR_BUFFER_SIZE
+        environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # the process's last 2000 calls, of all its groups
+    environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in environ:  # the older name of TORCH_FR_DUMP_TEMP_FILE
+        environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(os.path.abspath(checkpoint_dir), "nccl-trace-rank"))
 
 
 # ----------------------------------------------------------------------------------------------------------

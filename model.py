@@ -906,12 +906,24 @@ def clip_grad_norm_(params, max_norm: float, copies=(), tp: int = 1) -> Tensor:
     return total
 
 
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}  # data sheets
+# NVIDIA's data sheets, dense (without sparsity), FLOP/s per GPU: (bf16 on tensor cores, fp32). The scripts leave
+# TF32 off (torch's default for matmuls), so an fp32 run's matmuls run at the fp32 peak, not TF32's.
+PEAK_FLOPS = {"H100": (989.5e12, 67e12), "H100 PCIe": (756.5e12, 51e12), "H100 NVL": (835.5e12, 60e12),
+              "H200": (989.5e12, 67e12), "H200 NVL": (835.5e12, 60e12), "GH200": (989.5e12, 67e12),
+              "A100": (312e12, 19.5e12), "L40S": (362e12, 91.6e12), "L4": (121e12, 30.3e12)}  # H100, H200: SXM
 
 
-def mfu(tokens_per_s: float, config: LlamaConfig, seq_len: int, device: torch.device, gpus: int) -> float | None:
-    """Model FLOPs utilization: the model's FLOPs per second over the GPUs' dense bf16 peak; None where the
-    peak is not known (the CPU, other GPUs)."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    peak = next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
+def peak_flops(gpu: str, dtype: torch.dtype) -> float | None:
+    """The dense peak of a GPU named as torch.cuda.get_device_name names it ("NVIDIA H100 80GB HBM3": an SXM,
+    "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB") for dtype; None for a GPU not in PEAK_FLOPS."""
+    words = set(gpu.replace("-", " ").split())
+    found = [name for name in PEAK_FLOPS if set(name.split()) <= words]  # all its words: "H100 NVL", not "L4"
+    return PEAK_FLOPS[max(found, key=len)][dtype == torch.float32] if found else None  # the most specific
+
+
+def mfu(tokens_per_s: float, config: LlamaConfig, seq_len: int, device: torch.device, dtype: torch.dtype,
+        gpus: int) -> float | None:
+    """Model FLOPs utilization: the model's FLOPs per second over the GPUs' dense peak for the computation's
+    dtype (bf16 autocast, or fp32); None where the peak is not known (the CPU, other GPUs)."""
+    peak = peak_flops(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
     return tokens_per_s * flops_per_token(config, seq_len) / (peak * gpus) if peak else None

@@ -176,6 +176,10 @@ trap 'rm -rf "$state"' EXIT
 # torchrun restarts a job whenever a process fails, whatever its status. A process ending on a mistake that every
 # process finds writes its status here and exits 0 instead (checkpoint.final_status): torchrun ends the job.
 export RUN_SH_STATUS_FILE=$state/status
+# A collective that waits past --timeout on a GPU: NCCL's watchdog dumps its flight recorder and ends the process
+# (docs/launching.md). torchrun would set 1, which first aborts the communicators (and can hang in that); 3,
+# torch's own default and torchtitan's, ends the process without. A value set before run.sh wins.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
 # Stopping. A SIGTERM (SLURM's sbatch --signal=TERM@120, a preemption, a scheduler), SIGINT (Ctrl-C) or SIGHUP (a
 # closed terminal, a dropped ssh) asks the job to stop after its step, with a checkpoint (the processes say so);
 # another one, more than 2 s later, ends it at once. run.sh records the request in a file whose path it exports,

@@ -8,10 +8,12 @@ Nine sections, each under a "# ---" line: 1 helpers, 2 model.py, 3 data, 4 parit
 5 checkpoints and runs, 6 Hugging Face, 7 planning, 8 tools (benchmark.py, run.sh), 9 bad input and templates.
 """
 
+import argparse
 import ast
 import atexit
 import contextlib
 import dataclasses
+import datetime
 import functools
 import hashlib
 import inspect
@@ -796,6 +798,20 @@ def test_model_flops_per_token_counts_every_matmul_once():
     model = LlamaForPretraining(config)
     n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
     assert model_module.flops_per_token(config, seq_len=16) == 6 * n + 12 * 2 * 4 * 8 * 16
+
+
+def test_the_mfu_peak_is_the_exact_gpus_for_the_runs_dtype():
+    # Names as torch.cuda.get_device_name gives them; NVIDIA's dense peaks, (bf16, fp32 without TF32), TFLOP/s.
+    expected = {"NVIDIA H100 80GB HBM3": (989.5, 67), "NVIDIA H100 PCIe": (756.5, 51), "NVIDIA H100 NVL": (835.5, 60),
+                "NVIDIA H200": (989.5, 67), "NVIDIA H200 NVL": (835.5, 60), "NVIDIA GH200 480GB": (989.5, 67),
+                "NVIDIA A100-SXM4-40GB": (312, 19.5), "NVIDIA A100 80GB PCIe": (312, 19.5),
+                "NVIDIA L40S": (362, 91.6), "NVIDIA L4": (121, 30.3)}
+    for name, peaks in expected.items():
+        found = tuple(model_module.peak_flops(name, dtype) for dtype in (torch.bfloat16, torch.float32))
+        assert found == tuple(p * 1e12 for p in peaks), name
+    for name in ("NVIDIA L40", "Tesla V100-SXM2-16GB", "NVIDIA GeForce RTX 4090", ""):  # not in the table: no MFU
+        assert model_module.peak_flops(name, torch.bfloat16) is None, name
+    assert model_module.mfu(1000.0, small_config(), 16, torch.device("cpu"), torch.float32, 1) is None
 
 
 def test_the_balanced_split_is_the_optimum_of_every_contiguous_split():
@@ -1930,6 +1946,31 @@ def _orders_worker(rank, world_size, store_path, out_dir):
         dist.destroy_process_group()
 
 
+def _forward_only_worker(rank, world_size, store_path, out_dir):
+    """The V-shaped schedule's evaluation (the scripts' forward_only: torch's eval() asserts) on 2 pipeline ranks
+    x 2 replicas, as the GPipe and the tracer script build it, its messages recorded: torch.distributed's sends and
+    receives by themselves, and each batch_isend_irecv's ops as (op, in the pipeline's group?, the peer there)."""
+    mesh = start_group(rank, world_size, store_path, 2, 2, 1)
+    try:
+        sent = []
+        for name in ("send", "recv", "batch_isend_irecv"):  # not isend and irecv: P2POp checks they are torch's
+            real = getattr(dist, name)
+            setattr(dist, name, lambda *a, real=real, name=name, **k: (sent[-1].append(
+                name if name != "batch_isend_irecv" else
+                [(op.op.__name__, op.group is mesh.get_group("pp"), op.group_peer) for op in a[0]]), real(*a, **k))[1])
+        pp_rank, m, config = mesh["pp"].get_local_rank(), 2, parity_config(4)
+        inputs, targets = random_batch(config, batch=4, seq=8)
+        for build, script in ((library_pipeline, gpipe), (traced_pipeline, tracer)):
+            stages = gpipe.stage_ids("zbvzerobubble", pp_rank, 2, 2)
+            _, built, schedule, loss_fn = build(config, "zbvzerobubble", stages, even(4, 4), mesh, (2, 8), m)
+            sent.append([])
+            script.eval_step(schedule, built, inputs if pp_rank == 0 else None, targets if pp_rank == 0 else None,
+                             cpu_env(rank, world_size), 1, loss_fn, m, (2, 8, config.hidden_size))
+        Path(out_dir, f"{rank}.json").write_text(json.dumps(sent))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_nccl_rules_replay_finds_crossed_sends_and_passes_torchs_1f1b(tmp_path):
     # The check itself: orders known to hang under NCCL hang in the replay, naming each rank's stuck call, and
     # the ones known to complete complete. Each rank sending before it receives, as the hand-written 1F1B's steady
@@ -1958,6 +1999,19 @@ def test_the_nccl_rules_replay_finds_crossed_sends_and_passes_torchs_1f1b(tmp_pa
     # A rank keeps its last batch of sends (waited for before the next sends go), not the step's 16 outputs (or
     # gradients) and their shapes.
     assert [rank["held"] for rank in ranks] == [1, 1] and all(rank["held as it was"] >= 32 for rank in ranks)
+
+
+def test_the_v_shaped_evaluation_sends_in_the_pipelines_group_a_batch_of_one_at_a_time(tmp_path):
+    # NCCL runs a batch of sends and receives on the group's own communicator, a lone send or receive on one it
+    # makes for the pair, and both sides of a message must use the same; on the world group, rather than the
+    # pipeline's, each first contact would make a communicator at the first evaluation. Pipeline rank 0 (global
+    # ranks 0 and 1, a replica each) holds stages 0 and 3, pipeline rank 1 (global 2 and 3) stages 1 and 2.
+    run_workers(_forward_only_worker, 4, args=(4, str(tmp_path / "store"), str(tmp_path)))
+    for rank in range(4):
+        pp_rank = rank // 2
+        first, then = ("isend", "irecv") if pp_rank == 0 else ("irecv", "isend")  # 2 microbatches, down and back
+        expected = [[[op, True, 1 - pp_rank]] for op in (first, first, then, then)]
+        assert json.loads((tmp_path / f"{rank}.json").read_text()) == [expected, expected], rank  # GPipe's, tracer's
 
 
 def _norm_reduction_worker(rank, world_size, store_path, out_dir):
@@ -2965,6 +3019,8 @@ def test_a_signal_to_any_rank_is_said_once_and_again_ends_a_rank_waiting_for_a_h
     try:
         wait_for("a save", lambda: complete_and_partial(tmp_path / "checkpoints")[1], proc)
         ranks = sorted(worker_pids(worker_pids(proc.pid)[0]), key=local_rank)
+        # run.sh's NCCL watchdog ends a rank past --timeout without aborting its communicators (torchrun's 1 would)
+        assert b"TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in Path(f"/proc/{ranks[0]}/environ").read_bytes().split(b"\0")
         os.kill(ranks[1], signal.SIGSTOP)  # the middle stage hangs, inside the save or just after it
         os.kill(ranks[2], signal.SIGINT)
         wait_for("the acknowledgement", lambda: "SIGINT: stopping after this step" in lines_of(tmp_path / "job.err"),
@@ -3130,6 +3186,77 @@ def test_a_hung_peer_stops_the_job_after_the_timeout(tmp_path, data_dir):
         for proc in procs:
             kill_job(proc)
             proc.communicate()
+
+
+FLIGHT_RECORDER = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                   "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # torch 2.13's names, newer first
+
+
+def _teardown_worker(rank, world_size, store_path, out_dir, fails):
+    """checkpoint.run on a real gloo rank, torch's two teardowns recorded as they run. fails: rank 1 stops on a
+    mistake of its own with a receive pending (never sent), while rank 0 waits for it in a collective. Rank 1 comes
+    with its user's own flight recorder settings. Saves the exit status, the teardowns, the seconds run() took and
+    the flight recorder's settings main() started with; the rank's stderr goes to out_dir/RANK.err."""
+    os.dup2(os.open(os.path.join(out_dir, f"{rank}.err"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    for name in FLIGHT_RECORDER:
+        os.environ.pop(name, None)
+    if rank == 1:
+        os.environ.update(TORCH_FR_BUFFER_SIZE="100", TORCH_NCCL_DUMP_ON_TIMEOUT="0",
+                          TORCH_NCCL_DEBUG_INFO_TEMP_FILE="/elsewhere/trace-")
+    teardowns, seen = [], {}
+    for module, name in ((dist, "destroy_process_group"), (dist.distributed_c10d, "_abort_process_group")):
+        real = getattr(module, name)
+        setattr(module, name, lambda *a, real=real, name=name, **k: (teardowns.append(name), real(*a, **k))[1])
+
+    def main(args):
+        seen.update({name: os.environ.get(name) for name in FLIGHT_RECORDER})
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=20))
+        if fails and rank == 1:
+            pending = dist.irecv(torch.empty(1000), src=0)  # noqa: F841 (kept: pending when the error stops the rank)
+            raise checkpoint.UsageError("a mistake only this rank finds")
+        dist.all_reduce(torch.ones(1))
+    started = time.monotonic()
+    try:
+        checkpoint.run(main, argparse.Namespace(checkpoint_dir=os.path.join(out_dir, "ckpt")))
+    except SystemExit as e:
+        status = e.code
+    result = {"status": status, "teardowns": teardowns, "seconds": time.monotonic() - started, "env": seen}
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+
+
+def test_a_rank_stopped_on_an_error_aborts_its_process_group_and_ends_at_once(tmp_path):
+    # Destroying a process group flushes the calls still pending: under NCCL, a receive from a peer that stopped
+    # waits until --timeout and the watchdog kills the rank (SIGABRT), after its one line. A rank stopped on an error
+    # (a mistake, or a lost peer) aborts instead; only a run that ended well destroys. gloo does not hang either
+    # way, so the teardown each rank took is recorded. run() also turns on NCCL's flight recorder before main.
+    results = {}
+    for fails in (True, False):
+        out = tmp_path / str(fails)
+        out.mkdir()
+        run_workers(_teardown_worker, 2, args=(2, str(out / "store"), str(out), fails))
+        results[fails] = [(json.loads((out / f"{r}.json").read_text()), (out / f"{r}.err").read_text())
+                          for r in range(2)]
+    (zero, zero_err), (one, one_err) = results[True]
+    assert one["status"] == 1 and one_err == "error: a mistake only this rank finds\n", one_err
+    assert zero["status"] == 1 and zero_err.startswith("error: lost contact with another rank (")
+    assert len(zero_err.splitlines()) == 1, zero_err
+    assert zero["teardowns"] == one["teardowns"] == ["_abort_process_group"]
+    assert one["seconds"] < 10 and zero["seconds"] < 10, (one, zero)  # not the 20 s timeout: the peer's exit ends it
+    for result, err in results[False]:
+        assert (result["status"], result["teardowns"], err) == (0, ["destroy_process_group"], "")
+    # The flight recorder's settings: dumps beside the checkpoints; a user's own kept, under either of torch's names.
+    assert zero["env"] == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": None,
+                           "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": None,
+                           "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "True" / "ckpt" / "nccl-trace-rank")}
+    assert one["env"] == {"TORCH_FR_BUFFER_SIZE": "100", "TORCH_NCCL_TRACE_BUFFER_SIZE": None,
+                          "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/elsewhere/trace-",
+                          "TORCH_FR_DUMP_TEMP_FILE": None}
+    environ = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}  # the older name of the buffer's size: no newer one beside it
+    checkpoint.flight_recorder("ckpt", environ)
+    assert environ == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                       "TORCH_FR_DUMP_TEMP_FILE": os.path.abspath("ckpt/nccl-trace-rank")}
 
 
 class _RunsACommand:
@@ -5409,15 +5536,30 @@ QUICK_ARGS = ["--layers", "2", "--steps", "1", "--batch-size", "2", "--microbatc
 
 def test_bf16_where_the_gpu_cannot_is_one_line(monkeypatch):
     # A GPU without bf16 (a V100, say) asked for --precision bf16: one line before any work. No such GPU here,
-    # so torch.cuda's answers are set to what one gives; every script picks device and dtype in launch_env.
+    # so torch.cuda's answers are set to what one gives; every script picks device and dtype in launch_env. It asks
+    # CUDA about bf16 once the rank's own GPU is the current one: asked before, every rank makes a context on GPU 0.
+    # And bf16 means the GPU's own (Ampere or newer), not torch's emulation, which a V100 has.
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    calls = []
     for name, value in (("is_available", True), ("device_count", 8), ("is_bf16_supported", False),
-                        ("get_device_name", "Tesla V100-SXM2-32GB")):
-        monkeypatch.setattr(torch.cuda, name, lambda *args, value=value, **kwargs: value)
+                        ("get_device_name", "Tesla V100-SXM2-32GB"), ("set_device", None)):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, name=name, value=value, **kwargs: calls.append(
+            (name, args, kwargs)) or value)
     for module in SCRIPT_MODULES.values():
-        with pytest.raises(checkpoint.UsageError, match=r"^--precision bf16: Tesla V100-SXM2-32GB cannot compute "
-                                                        r"in bf16; use --precision fp32$"):
-            module.launch_env("auto", "bf16")
-        assert module.launch_env("auto", "auto").dtype == torch.float32  # auto: bf16 only where the GPU has it
+        for precision in ("bf16", "auto"):
+            calls.clear()
+            with pytest.raises(checkpoint.UsageError, match=r"^--precision bf16: Tesla V100-SXM2-32GB lacks bf16; "
+                                                            r"use --precision fp32$") if precision == "bf16" \
+                    else contextlib.nullcontext():
+                assert module.launch_env("auto", precision).dtype == torch.float32  # auto: bf16 where the GPU has it
+            asked = [call for call in calls if call[0] not in ("is_available", "device_count")]  # nothing else
+            assert asked[0] == ("set_device", (torch.device("cuda", 3),), {}), asked  # before any question
+            assert "is_bf16_supported" in {name for name, _, _ in asked}, asked
+            for name, args, kwargs in asked[1:]:
+                if name == "is_bf16_supported":  # the GPU's own bf16, not emulated
+                    assert kwargs.get("including_emulation", args[0] if args else True) is False, asked
+                else:  # the rank's GPU named in the line
+                    assert (name, args or tuple(kwargs.values())) == ("get_device_name", (torch.device("cuda", 3),))
 
 
 def test_directories_mistaken_for_others_are_refused_and_left_alone(tmp_path, data_dir):

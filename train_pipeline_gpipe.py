@@ -285,14 +285,15 @@ def launch_env(device_flag: str, precision: str) -> Env:
     cuda = device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available())
     if cuda and not torch.cuda.is_available():
         raise UsageError("--device cuda: no GPU is visible; use --device cpu")
-    if cuda and precision == "bf16" and not torch.cuda.is_bf16_supported():
-        raise UsageError(f"--precision bf16: {torch.cuda.get_device_name()} cannot compute in bf16; use --precision "
-                         "fp32")
     if cuda and (local_world := int(os.environ.get("LOCAL_WORLD_SIZE", 1))) > torch.cuda.device_count():
         raise UsageError(f"--device cuda: {local_world} processes on this node but {torch.cuda.device_count()} "
                          "GPUs (NCCL takes one per process); start one per GPU or use --device cpu")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    bf16 = precision == "bf16" or (precision == "auto" and cuda and torch.cuda.is_bf16_supported())
+    if cuda:  # first: a CUDA call makes a context on the current GPU, else on GPU 0 (in every rank)
+        torch.cuda.set_device(device)
+    bf16 = precision == "bf16" or (precision == "auto" and cuda and torch.cuda.is_bf16_supported(False))
+    if bf16 and cuda and not torch.cuda.is_bf16_supported(False):  # False: Ampere or newer, not emulated
+        raise UsageError(f"--precision bf16: {torch.cuda.get_device_name(device)} lacks bf16; use --precision fp32")
     return Env(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), device,
                torch.bfloat16 if bf16 else torch.float32, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
 
@@ -301,8 +302,6 @@ def init_distributed(env: Env, timeout_s: float) -> None:
     """Join the other processes (torchrun's, or a group of one): the world that main's mesh divides."""
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if env.device.type == "cuda" else "gloo"
-    if env.device.type == "cuda":
-        torch.cuda.set_device(env.device)
     if "MASTER_ADDR" in os.environ:  # started by torchrun
         store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's store, kept across restarts:
@@ -458,23 +457,24 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
 
 def forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, dtype, loss_fn, losses, documents):
     """Every microbatch forward through this rank's stages, in the order of their index: stage s only ever
-    waits for stage s - 1, which every rank runs earlier, and sends do not wait, so no rank waits on itself."""
-    first = pipeline_stages[0]
-    peer = lambda s: dist.get_global_rank(first.group, first.stage_index_to_group_rank[s])  # noqa: E731
-    held, sends = {}, []  # (stage, microbatch) -> an output for a stage on this rank; pending sends
+    waits for stage s - 1, which every rank runs earlier, and sends do not wait, so no rank waits on itself. Each
+    message is a batch of one in the pipeline's group, on both sides: NCCL runs it on the group's communicator."""
+    first, held, sends = pipeline_stages[0], {}, []  # held: (stage, microbatch) -> an output for a stage here
+    peer = first.stage_index_to_group_rank  # group ranks; a lone send or receive would make a pair's communicator
+    message = lambda op, t, s: dist.batch_isend_irecv([dist.P2POp(op, t, group=first.group, group_peer=peer[s])])
     for stage in sorted(pipeline_stages, key=lambda st: st.stage_index):
         s = stage.stage_index
         for i in range(microbatches):
             x = inputs.chunk(microbatches)[i] if s == 0 else held.pop((s - 1, i), None)
             if x is None:  # from another rank: one microbatch's hidden states, in the computation's dtype
-                dist.recv(x := torch.empty(hidden_shape, dtype=dtype, device=stage.device), peer(s - 1))
+                message(dist.irecv, x := torch.empty(hidden_shape, dtype=dtype, device=stage.device), s - 1)[0].wait()
             out = stage.submod(x, **{name: t.chunk(microbatches)[i] for name, t in documents.items()})
             if s == stage.num_stages - 1:
                 losses.append(loss_fn(out, targets.chunk(microbatches)[i]))
-            elif peer(s + 1) == dist.get_rank():
+            elif peer[s + 1] == first.group_rank:
                 held[s, i] = out
             else:
-                sends.append(dist.isend(out.contiguous(), peer(s + 1)))
+                sends += message(dist.isend, out.contiguous(), s + 1)  # waited for at the end
     for work in sends:
         work.wait()
 
@@ -508,7 +508,7 @@ def summary(env: Env, step_times: list[float], tokens_per_step: int, config, arg
     steady = sorted(step_times[1:] or step_times)  # the first step pays one-time costs
     row = {"steps": len(step_times), "median_step_time": steady[len(steady) // 2],
            "tokens_per_s": tokens_per_step * len(steady) / sum(steady), "peak_memory_bytes_per_rank": peaks}
-    row["mfu"] = mfu(row["tokens_per_s"], config, args.seq_len, env.device, env.world_size)
+    row["mfu"] = mfu(row["tokens_per_s"], config, args.seq_len, env.device, env.dtype, env.world_size)
     metrics.write({"summary": row})
     utilization = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
     print(f"done: {row['steps']} steps, median step {row['median_step_time'] * 1e3:.0f} ms, {row['tokens_per_s']:.0f} "
