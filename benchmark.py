@@ -48,11 +48,14 @@ import inspect
 import json
 import os
 import re
+import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import unittest.mock
 
 import torch
@@ -937,10 +940,182 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+# ----------------------------------------------------------------------------------------------------------
+# gpu-check: what one GPU can check (several NCCL ranks need several GPUs: those are checked on the CPU under
+# NCCL's rules, nccl_rules.py)
+
+GPU_PEAK_PROBE = """import os, runpy, sys, torch
+sys.path.insert(0, os.path.dirname(sys.argv[1]))  # the script's folder, as python SCRIPT has it
+def probe(name):  # torch.cuda's peak at the optimizer's creation: the stage built, nothing trained yet
+    original = getattr(torch.optim, name)
+    def make(*args, **kwargs):
+        print(f"startup peak bytes {torch.cuda.max_memory_allocated()}", file=sys.stderr, flush=True)
+        return original(*args, **kwargs)
+    setattr(torch.optim, name, make)
+probe("AdamW")
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+# A receive that never completes: the clipping's first call, preceded by a receive from this very rank with no
+# send to meet it, as a rank waits for a peer that died or hangs. NCCL allows a receive from oneself (a send must
+# meet it); at one process it is the only peer there is.
+GPU_HANG_PROBE = """import os, runpy, sys, torch, torch.distributed as dist
+sys.path.insert(0, os.path.dirname(sys.argv[1]))  # the script's folder, as python SCRIPT has it
+import model
+original = model.clip_grad_norm_
+def clip(*args, **kwargs):
+    dist.irecv(torch.empty(1024, device="cuda"), src=dist.get_rank()).wait()
+    return original(*args, **kwargs)
+model.clip_grad_norm_ = clip
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def gpu_check(argv: list[str]) -> None:
+    """benchmark.py gpu-check [--out DIR] [--data DIR]: every feature one GPU can run, each a real run of a script
+    (NCCL at one process), checked and timed; the table to OUT/gpu-check.md, the numbers to OUT/gpu-check.json."""
+    p = Parser(prog="benchmark.py gpu-check", description=gpu_check.__doc__)
+    p.add_argument("--out", default="gpu-check", help="output folder (default: %(default)s)")
+    p.add_argument("--data", default="data", help="data prepared by prepare_data.py (default: %(default)s)")
+    p.add_argument("--model", default="small", help="of the checks (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="the checks only, not the llama-1b timings")
+    p.add_argument("--budget", type=float, default=600, help="seconds: no timed run starts after (default: 600)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        fail("gpu-check: no GPU is visible; it runs on a machine with one (the CPU checks are pytest's)")
+    if not os.path.isfile(os.path.join(args.data, "meta.json")):
+        fail(f"--data {args.data}: no data prepared there; run python prepare_data.py first (see its --help)")
+    out, data = os.path.abspath(args.out), os.path.abspath(args.data)
+    os.makedirs(out, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="4")
+    small = ["--model", args.model, "--layers", "4", "--seq-len", "256", "--batch-size", "8", "--microbatches", "4",
+             "--warmup-steps", "2", "--data", data]
+
+    def start(name, script, *flags, probe=None, timeout=300, again=False):
+        """A run in OUT/NAME (again: where it ran before): python SCRIPT FLAGS, under a probe (GPU_PEAK_PROBE or
+        GPU_HANG_PROBE) or not."""
+        workdir = os.path.join(out, name)
+        if not again:
+            shutil.rmtree(workdir, ignore_errors=True)
+            os.makedirs(workdir)
+        cmd = [sys.executable, *(["-c", probe] if probe else []), os.path.join(ROOT, script), *flags,
+               "--metrics", "m.jsonl", "--checkpoint-dir", "ckpt"]
+        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=open(os.path.join(workdir, "out"), "w"),
+                                stderr=open(os.path.join(workdir, "err"), "w"), start_new_session=True)
+        proc.name, proc.workdir, proc.started, proc.deadline = name, workdir, time.monotonic(), timeout
+        return proc
+
+    def finish(proc) -> dict:
+        try:
+            proc.wait(timeout=proc.deadline)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        text = lambda f: open(os.path.join(proc.workdir, f)).read()  # noqa: E731
+        rows = [json.loads(line) for line in text("m.jsonl").splitlines()] if os.path.exists(
+            os.path.join(proc.workdir, "m.jsonl")) else []
+        return {"status": proc.returncode, "seconds": round(time.monotonic() - proc.started, 1),
+                "losses": [r["loss"] for r in rows if "step" in r], "summary": next(
+                    (r["summary"] for r in rows if "summary" in r), None), "stderr": text("err")[-2500:],
+                "stdout": text("out")[-1500:], "command": " ".join(shlex.quote(c) for c in proc.args[-30:])}
+
+    def together(procs) -> dict:
+        return {proc.name: finish(proc) for proc in procs}
+
+    began = time.monotonic()
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+               "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+    # 1. Checks, several runs at once (their times are not compared): every schedule that fits one process (the
+    # looped and V-shaped ones hold 2 stages), the other scripts, --compile, --document-masking (FlexAttention),
+    # --trace read back by plan.py, resume bit for bit with background saves, and a receive that never completes.
+    schedules = ["gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble",
+                 "dualpipev"]
+    runs = [start(f"schedule-{s}", "train_pipeline_gpipe.py", *small, "--steps", "4", "--schedule", s)
+            for s in schedules]
+    runs += [start("manual-1f1b", "train_pipeline_afab_manual.py", *small, "--steps", "4", "--schedule", "1f1b"),
+             start("tracer", "train_pipeline_tracer.py", *small, "--steps", "4"),
+             start("documents", "train_pipeline_gpipe.py", *small, "--steps", "4", "--document-masking"),
+             start("trace", "train_pipeline_gpipe.py", *small, "--steps", "5", "--schedule", "1f1b", "--trace", "t"),
+             start("hang", "train_pipeline_gpipe.py", *small, "--steps", "4", "--timeout", "30",
+                   probe=GPU_HANG_PROBE, timeout=240)]
+    checks = together(runs)
+    runs = [start("compile", "train_pipeline_gpipe.py", *small, "--steps", "4", "--compile"),
+            start("resume-whole", "train_pipeline_gpipe.py", *small, "--steps", "8", "--checkpoint-every", "2",
+                  "--async-checkpoint"),
+            start("resume-cut", "train_pipeline_gpipe.py", *small, "--steps", "8", "--checkpoint-every", "2",
+                  "--async-checkpoint")]
+    # The cut one stopped (SIGTERM) once 5 steps are done: it saves the step it is at, after the background save
+    # of step 4; the same command then goes on from there.
+    metrics = os.path.join(runs[2].workdir, "m.jsonl")
+    while runs[2].poll() is None and (not os.path.exists(metrics) or open(metrics).read().count('"step"') < 5):
+        time.sleep(0.1)
+    runs[2].send_signal(signal.SIGTERM)
+    checks |= together(runs)
+    resumed = checks["resume-cut"]["status"] == 0 and together([start(
+        "resume-cut", "train_pipeline_gpipe.py", *small, "--steps", "8", "--checkpoint-every", "2",
+        "--async-checkpoint", again=True)]) or {}
+    planned = subprocess.run([sys.executable, os.path.join(ROOT, "plan.py"), "--processes", "1", "--data", data,
+                              "--model", args.model, "--layers", "4", "--seq-len", "256", "--batch-size", "8",
+                              "--microbatches", "4", "--schedule", "1f1b", "--trace", os.path.join(out, "trace", "t")],
+                             capture_output=True, text=True, env=env)
+    results["checks"] = checks
+    results["plan --trace"] = {"status": planned.returncode, "output": (planned.stdout + planned.stderr)[-2500:]}
+    results["resumed"] = resumed
+    with open(os.path.join(out, "gpu-check.json"), "w") as f:  # so far: kept if what follows fails
+        json.dump(results, f, indent=1)
+    hang = checks["hang"]
+    verdicts = {name: checks[name]["status"] == 0 for name in checks if name not in ("hang", "resume-cut")}
+    verdicts["resume bit for bit"] = bool(resumed) and resumed["resume-cut"]["losses"] == \
+        checks["resume-whole"]["losses"] and len(checks["resume-whole"]["losses"]) == 8  # the steps before kept
+    verdicts["plan.py --trace"] = planned.returncode == 0
+    verdicts["hung receive ends"] = hang["status"] not in (0, None) and hang["seconds"] < 200
+    # 2. Timings, one run at a time: llama-1b as gpu-check.md's item 1, causal against --document-masking at
+    # sequence 2048 and 8192; the start-up peak (the stage built) against the training peak.
+    if not args.quick:
+        llama = ["--model", "llama-1b", "--microbatches", "1", "--warmup-steps", "2", "--data", data]
+        for name, flags in (("llama-1b", ["--seq-len", "2048", "--batch-size", "8", "--steps", "15"]),
+                            ("llama-1b documents", ["--seq-len", "2048", "--batch-size", "8", "--steps", "15",
+                                                    "--document-masking"]),
+                            ("llama-1b 8192", ["--seq-len", "8192", "--batch-size", "2", "--steps", "10"]),
+                            ("llama-1b 8192 documents", ["--seq-len", "8192", "--batch-size", "2", "--steps", "10",
+                                                         "--document-masking"])):
+            if time.monotonic() - began > args.budget:
+                break
+            run = finish(start(name.replace(" ", "-"), "train_pipeline_gpipe.py", *llama, *flags,
+                               probe=GPU_PEAK_PROBE))
+            peak = re.search(r"startup peak bytes (\d+)", run["stderr"])
+            run["startup_peak_bytes"] = int(peak[1]) if peak else None
+            results[name] = run
+            verdicts[name] = run["status"] == 0
+    results["verdicts"] = verdicts
+    with open(os.path.join(out, "gpu-check.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    lines = [f"{results['device']}, torch {results['torch']}, CUDA {results['cuda']}, NCCL {results['nccl']}", "",
+             "| check | result | seconds |", "|---|---|---|"]
+    for name, ok in verdicts.items():
+        seconds = (checks.get(name) or results.get(name) or {}).get("seconds", "")
+        lines.append(f"| {name} | {'ok' if ok else 'FAILED'} | {seconds} |")
+    lines += ["", f"hung receive (--timeout 30): status {hang['status']} after {hang['seconds']} s; its last lines:",
+              "", "```", *hang["stderr"].strip().splitlines()[-12:], "```"]
+    for name in ("llama-1b", "llama-1b documents", "llama-1b 8192", "llama-1b 8192 documents"):
+        if (row := (results.get(name) or {}).get("summary")):
+            lines.append(f"- {name}: median step {row['median_step_time'] * 1e3:.0f} ms, "
+                         f"{row['tokens_per_s']:.0f} tokens/s, MFU {row['mfu'] or 0:.1%}, peak "
+                         f"{max(row['peak_memory_bytes_per_rank']) / 2**30:.1f} GiB, start-up peak "
+                         f"{(results[name]['startup_peak_bytes'] or 0) / 2**30:.1f} GiB")
+    with open(os.path.join(out, "gpu-check.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    sys.exit(0 if all(verdicts.values()) else 1)
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] in (["run"], ["measure-memory"]):
         in_process(sys.argv[1:])
     elif sys.argv[1:2] == ["loss-memory"]:
         loss_memory(sys.argv[2:])
+    elif sys.argv[1:2] == ["gpu-check"]:
+        gpu_check(sys.argv[2:])
     else:
         main(parse_args())
