@@ -715,27 +715,95 @@ def test_documents_kept_apart_compute_as_each_does_alone(monkeypatch):
         warnings.simplefilter("ignore")
         flex = flex_attention(q, k, v, block_mask=create_block_mask(mask_mod, 2, None, 40, 40, device="cpu"),
                               enable_gqa=True)
-    torch.testing.assert_close(flex, model_module.document_attention(q, k, v, positions), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flex, model_module.document_attention(q, k, v, model_module.attention_mask(positions)),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_stage_builds_its_document_mask_once_a_microbatch_for_all_its_layers(monkeypatch):
+    # --document-masking: a stage builds the mask of a microbatch's positions once and hands it to each of its
+    # layers (LlamaModel.forward; the hand-written forward_stage): not once a layer, and not again in a checkpointed
+    # layer's recompute. Counted on the CPU's dense mask; the pipelines' runs count theirs (the parity tests).
+    built, dense = [], model_module.document_mask
+    monkeypatch.setattr(model_module, "document_mask", lambda positions: built.append(1) or dense(positions))
+    config, gen = small_config(layers=3), torch.Generator().manual_seed(0)
+    tokens = documents_batch(torch.randint(0, 97, (2, 16), generator=gen), {0: [5], 1: [0, 9]})
+    positions = model_module.document_positions(tokens, BOS)
+    stage = gpipe.stage_module(config, 1, [range(0), range(3), range(3, 3)], torch.device("cpu"), 11)  # 3 layers
+    model_module.checkpoint_layers([stage])
+    stage(torch.randn(2, 16, 32, generator=gen, requires_grad=True), positions).sum().backward()  # recomputed
+    assert len(built) == 1
+    model = LlamaForPretraining(config)  # whole: forward_stage runs rank 0's 2 layers itself
+    model.init_weights(11)
+    manual.forward_stage(manual.partition_model(model, 0, 2), tokens, positions)
+    assert len(built) == 2
+    # On a GPU the mask is FlexAttention's BlockMask, an input of each compiled layer (--compile): one graph takes
+    # every microbatch's, whatever its documents (torch 2.13's guards match its mask_mod by code, not by object),
+    # and computes the dense mask's attention. Here compiled without Inductor, forward only (no CPU backward).
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import create_block_mask
+    layer, graphs = model.base_model.layers["0"], []
+    layer.compile(backend="eager")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is the unfused reference
+        for starts in ({0: [5], 1: [0, 9]}, {0: [1, 2, 3]}, {1: [15]}):
+            positions = model_module.document_positions(documents_batch(tokens, starts), BOS)
+            block_mask = create_block_mask(model_module.document_mask_mod(positions), 2, None, 16, 16, device="cpu")
+            x = torch.randn(2, 16, 32, generator=gen)
+            torch.testing.assert_close(layer(x, positions=positions, mask=block_mask), layer.forward(
+                x, positions=positions, mask=dense(positions)), rtol=1e-5, atol=1e-6)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[-1] > 0, graphs
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's path: FlexAttention, compiled")
-def test_documents_on_a_gpu_take_compiled_flexattention_and_compute_the_dense_masks_attention():
+def test_documents_on_a_gpu_take_compiled_flexattention_and_compute_the_dense_masks_attention(monkeypatch):
     # What the CPU cannot run (torch 2.13's FlexAttention has no CPU backward): document_attention on a GPU,
     # forward and backward, against SDPA with the dense mask. 5e-3: the compiled kernel may multiply fp32 in TF32
     # (10-bit mantissas); a wrong mask is off by the size of the outputs themselves.
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import BlockMask
     tokens = documents_batch(torch.randint(0, 97, (2, 256), generator=torch.Generator().manual_seed(0)),
                              {0: [0, 100, 130], 1: [50, 51, 200]})
     positions = model_module.document_positions(tokens, BOS).cuda()
+    assert isinstance(model_module.attention_mask(positions), BlockMask)
     gen = torch.Generator(device="cuda").manual_seed(0)
     inputs = [torch.randn(2, heads, 256, 64, device="cuda", generator=gen, requires_grad=True) for heads in (8, 2, 2)]
     results = []
-    for attention in (model_module.document_attention, lambda q, k, v, positions: F.scaled_dot_product_attention(
+    for attention in (lambda q, k, v, positions: model_module.document_attention(
+            q, k, v, model_module.attention_mask(positions)), lambda q, k, v, positions: F.scaled_dot_product_attention(
             q, k, v, attn_mask=model_module.document_mask(positions), enable_gqa=True)):
         out = attention(*inputs, positions)
         grads = torch.autograd.grad(out, inputs, torch.ones_like(out))
         results.append((out, *grads))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=5e-3, atol=5e-3)
+    # A stage as the scripts run it with --activation-checkpointing --compile, 3 microbatches of other documents:
+    # one block mask built a microbatch (not one a layer, none in the recomputes), the compiled layers taking each
+    # microbatch's without compiling again, and the loss and gradients of the dense mask on the CPU (5e-3 as above).
+    config = LlamaConfig(vocab_size=97, max_position_embeddings=256, hidden_size=128, intermediate_size=192,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)  # head_dim 32
+    on_cpu = LlamaForPretraining(config)
+    on_cpu.init_weights(seed=4)
+    on_gpu = LlamaForPretraining(config).cuda()
+    on_gpu.load_state_dict(on_cpu.state_dict())
+    model_module.checkpoint_layers([on_gpu])
+    model_module.compile_layers([on_gpu])
+    built, original = [], model_module.attention_mask
+    monkeypatch.setattr(model_module, "attention_mask", lambda p: built.append(p.device.type) or original(p))
+    graphs, gen = [], torch.Generator().manual_seed(1)
+    for starts in ({0: [0, 100, 130], 1: [50, 51, 200]}, {0: [7], 1: [0, 128]}, {0: [0, 1, 2, 3], 1: [255]}):
+        tokens = documents_batch(torch.randint(0, 97, (2, 256), generator=gen), starts)
+        targets, positions = torch.randint(0, 97, (2, 256), generator=gen), model_module.document_positions(tokens, BOS)
+        results = []
+        for model, device in ((on_gpu, "cuda"), (on_cpu, "cpu")):
+            model.zero_grad()
+            loss = plain_loss(model(tokens.to(device), positions.to(device)), targets.to(device))
+            loss.backward()
+            results.append((loss.detach().cpu(), *(p.grad.cpu() for p in model.parameters())))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=5e-3, atol=5e-3)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert built.count("cuda") == 3 and graphs[0] == graphs[-1] > 0, (built, graphs)
 
 
 @pytest.mark.parametrize("chunks", [1, 3, 8])
@@ -1632,8 +1700,11 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
     variants at (pp, dp, tp), as the scripts build them, on real gloo ranks: the split by the library (the GPipe
     script's), traced (the tracer script's) or by hand (the AFAB script's); documents: with --document-masking's
     positions, every rank's from its rows of the batch. Saves, per variant, the full gradients, the global loss,
-    the evaluated loss, the activations held, and the stages' initial tensors and state_dict keys."""
+    the evaluated loss, the activations held, the stages' initial tensors and state_dict keys, and the dense document
+    masks built (from building the stages to the evaluation's end)."""
     mesh = start_group(rank, world_size, store_path, pp, dp, tp)
+    masks, dense = [], model_module.document_mask  # this process's: each mask a stage (or the tracer) builds
+    model_module.document_mask = lambda positions: masks.append(1) or dense(positions)
     try:
         env = cpu_env(rank, world_size)
         pp_rank, dp_rank, tp_rank = (mesh[dim].get_local_rank() for dim in ("pp", "dp", "tp"))
@@ -1645,6 +1716,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
         results = {}
         for kind, name, split, documents in variants:
             positions = model_module.document_positions(x, BOS) if documents else None  # as the scripts do
+            masks.clear()
             stages = [pp_rank] if kind == "manual" else gpipe.stage_ids(name, pp_rank, pp, 2)
             num_stages = pp * len(stages)
             first, last = 0 in stages, num_stages - 1 in stages
@@ -1701,7 +1773,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                 "grads": grads if reports else {}, "initial": initial if reports else {},
                 "state_keys": list(model.state_dict()) if reports else [],
                 "loss": loss if last and reports else None, "eval": evaluated if last and reports else None,
-                "activations": meter.peak_bytes,
+                "activations": meter.peak_bytes, "masks": len(masks),
                 "views": sum("returned a view tensor" in str(w.message) for w in caught)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -1802,6 +1874,15 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
         # No stage gives out a view (tensor parallelism's to_local(), of the final norm or of the embedding alone):
         # FSDP2 warns of one, since an in-place op on it would drop its backward hook.
         assert not [r[variant]["views"] for r in ranks if r[variant]["views"]], variant
+        # Documents kept apart: each stage that holds layers builds one mask a microbatch, for all its layers, in
+        # the step and in the evaluation (none without documents). The tracer's stages build theirs in their graphs,
+        # in each layer (model.LlamaModel.mask_in_each_layer): each rank traces the whole model once, a mask a layer.
+        kind, name, split, documents = variant
+        for r, result in enumerate(ranks):
+            stages = [r // (dp * tp)] if kind == "manual" else gpipe.stage_ids(name, r // (dp * tp), pp, 2)
+            layers = split_layers(split, pp * len(stages))
+            built = layer_count(split) if kind == "tracer" else 2 * microbatches * len([s for s in stages if layers[s]])
+            assert result[variant]["masks"] == documents * built, (variant, r)
     # 1F1B holds the activations of (p - r) of the m = 4 microbatches on stage r, GPipe all of them: nothing
     # more (e.g. none left over from torch's own shape inference, which the declared stage_io avoids). Against the
     # same split's GPipe where it ran (traced with documents, attention holds copied K/V heads: document_attention).
