@@ -4153,6 +4153,126 @@ def test_the_plan_takes_each_parts_time_from_a_trace_of_known_costs(tmp_path, ca
                                                           *shape, "--trace", trace)
 
 
+MAIN, AUTOGRAD = 3914, 3931  # a GPU run's threads: the main one, and autograd's, which runs the backward there
+
+
+def _kernel(name, launched, start, dur, correlation, tid=MAIN, stream=7, launch=("cuda_runtime", "cudaLaunchKernel")):
+    """A kernel as kineto writes it (pid the device, tid its stream), and the call that launched it on thread tid
+    at `launched` (None: no launch in the trace), linked by "correlation": the shapes and args of a real trace's
+    (HolisticTraceAnalysis's tests/data/call_stack/backward_thread.json)."""
+    kernel = {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": start, "dur": dur,
+              "args": {"External id": correlation, "queued": 0, "device": 0, "context": 1, "stream": stream,
+                       "correlation": correlation, "grid": [32, 1, 2], "block": [128, 1, 1]}}
+    return [kernel] + ([] if launched is None else [{
+        "ph": "X", "cat": launch[0], "name": launch[1], "pid": 1, "tid": tid, "ts": launched, "dur": 4,
+        "args": {"External id": correlation, "cbid": 211, "correlation": correlation}}])
+
+
+SEND_RECV = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"  # NCCL's point-to-point kernel
+
+
+def _gpu_costs_trace(directory: Path) -> str:
+    """_costs_trace's labelled GPipe run of 2 microbatches on 2 stages of 2 layers, as a GPU's trace: the CPU's
+    spans only launch (µs), the kernels carry the parts' costs (ms): a layer's forward 1, backward 2; the
+    embedding 0.5, 1; the norm, head and loss 8, 12. Between the ranks NCCL's point-to-point kernels, long
+    where a rank waits for the other; the backward launched from autograd's thread; the optimizer unlabelled."""
+    number, ranks = iter(range(1000, 2000)), []
+    cpu = lambda name, at, dur, tid=MAIN, **args: {**_span(name, at, dur, tid, "cpu_op"), "args": args}  # noqa
+    gpu = lambda *args, **kwargs: _kernel(args[0], args[1], args[2], args[3], next(number), *args[4:], **kwargs)  # noqa
+    rank = [_span("ProfilerStep#1", 0, 50000, MAIN)]
+    for i, (t, g) in enumerate([(1000, 1100), (1300, 3700)]):  # stage 0's forwards: CPU, GPU start (µs)
+        rank += [_span(f"Forward {i}", t, 200, MAIN), cpu("aten::embedding", t + 10, 30, **{"Sequence number": i}),
+                 *gpu("indexSelectLargeIndex", t + 20, g, 500),
+                 *gpu("ampere_sgemm_128x64_tn", t + 100, g + 500, 1000),
+                 *gpu("triton_poi_fused_mul_silu_0", t + 150, g + 1500, 1000, launch=("cuda_driver", "cuLaunchKernel")),
+                 _span("nccl:send 0->1", t + 210, 20, MAIN), cpu("record_param_comms", t + 212, 16),
+                 *gpu(SEND_RECV, t + 220, g + 2500, 100, MAIN, 20)]
+    for i, (t, (r, until), g) in enumerate([(1600, (6300, 20000), 20000), (2000, (25000, 40000), 40000)]):
+        rank += [_span(f"Backward {i}", t, 300, MAIN), _span("nccl:recv 0<-1", t + 10, 20, MAIN),
+                 *gpu(SEND_RECV, t + 20, r, until - r, MAIN, 20)]  # waits for stage 1's gradient
+        for k, (node, n, took) in enumerate([("MmBackward0", 900, 2000), ("MmBackward0", 901, 2000),
+                                             ("EmbeddingBackward0", i, 1000)]):
+            rank += [cpu(f"autograd::engine::evaluate_function: {node}", t + 100 + 50 * k, 40, AUTOGRAD,
+                         **{"Sequence number": n}), *gpu("void cutlass::Kernel", t + 110 + 50 * k, g, took, AUTOGRAD)]
+            g += took
+    ranks.append(rank + gpu("multi_tensor_apply_kernel", 2500, 45000, 1000))  # the optimizer's: no label
+    rank = [_span("ProfilerStep#1", 0, 60000, MAIN)]
+    for i, (t, (r, until), g) in enumerate([(1000, (1100, 3700), 3700), (1500, (13700, 13750), 13750)]):
+        rank += [_span(f"Forward {i}", t, 300, MAIN), _span("nccl:recv 1<-0", t + 5, 20, MAIN),
+                 *gpu(SEND_RECV, t + 10, r, until - r, MAIN, 20),  # waits for stage 0's activations
+                 *gpu("ampere_sgemm_128x64_tn", t + 100, g, 1000),
+                 *gpu("ampere_sgemm_128x64_tn", t + 150, g + 1000, 1000),
+                 _span("loss", t + 310, 90, MAIN), cpu("aten::linear", t + 320, 20, **{"Sequence number": 500 + 2 * i}),
+                 *gpu("ampere_sgemm_128x128_nn", t + 330, g + 2000, 5000),
+                 cpu("aten::cross_entropy_loss", t + 350, 20, **{"Sequence number": 501 + 2 * i}),
+                 *gpu("cunn_SoftMaxForward", t + 360, g + 7000, 3000)]
+    for i, (t, g) in enumerate([(2000, 23750), (2500, 39800)]):
+        rank += [_span(f"Backward {i}", t, 400, MAIN)]
+        for k, (node, n, took) in enumerate([("NllLossBackward0", 501 + 2 * i, 5000),
+                                             ("LinearBackward0", 500 + 2 * i, 7000), ("MmBackward0", 950, 2000),
+                                             ("MmBackward0", 951, 2000)]):
+            rank += [cpu(f"autograd::engine::evaluate_function: {node}", t + 50 + 40 * k, 30, AUTOGRAD,
+                         **{"Sequence number": n}), *gpu("void cutlass::Kernel", t + 60 + 40 * k, g, took, AUTOGRAD)]
+            g += took
+        rank += [_span("nccl:send 1->0", t + 300, 20, MAIN), *gpu(SEND_RECV, t + 310, g, 50, MAIN, 20)]
+    ranks.append(rank)
+    directory.mkdir()
+    for r, events in enumerate(ranks):
+        (directory / f"rank{r}.json").write_text(json.dumps({"schemaVersion": 1, "traceEvents": events}))
+    return str(directory)
+
+
+def test_a_gpu_trace_is_read_from_its_kernels(tmp_path, capsys):
+    # On a GPU the CPU's spans only launch kernels: each part's time is its kernels' on the GPU (_gpu_costs_trace,
+    # the parts' costs of _costs_trace), and the waiting is NCCL's point-to-point kernels where no other runs.
+    trace = _gpu_costs_trace(tmp_path / "gpu")
+    ranks = benchmark.read_trace(trace)
+    # Stage 0: forwards 2.5 ms, backwards 5 ms; waiting: its sends while the GPU is idle (0.1 ms each), the
+    # gradients' receives (13.7, 15 ms). Stage 1: 2 + 8 and 16 ms; waiting for the activations 2.6, 0.05 ms, its
+    # sends 0.05 each. The optimizer's kernel is in no label.
+    assert [r["steps"] for r in ranks.values()] == [
+        [{"time": pytest.approx(0.05), "busy": pytest.approx(0.015), "waiting": pytest.approx(0.0289)}],
+        [{"time": pytest.approx(0.06), "busy": pytest.approx(0.052), "waiting": pytest.approx(0.00275)}]]
+    assert ranks[0]["stages"] == {None: {"forward": pytest.approx(0.0025), "backward": pytest.approx(0.005)}}
+    assert ranks[1]["stages"] == {None: {"forward": pytest.approx(0.01), "backward": pytest.approx(0.016)}}
+    assert ranks[0]["embed"] == {"forward": pytest.approx(0.0005), "backward": pytest.approx(0.001)}
+    assert ranks[1]["head"] == {"forward": pytest.approx(0.008), "backward": pytest.approx(0.012)}
+    # plan.py takes the same parts' times from it as from the CPU's trace of these costs.
+    report = plan.main(["--processes", "2", "--split", "2,2", "--schedule", "gpipe", "--layers", "4", "--batch-size",
+                        "8", "--microbatches", "2", "--seq-len", "32", "--device", "cuda", "--trace", trace])
+    expected = {"layer": (0.001, 0.001, 0.001), "embed": (0.0005, 0.0, 0.001), "head": (0.008, 0.006, 0.006)}
+    for part, times in expected.items():
+        assert report["passes"][part] == pytest.approx(times, abs=1e-9), (part, report["passes"])
+    assert "a decoder layer 1 / 2 ms, the embedding 0.5 / 1 ms" in capsys.readouterr().out
+    # One labelled forward: a kernel, NCCL's all-reduce (tensor parallelism's: work, not waiting), a receive's
+    # kernel (0.3 ms), a kernel; and a kernel the trace holds no launch of, in no part, but running in the middle
+    # of the receive's: 0.2 ms waiting.
+    number = iter(range(10))
+    rank = [_span("ProfilerStep#1", 0, 5000, MAIN), _span("Forward 0", 100, 50, MAIN),
+            *_kernel("ampere_sgemm_128x64_tn", 110, 200, 100, next(number)),
+            *_kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 120, 300, 100,
+                     next(number), stream=20),
+            *_kernel(SEND_RECV, 130, 400, 300, next(number), stream=20),
+            *_kernel("ampere_sgemm_128x64_tn", 140, 700, 100, next(number)),
+            *_kernel("triton_poi_fused_add_0", None, 500, 100, next(number))]
+    directory = tmp_path / "one"
+    directory.mkdir()
+    (directory / "rank0.json").write_text(json.dumps({"traceEvents": rank}))
+    parsed = benchmark.read_rank(str(directory / "rank0.json"))
+    assert parsed["steps"] == [{"time": pytest.approx(0.005), "busy": pytest.approx(0.0003),
+                                "waiting": pytest.approx(0.0002)}]
+    # What cannot be read is refused in one line: CUDA launches with no kernel recorded (the CPU's spans would
+    # time launches), kernels none of whose launches are in the trace.
+    shape = ["--processes", "1", "--layers", "2", "--batch-size", "2", "--microbatches", "1", "--seq-len", "32"]
+    for name, events, why in [
+            ("launches", [e for e in rank if e["cat"] != "kernel"], "rank0.json: CUDA launches but no GPU kernel"),
+            ("kernels", [e for e in rank if e["cat"] != "cuda_runtime"], "rank0.json: GPU kernels, but no launch")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rank0.json").write_text(json.dumps({"traceEvents": events}))
+        err = refused(capsys, plan.main, *shape, "--trace", str(tmp_path / name))
+        assert err.startswith(f"error: --trace {tmp_path / name}: {tmp_path / name}/{why}"), err
+
+
 def test_the_plan_reads_each_parts_time_from_the_runs_traces(layout_runs, data_dir, capsys):
     # The traces of real runs (the library's GPipe on 2 stages; the hand-written AFAB on 3, 2,1,1): every part's
     # forward and backward found (the embedding's backward and the loss's by the autograd nodes their operators
