@@ -32,7 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
 @dataclasses.dataclass
@@ -261,8 +261,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # a token attends only to the earlier tokens of its own document and its rotary position counts from the
 # document's start: it computes what it computes alone. What carries the boundaries is each token's position in
 # its document, plain integers [batch, seq]: a pipeline schedule cuts them into microbatches with the tokens and
-# hands every stage its microbatch's, and each attention layer builds its mask from them. No mask object crosses
-# a stage or goes through the schedules' autograd (torchtitan #1723, #3584).
+# hands every stage its microbatch's. Each stage builds the mask from them once (attention_mask, in its forward)
+# and hands it to each of its layers. No mask object crosses a stage or goes through the schedules' autograd
+# (torchtitan #1723, #3584).
 
 def document_positions(input_ids: Tensor, bos_id: int) -> Tensor:
     """Each token's position in its document [batch, seq]: 0 at every bos, then counting up; a window's tokens
@@ -293,20 +294,27 @@ def _compiled_flex():  # compiled on first use (torch.compile costs seconds to s
     return torch.compile(create_block_mask), torch.compile(flex_attention)
 
 
-def document_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
-    """Attention of q [batch, heads, seq, head_dim] within documents. On a GPU, FlexAttention compiled: one fused
-    kernel that skips the blocks of keys no query of theirs may see (with several documents a window, fewer FLOPs
-    than causal). Elsewhere (torch 2.13's FlexAttention has no CPU backward) SDPA with the dense mask
-    [batch, 1, seq, seq] from the same mask_mod, whose masked scores weigh exactly 0."""
-    if q.is_cuda:
-        block_mask_of, flex = _compiled_flex()
+def attention_mask(positions: Tensor) -> Tensor | BlockMask:
+    """What every attention layer of a stage takes of a microbatch's positions [batch, seq], built once by the stage
+    (LlamaModel.forward) for all its layers, and not again in a checkpointed layer's recompute: on a GPU,
+    FlexAttention's BlockMask (which blocks of keys each block of queries sees); elsewhere the dense mask."""
+    if positions.is_cuda:
         (batch, seq), mask_mod = positions.shape, document_mask_mod(positions)
-        return flex(q, k, v, block_mask=block_mask_of(mask_mod, batch, None, seq, seq, device=q.device),
-                    enable_gqa=True)
+        return _compiled_flex()[0](mask_mod, batch, None, seq, seq, device=positions.device)
+    return document_mask(positions)
+
+
+def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask) -> Tensor:
+    """Attention of q [batch, heads, seq, head_dim] within documents, mask attention_mask's. On a GPU, FlexAttention
+    compiled: one fused kernel that skips the blocks of keys no query of theirs may see (with several documents a
+    window, fewer FLOPs than causal). Elsewhere (torch 2.13's FlexAttention has no CPU backward) SDPA with the
+    dense mask [batch, 1, seq, seq] from the same mask_mod, whose masked scores weigh exactly 0."""
+    if isinstance(mask, BlockMask):  # a compiled layer takes it as an input: one graph for every microbatch's
+        return _compiled_flex()[1](q, k, v, block_mask=mask, enable_gqa=True)
     if not q.is_cpu:  # traced on meta (the tracer), run on a GPU: CUDA's fused kernels take a mask, but with it
         # not grouped K/V heads (torch 2.13 would fall back to its unfused math kernel), so the heads are copied
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions), enable_gqa=q.is_cpu)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.is_cpu)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -326,9 +334,9 @@ class LlamaAttention(nn.Module):
         # Not persistent: it is derived from the config, and HF does not save it either.
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
-    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor | None = None, mask: Tensor | BlockMask | None = None) -> Tensor:
         """x [batch, seq, hidden]; positions: each token's place in its document [batch, seq] (None: the
-        window is one sequence, causal)."""
+        window is one sequence, causal), mask: attention_mask(positions), which the stage built for all its layers."""
         batch, seq_len, _ = x.shape
         # -1 heads: all of them, or this rank's share when tensor parallelism splits the projections by head.
         q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
@@ -336,8 +344,8 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope_tables(self.inv_freq, seq_len, q.dtype, positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if positions is not None:
-            out = document_attention(q, k, v, positions)
+        if positions is not None:  # (a caller that gives no mask gets one built here, for this layer alone)
+            out = document_attention(q, k, v, attention_mask(positions) if mask is None else mask)
         else:  # the causal mask, which SDPA builds itself; enable_gqa: K/V heads serve several query heads uncopied
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
@@ -362,9 +370,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
-        # positions by keyword: tensor parallelism's input hooks take (and gather) x alone
-        x = x + self.self_attn(self.input_layernorm(x), positions=positions)
+    def forward(self, x: Tensor, positions: Tensor | None = None, mask: Tensor | BlockMask | None = None) -> Tensor:
+        # positions and mask by keyword: tensor parallelism's input hooks take (and gather) x alone
+        x = x + self.self_attn(self.input_layernorm(x), positions=positions, mask=mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -376,13 +384,21 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config) for i in range(config.num_hidden_layers)})
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # True: each layer builds its own document mask, as when traced whole, then split into stages (the tracer).
+        # Built once before a stage's first layer, the mask would fall in the stage before (pipeline() cuts before
+        # the layer) and cross to it; cut after the module before instead, the stage's graph would take positions
+        # ahead of the activations it receives, which torch 2.13 hands a later stage first (positions by keyword).
+        self.mask_in_each_layer = False
 
     def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
         # The first stage gets token ids [batch, seq]; later stages get hidden states [batch, seq, hidden]. Every
-        # stage gets the same positions (with --document-masking): the whole sequence's, whatever tp shards.
+        # stage gets the same positions (with --document-masking): the whole sequence's, whatever tp shards, and
+        # builds their mask once for all its layers (the block mask on a GPU); a stage of no layer builds none.
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        once = positions is not None and len(self.layers) > 0 and not self.mask_in_each_layer
+        mask = attention_mask(positions) if once else None
         for layer in self.layers.values():  # insertion order == global layer order
-            h = layer(h, positions=positions)
+            h = layer(h, positions=positions, mask=mask)
         return self.norm(h) if self.norm is not None else h
 
 

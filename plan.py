@@ -466,6 +466,19 @@ def schedule_result(name, pp, m, stages_per_rank, times: tuple, held, between=No
 # stops running operators to that return: from the end of the last operator (cpu_op) it ran before then, or
 # from the post or the start of the compute action that waits (which holds the return) if later. Busy time
 # is the compute labels and the loss minus those blocked intervals; a step's time is its ProfilerStep span.
+#
+# A GPU's trace (kineto's: events of cat "kernel", "gpu_memcpy", "gpu_memset" on a stream's tid, pid the
+# device) is read from its kernels: on the CPU the labelled spans only launch them, the GPU runs them later.
+# Each kernel belongs to the label (or operator, or autograd node: those of the backward run on autograd's own
+# thread) whose span holds its launch, the cuda_runtime or cuda_driver event of the same "correlation"
+# (cudaLaunchKernel, cuLaunchKernel: a compiled layer's Triton kernels, NCCL's). A part's time is its kernels'
+# time on the GPU, overlaps counted once. NCCL's point-to-point kernels ("ncclDevKernel_SendRecv...", which
+# run from their launch until the peer's data is through: one kernel for a batch of sends and receives, the
+# CPU's "nccl:send 0->1" / "nccl:recv 0<-1" / "nccl:coalesced" spans only launch them) are the waiting, where
+# no other kernel runs; NCCL's collectives (tensor parallelism's all-reduces, FSDP's) count as the work of the
+# span that launched them, as gloo's do on the CPU. The steps synchronize the GPU before they end, so a step's
+# kernels run within its ProfilerStep span. Gaps where the GPU runs nothing (its launches too slow, on a small
+# model) count as neither busy nor waiting.
 
 _SINGLE = re.compile(r"^(Forward|Backward|forward|backward) (\d+)$")
 _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
@@ -520,6 +533,31 @@ def _length(intervals) -> float:
     return sum(e - s for s, e in intervals)
 
 
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # what kineto records of a GPU's streams
+LAUNCHES = ("cuda_runtime", "cuda_driver")  # the CPU's calls that launch it: cudaLaunchKernel, cuLaunchKernel...
+
+
+def _gpu_kernels(events: list, path: str) -> list[tuple] | None:
+    """A GPU trace's kernels (and copies) as (the time the CPU launched it, or None where the trace has no launch
+    of it, its start and end on the GPU, whether it is NCCL's point-to-point kernel), the launched ones first, by
+    launch time; None for a trace without any, a CPU run's."""
+    work = [e for e in events if e.get("cat") in GPU_WORK]
+    if not work:
+        if any(e.get("cat") in LAUNCHES for e in events):
+            raise ValueError(f"{path}: CUDA launches but no GPU kernel: its spans time the launches, not the "
+                             "kernels; trace with torch.profiler's CUDA activity (the scripts' --trace does)")
+        return None
+    launched = {e["args"]["correlation"]: e["ts"] / 1e6 for e in events
+                if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})}
+    kernels = [(launched.get(e.get("args", {}).get("correlation")), e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6,
+                e["name"].startswith("nccl") and "SendRecv" in e["name"]) for e in work]
+    if all(launch is None for launch, _, _, _ in kernels):
+        raise ValueError(f"{path}: GPU kernels, but no launch of any (a cuda_runtime or cuda_driver event of the "
+                         "same \"correlation\"): which labelled span ran them cannot be told; trace with "
+                         "torch.profiler's CPU and CUDA activities together (the scripts' --trace does)")
+    return sorted(kernels, key=lambda k: (k[0] is None, k[0] or 0.0))
+
+
 def read_rank(path: str) -> dict:
     """One rank's trace (read once; again only when the file changed): see _read_rank."""
     stat = os.stat(path)
@@ -528,31 +566,31 @@ def read_rank(path: str) -> dict:
 
 @functools.lru_cache(maxsize=64)  # the tables ask the same traces many questions
 def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
-    """One rank's trace: per profiled step (one with compute in it) its "time", "busy" and "waiting" (blocked in
-    receives) seconds; per stage (None: the rank's only one) the median "forward" (with the loss) and
-    "backward" (B, or I + W) seconds of one microbatch, from the actions that were not overlapped; "embed" and
-    "head" (None where the rank has no embedding lookup or no "loss" span), the median "forward" and
-    "backward" of one microbatch's embedding lookup and of its loss with the head in it; "segments"
-    (start, end, "forward" | "backward" | "overlapped" | "waiting") and "spans" (start, end) of the steps,
-    for pictures. Times in seconds on the trace's clock."""
+    """One rank's trace, a CPU's or a GPU's: per profiled step (one with compute in it) its "time", "busy" and
+    "waiting" (blocked in receives) seconds; per stage (None: the rank's only one) the median "forward" (with
+    the loss) and "backward" (B, or I + W) seconds of one microbatch, from the actions that were not
+    overlapped; "embed" and "head" (None where the rank has no embedding lookup or no "loss" span), the median
+    "forward" and "backward" of one microbatch's embedding lookup and of its loss with the head in it;
+    "segments" (start, end, "forward" | "backward" | "overlapped" | "waiting") and "spans" (start, end) of the
+    steps, for pictures. Times in seconds on the trace's clock."""
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     steps = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
     if not steps:
         raise ValueError(f"{path}: no ProfilerStep spans; not a trace written by the scripts' --trace")
-    thread = steps[0]["tid"]  # the main thread: the schedules' labels, the waits, autograd's backward on the CPU
+    thread = steps[0].get("pid"), steps[0]["tid"]  # the main thread: the labels, the waits; on a CPU the backward
     compute, losses, recvs, op_ends = [], [], [], []
-    lookups, made, node_time = [], [], {}  # embedding ops; (start, sequence number) of ops; backward per number
+    lookups, made, nodes = [], [], []  # embedding ops; (start, sequence number) of ops; autograd's backward nodes
     for e in events:
-        if e["tid"] != thread:
-            continue
         start, end, name = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e["name"]
+        if e.get("cat") == "cpu_op" and name.startswith("autograd::engine::evaluate_function: "):
+            nodes.append((start, end, e.get("args", {}).get("Sequence number")))  # on a GPU: autograd's thread
+        if (e.get("pid"), e["tid"]) != thread:
+            continue
         if e.get("cat") == "cpu_op":
             op_ends.append(end)
             number = e.get("args", {}).get("Sequence number")
-            if name.startswith("autograd::engine::evaluate_function: "):  # the backward of the op(s) numbered so
-                node_time[number] = node_time.get(number, 0.0) + end - start
-            elif number is not None:
+            if number is not None and not name.startswith("autograd::engine::evaluate_function: "):
                 made.append((start, number))
                 if name == "aten::embedding":
                     lookups.append((start, end, number))
@@ -562,13 +600,24 @@ def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
             recvs.append((start, end))
         elif (actions := compute_actions(name)) is not None:
             compute.append((start, end, actions))
-    op_ends.sort()
-    blocked = []
-    for start, end in recvs:  # blocked from the post, the last operator before the wait returned, or the
-        i = bisect.bisect_right(op_ends, end) - 1  # start of the compute action waiting: whichever is latest
-        waiting_in = [s for s, e, _ in compute if s <= end <= e]
-        blocked.append((max(start, op_ends[i] if i >= 0 else start, max(waiting_in, default=start)), end))
-    blocked = _union(blocked)
+    kernels = _gpu_kernels(events, path)
+    if kernels is None:  # the CPU's: the spans' own times, less the blocked intervals
+        op_ends.sort()
+        blocked = []
+        for start, end in recvs:  # blocked from the post, the last operator before the wait returned, or the
+            i = bisect.bisect_right(op_ends, end) - 1  # start of the compute action waiting: whichever is latest
+            waiting_in = [s for s, e, _ in compute if s <= end <= e]
+            blocked.append((max(start, op_ends[i] if i >= 0 else start, max(waiting_in, default=start)), end))
+        blocked = _union(blocked)
+        busy_in = lambda spans: _minus(_union(spans), blocked)  # noqa: E731
+    else:  # a GPU's: the kernels launched in the spans; waiting where only point-to-point kernels run
+        launches = [launch for launch, _, _, _ in kernels if launch is not None]
+        ran = _union([(s, e) for _, s, e, p2p in kernels if not p2p])
+        blocked = _minus(_union([(s, e) for _, s, e, p2p in kernels if p2p]), ran)
+
+        def busy_in(spans):
+            return _union([(s, e) for lo, hi in spans for _, s, e, p2p in kernels[bisect.bisect_left(
+                launches, lo):bisect.bisect_right(launches, hi)] if not p2p])
     work = _union([(s, e) for s, e, _ in compute] + losses)
     rank = {"steps": [], "stages": {}, "segments": [], "spans": []}
     for e in steps:
@@ -577,7 +626,7 @@ def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
         if not done:  # after the last step: the profiler's tail
             continue
         waiting = _clip(blocked, lo, hi)
-        rank["steps"].append({"time": hi - lo, "busy": _length(_minus(done, blocked)), "waiting": _length(waiting)})
+        rank["steps"].append({"time": hi - lo, "busy": _length(busy_in(done)), "waiting": _length(waiting)})
         rank["spans"].append((lo, hi))
         rank["segments"] += [(s, t, "waiting") for s, t in waiting]
     if not rank["steps"]:
@@ -587,7 +636,7 @@ def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
     forward, backward, overlapped, step_of = {}, {}, set(), lambda t: bisect.bisect_right(
         [lo for lo, _ in rank["spans"]], t)
     for start, end, actions in compute:
-        busy = _minus([(start, end)], blocked)
+        busy = busy_in([(start, end)])
         kind = "overlapped" if len(actions) > 1 else "forward" if actions[0][0] == "F" else "backward"
         rank["segments"] += [(s, t, kind) for s, t in busy]
         for k, stage, mb in actions:
@@ -599,7 +648,7 @@ def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
                 table[key] = table.get(key, 0.0) + _length(busy)
     labelled = _union([(s, e) for s, e, _ in compute])
     for start, end in losses:
-        outside = _minus([(start, end)], labelled)
+        outside = busy_in(_minus([(start, end)], labelled))
         if outside:  # GPipe's and 1F1B's loss follows the forward of its microbatch
             before = [(s, a[0]) for s, e, a in compute if s <= start and len(a) == 1 and a[0][0] == "F"]
             if before:
@@ -616,13 +665,16 @@ def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
     # lookup or loss, its forward, and the backward of the autograd nodes its ops made (autograd numbers each
     # node as the op that makes it, and its backward's span carries the number).
     made.sort()
-    starts = [t for t, _ in made]
+    starts, node_time = [t for t, _ in made], {}
+    for start, end, number in nodes:
+        node_time[number] = node_time.get(number, 0.0) + _length(busy_in([(start, end)]))
 
     def backward_of(lo: float, hi: float) -> float:
         return sum(node_time.get(n, 0.0) for n in {n for _, n in made[bisect.bisect_left(starts, lo):
                                                                        bisect.bisect_left(starts, hi)]})
     for part, spans in (("embed", [(s, e) for s, e, _ in lookups]), ("head", losses)):
-        pairs = [(e - s, b) for s, e in spans if (b := backward_of(s, e)) > 0]  # evaluations have no backward
+        # (an evaluation's have no backward)
+        pairs = [(_length(busy_in([(s, e)])), b) for s, e in spans if (b := backward_of(s, e)) > 0]
         rank[part] = {"forward": statistics.median(f for f, _ in pairs),
                       "backward": statistics.median(b for _, b in pairs)} if pairs else None
     return rank

@@ -731,27 +731,95 @@ def test_documents_kept_apart_compute_as_each_does_alone(monkeypatch):
         warnings.simplefilter("ignore")
         flex = flex_attention(q, k, v, block_mask=create_block_mask(mask_mod, 2, None, 40, 40, device="cpu"),
                               enable_gqa=True)
-    torch.testing.assert_close(flex, model_module.document_attention(q, k, v, positions), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flex, model_module.document_attention(q, k, v, model_module.attention_mask(positions)),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_stage_builds_its_document_mask_once_a_microbatch_for_all_its_layers(monkeypatch):
+    # --document-masking: a stage builds the mask of a microbatch's positions once and hands it to each of its
+    # layers (LlamaModel.forward; the hand-written forward_stage): not once a layer, and not again in a checkpointed
+    # layer's recompute. Counted on the CPU's dense mask; the pipelines' runs count theirs (the parity tests).
+    built, dense = [], model_module.document_mask
+    monkeypatch.setattr(model_module, "document_mask", lambda positions: built.append(1) or dense(positions))
+    config, gen = small_config(layers=3), torch.Generator().manual_seed(0)
+    tokens = documents_batch(torch.randint(0, 97, (2, 16), generator=gen), {0: [5], 1: [0, 9]})
+    positions = model_module.document_positions(tokens, BOS)
+    stage = gpipe.stage_module(config, 1, [range(0), range(3), range(3, 3)], torch.device("cpu"), 11)  # 3 layers
+    model_module.checkpoint_layers([stage])
+    stage(torch.randn(2, 16, 32, generator=gen, requires_grad=True), positions).sum().backward()  # recomputed
+    assert len(built) == 1
+    model = LlamaForPretraining(config)  # whole: forward_stage runs rank 0's 2 layers itself
+    model.init_weights(11)
+    manual.forward_stage(manual.partition_model(model, 0, 2), tokens, positions)
+    assert len(built) == 2
+    # On a GPU the mask is FlexAttention's BlockMask, an input of each compiled layer (--compile): one graph takes
+    # every microbatch's, whatever its documents (torch 2.13's guards match its mask_mod by code, not by object),
+    # and computes the dense mask's attention. Here compiled without Inductor, forward only (no CPU backward).
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import create_block_mask
+    layer, graphs = model.base_model.layers["0"], []
+    layer.compile(backend="eager")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is the unfused reference
+        for starts in ({0: [5], 1: [0, 9]}, {0: [1, 2, 3]}, {1: [15]}):
+            positions = model_module.document_positions(documents_batch(tokens, starts), BOS)
+            block_mask = create_block_mask(model_module.document_mask_mod(positions), 2, None, 16, 16, device="cpu")
+            x = torch.randn(2, 16, 32, generator=gen)
+            torch.testing.assert_close(layer(x, positions=positions, mask=block_mask), layer.forward(
+                x, positions=positions, mask=dense(positions)), rtol=1e-5, atol=1e-6)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[-1] > 0, graphs
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's path: FlexAttention, compiled")
-def test_documents_on_a_gpu_take_compiled_flexattention_and_compute_the_dense_masks_attention():
+def test_documents_on_a_gpu_take_compiled_flexattention_and_compute_the_dense_masks_attention(monkeypatch):
     # What the CPU cannot run (torch 2.13's FlexAttention has no CPU backward): document_attention on a GPU,
     # forward and backward, against SDPA with the dense mask. 5e-3: the compiled kernel may multiply fp32 in TF32
     # (10-bit mantissas); a wrong mask is off by the size of the outputs themselves.
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import BlockMask
     tokens = documents_batch(torch.randint(0, 97, (2, 256), generator=torch.Generator().manual_seed(0)),
                              {0: [0, 100, 130], 1: [50, 51, 200]})
     positions = model_module.document_positions(tokens, BOS).cuda()
+    assert isinstance(model_module.attention_mask(positions), BlockMask)
     gen = torch.Generator(device="cuda").manual_seed(0)
     inputs = [torch.randn(2, heads, 256, 64, device="cuda", generator=gen, requires_grad=True) for heads in (8, 2, 2)]
     results = []
-    for attention in (model_module.document_attention, lambda q, k, v, positions: F.scaled_dot_product_attention(
+    for attention in (lambda q, k, v, positions: model_module.document_attention(
+            q, k, v, model_module.attention_mask(positions)), lambda q, k, v, positions: F.scaled_dot_product_attention(
             q, k, v, attn_mask=model_module.document_mask(positions), enable_gqa=True)):
         out = attention(*inputs, positions)
         grads = torch.autograd.grad(out, inputs, torch.ones_like(out))
         results.append((out, *grads))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=5e-3, atol=5e-3)
+    # A stage as the scripts run it with --activation-checkpointing --compile, 3 microbatches of other documents:
+    # one block mask built a microbatch (not one a layer, none in the recomputes), the compiled layers taking each
+    # microbatch's without compiling again, and the loss and gradients of the dense mask on the CPU (5e-3 as above).
+    config = LlamaConfig(vocab_size=97, max_position_embeddings=256, hidden_size=128, intermediate_size=192,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)  # head_dim 32
+    on_cpu = LlamaForPretraining(config)
+    on_cpu.init_weights(seed=4)
+    on_gpu = LlamaForPretraining(config).cuda()
+    on_gpu.load_state_dict(on_cpu.state_dict())
+    model_module.checkpoint_layers([on_gpu])
+    model_module.compile_layers([on_gpu])
+    built, original = [], model_module.attention_mask
+    monkeypatch.setattr(model_module, "attention_mask", lambda p: built.append(p.device.type) or original(p))
+    graphs, gen = [], torch.Generator().manual_seed(1)
+    for starts in ({0: [0, 100, 130], 1: [50, 51, 200]}, {0: [7], 1: [0, 128]}, {0: [0, 1, 2, 3], 1: [255]}):
+        tokens = documents_batch(torch.randint(0, 97, (2, 256), generator=gen), starts)
+        targets, positions = torch.randint(0, 97, (2, 256), generator=gen), model_module.document_positions(tokens, BOS)
+        results = []
+        for model, device in ((on_gpu, "cuda"), (on_cpu, "cpu")):
+            model.zero_grad()
+            loss = plain_loss(model(tokens.to(device), positions.to(device)), targets.to(device))
+            loss.backward()
+            results.append((loss.detach().cpu(), *(p.grad.cpu() for p in model.parameters())))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=5e-3, atol=5e-3)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert built.count("cuda") == 3 and graphs[0] == graphs[-1] > 0, (built, graphs)
 
 
 @pytest.mark.parametrize("chunks", [1, 3, 8])
@@ -1662,10 +1730,13 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
     variants at (pp, dp, tp), as the scripts build them, on real gloo ranks: the split by the library (the GPipe
     script's), traced (the tracer script's) or by hand (the AFAB script's); documents: with --document-masking's
     positions, every rank's from its rows of the batch. Saves, per variant, the full gradients, the global loss,
-    the evaluated loss, the activations held, the stages' initial tensors and state_dict keys, and the step's and
-    the evaluation's calls of torch.distributed (to replay under NCCL's rules)."""
+    the evaluated loss, the activations held, the stages' initial tensors and state_dict keys, the dense document
+    masks built (from building the stages to the evaluation's end), and the step's and the evaluation's calls of
+    torch.distributed (to replay under NCCL's rules)."""
     calls = recorder()
     mesh = start_group(rank, world_size, store_path, pp, dp, tp)
+    masks, dense = [], model_module.document_mask  # this process's: each mask a stage (or the tracer) builds
+    model_module.document_mask = lambda positions: masks.append(1) or dense(positions)
     try:
         env = cpu_env(rank, world_size)
         pp_rank, dp_rank, tp_rank = (mesh[dim].get_local_rank() for dim in ("pp", "dp", "tp"))
@@ -1677,6 +1748,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
         results = {}
         for kind, name, split, documents in variants:
             positions = model_module.document_positions(x, BOS) if documents else None  # as the scripts do
+            masks.clear()
             stages = [pp_rank] if kind == "manual" else gpipe.stage_ids(name, pp_rank, pp, 2)
             num_stages = pp * len(stages)
             first, last = 0 in stages, num_stages - 1 in stages
@@ -1734,7 +1806,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                 "grads": grads if reports else {}, "initial": initial if reports else {},
                 "state_keys": list(model.state_dict()) if reports else [],
                 "loss": loss if last and reports else None, "eval": evaluated if last and reports else None,
-                "activations": meter.peak_bytes, "calls": calls.recording(),
+                "activations": meter.peak_bytes, "masks": len(masks), "calls": calls.recording(),
                 "views": sum("returned a view tensor" in str(w.message) for w in caught)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -1847,6 +1919,15 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
         # No stage gives out a view (tensor parallelism's to_local(), of the final norm or of the embedding alone):
         # FSDP2 warns of one, since an in-place op on it would drop its backward hook.
         assert not [r[variant]["views"] for r in ranks if r[variant]["views"]], variant
+        # Documents kept apart: each stage that holds layers builds one mask a microbatch, for all its layers, in
+        # the step and in the evaluation (none without documents). The tracer's stages build theirs in their graphs,
+        # in each layer (model.LlamaModel.mask_in_each_layer): each rank traces the whole model once, a mask a layer.
+        kind, name, split, documents = variant
+        for r, result in enumerate(ranks):
+            stages = [r // (dp * tp)] if kind == "manual" else gpipe.stage_ids(name, r // (dp * tp), pp, 2)
+            layers = split_layers(split, pp * len(stages))
+            built = layer_count(split) if kind == "tracer" else 2 * microbatches * len([s for s in stages if layers[s]])
+            assert result[variant]["masks"] == documents * built, (variant, r)
     # 1F1B holds the activations of (p - r) of the m = 4 microbatches on stage r, GPipe all of them: nothing
     # more (e.g. none left over from torch's own shape inference, which the declared stage_io avoids). Against the
     # same split's GPipe where it ran (traced with documents, attention holds copied K/V heads: document_attention).
@@ -4372,6 +4453,126 @@ def test_the_plan_takes_each_parts_time_from_a_trace_of_known_costs(tmp_path, ca
     trace = _costs_trace(tmp_path / "by_hand2", False, [0, 4])
     assert "the traced run labels no loss" in refused(capsys, plan.main, "--processes", "2", "--split", "0,4",
                                                           *shape, "--trace", trace)
+
+
+MAIN, AUTOGRAD = 3914, 3931  # a GPU run's threads: the main one, and autograd's, which runs the backward there
+
+
+def _kernel(name, launched, start, dur, correlation, tid=MAIN, stream=7, launch=("cuda_runtime", "cudaLaunchKernel")):
+    """A kernel as kineto writes it (pid the device, tid its stream), and the call that launched it on thread tid
+    at `launched` (None: no launch in the trace), linked by "correlation": the shapes and args of a real trace's
+    (HolisticTraceAnalysis's tests/data/call_stack/backward_thread.json)."""
+    kernel = {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": start, "dur": dur,
+              "args": {"External id": correlation, "queued": 0, "device": 0, "context": 1, "stream": stream,
+                       "correlation": correlation, "grid": [32, 1, 2], "block": [128, 1, 1]}}
+    return [kernel] + ([] if launched is None else [{
+        "ph": "X", "cat": launch[0], "name": launch[1], "pid": 1, "tid": tid, "ts": launched, "dur": 4,
+        "args": {"External id": correlation, "cbid": 211, "correlation": correlation}}])
+
+
+SEND_RECV = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"  # NCCL's point-to-point kernel
+
+
+def _gpu_costs_trace(directory: Path) -> str:
+    """_costs_trace's labelled GPipe run of 2 microbatches on 2 stages of 2 layers, as a GPU's trace: the CPU's
+    spans only launch (µs), the kernels carry the parts' costs (ms): a layer's forward 1, backward 2; the
+    embedding 0.5, 1; the norm, head and loss 8, 12. Between the ranks NCCL's point-to-point kernels, long
+    where a rank waits for the other; the backward launched from autograd's thread; the optimizer unlabelled."""
+    number, ranks = iter(range(1000, 2000)), []
+    cpu = lambda name, at, dur, tid=MAIN, **args: {**_span(name, at, dur, tid, "cpu_op"), "args": args}  # noqa
+    gpu = lambda *args, **kwargs: _kernel(args[0], args[1], args[2], args[3], next(number), *args[4:], **kwargs)  # noqa
+    rank = [_span("ProfilerStep#1", 0, 50000, MAIN)]
+    for i, (t, g) in enumerate([(1000, 1100), (1300, 3700)]):  # stage 0's forwards: CPU, GPU start (µs)
+        rank += [_span(f"Forward {i}", t, 200, MAIN), cpu("aten::embedding", t + 10, 30, **{"Sequence number": i}),
+                 *gpu("indexSelectLargeIndex", t + 20, g, 500),
+                 *gpu("ampere_sgemm_128x64_tn", t + 100, g + 500, 1000),
+                 *gpu("triton_poi_fused_mul_silu_0", t + 150, g + 1500, 1000, launch=("cuda_driver", "cuLaunchKernel")),
+                 _span("nccl:send 0->1", t + 210, 20, MAIN), cpu("record_param_comms", t + 212, 16),
+                 *gpu(SEND_RECV, t + 220, g + 2500, 100, MAIN, 20)]
+    for i, (t, (r, until), g) in enumerate([(1600, (6300, 20000), 20000), (2000, (25000, 40000), 40000)]):
+        rank += [_span(f"Backward {i}", t, 300, MAIN), _span("nccl:recv 0<-1", t + 10, 20, MAIN),
+                 *gpu(SEND_RECV, t + 20, r, until - r, MAIN, 20)]  # waits for stage 1's gradient
+        for k, (node, n, took) in enumerate([("MmBackward0", 900, 2000), ("MmBackward0", 901, 2000),
+                                             ("EmbeddingBackward0", i, 1000)]):
+            rank += [cpu(f"autograd::engine::evaluate_function: {node}", t + 100 + 50 * k, 40, AUTOGRAD,
+                         **{"Sequence number": n}), *gpu("void cutlass::Kernel", t + 110 + 50 * k, g, took, AUTOGRAD)]
+            g += took
+    ranks.append(rank + gpu("multi_tensor_apply_kernel", 2500, 45000, 1000))  # the optimizer's: no label
+    rank = [_span("ProfilerStep#1", 0, 60000, MAIN)]
+    for i, (t, (r, until), g) in enumerate([(1000, (1100, 3700), 3700), (1500, (13700, 13750), 13750)]):
+        rank += [_span(f"Forward {i}", t, 300, MAIN), _span("nccl:recv 1<-0", t + 5, 20, MAIN),
+                 *gpu(SEND_RECV, t + 10, r, until - r, MAIN, 20),  # waits for stage 0's activations
+                 *gpu("ampere_sgemm_128x64_tn", t + 100, g, 1000),
+                 *gpu("ampere_sgemm_128x64_tn", t + 150, g + 1000, 1000),
+                 _span("loss", t + 310, 90, MAIN), cpu("aten::linear", t + 320, 20, **{"Sequence number": 500 + 2 * i}),
+                 *gpu("ampere_sgemm_128x128_nn", t + 330, g + 2000, 5000),
+                 cpu("aten::cross_entropy_loss", t + 350, 20, **{"Sequence number": 501 + 2 * i}),
+                 *gpu("cunn_SoftMaxForward", t + 360, g + 7000, 3000)]
+    for i, (t, g) in enumerate([(2000, 23750), (2500, 39800)]):
+        rank += [_span(f"Backward {i}", t, 400, MAIN)]
+        for k, (node, n, took) in enumerate([("NllLossBackward0", 501 + 2 * i, 5000),
+                                             ("LinearBackward0", 500 + 2 * i, 7000), ("MmBackward0", 950, 2000),
+                                             ("MmBackward0", 951, 2000)]):
+            rank += [cpu(f"autograd::engine::evaluate_function: {node}", t + 50 + 40 * k, 30, AUTOGRAD,
+                         **{"Sequence number": n}), *gpu("void cutlass::Kernel", t + 60 + 40 * k, g, took, AUTOGRAD)]
+            g += took
+        rank += [_span("nccl:send 1->0", t + 300, 20, MAIN), *gpu(SEND_RECV, t + 310, g, 50, MAIN, 20)]
+    ranks.append(rank)
+    directory.mkdir()
+    for r, events in enumerate(ranks):
+        (directory / f"rank{r}.json").write_text(json.dumps({"schemaVersion": 1, "traceEvents": events}))
+    return str(directory)
+
+
+def test_a_gpu_trace_is_read_from_its_kernels(tmp_path, capsys):
+    # On a GPU the CPU's spans only launch kernels: each part's time is its kernels' on the GPU (_gpu_costs_trace,
+    # the parts' costs of _costs_trace), and the waiting is NCCL's point-to-point kernels where no other runs.
+    trace = _gpu_costs_trace(tmp_path / "gpu")
+    ranks = benchmark.read_trace(trace)
+    # Stage 0: forwards 2.5 ms, backwards 5 ms; waiting: its sends while the GPU is idle (0.1 ms each), the
+    # gradients' receives (13.7, 15 ms). Stage 1: 2 + 8 and 16 ms; waiting for the activations 2.6, 0.05 ms, its
+    # sends 0.05 each. The optimizer's kernel is in no label.
+    assert [r["steps"] for r in ranks.values()] == [
+        [{"time": pytest.approx(0.05), "busy": pytest.approx(0.015), "waiting": pytest.approx(0.0289)}],
+        [{"time": pytest.approx(0.06), "busy": pytest.approx(0.052), "waiting": pytest.approx(0.00275)}]]
+    assert ranks[0]["stages"] == {None: {"forward": pytest.approx(0.0025), "backward": pytest.approx(0.005)}}
+    assert ranks[1]["stages"] == {None: {"forward": pytest.approx(0.01), "backward": pytest.approx(0.016)}}
+    assert ranks[0]["embed"] == {"forward": pytest.approx(0.0005), "backward": pytest.approx(0.001)}
+    assert ranks[1]["head"] == {"forward": pytest.approx(0.008), "backward": pytest.approx(0.012)}
+    # plan.py takes the same parts' times from it as from the CPU's trace of these costs.
+    report = plan.main(["--processes", "2", "--split", "2,2", "--schedule", "gpipe", "--layers", "4", "--batch-size",
+                        "8", "--microbatches", "2", "--seq-len", "32", "--device", "cuda", "--trace", trace])
+    expected = {"layer": (0.001, 0.001, 0.001), "embed": (0.0005, 0.0, 0.001), "head": (0.008, 0.006, 0.006)}
+    for part, times in expected.items():
+        assert report["passes"][part] == pytest.approx(times, abs=1e-9), (part, report["passes"])
+    assert "a decoder layer 1 / 2 ms, the embedding 0.5 / 1 ms" in capsys.readouterr().out
+    # One labelled forward: a kernel, NCCL's all-reduce (tensor parallelism's: work, not waiting), a receive's
+    # kernel (0.3 ms), a kernel; and a kernel the trace holds no launch of, in no part, but running in the middle
+    # of the receive's: 0.2 ms waiting.
+    number = iter(range(10))
+    rank = [_span("ProfilerStep#1", 0, 5000, MAIN), _span("Forward 0", 100, 50, MAIN),
+            *_kernel("ampere_sgemm_128x64_tn", 110, 200, 100, next(number)),
+            *_kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 120, 300, 100,
+                     next(number), stream=20),
+            *_kernel(SEND_RECV, 130, 400, 300, next(number), stream=20),
+            *_kernel("ampere_sgemm_128x64_tn", 140, 700, 100, next(number)),
+            *_kernel("triton_poi_fused_add_0", None, 500, 100, next(number))]
+    directory = tmp_path / "one"
+    directory.mkdir()
+    (directory / "rank0.json").write_text(json.dumps({"traceEvents": rank}))
+    parsed = benchmark.read_rank(str(directory / "rank0.json"))
+    assert parsed["steps"] == [{"time": pytest.approx(0.005), "busy": pytest.approx(0.0003),
+                                "waiting": pytest.approx(0.0002)}]
+    # What cannot be read is refused in one line: CUDA launches with no kernel recorded (the CPU's spans would
+    # time launches), kernels none of whose launches are in the trace.
+    shape = ["--processes", "1", "--layers", "2", "--batch-size", "2", "--microbatches", "1", "--seq-len", "32"]
+    for name, events, why in [
+            ("launches", [e for e in rank if e["cat"] != "kernel"], "rank0.json: CUDA launches but no GPU kernel"),
+            ("kernels", [e for e in rank if e["cat"] != "cuda_runtime"], "rank0.json: GPU kernels, but no launch")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rank0.json").write_text(json.dumps({"traceEvents": events}))
+        err = refused(capsys, plan.main, *shape, "--trace", str(tmp_path / name))
+        assert err.startswith(f"error: --trace {tmp_path / name}: {tmp_path / name}/{why}"), err
 
 
 def test_the_plan_reads_each_parts_time_from_the_runs_traces(layout_runs, data_dir, capsys):

@@ -35,9 +35,9 @@ from torch.profiler import record_function
 
 import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
-from model import (PRESETS, LlamaForPretraining, TiedEmbedding, chunked_loss, clip_grad_norm_, config_from_preset,
-                   describe_layout, document_mask, document_positions, estimated_costs, even, layout, loss_chunks,
-                   mfu, parallelize)
+from model import (PRESETS, LlamaForPretraining, TiedEmbedding, attention_mask, chunked_loss, clip_grad_norm_,
+                   config_from_preset, describe_layout, document_mask, document_positions, estimated_costs, even,
+                   layout, loss_chunks, mfu, parallelize)
 
 # ----------------------------------------------------------------------------------------------------------
 # Flags: the same names and meanings in every script of the collection
@@ -406,15 +406,15 @@ def forward_stage(partition: Partition, hidden_states: torch.Tensor, positions: 
     if partition.trimmed:  # model.py's Llama cut down to the stage: its own forward runs FSDP2's hooks
         return model(hidden_states, positions)
     h = base.embed_tokens(hidden_states) if rank == 0 and not hidden_states.is_floating_point() else hidden_states
-    kwargs = {"positions": positions} if positions is not None else {}
-    if not isinstance(model, LlamaForPretraining):  # Hugging Face's: the rotary (cos, sin) and an additive mask
+    if isinstance(model, LlamaForPretraining):  # ours: positions and their mask, built once for all the layers
+        kwargs = {"positions": positions, "mask": attention_mask(positions)} if positions is not None else {}
+    else:  # Hugging Face's: the rotary (cos, sin) and an additive mask, also built once
         index = torch.arange(h.shape[1], device=h.device)[None] if positions is None else positions
         kwargs = {"position_embeddings": base.rotary_emb(h, index)}  # its eager attention masks nothing unless told
         if positions is not None or getattr(model.config, "_attn_implementation", "eager") == "eager":
             kwargs["attention_mask"] = torch.where(document_mask(index), 0.0, -torch.inf).to(h.dtype)  # -inf: unseen
-    for layer in partition.layers.values():
-        h = layer(h, **kwargs)
-        h = h[0] if isinstance(h, tuple) else h  # older transformers return (hidden_states, ...)
+    for layer in partition.layers.values():  # older transformers' layers return (hidden_states, ...)
+        h = out[0] if isinstance(out := layer(h, **kwargs), tuple) else out
     return base.norm(h) if rank == partition.world_size - 1 else h
 
 

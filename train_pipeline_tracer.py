@@ -396,6 +396,7 @@ def traced_modules(config, stages: list[int], layers: list[range], microbatch: t
         # copies equal: TiedEmbedding does, as in the hand split), and without the head: the loss applies it.
         model = LlamaForPretraining(dataclasses.replace(config, tie_word_embeddings=False))
         model.lm_head = None
+        model.base_model.mask_in_each_layer = True  # --document-masking: not once a stage, see model.py
         example = torch.zeros(microbatch, dtype=torch.long)
     not_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())
     # --document-masking: every stage takes positions too (a tensor of their own: export merges one passed twice)
@@ -409,8 +410,7 @@ def traced_modules(config, stages: list[int], layers: list[range], microbatch: t
             sub._non_persistent_buffers_set.update(b for b in sub._buffers
                                                    if (f"{prefix}.{b}" if prefix else b) in not_persistent)
         if stage == len(layers) - 1:
-            module.add_module("lm_head", torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False,
-                                                         device="meta"))
+            module.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
         module.to_empty(device=device)  # allocates this stage only, uninitialized: every tensor is set below
         if len(layers) == 1 and config.tie_word_embeddings:
             module.get_submodule("lm_head").weight = module.get_submodule("base_model.embed_tokens").weight
