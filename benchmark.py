@@ -1036,7 +1036,7 @@ def gpu_check(argv: list[str]) -> None:
     runs += [start("manual-1f1b", "train_pipeline_afab_manual.py", *small, "--steps", "4", "--schedule", "1f1b"),
              start("tracer", "train_pipeline_tracer.py", *small, "--steps", "4"),
              start("documents", "train_pipeline_gpipe.py", *small, "--steps", "4", "--document-masking"),
-             start("trace", "train_pipeline_gpipe.py", *small, "--steps", "5", "--schedule", "1f1b", "--trace", "t"),
+             start("trace", "train_pipeline_gpipe.py", *small, "--steps", "5", "--trace", "t"),  # GPipe labels it
              start("hang", "train_pipeline_gpipe.py", *small, "--steps", "4", "--timeout", "30",
                    probe=GPU_HANG_PROBE, timeout=240)]
     checks = together(runs)
@@ -1057,7 +1057,7 @@ def gpu_check(argv: list[str]) -> None:
         "--async-checkpoint", again=True)]) or {}
     planned = subprocess.run([sys.executable, os.path.join(ROOT, "plan.py"), "--processes", "1", "--data", data,
                               "--model", args.model, "--layers", "4", "--seq-len", "256", "--batch-size", "8",
-                              "--microbatches", "4", "--schedule", "1f1b", "--trace", os.path.join(out, "trace", "t")],
+                              "--microbatches", "4", "--trace", os.path.join(out, "trace", "t")],
                              capture_output=True, text=True, env=env)
     results["checks"] = checks
     results["plan --trace"] = {"status": planned.returncode, "output": (planned.stdout + planned.stderr)[-2500:]}
