@@ -12,6 +12,7 @@
     torchrun --nproc_per_node 2 benchmark.py measure-memory OUT.json train_pipeline_gpipe.py --steps 2 ...
     torchrun --nproc_per_node 2 benchmark.py run train_pipeline_gpipe.py --schedule 1f1b --trace DIR ...
     python benchmark.py loss-memory                           # the loss's peak memory, plain and in chunks
+    python benchmark.py gpu-check                             # on one GPU: every feature it can run, checked
 
 Variants: every schedule of torch.distributed.pipelining (train_pipeline_gpipe.py), the hand-written AFAB
 and 1F1B (train_pipeline_afab_manual.py), and the tracer split (train_pipeline_tracer.py). Each is a real

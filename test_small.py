@@ -5120,6 +5120,20 @@ def test_the_trace_of_a_multi_stage_schedule(tmp_path):
 
 # -- benchmark.py: one small run of each mode
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: gpu-check runs there")
+def test_the_one_gpu_check_says_in_one_line_that_it_needs_a_gpu(capsys, data_dir):
+    # benchmark.py gpu-check runs what one GPU can check (README, "Measured on a GPU"); without one, one line.
+    assert refused(capsys, benchmark.gpu_check, "--data", data_dir) == (
+        "error: gpu-check: no GPU is visible; it runs on a machine with one (the CPU checks are pytest's)")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's checks")
+def test_the_one_gpu_check_passes(tmp_path, data_dir):
+    result = launch(0, "benchmark.py", "gpu-check", "--quick", "--data", data_dir, "--out", tmp_path, cwd=tmp_path,
+                    timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--variants", "1f1b,nope"], "error: --variants: unknown nope; choose from gpipe, 1f1b,"),
     (["--splits", "--variants", "1f1b"], "error: --variants: unknown 1f1b; choose from one process, even,"),
