@@ -30,12 +30,13 @@ measure-memory runs a training script's main() in this process (under torchrun: 
 ActivationMeter (the peak bytes of tensors autograd saves for backward, parameters left out, and of the
 gradients the zero-bubble schedules keep from a backward's input half to its weight half), and counts after
 each optimizer step the bytes of parameters, gradients and AdamW state the rank holds (with FSDP its shards),
-and the bytes it sends to other stages a step, and with --async-checkpoint the bytes of the copy of its state it
-stages in CPU memory for a background save; rank 0 writes {"activation_bytes_per_rank": [...],
+and the bytes it sends to other stages a step, with --async-checkpoint the bytes of the copy of its state it
+stages in CPU memory for a background save, and the peak bytes its start-up allocates (model.materialize: its
+shards and one whole tensor at a time); rank 0 writes {"activation_bytes_per_rank": [...],
 "param_bytes_per_rank": [...], "grad_bytes_per_rank": [...], "optimizer_bytes_per_rank": [...],
-"sent_bytes_per_rank": [...], "checkpoint_staging_bytes_per_rank": [...]} to OUT.json. A run that trains no
-step (--steps 0, or a finished run in its --checkpoint-dir resumed) measured nothing: one line, exit status 1, no
-OUT.json.
+"sent_bytes_per_rank": [...], "checkpoint_staging_bytes_per_rank": [...], "startup_bytes_per_rank": [...]} to
+OUT.json. A run that trains no step (--steps 0, or a finished run in its --checkpoint-dir resumed) measured
+nothing: one line, exit status 1, no OUT.json.
 
 Writes OUT/results.md (Markdown table), OUT/results.json, OUT/<variant>.trace/rank{R}.json and, when matplotlib
 is installed, OUT/<variant>.png (forward / backward / waiting per rank over time). An earlier run's files there
@@ -299,14 +300,40 @@ def loss_peak_bytes(vocab_size: int, hidden_size: int, tokens: int, chunks: int,
     gen = torch.Generator().manual_seed(seed)
     hidden = model(torch.randn(1, tokens, hidden_size, generator=gen))
     targets = torch.randint(0, vocab_size, (1, tokens), generator=gen)
+    return allocated_bytes(lambda: chunked_loss(model.lm_head, hidden, targets, chunks).backward())[1]
+
+
+def allocated_bytes(run, device: str = "cpu") -> tuple[object, int, int]:
+    """run()'s result, the most bytes it had allocated on device at once beyond what was allocated there before
+    it, and the bytes it left allocated: torch.profiler's memory events, the allocator's running total (on the CPU
+    of what was allocated while profiling: a tensor from before, freed during, is not subtracted), so exact
+    bytes, not a timing."""
     with tempfile.TemporaryDirectory() as tmp:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            chunked_loss(model.lm_head, hidden, targets, chunks).backward()
+            result = run()
         prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
         with open(os.path.join(tmp, "trace.json")) as f:
-            events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+            events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"
+                      and e["args"]["Device Type"] == DEVICE_TYPES[torch.device(device).type]]
+    if not events:
+        return result, 0, 0
     before = events[0]["Total Allocated"] - events[0]["Bytes"]
-    return max(e["Total Allocated"] for e in events) - before
+    return result, max(e["Total Allocated"] for e in events) - before, events[-1]["Total Allocated"] - before
+
+
+DEVICE_TYPES = {"cpu": 0, "cuda": 1}  # c10::DeviceType: the "Device Type" of the profiler's memory events
+
+
+@contextlib.contextmanager
+def counted_startup(module):
+    """[bytes]: the peak a rank allocates while the script's materialize allocates and initializes its stages (its
+    shards, and one whole tensor at a time: plan.py's start-up peak), by allocated_bytes."""
+    peak, materialize = [0], module.materialize
+
+    def counted(modules, config, device, seed):
+        _, peak[0], _ = allocated_bytes(lambda: materialize(modules, config, device, seed), device)
+    with unittest.mock.patch.object(module, "materialize", counted):
+        yield peak
 
 
 def loss_memory(argv: list[str]) -> None:
@@ -458,8 +485,9 @@ def in_process(argv: list[str]) -> None:
     def measured(script_args):
         hook = register_optimizer_step_post_hook(count_held)
         try:
-            with labelled_1f1b(), counted_sends(module) if measure else contextlib.nullcontext() as sent, \
-                    counted_staging() as staged, ActivationMeter() if measure else contextlib.nullcontext() as meter:
+            measuring = (lambda counter: counter if measure else contextlib.nullcontext())  # noqa: E731
+            with labelled_1f1b(), measuring(counted_sends(module)) as sent, counted_staging() as staged, \
+                    measuring(counted_startup(module)) as startup, measuring(ActivationMeter()) as meter:
                 module.main(script_args)  # leaves the process group up; checkpoint.run takes it down
         finally:
             hook.remove()
@@ -471,7 +499,7 @@ def in_process(argv: list[str]) -> None:
                    f"{script_args.steps}; add --fresh, or give another --checkpoint-dir")
             raise UsageError(f"measure-memory: {os.path.basename(args.script)} trained no step, so nothing was "
                              f"measured: {why}", on_every_rank=True)
-        ranks = [(meter.peak_bytes, held, sent[0] / max(1, steps[0]), staged[0])]  # bytes sent: a step's
+        ranks = [(meter.peak_bytes, held, sent[0] / max(1, steps[0]), staged[0], startup[0])]  # sent: a step's
         if dist.is_initialized():
             mine, ranks = ranks[0], [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine)
@@ -480,8 +508,9 @@ def in_process(argv: list[str]) -> None:
             with open(args.out + ".tmp", "w") as f:
                 json.dump({"activation_bytes_per_rank": [peak for peak, *_ in ranks],
                            **{f"{kind}_bytes_per_rank": [h[kind] for _, h, *_ in ranks] for kind in held},
-                           "sent_bytes_per_rank": [sent for _, _, sent, _ in ranks],
-                           "checkpoint_staging_bytes_per_rank": [staged for *_, staged in ranks]}, f)
+                           "sent_bytes_per_rank": [sent for _, _, sent, *_ in ranks],
+                           "checkpoint_staging_bytes_per_rank": [staged for *_, staged, _ in ranks],
+                           "startup_bytes_per_rank": [startup for *_, startup in ranks]}, f)
             os.replace(args.out + ".tmp", args.out)
             print(f"peak activations held per rank (MiB): {', '.join(f'{p / 2**20:.1f}' for p, *_ in ranks)} "
                   f"-> {args.out}", flush=True)

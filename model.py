@@ -12,8 +12,10 @@ stages, and the training scripts rely on all of them:
   state_dict keys are a subset of the full model's keys, so checkpoints line up whatever the number of stages.
 * No module is passed into another module's forward: each attention layer owns its RoPE frequencies and
   builds its cos/sin tables itself. The pipeline tracer rejects modules that cross a call boundary.
-* ``init_weights(seed)`` re-creates every parameter *and buffer* after ``to_empty``, and seeds each module
-  from (seed, its fully-qualified name), so a stage gets the same initial weights however the model is split.
+* ``init_tensor_`` gives every parameter *and buffer* its value from its full-model name alone (a generator
+  seeded by (seed, that name)), so a stage gets the same initial weights however the model is split. A rank
+  builds its stage on the meta device, shards it there (tensor parallelism, FSDP2) and only then allocates its
+  shards and fills them (``materialize``): it never holds more than its shards and one whole tensor.
 """
 
 import dataclasses
@@ -30,6 +32,7 @@ import torch.utils.checkpoint
 from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -462,7 +465,17 @@ def init_tensor_(name: str, tensor: Tensor, seed: int, config: LlamaConfig) -> N
     recomputed. Each tensor draws from its own generator seeded by (seed, module name), so its value does not
     depend on which other tensors exist in this process or in what order they are visited: any split of the
     model, by hand or by a tracer, starts from the same weights as long as it knows the full-model names.
+    A DTensor (a shard of tensor parallelism, FSDP2 or both) gets its piece of those same values: the whole
+    tensor is drawn, this rank's block copied out of it, and the whole one freed.
     """
+    if isinstance(tensor, DTensor):
+        whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        init_tensor_(name, whole, seed, config)
+        # The block of the whole tensor this rank holds, where DCP reads and writes it too: FSDP2 over a
+        # tensor-parallel shard places it _StridedShard (tp's block first, then dp's piece of it), still a block.
+        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        tensor.to_local().copy_(whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
+        return
     if name.endswith("inv_freq"):
         tensor.copy_(rope_inv_freq(config, device=tensor.device))
     elif name.endswith("norm.weight"):  # input_layernorm, post_attention_layernorm, base_model.norm
@@ -760,8 +773,8 @@ SHARD_OUT = {"output_layouts": Shard(1)}  # a row-wise layer's partial sums redu
 
 def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool = True) -> None:
     """Tensor parallelism of a model or stage over tp_mesh (a 1-D DeviceMesh): Megatron-LM's plan (Shoeybi et al.
-    2019) as PyTorch's tensor-parallel tutorial and torchtitan apply it. Applied to the allocated, initialized
-    stage, before activation checkpointing, compile and FSDP2.
+    2019) as PyTorch's tensor-parallel tutorial and torchtitan apply it. Applied to the stage on the meta device
+    (materialize allocates it after), before activation checkpointing, compile and FSDP2.
 
     In each decoder layer q/k/v and gate/up are split by output (each rank its own attention heads and its
     slice of the MLP), o and down by input (each rank a partial sum); the embedding by vocabulary rows, the head
@@ -814,8 +827,9 @@ def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_par
                 activation_checkpointing: bool = False, compile: bool = False) -> None:
     """A rank's stage modules, in place, in torchtitan's order: tensor parallelism over mesh["tp"], activation
     checkpointing, compile, then FSDP2 over mesh["dp"] (each decoder layer, then each stage's root, gathered and
-    reduced as one unit). dtype: of the computation and of what crosses between stages (cast_between_stages);
-    weights, their gradients' reduction and what goes into the loss fp32."""
+    reduced as one unit). On the meta device, as the scripts call it: then materialize. dtype: of the computation
+    and of what crosses between stages (cast_between_stages); weights, their gradients' reduction and what goes
+    into the loss fp32."""
     for module in modules:
         tensor_parallel(module, mesh["tp"], sequence_parallel)
     if activation_checkpointing:
@@ -832,6 +846,36 @@ def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_par
     if dtype != torch.float32:  # after FSDP2's hooks: its output cast comes first
         for module in modules:
             cast_between_stages(module, dtype)
+
+
+def materialize(modules: list[nn.Module], config: LlamaConfig, device: torch.device, seed: int) -> None:
+    """Allocate a rank's stage modules, built on the meta device (and parallelized there, as torchtitan does), and
+    give every parameter and buffer its initial value by its full-model name (init_tensor_): the full model's
+    weights, bit for bit, at any layout. to_empty allocates only this rank's shards; then one whole tensor at a
+    time is drawn and this rank's piece copied out of it. So a rank holds at most its shards and the largest
+    whole tensor of its stages (plan.py's start-up peak): llama-70b at pp 4 x dp 2 x tp 8 (2 stages a rank),
+    8.2 GiB on rank 0 (4.3 of shards, 3.9 of the head drawn whole), where allocating its stages whole before
+    tensor parallelism and FSDP2 split them took 68 GiB."""
+    for module in modules:
+        holders = {}  # each parameter's places (module, name): a tied one has two
+        for owner in module.modules():
+            for name, param in owner._parameters.items():
+                if param is not None:
+                    holders.setdefault(id(param), []).append((owner, name))
+        module.to_empty(device=device)
+        for param in module.parameters():
+            # torch 2.13: a DTensor parameter is swapped in place (swap_tensors): the object keeps its
+            # post-accumulate-grad hooks (tensor_parallel's), the tensor now under it has none: installed again.
+            if param._post_accumulate_grad_hooks:
+                param._post_accumulate_grad_hooks = param._post_accumulate_grad_hooks
+        # A plain parameter is replaced: a tied head on a plain (tp 1, dp 1) stage gets a tensor of its own, so it
+        # takes the embedding's again. (A DTensor, swapped in place, stays shared.)
+        for (first, first_name), *others in holders.values():
+            for owner, name in others:
+                if getattr(owner, name) is not getattr(first, first_name):
+                    setattr(owner, name, getattr(first, first_name))
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            init_tensor_(name, tensor, seed, config)
 
 
 def cast_between_stages(stage: nn.Module, dtype: torch.dtype) -> None:

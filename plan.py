@@ -32,7 +32,9 @@ of parameters, gradients and AdamW state it holds (fp32, 1/dp of its stages' wit
 as `benchmark.py measure-memory` measures them), the gathered parameters and gradients FSDP holds during a
 step, the activations held for backward at the worst moment of the chosen schedule (what `benchmark.py
 measure-memory` counts: for the zero-bubble schedules also the gradients kept from a backward's input half
-to its weight half), with and without --activation-checkpointing, and the loss's logits. Then, for every
+to its weight half), with and without --activation-checkpointing, the loss's logits, and the peak of its
+start-up (its shards and the largest whole tensor of its stages, which it draws whole and keeps its piece of:
+model.materialize; benchmark.py measure-memory measures it too). Then, for every
 schedule torch ships, the step time and bubble, found by replaying the schedule's own per-rank order of
 forwards and backwards (torch's, built from placeholder stages) with each stage's cost from
 model.estimated_costs: a stage's forward takes 1/3 of its forward + backward, a backward 2/3 (input and weight
@@ -173,6 +175,21 @@ def stage_params(config: LlamaConfig, layout: list[range], tp: int = 1) -> list[
             for i, layers in enumerate(layout)]
 
 
+def startup_bytes(config: LlamaConfig, layout: list[range], stages: list[int], dp: int, tp: int) -> float:
+    """The most bytes a rank holds at start-up (model.materialize): it allocates its stages' shards one stage after
+    the other and, when sharded, draws each tensor of the stage whole, one at a time, to keep its piece: the
+    shards so far and the largest whole tensor of the stage at hand."""
+    h, params = config.hidden_size, stage_params(config, layout, tp)
+    held = peak = 0.0
+    for s in stages:
+        largest = max(h, *((config.num_attention_heads * config.head_dim * h, config.intermediate_size * h)
+                           if len(layout[s]) else ()),  # q and o, gate, up and down (k and v are smaller)
+                      *((config.vocab_size * h,) if s in (0, len(layout) - 1) else ()))  # the embedding, the head
+        held += 4 * params[s] / dp
+        peak = max(peak, held + (4 * largest if dp * tp > 1 else 0))  # unsharded: each drawn in place
+    return peak
+
+
 def activation_bytes(config: LlamaConfig, tokens: int, seq_len: int, bf16: bool, tp: int = 1,
                      chunks: int = 1, shards: int = 1, documents: bool = False) -> dict[str, float]:
     """Bytes one microbatch of `tokens` tokens leaves saved for backward on one tensor-parallel rank: per
@@ -246,17 +263,19 @@ def split_backward(backward: list[float], again: list[float], head_again: float)
 
 
 def rank_memory(params: float, dp: int, peak: float, peak_checkpointed: float, loss: float, layer: float,
-                checkpointing: bool, bf16: bool = False) -> dict[str, float]:
+                checkpointing: bool, bf16: bool = False, startup: float = 0.0) -> dict[str, float]:
     """Bytes one GPU of a pipeline rank holds: its parameters (fp32), gradients and AdamW state, 1/dp of them
     with FSDP, and the whole stage's parameters (bf16 under --precision bf16) and gradients (fp32, as reduced)
     gathered during a step when dp > 1; activations
     at the schedule's worst moment, without and with checkpointing (which holds one layer's full activations
-    for a moment while it recomputes it); the loss's logits on the last stage. "total": as flagged."""
+    for a moment while it recomputes it); the loss's logits on the last stage; the peak of its start-up
+    (startup_bytes). "total": the most of a step, as flagged, or of the start-up."""
     row = {"param": 4 * params / dp, "grad": 4 * params / dp, "optimizer": 8 * params / dp,
            "gathered": (6 if bf16 else 8) * params if dp > 1 else 0, "activations": peak,
            "activations_checkpointed": peak_checkpointed, "loss": loss}
-    row["total"] = row["param"] + row["grad"] + row["optimizer"] + row["gathered"] + loss + (
-        peak_checkpointed + layer if checkpointing else peak)
+    row["startup"] = startup
+    row["total"] = max(row["startup"], row["param"] + row["grad"] + row["optimizer"] + row["gathered"] + loss + (
+        peak_checkpointed + layer if checkpointing else peak))
     return row
 
 
@@ -909,7 +928,8 @@ def plan(args) -> dict:
     unit, unit_name = (2 ** 30, "GiB") if 16 * sum(params) >= 2 ** 30 else (2 ** 20, "MiB")  # MiB for small models
     print(f"\nper pipeline rank, {unit_name} (each of its replicas and tensor-parallel ranks holds the same) | param "
           "| grad | AdamW | gathered during a step (dp > 1) | activations held | with --activation-checkpointing | "
-          f"the loss's logits ({chunks} piece{'s' if chunks > 1 else ''}) | total, as flagged | sent to other "
+          f"the loss's logits ({chunks} piece{'s' if chunks > 1 else ''}) | start-up: shards + the largest whole "
+          "tensor | total, as flagged | sent to other "
           "stages a step" + (" | CPU memory: the checkpoint staged for --async-checkpoint" if args.async_checkpoint
                              else ""))
     last_rank = next(r for r in range(pp) if len(layout) - 1 in stages_of[r])
@@ -917,7 +937,8 @@ def plan(args) -> dict:
     for r in range(pp):
         row = rank_memory(sum(params[s] for s in stages_of[r]), dp, result[False]["peak"][r],
                           result[True]["peak"][r], sizes["loss"] if r == last_rank else 0, sizes["layer"],
-                          args.activation_checkpointing, half) | {"sent": sent[r]}
+                          args.activation_checkpointing, half, startup_bytes(config, layout, stages_of[r], dp, tp)
+                          ) | {"sent": sent[r]}
         if args.async_checkpoint:  # in CPU memory: the copy of the weights and AdamW state a save writes from
             row["staged"] = row["param"] + row["optimizer"]
         report["ranks"].append(row)
@@ -1042,7 +1063,8 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
                     stage_held(layout, sizes, checkpointing), stage_between(layout, sizes), split)
     memory = max(rank_memory(held[r], dp, result["peak"][r], result["peak"][r],
                              sizes["loss"] if len(layout) - 1 in per_rank[r] else 0, sizes["layer"],
-                             checkpointing, bf16(trial))["total"] for r in range(pp))
+                             checkpointing, bf16(trial), startup_bytes(config, layout, per_rank[r], dp, tp)
+                             )["total"] for r in range(pp))
     # FSDP2 gathers each stage's parameters once per step (bf16) and reduce-scatters its gradients once (fp32),
     # over the node's links when a stage's replicas share a node, else across nodes.
     bandwidth = args.intra_node_bandwidth if dp * tp <= args.gpus_per_node else args.inter_node_bandwidth

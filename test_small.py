@@ -500,8 +500,9 @@ def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape:
                      documents: bool = False, chunks: int = 8, seed: int = 11):
     """The GPipe script's split and schedule of these stages, as its main builds them: (the rank's model, its
     PipelineStages, the schedule, the loss). documents: the same stages (positions are a keyword argument)."""
-    modules = [gpipe.stage_module(config, s, layers, torch.device("cpu"), seed) for s in stages]
+    modules = [gpipe.stage_module(config, s, layers) for s in stages]
     model_module.parallelize(modules, mesh, torch.float32)
+    model_module.materialize(modules, config, torch.device("cpu"), seed)
     shards = mesh["tp"].size()  # sequence parallelism, as the scripts' default: each tp rank 1/tp of the positions
     built = [PipelineStage(module, s, len(layers), torch.device("cpu"), group=mesh.get_group("pp"),
                            **gpipe.stage_io(config, s, len(layers), shape, shards, torch.float32))
@@ -513,11 +514,26 @@ def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape:
 def traced_pipeline(config, name: str, stages: list, layers: list, mesh, shape: tuple, microbatches: int,
                     documents: bool = False, chunks: int = 8, seed: int = 11):
     """The same, as the tracer script builds it (documents: traced with --document-masking's positions)."""
-    modules, pipe = tracer.traced_modules(config, stages, layers, shape, torch.device("cpu"), seed, documents)
+    modules, pipe = tracer.traced_modules(config, stages, layers, shape, documents)
     model_module.parallelize(modules, mesh, torch.float32)
+    model_module.materialize(modules, config, torch.device("cpu"), seed)
     built = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), mesh.get_group("pp"), torch.float32) for s in stages]
     schedule, loss_fn = tracer.make_schedule(name, built, microbatches, chunks, 1)
     return model_module.merged_stages(modules), built, schedule, loss_fn
+
+
+def cpu_stage(config, stage: int, layers: list, seed: int = 0):
+    """The GPipe script's stage module, allocated on the CPU and initialized as its main does (no parallelism)."""
+    module = gpipe.stage_module(config, stage, layers)
+    model_module.materialize([module], config, torch.device("cpu"), seed)
+    return module
+
+
+def cpu_traced(config, stages: list, layers: list, shape: tuple, seed: int = 0):
+    """The tracer script's stage modules and pipe, allocated on the CPU and initialized as its main does."""
+    modules, pipe = tracer.traced_modules(config, stages, layers, shape)
+    model_module.materialize(modules, config, torch.device("cpu"), seed)
+    return modules, pipe
 
 
 def plain_loss(logits, targets):
@@ -615,7 +631,7 @@ def test_meta_init_equals_direct_build():
     config = small_config()
     direct = LlamaForPretraining(config)
     direct.init_weights(seed=7)
-    via_meta = gpipe.stage_module(config, 0, even(4, 1), torch.device("cpu"), seed=7)
+    via_meta = cpu_stage(config, 0, even(4, 1), seed=7)
     a = dict(direct.named_parameters()) | dict(direct.named_buffers())
     b = dict(via_meta.named_parameters()) | dict(via_meta.named_buffers())
     assert sorted(a) == sorted(b) and any(k.endswith("inv_freq") for k in a)
@@ -635,12 +651,105 @@ def test_each_stage_gets_the_full_models_weights(num_stages):
     full_state = full.state_dict()
     seen = set()
     for stage in range(num_stages):
-        part = gpipe.stage_module(config, stage, even(4, num_stages), torch.device("cpu"), seed=3).state_dict()
+        part = cpu_stage(config, stage, even(4, num_stages), seed=3).state_dict()
         assert set(part) <= set(full_state)
         for name, tensor in part.items():
             assert torch.equal(tensor, full_state[name]), name
         seen |= set(part)
     assert seen == set(full_state)  # the stages together hold every parameter exactly once
+
+
+# Start-up on sharded layouts: each script's stage built on meta, parallelized there, then its shards allocated
+# and initialized a whole tensor at a time (model.materialize). Tied, on one stage: the head is the embedding's
+# tensor, sharded alike by tensor parallelism and FSDP2.
+STARTUP_CONFIG = LlamaConfig(vocab_size=96, max_position_embeddings=64, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                             tie_word_embeddings=True)
+STARTUP_LAYOUTS = [(1, 2), (2, 1), (2, 2)]  # (dp, tp) of one pipeline stage: FSDP2 over tp gives _StridedShard
+
+
+def _startup_worker(rank, world_size, store_path, out_dir, dp, tp):
+    """Each script's start-up of the one stage at (pp 1, dp, tp), as its main builds it, under the allocator's count
+    (benchmark.allocated_bytes; the tracer's trace before it: shapes only, on meta, and 10 s under the profiler).
+    Saves, per script: the peak bytes and those left allocated, the rank's shards, the largest whole tensor, the
+    whole stage, the longest side of a tensor, whether the tie held, and the weights gathered whole."""
+    mesh = start_group(rank, world_size, store_path, 1, dp, tp)
+    try:
+        config, layers, results = STARTUP_CONFIG, even(STARTUP_CONFIG.num_hidden_layers, 1), {}
+        for kind in ("library", "manual", "tracer") if tp == 1 else ("library", "manual"):  # the tracer: no --tp
+            traced = tracer.traced_modules(config, [0], layers, (2, 16))[0] if kind == "tracer" else None
+
+            def start():
+                if kind == "library":
+                    modules = [gpipe.stage_module(config, 0, layers)]
+                elif kind == "manual":
+                    with torch.device("meta"):
+                        modules = [LlamaForPretraining(config)]
+                    manual.partition_model(modules[0], 0, 1, mesh.get_group("pp"), layers, trim=True)
+                else:
+                    modules = traced
+                model_module.parallelize(modules, mesh, torch.float32)
+                model_module.materialize(modules, config, torch.device("cpu"), 5)
+                return modules[0]
+            module, peak, left = benchmark.allocated_bytes(start)
+            tensors = list({id(t): t for t in [*module.parameters(), *module.buffers()]}.values())
+            results[kind] = {
+                "peak": peak, "left": left,
+                "shards": sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors),
+                "largest": max(t.numel() * t.element_size() for t in tensors),
+                "stage": sum(t.numel() * t.element_size() for t in tensors), "rows": max(max(t.shape) for t in tensors),
+                "tied": module.get_submodule("lm_head").weight is
+                module.get_submodule("base_model.embed_tokens").weight,
+                "initial": {n: t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+                            for n, t in [*module.named_parameters(), *module.named_buffers()]}}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def startup_runs(tmp_path_factory):
+    """Every script's start-up at each of STARTUP_LAYOUTS: {(dp, tp): each rank's {script kind: results}}."""
+    runs = {}
+    for dp, tp in STARTUP_LAYOUTS:
+        tmp_path = tmp_path_factory.mktemp("startup")
+        run_workers(_startup_worker, dp * tp, args=(dp * tp, str(tmp_path / "store"), str(tmp_path), dp, tp))
+        runs[dp, tp] = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(dp * tp)]
+    return runs
+
+
+def test_every_scripts_start_up_gives_the_full_models_weights_on_sharded_layouts(startup_runs):
+    # Built on meta, sharded there, then each shard filled from its tensor drawn whole: the unsplit model's
+    # init_weights on one process, bit for bit, at tp 2, dp 2 and dp 2 x tp 2 (pp 2 with them: the parity tests),
+    # and the tied head still the embedding's one tensor.
+    reference = LlamaForPretraining(STARTUP_CONFIG)
+    reference.init_weights(seed=5)
+    expected = dict(reference.named_parameters()) | dict(reference.named_buffers())
+    assert any(name.endswith("inv_freq") for name in expected) and "lm_head.weight" not in expected  # tied
+    for layout, ranks in startup_runs.items():
+        assert sorted(ranks[0]) == (["library", "manual", "tracer"] if layout[1] == 1 else ["library", "manual"])
+        for rank, results in enumerate(ranks):
+            for kind, result in results.items():
+                assert result["tied"], (layout, rank, kind)
+                assert sorted(result["initial"]) == sorted(expected), (layout, kind)
+                for name, tensor in result["initial"].items():
+                    assert torch.equal(tensor, expected[name]), (layout, rank, kind, name)
+
+
+def test_start_up_holds_at_most_the_shards_and_one_whole_tensor(startup_runs):
+    # The allocator's own count (the profiler's memory events): start-up leaves exactly the rank's shards
+    # allocated, and at its peak held them and one whole tensor, plus the int64 indices DTensor builds to find a
+    # shard's offsets (compute_local_shape_and_global_offset; a _StridedShard's: an arange of the whole dimension
+    # and its split). Measured: 4 bytes a row of the longest side of a tensor at tp 2 or dp 2, 16 at dp 2 x tp 2;
+    # allowed 32 (4 KiB here). Allocating the stage whole and splitting it after (the scripts before materialize)
+    # peaks at the whole stage, 1.8 to 3.2 x this bound here: that fails.
+    for layout, ranks in startup_runs.items():
+        for rank, results in enumerate(ranks):
+            for kind, r in results.items():
+                bound = r["shards"] + r["largest"] + 32 * r["rows"]
+                assert r["left"] == r["shards"], (layout, rank, kind, r["left"], r["shards"])
+                assert r["shards"] <= r["peak"] <= bound, (layout, rank, kind, r["peak"], bound)
+                assert r["stage"] > 1.5 * bound, (layout, kind)  # the whole stage: the bound is not loose
 
 
 def test_the_even_split_differs_by_at_most_one_layer():
@@ -1762,9 +1871,8 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                 with torch.device("meta"):
                     model = LlamaForPretraining(config)
                 partition = manual.partition_model(model, pp_rank, pp, mesh.get_group("pp"), layers, trim=True)
-                model.to_empty(device="cpu")
-                model.init_weights(11)
                 model_module.parallelize([model], mesh, torch.float32)
+                model_module.materialize([model], config, env.device, 11)
                 partition.sequence_shards = tp  # sequence parallelism with tp > 1, as the scripts' default
                 modules = [model]
             initial = {n: t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
@@ -2141,7 +2249,7 @@ def test_declared_stage_inputs_and_outputs_are_what_the_stages_compute(one_proce
     # CPU stands in for the GPU's.
     config, num_stages, shape = small_config(layers=3), 3, (2, 16)
     x = torch.randint(0, config.vocab_size, shape)
-    modules = [gpipe.stage_module(config, s, even(3, num_stages), torch.device("cpu"), 0) for s in range(num_stages)]
+    modules = [cpu_stage(config, s, even(3, num_stages)) for s in range(num_stages)]
     model_module.parallelize(modules, init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp")), dtype)
     with gpipe.compute(cpu_env(0, 1, dtype), 1):
         for s, module in enumerate(modules):
@@ -2559,7 +2667,7 @@ def test_traced_stages_hold_exactly_what_the_hand_split_holds():
         pipe = tracer.traced_pipeline(meta_model(config), example, tracer.split_spec(layout))
         assert pipe.num_stages == len(layout)
         for stage in range(len(layout)):
-            hand = gpipe.stage_module(config, stage, layout, torch.device("cpu"), seed=0)
+            hand = gpipe.stage_module(config, stage, layout)  # on meta: the names are what is compared
             traced = pipe.get_stage_module(stage)
             assert {name for name, _ in [*traced.named_parameters(), *traced.named_buffers()]} == \
                 {name for name, _ in [*hand.named_parameters(), *hand.named_buffers()]}, (layout, stage)
@@ -2567,7 +2675,7 @@ def test_traced_stages_hold_exactly_what_the_hand_split_holds():
 
 def test_bf16_autocast_runs_the_traced_stages_in_bf16(one_process_group, monkeypatch):
     config = small_config(layers=4)
-    _, pipe = tracer.traced_modules(config, [0, 1], even(4, 2), (2, 16), torch.device("cpu"), 3)
+    _, pipe = cpu_traced(config, [0, 1], even(4, 2), (2, 16), 3)
     stages = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), None, torch.float32).submod for s in range(2)]
     eager = LlamaForPretraining(config)
     eager.init_weights(seed=3)
@@ -2623,7 +2731,7 @@ def test_weights_shared_across_stages_are_refused():
 
 
 def test_traced_stage_only_takes_the_traced_microbatch_shape(one_process_group):
-    _, pipe = tracer.traced_modules(small_config(layers=2), [0], even(2, 1), (2, 16), torch.device("cpu"), 0)
+    _, pipe = cpu_traced(small_config(layers=2), [0], even(2, 1), (2, 16))
     module = tracer.pipeline_stage(pipe, 0, torch.device("cpu"), None, torch.float32).submod
     assert module(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 32)  # hidden states: the loss has the head
     with pytest.raises(RuntimeError):
@@ -3975,6 +4083,8 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
         "manual2xtp2": (4, "train_pipeline_afab_manual.py", [*train, "--schedule", "1f1b", "--tp", "2"]),
         # 4 stages in a V: the evaluations run the script's own forward pass (torch's eval() fails there)
         "tracer2": (2, "train_pipeline_tracer.py", [*train, "--schedule", "zbvzerobubble"]),
+        # one stage, dp 2 x tp 2: the head is the embedding's one tensor, built on meta, sharded by FSDP2 over tp
+        "one2x2": (4, "train_pipeline_gpipe.py", [*train, "--dp", "2", "--tp", "2"]),
         "eval_one": (0, "train_pipeline_gpipe.py", ["--steps", "0"]),
         "eval3": (3, "train_pipeline_afab_manual.py", ["--steps", "0"]),
     }
@@ -3988,7 +4098,7 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
         rows[name] = ([r for r in lines if "loss" in r], [r["eval"] for r in lines if "eval" in r])
     assert [e["step"] for e in rows["one"][1]] == [2, 4] and [e["step"] for e in rows["eval_one"][1]] == [0]
     assert rows["eval3"][0] == [] and not (tmp_path / "eval3").exists()  # evaluated only, nothing written
-    for name in ("gpipe3", "manual2xtp2", "tracer2", "eval3"):
+    for name in ("gpipe3", "manual2xtp2", "tracer2", "one2x2", "eval3"):
         reference = rows["eval_one" if name == "eval3" else "one"]
         assert_same_trajectory(rows[name][0], reference[0], name)
         # An evaluation after step s sees the weights that step s + 1 starts from.
@@ -4219,6 +4329,21 @@ def test_the_plan_counts_each_schedules_activations(parity_run):
                                          abs=inputs.nbytes + targets.nbytes), (kind, name, split, measured)
 
 
+def test_the_plan_counts_the_start_up_peak(startup_runs, tmp_path, monkeypatch, capsys):
+    # plan.py's start-up peak (the rank's shards and the largest whole tensor of its stages) is what every script's
+    # start-up measured, within 10 %: one stage, tied, at tp 2, dp 2 and dp 2 x tp 2 (startup_runs); and it shows
+    # it beside the other figures of each rank.
+    config = write_config(tmp_path / "config.json", model_module.hf_config(STARTUP_CONFIG, 1, 2, None, torch.float32))
+    monkeypatch.chdir(tmp_path)  # the scripts' checks read --checkpoint-dir (./checkpoints): none here
+    for (dp, tp), ranks in startup_runs.items():
+        (row,) = plan.main(["--processes", str(dp * tp), "--dp", str(dp), "--tp", str(tp), "--model", config,
+                            "--seq-len", "16", "--batch-size", "8", "--microbatches", "2", "--device", "cpu"])["ranks"]
+        assert "start-up: shards + the largest whole tensor" in capsys.readouterr().out
+        measured = [result["peak"] for results in ranks for result in results.values()]
+        assert measured == pytest.approx([row["startup"]] * len(measured), rel=0.1), (dp, tp, row["startup"])
+        assert row["startup"] < row["total"]  # here the step holds more: the total is the step's
+
+
 def test_plan_says_what_torchs_schedules_say_of_the_microbatches():
     # The scripts leave the microbatch rules to torch (a schedule's constructor raises; the script passes the
     # message on); plan.py, which builds no schedule, states them itself. Every schedule, pipeline size and
@@ -4249,8 +4374,9 @@ def test_plan_says_what_torchs_schedules_say_of_the_microbatches():
 def test_the_plan_counts_what_the_runs_hold(layout_runs, data_dir):
     # plan.py computes what the layout runs measured, within 10 %: each rank's parameter, gradient and AdamW
     # bytes, with and without replicas, and the activations held, with and without checkpointing and sequence
-    # parallelism, in all three scripts; exactly the bytes each rank sends to other stages a step; and the copy of
-    # its state a background save stages.
+    # parallelism, in all three scripts; exactly the bytes each rank sends to other stages a step; the copy of
+    # its state a background save stages; and the peak of its start-up (model.materialize: its shards and, when
+    # sharded, the largest whole tensor of its stages).
     runs, _ = layout_runs
     for name in ("gpipe2", "checkpointed2", "gpipe2x2", "tracer2x2", "1f1b2x2", "afab2xtp2", "afab2xtp2nosp",
                  "gpipe2x2xtp2", "1f1b2x2xtp2"):
@@ -4260,7 +4386,7 @@ def test_the_plan_counts_what_the_runs_hold(layout_runs, data_dir):
             lambda flag: flag not in ("--trace", "--checkpoint-every"), extra))
         on_rank = [ranks[r // (processes // len(ranks))] for r in range(processes)]  # pp outermost, then dp, tp
         measured = runs[name][3]
-        for kind in ("param", "grad", "optimizer"):
+        for kind in ("param", "grad", "optimizer", "startup"):
             assert measured[f"{kind}_bytes_per_rank"] == pytest.approx([row[kind] for row in on_rank], rel=0.1), \
                 (name, kind)
         key = "activations_checkpointed" if "--activation-checkpointing" in extra else "activations"
@@ -4334,7 +4460,7 @@ def test_the_plan_counts_the_recomputation_of_a_split_backward(one_process_group
     # runs stage 0's backward whole (one recomputation); stage 1 recomputes for its input gradient and then
     # once per weight for its weight gradient: what plan.split_backward charges.
     config, m = small_config(layers=2), 2
-    modules = [gpipe.stage_module(config, s, even(2, 2), torch.device("cpu"), seed=0) for s in (0, 1)]
+    modules = [cpu_stage(config, s, even(2, 2)) for s in (0, 1)]
     calls = {0: 0, 1: 0}
 
     def counted(forward, i):
@@ -5988,7 +6114,7 @@ def test_a_forked_rank_starts_as_a_torchrun_rank_does(tmp_path):
 # -- Two workers, `pytest -n 2 --dist loadgroup` (pytest-xdist: requirements-dev.txt): the tests that share a
 # module fixture (the parity launches, the layout runs, ...) are one group, run by one worker that computes it once.
 # Not reference_run's 14 tests, a third of the suite's time: each worker makes that 16-step run (25 s) itself.
-SHARED_FIXTURES = ("parity_run", "layout_runs", "document_runs", "hf_models", "tokenizer_file")
+SHARED_FIXTURES = ("parity_run", "layout_runs", "document_runs", "hf_models", "tokenizer_file", "startup_runs")
 for _name, _test in list(globals().items()):
     _shared = [f for f in SHARED_FIXTURES if _name.startswith("test_") and f in inspect.signature(_test).parameters]
     if _shared:

@@ -37,7 +37,7 @@ import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
 from model import (PRESETS, LlamaForPretraining, TiedEmbedding, attention_mask, chunked_loss, clip_grad_norm_,
                    config_from_preset, describe_layout, document_mask, document_positions, estimated_costs, even,
-                   layout, loss_chunks, mfu, parallelize)
+                   layout, loss_chunks, materialize, mfu, parallelize)
 
 # ----------------------------------------------------------------------------------------------------------
 # Flags: the same names and meanings in every script of the collection
@@ -121,15 +121,12 @@ def main(args):
     chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
     shards = tp if args.sequence_parallel else 1  # sequence parallelism: each tp rank holds seq_len / tp positions
 
-    # --- the split: this rank's slice, trimmed on meta, allocated; tensor parallelism, checkpointing, compile, FSDP2
+    # --- the split: this rank's slice trimmed on meta; tensor parallelism, checkpointing, compile, FSDP2; its shards
     with torch.device("meta"):
-        model = LlamaForPretraining(config)
+        model = LlamaForPretraining(config)  # with one stage, a tied head is the embedding's (else TiedEmbedding)
     partition = partition_model(model, pp_rank, pp, group=mesh.get_group("pp"), layout=layers, trim=True)
-    model.to_empty(device=env.device)  # allocates, uninitialized: init_weights sets every parameter and buffer
-    if pp == 1:  # embedding and head in one stage: one tensor if tied (else TiedEmbedding)
-        model.tie_weights()
-    model.init_weights(args.seed)
     parallelize([model], mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing, args.compile)
+    materialize([model], config, env.device, args.seed)  # a shard at a time: the full model's weights, any layout
     partition.sequence_shards = shards
 
     # --- the schedule: AFAB or 1F1B by hand, over send/recv between the pipeline ranks of this replica

@@ -35,8 +35,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
 from model import (PRESETS, LlamaForPretraining, TiedEmbedding, chunked_loss, clip_grad_norm_, config_from_preset,
-                   describe_layout, document_positions, estimated_costs, layout, loss_chunks, merged_stages, mfu,
-                   parallelize)
+                   describe_layout, document_positions, estimated_costs, layout, loss_chunks, materialize,
+                   merged_stages, mfu, parallelize)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
              "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
@@ -129,9 +129,10 @@ def main(args):
     chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
     shards = tp if args.sequence_parallel else 1  # sequence parallelism: each tp rank holds seq_len / tp positions
 
-    # --- the split: this rank's stages, then tensor parallelism, checkpointing, compile, FSDP2
-    modules = [stage_module(config, s, layers, env.device, args.seed) for s in stages]
+    # --- the split: this rank's stages on meta, tensor parallelism, checkpointing, compile, FSDP2; then its shards
+    modules = [stage_module(config, s, layers) for s in stages]
     parallelize(modules, mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing, args.compile)
+    materialize(modules, config, env.device, args.seed)  # a shard at a time: the full model's weights, any layout
     model = merged_stages(modules)  # the rank's parameters, for the optimizer and checkpoints
 
     # --- the schedule: a PipelineStage per stage, talking to the same tp rank of the other pipeline ranks
@@ -387,16 +388,13 @@ def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> lis
     return [pp_rank + v * pp for v in range(stages_per_rank)]
 
 
-def stage_module(config, stage: int, layers: list[range], device: torch.device, seed: int) -> LlamaForPretraining:
-    """One stage: its layers, the embedding on the first, the final norm and head on the last. Built on meta,
-    trimmed, then allocated and initialized by full-model name: the full model's weights, whatever the split."""
+def stage_module(config, stage: int, layers: list[range]) -> LlamaForPretraining:
+    """One stage on the meta device: its layers, the embedding on the first, the final norm and head on the last
+    (with one stage, a tied head is the embedding's tensor; else TiedEmbedding keeps the copies equal). Nothing
+    is allocated: main parallelizes it, then materialize allocates this rank's shards, by full-model name."""
     with torch.device("meta"):
         model = LlamaForPretraining(config)
     model.keep_only(layers[stage], stage == 0, stage == len(layers) - 1)
-    model.to_empty(device=device)  # allocates, uninitialized: init_weights sets every parameter and buffer
-    if len(layers) == 1:  # embedding and head in one stage: one tensor if tied (else TiedEmbedding)
-        model.tie_weights()
-    model.init_weights(seed)
     model.head_in_loss = True  # the last stage gives out hidden states; the loss applies the head, in pieces
     return model
 

@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
 from model import (PRESETS, LlamaForPretraining, TiedEmbedding, chunked_loss, clip_grad_norm_, config_from_preset,
-                   describe_layout, document_positions, estimated_costs, init_tensor_, layout, loss_chunks,
+                   describe_layout, document_positions, estimated_costs, layout, loss_chunks, materialize,
                    merged_stages, mfu, parallelize)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
@@ -130,10 +130,11 @@ def main(args):
     chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
     shards = tp if args.sequence_parallel else 1  # sequence parallelism: each tp rank holds seq_len / tp positions
 
-    # --- the split: the whole model traced, this rank's stages built, then checkpointing, compile, FSDP2
+    # --- the split: the whole model traced, this rank's stages on meta, checkpointing, compile, FSDP2; its shards
     started = time.perf_counter()
-    modules, pipe = traced_modules(config, stages, layers, microbatch, env.device, args.seed, args.document_masking)
+    modules, pipe = traced_modules(config, stages, layers, microbatch, args.document_masking)
     parallelize(modules, mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing, args.compile)
+    materialize(modules, config, env.device, args.seed)  # a shard at a time: the full model's weights, any layout
     model = merged_stages(modules)  # the rank's parameters, for the optimizer and checkpoints
 
     # --- the schedule: a traced stage per stage, talking to the other pipeline ranks of this replica
@@ -388,9 +389,9 @@ def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> lis
 
 
 def traced_modules(config, stages: list[int], layers: list[range], microbatch: tuple[int, int],
-                   device: torch.device, seed: int, documents: bool = False):
-    """This rank's stage modules, traced from the full model on meta, then allocated and initialized by their
-    full-model names (the weights of the other scripts); and the traced pipeline, to build their stages."""
+                   documents: bool = False):
+    """This rank's stage modules, traced from the full model, on meta under their full-model names (materialize
+    gives them the other scripts' weights); and the traced pipeline, to build their stages."""
     with torch.device("meta"):  # shapes only: neither the model nor the trace allocates or computes anything
         # Traced untied (pipeline() would copy a tied embedding into the head's stage, and nothing would keep the
         # copies equal: TiedEmbedding does, as in the hand split), and without the head: the loss applies it.
@@ -411,11 +412,8 @@ def traced_modules(config, stages: list[int], layers: list[range], microbatch: t
                                                    if (f"{prefix}.{b}" if prefix else b) in not_persistent)
         if stage == len(layers) - 1:
             module.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
-        module.to_empty(device=device)  # allocates this stage only, uninitialized: every tensor is set below
         if len(layers) == 1 and config.tie_word_embeddings:
             module.get_submodule("lm_head").weight = module.get_submodule("base_model.embed_tokens").weight
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            init_tensor_(name, tensor, seed, config)
         modules.append(module)
     return modules, pipe
 
