@@ -17,7 +17,6 @@ The rules, as the replay applies them (sources beside each in RULES).
 
 import argparse
 import collections
-import contextlib
 import json
 import os
 import runpy

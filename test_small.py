@@ -853,7 +853,8 @@ def test_a_stage_builds_its_document_mask_once_a_microbatch_for_all_its_layers(m
     config, gen = small_config(layers=3), torch.Generator().manual_seed(0)
     tokens = documents_batch(torch.randint(0, 97, (2, 16), generator=gen), {0: [5], 1: [0, 9]})
     positions = model_module.document_positions(tokens, BOS)
-    stage = gpipe.stage_module(config, 1, [range(0), range(3), range(3, 3)], torch.device("cpu"), 11)  # 3 layers
+    stage = gpipe.stage_module(config, 1, [range(0), range(3), range(3, 3)])  # 3 layers, on meta
+    model_module.materialize([stage], config, torch.device("cpu"), 11)
     model_module.checkpoint_layers([stage])
     stage(torch.randn(2, 16, 32, generator=gen, requires_grad=True), positions).sum().backward()  # recomputed
     assert len(built) == 1
