@@ -315,6 +315,9 @@ def check_run(args, rank: int, job: list[str], data_id: str) -> None:
     becomes the one the run recorded."""
     with collective_errors():  # 1. nothing written yet: is every path usable?
         check_apart(args)
+        if args.async_checkpoint and torch.__version__ < "2.13":  # measured: torch 2.11's DefaultStager fails
+            raise UsageError(f"--async-checkpoint: torch {torch.__version__} cannot stage a checkpoint (its copy "
+                             "of the state fails: KeyError <class 'type'>); use torch 2.13 or leave the flag out")
         for flag, path, directory in (("--checkpoint-dir", args.checkpoint_dir, True),
                                       ("--metrics", args.metrics, False), ("--trace", args.trace, True)):
             if path:

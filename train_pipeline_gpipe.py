@@ -309,8 +309,9 @@ def init_distributed(env: Env, timeout_s: float) -> None:
             store = dist.PrefixStore(f"attempt{env.restart}", store)  # the dead processes' addresses are in it
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
                                 **({"device_id": env.device} if env.device.type == "cuda" else {}))
-    else:  # plain `python script.py`: a group of one
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:  # plain `python script.py`: a group of one (device_id: NCCL's communicator made now, as under torchrun)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                **({"device_id": env.device} if env.device.type == "cuda" else {}))
 
 
 def compute(env: Env, tp: int):
