@@ -3739,6 +3739,17 @@ def test_wrong_model_damaged_or_tampered_checkpoints_fail_in_one_line(tmp_path, 
     assert complete_and_partial(tmp_path / "wrong_model" / "checkpoints")[0] == ["step-00000001"]
 
 
+def test_background_saves_before_torch_2_13_are_refused_in_one_line(tmp_path, monkeypatch, one_process_group):
+    # Measured on a GPU machine's torch 2.11: its DefaultStager fails to copy the state (KeyError: <class 'type'>)
+    # at the first background save, after the steps before it. Refused before any work instead, on every rank.
+    args = gpipe.build_parser().parse_args(["--async-checkpoint", "--checkpoint-dir", str(tmp_path / "ckpt")])
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(checkpoint.UsageError, match=r"^--async-checkpoint: torch 2.11.0\+cu130 cannot stage a "
+                                                    "checkpoint .*; use torch 2.13 or leave the flag out$"):
+        checkpoint.check_run(args, 0, ["job"], "data")
+    assert not (tmp_path / "ckpt").exists()  # nothing written
+
+
 def test_fresh_runs_within_a_second_each_set_their_checkpoints_aside(tmp_path, monkeypatch):
     # benchmark.py starts its runs one after another with --fresh in one folder, short runs within a second.
     monkeypatch.setattr(time, "strftime", lambda *args: "20260101-000000")
