@@ -407,8 +407,8 @@ def labelled_1f1b():
 @contextlib.contextmanager
 def counted_sends(module):
     """[bytes] this rank sends to other stages while training (activations forward, their gradients back; not
-    evaluating): from the sends torch's PipelineStage builds, or the hand-written script's Step.send (its tensor,
-    not the header before it)."""
+    evaluating): from the sends torch's PipelineStage builds, or the hand-written script's Step.message (its
+    sends)."""
     sent = [0]
 
     def ops_counted(build):
@@ -418,10 +418,10 @@ def counted_sends(module):
             return ops
         return counted
 
-    def send_counted(send):
-        def counted(self, tensor, *args, **kwargs):
-            sent[0] += tensor.nbytes if torch.is_grad_enabled() else 0
-            return send(self, tensor, *args, **kwargs)
+    def send_counted(message):
+        def counted(self, op, tensor, *args, **kwargs):
+            sent[0] += tensor.nbytes if torch.is_grad_enabled() and op is dist.isend else 0
+            return message(self, op, tensor, *args, **kwargs)
         return counted
 
     base = torch.distributed.pipelining.stage._PipelineStageBase  # PipelineStage's and the tracer's stages'
@@ -429,7 +429,7 @@ def counted_sends(module):
         for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
             patches.enter_context(unittest.mock.patch.object(base, name, ops_counted(getattr(base, name))))
         if hasattr(module, "Step"):
-            patches.enter_context(unittest.mock.patch.object(module.Step, "send", send_counted(module.Step.send)))
+            patches.enter_context(unittest.mock.patch.object(module.Step, "message", send_counted(module.Step.message)))
         yield sent
 
 

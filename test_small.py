@@ -2067,16 +2067,17 @@ class _StepAsItWas(manual.Step):
     """The hand-written pipeline's messages before they kept NCCL's rules: each send and receive on its own (a
     2-rank communicator each pair), the shape sent first and read by the host, every send kept to the end."""
 
-    def send(self, tensor, stage, mb, hold):
-        shape = torch.tensor(tensor.shape)
-        self.sends += [(dist.isend(t, group=self.partition.group, group_dst=stage), t) for t in (shape, tensor)]
-
-    def recv(self, stage, mb, shape, dtype=None):
-        dims = torch.empty(len(shape), dtype=torch.int64)
-        dist.recv(dims, group=self.partition.group, group_src=stage)
-        tensor = torch.empty(dims.tolist(), dtype=dtype or self.dtype)
-        dist.recv(tensor, group=self.partition.group, group_src=stage)
-        return tensor
+    def message(self, op, tensor, stage, label, hold=False):
+        group = self.partition.group
+        if op is dist.isend:
+            shape = torch.tensor(tensor.shape)
+            self.sends += [(dist.isend(t, group=group, group_dst=stage), t) for t in (shape, tensor)]
+            return tensor
+        dims = torch.empty(len(tensor), dtype=torch.int64)
+        dist.recv(dims, group=group, group_src=stage)
+        received = torch.empty(dims.tolist(), dtype=self.dtype)
+        dist.recv(received, group=group, group_src=stage)
+        return received
 
 
 def _orders_worker(rank, world_size, store_path, out_dir):
@@ -2125,7 +2126,8 @@ def _orders_worker(rank, world_size, store_path, out_dir):
         for name, step in (("held as it was", _StepAsItWas), ("held", manual.Step)):
             most = []
             counted = type("Counted", (step,), {  # after each message, and at the end of the step
-                "exchange": lambda self, label: (step.exchange(self, label), most.append(len(self.sends))),
+                "message": lambda self, *args, **kwargs: (step.message(self, *args, **kwargs),
+                                                          most.append(len(self.sends)))[0],
                 "finish": lambda self: (most.append(len(self.sends)), step.finish(self))[1]})
             with unittest.mock.patch.object(manual, "Step", counted):
                 manual.train_step_pipeline_afab(partition, inputs.chunk(16), targets.chunk(16), torch.device("cpu"),

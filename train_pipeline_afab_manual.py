@@ -7,10 +7,9 @@
     torchrun --nproc_per_node 4 train_pipeline_afab_manual.py --tp 2           # 2 stages x 2 tensor-parallel
 
 What torch.distributed.pipelining does, by hand: each rank keeps a slice of the layers and passes activations
-forward, gradients back, with send/recv. Needs model.py, checkpoint.py. The functions keep the calls of the
-torch-pipeline-parallelism guide as it writes them and users test them: partition_model(model, rank,
-world_size) with .layers, forward_stage(partition, hidden_states), and train_step_pipeline_afab, _1f1b and
-eval_step_pipeline(model, inputs, targets, device, dtype) on the whole model (ours or Hugging Face's), every rank.
+forward, gradients back. Needs model.py, checkpoint.py. The functions keep the calls of the torch-pipeline-
+parallelism guide (users test them): partition_model(model, rank, world_size) with .layers, forward_stage(partition,
+hidden_states), train_step_pipeline_afab, _1f1b, eval_step_pipeline(model, inputs, targets, device, dtype).
 """
 
 import argparse
@@ -119,7 +118,6 @@ def main(args):
         layers = stage_layout(config, num_stages, args)
     microbatch = (args.batch_size // (dp * args.microbatches), args.seq_len)
     chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
-    shards = tp if args.sequence_parallel else 1  # sequence parallelism: each tp rank holds seq_len / tp positions
 
     # --- the split: this rank's slice trimmed on meta; tensor parallelism, checkpointing, compile, FSDP2; its shards
     with torch.device("meta"):
@@ -127,11 +125,11 @@ def main(args):
     partition = partition_model(model, pp_rank, pp, group=mesh.get_group("pp"), layout=layers, trim=True)
     parallelize([model], mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing, args.compile)
     materialize([model], config, env.device, args.seed)  # a shard at a time: the full model's weights, any layout
-    partition.sequence_shards = shards
+    partition.sequence_shards = tp if args.sequence_parallel else 1  # each tp rank: seq_len / tp positions
 
     # --- the schedule: AFAB or 1F1B by hand, over send/recv between the pipeline ranks of this replica
-    run_train, run_eval = (functools.partial(run_batch, s, partition, env=env, tp=tp, m=args.microbatches,
-                                             chunks=chunks) for s in (SCHEDULES[args.schedule], eval_step_pipeline))
+    run = functools.partial(run_batch, env=env, tp=tp, m=args.microbatches, chunks=chunks, shape=microbatch)
+    run_train, run_eval = (functools.partial(run, s, partition) for s in (SCHEDULES[args.schedule], eval_step_pipeline))
     say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
         f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
         f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks))}"
@@ -151,8 +149,7 @@ def main(args):
     def through_pipeline(run, inputs, targets):  # this replica's rows in; the mean loss over the replicas out
         inputs, targets = inputs[rows].to(env.device), targets[rows].to(env.device)  # every rank reads the batch
         documents = {"positions": document_positions(inputs, meta["bos_id"])} if args.document_masking else {}
-        loss = run(inputs if has_first else None, targets if has_last else None,  # the microbatches' shape: to
-                   shape=(len(inputs) // args.microbatches, args.seq_len), **documents)  # every stage
+        loss = run(inputs if has_first else None, targets if has_last else None, **documents)  # to every stage
         if has_last and dp > 1:
             dist.all_reduce(loss, group=mesh.get_group("dp"))
             loss /= dp
@@ -289,15 +286,14 @@ def init_distributed(env: Env, timeout_s: float) -> None:
     """Join the other processes (torchrun's, or a group of one): the world that main's mesh divides."""
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if env.device.type == "cuda" else "gloo"
+    bind = {"device_id": env.device} if env.device.type == "cuda" else {}  # NCCL's communicators made at once
     if "MASTER_ADDR" in os.environ:  # started by torchrun
         store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's store, kept across restarts:
             store = dist.PrefixStore(f"attempt{env.restart}", store)  # the dead processes' addresses are in it
-        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
-                                **({"device_id": env.device} if env.device.type == "cuda" else {}))
-    else:  # plain `python script.py`: a group of one (device_id: NCCL's communicator made now, as under torchrun)
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
-                                **({"device_id": env.device} if env.device.type == "cuda" else {}))
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **bind)
+    else:  # plain `python script.py`: a group of one
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bind)
 
 
 def compute(env: Env, tp: int):
@@ -428,60 +424,40 @@ def loss_fn(partition: Partition, hidden: torch.Tensor, targets: torch.Tensor, c
 # The schedule: point-to-point messages, and AFAB and 1F1B over them
 
 class Step:
-    """One step of AFAB or 1F1B on this rank, each forward, backward, send and receive labelled for --trace.
-
-    Right under NCCL's rules (docs/pipeline-by-hand.md): a send waits for its receive, and a rank's calls on one
-    communicator run in the order issued. Each message is a batch_isend_irecv, as in torch's schedules (both ends
-    on the group's communicator); a send that the rank's next receive crosses (1F1B's steady state) is held and
-    goes in one batch with that receive: NCCL starts them together. Receive buffers are shaped from the config
-    and the microbatch, so no receive waits for a shape message or syncs the host."""
+    """One step of AFAB or 1F1B on this rank, each forward, backward, send and receive labelled for --trace."""
 
     def __init__(self, model, inputs, targets, device, dtype, loss_chunks=1, positions=None, shape=None):
         part = model if isinstance(model, Partition) else partition_model(model, dist.get_rank(), dist.get_world_size())
         self.partition, self.inputs, self.targets, self.device, self.dtype = part, inputs, targets, device, dtype
         self.chunks, self.microbatches, self.positions = loss_chunks, len(inputs), positions
         self.rank, self.first, self.last = part.rank, part.rank == 0, part.rank == part.world_size - 1
-        self.saved, self.loss = {}, torch.zeros((), device=device)  # saved: microbatch -> (input, output or loss)
-        self.held, self.sends = [], []  # sends for the next receive to take along; sent, not yet complete
-        # shape: (batch, seq) of every microbatch, where every rank knows it (the scripts: each rank reads the
-        # batch); else the microbatches' shapes come down the pipeline ahead of the step (the host reads them once).
-        if shape is None:
-            shapes = torch.tensor([x.shape for x in inputs], device=device) if self.first else self.recv(
-                self.rank - 1, "shapes", (self.microbatches, 2), torch.int64)
-            if not self.last:
-                self.send(shapes, self.rank + 1, "shapes", hold=False)
-        width, shards = part.model.config.hidden_size, part.sequence_shards
-        self.shapes = [(b, s // shards, width) for b, s in ([shape] * len(inputs) if shape else shapes.tolist())]
+        # saved: microbatch -> (input, output or loss); held: sends for the next receive; sends: the last ones alone
+        self.saved, self.loss, self.held, self.sends = {}, torch.zeros((), device=device), [], []
+        shapes = [shape] * len(inputs) if shape else [x.shape for x in inputs]  # (batch, seq): no shape is sent
+        self.shapes = [(b, s // part.sequence_shards, part.model.config.hidden_size) for b, s in shapes]
 
-    def send(self, tensor: torch.Tensor, stage: int, mb, hold: bool) -> None:
-        self.held.append(dist.P2POp(dist.isend, tensor.contiguous(), group=self.partition.group, group_peer=stage))
-        if not hold:
-            self.exchange(f"send {mb}")
-
-    def recv(self, stage: int, mb, shape, dtype=None) -> torch.Tensor:
-        tensor = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
-        self.held.append(dist.P2POp(dist.irecv, tensor, group=self.partition.group, group_peer=stage))
-        self.exchange(f"recv {mb}")
+    def message(self, op, tensor, stage: int, label, hold: bool = False) -> torch.Tensor:
+        """Send (dist.isend) tensor to a stage, or receive (dist.irecv) one of that shape. NCCL does not buffer a send
+        and runs a rank's calls on a communicator in issue order: a send that the rank's next receive crosses (1F1B's
+        steady state) is held and goes with it in one batch_isend_irecv, which NCCL starts together, as torch's 1F1B.
+        A receiving batch is waited for (wait() orders NCCL's stream, not the host); sends alone, till the next go."""
+        tensor = torch.empty(tensor, dtype=self.dtype, device=self.device) if isinstance(tensor, tuple) else tensor
+        self.held.append(dist.P2POp(op, tensor.contiguous(), group=self.partition.group, group_peer=stage))
+        if hold:
+            return tensor
+        ops, self.held, alone = self.held, [], op is dist.isend
+        for work, _ in self.sends if alone else ():
+            work.wait()
+        with record_function(f"{'send' if alone else 'recv'} {label}"):
+            works = dist.batch_isend_irecv(ops)
+        for work in () if alone else works:
+            work.wait()
+        self.sends = [(work, ops) for work in works] if alone else self.sends
         return tensor
 
-    def exchange(self, label: str) -> None:
-        # The held calls in one batch, waited for if it receives: wait() orders NCCL's stream before the compute
-        # that reads it (the host does not block). Sends alone are kept until the next sends alone go out, which
-        # first wait for them, as torch's 1F1B does: a rank holds one batch of sends, not the step's m of them.
-        ops, self.held = self.held, []
-        sends_only = ops[-1].op is dist.isend
-        for work, _ in self.sends if sends_only else ():
-            work.wait()
-        with record_function(label):
-            works = dist.batch_isend_irecv(ops)
-        for work in () if sends_only else works:
-            work.wait()
-        self.sends = [(work, ops) for work in works] if sends_only else self.sends
-
     def forward(self, i: int, hold: bool) -> None:
-        # A received tensor has no autograd history. Made a leaf that requires grad, it stops this stage's
-        # backward and keeps d(loss)/d(input) in x.grad: what the previous stage needs.
-        x = self.inputs[i].to(self.device) if self.first else self.recv(self.rank - 1, i, self.shapes[i])
+        # A received tensor, a leaf that requires grad: this stage's backward stops there, d(loss)/d(x) left in x.grad
+        x = self.inputs[i].to(self.device) if self.first else self.message(dist.irecv, self.shapes[i], self.rank - 1, i)
         x.requires_grad_(not self.first)
         with record_function(f"forward {i}"):
             out = forward_stage(self.partition, x, self.positions[i] if self.positions else None)
@@ -489,12 +465,12 @@ class Step:
                 out = loss_fn(self.partition, out, self.targets[i].to(self.device), self.chunks) / self.microbatches
                 self.loss += out.detach()
         if not self.last:  # values only travel; the graph stays here in `out` for this stage's backward
-            self.send(out.detach().to(self.dtype), self.rank + 1, i, hold)
+            self.message(dist.isend, out.detach().to(self.dtype), self.rank + 1, i, hold)
         self.saved[i] = (x, out)
 
     def backward(self, i: int, hold: bool) -> None:
         x, out = self.saved.pop(i)  # dropping it frees this microbatch's activations after the backward
-        grad = None if self.last else self.recv(self.rank + 1, i, self.shapes[i]).to(out.dtype)
+        grad = None if self.last else self.message(dist.irecv, self.shapes[i], self.rank + 1, i).to(out.dtype)
         if isinstance(model := self.partition.model, FSDPModule):
             # With replicas, every backward adds into the unsharded gradient and only the last one (microbatch
             # m - 1, in AFAB and 1F1B alike) reduce-scatters the sum: once per step, not m times.
@@ -505,21 +481,18 @@ class Step:
         with record_function(f"backward {i}"):
             out.backward(grad)  # the last stage from its scaled loss, the others from the received gradient
         if not self.first:
-            self.send(x.grad.to(self.dtype), self.rank - 1, i, hold)
+            self.message(dist.isend, x.grad.to(self.dtype), self.rank - 1, i, hold)
 
     def finish(self) -> torch.Tensor | None:
-        if self.held:
-            self.exchange("send")
-        for work, _ in self.sends:
+        for work, _ in self.sends:  # none is held: a send is held only for a receive that follows
             work.wait()
         return self.loss if self.last else None
 
 
 def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None, shape=None):
     """Every microbatch forward, then every one backward. model: the whole model, on every rank, or a Partition;
-    inputs, targets: lists of microbatches' token ids (None where unread); dtype: of what is sent. The mean
-    microbatch loss on the last rank, else None; gradients only in this rank's part; positions: each microbatch's.
-    Sends go at once: no receive of this rank crosses one."""
+    inputs, targets: lists of microbatches' token ids (None where unread; then shape: their (batch, seq)); dtype:
+    of what is sent. The mean microbatch loss on the last rank, else None; gradients only in this rank's part."""
     step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape)
     for i in range(step.microbatches):
         step.forward(i, hold=False)
@@ -559,13 +532,11 @@ def eval_step_pipeline(model, inputs, targets, device, dtype, *, loss_chunks=1, 
 SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 
 
-def run_batch(schedule, partition: Partition, inputs, targets, env: Env, tp: int, m: int, chunks: int, shape,
-              positions=None):
-    """A batch, cut into m microbatches, through a schedule: the mean microbatch loss on the last stage's rank."""
+def run_batch(schedule, partition, inputs, targets, env: Env, tp: int, m: int, chunks: int, shape, positions=None):
+    """A batch, cut into m microbatches of shape (batch, seq), through a schedule: the last stage's mean loss."""
     mbs = [x.chunk(m) if x is not None else [None] * m for x in (inputs, targets, positions)]
     with compute(env, tp):  # in the computation's dtype between stages (model.cast_between_stages casts to it)
-        return schedule(partition, *mbs[:2], env.device, env.dtype, loss_chunks=chunks, positions=mbs[2],
-                        shape=shape)
+        return schedule(partition, *mbs[:2], env.device, env.dtype, loss_chunks=chunks, positions=mbs[2], shape=shape)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -303,15 +303,14 @@ def init_distributed(env: Env, timeout_s: float) -> None:
     """Join the other processes (torchrun's, or a group of one): the world that main's mesh divides."""
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if env.device.type == "cuda" else "gloo"
+    bind = {"device_id": env.device} if env.device.type == "cuda" else {}  # NCCL's communicators made at once
     if "MASTER_ADDR" in os.environ:  # started by torchrun
         store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's store, kept across restarts:
             store = dist.PrefixStore(f"attempt{env.restart}", store)  # the dead processes' addresses are in it
-        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
-                                **({"device_id": env.device} if env.device.type == "cuda" else {}))
-    else:  # plain `python script.py`: a group of one (device_id: NCCL's communicator made now, as under torchrun)
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
-                                **({"device_id": env.device} if env.device.type == "cuda" else {}))
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **bind)
+    else:  # plain `python script.py`: a group of one
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bind)
 
 
 def compute(env: Env, tp: int):
