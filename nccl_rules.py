@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 
 RULES = """\
-1. No buffering: a send completes only together with its receive, however small (NCCL completes a send without a
-   posted receive only while it fits the peer's buffer, ~1 MB: NVIDIA/nccl #544, #783 "send is allowed to block
-   until the corresponding recv"; the replay takes the worst case).
+1. No buffering: a send completes only together with its receive, however small (NCCL User Guide, "Point-to-point
+   communication": sends and receives must match, or concurrent ones be in one group call; NCCL completes a send
+   without a posted receive only while it fits the peer's buffer, ~1 MB: NVIDIA/nccl #544, #783 "send is allowed
+   to block until the corresponding recv"; the replay takes the worst case).
 2. Each communicator runs a rank's calls on one CUDA stream, in the order the rank issued them, sends and
    receives alike: a call starts after the one issued before it on that communicator completed
    (ProcessGroupNCCL: one ncclStream per communicator key).
@@ -39,8 +40,10 @@ RULES = """\
    made at first contact (getKeySendRecv), or, with eager initialization, on the group's own (pytorch #129147,
    #154132). Both are replayed. A send and a receive meet only on the same communicator, the k-th send from a
    to b with the k-th receive at b from a (no tags in NCCL).
-4. A batch_isend_irecv is one NCCL group (ncclGroupStart/End, torch's _coalescing_manager): its calls start
-   together and each completes when its peer's call is running; the batch is done when all are.
+4. A batch_isend_irecv is one NCCL group (ncclGroupStart/End, torch's _coalescing_manager; NCCL User Guide,
+   "Group Calls": the operations of a group are launched together, so a send and a receive that need each other
+   may both be in it): its calls start together and each completes when its peer's call is running; the batch is
+   done when all are.
 5. A collective completes when every member of its group is running it, the k-th on that group at each.
 6. wait() makes the current CUDA stream wait for the call, and every call issued afterwards waits for the
    current stream first (syncStream): it starts only after each call this thread waited for. The CPU does not
@@ -124,7 +127,7 @@ class Recorder:
             self.groups[name] = {"ranks": ranks, "backend": self._backends.get(name, "nccl")}
         return name
 
-    def _op(self, kind: str, pg, work=None, peer=None, nbytes=0, name=None) -> None:
+    def _op(self, kind: str, pg, work=None, peer=None, nbytes=0, name=None) -> int | None:
         if not self.on:
             return None
         with self._lock:
