@@ -1015,6 +1015,10 @@ def gpu_check(argv: list[str]) -> None:
                    "resume, timings (or one of them: llama-1b, llama-1b-documents, llama-1b-8192, "
                    "llama-1b-8192-documents) (default: all)")
     args = p.parse_args(argv)
+    names = {"schedules", "scripts", "documents", "trace", "hang", "compile", "resume", "timings", "llama-1b",
+             "llama-1b-documents", "llama-1b-8192", "llama-1b-8192-documents"}
+    if args.only and (unknown := set(args.only.split(",")) - names):
+        fail(f"--only: unknown {', '.join(sorted(unknown))}; choose from {', '.join(sorted(names))}")
     if not torch.cuda.is_available():
         fail("gpu-check: no GPU is visible; it runs on a machine with one (the CPU checks are pytest's)")
     if not os.path.isfile(os.path.join(args.data, "meta.json")):

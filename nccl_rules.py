@@ -396,6 +396,8 @@ def load(directory: str) -> list[dict]:
 
 def record_script(directory: str, script: str, argv: list[str]) -> None:
     """Run script as `python script argv` would, recording this rank's calls into directory/rankN.json."""
+    if not os.path.isfile(script):
+        _fail(f"{script}: no such script; give the training script to run, then its flags")
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "1000000")  # gloo's flight recorder: the check for gaps
     recorder = Recorder()
 
@@ -415,6 +417,11 @@ def save(recorder: Recorder, directory: str) -> None:
         json.dump({"rank": rank, "events": recorder.events, "groups": recorder.groups, "gaps": recorder.gaps}, f)
 
 
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=RULES)
@@ -431,13 +438,13 @@ def main(argv=None) -> None:
     try:
         recordings = load(args.directory)
     except (OSError, ValueError) as e:
-        sys.exit(f"error: {args.directory}: not a recording of nccl_rules.py record ({e})")
+        _fail(f"{args.directory}: not a recording of nccl_rules.py record ({e})")
     if not recordings:
-        sys.exit(f"error: {args.directory} holds no rankN.json; record a run into it first")
+        _fail(f"{args.directory} holds no rankN.json; record a run into it first")
     try:
         check(recordings)
     except (Deadlock, ValueError) as e:
-        sys.exit(f"error: {e}")
+        _fail(str(e))
     calls = sum("op" in e for r in recordings for e in r["events"])
     print(f"{len(recordings)} ranks, {calls} calls: complete under NCCL's rules (lazy and eager communicators)")
 

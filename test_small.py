@@ -11,6 +11,7 @@ Nine sections, each under a "# ---" line: 1 helpers, 2 model.py, 3 data, 4 parit
 import argparse
 import ast
 import atexit
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -2059,7 +2060,8 @@ def test_every_split_and_schedule_completes_under_nccls_rules(parity_run):
     _, variants, _, ranks = parity_run
     for variant in variants:
         recordings = [result[variant]["calls"] for result in ranks]
-        assert any("op" in event for recording in recordings for event in recording["events"]), variant
+        kinds = collections.Counter(e.get("kind") for recording in recordings for e in recording["events"])
+        assert kinds["send"] == kinds["recv"] > 0, (variant, kinds)  # every layout here has 2 or 3 stages
         nccl_rules.check(recordings)
 
 
@@ -5265,6 +5267,19 @@ def test_the_one_gpu_check_says_in_one_line_that_it_needs_a_gpu(capsys, data_dir
     # benchmark.py gpu-check runs what one GPU can check (README, "Measured on a GPU"); without one, one line.
     assert refused(capsys, benchmark.gpu_check, "--data", data_dir) == (
         "error: gpu-check: no GPU is visible; it runs on a machine with one (the CPU checks are pytest's)")
+    assert refused(capsys, benchmark.gpu_check, "--only", "hang,nope").startswith(
+        "error: --only: unknown nope; choose from compile, documents, hang,")
+
+
+def test_nccl_rules_says_what_it_cannot_check_in_one_line(tmp_path, capsys):
+    assert refused(capsys, nccl_rules.main, "check", tmp_path) == (
+        f"error: {tmp_path} holds no rankN.json; record a run into it first")
+    assert refused(capsys, nccl_rules.main, "check", tmp_path / "nowhere").startswith(
+        f"error: {tmp_path / 'nowhere'}: not a recording of nccl_rules.py record")
+    (tmp_path / "rank0.json").write_text("{")
+    assert refused(capsys, nccl_rules.main, "check", tmp_path).startswith(f"error: {tmp_path}: not a recording")
+    assert refused(capsys, nccl_rules.main, "record", tmp_path, "nope.py") == (
+        "error: nope.py: no such script; give the training script to run, then its flags")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's checks")
