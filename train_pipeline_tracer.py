@@ -541,11 +541,11 @@ def forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, d
 # Training: the optimizer, its learning rate, the summary
 
 def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
-    # Decay matrices only, not norm gains (the same on any split); fused: one kernel per group, CUDA or CPU.
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    # Decay matrices only, not norm gains (the same on any split); no empty group (an embedding-only stage has no
+    # gains, and torch cannot load an empty group's state on resume); fused: one kernel per group, CUDA or CPU.
+    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def lr_at(step: int, args) -> float:
