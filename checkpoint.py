@@ -558,13 +558,25 @@ class Metrics:
 # This job: its attempts (torchrun restarts; a node lost or back) continue one run, on the processes there are
 
 def job_ids() -> list[str]:
-    """This job, as the ids of its nodes' launches, gathered from every rank (collective): run.sh makes one per node
-    and launch (RUN_SH_LAUNCH_ID; under SLURM the job's id, which a requeue keeps), else torchrun's rendezvous id
-    (--standalone makes a new one per launch). Every attempt of the job shares one with the earlier attempts (the
-    node that hosts the rendezvous takes part in all); another job shares none, whatever its rendezvous id."""
+    """This job, as the ids of its nodes' launches, gathered from every rank (collective). Every attempt of the job
+    shares one with the earlier attempts (the node that hosts the rendezvous takes part in all); another job shares
+    none."""
     ids = [None] * dist.get_world_size()
-    dist.all_gather_object(ids, os.environ.get("RUN_SH_LAUNCH_ID") or os.environ.get("TORCHELASTIC_RUN_ID"))
-    return sorted({launch for launch in ids if launch})
+    dist.all_gather_object(ids, launch_id())
+    return sorted(set(ids))
+
+
+def launch_id(environ=os.environ) -> str:
+    """This node's launch: run.sh makes an id per node and launch (RUN_SH_LAUNCH_ID; under SLURM the job's, which a
+    requeue keeps), torchrun --standalone a new rendezvous id, a --rdzv-id names the job. torchrun's default
+    rendezvous id, "none", names no job (every plain launch has it): then the launch is torchrun's agent, this
+    rank's parent, which restarts its workers and lives as long as the job on this node; plain python, this
+    process. Host, pid and start time: no other launch, here or on another host, has the same."""
+    given = environ.get("RUN_SH_LAUNCH_ID") or environ.get("TORCHELASTIC_RUN_ID")
+    if given and given.strip() and given != "none":
+        return given
+    pid = os.getppid() if "TORCHELASTIC_RUN_ID" in environ else os.getpid()
+    return f"{socket.gethostname()}-{pid}-{_process_start(pid)}"
 
 
 def same_job(recorded, job: list[str]) -> bool:

@@ -3819,6 +3819,55 @@ def test_one_run_per_checkpoint_directory(tmp_path, data_dir):
     assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["step-00000002"]
 
 
+def plain_torchrun(nproc: int, *args, cwd, wait=True, prefix=(), timeout=240):
+    """train_pipeline_gpipe.py under `torchrun --master_port P`, as most launches are: no --standalone, no --rdzv-id
+    (TORCHELASTIC_RUN_ID is "none", as in every other such launch); prefix: a command it runs under."""
+    return start([*prefix, sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                  f"--master_port={free_port()}", str(ROOT / "train_pipeline_gpipe.py"), *args], cwd=cwd, wait=wait,
+                 timeout=timeout)
+
+
+def test_separate_plain_torchrun_launches_are_separate_jobs(tmp_path, data_dir):
+    # torchrun's rendezvous id "none" names no job: each launch is one (its agent), so a launch is never taken for
+    # another attempt of the job before it: no re-layout as if restarted, and --fresh moves the last one's aside.
+    args = [*TRAIN_ARGS, "--layers", "2", "--steps", "3", "--data", data_dir, "--checkpoint-dir", "ckpt",
+            "--checkpoint-every", "2"]
+    result = plain_torchrun(2, *args, cwd=tmp_path)
+    assert result.returncode == 0, errors(result.stderr)
+    shutil.rmtree(tmp_path / "ckpt" / "step-00000003")  # as if stopped after step 2
+    result = plain_torchrun(1, *args, cwd=tmp_path)  # another launch, on fewer processes
+    assert result.returncode == 0, errors(result.stderr)
+    assert "resumed from ckpt/step-00000002 at step 2 (saved by 2 process(es))" in result.stdout, result.stdout
+    assert "processes ->" not in result.stdout  # its flags as given: not re-laid-out as a restart would be
+    result = plain_torchrun(2, *args, "--fresh", cwd=tmp_path)
+    assert result.returncode == 0, errors(result.stderr)
+    assert "--fresh: moved the previous checkpoints to" in result.stdout, result.stdout
+    assert "nothing to train" not in result.stdout and "resumed" not in result.stdout
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000002", "step-00000003"]
+
+
+def test_a_launch_on_another_host_leaves_a_live_runs_lock_alone(tmp_path, data_dir):
+    # The same command from a second host (a UTS namespace of its own: another hostname, the same disk), while the
+    # first run trains: both plain launches, both torchrun's "none", so it once took the live run's lock.
+    if subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode:
+        pytest.skip("unshare --uts is not permitted here (it needs root or user namespaces)")
+    args = [*TRAIN_ARGS, "--layers", "2", "--steps", "10000", "--data", data_dir, "--checkpoint-dir", "ckpt"]
+    live = plain_torchrun(1, *args, cwd=tmp_path, wait=False)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ckpt" / "run.lock").exists() and live.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        holder = json.loads((tmp_path / "ckpt" / "run.lock").read_text())
+        other = plain_torchrun(1, *args, cwd=tmp_path, timeout=90, prefix=["unshare", "--uts", "sh", "-c",
+                                                                            'hostname other-host && exec "$@"', "sh"])
+        assert other.returncode == 1, errors(other.stderr)
+        assert f"another run is using it (pid {holder['pid']} on {socket.gethostname()}" in other.stderr, other.stderr
+        assert json.loads((tmp_path / "ckpt" / "run.lock").read_text()) == holder and live.poll() is None
+    finally:
+        kill_job(live)
+        live.communicate()
+
+
 def test_a_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path, monkeypatch):
     lock_file = tmp_path / "run.lock"
     # A lock of a run on another host: refused while its heartbeat is fresh, taken over once it is stale.
@@ -3836,7 +3885,7 @@ def test_a_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path, monkeypatch)
     lock.release()
     assert not lock_file.exists()
     # On another host, an earlier attempt of this job (one of its node launches the same) is taken over at once;
-    # another job's lock is not, whatever its torchrun ids (a second job that torchrun restarted, issue 37).
+    # another job's lock is not, whatever its torchrun ids (a second job that torchrun restarted).
     lock_file.write_text(json.dumps({"host": "node-elsewhere", "pid": 4242, "started": "2026-01-01 00:00:00",
                                      "job": ["node0-launch", "node1-launch"], "run_id": "pipeline", "restart": 0}))
     for other in [], ["node2-launch"], ["pipeline"]:
@@ -6151,7 +6200,7 @@ def test_each_script_copied_into_an_empty_folder_trains(tmp_path):
 def test_a_forked_rank_starts_as_a_torchrun_rank_does(tmp_path):
     # run_script's ranks, against a real launch's: torchrun's variables (a new run id each launch), a string-hash
     # seed other than the next rank's, random state of its own (torch seeds each new process from the OS), the
-    # warning filters after the scripts' imports. On ranks that shared the server's, a bug could hide (issue 37).
+    # warning filters after the scripts' imports. On ranks that shared the server's, a bug could hide.
     probe = tmp_path / "probe.py"
     probe.write_text(f"import json, os, random, sys, warnings\nsys.path.insert(0, {str(ROOT)!r})\n"
                      "import torch, train_pipeline_gpipe, train_pipeline_afab_manual, train_pipeline_tracer\n"
