@@ -893,19 +893,20 @@ def _save_errors(tmp: str):
     try:
         yield
     except (OSError, RuntimeError, CheckpointException) as e:
-        directory = os.path.dirname(tmp) or "."
-        cause = root_cause(e)
+        directory, final = os.path.dirname(tmp) or ".", tmp.removesuffix(".tmp")
+        cause, fix = root_cause(e), "free space (or choose another --checkpoint-dir)"
         try:  # torch.save reports a full disk as "unexpected pos ...": say what it means
             usage = shutil.disk_usage(directory)
             if usage.free < max(64 * 2**20, usage.total // 100):
                 cause = f"the disk is full: {usage.free / 2**20:.0f} MiB free of {usage.total / 2**20:.0f} MiB"
+            elif isinstance(e, OSError) and e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR):
+                cause, fix = f"{final} exists already, not this run's", f"move {final} away"
         except OSError:
             pass
         newest = latest(directory)
         kept = f"the newest complete one, {newest}, is untouched" if newest else "there is no complete one yet"
         raise UsageError(f"--checkpoint-dir: saving {tmp} failed ({cause}); the partial save is removed and {kept}; "
-                         "free space (or choose another --checkpoint-dir) and rerun the same command to resume") \
-            from None
+                         f"{fix} and rerun the same command to resume") from None
 
 
 def root_cause(e: BaseException) -> str:
@@ -918,7 +919,8 @@ def root_cause(e: BaseException) -> str:
         return "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
     if str(e).startswith("Weights only load failed"):
         found = re.search(r"GLOBAL (\S+)", str(e))
-        return f"it asks for {found[1] if found else 'objects'}, which a checkpoint never contains"
+        return f"it asks for {found[1]}, which a checkpoint never contains" if found else \
+            "bytes that torch.load cannot read as saved data"
     text = str(e).strip().splitlines()
     return text[0][:200] if text else type(e).__name__
 
@@ -996,13 +998,13 @@ def read_json(file: str, most: int = MAX_JSON_BYTES):
         raise ValueError("nested too deeply") from None
 
 
-def shown(value) -> str:
-    """A value read from an input, in a few characters."""
+def shown(value, most: int = 40) -> str:
+    """A value read from an input, in a few characters (a name: up to 120)."""
     try:
         text = json.dumps(value)
     except (TypeError, ValueError, RecursionError):  # not JSON's, or nested deeper than json.dumps goes
         text = type(value).__name__
-    return text if len(text) <= 40 else text[:37] + "..."
+    return text if len(text) <= most else text[:most - 3] + "..."
 
 
 def _whole(value, least: int, most: int = 2**32) -> bool:
@@ -1077,6 +1079,50 @@ def verify_files(path: str, meta: dict, flag: str = "--checkpoint-dir") -> None:
         for info in metadata.storage_data.values():  # a shard outside the checkpoint would be read too
             if info.relative_path not in meta["files"]:
                 raise ValueError(f"it points to {info.relative_path!r}, which the checkpoint does not hold")
+        check_index(metadata, meta["files"])
+
+
+def check_index(metadata: Metadata, sizes: dict[str, int]) -> None:
+    """What DCP takes on trust in an index (ValueError if not so): every tensor's chunks lie inside it and cover it
+    exactly once, each chunk and value has its stored bytes, inside its file (sizes: meta.json's). A chunk moved
+    outside its tensor would leave that part as initialized, silently; bytes past a file's end, another's read."""
+    for index, info in metadata.storage_data.items():
+        if not (_whole(info.offset, 0, 2**63) and _whole(info.length, 0, 2**63)) or \
+                info.offset + info.length > sizes[info.relative_path]:
+            raise ValueError(f"it places the bytes of {shown(index.fqn, 120)} at {shown(info.offset)} + "
+                             f"{shown(info.length)}, past the end of {info.relative_path}")
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            if dcp_metadata.MetadataIndex(fqn) not in metadata.storage_data:
+                raise ValueError(f"it holds no bytes for {shown(fqn, 120)}")
+            continue
+        shape, boxes = entry.size, []
+        if not (type(shape) is torch.Size and all(_whole(n, 0, 2**63) for n in shape)):
+            raise ValueError(f"it gives {shown(fqn, 120)} the shape {shown(shape)}")
+        for chunk in entry.chunks:
+            offsets, lengths = chunk.offsets, chunk.sizes
+            if not (len(offsets) == len(lengths) == len(shape) and all(
+                    _whole(o, 0, 2**63) and _whole(n, 0, 2**63) and o + n <= end
+                    for o, n, end in zip(offsets, lengths, shape))):
+                raise ValueError(f"it places a chunk of {shown(fqn, 120)} at {shown(list(offsets))}, of "
+                                 f"{shown(list(lengths))}, outside its shape {list(shape)}")
+            if dcp_metadata.MetadataIndex(fqn, offsets) not in metadata.storage_data:
+                raise ValueError(f"it holds no bytes for the chunk of {shown(fqn, 120)} at {list(offsets)}")
+            boxes.append((tuple(offsets), tuple(lengths)))
+        if sum(math.prod(n) for _, n in boxes) != math.prod(shape) or _overlap(boxes):
+            raise ValueError(f"its chunks of {shown(fqn, 120)} do not cover its shape {list(shape)} exactly once")
+
+
+def _overlap(boxes: list[tuple[tuple, tuple]]) -> bool:
+    """Whether two of the (offsets, lengths) boxes share an element: swept along the first dimension, so shards
+    cut along it (FSDP's) are each compared only with their neighbours."""
+    active = []
+    for start, length in sorted(boxes):
+        active = [(s, n) for s, n in active if not start or s[0] + n[0] > start[0]]
+        if any(all(a < b + m and b < a + n for a, n, b, m in zip(s, n_, start, length)) for s, n_ in active):
+            return True
+        active.append((start, length))
+    return False
 
 
 @contextlib.contextmanager
@@ -1117,7 +1163,13 @@ def read_index(file: str) -> Metadata:
     memo is a dict: the C unpickler's is an array of 16 bytes a slot, allocated up to the slot a file names
     (9 bytes that name slot 2**27 took 2 GiB), so memory stays within ~72x the file's size (an empty dict a byte;
     a real index takes ~20x)."""
-    metadata = _MetadataUnpickler(io.BytesIO(read_bytes(file, MAX_INDEX_BYTES))).load()
+    data = read_bytes(file, MAX_INDEX_BYTES)
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError:
+        raise
+    except Exception:  # damaged pickle data: an empty stack, a missing memo slot, a cut-off file
+        raise pickle.UnpicklingError("its bytes are not an index as DCP writes it") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict) or \
             not isinstance(metadata.storage_meta, (StorageMeta, type(None))):
         raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")

@@ -54,6 +54,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, SplitPoint
 from torch.distributed.tensor import DTensor
@@ -3772,6 +3773,81 @@ def test_wrong_model_damaged_or_tampered_checkpoints_fail_in_one_line(tmp_path, 
     aside = list((tmp_path / "wrong_model").glob("checkpoints.previous-*"))
     assert len(aside) == 1 and (aside[0] / source.name / "meta.json").is_file()
     assert complete_and_partial(tmp_path / "wrong_model" / "checkpoints")[0] == ["step-00000001"]
+
+
+def test_an_index_that_moves_a_chunk_or_its_bytes_is_refused_in_one_line(tmp_path, data_dir, reference_run, capsys):
+    # DCP takes its index on trust: a chunk moved outside its tensor (one flipped bit, the file's size unchanged, so
+    # meta.json's check passes) was loaded as nothing, the tensor left as initialized, and exported as uninitialised
+    # memory. Each damage below, as the index's own objects hold it, re-pickled (what an attacker would write).
+    source = reference_run[0] / "checkpoints" / "step-00000016"
+    fqn = "model.base_model.layers.2.self_attn.o_proj.weight"
+
+    def damaged(name: str, change) -> Path:
+        path = tmp_path / name / "checkpoints" / source.name
+        shutil.copytree(source, path)
+        index = checkpoint.read_index(str(source / ".metadata"))
+        change(index, index.state_dict_metadata[fqn].chunks)  # the reference's 2 replicas: 2 chunks, rows 0-63, 64-127
+        tamper(path, ".metadata", pickle.dumps(index))
+        return path
+
+    def moved(index, chunks):  # the issue's flipped bit: [0, 0] -> [0, 128], its stored bytes' key moved with it
+        info = index.storage_data.pop(MetadataIndex(fqn, chunks[0].offsets))
+        chunks[0].offsets = torch.Size([0, 128])
+        index.storage_data[MetadataIndex(fqn, chunks[0].offsets)] = info
+
+    def twice(index, chunks):  # rows 0-63 twice, rows 64-127 never
+        chunks[1].offsets = chunks[0].offsets
+
+    def unstored(index, chunks):
+        del index.storage_data[MetadataIndex(fqn, chunks[1].offsets)]
+
+    def past_the_end(index, chunks):
+        info = index.storage_data[MetadataIndex(fqn, chunks[1].offsets)]
+        info.offset += (source / info.relative_path).stat().st_size
+
+    cases = {moved: "it places a chunk of \"model.base_model.layers.2.self_attn.o_proj.weight\" at [0, 128], of "
+                    "[64, 128], outside its shape [128, 128]",
+             twice: "its chunks of \"model.base_model.layers.2.self_attn.o_proj.weight\" do not cover its shape "
+                    "[128, 128] exactly once",
+             unstored: "it holds no bytes for the chunk of \"model.base_model.layers.2.self_attn.o_proj.weight\" at "
+                       "[64, 0]",
+             past_the_end: "it places the bytes of \"model.base_model.layers.2.self_attn.o_proj.weight\" at "}
+    for change, problem in cases.items():
+        path = damaged(change.__name__, change)
+        with pytest.raises(checkpoint.UsageError) as refusal:
+            checkpoint.verify_files(str(path), checkpoint.read_meta(str(path)))
+        assert str(refusal.value).startswith(f"--checkpoint-dir {path}: .metadata: damaged, or not a checkpoint of "
+                                             f"this project ({problem}"), str(refusal.value)
+    # Damaged pickle data (an index cut short) is named as such, not as the unpickler's "pop from empty list".
+    cut = tmp_path / "cut" / "checkpoints" / source.name
+    shutil.copytree(source, cut)
+    tamper(cut, ".metadata", b"\x80\x04.")
+    with pytest.raises(checkpoint.UsageError, match=r"\(its bytes are not an index as DCP writes it\)"):
+        checkpoint.verify_files(str(cut), checkpoint.read_meta(str(cut)))
+    # Resumed, exported and started from: each refused in one line, before anything is loaded.
+    moved_dir = tmp_path / "moved" / "checkpoints" / source.name
+    runs = {"resume": run_script(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--data", data_dir,
+                                 cwd=tmp_path / "moved", wait=False),
+            "init_from": run_script(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--data", data_dir, "--init-from",
+                                    moved_dir, "--checkpoint-dir", "new", cwd=tmp_path, wait=False)}
+    err = refused(capsys, export.main, moved_dir, tmp_path / "exported.pt")
+    assert err.startswith(f"error: checkpoint {moved_dir}: .metadata: damaged") and "[0, 128]" in err, err
+    assert not (tmp_path / "exported.pt").exists()
+    for name, proc in runs.items():
+        one_line_error(finish(proc), ".metadata: damaged, or not a checkpoint of this project (it places a chunk")
+
+
+def test_a_save_onto_a_step_another_run_wrote_is_named_as_such(tmp_path, data_dir):
+    # Once reported as a full disk ("free space"): the rename onto a step-N that is not this run's fails.
+    (tmp_path / "ckpt" / "step-00000001").mkdir(parents=True)
+    (tmp_path / "ckpt" / "step-00000001" / "theirs").write_text("x")
+    result = run_script(0, "train_pipeline_gpipe.py", *TRAIN_ARGS, "--layers", "2", "--steps", "2",
+                        "--checkpoint-every", "1", "--data", data_dir, "--checkpoint-dir", "ckpt", cwd=tmp_path)
+    assert result.returncode == 1 and error_lines(result.stderr) == [  # after the progress bar of step 1
+        "error: --checkpoint-dir: saving ckpt/step-00000001.tmp failed (ckpt/step-00000001 exists already, not this "
+        "run's); the partial save is removed and there is no complete one yet; move ckpt/step-00000001 away and "
+        "rerun the same command to resume"], errors(result.stderr)
+    assert os.listdir(tmp_path / "ckpt" / "step-00000001") == ["theirs"]
 
 
 def test_background_saves_before_torch_2_13_are_refused_in_one_line(tmp_path, monkeypatch, one_process_group):
