@@ -500,7 +500,7 @@ def _process_start(pid: int) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The data a run reads, and the --metrics it writes
+# The data a run reads, and the --metrics and --trace it writes
 
 def read_data_meta(directory: str) -> dict:
     """The meta.json of the data prepared in directory, checked: every token file is there with its size (a
@@ -552,6 +552,38 @@ class Metrics:
         if self.file is not None:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
+
+
+def traced_run(args, env, config: LlamaConfig, layers: list[range], chunks: int) -> dict:
+    """What a --trace measured, as it goes into each rank's trace ("run" in its top level) for plan.py --trace to
+    check against its plan: the model's shape, a microbatch (rows of a replica x --seq-len), the layout, and what
+    the run computed it in (device, dtype, tp, sequence parallelism, checkpointing, loss pieces, documents)."""
+    return {"model": {"layers": config.num_hidden_layers, "hidden": config.hidden_size,
+                      "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
+                      "head_dim": config.head_dim, "ffn": config.intermediate_size, "vocab": config.vocab_size},
+            "seq_len": args.seq_len, "rows": args.batch_size // (args.dp * args.microbatches),
+            "batch_size": args.batch_size, "microbatches": args.microbatches, "processes": env.world_size,
+            "dp": args.dp, "tp": args.tp, "split": [len(stage) for stage in layers], "schedule": args.schedule,
+            "stages_per_rank": getattr(args, "stages_per_rank", 1),  # the hand-written script's: one
+            "device": env.device.type, "dtype": str(env.dtype).removeprefix("torch."),
+            "sequence_parallel": args.sequence_parallel and args.tp > 1,
+            "activation_checkpointing": args.activation_checkpointing, "loss_chunks": chunks,
+            "document_masking": args.document_masking}
+
+
+def profiler(args, env, step: int, config: LlamaConfig, layers: list[range], chunks: int):
+    """--trace DIR: torch.profiler over the run's last 3 steps (it is at `step`), each rank's Chrome trace exported
+    to DIR/rank{R}.json with what it measured (traced_run); without --trace a context that does nothing."""
+    if not args.trace:
+        return contextlib.nullcontext()
+    profiler = torch.profiler.profile(
+        schedule=torch.profiler.schedule(wait=max(0, args.steps - step - 4), warmup=1, active=3),
+        on_trace_ready=lambda p: (os.makedirs(args.trace, exist_ok=True),
+                                  p.export_chrome_trace(os.path.join(args.trace, f"rank{env.rank}.json"))))
+    # Preset: torch 2.13 exports the metadata its session was given (add_metadata_json in on_trace_ready, after
+    # the session ended, never reaches the file).
+    profiler.preset_metadata_json("run", json.dumps(traced_run(args, env, config, layers, chunks)))
+    return profiler
 
 
 # ----------------------------------------------------------------------------------------------------------

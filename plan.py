@@ -44,10 +44,15 @@ message takes no time (--message-time: its time).
 Measured times instead of the estimate: --layer-times F,B,W (a decoder layer's forward, input-gradient and
 weight-gradient milliseconds), --embed-times, --head-times (the final norm, head and loss) and --message-time,
 as the Zero Bubble paper plans (fed its profiled times, the replay gives its bubbles:
-docs/plan-vs-the-zero-bubble-paper.md); or --trace DIR, the per-rank trace of a run of these flags (the
-scripts' --trace DIR): the embedding's and the loss's own operators, each layer the rest of its stage. With
-measured times, balanced is balanced on them: plan.py prints the --split counts and the step it replays,
-against the traced run's own.
+docs/plan-vs-the-zero-bubble-paper.md); or --trace DIR, the per-rank trace of a run (the scripts' --trace DIR):
+the embedding's and the loss's own operators, each layer the rest of its stage, read on the traced run's own
+layout, which the trace says (each rank's trace carries what its run measured: the model's shape, --seq-len, a
+microbatch's rows, the split, schedule, processes, --dp, --tp, device and precision). A trace of another
+microbatch (another model shape, --seq-len, rows, precision, device, --tp, sequence parallelism,
+checkpointing, --loss-chunks or --document-masking) is refused in one line; another layout of the same
+microbatch (another --layers, --processes, --dp, --schedule, --batch-size, --microbatches) takes its times,
+which it says in one line. With measured times, balanced is balanced on them: plan.py prints the --split counts
+and the step it replays, against the traced run's own.
 """
 
 import argparse
@@ -70,9 +75,9 @@ import torch
 
 import checkpoint
 import train_pipeline_gpipe as gpipe
-from checkpoint import Parser, UsageError, number, whole
+from checkpoint import Parser, UsageError, whole
 from model import (PRESETS, LlamaConfig, balanced, config_from_hf, config_from_preset, describe_layout,
-                   estimated_costs, loss_chunks, stage_costs)
+                   estimated_costs, from_sizes, loss_chunks, stage_costs)
 from train_pipeline_gpipe import SCHEDULES, SINGLE_STAGE, V_SHAPED, stage_ids
 
 # The throughput the step times are given at: 40 % of an H100's dense bf16 peak, a typical sustained rate.
@@ -591,9 +596,11 @@ def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
     overlapped; "embed" and "head" (None where the rank has no embedding lookup or no "loss" span), the median
     "forward" and "backward" of one microbatch's embedding lookup and of its loss with the head in it;
     "segments" (start, end, "forward" | "backward" | "overlapped" | "waiting") and "spans" (start, end) of the
-    steps, for pictures. Times in seconds on the trace's clock."""
+    steps, for pictures; "run", what the run measured (checkpoint.traced_run; None in a trace from before the
+    scripts wrote it). Times in seconds on the trace's clock."""
     with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+        trace = json.load(f)
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     steps = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
     if not steps:
         raise ValueError(f"{path}: no ProfilerStep spans; not a trace written by the scripts' --trace")
@@ -638,7 +645,7 @@ def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
             return _union([(s, e) for lo, hi in spans for _, s, e, p2p in kernels[bisect.bisect_left(
                 launches, lo):bisect.bisect_right(launches, hi)] if not p2p])
     work = _union([(s, e) for s, e, _ in compute] + losses)
-    rank = {"steps": [], "stages": {}, "segments": [], "spans": []}
+    rank = {"steps": [], "stages": {}, "segments": [], "spans": [], "run": trace.get("run")}
     for e in steps:
         lo, hi = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6
         done = _clip(work, lo, hi)
@@ -726,16 +733,24 @@ def traced_step_time(trace_dir: str) -> float:
 PARTS = ("layer", "embed", "head")
 
 
-def pass_times(text: str) -> tuple[float, float, float]:
-    """argparse type: F,B,W, three finite non-negative numbers (milliseconds)."""
-    try:
-        values = tuple(float(v) for v in text.split(","))
-    except ValueError:
-        values = ()
-    if len(values) != 3 or not all(math.isfinite(v) and v >= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"must be three non-negative numbers of milliseconds, forward, input "
-                                         f"gradient and weight gradient, such as 5.2,5.1,3.9; got {text}")
-    return values
+MOST_MS = 3.6e6  # an hour: a pass of one microbatch, or a message, that takes longer is a slip, not a measurement
+
+
+def pass_times(layer: bool):
+    """argparse type: F,B,W, three numbers of milliseconds from 0 to MOST_MS (more: a step's sums overflow to
+    inf); a layer's not all 0 (the split is balanced on it, and the embedding's and head's not given are scaled
+    from it: all 0, no step takes any time)."""
+    def parse(text: str) -> tuple[float, float, float]:
+        try:
+            values = tuple(float(v) for v in text.split(","))
+        except ValueError:
+            values = ()
+        if len(values) != 3 or not all(0 <= v <= MOST_MS for v in values) or (layer and not any(values)):
+            raise argparse.ArgumentTypeError(
+                f"must be three non-negative numbers of milliseconds up to an hour ({MOST_MS:,.0f}), forward, input "
+                f"gradient and weight gradient{', not all 0' if layer else ''}, such as 5.2,5.1,3.9; got {text}")
+        return values
+    return parse
 
 
 def given_passes(args, config: LlamaConfig) -> dict | None:
@@ -750,28 +765,80 @@ def given_passes(args, config: LlamaConfig) -> dict | None:
             "head": ms(args.head_times or scaled("head"))}
 
 
-def traced_passes(args, layout: list[range], stages_of: dict[int, list[int]], dp: int, tp: int) -> dict:
-    """The parts' times (seconds, one microbatch) in the run traced in --trace DIR, which ran with these flags and
-    so this layout: the embedding's and the loss's with the head from their own operators (read_rank),
-    a decoder layer's the rest of its stages' time over their layers. The hand-written script labels no loss:
-    there the layer's time comes from the stages before the last, and the head's is the last stage's rest. A
-    backward is cut into its input and weight gradient halves, as the FLOP estimate cuts it (the embedding's is
-    all weight gradient)."""
-    try:
-        ranks = read_trace(args.trace)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--trace {args.trace}: {e}") from None
-    if sorted(ranks) != list(range(args.processes)):
-        raise UsageError(f"--trace {args.trace}: holds the traces of {len(ranks)} ranks, but --processes is "
-                         f"{args.processes}; give the flags the traced run was started with")
+# What a traced run must share with the plan for its parts' times to carry over: what one microbatch costs on a
+# rank (each as the flags say it). The rest may differ (LAYOUT_FLAGS: the layer count, the processes, the
+# replicas, the schedule, the microbatches): the times are per layer and per microbatch, read on the traced run's
+# own layout (a stage's FSDP gather and reduce-scatter, once a step, fall in one microbatch's span, which the
+# median leaves out).
+SAME_WORK = {
+    "model": lambda m: (f"a model of hidden {m['hidden']}, {m['heads']} heads ({m['kv_heads']} KV) of "
+                        f"{m['head_dim']}, MLP {m['ffn']}, vocab {m['vocab']}"),
+    "seq_len": "--seq-len {}".format,
+    "rows": "microbatches of {} rows".format,  # of a replica: --batch-size / (--dp x --microbatches)
+    "device": "--device {}".format,
+    "dtype": lambda dtype: f"--precision {'bf16' if dtype == 'bfloat16' else 'fp32'}",
+    "tp": "--tp {}".format,
+    "sequence_parallel": lambda on: f"{'' if on else 'no '}sequence parallelism",
+    "activation_checkpointing": lambda on: f"{'' if on else 'no '}--activation-checkpointing",
+    "loss_chunks": "--loss-chunks {}".format,
+    "document_masking": lambda on: f"{'' if on else 'no '}--document-masking",
+}
+LAYOUT_FLAGS = {"layers": "--layers", "processes": "--processes", "dp": "--dp", "schedule": "--schedule",
+                "stages_per_rank": "--stages-per-rank", "batch_size": "--batch-size", "microbatches": "--microbatches"}
+
+
+def run_field(run: dict, key: str):
+    """A field of a traced run (checkpoint.traced_run): the model's shape without its layer count, which is
+    LAYOUT_FLAGS' "layers"."""
+    if key in ("model", "layers"):
+        return run["model"]["layers"] if key == "layers" else {k: v for k, v in run["model"].items() if k != "layers"}
+    return run[key]
+
+
+def traced_run(args, ranks: dict[int, dict], planned: dict) -> dict:
+    """The run the traces in --trace DIR measured (what each rank's trace says: checkpoint.traced_run), checked
+    against the plan's (planned): refused in one line where a microbatch costs another time (SAME_WORK), where a
+    --split given is not the traced one, where the files are not one run's, or where the trace does not say."""
+    first = min(ranks)
+    run = ranks[first]["run"]
+    if not isinstance(run, dict) or not set(planned) <= set(run) or not isinstance(run["model"], dict) or not set(
+            planned["model"]) <= set(run["model"]):
+        raise UsageError(f"--trace {args.trace}: rank{first}.json does not say what run it measured (traced before "
+                         "the scripts wrote that into the trace); trace the run again with the scripts' --trace")
+    other = next((r for r in ranks if ranks[r]["run"] != run), None)
+    if other is not None or sorted(ranks) != list(range(run["processes"])):
+        raise UsageError(f"--trace {args.trace}: holds {len(ranks)} rank files, not the {run['processes']} of one "
+                         f"run{f' (rank{other}.json traced another)' if other is not None else ''}; trace the run "
+                         "again into an empty folder")
+    split = ",".join(map(str, run["split"]))
+    if args.split != "balanced" and args.split != split:
+        raise UsageError(f"--split {args.split}: the traced run's split, {split}, comes from --trace {args.trace}, "
+                         "and the plan balances the layers on its times; leave --split out")
+    differ = [key for key in SAME_WORK if run_field(run, key) != run_field(planned, key)]
+    if differ:
+        raise UsageError(f"--trace {args.trace}: traced " + ", ".join(
+            f"{SAME_WORK[k](run_field(run, k))} (this plan: {SAME_WORK[k](run_field(planned, k))})" for k in differ)
+            + ": a part's time does not carry over to another microbatch; give the traced run's, or trace a run "
+            "of these flags")
+    return run
+
+
+def traced_passes(args, run: dict, ranks: dict[int, dict]) -> dict:
+    """The parts' times (seconds, one microbatch) in the traced run (traced_run), read on its own layout: the
+    embedding's and the loss's with the head from their own operators (read_rank), a decoder layer's the rest of
+    its stages' time over their layers. The hand-written script labels no loss: there the layer's time comes from
+    the stages before the last, and the head's is the last stage's rest. A backward is cut into its input and
+    weight gradient halves, as the FLOP estimate cuts it (the embedding's is all weight gradient)."""
+    layout, dp, tp = from_sizes(run["split"]), run["dp"], run["tp"]
+    pp = run["processes"] // (dp * tp)
     times, found = {}, {"embed": [], "head": []}
-    for r, stages in stages_of.items():
-        traced = ranks[r * dp * tp]  # the first replica's first tensor-parallel rank of pipeline rank r
-        for s in stages:
+    for r in range(pp):
+        traced, stages = ranks[r * dp * tp], stage_ids(run["schedule"], r, pp, run["stages_per_rank"])
+        for s in stages:  # (the first replica's first tensor-parallel rank of pipeline rank r)
             key = None if list(traced["stages"]) == [None] and len(stages) == 1 else s
             if key not in traced["stages"]:
                 raise UsageError(f"--trace {args.trace}: rank {r * dp * tp} traced no forward or backward of stage "
-                                 f"{s}; give the --schedule and --stages-per-rank the traced run was started with")
+                                 f"{s}, which its run's {run['schedule']} gives it; trace the run again")
             times[s] = traced["stages"][key]
         for part, seen in found.items():
             seen += [traced[part]] if traced[part] else []
@@ -883,7 +950,23 @@ def plan(args) -> dict:
           f"{processes} processes = {pp} pipeline x {dp} data x {tp} tensor, --schedule {args.schedule}, "
           f"{m} microbatches of {tokens // args.seq_len} x {args.seq_len} tokens per replica, "
           f"{'bf16 autocast' if half else 'fp32'}{', sequence parallel' if shards(args, tp) > 1 else ''}")
-    passes = traced_passes(args, layout, stages_of, dp, tp) if args.trace else given_passes(args, config)
+    passes = given_passes(args, config)
+    if args.trace:  # the traced run's times, if a microbatch there costs what it does here
+        try:
+            ranks = read_trace(args.trace)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--trace {args.trace}: {e}") from None
+        env = types.SimpleNamespace(world_size=processes, device=torch.device(device_type(args)),
+                                    dtype=torch.bfloat16 if half else torch.float32)
+        planned = checkpoint.traced_run(ns, env, config, layout, chunks) | {"schedule": args.schedule}
+        run = traced_run(args, ranks, planned)
+        passes = traced_passes(args, run, ranks)
+        carried = [key for key in LAYOUT_FLAGS if run_field(run, key) != run_field(planned, key)]
+        if carried:
+            flags = lambda r: " ".join(f"{LAYOUT_FLAGS[k]} {run_field(r, k)}" for k in carried)  # noqa: E731
+            print(f"--trace {args.trace}: traced at {flags(run)}, this plan at {flags(planned)}: the same "
+                  f"microbatch ({run['rows']} x {run['seq_len']} tokens, the same layers, precision and --tp), "
+                  "so its per-layer times carry over")
     if passes is None:  # the FLOP estimate: split over a stage's tensor-parallel ranks (their all-reduces not counted)
         costs = {k: v / tp for k, v in estimated_costs(config, args.seq_len, args.activation_checkpointing,
                                                        chunks).items()}
@@ -899,10 +982,12 @@ def plan(args) -> dict:
     def held(lay: list[range], checkpointing: bool) -> tuple[list[float], list[float]]:
         return stage_held(lay, sizes, checkpointing), stage_between(lay, sizes)
 
-    if args.trace:
-        traced = schedule_result(schedule, pp, m, per_rank, timed(layout), [0.0] * len(layout), message=message)
-        report["traced"] = {"split": counts(layout), "step": traced_step_time(args.trace),
-                            "replayed": traced["step"]}
+    if args.trace:  # the traced run's own layout, replayed on its times, against its traced step
+        own = from_sizes(run["split"])
+        traced = schedule_result(run["schedule"], run["processes"] // (run["dp"] * run["tp"]), run["microbatches"],
+                                 run["stages_per_rank"], timed(own), [0.0] * len(own), message=message)
+        report["traced"] = {"split": counts(own), "step": traced_step_time(args.trace), "replayed": traced["step"],
+                            "run": run}
         layout = balanced(config.num_hidden_layers, len(layout), costs)
         report |= {"passes": passes, "split": counts(layout)}
         ms = lambda part: f"{passes[part][0] * 1e3:.3g} / {sum(passes[part][1:]) * 1e3:.3g} ms"  # noqa: E731
@@ -920,9 +1005,10 @@ def plan(args) -> dict:
     # Memory of the chosen schedule, per pipeline rank (each replica of a rank holds the same).
     result = {ac: schedule_result(schedule, pp, m, per_rank, timed(layout), *held(layout, ac), message)
               for ac in (False, True)}
-    if args.trace:
+    if args.trace:  # (as fast as the traced split: where the rest of the layout is the traced run's)
         print(f"balanced on these times: --split {report['split']}, step {result[False]['step'] * 1e3:.4g} ms "
-              f"replayed ({traced['step'] / result[False]['step']:.2f} x as fast as the traced run's split)")
+              "replayed" + ("" if carried else f" ({traced['step'] / result[False]['step']:.2f} x as fast as the "
+                                               "traced run's split)"))
     print(f"layout (--split {report.get('split', args.split)}): {describe_layout(layout, costs)}")
     params = stage_params(config, layout, tp)
     unit, unit_name = (2 ** 30, "GiB") if 16 * sum(params) >= 2 ** 30 else (2 ** 20, "MiB")  # MiB for small models
@@ -1221,6 +1307,28 @@ def search(args) -> list[dict]:
     return fits[:args.top]
 
 
+def within(least: float, most: float, unit: str):
+    """argparse type: a number from least to most (unit). Outside it a figure is a slip: past most (or near 0,
+    for a rate) the step's sums overflow to inf or run to astronomic lengths, at 0 they divide by zero."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not least <= value <= most:  # (nan is neither)
+            raise argparse.ArgumentTypeError(f"must be a number from {least:,.10g} to {most:,.10g} {unit}, got {text}")
+        return value
+    return parse
+
+
+def vocabulary(text: str) -> int:
+    """argparse type of --vocab-size: a whole number up to 2**32 (prepare_data.py's largest token type, uint32)."""
+    value = whole(1)(text)
+    if value > 2**32:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {2**32} (uint32 token ids), got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="plan.py", description=__doc__)
     what = p.add_mutually_exclusive_group(required=True)
@@ -1239,38 +1347,39 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--schedule", choices=[*SCHEDULES, "afab"], default="gpipe",
                    help="the library schedules, and the hand-written script's afab (GPipe's order)")
     g = p.add_argument_group("vocabulary (without --init-from)").add_mutually_exclusive_group()
-    g.add_argument("--vocab-size", type=whole(1),
+    g.add_argument("--vocab-size", type=vocabulary,
                    help=f"tokens in the vocabulary (default: {VOCAB_SIZE}, prepare_data.py's default tokenizer)")
     g.add_argument("--data", metavar="DIR", help="take the vocabulary from data prepared by prepare_data.py "
                    "(default: none: --vocab-size)")
     g = p.add_argument_group("the cluster, with --gpus (the search's model of time: see its output)")
     g.add_argument("--gpus-per-node", type=whole(1), default=8, help="tensor parallelism stays inside a node")
-    g.add_argument("--gpu-memory", type=number(True), default=80.0, help="GB per GPU")
-    g.add_argument("--peak-tflops", type=number(True), default=989.0,
+    g.add_argument("--gpu-memory", type=within(0.001, 1e5, "GB"), default=80.0, help="GB per GPU")
+    g.add_argument("--peak-tflops", type=within(0.001, 1e5, "TFLOP/s"), default=989.0,
                    help="dense bf16 peak per GPU (H100 SXM: 989)")
-    g.add_argument("--efficiency", type=number(True), default=0.4,
+    g.add_argument("--efficiency", type=within(0.001, 1, "(a share of the peak)"), default=0.4,
                    help="the share of the peak a stage's matmuls reach")
-    g.add_argument("--intra-node-bandwidth", type=number(True), default=300.0,
+    g.add_argument("--intra-node-bandwidth", type=within(0.001, 1e5, "GB/s"), default=300.0,
                    help="GB/s per GPU inside a node (NVLink), for tp's all-reduces and messages between stages")
-    g.add_argument("--inter-node-bandwidth", type=number(True), default=25.0,
+    g.add_argument("--inter-node-bandwidth", type=within(0.001, 1e5, "GB/s"), default=25.0,
                    help="GB/s per GPU across nodes (InfiniBand), for pp's messages and dp's gradients")
     g.add_argument("--top", type=whole(1), default=5, help="how many layouts to print")
     g = p.add_argument_group("measured times instead of the FLOP estimate, with --processes (milliseconds, one "
                              "microbatch; docs/plan-vs-the-zero-bubble-paper.md)")
-    g.add_argument("--layer-times", type=pass_times, metavar="F,B,W",
+    g.add_argument("--layer-times", type=pass_times(layer=True), metavar="F,B,W",
                    help="a decoder layer's forward, input-gradient and weight-gradient time (default: the FLOP "
                         "estimate at 40%% of an H100)")
-    g.add_argument("--embed-times", type=pass_times, metavar="F,B,W",
+    g.add_argument("--embed-times", type=pass_times(layer=False), metavar="F,B,W",
                    help="the embedding's (default: the layer's, scaled by the FLOP estimate)")
-    g.add_argument("--head-times", type=pass_times, metavar="F,B,W",
+    g.add_argument("--head-times", type=pass_times(layer=False), metavar="F,B,W",
                    help="the final norm's, head's and loss's (default: the layer's, scaled by the FLOP estimate)")
-    g.add_argument("--message-time", type=number(False), default=0.0, metavar="MS",
+    g.add_argument("--message-time", type=within(0, MOST_MS, "ms"), default=0.0, metavar="MS",
                    help="one microbatch's hidden states, or their gradient, on their way to another rank, while "
                         "both compute on")
     g.add_argument("--trace", metavar="DIR",
-                   help="take the layer's, embedding's and head's times from a run traced with these flags (the "
-                        "scripts' --trace DIR), and print the --split that balances them (default: none: the "
-                        "FLOP estimate, or the times given)")
+                   help="take the layer's, embedding's and head's times from a traced run of the same microbatch "
+                        "(the scripts' --trace DIR: the model's shape, --seq-len, rows, precision, --tp; its "
+                        "layout may differ), and print the --split that balances them (default: none: the FLOP "
+                        "estimate, or the times given)")
     return p
 
 

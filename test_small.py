@@ -4688,10 +4688,23 @@ def test_the_plan_gives_the_zero_bubble_papers_bubbles_from_its_pass_times(tmp_p
         assert report["1f1b"]["step"] / report[name]["step"] == pytest.approx(measured, abs=0.1), name
 
 
+def _traced_run(split: list[int], schedule: str = "gpipe", device: str = "cpu", model: str = "tiny") -> dict:
+    """What the scripts' --trace writes into a trace of the run (checkpoint.traced_run) of _costs_trace: 4 layers
+    of the model (the scripts' default on the CPU), plan.py's default vocabulary (8192), a batch of 8 in 2
+    microbatches of 32 tokens, the device's precision (bf16 on a GPU)."""
+    args = gpipe.build_parser().parse_args(["--layers", "4", "--batch-size", "8", "--microbatches", "2", "--seq-len",
+                                            "32", "--stages-per-rank", "1"])
+    args.schedule, config = schedule, config_from_preset(model, 8192, 4)
+    env = types.SimpleNamespace(world_size=len(split), device=torch.device(device),
+                                dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+    return checkpoint.traced_run(args, env, config, model_module.from_sizes(split),
+                                 model_module.loss_chunks(0, config, (4, 32)))
+
+
 def _costs_trace(directory: Path, labelled: bool, split: list[int]) -> str:
     """A GPipe trace of 2 microbatches whose parts cost what is known (ms): a layer forward 1, backward 2; the
     embedding 0.5, 1; the norm, head and loss 8, 12. labelled: the library's labels (the loss a "loss" span after
-    the forward); else the hand-written script's (the loss inside "forward i", unlabelled)."""
+    the forward); else the hand-written script's (the loss inside "forward i", unlabelled), its run's afab."""
     ranks, number = [], iter(range(100, 1000))
     for stage, layers in enumerate(split):
         first, last, events, t = stage == 0, stage == len(split) - 1, [_span("ProfilerStep#1", 0, 200000)], 1000
@@ -4717,7 +4730,7 @@ def _costs_trace(directory: Path, labelled: bool, split: list[int]) -> str:
                             "args": {"Sequence number": n}}]
                 start += took + 10
         ranks.append(events)
-    return _write(directory, ranks)
+    return _write(directory, ranks, _traced_run(split, "gpipe" if labelled else "afab"))
 
 
 def test_the_plan_takes_each_parts_time_from_a_trace_of_known_costs(tmp_path, capsys):
@@ -4753,6 +4766,63 @@ def test_the_plan_takes_each_parts_time_from_a_trace_of_known_costs(tmp_path, ca
                                                           *shape, "--trace", trace)
 
 
+def test_the_plan_takes_a_traces_times_to_another_layout_of_the_same_microbatch_only(tmp_path, capsys):
+    # A trace says what it measured (checkpoint.traced_run, in its top level, as the scripts' --trace writes it):
+    # plan.py refuses it in one line where a microbatch costs another time, and carries its per-layer times over,
+    # saying so, to another layout of the same microbatch.
+    trace = _costs_trace(tmp_path / "t", True, [2, 2])  # the tiny model's 4 layers, 2 microbatches of 4 x 32, fp32
+    shape = ["--processes", "2", "--layers", "4", "--batch-size", "8", "--microbatches", "2", "--seq-len", "32",
+             "--device", "cpu", "--trace", trace]
+    tiny, small = (config_from_preset(name, 8192, 4) for name in ("tiny", "small"))
+    model = lambda c: f"a model of hidden {c.hidden_size}, {c.num_attention_heads} heads"  # noqa: E731
+    rows = "microbatches of {} rows".format
+    for flags, says in [(["--seq-len", "64"], "traced --seq-len 32 (this plan: --seq-len 64)"),
+                        (["--batch-size", "16"], f"traced {rows(4)} (this plan: {rows(8)})"),
+                        (["--precision", "bf16"], "traced --precision fp32 (this plan: --precision bf16)"),
+                        (["--device", "cuda", "--model", "tiny"], "traced --device cpu (this plan: --device cuda), "
+                                                                  "--precision fp32 (this plan: --precision bf16)"),
+                        (["--activation-checkpointing"], "traced no --activation-checkpointing (this plan: "
+                                                         "--activation-checkpointing)"),
+                        (["--loss-chunks", "4"], "traced --loss-chunks 1 (this plan: --loss-chunks 4)"),
+                        (["--document-masking"], "traced no --document-masking (this plan: --document-masking)"),
+                        # The issue's: the tiny model's trace for the small model's plan, at a batch of 16.
+                        (["--model", "small", "--batch-size", "16"], f"traced {model(tiny)}")]:
+        err = refused(capsys, plan.main, *shape, *flags)
+        assert err.startswith(f"error: --trace {trace}: traced ") and says in err, (flags, err)
+        assert err.endswith(": a part's time does not carry over to another microbatch; give the traced run's, or "
+                            "trace a run of these flags"), err
+    err = refused(capsys, plan.main, *shape, "--model", "small", "--batch-size", "16")
+    assert f"(this plan: {model(small)}" in err and f"{rows(4)} (this plan: {rows(8)})" in err, err
+    # A --split given is the traced run's (which the trace says), or refused; so is a trace that does not say
+    # what it measured (traced before the scripts wrote it) and one of files from two runs.
+    assert refused(capsys, plan.main, *shape, "--split", "3,1").startswith(
+        f"error: --split 3,1: the traced run's split, 2,2, comes from --trace {trace}, and the plan balances")
+    for name, change, says in [
+            ("older", lambda d: d.pop("run"), "rank0.json does not say what run it measured (traced before the "
+                                              "scripts wrote that into the trace); trace the run again"),
+            ("mixed", lambda d: d["run"].update(processes=3), "holds 2 rank files, not the 3 of one run (rank1.json "
+                                                              "traced another); trace the run again")]:
+        shutil.copytree(trace, tmp_path / name)
+        data = json.loads((tmp_path / name / "rank0.json").read_text())
+        change(data)
+        (tmp_path / name / "rank0.json").write_text(json.dumps(data))
+        err = refused(capsys, plan.main, *shape[:-1], str(tmp_path / name))
+        assert err.startswith(f"error: --trace {tmp_path / name}: {says}"), err
+    # Another layout of the same microbatch (4 rows of 32 tokens): 6 layers on 3 processes, a batch of 16 in 4.
+    # The parts' times are the same, read on the traced run's own layout, and so is its replay (as in
+    # test_the_plan_takes_each_parts_time_from_a_trace_of_known_costs); the plan balances its 6 layers on them.
+    report = plan.main([*shape, "--processes", "3", "--layers", "6", "--batch-size", "16", "--microbatches", "4"])
+    out = capsys.readouterr().out
+    assert f"--trace {trace}: traced at --layers 4 --processes 2 --batch-size 8 --microbatches 2, this plan at " \
+           "--layers 6 --processes 3 --batch-size 16 --microbatches 4: the same microbatch (4 x 32 tokens" in out
+    expected = {"layer": (0.001, 0.001, 0.001), "embed": (0.0005, 0.0, 0.001), "head": (0.008, 0.006, 0.006)}
+    for part, times in expected.items():
+        assert report["passes"][part] == pytest.approx(times, abs=1e-9), (part, report["passes"])
+    assert report["traced"]["split"] == "2,2" and report["traced"]["replayed"] == pytest.approx(0.0595)
+    assert report["traced"]["run"]["split"] == [2, 2] and len(report["split"].split(",")) == 3
+    assert sum(map(int, report["split"].split(","))) == 6 and "as fast as the traced run's split" not in out
+
+
 MAIN, AUTOGRAD = 3914, 3931  # a GPU run's threads: the main one, and autograd's, which runs the backward there
 
 
@@ -4772,10 +4842,11 @@ SEND_RECV = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"  # NCCL's
 
 
 def _gpu_costs_trace(directory: Path) -> str:
-    """_costs_trace's labelled GPipe run of 2 microbatches on 2 stages of 2 layers, as a GPU's trace: the CPU's
-    spans only launch (µs), the kernels carry the parts' costs (ms): a layer's forward 1, backward 2; the
-    embedding 0.5, 1; the norm, head and loss 8, 12. Between the ranks NCCL's point-to-point kernels, long
-    where a rank waits for the other; the backward launched from autograd's thread; the optimizer unlabelled."""
+    """_costs_trace's labelled GPipe run of 2 microbatches on 2 stages of 2 layers (of the small model, plan.py's
+    on a GPU), as a GPU's trace: the CPU's spans only launch (µs), the kernels carry the parts' costs (ms): a
+    layer's forward 1, backward 2; the embedding 0.5, 1; the norm, head and loss 8, 12. Between the ranks NCCL's
+    point-to-point kernels, long where a rank waits for the other; the backward launched from autograd's thread;
+    the optimizer unlabelled."""
     number, ranks = iter(range(1000, 2000)), []
     cpu = lambda name, at, dur, tid=MAIN, **args: {**_span(name, at, dur, tid, "cpu_op"), "args": args}  # noqa
     gpu = lambda *args, **kwargs: _kernel(args[0], args[1], args[2], args[3], next(number), *args[4:], **kwargs)  # noqa
@@ -4818,7 +4889,8 @@ def _gpu_costs_trace(directory: Path) -> str:
     ranks.append(rank)
     directory.mkdir()
     for r, events in enumerate(ranks):
-        (directory / f"rank{r}.json").write_text(json.dumps({"schemaVersion": 1, "traceEvents": events}))
+        (directory / f"rank{r}.json").write_text(json.dumps({"schemaVersion": 1, "traceEvents": events,
+                                                              "run": _traced_run([2, 2], "gpipe", "cuda", "small")}))
     return str(directory)
 
 
@@ -4891,6 +4963,17 @@ def test_the_plan_reads_each_parts_time_from_the_runs_traces(layout_runs, data_d
         # and not much shorter. The replay leaves out the optimizer, the clipping and the waits beyond those of
         # the median microbatch, which grow when this fixture's 11 runs share 2 cores (measured: 0.45 to 0.83).
         assert 0.2 < report["traced"]["replayed"] / report["traced"]["step"] < 1.25, (name, report["traced"])
+        # Each rank's trace says what the run measured (checkpoint.traced_run, in its top level): the plan read its
+        # layout from there, and refuses it for another microbatch (the issue's: traced at 32 tokens, planned at 64).
+        run = json.loads((tmp_path / trace / "rank0.json").read_text())["run"]
+        assert run == report["traced"]["run"] and sum(run["split"]) == run["model"]["layers"] == 4, run
+        assert {k: run[k] for k in ("processes", "schedule", "seq_len", "rows", "device", "dtype", "dp", "tp")} == {
+            "processes": processes, "schedule": "gpipe" if name == "gpipe2" else "afab", "seq_len": 32, "rows": 2,
+            "device": "cpu", "dtype": "float32", "dp": 1, "tp": 1}, run
+        assert name == "gpipe2" or run["split"] == [2, 1, 1]
+        err = refused(capsys, plan.main, "--processes", str(processes), "--data", data_dir, "--layers", "4",
+                      "--batch-size", "8", "--microbatches", "4", "--seq-len", "64", "--trace", str(tmp_path / trace))
+        assert "traced --seq-len 32 (this plan: --seq-len 64)" in err, err
 
 
 def test_plan_finds_layouts_for_a_cluster_that_the_scripts_accept(capsys):
@@ -4969,6 +5052,27 @@ def test_plan_prints_every_schedule_for_a_cluster_on_this_machine(tmp_path):
     (["--processes", "2", "--layer-times", "1,2"], 2, "error: argument --layer-times: must be three non-negative "
                                                       "numbers of milliseconds"),
     (["--processes", "2", "--head-times", "1,2,3"], 1, "error: --head-times: give --layer-times too"),
+    # Times and sizes past what a sum or a ratio holds: no ZeroDivisionError traceback (a layer of 0, its 0 step),
+    # no "inf ms" and "nan%" (1e308, the step's sums overflowed), no 300-digit step (a rate near 0).
+    (["--processes", "2", "--layer-times", "0,0,0"], 2, "error: argument --layer-times: must be three non-negative "
+                                                        "numbers of milliseconds up to an hour (3,600,000), forward, "
+                                                        "input gradient and weight gradient, not all 0, such as"),
+    (["--processes", "2", "--layer-times", "1e308,1,1"], 2, "error: argument --layer-times: must be three "),
+    (["--processes", "2", "--layer-times", "1,1,1", "--head-times", "1,1e308,1"], 2,
+     "error: argument --head-times: must be three non-negative numbers of milliseconds up to an hour"),
+    (["--processes", "2", "--layer-times", "1,1,1", "--message-time", "1e308"], 2,
+     "error: argument --message-time: must be a number from 0 to 3,600,000 ms, got 1e308"),
+    (["--processes", "2", "--vocab-size", str(10 ** 40)], 2, "error: argument --vocab-size: must be a whole number "
+                                                             "from 1 to 4294967296 (uint32 token ids)"),
+    (["--gpus", "8", "--peak-tflops", "1e308"], 2, "error: argument --peak-tflops: must be a number from 0.001 to "
+                                                   "100,000 TFLOP/s, got 1e308"),
+    (["--gpus", "8", "--peak-tflops", "1e-300"], 2, "error: argument --peak-tflops: must be a number from 0.001"),
+    (["--gpus", "8", "--efficiency", "2"], 2, "error: argument --efficiency: must be a number from 0.001 to 1 (a "
+                                              "share of the peak), got 2"),
+    (["--gpus", "8", "--intra-node-bandwidth", "1e-308"], 2, "error: argument --intra-node-bandwidth: must be a "
+                                                             "number from 0.001 to 100,000 GB/s"),
+    (["--gpus", "8", "--gpu-memory", "1e308"], 2, "error: argument --gpu-memory: must be a number from 0.001 to "
+                                                  "100,000 GB"),
     (["--processes", "2", "--trace", "t", "--layer-times", "1,2,3"], 1, "error: --layer-times: --trace t measures "
                                                                         "the times; give one or the other"),
     (["--processes", "2", "--trace", "nowhere"], 1, "error: --trace nowhere: "),
@@ -5352,11 +5456,13 @@ def _span(name, ts, dur, tid=7, cat="user_annotation"):
     return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
 
 
-def _write(directory: Path, per_rank: list[list[dict]]) -> str:
+def _write(directory: Path, per_rank: list[list[dict]], run: dict | None = None) -> str:
+    """Each rank's events as a trace file, and what the run measured (run, as the scripts' --trace writes it)."""
     directory.mkdir()
     for rank, events in enumerate(per_rank):
         (directory / f"rank{rank}.json").write_text(json.dumps({"traceEvents": [
-            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "main"}}, *events]}))
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "main"}}, *events],
+            **({"run": run} if run else {})}))
     return str(directory)
 
 

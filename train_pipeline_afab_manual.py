@@ -170,11 +170,7 @@ def main(args):
         return
 
     # --- the training loop; --trace: each rank's torch.profiler trace of the last 3 steps (see benchmark.py)
-    profiler = torch.profiler.profile(
-        schedule=torch.profiler.schedule(wait=max(0, args.steps - step - 4), warmup=1, active=3),
-        on_trace_ready=lambda p: (os.makedirs(args.trace, exist_ok=True),
-                                  p.export_chrome_trace(os.path.join(args.trace, f"rank{env.rank}.json"))),
-    ) if args.trace else contextlib.nullcontext()
+    profiler = checkpoint.profiler(args, env, step, config, layers, chunks)  # with what it measured: plan.py --trace
     tokens_per_step, step_times = args.batch_size * args.seq_len, []
     dist.barrier()
     with tqdm.tqdm(total=args.steps, initial=step, disable=not reports, unit="step", mininterval=1.0) as bar, \
