@@ -4079,8 +4079,13 @@ def test_hugging_face_weights_train_like_transformers_at_any_stage_count(tmp_pat
             assert exported[key].dtype == source[key].dtype and torch.equal(exported[key], source[key]), key
 
 
-def readme_python_block(marker: str) -> str:
-    text = (ROOT / "README.md").read_text()
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def documented_python_block(marker: str) -> str:
+    """The Python block after MARKER (an HTML comment, `<!-- example: NAME -->`) on the one page of README.md and
+    docs/*.md that holds it."""
+    (text,) = [t for t in (page.read_text() for page in DOC_PAGES) if marker in t]
     block = text[text.index(marker):]
     return block[block.index("```python\n") + 10:block.index("\n```", block.index("```python"))]
 
@@ -4145,8 +4150,8 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
         torch.testing.assert_close(model(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(model(document).logits, ours(document, model_module.document_positions(
             document, bos)), rtol=1e-5, atol=1e-6)
-    # The README's generation example runs on it.
-    block = readme_python_block("<!-- example: generate-hf -->").replace("Llama-3.2-1B-continued", str(out))
+    # The docs' generation example (docs/hugging-face.md) runs on it.
+    block = documented_python_block("<!-- example: generate-hf -->").replace("Llama-3.2-1B-2k", str(out))
     result = start([sys.executable, "-c", block], cwd=tmp_path, timeout=300)
     assert result.returncode == 0 and result.stdout.startswith("def read_config(path):"), result.stderr[-2000:]
     # Its tokenizer is the data's: it encodes as the documents were encoded, and by default begins a text with
@@ -4248,8 +4253,8 @@ def test_export_writes_the_pipelines_weights_for_one_process(tmp_path, reference
     assert {"config.json", "tokenizer.json", "model-00001-of-00001.safetensors"} <= {
         p.name for p in (tmp_path / "hf-new").iterdir()}
 
-    # The README's inference example runs on the exported files, one process, no process group.
-    result = start([sys.executable, "-c", readme_python_block("<!-- example: generate -->")], cwd=tmp_path,
+    # The docs' inference example (docs/checkpoints.md) runs on the exported files, one process, no process group.
+    result = start([sys.executable, "-c", documented_python_block("<!-- example: generate -->")], cwd=tmp_path,
                    env=dict(script_env(), PYTHONPATH=str(ROOT)), timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("def read_config(path):") and len(result.stdout) > 30, result.stdout
@@ -4906,30 +4911,74 @@ def test_every_documented_run_after_the_default_job_has_a_checkpoint_dir_of_its_
     assert {directory: jobs for directory, jobs in owners.items() if len(jobs) > 1} == {}
 
 
-def readme_plan_examples() -> list[tuple[list[str], list[str]]]:
-    """README.md's plan.py commands, as written in its bash blocks, each with the output block that follows it
-    (its lines; [] when none follows)."""
-    blocks = re.findall(r"^```(\w*)\n(.*?)^```", (ROOT / "README.md").read_text(), re.M | re.S)
+def shell_commands(block: str, variables: dict) -> list[list[str]]:
+    """A bash block's commands, each as the words a shell would give it: continued lines joined, a quote running
+    over lines kept whole, comments left out, `$NAME` replaced by its value (when the page set one). A `NAME=...` line sets a value in
+    variables (kept from block to block of a page, as a shell keeps them)."""
+    commands, pending = [], ""
+    for line in block.replace("\\\n", " ").splitlines():
+        pending += line + "\n"
+        try:
+            words = shlex.split(pending, comments=True)
+        except ValueError:  # a quote that goes on on the next line
+            continue
+        pending = ""
+        if len(words) == 1 and re.fullmatch(r"[A-Za-z_]\w*=.*", words[0], re.S):
+            name, value = words[0].split("=", 1)
+            variables[name] = value
+        elif words:  # an unquoted $NAME splits into its words
+            commands.append([w for word in words for w in (
+                shlex.split(re.sub(r"\$(\w+)", lambda m: variables.get(m[1], m[0]), word)) if "$" in word else [word])])
+    return commands
+
+
+def documented_plan_examples() -> list[tuple[str, list[str], list[str], dict]]:
+    """The plan.py commands of README.md and docs/*.md as written in their bash blocks: (page, argv, shown,
+    files), shown the lines of the output block that follows the command's block (the output of its last command;
+    [] when none follows), files {name: text} that the page's `echo '...' > FILE` lines wrote by then. Commands
+    that read a run's trace (--trace) are left out: they need the run."""
     examples = []
-    for i, (kind, text) in enumerate(blocks):
-        command = text.replace("\\\n", " ")
-        if kind == "bash" and command.startswith("python plan.py "):
+    for page in DOC_PAGES:
+        blocks = re.findall(r"^```(\w*)\n(.*?)^```", page.read_text(), re.M | re.S)
+        variables, files = {}, {}
+        for i, (kind, text) in enumerate(blocks):
+            if kind != "bash":
+                continue
+            commands = shell_commands(text, variables)
+            files.update({words[-1]: " ".join(words[1:-2]) + "\n" for words in commands
+                          if words[0] == "echo" and words[-2] == ">"})
+            plans = [words[2:] for words in commands if words[:2] == ["python", "plan.py"] and "--trace" not in words]
             shown = blocks[i + 1][1].splitlines() if i + 1 < len(blocks) and blocks[i + 1][0] == "" else []
-            examples.append((shlex.split(command)[2:], shown))
+            examples += [(page.name, argv, shown if k == len(plans) - 1 else [], dict(files))
+                         for k, argv in enumerate(plans)]
     return examples
 
 
-def test_the_readmes_plan_examples_run_as_written_and_the_same_shape_as_a_config_json(tmp_path, capsys):
-    examples = readme_plan_examples()
-    assert len(examples) >= 2 and {"--gpus", "--processes"} <= {a for argv, _ in examples for a in argv}
-    for argv, shown in examples:
+def test_the_docs_plan_examples_print_what_the_docs_show_and_plan_a_config_json_alike(tmp_path, capsys, monkeypatch):
+    # Every plan.py command of README.md and docs/*.md, as written (its variables and files too), gives the output
+    # the page shows after it ("..." where the page leaves a part out): plan.py computes, runs nothing, and prints
+    # the same on any machine, so a figure that drifts from what the plan now says fails here.
+    examples = documented_plan_examples()
+    assert {"layouts.md", "faster-and-smaller.md", "plan-vs-the-zero-bubble-paper.md"} <= {
+        page for page, _, shown, _ in examples if shown}
+    assert {"--gpus", "--processes"} <= {a for _, argv, _, _ in examples for a in argv}
+    monkeypatch.chdir(tmp_path)  # the scripts' checks read --checkpoint-dir (./checkpoints): none here
+    searched = set()
+    for page, argv, shown, files in examples:
+        for name, text in files.items():
+            (tmp_path / name).write_text(text)
         expected = plan.main(argv)
         out = capsys.readouterr().out
-        for line in shown:  # the README's sample output, "..." where it leaves a part out
+        for line in shown:
             for part in filter(None, (p.strip() for p in line.split("..."))):
-                assert part in out, (part, out)
-        # The same shape as a Hugging Face config.json (`--model path/to/config.json`): the same plan.
-        preset, vocab = argv[argv.index("--model") + 1], int(argv[argv.index("--vocab-size") + 1])
+                assert part in out, (page, argv, part, out)
+        # The same shape as a Hugging Face config.json (`--model path/to/config.json`): the same plan. (A search
+        # takes seconds: the first of each page's searches is enough.)
+        preset = argv[argv.index("--model") + 1]
+        if preset not in model_module.PRESETS or (page, "--gpus" in argv) in searched:
+            continue
+        searched.add((page, "--gpus" in argv))
+        vocab = int(argv[argv.index("--vocab-size") + 1])
         config = write_config(tmp_path / preset / "config.json",
                               hf_config(config_from_preset(preset, vocab), 1, 2, None, torch.bfloat16))
         from_json = [config if a == preset else a for a in argv]
@@ -4939,7 +4988,7 @@ def test_the_readmes_plan_examples_run_as_written_and_the_same_shape_as_a_config
             for row in [*expected, *got]:
                 row.pop("command"), row.pop("by_hand", None)
             assert f"--init-from {tmp_path / preset} " in capsys.readouterr().out  # beside the config.json
-        assert got == expected
+        assert got == expected, (page, argv)
 
 
 def test_a_llama_3_70b_config_json_plans_and_searches_as_the_preset_does(tmp_path, capsys, monkeypatch):
