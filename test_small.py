@@ -26,6 +26,7 @@ import multiprocessing.forkserver
 import os
 import pathlib
 import pickle
+import platform
 import random
 import re
 import runpy
@@ -2796,6 +2797,8 @@ def test_readme_command_trains_saves_and_resumes(tmp_path, data_dir):
     result = launch(3, "train_pipeline_gpipe.py", *args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "done: 12 steps" in result.stdout
+    layout = re.search(r"prints its layout \(`([^`]+)`", " ".join((ROOT / "README.md").read_text().split()))[1]
+    assert layout in result.stdout, (layout, result.stdout[-3000:])  # as the README quotes it
     rows, _ = read_metrics(tmp_path / "m.jsonl")
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, [r["loss"] for r in rows]
     assert (tmp_path / "checkpoints" / "step-00000012" / "meta.json").is_file()
@@ -4989,6 +4992,105 @@ def test_the_docs_plan_examples_print_what_the_docs_show_and_plan_a_config_json_
                 row.pop("command"), row.pop("by_hand", None)
             assert f"--init-from {tmp_path / preset} " in capsys.readouterr().out  # beside the config.json
         assert got == expected, (page, argv)
+
+
+def markdown_table(page: str, header: str) -> list[dict]:
+    """The rows of the table in docs/PAGE whose header row begins with HEADER, as {column: cell}."""
+    lines = (ROOT / "docs" / page).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    cells = [[cell.strip() for cell in line.strip().strip("|").split("|")]
+             for line in itertools.takewhile(lambda line: line.startswith("|"), lines[start:])]
+    return [dict(zip(cells[0], row)) for row in cells[2:]]
+
+
+def test_the_docs_measured_bytes_are_what_plan_py_computes_for_the_runs_measured(tmp_path, capsys, monkeypatch):
+    # The docs' measured tables of the tiny model's bytes (activations, parameters, gradients, AdamW state, what a
+    # rank sends) come from benchmark.py's runs of the scripts, minutes each, not repeated here. plan.py computes
+    # the same bytes for the same runs in milliseconds, and test_the_plan_counts_what_the_runs_hold keeps it within
+    # 10 % of what the scripts hold: a row further than that from the plan was measured on another form of the
+    # scripts (measure it again, as its page says). Each table's runs: the benchmark's flags and the row's own.
+    monkeypatch.chdir(tmp_path)  # the scripts' checks read --checkpoint-dir (./checkpoints): none here
+    run = ["--model", "tiny", "--vocab-size", "8192", "--batch-size", "16", "--seq-len", "128", "--microbatches", "8",
+           "--device", "cpu"]
+
+    def planned(flags: list[str], key: str) -> list[float]:  # MiB per process: pp outermost, then dp and tp
+        ranks = plan.main([*run, *flags])["ranks"]
+        capsys.readouterr()
+        processes = int(flags[flags.index("--processes") + 1])
+        return [ranks[r // (processes // len(ranks))][key] / 2**20 for r in range(processes)]
+
+    tables = {  # (page, header): ({row: its flags}, {column: plan.py's key})
+        ("schedules-and-benchmark.md", "| variant | median step (ms) | vs gpipe"): (
+            {name: ["--processes", "2", "--schedule", schedule] for name, schedule in (
+                *((s, s) for s in gpipe.SCHEDULES), ("afab (by hand)", "gpipe"), ("1f1b (by hand)", "1f1b"),
+                ("gpipe (tracer)", "gpipe"))},  # AFAB holds what GPipe holds
+            {"peak activations per rank (MiB)": "activations"}),
+        ("faster-and-smaller.md", "| variant | median step (ms) | speedup"): (
+            {"one process": ["--processes", "1"], "even": ["--processes", "2", "--split", "even"],
+             "balanced": ["--processes", "2"],
+             "balanced + activation checkpointing": ["--processes", "2", "--activation-checkpointing"]},
+            {"peak activations per stage (MiB)": "activations"}),  # compiled: inductor's, not planned
+        ("tensor-parallel.md", "| variant | median step (ms) | vs no sequence parallel"): (
+            {"sequence parallel": ["--processes", "4", "--tp", "2"],
+             "no sequence parallel": ["--processes", "4", "--tp", "2", "--no-sequence-parallel"]},
+            {"sent to other stages a step per rank (MiB)": "sent", "peak activations per rank (MiB)": "activations"}),
+        ("data-parallel.md", "| layout | processes | median step"): (
+            {"2 stages": ["--processes", "2"], "2 stages x 2 replicas": ["--processes", "4", "--dp", "2"]},
+            {"params per rank (MiB)": "param", "grads per rank (MiB)": "grad",
+             "AdamW state per rank (MiB)": "optimizer"}),
+    }
+    for (page, header), (flags, columns) in tables.items():
+        rows = markdown_table(page, header)
+        assert {row[header.split("|")[1].strip()] for row in rows} >= set(flags), (page, rows)
+        for row in rows:
+            name = row[header.split("|")[1].strip()]
+            if name not in flags:
+                continue
+            for column, key in columns.items():
+                if "--activation-checkpointing" in flags[name] and key == "activations":
+                    key = "activations_checkpointed"
+                documented = [float(mib) for mib in row[column].split(",")]
+                assert documented == pytest.approx(planned(flags[name], key), rel=0.1), (page, name, column)
+
+
+def test_the_readmes_quoted_outputs_and_counts_hold(prepared):
+    # What the README quotes of a command's output, where the suite has that output at hand: prepare_data.py's line
+    # (this session's data: the builtin corpus is this Python's standard library, so its figures are checked on
+    # the Python they were taken on, their form on any), and the sizes of the diffs between the scripts ("about":
+    # within 15 %, so that a few lines' change leaves the README true).
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    (quoted,) = re.findall(r"`(prepared data: [^`]+)`", readme)
+    printed = " ".join(prepared[1].stdout.split())
+    python = re.search(r"from Python (\d+\.\d+\.\d+)'s standard library", readme)[1]
+    if platform.python_version() == python:
+        assert quoted in printed, (quoted, printed)
+    assert re.search(re.sub(r"\d[\d,]*", r"\\d[\\d,]*", re.escape(quoted)), printed), (quoted, printed)
+    diffs = re.findall(r"`diff (\S+) (\S+) \| wc -l` \(about (\d+)", readme)
+    assert len(diffs) == 2, diffs
+    for a, b, about in diffs:
+        lines = subprocess.run(["diff", ROOT / a, ROOT / b], capture_output=True, text=True).stdout.count("\n")
+        assert lines == pytest.approx(int(about), rel=0.15), (a, b, lines)
+
+
+def test_the_docs_links_lead_to_a_page_and_heading_that_exist():
+    # README.md and docs/*.md link to each other's sections; a section renamed or moved breaks the link silently.
+    def slug(heading: str) -> str:  # GitHub's anchor of a heading
+        return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+    def prose(page: Path) -> str:  # code blocks hold no links or headings
+        return re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+
+    broken = []
+    for page in DOC_PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose(page)):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            linked = page.parent / file if file else page
+            if not linked.exists() or anchor and anchor not in {
+                    slug(h) for h in re.findall(r"^#+ (.*)$", prose(linked), re.M)}:
+                broken.append((page.name, target))
+    assert broken == []
 
 
 def test_a_llama_3_70b_config_json_plans_and_searches_as_the_preset_does(tmp_path, capsys, monkeypatch):
