@@ -26,6 +26,7 @@ import multiprocessing.forkserver
 import os
 import pathlib
 import pickle
+import platform
 import random
 import re
 import runpy
@@ -2804,6 +2805,8 @@ def test_readme_command_trains_saves_and_resumes(tmp_path, data_dir):
     result = launch(3, "train_pipeline_gpipe.py", *args, cwd=tmp_path)
     assert result.returncode == 0, errors(result.stderr)
     assert "done: 12 steps" in result.stdout
+    layout = re.search(r"prints its layout \(`([^`]+)`", " ".join((ROOT / "README.md").read_text().split()))[1]
+    assert layout in result.stdout, (layout, result.stdout[-3000:])  # as the README quotes it
     rows, _ = read_metrics(tmp_path / "m.jsonl")
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, [r["loss"] for r in rows]
     assert (tmp_path / "checkpoints" / "step-00000012" / "meta.json").is_file()
@@ -4235,8 +4238,13 @@ def test_hugging_face_weights_train_like_transformers_at_any_stage_count(tmp_pat
             assert exported[key].dtype == source[key].dtype and torch.equal(exported[key], source[key]), key
 
 
-def readme_python_block(marker: str) -> str:
-    text = (ROOT / "README.md").read_text()
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def documented_python_block(marker: str) -> str:
+    """The Python block after MARKER (an HTML comment, `<!-- example: NAME -->`) on the one page of README.md and
+    docs/*.md that holds it."""
+    (text,) = [t for t in (page.read_text() for page in DOC_PAGES) if marker in t]
     block = text[text.index(marker):]
     return block[block.index("```python\n") + 10:block.index("\n```", block.index("```python"))]
 
@@ -4301,8 +4309,8 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
         torch.testing.assert_close(model(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(model(document).logits, ours(document, model_module.document_positions(
             document, bos)), rtol=1e-5, atol=1e-6)
-    # The README's generation example runs on it.
-    block = readme_python_block("<!-- example: generate-hf -->").replace("Llama-3.2-1B-continued", str(out))
+    # The docs' generation example (docs/hugging-face.md) runs on it.
+    block = documented_python_block("<!-- example: generate-hf -->").replace("Llama-3.2-1B-2k", str(out))
     result = start([sys.executable, "-c", block], cwd=tmp_path, timeout=300)
     assert result.returncode == 0 and result.stdout.startswith("def read_config(path):"), errors(result.stderr)
     # Its tokenizer is the data's: it encodes as the documents were encoded, and by default begins a text with
@@ -4404,8 +4412,8 @@ def test_export_writes_the_pipelines_weights_for_one_process(tmp_path, reference
     assert {"config.json", "tokenizer.json", "model-00001-of-00001.safetensors"} <= {
         p.name for p in (tmp_path / "hf-new").iterdir()}
 
-    # The README's inference example runs on the exported files, one process, no process group.
-    result = start([sys.executable, "-c", readme_python_block("<!-- example: generate -->")], cwd=tmp_path,
+    # The docs' inference example (docs/checkpoints.md) runs on the exported files, one process, no process group.
+    result = start([sys.executable, "-c", documented_python_block("<!-- example: generate -->")], cwd=tmp_path,
                    env=dict(script_env(), PYTHONPATH=str(ROOT)), timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("def read_config(path):") and len(result.stdout) > 30, result.stdout
@@ -5166,30 +5174,74 @@ def test_every_documented_run_after_the_default_job_has_a_checkpoint_dir_of_its_
     assert {directory: jobs for directory, jobs in owners.items() if len(jobs) > 1} == {}
 
 
-def readme_plan_examples() -> list[tuple[list[str], list[str]]]:
-    """README.md's plan.py commands, as written in its bash blocks, each with the output block that follows it
-    (its lines; [] when none follows)."""
-    blocks = re.findall(r"^```(\w*)\n(.*?)^```", (ROOT / "README.md").read_text(), re.M | re.S)
+def shell_commands(block: str, variables: dict) -> list[list[str]]:
+    """A bash block's commands, each as the words a shell would give it: continued lines joined, a quote running
+    over lines kept whole, comments left out, `$NAME` replaced by its value (when the page set one). A `NAME=...` line sets a value in
+    variables (kept from block to block of a page, as a shell keeps them)."""
+    commands, pending = [], ""
+    for line in block.replace("\\\n", " ").splitlines():
+        pending += line + "\n"
+        try:
+            words = shlex.split(pending, comments=True)
+        except ValueError:  # a quote that goes on on the next line
+            continue
+        pending = ""
+        if len(words) == 1 and re.fullmatch(r"[A-Za-z_]\w*=.*", words[0], re.S):
+            name, value = words[0].split("=", 1)
+            variables[name] = value
+        elif words:  # an unquoted $NAME splits into its words
+            commands.append([w for word in words for w in (
+                shlex.split(re.sub(r"\$(\w+)", lambda m: variables.get(m[1], m[0]), word)) if "$" in word else [word])])
+    return commands
+
+
+def documented_plan_examples() -> list[tuple[str, list[str], list[str], dict]]:
+    """The plan.py commands of README.md and docs/*.md as written in their bash blocks: (page, argv, shown,
+    files), shown the lines of the output block that follows the command's block (the output of its last command;
+    [] when none follows), files {name: text} that the page's `echo '...' > FILE` lines wrote by then. Commands
+    that read a run's trace (--trace) are left out: they need the run."""
     examples = []
-    for i, (kind, text) in enumerate(blocks):
-        command = text.replace("\\\n", " ")
-        if kind == "bash" and command.startswith("python plan.py "):
+    for page in DOC_PAGES:
+        blocks = re.findall(r"^```(\w*)\n(.*?)^```", page.read_text(), re.M | re.S)
+        variables, files = {}, {}
+        for i, (kind, text) in enumerate(blocks):
+            if kind != "bash":
+                continue
+            commands = shell_commands(text, variables)
+            files.update({words[-1]: " ".join(words[1:-2]) + "\n" for words in commands
+                          if words[0] == "echo" and words[-2] == ">"})
+            plans = [words[2:] for words in commands if words[:2] == ["python", "plan.py"] and "--trace" not in words]
             shown = blocks[i + 1][1].splitlines() if i + 1 < len(blocks) and blocks[i + 1][0] == "" else []
-            examples.append((shlex.split(command)[2:], shown))
+            examples += [(page.name, argv, shown if k == len(plans) - 1 else [], dict(files))
+                         for k, argv in enumerate(plans)]
     return examples
 
 
-def test_the_readmes_plan_examples_run_as_written_and_the_same_shape_as_a_config_json(tmp_path, capsys):
-    examples = readme_plan_examples()
-    assert len(examples) >= 2 and {"--gpus", "--processes"} <= {a for argv, _ in examples for a in argv}
-    for argv, shown in examples:
+def test_the_docs_plan_examples_print_what_the_docs_show_and_plan_a_config_json_alike(tmp_path, capsys, monkeypatch):
+    # Every plan.py command of README.md and docs/*.md, as written (its variables and files too), gives the output
+    # the page shows after it ("..." where the page leaves a part out): plan.py computes, runs nothing, and prints
+    # the same on any machine, so a figure that drifts from what the plan now says fails here.
+    examples = documented_plan_examples()
+    assert {"layouts.md", "faster-and-smaller.md", "plan-vs-the-zero-bubble-paper.md"} <= {
+        page for page, _, shown, _ in examples if shown}
+    assert {"--gpus", "--processes"} <= {a for _, argv, _, _ in examples for a in argv}
+    monkeypatch.chdir(tmp_path)  # the scripts' checks read --checkpoint-dir (./checkpoints): none here
+    searched = set()
+    for page, argv, shown, files in examples:
+        for name, text in files.items():
+            (tmp_path / name).write_text(text)
         expected = plan.main(argv)
         out = capsys.readouterr().out
-        for line in shown:  # the README's sample output, "..." where it leaves a part out
+        for line in shown:
             for part in filter(None, (p.strip() for p in line.split("..."))):
-                assert part in out, (part, out)
-        # The same shape as a Hugging Face config.json (`--model path/to/config.json`): the same plan.
-        preset, vocab = argv[argv.index("--model") + 1], int(argv[argv.index("--vocab-size") + 1])
+                assert part in out, (page, argv, part, out)
+        # The same shape as a Hugging Face config.json (`--model path/to/config.json`): the same plan. (A search
+        # takes seconds: the first of each page's searches is enough.)
+        preset = argv[argv.index("--model") + 1]
+        if preset not in model_module.PRESETS or (page, "--gpus" in argv) in searched:
+            continue
+        searched.add((page, "--gpus" in argv))
+        vocab = int(argv[argv.index("--vocab-size") + 1])
         config = write_config(tmp_path / preset / "config.json",
                               hf_config(config_from_preset(preset, vocab), 1, 2, None, torch.bfloat16))
         from_json = [config if a == preset else a for a in argv]
@@ -5199,7 +5251,106 @@ def test_the_readmes_plan_examples_run_as_written_and_the_same_shape_as_a_config
             for row in [*expected, *got]:
                 row.pop("command"), row.pop("by_hand", None)
             assert f"--init-from {tmp_path / preset} " in capsys.readouterr().out  # beside the config.json
-        assert got == expected
+        assert got == expected, (page, argv)
+
+
+def markdown_table(page: str, header: str) -> list[dict]:
+    """The rows of the table in docs/PAGE whose header row begins with HEADER, as {column: cell}."""
+    lines = (ROOT / "docs" / page).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    cells = [[cell.strip() for cell in line.strip().strip("|").split("|")]
+             for line in itertools.takewhile(lambda line: line.startswith("|"), lines[start:])]
+    return [dict(zip(cells[0], row)) for row in cells[2:]]
+
+
+def test_the_docs_measured_bytes_are_what_plan_py_computes_for_the_runs_measured(tmp_path, capsys, monkeypatch):
+    # The docs' measured tables of the tiny model's bytes (activations, parameters, gradients, AdamW state, what a
+    # rank sends) come from benchmark.py's runs of the scripts, minutes each, not repeated here. plan.py computes
+    # the same bytes for the same runs in milliseconds, and test_the_plan_counts_what_the_runs_hold keeps it within
+    # 10 % of what the scripts hold: a row further than that from the plan was measured on another form of the
+    # scripts (measure it again, as its page says). Each table's runs: the benchmark's flags and the row's own.
+    monkeypatch.chdir(tmp_path)  # the scripts' checks read --checkpoint-dir (./checkpoints): none here
+    run = ["--model", "tiny", "--vocab-size", "8192", "--batch-size", "16", "--seq-len", "128", "--microbatches", "8",
+           "--device", "cpu"]
+
+    def planned(flags: list[str], key: str) -> list[float]:  # MiB per process: pp outermost, then dp and tp
+        ranks = plan.main([*run, *flags])["ranks"]
+        capsys.readouterr()
+        processes = int(flags[flags.index("--processes") + 1])
+        return [ranks[r // (processes // len(ranks))][key] / 2**20 for r in range(processes)]
+
+    tables = {  # (page, header): ({row: its flags}, {column: plan.py's key})
+        ("schedules-and-benchmark.md", "| variant | median step (ms) | vs gpipe"): (
+            {name: ["--processes", "2", "--schedule", schedule] for name, schedule in (
+                *((s, s) for s in gpipe.SCHEDULES), ("afab (by hand)", "gpipe"), ("1f1b (by hand)", "1f1b"),
+                ("gpipe (tracer)", "gpipe"))},  # AFAB holds what GPipe holds
+            {"peak activations per rank (MiB)": "activations"}),
+        ("faster-and-smaller.md", "| variant | median step (ms) | speedup"): (
+            {"one process": ["--processes", "1"], "even": ["--processes", "2", "--split", "even"],
+             "balanced": ["--processes", "2"],
+             "balanced + activation checkpointing": ["--processes", "2", "--activation-checkpointing"]},
+            {"peak activations per stage (MiB)": "activations"}),  # compiled: inductor's, not planned
+        ("tensor-parallel.md", "| variant | median step (ms) | vs no sequence parallel"): (
+            {"sequence parallel": ["--processes", "4", "--tp", "2"],
+             "no sequence parallel": ["--processes", "4", "--tp", "2", "--no-sequence-parallel"]},
+            {"sent to other stages a step per rank (MiB)": "sent", "peak activations per rank (MiB)": "activations"}),
+        ("data-parallel.md", "| layout | processes | median step"): (
+            {"2 stages": ["--processes", "2"], "2 stages x 2 replicas": ["--processes", "4", "--dp", "2"]},
+            {"params per rank (MiB)": "param", "grads per rank (MiB)": "grad",
+             "AdamW state per rank (MiB)": "optimizer"}),
+    }
+    for (page, header), (flags, columns) in tables.items():
+        rows = markdown_table(page, header)
+        assert {row[header.split("|")[1].strip()] for row in rows} >= set(flags), (page, rows)
+        for row in rows:
+            name = row[header.split("|")[1].strip()]
+            if name not in flags:
+                continue
+            for column, key in columns.items():
+                if "--activation-checkpointing" in flags[name] and key == "activations":
+                    key = "activations_checkpointed"
+                documented = [float(mib) for mib in row[column].split(",")]
+                assert documented == pytest.approx(planned(flags[name], key), rel=0.1), (page, name, column)
+
+
+def test_the_readmes_quoted_outputs_and_counts_hold(prepared):
+    # What the README quotes of a command's output, where the suite has that output at hand: prepare_data.py's line
+    # (this session's data: the builtin corpus is this Python's standard library, so its figures are checked on
+    # the Python they were taken on, their form on any), and the sizes of the diffs between the scripts ("about":
+    # within 15 %, so that a few lines' change leaves the README true).
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    (quoted,) = re.findall(r"`(prepared data: [^`]+)`", readme)
+    printed = " ".join(prepared[1].stdout.split())
+    python = re.search(r"from Python (\d+\.\d+\.\d+)'s standard library", readme)[1]
+    if platform.python_version() == python:
+        assert quoted in printed, (quoted, printed)
+    assert re.search(re.sub(r"\d[\d,]*", r"\\d[\\d,]*", re.escape(quoted)), printed), (quoted, printed)
+    diffs = re.findall(r"`diff (\S+) (\S+) \| wc -l` \(about (\d+)", readme)
+    assert len(diffs) == 2, diffs
+    for a, b, about in diffs:
+        lines = subprocess.run(["diff", ROOT / a, ROOT / b], capture_output=True, text=True).stdout.count("\n")
+        assert lines == pytest.approx(int(about), rel=0.15), (a, b, lines)
+
+
+def test_the_docs_links_lead_to_a_page_and_heading_that_exist():
+    # README.md and docs/*.md link to each other's sections; a section renamed or moved breaks the link silently.
+    def slug(heading: str) -> str:  # GitHub's anchor of a heading
+        return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+    def prose(page: Path) -> str:  # code blocks hold no links or headings
+        return re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+
+    broken = []
+    for page in DOC_PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose(page)):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            linked = page.parent / file if file else page
+            if not linked.exists() or anchor and anchor not in {
+                    slug(h) for h in re.findall(r"^#+ (.*)$", prose(linked), re.M)}:
+                broken.append((page.name, target))
+    assert broken == []
 
 
 def test_a_llama_3_70b_config_json_plans_and_searches_as_the_preset_does(tmp_path, capsys, monkeypatch):
