@@ -1,13 +1,19 @@
-"""What a training script needs besides the model: one-line errors (the same on every rank), argparse helpers,
-the checks and the lock of the paths a run writes, the prepared data and --metrics, which model a run trains, and
-distributed checkpoints (DCP): saving, verifying, loading, --init-from and exact resume. A --checkpoint-dir holds:
+"""Distributed checkpoints (DCP) of a pipeline run, and the run around them. A --checkpoint-dir holds:
 
     step-00000100/      a checkpoint: DCP's shards and .metadata (model and AdamW state of each rank's stages, under
                         the full model's names: it loads into any layout), rng/rank*.pt, the data's tokenizer files,
-                        meta.json (step, data position, config, run flags, layout, file sizes; written last)
+                        meta.json (step, data position, config, run flags, job, file sizes; written last)
     step-00000200.tmp/  a save in progress, renamed to step-00000200 once complete
     run.lock            held by the run using the directory
-"""
+
+Part 1, the checkpoints: finding, saving (save), loading (verified first: verify_files, load_state), --init-from
+(load_weights), and the resume rules (Run, check_same_run); the restricted reader of DCP's index last. Part 2, the
+run around them: one-line errors on every rank (UsageError, collective_errors, run), stopping (stop_requested),
+flags (Parser), the checks and the lock of what a run writes, the data and --metrics, relayout, which model.
+
+A script's main calls, in order: checkpoint.run(main, args) around it all; run = Run(args, rank, world_size, say);
+run.relayout(stages_per_rank); run.check(); run.model_config(data, device_type); run.resume(model, optimizer,
+config); Metrics(path, step); then after every step stop_requested() and run.save_if_due(step, ...)."""
 
 import argparse
 import atexit
@@ -51,7 +57,774 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
 
-from model import LlamaConfig, check_layout, config_from_hf, config_from_preset, hf_name
+from model import LlamaConfig, check_layout, config_from_hf, config_from_preset, hf_name, max_stages
+
+# ==========================================================================================================
+# Part 1. Checkpoints (DCP): finding, saving, loading, --init-from, the resume rules
+
+# ----------------------------------------------------------------------------------------------------------
+# Finding checkpoints
+
+def complete_checkpoints(checkpoint_dir: str) -> list[str]:
+    """Paths of the complete checkpoints (step-N holding meta.json) in checkpoint_dir, oldest first."""
+    names = sorted(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else []
+    return [os.path.join(checkpoint_dir, n) for n in names
+            if re.fullmatch(r"step-\d{8}", n) and os.path.isfile(os.path.join(checkpoint_dir, n, "meta.json"))]
+
+
+def latest(checkpoint_dir: str) -> str | None:
+    return (complete_checkpoints(checkpoint_dir) or [None])[-1]
+
+
+def resolve(path: str, flag: str = "checkpoint") -> str:
+    """A checkpoint given either itself or a run's --checkpoint-dir (then its newest complete checkpoint)."""
+    found = path if os.path.isfile(os.path.join(path, "meta.json")) else latest(path)
+    if found is None:
+        raise UsageError(f"{flag} {path}: no complete checkpoint there (a step-N directory with meta.json, or a "
+                         "--checkpoint-dir holding some)")
+    return found
+
+
+def read_meta(path: str, flag: str = "--checkpoint-dir") -> dict:
+    """The meta.json of the checkpoint at path, each field the code reads checked, or one line saying why it is
+    not one (flag: how path was given)."""
+    try:
+        meta = read_json(os.path.join(path, "meta.json"))
+        problem = _meta_problem(meta)
+    except (OSError, ValueError) as e:
+        meta, problem = None, f"not a complete checkpoint, its meta.json cannot be read ({e})"
+    if problem is not None:
+        raise bad_checkpoint(flag, path, problem)
+    return meta
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Saving
+
+# AdamW's state keyed by parameter name ("optim.state.<fqn>.exp_avg"): keyed by group index (the default), every
+# stage's group 0 would be one shared key, and DCP would keep only one rank's copy.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+EMBED, HEAD = "base_model.embed_tokens.weight", "lm_head.weight"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int, keep: int,
+         tokenizer_dir: str | None = None, background: tuple | None = None) -> str | tuple:
+    """Save this rank's stages, collectively; return the checkpoint's path. meta (rank 0's is written) holds at
+    least "config". A failed save raises the same UsageError on every rank and leaves no step-N.tmp; older
+    checkpoints (beyond keep) are deleted only once the new one is complete. background (background_group's):
+    only take a copy of the state in CPU memory and leave the writing to a thread (DCP's async_save); returned
+    is the save in flight, (DCP's future, step-N.tmp, meta), for Run.finish_save to complete."""
+    final = os.path.join(checkpoint_dir, f"step-{step:08d}")
+    tmp = final + ".tmp"
+    with _removed_if_failed(tmp, rank):
+        with collective_errors(), _save_errors(tmp):
+            if rank == 0:
+                _remove(tmp)  # left over from a save that was killed
+                os.makedirs(os.path.join(tmp, "rng"))
+        state, _ = state_dicts(model, optimizer, LlamaConfig(**meta["config"]))
+        meta = dict(meta, step=step, world_size=dist.get_world_size())
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        with collective_errors(), _save_errors(tmp):  # DCP itself raises on every rank if a rank failed
+            torch.save(rng, os.path.join(tmp, "rng", f"rank{rank}.pt"))
+            if background is None:
+                dcp.save(state, checkpoint_id=tmp)  # writes and fsyncs this rank's shard
+                written = None
+            else:  # the copy is taken before async_save returns, so the next step may change the state
+                written = dcp.async_save(state, checkpoint_id=tmp, process_group=background[0],
+                                         async_stager=background[1])
+    return _complete(tmp, meta, rank, keep, tokenizer_dir) if written is None else (written, tmp, meta)
+
+
+def _complete(tmp: str, meta: dict, rank: int, keep: int, tokenizer_dir: str | None) -> str:
+    """Make the save whose files every rank wrote a checkpoint (meta.json last, then the rename), then delete
+    the complete ones beyond keep. Collective."""
+    final = tmp.removesuffix(".tmp")
+    with _removed_if_failed(tmp, rank), collective_errors(), _save_errors(tmp):
+        if rank == 0:
+            for name in TOKENIZER_FILES if tokenizer_dir else ():
+                if os.path.isfile(os.path.join(tokenizer_dir, name)):
+                    shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(tmp, name))
+            files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
+                     for d, _, fs in os.walk(tmp) for f in fs}
+            _write_synced(os.path.join(tmp, "meta.json"), json.dumps(dict(meta, files=files), indent=1))
+            os.replace(tmp, final)
+            fd = os.open(os.path.dirname(final), os.O_RDONLY)
+            try:
+                os.fsync(fd)  # make the rename itself durable
+            finally:
+                os.close(fd)
+    if rank == 0:
+        for old in complete_checkpoints(os.path.dirname(final))[:-keep] if keep > 0 else []:
+            _remove(old)
+    dist.barrier()
+    return final
+
+
+def background_group(timeout: float) -> tuple:
+    """What every --async-checkpoint save uses, made collectively at the first: a gloo group of its own (a CPU
+    backend, which async_save needs, beside NCCL too; its collectives, in the writing thread, never meet the
+    training's on one group: KempnerForge #104's deadlock), and the staged copy of the state in CPU memory, kept
+    and refilled by every save."""
+    pinned = torch.cuda.is_available() and torch.cuda.is_initialized()  # faster copies from the GPU
+    return (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)),
+            DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
+                                         use_non_blocking_copy=False)))
+
+
+@contextlib.contextmanager
+def _removed_if_failed(tmp: str, rank: int):
+    try:
+        yield
+    except UsageError:
+        if rank == 0:
+            _remove(tmp)  # frees what the failed save took; nothing else is touched
+        raise
+
+
+@contextlib.contextmanager
+def _save_errors(tmp: str):
+    """A failed write as one line: the cause, and what state the checkpoint directory is left in."""
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointException) as e:
+        directory, final = os.path.dirname(tmp) or ".", tmp.removesuffix(".tmp")
+        cause, fix = root_cause(e), "free space (or choose another --checkpoint-dir)"
+        try:  # torch.save reports a full disk as "unexpected pos ...": say what it means
+            usage = shutil.disk_usage(directory)
+            if usage.free < max(64 * 2**20, usage.total // 100):
+                cause = f"the disk is full: {usage.free / 2**20:.0f} MiB free of {usage.total / 2**20:.0f} MiB"
+            elif isinstance(e, OSError) and e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR):
+                cause, fix = f"{final} exists already, not this run's", f"move {final} away"
+        except OSError:
+            pass
+        newest = latest(directory)
+        kept = f"the newest complete one, {newest}, is untouched" if newest else "there is no complete one yet"
+        raise UsageError(f"--checkpoint-dir: saving {tmp} failed ({cause}); the partial save is removed and {kept}; "
+                         f"{fix} and rerun the same command to resume") from None
+
+
+def root_cause(e: BaseException) -> str:
+    """An exception in a few words: the first failure DCP collected, a full disk named as such, torch.load's
+    refusal of a file without its advice to load it unsafely."""
+    if isinstance(e, CheckpointException):
+        first = next(iter(e.failures.values()), None)
+        e = first[0] if isinstance(first, tuple) else (first or e)
+    if isinstance(e, OSError):
+        return "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    if str(e).startswith("Weights only load failed"):
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        return f"it asks for {found[1]}, which a checkpoint never contains" if found else \
+            "bytes that torch.load cannot read as saved data"
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
+
+
+def _remove(path: str) -> None:
+    """Remove a file, a link (never what it points to) or a directory, if there."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.remove(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _write_synced(path: str, text: str, exclusive: bool = False) -> None:
+    with open(path, "x" if exclusive else "w") as f:  # exclusive: FileExistsError if path exists
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def state_dicts(model, optimizer, config: LlamaConfig) -> tuple[dict, dict]:
+    """This rank's model (and AdamW) state under the names it is saved by, and for each part the saved name of
+    each of its own keys. A tied head is saved once, as the embedding, so the checkpoint loads into any layout."""
+    state = {"model": get_model_state_dict(model, options=_OPTIONS)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
+    saved_as = {part: {key: _tied_name(key) if config.tie_word_embeddings else key for key in values}
+                for part, values in state.items()}
+    return {part: {saved_as[part][key]: value for key, value in values.items()}
+            for part, values in state.items()}, saved_as
+
+
+def _tied_name(key: str) -> str:
+    """lm_head.weight -> base_model.embed_tokens.weight, also inside AdamW's flattened keys."""
+    for prefix in ("", "state.", "param_groups."):
+        if key == prefix + HEAD or key.startswith(prefix + HEAD + "."):
+            return prefix + EMBED + key[len(prefix + HEAD):]
+    return key
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loading: a checkpoint is untrusted input, read without running anything it names, in bounded memory
+
+# The largest files read whole: a JSON file (a meta.json lists ~60 bytes of files a rank; the tokenizer.json of a
+# large vocabulary runs to tens of MB) and DCP's index (~150 bytes a tensor chunk: llama-8b's model and AdamW
+# state saved by 64 ranks, 8 MB, measured on one built as DCP builds it).
+MAX_JSON_BYTES, MAX_INDEX_BYTES = 64 * 2**20, 2**30
+
+
+def bad_checkpoint(flag: str, path: str, problem: str) -> "UsageError":
+    """One line for a checkpoint that is not as this project writes it, naming how it was given (flag; export.py's
+    is "checkpoint") and what to do: only a run's own checkpoint is worth deleting, to resume from an older one.
+    Every rank reads the same files, so every rank raises it: said once a node."""
+    fix = "delete it to resume from an older one" if flag == "--checkpoint-dir" else \
+        f"give {'export.py' if flag == 'checkpoint' else flag} another checkpoint"
+    return UsageError(f"{flag} {path}: {problem}; {fix}", on_every_rank=True)
+
+
+def read_bytes(file: str, most: int) -> bytes:
+    """A regular file of at most `most` bytes, or ValueError saying why not; OSError if missing."""
+    if os.path.exists(file) and not os.path.isfile(file):  # a FIFO would block open(), a device never end
+        raise ValueError("not a regular file")
+    with open(file, "rb") as f:
+        if os.fstat(f.fileno()).st_size > most:
+            raise ValueError(f"larger than {most // 2**20} MiB")
+        return f.read()
+
+
+def read_json(file: str, most: int = MAX_JSON_BYTES):
+    """A JSON file, or ValueError saying why not (not a regular file, too large, nested too deeply, not JSON);
+    OSError if missing."""
+    text = read_bytes(file, most)
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def shown(value, most: int = 40) -> str:
+    """A value read from an input, in a few characters (a name: up to 120)."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):  # not JSON's, or nested deeper than json.dumps goes
+        text = type(value).__name__
+    return text if len(text) <= most else text[:most - 3] + "..."
+
+
+def _whole(value, least: int, most: int = 2**32) -> bool:
+    return type(value) is int and least <= value < most
+
+
+def _meta_checks(meta: dict):
+    """(field, value, whether it is as save() writes it, what it must be) for each field the code reads of a
+    checkpoint's meta.json; a generator, so a field is looked into only once its container passed."""
+    yield "step", meta["step"], _whole(meta["step"], 0), "a whole number >= 0"
+    yield "world_size", meta["world_size"], _whole(meta["world_size"], 1), "a whole number >= 1"
+    data = meta.get("data")  # the data loader's position: null (or none), or where the next batch starts
+    yield "data", data, data is None or isinstance(data, dict) and data.keys() == {"epoch", "index"}, \
+        'null or {"epoch": E, "index": I}'
+    for key in ("epoch", "index") if data else ():
+        yield f"data.{key}", data[key], _whole(data[key], 0), "a whole number >= 0"
+    run, args = meta.get("run", {}), meta.get("args", {})
+    yield "run", run, isinstance(run, dict), "an object"
+    for key, value in run.items():  # compared with the flags, and printed
+        yield f"run.{key}", value, isinstance(value, (str, type(None))) if key == "init_from" else isinstance(
+            value, (str, int, float, type(None))), "a path or null" if key == "init_from" else "a number or a string"
+    yield "args", args, isinstance(args, dict), "an object"
+    for key in sorted({"dp", "tp"} & args.keys()):
+        yield f"args.{key}", args[key], _whole(args[key], 1), "a whole number >= 1"
+    yield "args.precision", args.get("precision"), isinstance(args.get("precision"), (str, type(None))), "a string"
+    job = meta.get("job")  # the launch ids of the job that saved it (older checkpoints: a string, another job)
+    yield "job", job, job is None or isinstance(job, str) or isinstance(job, list) and all(
+        isinstance(i, str) for i in job), "a list of launch ids"
+    yield "files", meta["files"], isinstance(meta["files"], dict), "an object of file names and sizes"
+    for name, size in meta["files"].items():  # DCP and resume read them: never a path outside the checkpoint
+        yield "file name", name, not os.path.isabs(name) and os.path.normpath(name) == name and \
+            name.split(os.sep)[0] != "..", "a path inside the checkpoint"
+        yield f"files[{shown(name)}]", size, _whole(size, 0, 2**63), "a size in bytes"
+    config, fields = meta["config"], {f.name for f in dataclasses.fields(LlamaConfig)}
+    yield "config", config, isinstance(config, dict) and config.keys() == fields, "the fields of a LlamaConfig"
+
+
+def _meta_problem(meta) -> str | None:
+    """What in a checkpoint's meta.json is not as save() writes it, or None."""
+    if isinstance(meta, dict) and {"dtype", "train", "val"} <= meta.keys():
+        return "not a complete checkpoint, it holds data prepared by prepare_data.py"
+    if not isinstance(meta, dict) or not {"step", "config", "files", "world_size"} <= meta.keys():
+        return "not a complete checkpoint, its meta.json lacks step, config, files or world_size"
+    for field, value, ok, what in _meta_checks(meta):
+        if not ok:
+            return f"its meta.json's {field} is {shown(value)}, not {what}"
+    try:  # every field as Hugging Face's config.json would have it: the same checks, naming the field
+        config_from_hf({**meta["config"], "model_type": "llama"})
+    except ValueError as e:
+        return f"its meta.json's {str(e).replace('config.json ', 'config.', 1)}"
+    return None
+
+
+def verify_files(path: str, meta: dict, flag: str = "--checkpoint-dir") -> None:
+    """Every file the save wrote is there, inside the checkpoint (no link), with its size, and the index is DCP's,
+    naming only those files: checked before DCP reads anything, so a truncated copy or a tampered index fails in
+    one line. flag: how path was given."""
+    for name in (".metadata", *TOKENIZER_FILES):  # read here, by DCP, or copied into an export
+        if name not in meta["files"] and (name == ".metadata" or os.path.lexists(os.path.join(path, name))):
+            raise bad_checkpoint(flag, path, f"damaged, its meta.json does not list {name}")
+    inside = os.path.realpath(path)
+    for name, size in meta["files"].items():
+        full = os.path.join(path, name)
+        if os.path.realpath(full) != os.path.join(inside, name):
+            raise bad_checkpoint(flag, path, f"{name} is a link to {os.path.realpath(full)}; a checkpoint holds "
+                                             "its own files")
+        actual = os.path.getsize(full) if os.path.isfile(full) else None
+        if actual != size:
+            raise bad_checkpoint(flag, path, f"damaged, {name} has {actual} bytes, its meta.json says {size}")
+    with open_untrusted(path, ".metadata", flag):
+        metadata = read_index(os.path.join(path, ".metadata"))
+        for info in metadata.storage_data.values():  # a shard outside the checkpoint would be read too
+            if info.relative_path not in meta["files"]:
+                raise ValueError(f"it points to {info.relative_path!r}, which the checkpoint does not hold")
+        check_index(metadata, meta["files"])
+
+
+def check_index(metadata: Metadata, sizes: dict[str, int]) -> None:
+    """What DCP takes on trust in an index (ValueError if not so): every tensor's chunks lie inside it and cover it
+    exactly once, each chunk and value has its stored bytes, inside its file (sizes: meta.json's). A chunk moved
+    outside its tensor would leave that part as initialized, silently; bytes past a file's end, another's read."""
+    for index, info in metadata.storage_data.items():
+        if not (_whole(info.offset, 0, 2**63) and _whole(info.length, 0, 2**63)) or \
+                info.offset + info.length > sizes[info.relative_path]:
+            raise ValueError(f"it places the bytes of {shown(index.fqn, 120)} at {shown(info.offset)} + "
+                             f"{shown(info.length)}, past the end of {info.relative_path}")
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            if dcp_metadata.MetadataIndex(fqn) not in metadata.storage_data:
+                raise ValueError(f"it holds no bytes for {shown(fqn, 120)}")
+            continue
+        shape, boxes = entry.size, []
+        if not (type(shape) is torch.Size and all(_whole(n, 0, 2**63) for n in shape)):
+            raise ValueError(f"it gives {shown(fqn, 120)} the shape {shown(shape)}")
+        for chunk in entry.chunks:
+            offsets, lengths = chunk.offsets, chunk.sizes
+            if not (len(offsets) == len(lengths) == len(shape) and all(
+                    _whole(o, 0, 2**63) and _whole(n, 0, 2**63) and o + n <= end
+                    for o, n, end in zip(offsets, lengths, shape))):
+                raise ValueError(f"it places a chunk of {shown(fqn, 120)} at {shown(list(offsets))}, of "
+                                 f"{shown(list(lengths))}, outside its shape {list(shape)}")
+            if dcp_metadata.MetadataIndex(fqn, offsets) not in metadata.storage_data:
+                raise ValueError(f"it holds no bytes for the chunk of {shown(fqn, 120)} at {list(offsets)}")
+            boxes.append((tuple(offsets), tuple(lengths)))
+        if sum(math.prod(n) for _, n in boxes) != math.prod(shape) or _overlap(boxes):
+            raise ValueError(f"its chunks of {shown(fqn, 120)} do not cover its shape {list(shape)} exactly once")
+
+
+def _overlap(boxes: list[tuple[tuple, tuple]]) -> bool:
+    """Whether two of the (offsets, lengths) boxes share an element: swept along the first dimension, so shards
+    cut along it (FSDP's) are each compared only with their neighbours."""
+    active = []
+    for start, length in sorted(boxes):
+        active = [(s, n) for s, n in active if not start or s[0] + n[0] > start[0]]
+        if any(all(a < b + m and b < a + n for a, n, b, m in zip(s, n_, start, length)) for s, n_ in active):
+            return True
+        active.append((start, length))
+    return False
+
+
+@contextlib.contextmanager
+def open_untrusted(path: str, name: str, flag: str = "--checkpoint-dir"):
+    """A file of a checkpoint that cannot be read as what this project writes: one line, naming it."""
+    try:
+        yield
+    except Exception as e:  # the restricted readers run nothing, whatever the file holds: any failure is its content
+        raise bad_checkpoint(flag, path, f"{name}: damaged, or not a checkpoint of this project "
+                                         f"({root_cause(e)})") from None
+
+
+def load_state(path: str, model, optimizer, config: LlamaConfig, flag: str = "--checkpoint-dir") -> None:
+    """This rank's model (and AdamW) state from the checkpoint at path, verified. Collective."""
+    state, saved_as = state_dicts(model, optimizer, config)
+    load_dcp(state, path, flag=flag)
+    restored = {part: {key: state[part][name] for key, name in names.items()} for part, names in saved_as.items()}
+    set_model_state_dict(model, restored["model"], options=_OPTIONS)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, restored["optim"], options=_OPTIONS)
+
+
+def load_dcp(state: dict, path: str, no_dist: bool = False, flag: str = "--checkpoint-dir") -> None:
+    """DCP's load of state from the checkpoint at path (no_dist: on one process), through the safe readers."""
+    try:
+        with warnings.catch_warnings():  # no_dist: DCP warns that it loads on one process, which is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(), no_dist=no_dist)
+    except (Exception, CheckpointException) as e:  # DCP gathers read errors from all ranks, raises on each
+        raise bad_checkpoint(flag, path, f"cannot read its tensors ({root_cause(e)})") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# --init-from: only the model's weights, each rank its own stage's
+
+def load_weights(source: str, model, config: LlamaConfig) -> str:
+    """Only the model's weights, each rank its own stage's (with FSDP, its shard), from a Hugging Face directory
+    or one of this project's checkpoints. Collective. Returns the path read."""
+    hf = is_hf_dir(source)
+    with collective_errors():
+        path = source if hf else resolve(source, "--init-from")
+        if not hf:
+            verify_files(path, read_meta(path, "--init-from"), "--init-from")
+    if not hf:
+        load_state(path, model, None, config, "--init-from")
+        return path
+    # HuggingFaceStorageReader reads only the requested tensors (slices, for FSDP's shards) from the
+    # memory-mapped safetensors files and casts them to the model's dtype.
+    state = get_model_state_dict(model, options=_OPTIONS)
+    with collective_errors():
+        request = _hf_request(path, state, config)  # their name for each of this stage's tensors
+    targets = {}  # their name -> our tensors; two when a rank holds a tied embedding and its head's copy
+    for name, tensor in state.items():
+        targets.setdefault(request[name], []).append(tensor)
+    try:
+        dcp.load({key: tensors[0] for key, tensors in targets.items()}, storage_reader=HuggingFaceStorageReader(path))
+    except (Exception, CheckpointException) as e:  # DCP raises its CheckpointException on every rank
+        raise UsageError(f"--init-from {path}: cannot read its tensors ({root_cause(e)})", on_every_rank=True) \
+            from None
+    for tensors in targets.values():
+        for copy in tensors[1:]:
+            copy.copy_(tensors[0])
+    set_model_state_dict(model, state, options=_OPTIONS)
+    return path
+
+
+def _hf_request(path: str, state: dict, config: LlamaConfig) -> dict[str, str]:
+    """Their name for each of a stage's tensors (of the shape config.json gives it); a tied checkpoint stores the
+    head once, as the embedding."""
+    available = {}  # their name -> its shape
+    for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
+        try:  # reads the header only; a file cut short (an interrupted download) fails here
+            with safe_open(os.path.join(path, name), framework="pt") as f:
+                available.update((key, f.get_slice(key).get_shape()) for key in f.keys())
+        except Exception as e:  # safetensors' own error type, whatever the damage
+            raise UsageError(f"--init-from {path}: {name} is not a complete safetensors file ({root_cause(e)}); "
+                             "copy or download it again") from None
+    request = {}
+    for name in state:
+        key = hf_name(name)
+        if key not in available and name == HEAD and config.tie_word_embeddings:
+            key = hf_name(EMBED)
+        if key not in available:
+            raise UsageError(f"--init-from {path}: no tensor {key} in its safetensors files; is it the Llama "
+                             "checkpoint that config.json describes?")
+        if available[key] != list(state[name].shape):  # DCP would fail on every rank, in a traceback
+            raise UsageError(f"--init-from {path}: its tensor {key} is {available[key]}, config.json makes it "
+                             f"{list(state[name].shape)}; is it the Llama checkpoint that config.json describes?")
+        request[name] = key
+    return request
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The run's checkpoints: continued exactly, or refused
+
+class Run:
+    """A training run's checkpoints, made once in main after the process groups (collective): this job's launch
+    ids, the checkpoint the run continues (found once a start; again only after --fresh moved others aside), the
+    data's identity and the background save in flight. main calls, in order: relayout, check, model_config,
+    resume, then save_if_due after every step."""
+    current = None  # this process's: run() waits for its save in flight when the run fails
+
+    def __init__(self, args, rank: int, world_size: int, say=print):
+        self.args, self.rank, self.world_size, self.say = args, rank, world_size, say
+        self.job = job_ids()  # every attempt of this job shares one: relayout fits a restart on other processes
+        self.data_id, self.in_flight, self.background = None, None, None  # (DCP's future, step-N.tmp, meta)
+        self.path, self._meta = latest(args.checkpoint_dir), None
+        Run.current = self
+
+    def saved(self) -> dict:
+        """The meta.json of the checkpoint this run continues (read once; {} if none)."""
+        if self._meta is None:
+            self._meta = read_meta(self.path) if self.path else {}
+        return self._meta
+
+    def source(self) -> str | None:
+        """Where the model's shape comes from, when not from --model: --init-from for a new run; for a resumed run
+        that started from other weights, its checkpoint (those weights need not exist anymore)."""
+        if self.path is not None:
+            return self.path if self.saved().get("run", {}).get("init_from") is not None else None
+        return self.args.init_from
+
+    def preset_model(self) -> bool:
+        """Whether the model's shape is --model's; False while a damaged checkpoint hides it (reported later)."""
+        try:
+            return self.source() is None
+        except UsageError:
+            return False
+
+    def relayout(self, stages_per_rank: int) -> tuple[int, str]:
+        return relayout(self.args, self.world_size, self.job, stages_per_rank, self.path, self.saved(), self.say)
+
+    def check(self) -> None:
+        """Every check of what the run writes (check_run: the paths, the lock, --fresh), then whether it continues
+        the run its checkpoint saved (if so, args.init_from becomes the one that run recorded). Collective."""
+        self.data_id = data_identity(self.args.data)
+        check_run(self.args, self.rank, self.job)
+        if self.args.fresh:
+            self.path, self._meta = latest(self.args.checkpoint_dir), None  # left: one this job saved, a restart
+        with collective_errors():
+            if self.path is not None:
+                self.args.init_from = self.saved().get("run", {}).get("init_from")
+                check_same_run(self.args, self.path, self.data_id, self.saved())  # the model once it is known
+
+    def model_config(self, data: dict, device_type: str) -> tuple[LlamaConfig, str]:
+        return model_config(self.args, data, device_type, self.source())
+
+    def resume(self, model, optimizer, config: LlamaConfig) -> tuple[int, dict | None]:
+        """Continue the run in --checkpoint-dir exactly (nothing to resume: --init-from's weights), or refuse in one
+        line. Collective. Returns the step done (>= --steps: nothing left to do) and the data loader's position
+        (None: from the start)."""
+        args, path, say = self.args, self.path, self.say
+        if path is None:
+            if args.init_from is not None:
+                source = load_weights(args.init_from, model, config)
+                say(f"initialized from the weights of {source} (a new run: new AdamW state, LR schedule and data "
+                    "order)", flush=True)
+            return 0, None
+        with collective_errors():
+            meta = check_same_run(args, path, self.data_id, self.saved(), config)
+            verify_files(path, meta)
+            # The scripts' Batches hold (tokens - 1) // --seq-len windows a file; a position past them is no run's.
+            windows = sum((tokens - 1) // args.seq_len for tokens in read_data_meta(args.data)["train"]["tokens"])
+            if meta.get("data") is not None and meta["data"]["index"] > windows:
+                raise bad_checkpoint("--checkpoint-dir", path, f"its meta.json's data index {meta['data']['index']}"
+                                                               f" is past the {windows} windows of --data")
+        if meta["step"] >= args.steps > 0:
+            say(f"{path} is step {meta['step']}: --steps {args.steps} are done, nothing to train", flush=True)
+            return meta["step"], None
+        load_state(path, model, optimizer, config)
+        if meta["world_size"] == self.world_size:  # RNG streams belong to ranks; another layout starts new ones
+            with collective_errors(), open_untrusted(path, f"rng/rank{self.rank}.pt"):
+                if f"rng/rank{self.rank}.pt" not in meta["files"]:  # those listed are verified: inside, no link
+                    raise ValueError("its meta.json does not list it")
+                rng = torch.load(os.path.join(path, "rng", f"rank{self.rank}.pt"), weights_only=True)  # data only
+                torch.set_rng_state(rng["cpu"])
+                if "cuda" in rng and torch.cuda.is_available():
+                    torch.cuda.set_rng_state(rng["cuda"])
+        precision = meta.get("args", {}).get("precision", args.precision)  # free to change: said, not refused
+        say((f"resumed from {path} at step {meta['step']} (saved by {meta['world_size']} process(es))"
+             if args.steps else f"evaluating {path} (step {meta['step']})") +
+            (f"; --precision {precision} → {args.precision} (free to change: weights and AdamW stay fp32, only "
+             "the computation's rounding can differ)" if precision != args.precision else ""), flush=True)
+        return meta["step"], meta.get("data")
+
+    def save_if_due(self, step: int, model, optimizer, config: LlamaConfig, data_position: dict,
+                    stop: str | None = None) -> str | None:
+        """Save every --checkpoint-every steps, at the end of the run, and when it stops (stop: the signal that
+        asked); what to say of the checkpoints this call completed, if any. Collective, after every step. With
+        --async-checkpoint the periodic saves are written in the background: one in flight at most (the next
+        waits for it), completed after the first step at which every rank's files are written; the last one (the
+        end, a stop) waits for it, then is written before the call returns."""
+        args = self.args
+        last = step == args.steps or stop is not None
+        due = last or (args.checkpoint_every and step % args.checkpoint_every == 0)
+        said = [f"saved {path}"] if (path := self.finish_save(wait=due)) else []
+        if due:
+            meta = {"config": dataclasses.asdict(config), "run": run_identity(args, self.data_id),
+                    "data": data_position, "args": vars(args), "torch": torch.__version__, "job": self.job}
+            if args.async_checkpoint and not last:
+                self.background = self.background or background_group(args.timeout)
+            path = save(args.checkpoint_dir, step, model, optimizer, meta, self.rank, args.keep_checkpoints,
+                        args.data, self.background if args.async_checkpoint and not last else None)
+            if isinstance(path, tuple):  # written in the background: completed by a later call
+                self.in_flight, path = path, None
+            if path:
+                said.append(f"stopped by {stop} after step {step}, saved in {path}; the same command continues "
+                            "the run" if stop else f"saved {path}")
+        return "\n".join(said) or None
+
+    def finish_save(self, wait: bool = True) -> str | None:
+        """Complete the save in flight, if any: once every rank's files are written (wait), or (not wait) only if
+        they already are. Collective; the checkpoint's path if one was completed. A failed write (a full disk) is
+        the same UsageError as a failed save's, on every rank, the partial save removed."""
+        if self.in_flight is None:
+            return None
+        written, tmp, meta = self.in_flight
+        if not wait and max_over_ranks(not written.done()):
+            return None
+        self.in_flight = None
+        with _removed_if_failed(tmp, self.rank), collective_errors(), _save_errors(tmp):
+            written.result()  # DCP raises a rank's failure on every rank
+        return _complete(tmp, meta, self.rank, self.args.keep_checkpoints, self.args.data)
+
+
+def run_identity(args, data_id: str) -> dict:
+    """What a checkpoint records of its run, to compare on resume: the flags declared with run=True, the data."""
+    return {**{flag: getattr(args, flag) for flag in args.run_flags}, "data": args.data, "data_id": data_id,
+            "init_from": args.init_from}
+
+
+def named_model(args, saved: dict) -> dict:
+    """Of a preset's model, what --model and --layers say before the script builds it (without --model, the
+    preset is the device's, known later): the fields a checkpoint's config must have."""
+    if args.model:
+        return dataclasses.asdict(config_from_preset(args.model, saved.get("vocab_size"), args.layers))
+    return {"num_hidden_layers": args.layers} if args.layers else {}
+
+
+def check_same_run(args, path: str, data_id: str, meta: dict, config: LlamaConfig | None = None) -> dict:
+    """One line naming each flag (old → new) in which this run differs from the checkpoint at path (meta: its
+    meta.json), and the model: config when given, else what --model and --layers already say of it (a run from
+    other weights: nothing yet). --init-from is recorded, not compared: once a run has checkpoints they are its
+    weights. Returns meta."""
+    identity = run_identity(args, data_id)
+    saved, found = meta.get("run", {}), []
+    model = dataclasses.asdict(config) if config is not None else \
+        {} if saved.get("init_from") is not None else named_model(args, meta["config"])
+    found += [f"model {field} {meta['config'].get(field)} → {value} (--model, --layers, --init-from)"
+              for field, value in model.items() if meta["config"].get(field) != value]
+    for flag in args.run_flags:  # a flag newer than the checkpoint: it ran at the flag's default of off
+        old, new = saved.get(flag, False if isinstance(identity[flag], bool) else None), identity[flag]
+        if old != new and not (flag == "steps" and new <= meta["step"]):  # fewer steps than done: nothing to run
+            found.append(f"--{flag.replace('_', '-')} {old} → {new}")
+    if saved.get("data_id") != data_id:
+        found.append(f"--data {saved.get('data')} → {args.data} (other data, or prepared again differently)")
+    if found:
+        raise UsageError(f"--checkpoint-dir {args.checkpoint_dir}: {os.path.basename(path)} is another run: "
+                         f"{'; '.join(found)}. Rerun with its flags to continue it, add --fresh to start over "
+                         f"(its checkpoints are moved aside), or start a new run from its weights with "
+                         f"--init-from {path} --checkpoint-dir NEW_DIR")
+    return meta
+
+
+def _set_aside(checkpoint_dir: str, job: list[str], say=print) -> None:
+    """--fresh: move what checkpoint_dir holds into DIR.previous-TIME (nothing is deleted), but the run's lock and
+    the checkpoints this job saved: a restart of the job resumes those instead of starting over again."""
+    def saved_by_this_job(name: str) -> bool:
+        try:
+            return same_job(read_meta(os.path.join(checkpoint_dir, name)).get("job"), job)
+        except UsageError:
+            return False  # damaged: nothing to resume
+    complete = {os.path.basename(path) for path in complete_checkpoints(checkpoint_dir)}
+    entries = [name for name in os.listdir(checkpoint_dir)
+               if name != LOCK_NAME and not (name in complete and saved_by_this_job(name))]
+    if not entries:
+        return
+    stamp = f"{checkpoint_dir.rstrip(os.sep)}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside = next(path for path in (stamp, *(f"{stamp}-{n}" for n in range(2, 10**6))) if not os.path.lexists(path))
+    try:
+        os.makedirs(aside)
+        for name in entries:
+            os.replace(os.path.join(checkpoint_dir, name), os.path.join(aside, name))
+    except OSError as e:
+        raise UsageError(f"--fresh: cannot move the checkpoints in {checkpoint_dir} aside ({e.strerror})") from None
+    say(f"--fresh: moved the previous checkpoints to {aside}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The restricted reader of DCP's index (.metadata), behind read_index
+
+def read_index(file: str) -> Metadata:
+    """DCP's index (.metadata), a pickle, read by pickle's pure-Python unpickler restricted to what DCP writes:
+    only the exact (module, name) pairs of DCP's classes (never a dotted name or a whole module; getattr only for
+    the members of DCP's one enum), BUILD only on instances of DCP's dataclasses and only of their own fields
+    (BUILD on a class sets its attributes for the whole process), none of the opcodes an index never holds. Its
+    memo is a dict: the C unpickler's is an array of 16 bytes a slot, allocated up to the slot a file names
+    (9 bytes that name slot 2**27 took 2 GiB), so memory stays within ~72x the file's size (an empty dict a byte;
+    a real index takes ~20x)."""
+    data = read_bytes(file, MAX_INDEX_BYTES)
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError:
+        raise
+    except Exception:  # damaged pickle data: an empty stack, a missing memo slot, a cut-off file
+        raise pickle.UnpicklingError("its bytes are not an index as DCP writes it") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict) or \
+            not isinstance(metadata.storage_meta, (StorageMeta, type(None))):
+        raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+    for info in metadata.storage_data.values():
+        if type(info) is not _StorageInfo or type(info.relative_path) is not str:
+            raise pickle.UnpicklingError(f"it locates a tensor by {shown(info)}, not by DCP's _StorageInfo")
+        if info.transform_descriptors:  # e.g. zstd: a small shard could decompress to any size
+            raise pickle.UnpicklingError(f"it asks for {shown(info.transform_descriptors)}, a transform this "
+                                         "project's checkpoints never use")
+    return metadata
+
+
+def _enum_member(cls, name: str):
+    # getattr(cls, name), as Python 3.11.2 pickles an enum member, for DCP's memory-format enum only.
+    if cls is _MEM_FORMAT and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"it asks for getattr({cls!r}, {name!r}), which a checkpoint never contains")
+
+
+_MEM_FORMAT = dcp_metadata._MEM_FORMAT_ENCODING
+_INDEX_GLOBALS = {
+    **{("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name) for name in (
+        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    **{("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    # checkpoint_id, when DCP was given a path; Python 3.13 pickles it from pathlib._local.
+    **{(module, name): getattr(pathlib, name) for module in ("pathlib", "pathlib._local")
+       for name in ("PosixPath", "PurePosixPath")},
+    ("builtins", "getattr"): _enum_member,
+}
+# BUILD's state for each dataclass: the names of its fields (TensorProperties: the 5-tuple of its __setstate__).
+_BUILDS = {cls: {f.name for f in dataclasses.fields(cls)} for cls in (
+    Metadata, StorageMeta, dcp_metadata.MetadataIndex, dcp_metadata.TensorStorageMetadata,
+    dcp_metadata.BytesStorageMetadata, dcp_metadata.ChunkStorageMetadata, _StorageInfo)}
+# Opcodes an index never holds: persistent ids, the extension registry, sets (~200 bytes of memory per byte),
+# out-of-band buffers, protocol 0/1 instances and NEWOBJ_EX's keyword arguments.
+_NOT_IN_AN_INDEX = b"PQ\x82\x83\x84\x8f\x90\x91\x97\x98io\x92"
+
+
+class _Opcodes(dict):
+    def __missing__(self, code):
+        raise pickle.UnpicklingError(f"it holds pickle opcode {bytes([code])!r}, which an index never contains")
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python one: its opcodes can be replaced, its memo is a dict
+    def find_class(self, module, name):
+        try:
+            return _INDEX_GLOBALS[module, name]
+        except (KeyError, TypeError):
+            raise pickle.UnpicklingError(f"it asks for {module}.{name}, which a checkpoint never contains") from None
+
+    def load_build(self):
+        inst, state = self.stack[-2], self.stack[-1]
+        if type(inst) is dcp_metadata.TensorProperties:
+            ok = type(state) is tuple and len(state) == 5
+        else:
+            ok = type(state) is dict and all(type(k) is str and k in _BUILDS.get(type(inst), ()) for k in state)
+        if not ok:  # type(), not isinstance: a class is never an instance of the classes above
+            target = f"the class {inst.__name__}" if isinstance(inst, type) else f"a {type(inst).__name__}"
+            raise pickle.UnpicklingError(f"it sets {shown(state)} on {target}, which a checkpoint never does")
+        pickle._Unpickler.load_build(self)
+
+    def load_mark(self):
+        if len(self.metastack) >= 64:  # an index nests a few levels; a MARK a byte would hold a list a byte
+            raise pickle.UnpicklingError("it nests more than 64 levels deep, which an index never does")
+        pickle._Unpickler.load_mark(self)
+
+    dispatch = _Opcodes({code: load for code, load in pickle._Unpickler.dispatch.items()
+                         if code not in _NOT_IN_AN_INDEX})
+    dispatch.update({pickle.BUILD[0]: load_build, pickle.MARK[0]: load_mark})
+
+
+class _SafeReader(FileSystemReader):
+    # FileSystemReader.read_metadata with the restricted unpickler instead of pickle.load (torch 2.13 internals).
+    # No **kwargs: DCP would then fall back to a rank's own __N.metadata, which no checkpoint here holds.
+    def read_metadata(self) -> Metadata:
+        metadata = read_index(self._get_metadata_path())
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    # Non-tensor entries (LR, betas, ...) are torch.save'd by DCP; read them back as plain data only.
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# ==========================================================================================================
+# Part 2. The run around the checkpoints: errors and run(), stopping, flags, the lock, data and metrics, relayout,
+# which model
 
 # ----------------------------------------------------------------------------------------------------------
 # Errors: one line, on every rank
@@ -119,9 +892,9 @@ def run(main, args) -> None:
               "); if another rank printed an error above, that is the cause; otherwise rerun the same command, or "
               "launch with torchrun --max-restarts N, to resume from the newest checkpoint", file=sys.stderr)
     finally:
-        if _BACKGROUND["save"] is not None:  # stopped by an error: its thread may be in a collective of its group
-            _BACKGROUND["save"][0].exception()  # waited for, not completed: its step-N.tmp is never loaded
-        _BACKGROUND.update(save=None, group=None, stager=None)
+        if Run.current is not None and Run.current.in_flight is not None:  # stopped by an error: its thread may
+            Run.current.in_flight[0].exception()  # be in a collective of its group; waited for, never completed
+        Run.current = None
         if dist.is_initialized() and done:
             dist.destroy_process_group()
         elif dist.is_initialized():  # stopped on an error: destroying would flush the calls still pending (NCCL's
@@ -271,7 +1044,10 @@ def stop_requested() -> str | None:
 # The command line
 
 class Parser(argparse.ArgumentParser):
-    """argparse with each mistake in one line (the usage is in --help) and every flag's default in --help."""
+    """argparse with each mistake in one line (the usage is in --help) and every flag's default in --help. A flag
+    declared with run=True defines what the run computes besides the model and the data: a resumed run must keep
+    it (check_same_run; the others, such as the layout and the schedule, change only how the same numbers are
+    computed). Their names are args.run_flags."""
 
     class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         def _get_help_string(self, action):  # no "(default: None)" for a flag that is off unless given
@@ -280,6 +1056,18 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **{"formatter_class": self.Formatter, **kwargs})
+        self.set_defaults(run_flags=[])
+
+    def add_argument_group(self, *args, **kwargs):
+        group, declare = super().add_argument_group(*args, **kwargs), None
+
+        def add_argument(*names, run: bool = False, **options):
+            action = declare(*names, **options)
+            if run:
+                self.get_default("run_flags").append(action.dest)
+            return action
+        group.add_argument, declare = add_argument, group.add_argument
+        return group
 
     def error(self, message):
         self.exit(final_status(2), f"error: {message} (see --help)\n")
@@ -309,10 +1097,9 @@ def number(positive: bool):  # argparse type: a finite number > 0 (positive) or 
 # ----------------------------------------------------------------------------------------------------------
 # Before a run writes anything: its paths, its lock, and whether it continues the run in --checkpoint-dir
 
-def check_run(args, rank: int, job: list[str], data_id: str) -> None:
+def check_run(args, rank: int, job: list[str]) -> None:
     """Every check of what the run will write, collectively, so a run that cannot save fails in seconds; takes
-    the lock on rank 0 (job: job_ids()); --fresh moves aside what other runs left there. Resuming, args.init_from
-    becomes the one the run recorded."""
+    the lock on rank 0 (job: job_ids()); --fresh moves aside what other runs left there."""
     with collective_errors():  # 1. nothing written yet: is every path usable?
         check_apart(args)
         if args.async_checkpoint and torch.__version__ < "2.13":  # measured: torch 2.11's DefaultStager fails
@@ -332,10 +1119,6 @@ def check_run(args, rank: int, job: list[str], data_id: str) -> None:
     with collective_errors():  # 4. --fresh, once per job: a restart keeps (and resumes) what this job saved
         if args.fresh and rank == 0:
             _set_aside(args.checkpoint_dir, job)
-    with collective_errors():  # 5. the same run as the checkpoint it continues?
-        if (resume := resuming(args)) is not None:
-            args.init_from = read_meta(resume).get("run", {}).get("init_from")
-            check_same_run(args, resume, data_id)  # the flags now; the model once it is known
 
 
 def check_apart(args) -> None:
@@ -616,27 +1399,27 @@ def same_job(recorded, job: list[str]) -> bool:
     return isinstance(recorded, list) and not set(job).isdisjoint(i for i in recorded if isinstance(i, str))
 
 
-def relayout(args, world_size: int, job: list[str], stages_per_rank: int, say=print) -> tuple[int, str]:
+def relayout(args, world_size: int, job: list[str], stages_per_rank: int, path: str | None, meta: dict,
+             say=print) -> tuple[int, str]:
     """The --dp and --split this attempt runs at: the flags', or, when this job saved the newest checkpoint on
     another number of processes (torchrun restarted it on more or fewer), a layout of the same run that fits them,
     said in one line. --tp is kept, the pipeline too while it fits, else the most stages below it, else the fewest
-    above. The scripts' rules: pp x stages_per_rank stages (the schedule's) of at least a layer each; --split's
-    counts only while there are as many stages (else balanced, and the line says so); --batch-size divisible by
-    dp x --microbatches. Decided from the checkpoint alone, so every rank decides the same; no layout: one line."""
-    path = resuming(args)
-    meta = read_meta(path) if path else {}
+    above. The scripts' rules: pp x stages_per_rank stages (the schedule's), at most model.max_stages (a layer
+    each, but for layerless ends); --split's counts only while there are as many stages (else
+    balanced, and the line says so); --batch-size divisible by dp x --microbatches. Decided from the checkpoint
+    alone (path, its meta.json), so every rank decides the same; no layout: one line."""
     saved, old_world = meta.get("args", {}), meta.get("world_size", world_size)
     if not same_job(meta.get("job"), job) or old_world == world_size or not {"dp", "tp"} <= saved.keys():
         return args.dp, args.split  # a new launch takes its flags as given, as does a restart on the same processes
     old_pp, layers, tp = old_world // (saved["dp"] * saved["tp"]), meta["config"]["num_hidden_layers"], args.tp
 
     def fits(pp: int, dp: int) -> bool:
-        return pp * stages_per_rank <= layers and args.batch_size % (dp * args.microbatches) == 0
+        return pp * stages_per_rank <= max_stages(layers) and args.batch_size % (dp * args.microbatches) == 0
 
     found = [pp for pp in range(1, world_size // tp + 1) if world_size % (pp * tp) == 0
              and fits(pp, world_size // (pp * tp))]
     if not found:
-        counts = sorted({pp * dp * tp for pp in range(1, layers // stages_per_rank + 1)
+        counts = sorted({pp * dp * tp for pp in range(1, max_stages(layers) // stages_per_rank + 1)
                          for dp in range(1, max(old_world, world_size) // (pp * tp) + 1) if fits(pp, dp)})
         raise UsageError(f"{world_size} process(es) cannot hold this run ({os.path.basename(path)}, saved by "
                          f"{old_world}): with --tp {tp}, --batch-size {args.batch_size}, --microbatches "
@@ -657,32 +1440,10 @@ def relayout(args, world_size: int, job: list[str], stages_per_rank: int, say=pr
 # ----------------------------------------------------------------------------------------------------------
 # Which model a run trains: a preset, --init-from's, or (resuming a run started from weights) its checkpoint's
 
-def resuming(args) -> str | None:
-    """The checkpoint this run continues: the newest complete one in --checkpoint-dir (with --fresh, once check_run
-    has moved aside what other runs left, one this job saved: a restart of the job)."""
-    return latest(args.checkpoint_dir)
-
-
-def preset_model(args) -> bool:
-    """Whether the model's shape is --model's; False while a damaged checkpoint hides it (reported later)."""
-    try:
-        return model_source(args) is None
-    except UsageError:
-        return False
-
-
-def model_source(args) -> str | None:
-    """Where the model's shape comes from, when not from --model: --init-from for a new run; for a resumed run
-    that started from other weights, its newest checkpoint (those weights need not exist anymore)."""
-    if (resume := resuming(args)) is not None:
-        return resume if read_meta(resume).get("run", {}).get("init_from") is not None else None
-    return args.init_from
-
-
-def model_config(args, data: dict, device_type: str) -> tuple[LlamaConfig, str]:
-    """The model to train and a name for it: --init-from's (whose tokenizer must be the data's), else the
-    preset's with the data's vocabulary (data: its meta.json) and --layers. Call it inside collective_errors."""
-    source = model_source(args)
+def model_config(args, data: dict, device_type: str, source: str | None) -> tuple[LlamaConfig, str]:
+    """The model to train and a name for it: source's (Run.source: --init-from's, or the checkpoint of a resumed
+    run that started from weights; its tokenizer must be the data's), else the preset's with the data's vocabulary
+    (data: its meta.json) and --layers. Call it inside collective_errors."""
     if source is None:
         preset = args.model or ("small" if device_type == "cuda" else "tiny")
         return config_from_preset(preset, data["vocab_size"], args.layers), preset
@@ -770,725 +1531,3 @@ def read_tokenizer(directory: str, flag: str) -> dict:
                                             isinstance(t.get("content"), str) for t in added)):
         wrong("added_tokens", added, 'a list of {"id": N, "content": TEXT}')
     return tokenizer
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Finding checkpoints
-
-def complete_checkpoints(checkpoint_dir: str) -> list[str]:
-    """Paths of the complete checkpoints (step-N holding meta.json) in checkpoint_dir, oldest first."""
-    names = sorted(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else []
-    return [os.path.join(checkpoint_dir, n) for n in names
-            if re.fullmatch(r"step-\d{8}", n) and os.path.isfile(os.path.join(checkpoint_dir, n, "meta.json"))]
-
-
-def latest(checkpoint_dir: str) -> str | None:
-    return (complete_checkpoints(checkpoint_dir) or [None])[-1]
-
-
-def resolve(path: str, flag: str = "checkpoint") -> str:
-    """A checkpoint given either itself or a run's --checkpoint-dir (then its newest complete checkpoint)."""
-    found = path if os.path.isfile(os.path.join(path, "meta.json")) else latest(path)
-    if found is None:
-        raise UsageError(f"{flag} {path}: no complete checkpoint there (a step-N directory with meta.json, or a "
-                         "--checkpoint-dir holding some)")
-    return found
-
-
-def read_meta(path: str, flag: str = "--checkpoint-dir") -> dict:
-    """The meta.json of the checkpoint at path, each field the code reads checked, or one line saying why it is
-    not one (flag: how path was given)."""
-    try:
-        meta = read_json(os.path.join(path, "meta.json"))
-        problem = _meta_problem(meta)
-    except (OSError, ValueError) as e:
-        meta, problem = None, f"not a complete checkpoint, its meta.json cannot be read ({e})"
-    if problem is not None:
-        raise bad_checkpoint(flag, path, problem)
-    return meta
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Saving
-
-# AdamW's state keyed by parameter name ("optim.state.<fqn>.exp_avg"): keyed by group index (the default), every
-# stage's group 0 would be one shared key, and DCP would keep only one rank's copy.
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-EMBED, HEAD = "base_model.embed_tokens.weight", "lm_head.weight"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int, keep: int,
-         tokenizer_dir: str | None = None, background: float | None = None) -> str | None:
-    """Save this rank's stages, collectively; return the checkpoint's path. meta (rank 0's is written) holds at
-    least "config". A failed save raises the same UsageError on every rank and leaves no step-N.tmp; older
-    checkpoints (beyond keep) are deleted only once the new one is complete. background (--timeout's seconds):
-    only take a copy of the state in CPU memory and leave the writing to a thread (DCP's async_save), the save
-    in flight that finish_save() completes (at most one: it must be finished first); None is returned."""
-    final = os.path.join(checkpoint_dir, f"step-{step:08d}")
-    tmp = final + ".tmp"
-    with _removed_if_failed(tmp, rank):
-        with collective_errors(), _save_errors(tmp):
-            if rank == 0:
-                _remove(tmp)  # left over from a save that was killed
-                os.makedirs(os.path.join(tmp, "rng"))
-        state, _ = state_dicts(model, optimizer, LlamaConfig(**meta["config"]))
-        layers = sorted({int(k.split(".")[2]) for k in state["model"] if k.startswith("base_model.layers.")})
-        layout = [None] * dist.get_world_size()  # which layers each rank held, for meta.json
-        dist.all_gather_object(layout, layers)
-        meta = dict(meta, step=step, world_size=len(layout), layers_per_rank=layout)
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        with collective_errors(), _save_errors(tmp):  # DCP itself raises on every rank if a rank failed
-            torch.save(rng, os.path.join(tmp, "rng", f"rank{rank}.pt"))
-            if background is None:
-                dcp.save(state, checkpoint_id=tmp)  # writes and fsyncs this rank's shard
-        if background is None:
-            return _complete(tmp, meta, rank, keep, tokenizer_dir)
-        group, stager = _background(background)
-        with collective_errors(), _save_errors(tmp):  # the copy is taken before async_save returns, so the next
-            written = dcp.async_save(state, checkpoint_id=tmp, process_group=group, async_stager=stager)  # step
-            _BACKGROUND["save"] = (written, tmp, meta, rank, keep, tokenizer_dir)  # may change the state
-    return None
-
-
-def _complete(tmp: str, meta: dict, rank: int, keep: int, tokenizer_dir: str | None) -> str:
-    """Make the save whose files every rank wrote a checkpoint (meta.json last, then the rename), then delete
-    the complete ones beyond keep. Collective."""
-    final = tmp.removesuffix(".tmp")
-    with _removed_if_failed(tmp, rank), collective_errors(), _save_errors(tmp):
-        if rank == 0:
-            for name in TOKENIZER_FILES if tokenizer_dir else ():
-                if os.path.isfile(os.path.join(tokenizer_dir, name)):
-                    shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(tmp, name))
-            files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
-                     for d, _, fs in os.walk(tmp) for f in fs}
-            _write_synced(os.path.join(tmp, "meta.json"), json.dumps(dict(meta, files=files), indent=1))
-            os.replace(tmp, final)
-            fd = os.open(os.path.dirname(final), os.O_RDONLY)
-            try:
-                os.fsync(fd)  # make the rename itself durable
-            finally:
-                os.close(fd)
-    if rank == 0:
-        for old in complete_checkpoints(os.path.dirname(final))[:-keep] if keep > 0 else []:
-            _remove(old)
-    dist.barrier()
-    return final
-
-
-# --async-checkpoint: the save in flight (DCP's future of its files, and what completes it), and what every
-# background save uses: a gloo group of its own (a CPU backend, which async_save needs, beside NCCL too; its
-# collectives, in the writing thread, never meet the training's on one group: KempnerForge #104's deadlock), made
-# collectively at the first one, and the staged copy of the state in CPU memory, kept and refilled by every save.
-_BACKGROUND = {"save": None, "group": None, "stager": None}
-
-
-def _background(timeout: float) -> tuple:
-    if _BACKGROUND["group"] is None:
-        _BACKGROUND["group"] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-        pinned = torch.cuda.is_available() and torch.cuda.is_initialized()  # faster copies from the GPU
-        _BACKGROUND["stager"] = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                                             use_async_staging=False, use_non_blocking_copy=False))
-    return _BACKGROUND["group"], _BACKGROUND["stager"]
-
-
-def finish_save(wait: bool = True) -> str | None:
-    """Complete the save in flight, if any: once every rank's files are written (wait), or (not wait) only if they
-    already are. Collective; the checkpoint's path if one was completed. A failed write (a full disk) is the same
-    UsageError as a failed save's, on every rank, the partial save removed."""
-    if _BACKGROUND["save"] is None:
-        return None
-    written, tmp, meta, rank, keep, tokenizer_dir = _BACKGROUND["save"]
-    if not wait and max_over_ranks(not written.done()):
-        return None
-    _BACKGROUND["save"] = None
-    with _removed_if_failed(tmp, rank), collective_errors(), _save_errors(tmp):
-        written.result()  # DCP raises a rank's failure on every rank
-    return _complete(tmp, meta, rank, keep, tokenizer_dir)
-
-
-@contextlib.contextmanager
-def _removed_if_failed(tmp: str, rank: int):
-    try:
-        yield
-    except UsageError:
-        if rank == 0:
-            _remove(tmp)  # frees what the failed save took; nothing else is touched
-        raise
-
-
-@contextlib.contextmanager
-def _save_errors(tmp: str):
-    """A failed write as one line: the cause, and what state the checkpoint directory is left in."""
-    try:
-        yield
-    except (OSError, RuntimeError, CheckpointException) as e:
-        directory, final = os.path.dirname(tmp) or ".", tmp.removesuffix(".tmp")
-        cause, fix = root_cause(e), "free space (or choose another --checkpoint-dir)"
-        try:  # torch.save reports a full disk as "unexpected pos ...": say what it means
-            usage = shutil.disk_usage(directory)
-            if usage.free < max(64 * 2**20, usage.total // 100):
-                cause = f"the disk is full: {usage.free / 2**20:.0f} MiB free of {usage.total / 2**20:.0f} MiB"
-            elif isinstance(e, OSError) and e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR):
-                cause, fix = f"{final} exists already, not this run's", f"move {final} away"
-        except OSError:
-            pass
-        newest = latest(directory)
-        kept = f"the newest complete one, {newest}, is untouched" if newest else "there is no complete one yet"
-        raise UsageError(f"--checkpoint-dir: saving {tmp} failed ({cause}); the partial save is removed and {kept}; "
-                         f"{fix} and rerun the same command to resume") from None
-
-
-def root_cause(e: BaseException) -> str:
-    """An exception in a few words: the first failure DCP collected, a full disk named as such, torch.load's
-    refusal of a file without its advice to load it unsafely."""
-    if isinstance(e, CheckpointException):
-        first = next(iter(e.failures.values()), None)
-        e = first[0] if isinstance(first, tuple) else (first or e)
-    if isinstance(e, OSError):
-        return "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-    if str(e).startswith("Weights only load failed"):
-        found = re.search(r"GLOBAL (\S+)", str(e))
-        return f"it asks for {found[1]}, which a checkpoint never contains" if found else \
-            "bytes that torch.load cannot read as saved data"
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else type(e).__name__
-
-
-def _remove(path: str) -> None:
-    """Remove a file, a link (never what it points to) or a directory, if there."""
-    if os.path.islink(path) or os.path.isfile(path):
-        os.remove(path)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _write_synced(path: str, text: str, exclusive: bool = False) -> None:
-    with open(path, "x" if exclusive else "w") as f:  # exclusive: FileExistsError if path exists
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def state_dicts(model, optimizer, config: LlamaConfig) -> tuple[dict, dict]:
-    """This rank's model (and AdamW) state under the names it is saved by, and for each part the saved name of
-    each of its own keys. A tied head is saved once, as the embedding, so the checkpoint loads into any layout."""
-    state = {"model": get_model_state_dict(model, options=_OPTIONS)}
-    if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
-    saved_as = {part: {key: _tied_name(key) if config.tie_word_embeddings else key for key in values}
-                for part, values in state.items()}
-    return {part: {saved_as[part][key]: value for key, value in values.items()}
-            for part, values in state.items()}, saved_as
-
-
-def _tied_name(key: str) -> str:
-    """lm_head.weight -> base_model.embed_tokens.weight, also inside AdamW's flattened keys."""
-    for prefix in ("", "state.", "param_groups."):
-        if key == prefix + HEAD or key.startswith(prefix + HEAD + "."):
-            return prefix + EMBED + key[len(prefix + HEAD):]
-    return key
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Loading: a checkpoint is untrusted input, read without running anything it names, in bounded memory
-
-# The largest files read whole: a JSON file (a meta.json lists ~60 bytes of files a rank; the tokenizer.json of a
-# large vocabulary runs to tens of MB) and DCP's index (~150 bytes a tensor chunk: llama-8b's model and AdamW
-# state saved by 64 ranks, 8 MB, measured on one built as DCP builds it).
-MAX_JSON_BYTES, MAX_INDEX_BYTES = 64 * 2**20, 2**30
-
-
-def bad_checkpoint(flag: str, path: str, problem: str) -> UsageError:
-    """One line for a checkpoint that is not as this project writes it, naming how it was given (flag; export.py's
-    is "checkpoint") and what to do: only a run's own checkpoint is worth deleting, to resume from an older one.
-    Every rank reads the same files, so every rank raises it: said once a node."""
-    fix = "delete it to resume from an older one" if flag == "--checkpoint-dir" else \
-        f"give {'export.py' if flag == 'checkpoint' else flag} another checkpoint"
-    return UsageError(f"{flag} {path}: {problem}; {fix}", on_every_rank=True)
-
-
-def read_bytes(file: str, most: int) -> bytes:
-    """A regular file of at most `most` bytes, or ValueError saying why not; OSError if missing."""
-    if os.path.exists(file) and not os.path.isfile(file):  # a FIFO would block open(), a device never end
-        raise ValueError("not a regular file")
-    with open(file, "rb") as f:
-        if os.fstat(f.fileno()).st_size > most:
-            raise ValueError(f"larger than {most // 2**20} MiB")
-        return f.read()
-
-
-def read_json(file: str, most: int = MAX_JSON_BYTES):
-    """A JSON file, or ValueError saying why not (not a regular file, too large, nested too deeply, not JSON);
-    OSError if missing."""
-    text = read_bytes(file, most)
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-
-
-def shown(value, most: int = 40) -> str:
-    """A value read from an input, in a few characters (a name: up to 120)."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError, RecursionError):  # not JSON's, or nested deeper than json.dumps goes
-        text = type(value).__name__
-    return text if len(text) <= most else text[:most - 3] + "..."
-
-
-def _whole(value, least: int, most: int = 2**32) -> bool:
-    return type(value) is int and least <= value < most
-
-
-def _meta_checks(meta: dict):
-    """(field, value, whether it is as save() writes it, what it must be) for each field the code reads of a
-    checkpoint's meta.json; a generator, so a field is looked into only once its container passed."""
-    yield "step", meta["step"], _whole(meta["step"], 0), "a whole number >= 0"
-    yield "world_size", meta["world_size"], _whole(meta["world_size"], 1), "a whole number >= 1"
-    data = meta.get("data")  # the data loader's position: null (or none), or where the next batch starts
-    yield "data", data, data is None or isinstance(data, dict) and data.keys() == {"epoch", "index"}, \
-        'null or {"epoch": E, "index": I}'
-    for key in ("epoch", "index") if data else ():
-        yield f"data.{key}", data[key], _whole(data[key], 0), "a whole number >= 0"
-    run, args = meta.get("run", {}), meta.get("args", {})
-    yield "run", run, isinstance(run, dict), "an object"
-    for key, value in run.items():  # compared with the flags, and printed
-        yield f"run.{key}", value, isinstance(value, (str, type(None))) if key == "init_from" else isinstance(
-            value, (str, int, float, type(None))), "a path or null" if key == "init_from" else "a number or a string"
-    yield "args", args, isinstance(args, dict), "an object"
-    for key in sorted({"dp", "tp"} & args.keys()):
-        yield f"args.{key}", args[key], _whole(args[key], 1), "a whole number >= 1"
-    yield "args.precision", args.get("precision"), isinstance(args.get("precision"), (str, type(None))), "a string"
-    job = meta.get("job")  # the launch ids of the job that saved it (older checkpoints: a string, another job)
-    yield "job", job, job is None or isinstance(job, str) or isinstance(job, list) and all(
-        isinstance(i, str) for i in job), "a list of launch ids"
-    yield "files", meta["files"], isinstance(meta["files"], dict), "an object of file names and sizes"
-    for name, size in meta["files"].items():  # DCP and resume read them: never a path outside the checkpoint
-        yield "file name", name, not os.path.isabs(name) and os.path.normpath(name) == name and \
-            name.split(os.sep)[0] != "..", "a path inside the checkpoint"
-        yield f"files[{shown(name)}]", size, _whole(size, 0, 2**63), "a size in bytes"
-    config, fields = meta["config"], {f.name for f in dataclasses.fields(LlamaConfig)}
-    yield "config", config, isinstance(config, dict) and config.keys() == fields, "the fields of a LlamaConfig"
-
-
-def _meta_problem(meta) -> str | None:
-    """What in a checkpoint's meta.json is not as save() writes it, or None."""
-    if isinstance(meta, dict) and {"dtype", "train", "val"} <= meta.keys():
-        return "not a complete checkpoint, it holds data prepared by prepare_data.py"
-    if not isinstance(meta, dict) or not {"step", "config", "files", "world_size"} <= meta.keys():
-        return "not a complete checkpoint, its meta.json lacks step, config, files or world_size"
-    for field, value, ok, what in _meta_checks(meta):
-        if not ok:
-            return f"its meta.json's {field} is {shown(value)}, not {what}"
-    try:  # every field as Hugging Face's config.json would have it: the same checks, naming the field
-        config_from_hf({**meta["config"], "model_type": "llama"})
-    except ValueError as e:
-        return f"its meta.json's {str(e).replace('config.json ', 'config.', 1)}"
-    return None
-
-
-def verify_files(path: str, meta: dict, flag: str = "--checkpoint-dir") -> None:
-    """Every file the save wrote is there, inside the checkpoint (no link), with its size, and the index is DCP's,
-    naming only those files: checked before DCP reads anything, so a truncated copy or a tampered index fails in
-    one line. flag: how path was given."""
-    for name in (".metadata", *TOKENIZER_FILES):  # read here, by DCP, or copied into an export
-        if name not in meta["files"] and (name == ".metadata" or os.path.lexists(os.path.join(path, name))):
-            raise bad_checkpoint(flag, path, f"damaged, its meta.json does not list {name}")
-    inside = os.path.realpath(path)
-    for name, size in meta["files"].items():
-        full = os.path.join(path, name)
-        if os.path.realpath(full) != os.path.join(inside, name):
-            raise bad_checkpoint(flag, path, f"{name} is a link to {os.path.realpath(full)}; a checkpoint holds "
-                                             "its own files")
-        actual = os.path.getsize(full) if os.path.isfile(full) else None
-        if actual != size:
-            raise bad_checkpoint(flag, path, f"damaged, {name} has {actual} bytes, its meta.json says {size}")
-    with open_untrusted(path, ".metadata", flag):
-        metadata = read_index(os.path.join(path, ".metadata"))
-        for info in metadata.storage_data.values():  # a shard outside the checkpoint would be read too
-            if info.relative_path not in meta["files"]:
-                raise ValueError(f"it points to {info.relative_path!r}, which the checkpoint does not hold")
-        check_index(metadata, meta["files"])
-
-
-def check_index(metadata: Metadata, sizes: dict[str, int]) -> None:
-    """What DCP takes on trust in an index (ValueError if not so): every tensor's chunks lie inside it and cover it
-    exactly once, each chunk and value has its stored bytes, inside its file (sizes: meta.json's). A chunk moved
-    outside its tensor would leave that part as initialized, silently; bytes past a file's end, another's read."""
-    for index, info in metadata.storage_data.items():
-        if not (_whole(info.offset, 0, 2**63) and _whole(info.length, 0, 2**63)) or \
-                info.offset + info.length > sizes[info.relative_path]:
-            raise ValueError(f"it places the bytes of {shown(index.fqn, 120)} at {shown(info.offset)} + "
-                             f"{shown(info.length)}, past the end of {info.relative_path}")
-    for fqn, entry in metadata.state_dict_metadata.items():
-        if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
-            if dcp_metadata.MetadataIndex(fqn) not in metadata.storage_data:
-                raise ValueError(f"it holds no bytes for {shown(fqn, 120)}")
-            continue
-        shape, boxes = entry.size, []
-        if not (type(shape) is torch.Size and all(_whole(n, 0, 2**63) for n in shape)):
-            raise ValueError(f"it gives {shown(fqn, 120)} the shape {shown(shape)}")
-        for chunk in entry.chunks:
-            offsets, lengths = chunk.offsets, chunk.sizes
-            if not (len(offsets) == len(lengths) == len(shape) and all(
-                    _whole(o, 0, 2**63) and _whole(n, 0, 2**63) and o + n <= end
-                    for o, n, end in zip(offsets, lengths, shape))):
-                raise ValueError(f"it places a chunk of {shown(fqn, 120)} at {shown(list(offsets))}, of "
-                                 f"{shown(list(lengths))}, outside its shape {list(shape)}")
-            if dcp_metadata.MetadataIndex(fqn, offsets) not in metadata.storage_data:
-                raise ValueError(f"it holds no bytes for the chunk of {shown(fqn, 120)} at {list(offsets)}")
-            boxes.append((tuple(offsets), tuple(lengths)))
-        if sum(math.prod(n) for _, n in boxes) != math.prod(shape) or _overlap(boxes):
-            raise ValueError(f"its chunks of {shown(fqn, 120)} do not cover its shape {list(shape)} exactly once")
-
-
-def _overlap(boxes: list[tuple[tuple, tuple]]) -> bool:
-    """Whether two of the (offsets, lengths) boxes share an element: swept along the first dimension, so shards
-    cut along it (FSDP's) are each compared only with their neighbours."""
-    active = []
-    for start, length in sorted(boxes):
-        active = [(s, n) for s, n in active if not start or s[0] + n[0] > start[0]]
-        if any(all(a < b + m and b < a + n for a, n, b, m in zip(s, n_, start, length)) for s, n_ in active):
-            return True
-        active.append((start, length))
-    return False
-
-
-@contextlib.contextmanager
-def open_untrusted(path: str, name: str, flag: str = "--checkpoint-dir"):
-    """A file of a checkpoint that cannot be read as what this project writes: one line, naming it."""
-    try:
-        yield
-    except Exception as e:  # the restricted readers run nothing, whatever the file holds: any failure is its content
-        raise bad_checkpoint(flag, path, f"{name}: damaged, or not a checkpoint of this project "
-                                         f"({root_cause(e)})") from None
-
-
-def load_state(path: str, model, optimizer, config: LlamaConfig, flag: str = "--checkpoint-dir") -> None:
-    """This rank's model (and AdamW) state from the checkpoint at path, verified. Collective."""
-    state, saved_as = state_dicts(model, optimizer, config)
-    load_dcp(state, path, flag=flag)
-    restored = {part: {key: state[part][name] for key, name in names.items()} for part, names in saved_as.items()}
-    set_model_state_dict(model, restored["model"], options=_OPTIONS)
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, restored["optim"], options=_OPTIONS)
-
-
-def load_dcp(state: dict, path: str, no_dist: bool = False, flag: str = "--checkpoint-dir") -> None:
-    """DCP's load of state from the checkpoint at path (no_dist: on one process), through the safe readers."""
-    try:
-        with warnings.catch_warnings():  # no_dist: DCP warns that it loads on one process, which is the intent
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(), no_dist=no_dist)
-    except (Exception, CheckpointException) as e:  # DCP gathers read errors from all ranks, raises on each
-        raise bad_checkpoint(flag, path, f"cannot read its tensors ({root_cause(e)})") from None
-
-
-def read_index(file: str) -> Metadata:
-    """DCP's index (.metadata), a pickle, read by pickle's pure-Python unpickler restricted to what DCP writes:
-    only the exact (module, name) pairs of DCP's classes (never a dotted name or a whole module; getattr only for
-    the members of DCP's one enum), BUILD only on instances of DCP's dataclasses and only of their own fields
-    (BUILD on a class sets its attributes for the whole process), none of the opcodes an index never holds. Its
-    memo is a dict: the C unpickler's is an array of 16 bytes a slot, allocated up to the slot a file names
-    (9 bytes that name slot 2**27 took 2 GiB), so memory stays within ~72x the file's size (an empty dict a byte;
-    a real index takes ~20x)."""
-    data = read_bytes(file, MAX_INDEX_BYTES)
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError:
-        raise
-    except Exception:  # damaged pickle data: an empty stack, a missing memo slot, a cut-off file
-        raise pickle.UnpicklingError("its bytes are not an index as DCP writes it") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict) or \
-            not isinstance(metadata.storage_meta, (StorageMeta, type(None))):
-        raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
-    for info in metadata.storage_data.values():
-        if type(info) is not _StorageInfo or type(info.relative_path) is not str:
-            raise pickle.UnpicklingError(f"it locates a tensor by {shown(info)}, not by DCP's _StorageInfo")
-        if info.transform_descriptors:  # e.g. zstd: a small shard could decompress to any size
-            raise pickle.UnpicklingError(f"it asks for {shown(info.transform_descriptors)}, a transform this "
-                                         "project's checkpoints never use")
-    return metadata
-
-
-def _enum_member(cls, name: str):
-    # getattr(cls, name), as Python 3.11.2 pickles an enum member, for DCP's memory-format enum only.
-    if cls is _MEM_FORMAT and isinstance(name, str) and name in cls.__members__:
-        return cls[name]
-    raise pickle.UnpicklingError(f"it asks for getattr({cls!r}, {name!r}), which a checkpoint never contains")
-
-
-_MEM_FORMAT = dcp_metadata._MEM_FORMAT_ENCODING
-_INDEX_GLOBALS = {
-    **{("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name) for name in (
-        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")},
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    **{("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    # checkpoint_id, when DCP was given a path; Python 3.13 pickles it from pathlib._local.
-    **{(module, name): getattr(pathlib, name) for module in ("pathlib", "pathlib._local")
-       for name in ("PosixPath", "PurePosixPath")},
-    ("builtins", "getattr"): _enum_member,
-}
-# BUILD's state for each dataclass: the names of its fields (TensorProperties: the 5-tuple of its __setstate__).
-_BUILDS = {cls: {f.name for f in dataclasses.fields(cls)} for cls in (
-    Metadata, StorageMeta, dcp_metadata.MetadataIndex, dcp_metadata.TensorStorageMetadata,
-    dcp_metadata.BytesStorageMetadata, dcp_metadata.ChunkStorageMetadata, _StorageInfo)}
-# Opcodes an index never holds: persistent ids, the extension registry, sets (~200 bytes of memory per byte),
-# out-of-band buffers, protocol 0/1 instances and NEWOBJ_EX's keyword arguments.
-_NOT_IN_AN_INDEX = b"PQ\x82\x83\x84\x8f\x90\x91\x97\x98io\x92"
-
-
-class _Opcodes(dict):
-    def __missing__(self, code):
-        raise pickle.UnpicklingError(f"it holds pickle opcode {bytes([code])!r}, which an index never contains")
-
-
-class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python one: its opcodes can be replaced, its memo is a dict
-    def find_class(self, module, name):
-        try:
-            return _INDEX_GLOBALS[module, name]
-        except (KeyError, TypeError):
-            raise pickle.UnpicklingError(f"it asks for {module}.{name}, which a checkpoint never contains") from None
-
-    def load_build(self):
-        inst, state = self.stack[-2], self.stack[-1]
-        if type(inst) is dcp_metadata.TensorProperties:
-            ok = type(state) is tuple and len(state) == 5
-        else:
-            ok = type(state) is dict and all(type(k) is str and k in _BUILDS.get(type(inst), ()) for k in state)
-        if not ok:  # type(), not isinstance: a class is never an instance of the classes above
-            target = f"the class {inst.__name__}" if isinstance(inst, type) else f"a {type(inst).__name__}"
-            raise pickle.UnpicklingError(f"it sets {shown(state)} on {target}, which a checkpoint never does")
-        pickle._Unpickler.load_build(self)
-
-    def load_mark(self):
-        if len(self.metastack) >= 64:  # an index nests a few levels; a MARK a byte would hold a list a byte
-            raise pickle.UnpicklingError("it nests more than 64 levels deep, which an index never does")
-        pickle._Unpickler.load_mark(self)
-
-    dispatch = _Opcodes({code: load for code, load in pickle._Unpickler.dispatch.items()
-                         if code not in _NOT_IN_AN_INDEX})
-    dispatch.update({pickle.BUILD[0]: load_build, pickle.MARK[0]: load_mark})
-
-
-class _SafeReader(FileSystemReader):
-    # FileSystemReader.read_metadata with the restricted unpickler instead of pickle.load (torch 2.13 internals).
-    # No **kwargs: DCP would then fall back to a rank's own __N.metadata, which no checkpoint here holds.
-    def read_metadata(self) -> Metadata:
-        metadata = read_index(self._get_metadata_path())
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _SafeLoadPlanner(DefaultLoadPlanner):
-    # Non-tensor entries (LR, betas, ...) are torch.save'd by DCP; read them back as plain data only.
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
-# ----------------------------------------------------------------------------------------------------------
-# --init-from: only the model's weights, each rank its own stage's
-
-def load_weights(source: str, model, config: LlamaConfig) -> str:
-    """Only the model's weights, each rank its own stage's (with FSDP, its shard), from a Hugging Face directory
-    or one of this project's checkpoints. Collective. Returns the path read."""
-    hf = is_hf_dir(source)
-    with collective_errors():
-        path = source if hf else resolve(source, "--init-from")
-        if not hf:
-            verify_files(path, read_meta(path, "--init-from"), "--init-from")
-    if not hf:
-        load_state(path, model, None, config, "--init-from")
-        return path
-    # HuggingFaceStorageReader reads only the requested tensors (slices, for FSDP's shards) from the
-    # memory-mapped safetensors files and casts them to the model's dtype.
-    state = get_model_state_dict(model, options=_OPTIONS)
-    with collective_errors():
-        request = _hf_request(path, state, config)  # their name for each of this stage's tensors
-    targets = {}  # their name -> our tensors; two when a rank holds a tied embedding and its head's copy
-    for name, tensor in state.items():
-        targets.setdefault(request[name], []).append(tensor)
-    try:
-        dcp.load({key: tensors[0] for key, tensors in targets.items()}, storage_reader=HuggingFaceStorageReader(path))
-    except (Exception, CheckpointException) as e:  # DCP raises its CheckpointException on every rank
-        raise UsageError(f"--init-from {path}: cannot read its tensors ({root_cause(e)})", on_every_rank=True) \
-            from None
-    for tensors in targets.values():
-        for copy in tensors[1:]:
-            copy.copy_(tensors[0])
-    set_model_state_dict(model, state, options=_OPTIONS)
-    return path
-
-
-def _hf_request(path: str, state: dict, config: LlamaConfig) -> dict[str, str]:
-    """Their name for each of a stage's tensors (of the shape config.json gives it); a tied checkpoint stores the
-    head once, as the embedding."""
-    available = {}  # their name -> its shape
-    for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
-        try:  # reads the header only; a file cut short (an interrupted download) fails here
-            with safe_open(os.path.join(path, name), framework="pt") as f:
-                available.update((key, f.get_slice(key).get_shape()) for key in f.keys())
-        except Exception as e:  # safetensors' own error type, whatever the damage
-            raise UsageError(f"--init-from {path}: {name} is not a complete safetensors file ({root_cause(e)}); "
-                             "copy or download it again") from None
-    request = {}
-    for name in state:
-        key = hf_name(name)
-        if key not in available and name == HEAD and config.tie_word_embeddings:
-            key = hf_name(EMBED)
-        if key not in available:
-            raise UsageError(f"--init-from {path}: no tensor {key} in its safetensors files; is it the Llama "
-                             "checkpoint that config.json describes?")
-        if available[key] != list(state[name].shape):  # DCP would fail on every rank, in a traceback
-            raise UsageError(f"--init-from {path}: its tensor {key} is {available[key]}, config.json makes it "
-                             f"{list(state[name].shape)}; is it the Llama checkpoint that config.json describes?")
-        request[name] = key
-    return request
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Resume: continue the same run exactly, or refuse
-
-# The flags that define what a run computes besides the model (meta.json's "config") and the data (its
-# identity): a rerun must keep them (--steps too: the LR schedule depends on it). The others (--microbatches,
-# the processes, --schedule, ...) change only how the same numbers are computed. --init-from is recorded, not
-# compared: once a run has checkpoints they are its weights. --document-masking changes what every token sees; a
-# checkpoint from before the flag existed ran without it.
-RUN_FLAGS = ("seed", "seq_len", "batch_size", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip",
-             "document_masking")
-
-
-def run_identity(args, data_id: str) -> dict:
-    """What a checkpoint records of its run, to compare on resume."""
-    return {**{flag: getattr(args, flag) for flag in RUN_FLAGS}, "data": args.data, "data_id": data_id,
-            "init_from": args.init_from}
-
-
-def named_model(args, saved: dict) -> dict:
-    """Of a preset's model, what --model and --layers say before the script builds it (without --model, the
-    preset is the device's, known later): the fields a checkpoint's config must have."""
-    if model_source(args) is not None:
-        return {}
-    if args.model:
-        return dataclasses.asdict(config_from_preset(args.model, saved.get("vocab_size"), args.layers))
-    return {"num_hidden_layers": args.layers} if args.layers else {}
-
-
-def check_same_run(args, path: str, data_id: str, config: LlamaConfig | None = None) -> dict:
-    """One line naming each flag (old → new) in which this run differs from the checkpoint at path, and the
-    model: config when given, else what --model and --layers already say of it. Returns the checkpoint's meta.json."""
-    meta = read_meta(path)
-    identity = run_identity(args, data_id)
-    saved, found = meta.get("run", {}), []
-    model = dataclasses.asdict(config) if config is not None else named_model(args, meta["config"])
-    found += [f"model {field} {meta['config'].get(field)} → {value} (--model, --layers, --init-from)"
-              for field, value in model.items() if meta["config"].get(field) != value]
-    for flag in RUN_FLAGS:
-        old, new = saved.get(flag, False if flag == "document_masking" else None), identity[flag]
-        if old != new and not (flag == "steps" and new <= meta["step"]):  # fewer steps than done: nothing to run
-            found.append(f"--{flag.replace('_', '-')} {old} → {new}")
-    if saved.get("data_id") != data_id:
-        found.append(f"--data {saved.get('data')} → {args.data} (other data, or prepared again differently)")
-    if found:
-        raise UsageError(f"--checkpoint-dir {args.checkpoint_dir}: {os.path.basename(path)} is another run: "
-                         f"{'; '.join(found)}. Rerun with its flags to continue it, add --fresh to start over "
-                         f"(its checkpoints are moved aside), or start a new run from its weights with "
-                         f"--init-from {path} --checkpoint-dir NEW_DIR")
-    return meta
-
-
-def resume(args, rank: int, world_size: int, model, optimizer, config: LlamaConfig, data_id: str,
-           say=print) -> tuple[int, dict | None]:
-    """Continue the run in --checkpoint-dir exactly (nothing to resume: --init-from's weights), or refuse in one
-    line. Collective. Returns the step done (>= --steps: nothing left to do) and the data loader's position (None:
-    from the start)."""
-    path = resuming(args)
-    if path is None:
-        if args.init_from is not None:
-            source = load_weights(args.init_from, model, config)
-            say(f"initialized from the weights of {source} (a new run: new AdamW state, LR schedule and data "
-                "order)", flush=True)
-        return 0, None
-    with collective_errors():
-        meta = check_same_run(args, path, data_id, config)
-        verify_files(path, meta)
-        # The scripts' Batches hold (tokens - 1) // --seq-len windows a file; a position past them is no run's.
-        windows = sum((tokens - 1) // args.seq_len for tokens in read_data_meta(args.data)["train"]["tokens"])
-        if meta.get("data") is not None and meta["data"]["index"] > windows:
-            raise bad_checkpoint("--checkpoint-dir", path, f"its meta.json's data index {meta['data']['index']} is "
-                                                           f"past the {windows} windows of --data")
-    if meta["step"] >= args.steps > 0:
-        say(f"{path} is step {meta['step']}: --steps {args.steps} are done, nothing to train", flush=True)
-        return meta["step"], None
-    load_state(path, model, optimizer, config)
-    if meta["world_size"] == world_size:  # RNG streams belong to ranks; another layout starts new ones
-        with collective_errors(), open_untrusted(path, f"rng/rank{rank}.pt"):
-            if f"rng/rank{rank}.pt" not in meta["files"]:  # those listed are verified: inside, no link
-                raise ValueError("its meta.json does not list it")
-            rng = torch.load(os.path.join(path, "rng", f"rank{rank}.pt"), weights_only=True)  # data, never code
-            torch.set_rng_state(rng["cpu"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng["cuda"])
-    precision = meta.get("args", {}).get("precision", args.precision)  # free to change: said, not refused
-    say((f"resumed from {path} at step {meta['step']} (saved by {meta['world_size']} process(es))"
-         if args.steps else f"evaluating {path} (step {meta['step']})") +
-        (f"; --precision {precision} → {args.precision} (free to change: weights and AdamW stay fp32, only "
-         "the computation's rounding can differ)" if precision != args.precision else ""), flush=True)
-    return meta["step"], meta.get("data")
-
-
-def _set_aside(checkpoint_dir: str, job: list[str], say=print) -> None:
-    """--fresh: move what checkpoint_dir holds into DIR.previous-TIME (nothing is deleted), but the run's lock and
-    the checkpoints this job saved: a restart of the job resumes those instead of starting over again."""
-    def saved_by_this_job(name: str) -> bool:
-        try:
-            return same_job(read_meta(os.path.join(checkpoint_dir, name)).get("job"), job)
-        except UsageError:
-            return False  # damaged: nothing to resume
-    complete = {os.path.basename(path) for path in complete_checkpoints(checkpoint_dir)}
-    entries = [name for name in os.listdir(checkpoint_dir)
-               if name != LOCK_NAME and not (name in complete and saved_by_this_job(name))]
-    if not entries:
-        return
-    stamp = f"{checkpoint_dir.rstrip(os.sep)}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
-    aside = next(path for path in (stamp, *(f"{stamp}-{n}" for n in range(2, 10**6))) if not os.path.lexists(path))
-    try:
-        os.makedirs(aside)
-        for name in entries:
-            os.replace(os.path.join(checkpoint_dir, name), os.path.join(aside, name))
-    except OSError as e:
-        raise UsageError(f"--fresh: cannot move the checkpoints in {checkpoint_dir} aside ({e.strerror})") from None
-    say(f"--fresh: moved the previous checkpoints to {aside}", flush=True)
-
-
-def save_if_due(args, rank: int, step: int, model, optimizer, config: LlamaConfig, data_id: str, job: list[str],
-                data_position: dict, stop: str | None = None) -> str | None:
-    """Save every --checkpoint-every steps, at the end of the run, and when it stops (stop: the signal that asked);
-    what to say of the checkpoints this call completed, if any. Collective, after every step. With
-    --async-checkpoint the periodic saves are written in the background: one in flight at most (the next waits for
-    it), completed after the first step at which every rank's files are written; the last one (the end, a stop)
-    waits for it, then is written before the call returns."""
-    last = step == args.steps or stop is not None
-    due = last or (args.checkpoint_every and step % args.checkpoint_every == 0)
-    said = [f"saved {path}"] if (path := finish_save(wait=due)) else []
-    if due:
-        meta = {"config": dataclasses.asdict(config), "run": run_identity(args, data_id), "data": data_position,
-                "args": vars(args), "torch": torch.__version__, "job": job}
-        path = save(args.checkpoint_dir, step, model, optimizer, meta, rank, args.keep_checkpoints, args.data,
-                    args.timeout if args.async_checkpoint and not last else None)
-        if path:
-            said.append(f"stopped by {stop} after step {step}, saved in {path}; the same command continues the run"
-                        if stop else f"saved {path}")
-    return "\n".join(said) or None

@@ -637,12 +637,18 @@ def _balanced_sizes(num_layers: int, num_stages: int, layer: float, first: float
     return (a, *[few] * (inner - extra), *[few + 1] * extra, b)
 
 
+def max_stages(num_layers: int) -> int:
+    """The most pipeline stages a model of num_layers can make: one a layer, and a first stage of the embedding
+    alone and a last one of the head alone."""
+    return num_layers + 2
+
+
 def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recompute: bool = False,
            loss_chunks: int = 1, tp: int = 1) -> list[range]:
     """The layers of each stage: spec "balanced" (by estimated_costs), "even", or layers per stage ("5,1"; the
     first and the last may be 0). What the model's shape rules out (more stages than it has layers but for two
     layerless ends, --seq-len, --tp, --split) is a ValueError."""
-    if num_stages > config.num_hidden_layers + 2:
+    if num_stages > max_stages(config.num_hidden_layers):
         raise ValueError(f"{num_stages} pipeline stages but the model has {config.num_hidden_layers} layers: each "
                          "stage needs one, but for a first stage of the embedding alone and a last one of the head "
                          "alone; use fewer stages or more --layers")

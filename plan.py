@@ -905,7 +905,7 @@ def check(args, config: LlamaConfig, schedule: str, split: str | None = None) ->
     """What train_pipeline_gpipe.py checks before it runs: the flags (check_args), then the layout on the
     model's shape (stage_layout: a layer per stage, --seq-len within its positions, --split). UsageError."""
     ns = script_args(args, schedule, split)
-    gpipe.check_args(ns, args.processes, device_type(args))
+    gpipe.check_args(ns, args.processes, device_type(args), ns.init_from is None)
     pp = args.processes // (args.dp * args.tp)
     num_stages = pp * len(stage_ids(schedule, 0, pp, ns.stages_per_rank))
     layout = gpipe.stage_layout(config, num_stages, ns)
@@ -935,7 +935,8 @@ def plan(args) -> dict:
     "traced" ({"split", "step", "replayed"}: the traced run's). A flag the scripts would refuse is a UsageError."""
     # The hand-written script's afab is GPipe's order; its 1f1b is the library's.
     schedule = "gpipe" if args.schedule == "afab" else args.schedule
-    gpipe.check_args(script_args(args, schedule), args.processes, device_type(args))  # before reading files
+    ns = script_args(args, schedule)
+    gpipe.check_args(ns, args.processes, device_type(args), ns.init_from is None)  # before reading files
     config = plan_config(args)
     ns, layout = check(args, config, schedule)
     processes, dp, tp, m, per_rank = args.processes, args.dp, args.tp, args.microbatches, ns.stages_per_rank
@@ -1124,7 +1125,7 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
                                   "device": "cuda"})
     try:
         ns = script_args(trial, schedule)
-        gpipe.check_args(ns, trial.processes, "cuda")
+        gpipe.check_args(ns, trial.processes, "cuda", ns.init_from is None)
         num_stages = pp * len(stage_ids(schedule, 0, pp, ns.stages_per_rank))
         layout = gpipe.stage_layout(config, num_stages, ns)
         check_microbatches(schedule, pp, m, num_stages)

@@ -483,7 +483,7 @@ def checked_args(module, argv: list[str], world_size: int, device_type: str = "c
     if "stages_per_rank" in ns:
         ns.stages_per_rank = ns.stages_per_rank or (1 if ns.schedule in gpipe.SINGLE_STAGE else 2)
     resolved = vars(ns).copy()
-    module.check_args(ns, world_size, device_type)
+    module.check_args(ns, world_size, device_type, ns.init_from is None)  # no checkpoint to continue here
     assert vars(ns) == resolved
     return ns
 
@@ -3020,9 +3020,6 @@ def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, refer
         rows, _ = read_metrics(tmp_path / name / "m.jsonl")
         assert [r["step"] for r in rows] == list(range(9, 17))
         assert_same_trajectory(rows, reference[8:], name, since=8)
-    # What each rank held, in the checkpoint's meta.json: the tracer's rank 0 no layer.
-    assert checkpoint.read_meta(str(tmp_path / "traced_dualpipev2" / "checkpoints" / "step-00000016"))[
-        "layers_per_rank"] == [[], [0, 1, 2, 3]]
 
 
 def test_every_layerless_layout_resumes_in_every_script(tmp_path, data_dir, reference_run):
@@ -3320,7 +3317,8 @@ def fake_checkpoint(directory: Path, step: int, world_size: int, dp: int, tp: in
     ((3, 1, 1), 4, ["--dp", "2", "--split", "2,2"], (2, 2, "2,2")),  # 2 stages again: the counts fit again
     ((4, 2, 1), 2, ["--split", "1,3"], (2, 1, "1,3")),  # the pipeline kept, and its --split
     ((4, 2, 1), 2, ["--schedule", "zbvzerobubble"], (2, 1)),  # V-shaped: 2 stages per rank
-    ((4, 1, 1), 3, ["--schedule", "interleaved1f1b", "--batch-size", "12", "--microbatches", "2"], (1, 3)),
+    # 3 processes, 2 stages each: 6 stages of 4 layers, both ends layerless (model.max_stages), as the scripts run
+    ((4, 1, 1), 3, ["--schedule", "interleaved1f1b", "--batch-size", "12", "--microbatches", "2"], (3, 1)),
 ])
 def test_a_restarted_run_takes_the_layout_that_fits_the_processes_left(tmp_path, saved, processes, flags, layout):
     world, dp, tp = saved
@@ -3332,9 +3330,10 @@ def test_a_restarted_run_takes_the_layout_that_fits_the_processes_left(tmp_path,
 
     def say(line: str, flush: bool) -> None:
         said.append(line)
+    found = (str(path), checkpoint.read_meta(str(path)))  # what checkpoint.Run found
     for job in [], ["job8"], ["job8", "job9"]:  # plain python; other jobs: their flags as given
-        assert checkpoint.relayout(args, processes, job, per_rank, say) == given and not said
-    new = checkpoint.relayout(args, processes, ["job1", "job7"], per_rank, say)  # this job, and a node new to it
+        assert checkpoint.relayout(args, processes, job, per_rank, *found, say) == given and not said
+    new = checkpoint.relayout(args, processes, ["job1", "job7"], per_rank, *found, say)  # this job, a new node
     if layout is None:
         assert new == given and not said
         return
@@ -3347,18 +3346,20 @@ def test_a_restarted_run_takes_the_layout_that_fits_the_processes_left(tmp_path,
 
 @pytest.mark.parametrize("schedule, per_rank", [("zbvzerobubble", 2), ("interleaved1f1b", 2), ("gpipe", 1)])
 def test_a_restart_that_no_layout_fits_is_one_line_naming_the_counts_that_would(tmp_path, schedule, per_rank):
-    # Grown from 2 to 4 processes: 2 replicas would need 16 sequences, pp 4 8 stages (V-shaped, looped) on 4 layers.
-    fake_checkpoint(tmp_path / "ckpt", 8, 2, 1, 1)
+    # Grown from 2 to 4 processes: 2 replicas would need 16 sequences, pp 4 8 stages (V-shaped, looped) on 4 layers,
+    # 2 more than layerless ends allow. On 3 processes, 6 stages: the 4 layers and both ends layerless.
+    found = (str(path := fake_checkpoint(tmp_path / "ckpt", 8, 2, 1, 1)), checkpoint.read_meta(str(path)))
     args = gpipe.build_parser().parse_args(["--checkpoint-dir", str(tmp_path / "ckpt"), "--schedule", schedule,
                                             "--batch-size", "8", "--microbatches", "8"])
     if per_rank == 1:  # one stage per rank: pp 4 fits
-        assert checkpoint.relayout(args, 4, ["job7"], per_rank, print) == (1, "balanced")
+        assert checkpoint.relayout(args, 4, ["job7"], per_rank, *found, print) == (1, "balanced")
         return
+    assert checkpoint.relayout(args, 3, ["job7"], per_rank, *found, print) == (1, "balanced")
     with pytest.raises(checkpoint.UsageError, match=re.escape(
             "4 process(es) cannot hold this run (step-00000008, saved by 2): with --tp 1, --batch-size 8, "
-            "--microbatches 8 and 4 layers in 2 stage(s) per pipeline rank it needs 1, 2 process(es); start that "
-            "many")):
-        checkpoint.relayout(args, 4, ["job7"], per_rank, print)
+            "--microbatches 8 and 4 layers in 2 stage(s) per pipeline rank it needs 1, 2, 3 process(es); start "
+            "that many")):
+        checkpoint.relayout(args, 4, ["job7"], per_rank, *found, print)
 
 
 def test_no_layout_of_the_processes_left_is_one_line_and_touches_nothing(tmp_path, data_dir):
@@ -3860,7 +3861,7 @@ def test_background_saves_before_torch_2_13_are_refused_in_one_line(tmp_path, mo
     monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
     with pytest.raises(checkpoint.UsageError, match=r"^--async-checkpoint: torch 2.11.0\+cu130 cannot stage a "
                                                     "checkpoint .*; use torch 2.13 or leave the flag out$"):
-        checkpoint.check_run(args, 0, ["job"], "data")
+        checkpoint.check_run(args, 0, ["job"])
     assert not (tmp_path / "ckpt").exists()  # nothing written
 
 
@@ -4023,10 +4024,10 @@ def test_a_checkpoint_from_before_document_masking_ran_without_it(tmp_path):
     meta = json.loads((path / "meta.json").read_text())
     meta["run"] = {k: v for k, v in checkpoint.run_identity(args, "d1").items() if k != "document_masking"}
     (path / "meta.json").write_text(json.dumps(meta))
-    assert checkpoint.check_same_run(args, str(path), "d1")["step"] == 8
+    assert checkpoint.check_same_run(args, str(path), "d1", meta)["step"] == 8
     args.document_masking = True
     with pytest.raises(checkpoint.UsageError, match="is another run: --document-masking False → True. Rerun"):
-        checkpoint.check_same_run(args, str(path), "d1")
+        checkpoint.check_same_run(args, str(path), "d1", meta)
 
 
 def test_a_run_killed_during_an_evaluation_keeps_the_steps_checkpoint(tmp_path, data_dir):
@@ -6465,6 +6466,10 @@ def test_help_works_without_torchrun_and_every_script_has_the_same_flags_with_th
     # The library scripts share every flag; the hand-written one lacks only what its schedules cannot use.
     assert flags["train_pipeline_tracer.py"] == flags["train_pipeline_gpipe.py"]
     assert flags["train_pipeline_gpipe.py"] - flags["train_pipeline_afab_manual.py"] == {"--stages-per-rank"}
+    # The flags that define a run (declared with run=True: a resume keeps them) are the same in all three.
+    assert {name: module.build_parser().parse_args([]).run_flags for name, module in SCRIPT_MODULES.items()} == \
+        dict.fromkeys(SCRIPTS, ["steps", "batch_size", "seq_len", "document_masking", "lr", "warmup_steps",
+                                "weight_decay", "grad_clip", "seed"])
     # Every flag that takes a value says its default in --help, in every script and tool (on/off flags are off).
     texts = {script: result.stdout for script, result in helps.items()}
     texts |= {name: module.build_parser().format_help() for name, module in [

@@ -50,16 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "checkpoint of this project, its tokenizer the data's (default: none: new weights)")
     g = p.add_argument_group("training")
     g.add_argument("--data", default="data", help="data prepared by prepare_data.py")
-    g.add_argument("--steps", type=whole(0), default=300, help="optimizer steps; 0: only evaluate")
-    g.add_argument("--batch-size", type=whole(1), default=16, help="sequences per step, over all replicas")
+    g.add_argument("--steps", type=whole(0), default=300, run=True, help="optimizer steps; 0: only evaluate")
+    g.add_argument("--batch-size", type=whole(1), default=16, run=True, help="sequences per step, all replicas")
     g.add_argument("--microbatches", type=whole(1), default=4, help="per replica, of its share of the batch")
-    g.add_argument("--seq-len", type=whole(1), default=128, help="tokens per sequence")
-    g.add_argument("--document-masking", action="store_true", help="attention and rotary positions per document")
-    g.add_argument("--lr", type=number(positive=True), default=3e-3, help="peak learning rate (AdamW)")
-    g.add_argument("--warmup-steps", type=whole(0), default=30, help="linear, then cosine decay to 10%% of --lr")
-    g.add_argument("--weight-decay", type=number(positive=False), default=0.1, help="AdamW's, of matrices")
-    g.add_argument("--grad-clip", type=number(positive=False), default=1.0, help="of the whole model; 0: none")
-    g.add_argument("--seed", type=int, default=0, help="of the weights and the data order")
+    g.add_argument("--seq-len", type=whole(1), default=128, run=True, help="tokens per sequence")
+    g.add_argument("--document-masking", action="store_true", run=True, help="attention, positions per document")
+    g.add_argument("--lr", type=number(positive=True), default=3e-3, run=True, help="peak learning rate (AdamW)")
+    g.add_argument("--warmup-steps", type=whole(0), default=30, run=True, help="linear, then cosine to 10%% of --lr")
+    g.add_argument("--weight-decay", type=number(positive=False), default=0.1, run=True, help="AdamW's, of matrices")
+    g.add_argument("--grad-clip", type=number(positive=False), default=1.0, run=True, help="of the model; 0: none")
+    g.add_argument("--seed", type=int, default=0, run=True, help="of the weights and the data order")
     g.add_argument("--eval-every", type=whole(0), default=0, help="held-out loss every N steps and at the end")
     g.add_argument("--eval-batches", type=whole(1), default=4, help="held-out batches per evaluation")
     g = p.add_argument_group("parallelism")
@@ -98,9 +98,9 @@ def main(args):
     env = launch_env(args.device, args.precision)
     init_distributed(env, args.timeout)
     say = print if env.rank == 0 else (lambda *a, **k: None)
-    job = checkpoint.job_ids()  # every attempt of this job has it: relayout fits a restart on other processes
-    args.dp, args.split = checkpoint.relayout(args, env.world_size, job, 1, say)  # one stage per rank
-    check_args(args, env.world_size, env.device.type)
+    run = checkpoint.Run(args, env.rank, env.world_size, say)  # this job, the checkpoint it continues, saves
+    args.dp, args.split = run.relayout(1)  # one stage per rank; torchrun restarted the job on other processes?
+    check_args(args, env.world_size, env.device.type, run.preset_model())
     mesh = init_device_mesh(env.device.type, (env.world_size // (args.dp * args.tp), args.dp, args.tp),
                             mesh_dim_names=("pp", "dp", "tp"))  # tp innermost: a layer's all-reduces in a node
     pp_rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()  # this rank's place along the pipeline,
@@ -110,11 +110,10 @@ def main(args):
     # --- the data, what the run will write (paths, the lock, the same run as its checkpoints?), the model
     with collective_errors():
         meta, batches, held_out = open_data(args)
-    data_id = checkpoint.data_identity(args.data)
-    checkpoint.check_run(args, env.rank, job, data_id)
+    run.check()
     num_stages, has_first, has_last = pp, pp_rank == 0, pp_rank == pp - 1
     with collective_errors():
-        config, name = checkpoint.model_config(args, meta, env.device.type)
+        config, name = run.model_config(meta, env.device.type)
         layers = stage_layout(config, num_stages, args)
     microbatch = (args.batch_size // (dp * args.microbatches), args.seq_len)
     chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
@@ -128,8 +127,9 @@ def main(args):
     partition.sequence_shards = tp if args.sequence_parallel else 1  # each tp rank: seq_len / tp positions
 
     # --- the schedule: AFAB or 1F1B by hand, over send/recv between the pipeline ranks of this replica
-    run = functools.partial(run_batch, env=env, tp=tp, m=args.microbatches, chunks=chunks, shape=microbatch)
-    run_train, run_eval = (functools.partial(run, s, partition) for s in (SCHEDULES[args.schedule], eval_step_pipeline))
+    pipe = functools.partial(run_batch, env=env, tp=tp, m=args.microbatches, chunks=chunks, shape=microbatch)
+    run_train, run_eval = (functools.partial(pipe, schedule, partition)
+                           for schedule in (SCHEDULES[args.schedule], eval_step_pipeline))
     say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
         f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
         f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks))}"
@@ -138,7 +138,7 @@ def main(args):
     # --- optimizer, tied embedding, resume: from here on the same in every script
     optimizer = make_optimizer(model, args)
     tied = TiedEmbedding(model, config, mesh, has_first, has_last)
-    step, position = checkpoint.resume(args, env.rank, env.world_size, model, optimizer, config, data_id, say)
+    step, position = run.resume(model, optimizer, config)
     if position is not None:
         batches.load_state_dict(position)
     reports = has_last and dp_rank == tp_rank == 0  # one last-stage rank prints the loss and writes --metrics
@@ -203,8 +203,7 @@ def main(args):
             # Saved before evaluating: whatever happens in an evaluation, this step's work is kept (and a resumed
             # run evaluates it). A stop asked of any rank, before the last step: every rank saves this step and stops.
             stop = checkpoint.stop_requested() if step < args.steps else None
-            saved = checkpoint.save_if_due(args, env.rank, step, model, optimizer, config, data_id, job,
-                                           batches.state_dict(), stop)
+            saved = run.save_if_due(step, model, optimizer, config, batches.state_dict(), stop)
             if saved and reports:  # one rank prints the loop's lines: two ranks' lines never mix
                 bar.write(saved)
             if stop:
@@ -217,7 +216,7 @@ def main(args):
 # ----------------------------------------------------------------------------------------------------------
 # Checks of the flags, before any work
 
-def check_args(args, world_size: int, device_type: str) -> None:
+def check_args(args, world_size: int, device_type: str, preset: bool) -> None:
     """What the flags alone rule out, checked alike on every rank before any work."""
     group = args.dp * args.tp  # the processes of one stage: its replicas x its tensor-parallel ranks
     if world_size % group:
@@ -233,7 +232,7 @@ def check_args(args, world_size: int, device_type: str) -> None:
     if args.compile and args.tp > 1:  # tried
         raise UsageError("--compile with --tp: torch 2.13's compiled tensor-parallel layers fail in backward; "
                          "leave --compile out", on_every_rank=True)
-    if checkpoint.preset_model(args):  # the model's shape is --model's: its layout can be checked already
+    if preset:  # the model's shape is --model's (not a checkpoint's): its layout can be checked already
         preset = config_from_preset(args.model or ("small" if device_type == "cuda" else "tiny"), 0, args.layers)
         stage_layout(preset, world_size // group, args)
 
