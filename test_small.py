@@ -1944,10 +1944,14 @@ LAYERLESS = {"gpipe": (0, 4), "afab": (0, 4), "1f1b": (4, 0), "interleaved1f1b":
 PARITY_LAYOUTS = {  # (pp, dp, tp) -> the (kind, schedule, layers: even over that many or per stage, --document-masking)
     # 4 layers: 2 stages, or 4 with the multi-stage schedules (looped or V-shaped); with layerless ends below; and
     # with documents kept apart (their boundaries reach every stage of every microbatch, through every schedule's
-    # backward): every schedule, traced a single-stage, a looped and a V-shaped one (each traces the model again).
+    # backward): every schedule; traced (each traces the model again) with layerless ends, whose stages take
+    # positions that none of their ops uses: the embedding alone first (GPipe), the head alone last (1F1B), a rank
+    # holding a stage with layers and one without (looped), both ends and no layer (ZBV's rank 0). (Traced evenly
+    # at 3 stages and with replicas.)
     (2, 1, 1): [(kind, name, 4, False) for kind, name in EVERY_SPLIT_AND_SCHEDULE]
-               + [(kind, name, 4, True) for kind, name in EVERY_SPLIT_AND_SCHEDULE
-                  if kind != "tracer" or name in ("gpipe", "interleavedzerobubble", "zbvzerobubble")],
+               + [(kind, name, 4, True) for kind, name in EVERY_SPLIT_AND_SCHEDULE if kind != "tracer"]
+               + [("tracer", name, LAYERLESS[name], True)
+                  for name in ("gpipe", "1f1b", "interleavedzerobubble", "zbvzerobubble")],
     # The tracer's split is the hand split's (checked at dp 1): one of each kind with replicas; most with
     # layerless ends (a stage whose FSDP unit is the embedding, or the norm and the head, alone).
     (2, 2, 1): [(kind, name, LAYERLESS[name] if name in ("afab", "1f1b", "loopedbfs", "zbvzerobubble", "dualpipev")
@@ -1976,9 +1980,9 @@ PARITY_LAYOUTS = {  # (pp, dp, tp) -> the (kind, schedule, layers: even over tha
                + [("tracer", "interleavedzerobubble", 6, False), ("tracer", "dualpipev", 6, False),
                   ("manual", "afab", 6, False)],
 }
-# Layerless ends at dp 1 too, for each schedule of each kind that the launches above do not run so.
+# Layerless ends at dp 1 too, for each schedule of each kind that the launches above do not run so (without documents).
 PARITY_LAYOUTS[2, 1, 1] += [(kind, name, LAYERLESS[name], False) for kind, name in EVERY_SPLIT_AND_SCHEDULE
-                            if not any(v[:2] == (kind, name) and not isinstance(v[2], int)
+                            if not any(v[:2] == (kind, name) and not isinstance(v[2], int) and not v[3]
                                        for variants in PARITY_LAYOUTS.values() for v in variants)]
 
 
@@ -2359,9 +2363,10 @@ DOCUMENT_RUNS = {  # name: (processes (0: plain python), script, flags), on shor
     "causal": (0, "train_pipeline_gpipe.py", []),  # the same without the flag
     "pp2 x dp2, interleaved zero bubble": (4, "train_pipeline_gpipe.py", [*DOCUMENTS, "--dp", "2", "--schedule",
                                                                           "interleavedzerobubble"]),
-    # The evaluation of a V: the script's own forward pass.
+    # The evaluation of a V: the script's own forward pass. Rank 0 holds the embedding and the head and no layer:
+    # its stages take positions that none of their ops uses.
     "traced V, checkpointed": (2, "train_pipeline_tracer.py", [*DOCUMENTS, "--schedule", "zbvzerobubble",
-                                                               "--activation-checkpointing"]),
+                                                               "--split", "0,2,2,0", "--activation-checkpointing"]),
     "by hand 1f1b, pp2 x tp2 without sequence parallelism": (4, "train_pipeline_afab_manual.py", [
         *DOCUMENTS, "--schedule", "1f1b", "--tp", "2", "--no-sequence-parallel"]),
 }

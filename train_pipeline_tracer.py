@@ -382,8 +382,7 @@ def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> lis
     return [pp_rank + v * pp for v in range(stages_per_rank)]
 
 
-def traced_modules(config, stages: list[int], layers: list[range], microbatch: tuple[int, int],
-                   documents: bool = False):
+def traced_modules(config, stages: list[int], layers: list[range], microbatch: tuple[int, int], documents=False):
     """This rank's stage modules, traced from the full model, on meta under their full-model names (materialize
     gives them the other scripts' weights); and the traced pipeline, to build their stages."""
     with torch.device("meta"):  # shapes only: neither the model nor the trace allocates or computes anything
@@ -392,23 +391,19 @@ def traced_modules(config, stages: list[int], layers: list[range], microbatch: t
         model = LlamaForPretraining(dataclasses.replace(config, tie_word_embeddings=False))
         model.lm_head = None
         model.base_model.mask_in_each_layer = True  # --document-masking: not once a stage, see model.py
-        example = torch.zeros(microbatch, dtype=torch.long)
+        example = torch.zeros(microbatch, dtype=torch.long)  # positions: a clone (export merges one passed twice)
     not_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())
-    # --document-masking: every stage takes positions too (a tensor of their own: export merges one passed twice)
     pipe = traced_pipeline(model, example, split_spec(layers), {"positions": example.clone()} if documents else None)
-    modules = []
-    for stage in stages:
-        module = pipe.get_stage_module(stage)
+    modules = [pipe.get_stage_module(stage) for stage in stages]
+    for stage, module in zip(stages, modules):
         # The tracer makes every buffer persistent; inv_freq is derived from the config and the other scripts
         # do not save it: restore the flag, or the checkpoints would differ by those keys.
-        for prefix, sub in module.named_modules():
-            sub._non_persistent_buffers_set.update(b for b in sub._buffers
-                                                   if (f"{prefix}.{b}" if prefix else b) in not_persistent)
+        for prefix, _, buffer in (name.rpartition(".") for name, _ in module.named_buffers() if name in not_persistent):
+            module.get_submodule(prefix)._non_persistent_buffers_set.add(buffer)
         if stage == len(layers) - 1:
             module.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
         if len(layers) == 1 and config.tie_word_embeddings:
             module.get_submodule("lm_head").weight = module.get_submodule("base_model.embed_tokens").weight
-        modules.append(module)
     return modules, pipe
 
 
@@ -418,17 +413,25 @@ def split_spec(layers: list[range]) -> dict[str, SplitPoint]:
 
 
 def traced_pipeline(model: torch.nn.Module, example: torch.Tensor, split_points: dict[str, SplitPoint], kwargs=None):
-    """pipeline() of a (meta) model, its stages' tensors checked: each the model's own, under one of its names,
-    held by exactly one stage (tied weights across stages would be trained as two copies nothing keeps equal)."""
+    """pipeline() of a (meta) model, each stage taking every keyword input; its tensors checked: each the model's
+    own, under one of its names, held by one stage (tied weights across stages would train as two unequal copies)."""
     full_name = {id(t): name for name, t in [*model.named_parameters(), *model.named_buffers()]}
     canonical = {name: full_name[id(t)] for name, t in [*model.named_parameters(remove_duplicate=False),
                                                         *model.named_buffers(remove_duplicate=False)]}
     with warnings.catch_warnings():  # torch.export's own use of a deprecated pytree class, not ours to fix
         warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
         pipe = pipeline(model, mb_args=(example,), mb_kwargs=kwargs, split_spec=split_points)
-    holders = {}  # the stages hold the model's own (meta) tensor objects: identity gives each its full name
-    for i in range(pipe.num_stages):
-        for name, t in [*pipe.get_stage_module(i).named_parameters(), *pipe.get_stage_module(i).named_buffers()]:
+    graph, holders = pipe.split_gm.graph, {}  # the stages hold the model's own (meta) tensors: identity names each
+    for i, call in enumerate(graph.find_nodes(op="call_module")):
+        module = pipe.get_stage_module(i)
+        # A schedule gives every stage the step's keyword inputs (positions), pipeline() a stage only the model inputs
+        # its ops use (none to the embedding or the head alone): each takes all, in its graph and in the pipe's call.
+        for keyword in [k for k in graph.find_nodes(op="placeholder")[1:] if k not in call.args]:  # after the tokens
+            with module.graph.inserting_after(module.graph.find_nodes(op="placeholder")[-1]):
+                module.graph.placeholder(keyword.name).meta["val"] = keyword.meta["val"]
+            call.args += (keyword,)
+            module.recompile()
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
             if name not in canonical:  # a lifted constant, or a renamed tensor: no initializer, no checkpoint key
                 raise RuntimeError(f"stage {i} holds {name}, which is not a tensor of the model by that name")
             holders.setdefault(full_name.get(id(t), canonical[name]), set()).add((i, id(t)))  # a copy: by name
@@ -456,9 +459,8 @@ def pipeline_stage(pipe, stage: int, device: torch.device, group, dtype: torch.d
     built._create_act_recv_info = lambda: tuple(i for i in inputs() if built.is_first or not i.is_root_arg)
     # torch 2.13 runs the traced graphs op by op through torch.fx.Interpreter (5 ms a step on the tiny model);
     # their generated code is the same graph at eager speed.
-    for sub in built.submod.modules():
-        if hasattr(sub, "_run_with_interpreter"):
-            sub._run_with_interpreter = False
+    for sub in (m for m in built.submod.modules() if hasattr(m, "_run_with_interpreter")):
+        sub._run_with_interpreter = False
     return built
 
 
