@@ -94,7 +94,7 @@ def config_from_preset(name: str, vocab_size: int, num_layers: int | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Hugging Face Llama: config.json <-> LlamaConfig, and tensor names
+# Hugging Face Llama: config.json -> LlamaConfig (export.hf_config writes one), and tensor names
 #
 # model.py computes what transformers' LlamaForCausalLM computes, with the same tensor names but for one prefix
 # and the same RoPE layout (rotate-half), so weights need no permutation, only renaming.
@@ -196,23 +196,6 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         wrong("tie_word_embeddings", rest["tie_word_embeddings"], "must be true or false")
     return LlamaConfig(**sizes, num_key_value_heads=kv_heads, head_dim=head_dim,
                        rope_theta=float(positive("rope_theta", theta)), rope_scaling=scaling, **rest)
-
-
-def hf_config(config: LlamaConfig, bos_id: int, eos_id: int, pad_id: int | None, dtype: torch.dtype) -> dict:
-    """config.json for transformers 4 and 5 alike: every field written out (a missing one would silently take
-    transformers' default, e.g. rms_norm_eps 1e-6), RoPE in the rope_theta + rope_scaling form both read."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim, "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
-        "tie_word_embeddings": config.tie_word_embeddings, "initializer_range": config.initializer_range,
-        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
-        "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
-        "torch_dtype": str(dtype).removeprefix("torch."), "use_cache": True,
-    }
 
 
 # ----------------------------------------------------------------------------------------------------------
