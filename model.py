@@ -520,12 +520,21 @@ def loss_chunks(requested: int, config: LlamaConfig, microbatch: tuple[int, int]
     return max(1, min(microbatch[1], math.ceil(logits / LOSS_PIECE_BYTES)))
 
 
+def parameter_counts(config: LlamaConfig, tp: int = 1) -> dict[str, float]:
+    """The parameters of one decoder layer ("layer"), of the embedding and of the head with the final norm, that
+    one of tp tensor-parallel ranks holds: tensor parallelism splits every matrix tp ways, each rank holds the
+    norms' gains whole. The one count that FLOPs, the layouts' costs and plan.py's memory are computed from."""
+    h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads
+    matrices = h * (2 * q + 2 * kv * config.head_dim) + 3 * h * config.intermediate_size  # q, o, k, v; the MLP's 3
+    return {"layer": matrices / tp + 2 * h, "embed": config.vocab_size * h / tp,
+            "head": config.vocab_size * h / tp + h}
+
+
 def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token, 6N + 12·L·H·Q·T (PaLM, appendix B): N the parameters outside the embedding
     lookup (it does no multiply), L layers, H query heads, Q head size, T sequence length (attention)."""
-    h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads
-    per_layer = h * (2 * q + 2 * kv * config.head_dim) + 3 * h * config.intermediate_size + 2 * h
-    n = config.num_hidden_layers * per_layer + h * (config.vocab_size + 1)  # + head, final norm
+    params, q = parameter_counts(config), config.num_attention_heads * config.head_dim
+    n = config.num_hidden_layers * params["layer"] + params["head"]
     return 6 * n + 12 * config.num_hidden_layers * q * seq_len
 
 
@@ -555,14 +564,13 @@ def estimated_costs(config: LlamaConfig, seq_len: int, recompute: bool = False,
     """Forward + backward FLOPs per token of one decoder layer (with its recomputed forward, when activation
     checkpointing: "recompute" says how much of "layer" that is), the head with the loss (its forward twice with
     a chunked loss: "head_recompute"), and the embedding."""
-    h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads
-    layer_params = h * (2 * q + 2 * kv * config.head_dim) + 3 * h * config.intermediate_size + 2 * h
-    layer = 6 * layer_params + 12 * q * seq_len
+    params, q = parameter_counts(config), config.num_attention_heads * config.head_dim
+    layer = 6 * params["layer"] + 12 * q * seq_len
     again = layer / 3 if recompute else 0.0  # the forward is a third of forward + backward
-    head = 6 * h * config.vocab_size + 6 * h
+    head = 6 * params["head"]
     head_again = head / 3 if loss_chunks > 1 else 0.0
     return {"layer": layer + again, "recompute": again, "head": head + head_again, "head_recompute": head_again,
-            "embed": 6 * h}
+            "embed": 6 * config.hidden_size}
 
 
 def stage_costs(layout: list[range], costs: dict[str, float]) -> list[float]:
