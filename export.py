@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import checkpoint
 from checkpoint import Parser, UsageError
-from model import LlamaConfig, LlamaForPretraining, hf_config, hf_name
+from model import LlamaConfig, LlamaForPretraining, hf_name
 
 
 def full_model_state(path: str) -> tuple[dict, LlamaConfig]:
@@ -109,6 +109,23 @@ def _exported(outputs: list[str], format: str) -> bool:
     return os.path.isdir(output) and not os.path.islink(output) and all(
         re.fullmatch(r"config\.json|tokenizer(_config)?\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?", n)
         for n in os.listdir(output))
+
+
+def hf_config(config: LlamaConfig, bos_id: int, eos_id: int, pad_id: int | None, dtype: torch.dtype) -> dict:
+    """config.json for transformers 4 and 5 alike: every field written out (a missing one would silently take
+    transformers' default, e.g. rms_norm_eps 1e-6), RoPE in the rope_theta + rope_scaling form both read."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim, "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
+        "tie_word_embeddings": config.tie_word_embeddings, "initializer_range": config.initializer_range,
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
+        "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
+        "torch_dtype": str(dtype).removeprefix("torch."), "use_cache": True,
+    }
 
 
 def save_hf(path: str, state: dict[str, torch.Tensor], config: LlamaConfig, checkpoint_path: str,

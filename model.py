@@ -1,21 +1,14 @@
-"""The Llama model every script of this collection trains, and what is about the model: its presets, its
-Hugging Face config and tensor names, what each piece costs, how its layers are cut into pipeline stages, how
-a stage is parallelized (tensor parallelism, activation checkpointing, compile, FSDP2), the loss in chunks, and a
-tied embedding's two copies kept equal across stages.
+"""The Llama model the training scripts train, and what they and the tools use around it.
 
-The math and the parameter names are Hugging Face Llama's (``model.`` is called ``base_model.`` here), so
-weights move between the two by renaming one prefix. Three properties make it easy to split into pipeline
-stages, and the training scripts rely on all of them:
+First the model: its config, rotary embedding, decoder layers, the model classes, initial weights and the loss,
+in Hugging Face Llama's math and tensor names (``base_model.`` for its ``model.``: weights move between the two
+by renaming one prefix). Then, after a divider: presets and Hugging Face configs, the masks of packed documents,
+costs, pipeline layouts, how a stage is parallelized (tensor parallelism, activation checkpointing, compile,
+FSDP2), tied embeddings across stages, gradient clipping.
 
-* Layers live in a ``ModuleDict`` keyed by their global index, and ``forward`` skips whatever a stage does
-  not hold (embedding, any layer, final norm, head). A stage is just a trimmed model (``keep_only``), and its
-  state_dict keys are a subset of the full model's keys, so checkpoints line up whatever the number of stages.
-* No module is passed into another module's forward: each attention layer owns its RoPE frequencies and
-  builds its cos/sin tables itself. The pipeline tracer rejects modules that cross a call boundary.
-* ``init_tensor_`` gives every parameter *and buffer* its value from its full-model name alone (a generator
-  seeded by (seed, that name)), so a stage gets the same initial weights however the model is split. A rank
-  builds its stage on the meta device, shards it there (tensor parallelism, FSDP2) and only then allocates its
-  shards and fills them (``materialize``): it never holds more than its shards and one whole tensor.
+A pipeline stage is the model trimmed (keep_only): layers in a ModuleDict keyed by global index, forward skips
+what a stage lacks, no module passed into another's forward (the tracer needs that), and every tensor's initial
+value drawn from its full-model name alone (init_tensor_), so that any split starts from the same weights.
 """
 
 import dataclasses
@@ -67,154 +60,6 @@ class LlamaConfig:
             raise ValueError(f"rope_scaling: only rope_type llama3 is implemented, got {self.rope_scaling}")
 
 
-# Named shapes for --model. `small` is LlamaConfig's defaults (the size of GPT-2 small); the llama-* entries use
-# the layer shapes of the Llama 3 family (plain RoPE, no long-context frequency scaling, untied head; a real
-# checkpoint brings its own config with --init-from). The vocabulary comes from the tokenizer, not a preset.
-PRESETS: dict[str, dict] = {
-    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=1024),
-    "small": dict(),
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
-    "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-                     num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
-    "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                      num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
-}
-
-
-def config_from_preset(name: str, vocab_size: int, num_layers: int | None = None) -> LlamaConfig:
-    """The preset's config with the tokenizer's vocabulary and, optionally, another number of layers."""
-    overrides = dict(PRESETS[name], vocab_size=vocab_size)
-    if num_layers is not None:
-        overrides["num_hidden_layers"] = num_layers
-    return LlamaConfig(**overrides)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Hugging Face Llama: config.json <-> LlamaConfig, and tensor names
-#
-# model.py computes what transformers' LlamaForCausalLM computes, with the same tensor names but for one prefix
-# and the same RoPE layout (rotate-half), so weights need no permutation, only renaming.
-
-OURS, THEIRS = "base_model.", "model."
-# transformers' LlamaConfig defaults, for fields a config.json leaves out (configuration_llama.py).
-HF_DEFAULTS = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-               "tie_word_embeddings": False, "initializer_range": 0.02}
-
-
-def hf_name(name: str) -> str:
-    """This model's tensor name -> Hugging Face's: base_model.layers.0... -> model.layers.0..."""
-    return THEIRS + name[len(OURS):] if name.startswith(OURS) else name
-
-
-# The largest sizes config_from_hf takes: every tensor dimension within torch's 32-bit indexing, so plan.py's
-# sums of bytes and FLOPs stay finite; twice the deepest Llama's 126 layers, as the balanced split tries
-# layers^2 layouts (256 layers: 0.14 s for each stage count and cost that plan.py --gpus searches).
-MAX_SIZE, MAX_LAYERS = 2 ** 31 - 1, 256
-
-
-def config_from_hf(hf: dict) -> LlamaConfig:
-    """The LlamaConfig of a Hugging Face config.json. What model.py does not compute, and a size or number that
-    no model has, is refused with a ValueError that names the field."""
-    if not isinstance(hf, dict):
-        shown = json.dumps(hf)
-        raise ValueError(f"config.json is {shown if len(shown) <= 40 else shown[:37] + '...'}, not an object of "
-                         "fields")
-
-    def refuse(field, why):
-        raise ValueError(f"config.json {field} = {json.dumps(hf.get(field))}: {why}; this project trains Llama "
-                         "models (model.py) only")
-
-    def wrong(field, value, why):
-        shown = json.dumps(value)
-        raise ValueError(f"config.json {field} = {shown if len(shown) <= 40 else shown[:37] + '...'}: {why}")
-
-    def size(field, value, most=MAX_SIZE):
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
-            wrong(field, value, f"must be a whole number from 1 to {most}")
-        return value
-
-    def positive(field, value, zero=False):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
-                value < 0 or (value == 0 and not zero):
-            wrong(field, value, f"must be a finite {'non-negative' if zero else 'positive'} number")
-        return value
-
-    if hf.get("model_type") != "llama":
-        refuse("model_type", "not llama")
-    for field, supported in {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}.items():
-        if hf.get(field, supported) != supported:
-            refuse(field, f"only {json.dumps(supported)} is implemented")
-    if hf.get("attention_dropout", 0.0):
-        refuse("attention_dropout", "dropout is not implemented")
-    # transformers 4 writes rope_theta and rope_scaling; transformers 5 writes both into rope_parameters.
-    field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-    if not isinstance(hf.get(field) or {}, dict):
-        wrong(field, hf[field], "must be an object of RoPE settings (or null)")
-    rope = dict(hf.get(field) or {})
-    theta = hf.get("rope_theta", rope.pop("rope_theta", HF_DEFAULTS["rope_theta"]))
-    rope.pop("rope_theta", None)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        refuse(field, "partial rotary embeddings are not implemented")
-    if rope_type == "default":
-        scaling = None
-    elif rope_type == "llama3":
-        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        if any(key not in rope for key in keys):
-            refuse(field, f"llama3 scaling needs {', '.join(keys)}")
-        scaling = {"rope_type": "llama3", **{key: rope[key] for key in keys}}
-        for key in keys[:3]:
-            positive(f"{field} {key}", rope[key])
-        size(f"{field} original_max_position_embeddings", rope["original_max_position_embeddings"])
-        if rope["high_freq_factor"] <= rope["low_freq_factor"]:  # the smooth band divides by their difference
-            wrong(f"{field} high_freq_factor", rope["high_freq_factor"], "must exceed low_freq_factor")
-    else:
-        refuse(field, f"rope_type {rope_type} is not implemented (only default and llama3)")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        if key not in hf:
-            raise ValueError(f"config.json has no {key}")
-    sizes = {key: size(key, hf[key], MAX_LAYERS if key == "num_hidden_layers" else MAX_SIZE)
-             for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
-    heads = sizes["num_attention_heads"]
-    # Absent or null: transformers' defaults (as many KV heads as heads; hidden_size / heads per head).
-    kv_heads = heads if hf.get("num_key_value_heads") is None else size("num_key_value_heads",
-                                                                         hf["num_key_value_heads"])
-    head_dim = None if hf.get("head_dim") is None else size("head_dim", hf["head_dim"])
-    if heads % kv_heads:
-        wrong("num_key_value_heads", kv_heads, f"must divide num_attention_heads ({heads})")
-    if head_dim is None and sizes["hidden_size"] % heads:
-        wrong("num_attention_heads", heads, f"must divide hidden_size ({sizes['hidden_size']}), or give head_dim")
-    rest = {key: hf.get(key, default) for key, default in HF_DEFAULTS.items() if key != "rope_theta"}
-    size("max_position_embeddings", rest["max_position_embeddings"])
-    positive("rms_norm_eps", rest["rms_norm_eps"], zero=True)
-    positive("initializer_range", rest["initializer_range"], zero=True)
-    if not isinstance(rest["tie_word_embeddings"], bool):
-        wrong("tie_word_embeddings", rest["tie_word_embeddings"], "must be true or false")
-    return LlamaConfig(**sizes, num_key_value_heads=kv_heads, head_dim=head_dim,
-                       rope_theta=float(positive("rope_theta", theta)), rope_scaling=scaling, **rest)
-
-
-def hf_config(config: LlamaConfig, bos_id: int, eos_id: int, pad_id: int | None, dtype: torch.dtype) -> dict:
-    """config.json for transformers 4 and 5 alike: every field written out (a missing one would silently take
-    transformers' default, e.g. rms_norm_eps 1e-6), RoPE in the rope_theta + rope_scaling form both read."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim, "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
-        "tie_word_embeddings": config.tie_word_embeddings, "initializer_range": config.initializer_range,
-        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
-        "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
-        "torch_dtype": str(dtype).removeprefix("torch."), "use_cache": True,
-    }
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Rotary position embedding (the "rotate half" convention of Hugging Face Llama)
 
@@ -258,70 +103,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Packed documents kept apart (--document-masking)
-#
-# The token files hold documents one after another (bos, ids, eos) and a window cuts across them. Kept apart,
-# a token attends only to the earlier tokens of its own document and its rotary position counts from the
-# document's start: it computes what it computes alone. What carries the boundaries is each token's position in
-# its document, plain integers [batch, seq]: a pipeline schedule cuts them into microbatches with the tokens and
-# hands every stage its microbatch's. Each stage builds the mask from them once (attention_mask, in its forward)
-# and hands it to each of its layers. No mask object crosses a stage or goes through the schedules' autograd
-# (torchtitan #1723, #3584).
-
-def document_positions(input_ids: Tensor, bos_id: int) -> Tensor:
-    """Each token's position in its document [batch, seq]: 0 at every bos, then counting up; a window's tokens
-    before its first bos are the tail of a document, counted from 0 too."""
-    index = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
-    return index - torch.where(input_ids == bos_id, index, 0).cummax(-1).values  # minus where the document began
-
-
-def document_mask_mod(positions: Tensor):
-    """FlexAttention's mask_mod of packed documents: query q sees key k when k is q or before it, and no earlier
-    than q's document's first token. Evaluated on index grids it is also the dense mask (document_mask)."""
-    starts = torch.arange(positions.shape[-1], device=positions.device) - positions  # each token's document start
-
-    def mask_mod(b, h, q, k):
-        return (k <= q) & (k >= starts[b, q])
-    return mask_mod
-
-
-def document_mask(positions: Tensor) -> Tensor:
-    """The dense mask [batch, 1, seq, seq] of document_mask_mod: True where a query (row) sees a key."""
-    index = torch.arange(positions.shape[-1], device=positions.device)
-    batches = torch.arange(positions.shape[0], device=positions.device)[:, None, None, None]
-    return document_mask_mod(positions)(batches, None, index[:, None], index)
-
-
-@functools.cache
-def _compiled_flex():  # compiled on first use (torch.compile costs seconds to set up, even unused)
-    return torch.compile(create_block_mask), torch.compile(flex_attention)
-
-
-def attention_mask(positions: Tensor) -> Tensor | BlockMask:
-    """What every attention layer of a stage takes of a microbatch's positions [batch, seq], built once by the stage
-    (LlamaModel.forward) for all its layers, and not again in a checkpointed layer's recompute: on a GPU,
-    FlexAttention's BlockMask (which blocks of keys each block of queries sees); elsewhere the dense mask."""
-    if positions.is_cuda:
-        (batch, seq), mask_mod = positions.shape, document_mask_mod(positions)
-        return _compiled_flex()[0](mask_mod, batch, None, seq, seq, device=positions.device)
-    return document_mask(positions)
-
-
-def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask) -> Tensor:
-    """Attention of q [batch, heads, seq, head_dim] within documents, mask attention_mask's. On a GPU, FlexAttention
-    compiled: one fused kernel that skips the blocks of keys no query of theirs may see (with several documents a
-    window, fewer FLOPs than causal). Elsewhere (torch 2.13's FlexAttention has no CPU backward) SDPA with the
-    dense mask [batch, 1, seq, seq] from the same mask_mod, whose masked scores weigh exactly 0."""
-    if isinstance(mask, BlockMask):  # a compiled layer takes it as an input: one graph for every microbatch's
-        return _compiled_flex()[1](q, k, v, block_mask=mask, enable_gqa=True)
-    if not q.is_cpu:  # traced on meta (the tracer), run on a GPU: CUDA's fused kernels take a mask, but with it
-        # not grouped K/V heads (torch 2.13 would fall back to its unfused math kernel), so the heads are copied
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.is_cpu)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Transformer blocks
+# Transformer blocks and the model
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig):
@@ -494,6 +276,9 @@ def _module_generator(seed: int, name: str, device: torch.device) -> torch.Gener
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The loss
+
 def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_shards: int = 1) -> Tensor:
     """The mean cross-entropy of head(hidden) [batch, seq, vocab] against targets [batch, seq] (-100: ignored),
     without the whole logits: the sequence is cut into `chunks` pieces, each one's logits computed in fp32,
@@ -522,6 +307,248 @@ def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_sh
     return total / (targets != -100).sum().clamp(min=1)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Around the model, for the scripts and tools: presets and Hugging Face configs, the masks of packed
+# documents, costs, pipeline layouts, parallelizing a stage, tied embeddings across stages, clipping.
+#
+# Named shapes for --model. `small` is LlamaConfig's defaults (the size of GPT-2 small); the llama-* entries use
+# the layer shapes of the Llama 3 family (plain RoPE, no long-context frequency scaling, untied head; a real
+# checkpoint brings its own config with --init-from). The vocabulary comes from the tokenizer, not a preset.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024),
+    "small": dict(),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
+    "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                     num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
+    "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                      num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
+}
+
+
+def config_from_preset(name: str, vocab_size: int, num_layers: int | None = None) -> LlamaConfig:
+    """The preset's config with the tokenizer's vocabulary and, optionally, another number of layers."""
+    overrides = dict(PRESETS[name], vocab_size=vocab_size)
+    if num_layers is not None:
+        overrides["num_hidden_layers"] = num_layers
+    return LlamaConfig(**overrides)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hugging Face Llama: config.json -> LlamaConfig (export.hf_config writes one), and tensor names
+#
+# model.py computes what transformers' LlamaForCausalLM computes, with the same tensor names but for one prefix
+# and the same RoPE layout (rotate-half), so weights need no permutation, only renaming.
+
+OURS, THEIRS = "base_model.", "model."
+# transformers' LlamaConfig defaults, for fields a config.json leaves out (configuration_llama.py).
+HF_DEFAULTS = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+               "tie_word_embeddings": False, "initializer_range": 0.02}
+
+
+def hf_name(name: str) -> str:
+    """This model's tensor name -> Hugging Face's: base_model.layers.0... -> model.layers.0..."""
+    return THEIRS + name[len(OURS):] if name.startswith(OURS) else name
+
+
+# The largest sizes config_from_hf takes: every tensor dimension within torch's 32-bit indexing, so plan.py's
+# sums of bytes and FLOPs stay finite; twice the deepest Llama's 126 layers, as the balanced split tries
+# layers^2 layouts (256 layers: 0.14 s for each stage count and cost that plan.py --gpus searches).
+MAX_SIZE, MAX_LAYERS = 2 ** 31 - 1, 256
+
+
+def config_from_hf(hf: dict) -> LlamaConfig:
+    """The LlamaConfig of a Hugging Face config.json. What model.py does not compute, and a size or number that
+    no model has, is refused with a ValueError that names the field."""
+    if not isinstance(hf, dict):
+        shown = json.dumps(hf)
+        raise ValueError(f"config.json is {shown if len(shown) <= 40 else shown[:37] + '...'}, not an object of "
+                         "fields")
+
+    def refuse(field, why):
+        raise ValueError(f"config.json {field} = {json.dumps(hf.get(field))}: {why}; this project trains Llama "
+                         "models (model.py) only")
+
+    def wrong(field, value, why):
+        shown = json.dumps(value)
+        raise ValueError(f"config.json {field} = {shown if len(shown) <= 40 else shown[:37] + '...'}: {why}")
+
+    def size(field, value, most=MAX_SIZE):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            wrong(field, value, f"must be a whole number from 1 to {most}")
+        return value
+
+    def positive(field, value, zero=False):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+                value < 0 or (value == 0 and not zero):
+            wrong(field, value, f"must be a finite {'non-negative' if zero else 'positive'} number")
+        return value
+
+    if hf.get("model_type") != "llama":
+        refuse("model_type", "not llama")
+    for field, supported in {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}.items():
+        if hf.get(field, supported) != supported:
+            refuse(field, f"only {json.dumps(supported)} is implemented")
+    if hf.get("attention_dropout", 0.0):
+        refuse("attention_dropout", "dropout is not implemented")
+    # transformers 4 writes rope_theta and rope_scaling; transformers 5 writes both into rope_parameters.
+    field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    if not isinstance(hf.get(field) or {}, dict):
+        wrong(field, hf[field], "must be an object of RoPE settings (or null)")
+    rope = dict(hf.get(field) or {})
+    theta = hf.get("rope_theta", rope.pop("rope_theta", HF_DEFAULTS["rope_theta"]))
+    rope.pop("rope_theta", None)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        refuse(field, "partial rotary embeddings are not implemented")
+    if rope_type == "default":
+        scaling = None
+    elif rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if any(key not in rope for key in keys):
+            refuse(field, f"llama3 scaling needs {', '.join(keys)}")
+        scaling = {"rope_type": "llama3", **{key: rope[key] for key in keys}}
+        for key in keys[:3]:
+            positive(f"{field} {key}", rope[key])
+        size(f"{field} original_max_position_embeddings", rope["original_max_position_embeddings"])
+        if rope["high_freq_factor"] <= rope["low_freq_factor"]:  # the smooth band divides by their difference
+            wrong(f"{field} high_freq_factor", rope["high_freq_factor"], "must exceed low_freq_factor")
+    else:
+        refuse(field, f"rope_type {rope_type} is not implemented (only default and llama3)")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if key not in hf:
+            raise ValueError(f"config.json has no {key}")
+    sizes = {key: size(key, hf[key], MAX_LAYERS if key == "num_hidden_layers" else MAX_SIZE)
+             for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
+    heads = sizes["num_attention_heads"]
+    # Absent or null: transformers' defaults (as many KV heads as heads; hidden_size / heads per head).
+    kv_heads = heads if hf.get("num_key_value_heads") is None else size("num_key_value_heads",
+                                                                         hf["num_key_value_heads"])
+    head_dim = None if hf.get("head_dim") is None else size("head_dim", hf["head_dim"])
+    if heads % kv_heads:
+        wrong("num_key_value_heads", kv_heads, f"must divide num_attention_heads ({heads})")
+    if head_dim is None and sizes["hidden_size"] % heads:
+        wrong("num_attention_heads", heads, f"must divide hidden_size ({sizes['hidden_size']}), or give head_dim")
+    rest = {key: hf.get(key, default) for key, default in HF_DEFAULTS.items() if key != "rope_theta"}
+    size("max_position_embeddings", rest["max_position_embeddings"])
+    positive("rms_norm_eps", rest["rms_norm_eps"], zero=True)
+    positive("initializer_range", rest["initializer_range"], zero=True)
+    if not isinstance(rest["tie_word_embeddings"], bool):
+        wrong("tie_word_embeddings", rest["tie_word_embeddings"], "must be true or false")
+    return LlamaConfig(**sizes, num_key_value_heads=kv_heads, head_dim=head_dim,
+                       rope_theta=float(positive("rope_theta", theta)), rope_scaling=scaling, **rest)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Packed documents kept apart (--document-masking)
+#
+# The token files hold documents one after another (bos, ids, eos) and a window cuts across them. Kept apart,
+# a token attends only to the earlier tokens of its own document and its rotary position counts from the
+# document's start: it computes what it computes alone. What carries the boundaries is each token's position in
+# its document, plain integers [batch, seq]: a pipeline schedule cuts them into microbatches with the tokens and
+# hands every stage its microbatch's. Each stage builds the mask from them once (attention_mask, in its forward)
+# and hands it to each of its layers. No mask object crosses a stage or goes through the schedules' autograd
+# (torchtitan #1723, #3584).
+
+def document_positions(input_ids: Tensor, bos_id: int) -> Tensor:
+    """Each token's position in its document [batch, seq]: 0 at every bos, then counting up; a window's tokens
+    before its first bos are the tail of a document, counted from 0 too."""
+    index = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+    return index - torch.where(input_ids == bos_id, index, 0).cummax(-1).values  # minus where the document began
+
+
+def document_mask_mod(positions: Tensor):
+    """FlexAttention's mask_mod of packed documents: query q sees key k when k is q or before it, and no earlier
+    than q's document's first token. Evaluated on index grids it is also the dense mask (document_mask)."""
+    starts = torch.arange(positions.shape[-1], device=positions.device) - positions  # each token's document start
+
+    def mask_mod(b, h, q, k):
+        return (k <= q) & (k >= starts[b, q])
+    return mask_mod
+
+
+def document_mask(positions: Tensor) -> Tensor:
+    """The dense mask [batch, 1, seq, seq] of document_mask_mod: True where a query (row) sees a key."""
+    index = torch.arange(positions.shape[-1], device=positions.device)
+    batches = torch.arange(positions.shape[0], device=positions.device)[:, None, None, None]
+    return document_mask_mod(positions)(batches, None, index[:, None], index)
+
+
+@functools.cache
+def _compiled_flex():  # compiled on first use (torch.compile costs seconds to set up, even unused)
+    return torch.compile(create_block_mask), torch.compile(flex_attention)
+
+
+def attention_mask(positions: Tensor) -> Tensor | BlockMask:
+    """What every attention layer of a stage takes of a microbatch's positions [batch, seq], built once by the stage
+    (LlamaModel.forward) for all its layers, and not again in a checkpointed layer's recompute: on a GPU,
+    FlexAttention's BlockMask (which blocks of keys each block of queries sees); elsewhere the dense mask."""
+    if positions.is_cuda:
+        (batch, seq), mask_mod = positions.shape, document_mask_mod(positions)
+        return _compiled_flex()[0](mask_mod, batch, None, seq, seq, device=positions.device)
+    return document_mask(positions)
+
+
+def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask) -> Tensor:
+    """Attention of q [batch, heads, seq, head_dim] within documents, mask attention_mask's. On a GPU, FlexAttention
+    compiled: one fused kernel that skips the blocks of keys no query of theirs may see (with several documents a
+    window, fewer FLOPs than causal). Elsewhere (torch 2.13's FlexAttention has no CPU backward) SDPA with the
+    dense mask [batch, 1, seq, seq] from the same mask_mod, whose masked scores weigh exactly 0."""
+    if isinstance(mask, BlockMask):  # a compiled layer takes it as an input: one graph for every microbatch's
+        return _compiled_flex()[1](q, k, v, block_mask=mask, enable_gqa=True)
+    if not q.is_cpu:  # traced on meta (the tracer), run on a GPU: CUDA's fused kernels take a mask, but with it
+        # not grouped K/V heads (torch 2.13 would fall back to its unfused math kernel), so the heads are copied
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.is_cpu)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What the model costs: parameters, FLOPs, MFU, and how many pieces the loss is cut into
+
+def parameter_counts(config: LlamaConfig, tp: int = 1) -> dict[str, float]:
+    """The parameters of one decoder layer ("layer"), of the embedding and of the head with the final norm, that
+    one of tp tensor-parallel ranks holds: tensor parallelism splits every matrix tp ways, each rank holds the
+    norms' gains whole. The one count that FLOPs, the layouts' costs and plan.py's memory are computed from."""
+    h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads
+    matrices = h * (2 * q + 2 * kv * config.head_dim) + 3 * h * config.intermediate_size  # q, o, k, v; the MLP's 3
+    return {"layer": matrices / tp + 2 * h, "embed": config.vocab_size * h / tp,
+            "head": config.vocab_size * h / tp + h}
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs per token, 6N + 12·L·H·Q·T (PaLM, appendix B): N the parameters outside the embedding
+    lookup (it does no multiply), L layers, H query heads, Q head size, T sequence length (attention)."""
+    params, q = parameter_counts(config), config.num_attention_heads * config.head_dim
+    n = config.num_hidden_layers * params["layer"] + params["head"]
+    return 6 * n + 12 * config.num_hidden_layers * q * seq_len
+
+
+# NVIDIA's data sheets, dense (without sparsity), FLOP/s per GPU: (bf16 on tensor cores, fp32). The scripts leave
+# TF32 off (torch's default for matmuls), so an fp32 run's matmuls run at the fp32 peak, not TF32's.
+PEAK_FLOPS = {"H100": (989.5e12, 67e12), "H100 PCIe": (756.5e12, 51e12), "H100 NVL": (835.5e12, 60e12),
+              "H200": (989.5e12, 67e12), "H200 NVL": (835.5e12, 60e12), "GH200": (989.5e12, 67e12),
+              "A100": (312e12, 19.5e12), "L40S": (362e12, 91.6e12), "L4": (121e12, 30.3e12)}  # H100, H200: SXM
+
+
+def peak_flops(gpu: str, dtype: torch.dtype) -> float | None:
+    """The dense peak of a GPU named as torch.cuda.get_device_name names it ("NVIDIA H100 80GB HBM3": an SXM,
+    "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB") for dtype; None for a GPU not in PEAK_FLOPS."""
+    words = set(gpu.replace("-", " ").split())
+    found = [name for name in PEAK_FLOPS if set(name.split()) <= words]  # all its words: "H100 NVL", not "L4"
+    return PEAK_FLOPS[max(found, key=len)][dtype == torch.float32] if found else None  # the most specific
+
+
+def mfu(tokens_per_s: float, config: LlamaConfig, seq_len: int, device: torch.device, dtype: torch.dtype,
+        gpus: int) -> float | None:
+    """Model FLOPs utilization: the model's FLOPs per second over the GPUs' dense peak for the computation's
+    dtype (bf16 autocast, or fp32); None where the peak is not known (the CPU, other GPUs)."""
+    peak = peak_flops(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
+    return tokens_per_s * flops_per_token(config, seq_len) / (peak * gpus) if peak else None
+
+
 LOSS_PIECE_BYTES = 256 * 2**20  # the fp32 logits of one piece of the loss, when their count is left to loss_chunks
 
 
@@ -535,15 +562,6 @@ def loss_chunks(requested: int, config: LlamaConfig, microbatch: tuple[int, int]
         return requested
     logits = microbatch[0] * microbatch[1] * config.vocab_size / tp * 4
     return max(1, min(microbatch[1], math.ceil(logits / LOSS_PIECE_BYTES)))
-
-
-def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
-    """Training FLOPs per token, 6N + 12·L·H·Q·T (PaLM, appendix B): N the parameters outside the embedding
-    lookup (it does no multiply), L layers, H query heads, Q head size, T sequence length (attention)."""
-    h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads
-    per_layer = h * (2 * q + 2 * kv * config.head_dim) + 3 * h * config.intermediate_size + 2 * h
-    n = config.num_hidden_layers * per_layer + h * (config.vocab_size + 1)  # + head, final norm
-    return 6 * n + 12 * config.num_hidden_layers * q * seq_len
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -572,14 +590,13 @@ def estimated_costs(config: LlamaConfig, seq_len: int, recompute: bool = False,
     """Forward + backward FLOPs per token of one decoder layer (with its recomputed forward, when activation
     checkpointing: "recompute" says how much of "layer" that is), the head with the loss (its forward twice with
     a chunked loss: "head_recompute"), and the embedding."""
-    h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads
-    layer_params = h * (2 * q + 2 * kv * config.head_dim) + 3 * h * config.intermediate_size + 2 * h
-    layer = 6 * layer_params + 12 * q * seq_len
+    params, q = parameter_counts(config), config.num_attention_heads * config.head_dim
+    layer = 6 * params["layer"] + 12 * q * seq_len
     again = layer / 3 if recompute else 0.0  # the forward is a third of forward + backward
-    head = 6 * h * config.vocab_size + 6 * h
+    head = 6 * params["head"]
     head_again = head / 3 if loss_chunks > 1 else 0.0
     return {"layer": layer + again, "recompute": again, "head": head + head_again, "head_recompute": head_again,
-            "embed": 6 * h}
+            "embed": 6 * config.hidden_size}
 
 
 def stage_costs(layout: list[range], costs: dict[str, float]) -> list[float]:
@@ -970,26 +987,3 @@ def clip_grad_norm_(params, max_norm: float, copies=(), tp: int = 1) -> Tensor:
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params], scale)
     return total
-
-
-# NVIDIA's data sheets, dense (without sparsity), FLOP/s per GPU: (bf16 on tensor cores, fp32). The scripts leave
-# TF32 off (torch's default for matmuls), so an fp32 run's matmuls run at the fp32 peak, not TF32's.
-PEAK_FLOPS = {"H100": (989.5e12, 67e12), "H100 PCIe": (756.5e12, 51e12), "H100 NVL": (835.5e12, 60e12),
-              "H200": (989.5e12, 67e12), "H200 NVL": (835.5e12, 60e12), "GH200": (989.5e12, 67e12),
-              "A100": (312e12, 19.5e12), "L40S": (362e12, 91.6e12), "L4": (121e12, 30.3e12)}  # H100, H200: SXM
-
-
-def peak_flops(gpu: str, dtype: torch.dtype) -> float | None:
-    """The dense peak of a GPU named as torch.cuda.get_device_name names it ("NVIDIA H100 80GB HBM3": an SXM,
-    "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB") for dtype; None for a GPU not in PEAK_FLOPS."""
-    words = set(gpu.replace("-", " ").split())
-    found = [name for name in PEAK_FLOPS if set(name.split()) <= words]  # all its words: "H100 NVL", not "L4"
-    return PEAK_FLOPS[max(found, key=len)][dtype == torch.float32] if found else None  # the most specific
-
-
-def mfu(tokens_per_s: float, config: LlamaConfig, seq_len: int, device: torch.device, dtype: torch.dtype,
-        gpus: int) -> float | None:
-    """Model FLOPs utilization: the model's FLOPs per second over the GPUs' dense peak for the computation's
-    dtype (bf16 autocast, or fp32); None where the peak is not known (the CPU, other GPUs)."""
-    peak = peak_flops(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
-    return tokens_per_s * flops_per_token(config, seq_len) / (peak * gpus) if peak else None

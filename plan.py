@@ -77,7 +77,7 @@ import checkpoint
 import train_pipeline_gpipe as gpipe
 from checkpoint import Parser, UsageError, whole
 from model import (PRESETS, LlamaConfig, balanced, config_from_hf, config_from_preset, describe_layout,
-                   estimated_costs, from_sizes, loss_chunks, stage_costs)
+                   estimated_costs, from_sizes, loss_chunks, parameter_counts, stage_costs)
 from train_pipeline_gpipe import SCHEDULES, SINGLE_STAGE, V_SHAPED, stage_ids
 
 # The throughput the step times are given at: 40 % of an H100's dense bf16 peak, a typical sustained rate.
@@ -171,11 +171,10 @@ def stage_params(config: LlamaConfig, layout: list[range], tp: int = 1) -> list[
     """Parameters of each stage that one of its tensor-parallel ranks holds: its layers, the embedding on the
     first, the final norm and the head on the last (a tied head is a copy there, unless one stage holds both).
     Tensor parallelism splits every matrix tp ways; the norms' gains are held whole by each rank."""
-    h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads
-    layer = (h * (2 * q + 2 * kv * config.head_dim) + 3 * h * config.intermediate_size) / tp + 2 * h
-    embed, last = config.vocab_size * h / tp, config.vocab_size * h / tp + h
+    params = parameter_counts(config, tp)
+    layer, embed, last = params["layer"], params["embed"], params["head"]
     if len(layout) == 1 and config.tie_word_embeddings:
-        last -= config.vocab_size * h / tp
+        last -= embed
     return [len(layers) * layer + (embed if i == 0 else 0) + (last if i == len(layout) - 1 else 0)
             for i, layers in enumerate(layout)]
 

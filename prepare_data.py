@@ -5,53 +5,9 @@
     python prepare_data.py --data books/ --eval-data held_out.txt --tokenizer path/to/llama-3-8b
     python prepare_data.py --data hf:HuggingFaceFW/fineweb:sample-10BT --max-tokens 2_000_000_000
 
---data (and --eval-data) name where documents come from:
-
-    builtin                    the .py files of this Python's standard library: ~11 MB of real text on every
-                               machine, so the default needs no download
-    FILE or FOLDER[,...]       .txt (UTF-8, one document per paragraph: paragraphs are separated by blank lines),
-                               .jsonl (one JSON object per line, its --text-field string is the document) and
-                               .parquet files (a string --text-field column); a folder means every such file under
-                               it (hidden ones left out), in sorted order
-    hf:NAME[:CONFIG[:SPLIT]]   a Hugging Face dataset, streamed (split "train" unless given)
-
-Without --eval-data every 50th document of --data (the 50th, 100th, ...) is held out and never trained on; when
-those make less than one window (a corpus of a few documents, or one long text), the last 10 % of the tokens is
-held out instead, as nanoGPT does (the summary line says so, and meta.json's val.held_out is "tail").
-Without --tokenizer a byte-level BPE tokenizer is trained on the first 20M characters of the training documents.
---eval-data must not overlap --data, and --out must not be, hold or lie inside anything that is read.
-
-Memory stays bounded however long a document is (a 1 GB text on one line: 470 MiB at the peak; a 40 MB one took
-5.6 GiB encoded whole): a .txt is read 1 MiB of a line at a time, and a document longer than 100,000 characters is
-encoded in pieces, each ending before a space between two non-space characters, else after a newline between two,
-else (100,000 characters without either) after 100,000 characters. Byte-level tokenizers (the one trained here,
-GPT-2's, Llama 3's) begin a token at both, so the ids are those of the document encoded whole; a piece's boundary
-can change a token or two where no such place was found, or where a tokenizer marks the start of every text (Llama
-2's, add_prefix_space; Metaspace ones after a newline). A .jsonl line or .parquet row is read whole.
-
-What --out holds (built in a temporary folder beside it and renamed at the end: a failure, Ctrl-C or SIGTERM leaves
-nothing behind; a run killed outright leaves its .OUT.PID.*.tmp folder, which the next run into --out removes;
-a second run into the same --out while one is writing it is refused):
-
-    train-00000.bin ...   token ids, uint16 (uint32 for a vocabulary over 65,536 ids), one file per 100M tokens;
-                          every document is bos, its ids, eos, packed one after the other: no padding
-    val.bin               the held-out documents (or the tail) the same way
-    tokenizer.json        the tokenizer (it puts bos before what it encodes, as transformers expects), with
-    tokenizer_config.json the bos/eos/pad tokens: transformers.AutoTokenizer.from_pretrained(DIR) loads it
-    meta.json             dtype, vocab size, bos/eos ids, the files and their token counts, what was asked
-
---force replaces an --out that holds a dataset written here before (its meta.json says so, and the folder holds
-nothing else); an --out holding anything else is refused, --force or not.
-
-A second run with the same request finds meta.json and does nothing (and does not import torch: it answers in a
-fraction of a second). A training script reads the files back with np.memmap, a window of seq_len + 1 tokens at
-a time (inputs = window[:-1], targets = window[1:]):
-
-    meta = json.load(open(os.path.join(data_dir, "meta.json")))
-    files = [np.memmap(os.path.join(data_dir, f), dtype=meta["dtype"], mode="r") for f in meta["train"]["files"]]
-    window = files[0][start:start + seq_len + 1].astype(np.int64)
-
-(the scripts' Batches class visits every window of every file once per epoch, in a seeded order).
+It reads the documents (--data), trains a BPE tokenizer on them (or takes --tokenizer), and writes into --out
+train-NNNNN.bin and val.bin (every document bos, ids, eos, packed), the tokenizer and meta.json; a rerun of the
+same request does nothing. The sources, the held-out split, memory, --out and reading it back: docs/data.md.
 """
 
 import argparse
@@ -98,6 +54,374 @@ OWN_FILES = re.compile(r"(train-\d{5}\.bin|val\.bin|meta\.json|tokenizer\.json|t
 
 class UsageError(Exception):
     """A mistake in the command line or its inputs: one line on stderr, exit status 1, nothing written."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The pipeline: read the documents -> tokenize them -> write the token files (into a temporary folder,
+# which the run below renames to --out)
+
+def write_dataset(tmp: str, args, source: dict, identity: str, tokenizer: "Tokenizer | None") -> dict:
+    """The dataset args ask for, written into the folder tmp (prepare() renames it to --out once whole): the
+    documents read, a tokenizer trained on them (or the --tokenizer given), every document tokenized into the
+    token files, a held-out split, and meta.json last. Returns the meta."""
+    held_out = not args.eval_data
+    if tokenizer is None:
+        vocab_size = args.vocab_size or VOCAB_SIZE
+        print(f"training a byte-level BPE tokenizer ({vocab_size:,} tokens) on the first "
+              f"{TOKENIZER_TRAIN_CHARS:,} characters of --data {args.data}", flush=True)
+        tokenizer = train_tokenizer((text for part, text, _ in split(documents(args.data, args.text_field),
+                                                                     held_out) if part == "train"), vocab_size)
+    backend = tokenizer.backend
+    # get_vocab_size() can be below the largest id + 1 (a vocabulary with holes): the dtype must hold that id.
+    dtype = token_dtype(max(backend.get_vocab_size(), max(backend.get_vocab().values()) + 1))
+    sha256 = save_tokenizer(tokenizer, tmp)
+    files = {"train": TokenFiles(tmp, "train", dtype, SHARD_TOKENS), "val": TokenFiles(tmp, "val", dtype)}
+    # disable=None: no bar off a terminal (logs, tests), so that an error there stays one line.
+    try:
+        with tqdm(desc="tokenizing", unit=" documents", disable=None, leave=False) as bar:
+            tokenize(split(documents(args.data, args.text_field), held_out), tokenizer, files, bar, args.max_tokens)
+            if args.eval_data:
+                tokenize((("val", text, end) for text, end in documents(args.eval_data, args.text_field,
+                                                                         "--eval-data")), tokenizer, files, bar)
+    finally:
+        for f in files.values():
+            f.close()
+    kind = "documents" if held_out else "eval_data"
+    if held_out and files["val"].total < MIN_TOKENS:
+        hold_out_tail(tmp, files, args)  # it sees to both splits' windows
+        kind = "tail"
+    train, val = files["train"], files["val"]
+    if train.total < MIN_TOKENS:  # a cut at --max-tokens is a window at least: too few documents
+        raise UsageError(f"--data {args.data}: the training split holds {train.total} tokens "
+                         f"({_count(train.documents, 'document')}), fewer than {WINDOW}; give more documents")
+    if val.total < MIN_TOKENS:
+        raise UsageError(f"--eval-data {args.eval_data}: the held-out split holds {val.total} tokens "
+                         f"({_count(val.documents, 'document')}), fewer than {WINDOW}; give more held-out "
+                         "documents, or leave --eval-data out to hold out part of --data")
+    meta = {"format": FORMAT, "dtype": dtype, "vocab_size": backend.get_vocab_size(),
+            "bos_id": backend.token_to_id(tokenizer.bos), "eos_id": backend.token_to_id(tokenizer.eos),
+            "bos_token": tokenizer.bos, "eos_token": tokenizer.eos,
+            **{part: {"files": f.files, "tokens": f.tokens, "documents": f.documents} for part, f in files.items()},
+            "source": source, "fingerprint": identity, "tokenizer_sha256": sha256}
+    meta["val"]["held_out"] = kind  # "documents" (every 50th), "tail" (the last tokens) or "eval_data"
+    with open(os.path.join(tmp, "meta.json"), "w") as f:  # last: its presence says the rest is complete
+        json.dump(meta, f, indent=1)
+    return meta
+
+
+def hold_out_tail(directory: str, files: dict, args) -> None:
+    """Too few documents to hold out whole ones: val.bin becomes the last 1/HELD_OUT_TAIL of the token stream (at
+    least one window), the few held-out documents' tokens at its end, and the training files lose that tail."""
+    train, val = files["train"], files["val"]
+    total = train.total + val.total
+    size = max(MIN_TOKENS, total // HELD_OUT_TAIL)
+    if total - size < MIN_TOKENS:
+        if args.max_tokens and train.total >= args.max_tokens:
+            raise UsageError(f"--max-tokens {args.max_tokens}: too few tokens for {WINDOW} to train on and another "
+                             "held out (the documents are too few to hold out whole ones, so the last tokens are); "
+                             f"give --max-tokens {2 * MIN_TOKENS} or more, or held-out documents with --eval-data")
+        raise UsageError(f"--data {args.data}: {total} tokens ({_count(train.documents + val.documents, 'document')}), "
+                         f"too few for {WINDOW} to train on and another held out; give more documents")
+    itemsize = np.dtype(train.dtype).itemsize
+    spans, take = [], size - val.total  # (file, first token, tokens) of the tail, from the last file backwards
+    for name, count in reversed(list(zip(train.files, train.tokens))):
+        spans.insert(0, (name, count - min(take, count), min(take, count)))
+        take -= spans[0][2]
+        if not take:
+            break
+    with open(os.path.join(directory, "tail.tmp"), "wb") as tail:
+        for name, first, count in spans + [("val.bin", 0, val.total)]:
+            with open(os.path.join(directory, name), "rb") as f:
+                f.seek(first * itemsize)
+                left = count * itemsize
+                while left:  # in pieces: a tail can be large
+                    chunk = f.read(min(left, 1 << 24))
+                    tail.write(chunk)
+                    left -= len(chunk)
+    for name, first, _ in spans:
+        os.truncate(os.path.join(directory, name), first * itemsize)
+        train.tokens[train.files.index(name)] = first
+    while not train.tokens[-1]:
+        os.remove(os.path.join(directory, train.files.pop()))
+        train.tokens.pop()
+    os.replace(os.path.join(directory, "tail.tmp"), os.path.join(directory, "val.bin"))
+    val.tokens = [size]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The run: --out written whole or not at all, never over what this tool did not write
+
+def prepare(args) -> dict | None:
+    """Write the dataset args ask for into args.out; returns its meta, or None when args.out was ready."""
+    started = time.time()
+    source, identity = request(args)
+    out = os.path.abspath(args.out)  # absolute: its parent and name are what `--out .` means too
+    if _ready(args, out, source, identity):  # before anything is written, not even the lock
+        return None
+    check_inputs(args, out)
+    if args.max_tokens is not None and args.max_tokens < MIN_TOKENS:
+        raise UsageError(f"--max-tokens {args.max_tokens}: fewer than {WINDOW}; give at least {MIN_TOKENS}")
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None  # a bad one fails before any writing
+
+    parent = os.path.dirname(out)
+    made, probe = None, parent  # made: the topmost folder this run creates, removed again if it fails
+    while not os.path.exists(probe):
+        made, probe = probe, os.path.dirname(probe)
+    held = None
+    try:
+        try:
+            os.makedirs(parent, exist_ok=True)
+            held = lock(out, args.out)
+        except OSError as e:
+            raise UsageError(f"--out {args.out}: cannot create a folder or file in {parent} ({e.strerror or e})") \
+                from None
+        remove_leftovers(out)
+        if _ready(args, out, source, identity):  # a run that held the lock until a moment ago prepared it
+            return None
+        check_out(args, out, source, identity)
+        meta = _build(out, args, source, identity, tokenizer)
+    except BaseException as e:  # including Ctrl-C and SIGTERM: _build has removed its temporary folder
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise UsageError(f"--out {args.out}: cannot write ({e.strerror or e})") from None
+        raise
+    finally:
+        if held:
+            unlock(*held)
+    train, val = meta["train"], meta["val"]
+    how = f"the last {100 // HELD_OUT_TAIL} % of the tokens: too few documents to hold out whole ones" \
+        if val["held_out"] == "tail" else _count(val["documents"], "document")
+    print(f"prepared {args.out}: {sum(train['tokens']):,} training tokens ({_count(train['documents'], 'document')}, "
+          f"{len(train['files'])} file{'s' * (len(train['files']) > 1)}) + {val['tokens'][0]:,} held-out "
+          f"({how}; val.bin), {meta['dtype']}, vocabulary {meta['vocab_size']:,}, in {time.time() - started:.0f}s")
+    return meta
+
+
+def _build(out: str, args, source: dict, identity: str, tokenizer: "Tokenizer | None") -> dict:
+    """Writes the dataset into a temporary folder beside out (named with the pid, so that a later run can tell
+    it is left over) and renames it to out, replacing what is there."""
+    parent, base = os.path.split(out)
+    tmp = tempfile.mkdtemp(prefix=f".{base}.{os.getpid()}.", suffix=".tmp", dir=parent)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private; the dataset should not be
+        meta = write_dataset(tmp, args, source, identity, tokenizer)
+        if os.path.lexists(out):  # replaced (--force, or an empty folder): moved aside first, so a failure keeps it
+            os.rename(out, old := tmp + ".old")
+            try:
+                os.rename(tmp, out)
+            except OSError:
+                os.rename(old, out)
+                raise
+            _remove(old)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def request(args) -> tuple[dict, str]:
+    """What is asked (meta.json's "source") and what it is made of (its "fingerprint"): a rerun with both equal
+    finds --out ready. Checks the sources exist, so a missing path fails before anything is written."""
+    if args.tokenizer and args.vocab_size:
+        raise UsageError("--vocab-size: only for a tokenizer trained here; the --tokenizer given has its own "
+                         "vocabulary, leave one of the two out")
+    source = {"data": args.data, "eval_data": args.eval_data, "tokenizer": args.tokenizer,
+              "vocab_size": None if args.tokenizer else args.vocab_size or VOCAB_SIZE,
+              "text_field": args.text_field, "max_tokens": args.max_tokens}
+    parts = [f"data={fingerprint(args.data, '--data')}"]
+    if args.eval_data:
+        parts.append(f"eval_data={fingerprint(args.eval_data, '--eval-data')}")
+    if args.tokenizer:  # an edited tokenizer file makes the old tokens stale too
+        parts.append("tokenizer=" + ";".join(_file_identity(f) for f in _tokenizer_files(args.tokenizer)))
+    return source, " | ".join(parts)
+
+
+def _tokenizer_files(path: str) -> list[str]:
+    files = [os.path.join(path, n) for n in ("tokenizer.json", "tokenizer_config.json")] \
+        if os.path.isdir(path) else [path]
+    return [f for f in files if os.path.isfile(f)]
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(os.path.join(folder, ""))
+
+
+def check_inputs(args, out: str) -> None:
+    """Refuses an --out that is, holds or lies inside anything read (real paths), and --eval-data overlapping --data."""
+    read = []  # (flag, path as given, real path) of every file and folder read
+    for flag, spec in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if spec == "builtin":
+            read.append((flag, spec, os.path.realpath(sysconfig.get_paths()["stdlib"])))
+        elif spec and not spec.startswith("hf:"):
+            paths = [p for p in spec.split(",") if p] + source_files(spec, flag)
+            read += [(flag, p, os.path.realpath(p)) for p in paths]
+    if args.tokenizer:
+        read += [("--tokenizer", p, os.path.realpath(p)) for p in [args.tokenizer, *_tokenizer_files(args.tokenizer)]]
+    real_out = os.path.realpath(out)
+    for flag, given, real in read:
+        if _inside(real, real_out) or _inside(real_out, real):
+            how = "is" if real == real_out else "holds" if _inside(real, real_out) else "lies inside"
+            raise UsageError(f"--out {args.out}: it {how} {flag} {given}, which this run reads; choose another --out "
+                             "(a dataset never replaces what it is made from, --force or not)")
+    overlap = args.eval_data == args.data or any(
+        _inside(e, d) or _inside(d, e) for flag_e, _, e in read if flag_e == "--eval-data"
+        for flag_d, _, d in read if flag_d == "--data")
+    if args.eval_data and overlap:
+        raise UsageError(f"--eval-data {args.eval_data}: it overlaps --data {args.data}, so the held-out loss would "
+                         "be on training documents; give documents --data does not hold, or leave --eval-data out "
+                         f"to hold out every {HELD_OUT_EVERY}th document of --data")
+
+
+def read_meta(out: str) -> dict | None:
+    """--out's meta.json if --out is a complete dataset (every file there, of the size it claims), else None."""
+    try:
+        with open(os.path.join(out, "meta.json")) as f:
+            meta = json.load(f)
+        size = np.dtype(meta["dtype"]).itemsize
+        complete = os.path.isfile(os.path.join(out, "tokenizer.json")) and all(
+            os.path.getsize(os.path.join(out, name)) == tokens * size
+            for part in ("train", "val") for name, tokens in zip(meta[part]["files"], meta[part]["tokens"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return meta if complete and meta.get("format") == FORMAT else None
+
+
+def _ready(args, out: str, source: dict, identity: str) -> bool:
+    meta = read_meta(out)
+    if meta and meta["source"] == source and meta["fingerprint"] == identity:
+        print(f"{args.out} is ready: prepared before from this same request (meta.json); nothing to do")
+        return True
+    return False
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'s' * (n != 1)}"
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def holding(out: str) -> tuple[str, dict | None, bool]:
+    """What a non-empty --out holds, in words; its meta.json; whether --force may replace it: only a dataset this
+    tool wrote (its meta.json, with "format", and nothing but the files it lists and the tokenizer's)."""
+    if not os.path.isdir(out):
+        return "is not a folder", None, False
+    names = sorted(os.listdir(out))
+    try:
+        with open(os.path.join(out, "meta.json")) as f:
+            meta = json.load(f)
+        listed = {name for part in ("train", "val") for name in meta[part]["files"]} | \
+            {"meta.json", "tokenizer.json", "tokenizer_config.json"}
+        if "format" not in meta:
+            raise KeyError("format")
+    except OSError:
+        return f"holds other files ({_some(names)})", None, False
+    except (ValueError, KeyError, TypeError):  # a damaged meta.json: ours only if every name is one we write
+        others = [n for n in names if not OWN_FILES.match(n)]
+        if others:
+            return f"holds a damaged meta.json and other files ({_some(others)})", None, False
+        return "holds a damaged dataset (its meta.json is not one this tool wrote whole)", None, True
+    others = [n for n in names if n not in listed]
+    if others:
+        return f"holds a dataset and other files ({_some(others)})", meta, False
+    return "holds a dataset", meta, True
+
+
+def _changes(meta: dict, source: dict, identity: str) -> str:
+    """How the dataset meta describes differs from what is asked, in words."""
+    if meta.get("format") != FORMAT:
+        return f"of another format ({meta.get('format')}; this version writes {FORMAT})"
+    old = meta.get("source") if isinstance(meta.get("source"), dict) else {}
+    flags = [f"--{key.replace('_', '-')} {'unset' if old.get(key) is None else old.get(key)} -> "
+             f"{'unset' if value is None else value}" for key, value in source.items() if old.get(key) != value]
+    if flags:
+        return f"prepared with other flags ({', '.join(flags)})"
+    before, now = (dict(p.split("=", 1) for p in str(f).split(" | ") if "=" in p)
+                   for f in (meta.get("fingerprint"), identity))
+    stale = [f"--{key.replace('_', '-')}" for key in now if before.get(key) != now[key]]
+    if stale:
+        return f"prepared with these flags, but the files of {' and '.join(stale)} changed since"
+    return "incomplete (files missing, or not of the sizes its meta.json gives)"
+
+
+def check_out(args, out: str, source: dict, identity: str) -> None:
+    """Refuses an --out holding what this tool did not write, and without --force a dataset of another request."""
+    if not os.path.lexists(out) or (os.path.isdir(out) and not os.listdir(out)):
+        return
+    what, meta, ours = holding(out)
+    if not ours:
+        raise UsageError(f"--out {args.out}: it {what}, not a dataset prepared here; choose another --out "
+                         "(--force replaces only a dataset this tool wrote, never other files)")
+    if not args.force:
+        what = f"holds a dataset {_changes(meta, source, identity)}" if meta else what
+        raise UsageError(f"--out {args.out}: it {what}; choose another --out, or add --force to replace it")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: alive
+        return True
+    except (OverflowError, ValueError):
+        return False
+    return True
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def lock(out: str, shown: str) -> tuple[str, int]:
+    """Holds --out (an absolute path) against a second run: an flock on .OUT.lock beside it, which the system
+    frees when its process ends however it ends, and which holds the pid for the message. Returns unlock's args."""
+    path = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.lock")
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UsageError(f"--out {shown}: another prepare_data.py (pid {pid}) is writing it now; wait for it to "
+                             "end, or choose another --out") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # its holder removed it between our open and flock: lock the one there now
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return path, fd
+
+
+def unlock(path: str, fd: int) -> None:
+    try:
+        os.remove(path)  # while still held, so that no one locks the removed file
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+
+
+def remove_leftovers(out: str) -> None:
+    """Removes the temporary folders of earlier runs into out (absolute) whose process is gone (killed outright)."""
+    parent, base = os.path.split(out)
+    leftover = re.compile(re.escape(f".{base}.") + r"(\d+)\.\w+\.tmp(\.old)?\Z")
+    for name in os.listdir(parent):
+        match = leftover.match(name)
+        if match and not _alive(int(match[1])):
+            _remove(os.path.join(parent, name))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -336,7 +660,7 @@ def _piece_end(text: str, start: int, size: int) -> int:
     """Where the piece of text from start ends, at most size characters on: before the last space that stands between
     two non-space characters, else after the last newline that does, else after size characters. The pre-tokenizers
     of byte-level BPE (the one trained here, GPT-2's, Llama 3's) begin a token at both, Metaspace ones that split at
-    spaces at the first: the pieces' ids are then the whole text's (the docstring at the top says where not)."""
+    spaces at the first: the pieces' ids are then the whole text's (docs/data.md says where not)."""
     end = min(start + size, len(text) - 2) + 1  # (the character after the space or newline must be there)
     for sep, after in ((" ", 0), ("\n", 1)):
         cut = end - after
@@ -554,367 +878,6 @@ def batches(stream):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The run
-
-def request(args) -> tuple[dict, str]:
-    """What is asked (meta.json's "source") and what it is made of (its "fingerprint"): a rerun with both equal
-    finds --out ready. Checks the sources exist, so a missing path fails before anything is written."""
-    if args.tokenizer and args.vocab_size:
-        raise UsageError("--vocab-size: only for a tokenizer trained here; the --tokenizer given has its own "
-                         "vocabulary, leave one of the two out")
-    source = {"data": args.data, "eval_data": args.eval_data, "tokenizer": args.tokenizer,
-              "vocab_size": None if args.tokenizer else args.vocab_size or VOCAB_SIZE,
-              "text_field": args.text_field, "max_tokens": args.max_tokens}
-    parts = [f"data={fingerprint(args.data, '--data')}"]
-    if args.eval_data:
-        parts.append(f"eval_data={fingerprint(args.eval_data, '--eval-data')}")
-    if args.tokenizer:  # an edited tokenizer file makes the old tokens stale too
-        parts.append("tokenizer=" + ";".join(_file_identity(f) for f in _tokenizer_files(args.tokenizer)))
-    return source, " | ".join(parts)
-
-
-def _tokenizer_files(path: str) -> list[str]:
-    files = [os.path.join(path, n) for n in ("tokenizer.json", "tokenizer_config.json")] \
-        if os.path.isdir(path) else [path]
-    return [f for f in files if os.path.isfile(f)]
-
-
-def _inside(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(os.path.join(folder, ""))
-
-
-def check_inputs(args, out: str) -> None:
-    """Refuses an --out that is, holds or lies inside anything read (real paths), and --eval-data overlapping --data."""
-    read = []  # (flag, path as given, real path) of every file and folder read
-    for flag, spec in (("--data", args.data), ("--eval-data", args.eval_data)):
-        if spec == "builtin":
-            read.append((flag, spec, os.path.realpath(sysconfig.get_paths()["stdlib"])))
-        elif spec and not spec.startswith("hf:"):
-            paths = [p for p in spec.split(",") if p] + source_files(spec, flag)
-            read += [(flag, p, os.path.realpath(p)) for p in paths]
-    if args.tokenizer:
-        read += [("--tokenizer", p, os.path.realpath(p)) for p in [args.tokenizer, *_tokenizer_files(args.tokenizer)]]
-    real_out = os.path.realpath(out)
-    for flag, given, real in read:
-        if _inside(real, real_out) or _inside(real_out, real):
-            how = "is" if real == real_out else "holds" if _inside(real, real_out) else "lies inside"
-            raise UsageError(f"--out {args.out}: it {how} {flag} {given}, which this run reads; choose another --out "
-                             "(a dataset never replaces what it is made from, --force or not)")
-    overlap = args.eval_data == args.data or any(
-        _inside(e, d) or _inside(d, e) for flag_e, _, e in read if flag_e == "--eval-data"
-        for flag_d, _, d in read if flag_d == "--data")
-    if args.eval_data and overlap:
-        raise UsageError(f"--eval-data {args.eval_data}: it overlaps --data {args.data}, so the held-out loss would "
-                         "be on training documents; give documents --data does not hold, or leave --eval-data out "
-                         f"to hold out every {HELD_OUT_EVERY}th document of --data")
-
-
-def read_meta(out: str) -> dict | None:
-    """--out's meta.json if --out is a complete dataset (every file there, of the size it claims), else None."""
-    try:
-        with open(os.path.join(out, "meta.json")) as f:
-            meta = json.load(f)
-        size = np.dtype(meta["dtype"]).itemsize
-        complete = os.path.isfile(os.path.join(out, "tokenizer.json")) and all(
-            os.path.getsize(os.path.join(out, name)) == tokens * size
-            for part in ("train", "val") for name, tokens in zip(meta[part]["files"], meta[part]["tokens"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return meta if complete and meta.get("format") == FORMAT else None
-
-
-def _ready(args, out: str, source: dict, identity: str) -> bool:
-    meta = read_meta(out)
-    if meta and meta["source"] == source and meta["fingerprint"] == identity:
-        print(f"{args.out} is ready: prepared before from this same request (meta.json); nothing to do")
-        return True
-    return False
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n:,} {noun}{'s' * (n != 1)}"
-
-
-def _some(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
-def holding(out: str) -> tuple[str, dict | None, bool]:
-    """What a non-empty --out holds, in words; its meta.json; whether --force may replace it: only a dataset this
-    tool wrote (its meta.json, with "format", and nothing but the files it lists and the tokenizer's)."""
-    if not os.path.isdir(out):
-        return "is not a folder", None, False
-    names = sorted(os.listdir(out))
-    try:
-        with open(os.path.join(out, "meta.json")) as f:
-            meta = json.load(f)
-        listed = {name for part in ("train", "val") for name in meta[part]["files"]} | \
-            {"meta.json", "tokenizer.json", "tokenizer_config.json"}
-        if "format" not in meta:
-            raise KeyError("format")
-    except OSError:
-        return f"holds other files ({_some(names)})", None, False
-    except (ValueError, KeyError, TypeError):  # a damaged meta.json: ours only if every name is one we write
-        others = [n for n in names if not OWN_FILES.match(n)]
-        if others:
-            return f"holds a damaged meta.json and other files ({_some(others)})", None, False
-        return "holds a damaged dataset (its meta.json is not one this tool wrote whole)", None, True
-    others = [n for n in names if n not in listed]
-    if others:
-        return f"holds a dataset and other files ({_some(others)})", meta, False
-    return "holds a dataset", meta, True
-
-
-def _changes(meta: dict, source: dict, identity: str) -> str:
-    """How the dataset meta describes differs from what is asked, in words."""
-    if meta.get("format") != FORMAT:
-        return f"of another format ({meta.get('format')}; this version writes {FORMAT})"
-    old = meta.get("source") if isinstance(meta.get("source"), dict) else {}
-    flags = [f"--{key.replace('_', '-')} {'unset' if old.get(key) is None else old.get(key)} -> "
-             f"{'unset' if value is None else value}" for key, value in source.items() if old.get(key) != value]
-    if flags:
-        return f"prepared with other flags ({', '.join(flags)})"
-    before, now = (dict(p.split("=", 1) for p in str(f).split(" | ") if "=" in p)
-                   for f in (meta.get("fingerprint"), identity))
-    stale = [f"--{key.replace('_', '-')}" for key in now if before.get(key) != now[key]]
-    if stale:
-        return f"prepared with these flags, but the files of {' and '.join(stale)} changed since"
-    return "incomplete (files missing, or not of the sizes its meta.json gives)"
-
-
-def check_out(args, out: str, source: dict, identity: str) -> None:
-    """Refuses an --out holding what this tool did not write, and without --force a dataset of another request."""
-    if not os.path.lexists(out) or (os.path.isdir(out) and not os.listdir(out)):
-        return
-    what, meta, ours = holding(out)
-    if not ours:
-        raise UsageError(f"--out {args.out}: it {what}, not a dataset prepared here; choose another --out "
-                         "(--force replaces only a dataset this tool wrote, never other files)")
-    if not args.force:
-        what = f"holds a dataset {_changes(meta, source, identity)}" if meta else what
-        raise UsageError(f"--out {args.out}: it {what}; choose another --out, or add --force to replace it")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's: alive
-        return True
-    except (OverflowError, ValueError):
-        return False
-    return True
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.remove(path)
-
-
-def lock(out: str, shown: str) -> tuple[str, int]:
-    """Holds --out (an absolute path) against a second run: an flock on .OUT.lock beside it, which the system
-    frees when its process ends however it ends, and which holds the pid for the message. Returns unlock's args."""
-    path = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.lock")
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = os.read(fd, 32).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise UsageError(f"--out {shown}: another prepare_data.py (pid {pid}) is writing it now; wait for it to "
-                             "end, or choose another --out") from None
-        try:
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)  # its holder removed it between our open and flock: lock the one there now
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    return path, fd
-
-
-def unlock(path: str, fd: int) -> None:
-    try:
-        os.remove(path)  # while still held, so that no one locks the removed file
-    except FileNotFoundError:
-        pass
-    os.close(fd)
-
-
-def remove_leftovers(out: str) -> None:
-    """Removes the temporary folders of earlier runs into out (absolute) whose process is gone (killed outright)."""
-    parent, base = os.path.split(out)
-    leftover = re.compile(re.escape(f".{base}.") + r"(\d+)\.\w+\.tmp(\.old)?\Z")
-    for name in os.listdir(parent):
-        match = leftover.match(name)
-        if match and not _alive(int(match[1])):
-            _remove(os.path.join(parent, name))
-
-
-def prepare(args) -> dict | None:
-    """Write the dataset args ask for into args.out; returns its meta, or None when args.out was ready."""
-    started = time.time()
-    source, identity = request(args)
-    out = os.path.abspath(args.out)  # absolute: its parent and name are what `--out .` means too
-    if _ready(args, out, source, identity):  # before anything is written, not even the lock
-        return None
-    check_inputs(args, out)
-    if args.max_tokens is not None and args.max_tokens < MIN_TOKENS:
-        raise UsageError(f"--max-tokens {args.max_tokens}: fewer than {WINDOW}; give at least {MIN_TOKENS}")
-    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None  # a bad one fails before any writing
-
-    parent = os.path.dirname(out)
-    made, probe = None, parent  # made: the topmost folder this run creates, removed again if it fails
-    while not os.path.exists(probe):
-        made, probe = probe, os.path.dirname(probe)
-    held = None
-    try:
-        try:
-            os.makedirs(parent, exist_ok=True)
-            held = lock(out, args.out)
-        except OSError as e:
-            raise UsageError(f"--out {args.out}: cannot create a folder or file in {parent} ({e.strerror or e})") \
-                from None
-        remove_leftovers(out)
-        if _ready(args, out, source, identity):  # a run that held the lock until a moment ago prepared it
-            return None
-        check_out(args, out, source, identity)
-        meta = _build(out, args, source, identity, tokenizer)
-    except BaseException as e:  # including Ctrl-C and SIGTERM: _build has removed its temporary folder
-        if made:
-            shutil.rmtree(made, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise UsageError(f"--out {args.out}: cannot write ({e.strerror or e})") from None
-        raise
-    finally:
-        if held:
-            unlock(*held)
-    train, val = meta["train"], meta["val"]
-    how = f"the last {100 // HELD_OUT_TAIL} % of the tokens: too few documents to hold out whole ones" \
-        if val["held_out"] == "tail" else _count(val["documents"], "document")
-    print(f"prepared {args.out}: {sum(train['tokens']):,} training tokens ({_count(train['documents'], 'document')}, "
-          f"{len(train['files'])} file{'s' * (len(train['files']) > 1)}) + {val['tokens'][0]:,} held-out "
-          f"({how}; val.bin), {meta['dtype']}, vocabulary {meta['vocab_size']:,}, in {time.time() - started:.0f}s")
-    return meta
-
-
-def _build(out: str, args, source: dict, identity: str, tokenizer: Tokenizer | None) -> dict:
-    """Writes the dataset into a temporary folder beside out (named with the pid, so that a later run can tell
-    it is left over) and renames it to out, replacing what is there."""
-    parent, base = os.path.split(out)
-    tmp = tempfile.mkdtemp(prefix=f".{base}.{os.getpid()}.", suffix=".tmp", dir=parent)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private; the dataset should not be
-        meta = _write(tmp, args, source, identity, tokenizer)
-        if os.path.lexists(out):  # replaced (--force, or an empty folder): moved aside first, so a failure keeps it
-            os.rename(out, old := tmp + ".old")
-            try:
-                os.rename(tmp, out)
-            except OSError:
-                os.rename(old, out)
-                raise
-            _remove(old)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return meta
-
-
-def _write(tmp: str, args, source: dict, identity: str, tokenizer: Tokenizer | None) -> dict:
-    held_out = not args.eval_data
-    if tokenizer is None:
-        vocab_size = args.vocab_size or VOCAB_SIZE
-        print(f"training a byte-level BPE tokenizer ({vocab_size:,} tokens) on the first "
-              f"{TOKENIZER_TRAIN_CHARS:,} characters of --data {args.data}", flush=True)
-        tokenizer = train_tokenizer((text for part, text, _ in split(documents(args.data, args.text_field),
-                                                                     held_out) if part == "train"), vocab_size)
-    backend = tokenizer.backend
-    # get_vocab_size() can be below the largest id + 1 (a vocabulary with holes): the dtype must hold that id.
-    dtype = token_dtype(max(backend.get_vocab_size(), max(backend.get_vocab().values()) + 1))
-    sha256 = save_tokenizer(tokenizer, tmp)
-    files = {"train": TokenFiles(tmp, "train", dtype, SHARD_TOKENS), "val": TokenFiles(tmp, "val", dtype)}
-    # disable=None: no bar off a terminal (logs, tests), so that an error there stays one line.
-    try:
-        with tqdm(desc="tokenizing", unit=" documents", disable=None, leave=False) as bar:
-            tokenize(split(documents(args.data, args.text_field), held_out), tokenizer, files, bar, args.max_tokens)
-            if args.eval_data:
-                tokenize((("val", text, end) for text, end in documents(args.eval_data, args.text_field,
-                                                                         "--eval-data")), tokenizer, files, bar)
-    finally:
-        for f in files.values():
-            f.close()
-    kind = "documents" if held_out else "eval_data"
-    if held_out and files["val"].total < MIN_TOKENS:
-        hold_out_tail(tmp, files, args)  # it sees to both splits' windows
-        kind = "tail"
-    train, val = files["train"], files["val"]
-    if train.total < MIN_TOKENS:  # a cut at --max-tokens is a window at least: too few documents
-        raise UsageError(f"--data {args.data}: the training split holds {train.total} tokens "
-                         f"({_count(train.documents, 'document')}), fewer than {WINDOW}; give more documents")
-    if val.total < MIN_TOKENS:
-        raise UsageError(f"--eval-data {args.eval_data}: the held-out split holds {val.total} tokens "
-                         f"({_count(val.documents, 'document')}), fewer than {WINDOW}; give more held-out "
-                         "documents, or leave --eval-data out to hold out part of --data")
-    meta = {"format": FORMAT, "dtype": dtype, "vocab_size": backend.get_vocab_size(),
-            "bos_id": backend.token_to_id(tokenizer.bos), "eos_id": backend.token_to_id(tokenizer.eos),
-            "bos_token": tokenizer.bos, "eos_token": tokenizer.eos,
-            **{part: {"files": f.files, "tokens": f.tokens, "documents": f.documents} for part, f in files.items()},
-            "source": source, "fingerprint": identity, "tokenizer_sha256": sha256}
-    meta["val"]["held_out"] = kind  # "documents" (every 50th), "tail" (the last tokens) or "eval_data"
-    with open(os.path.join(tmp, "meta.json"), "w") as f:  # last: its presence says the rest is complete
-        json.dump(meta, f, indent=1)
-    return meta
-
-
-def hold_out_tail(directory: str, files: dict, args) -> None:
-    """Too few documents to hold out whole ones: val.bin becomes the last 1/HELD_OUT_TAIL of the token stream (at
-    least one window), the few held-out documents' tokens at its end, and the training files lose that tail."""
-    train, val = files["train"], files["val"]
-    total = train.total + val.total
-    size = max(MIN_TOKENS, total // HELD_OUT_TAIL)
-    if total - size < MIN_TOKENS:
-        if args.max_tokens and train.total >= args.max_tokens:
-            raise UsageError(f"--max-tokens {args.max_tokens}: too few tokens for {WINDOW} to train on and another "
-                             "held out (the documents are too few to hold out whole ones, so the last tokens are); "
-                             f"give --max-tokens {2 * MIN_TOKENS} or more, or held-out documents with --eval-data")
-        raise UsageError(f"--data {args.data}: {total} tokens ({_count(train.documents + val.documents, 'document')}), "
-                         f"too few for {WINDOW} to train on and another held out; give more documents")
-    itemsize = np.dtype(train.dtype).itemsize
-    spans, take = [], size - val.total  # (file, first token, tokens) of the tail, from the last file backwards
-    for name, count in reversed(list(zip(train.files, train.tokens))):
-        spans.insert(0, (name, count - min(take, count), min(take, count)))
-        take -= spans[0][2]
-        if not take:
-            break
-    with open(os.path.join(directory, "tail.tmp"), "wb") as tail:
-        for name, first, count in spans + [("val.bin", 0, val.total)]:
-            with open(os.path.join(directory, name), "rb") as f:
-                f.seek(first * itemsize)
-                left = count * itemsize
-                while left:  # in pieces: a tail can be large
-                    chunk = f.read(min(left, 1 << 24))
-                    tail.write(chunk)
-                    left -= len(chunk)
-    for name, first, _ in spans:
-        os.truncate(os.path.join(directory, name), first * itemsize)
-        train.tokens[train.files.index(name)] = first
-    while not train.tokens[-1]:
-        os.remove(os.path.join(directory, train.files.pop()))
-        train.tokens.pop()
-    os.replace(os.path.join(directory, "tail.tmp"), os.path.join(directory, "val.bin"))
-    val.tokens = [size]
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Command line
 
 class _Parser(argparse.ArgumentParser):
@@ -933,21 +896,23 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="builtin", help="builtin, .txt/.jsonl/.parquet files or folders, comma-"
-                                                     "separated, or hf:NAME[:CONFIG[:SPLIT]] (default: %(default)s)")
-    p.add_argument("--out", default="data", help="the folder to write; the training scripts read --data data by "
-                                                 "default (default: %(default)s)")
-    p.add_argument("--tokenizer", help="a tokenizer.json, or a Hugging Face model folder holding one "
-                                       "(default: train a byte-level BPE tokenizer on --data)")
-    p.add_argument("--vocab-size", type=_positive, help=f"of the tokenizer trained here (default: {VOCAB_SIZE})")
-    p.add_argument("--text-field", default="text", help="the .jsonl field, .parquet column or hf: field holding "
-                                                        "each document's text (default: %(default)s)")
-    p.add_argument("--eval-data", help="held-out documents, the same forms as --data (default: every "
-                                       f"{HELD_OUT_EVERY}th document of --data, never trained on)")
-    p.add_argument("--max-tokens", type=_positive, help="stop after this many training tokens (default: all)")
-    p.add_argument("--force", action="store_true", help="replace --out when it holds a dataset prepared here from "
-                                                        "another request (never other files)")
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="What each flag takes, and what --out holds: docs/data.md.")
+    p.add_argument("--data", default="builtin", metavar="SPEC",
+                   help="builtin, .txt/.jsonl/.parquet files/folders (comma-separated), or hf:NAME "
+                        "(default: %(default)s)")
+    p.add_argument("--out", default="data", metavar="DIR", help="the folder to write (default: %(default)s)")
+    p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json or a Hugging Face model folder "
+                                                       "(default: train a BPE tokenizer on --data)")
+    p.add_argument("--vocab-size", type=_positive, metavar="N",
+                   help=f"of the tokenizer trained here (default: {VOCAB_SIZE})")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the .jsonl/.parquet/hf: field holding the text (default: %(default)s)")
+    p.add_argument("--eval-data", metavar="SPEC",
+                   help=f"held-out documents, as --data (default: every {HELD_OUT_EVERY}th of --data)")
+    p.add_argument("--max-tokens", type=_positive, metavar="N",
+                   help="stop after this many training tokens (default: all)")
+    p.add_argument("--force", action="store_true", help="replace a dataset prepared here from another request")
     return p
 
 

@@ -70,7 +70,8 @@ import prepare_data as prep
 import train_pipeline_afab_manual as manual
 import train_pipeline_gpipe as gpipe
 import train_pipeline_tracer as tracer
-from model import MAX_LAYERS, LlamaConfig, LlamaForPretraining, config_from_hf, config_from_preset, even, hf_config
+from export import hf_config
+from model import MAX_LAYERS, LlamaConfig, LlamaForPretraining, config_from_hf, config_from_preset, even
 
 ROOT = Path(__file__).resolve().parent
 # One step from the same weights: a split computes the unsplit model's numbers with fp32 sums taken in another
@@ -4519,7 +4520,7 @@ def test_the_plan_counts_the_start_up_peak(startup_runs, tmp_path, monkeypatch, 
     # plan.py's start-up peak (the rank's shards and the largest whole tensor of its stages) is what every script's
     # start-up measured, within 10 %: one stage, tied, at tp 2, dp 2 and dp 2 x tp 2 (startup_runs); and it shows
     # it beside the other figures of each rank.
-    config = write_config(tmp_path / "config.json", model_module.hf_config(STARTUP_CONFIG, 1, 2, None, torch.float32))
+    config = write_config(tmp_path / "config.json", hf_config(STARTUP_CONFIG, 1, 2, None, torch.float32))
     monkeypatch.chdir(tmp_path)  # the scripts' checks read --checkpoint-dir (./checkpoints): none here
     for (dp, tp), ranks in startup_runs.items():
         (row,) = plan.main(["--processes", str(dp * tp), "--dp", str(dp), "--tp", str(tp), "--model", config,
