@@ -6050,7 +6050,8 @@ def test_an_elastic_job_goes_on_without_a_lost_node_and_takes_it_back(tmp_path, 
 
 def test_an_elastic_job_that_no_layout_of_its_processes_fits_ends_in_one_line(tmp_path, data_dir):
     # ZBV (2 stages a rank) on a node of 2 processes: 4 stages on 4 layers. A second node of 2 joins: pp 4 would be
-    # 8 stages, 2 replicas need --batch-size 8 to divide into 2 x 8 microbatches. Each node says so in one line,
+    # 8 stages (6 at most: 4 layers and two layerless ends), 2 replicas need --batch-size 8 to divide into 2 x 8
+    # microbatches. Each node says so in one line,
     # and the job ends at once (no restart can mend it), its checkpoints as the first node left them.
     ckpt = tmp_path / "ckpt"
     args = [*RESUME_ARGS, "--steps", "1000", "--schedule", "zbvzerobubble", "--microbatches", "8",
@@ -6071,8 +6072,8 @@ def test_an_elastic_job_that_no_layout_of_its_processes_fits_ends_in_one_line(tm
         assert result.returncode == 1 and "Traceback" not in result.stderr, errors(result.stderr)
         assert error_lines(result.stderr) == [
             f"error: 4 process(es) cannot hold this run ({newest}, saved by 2): with --tp 1, --batch-size 8, "
-            "--microbatches 8 and 4 layers in 2 stage(s) per pipeline rank it needs 1, 2 process(es); start that "
-            "many"], errors(result.stderr)
+            "--microbatches 8 and 4 layers in 2 stage(s) per pipeline rank it needs 1, 2, 3 process(es); start "
+            "that many"], errors(result.stderr)
     assert "stopped by SIGTERM after step" in lines_of(tmp_path / "first.out")  # saved when the node joined
     assert sorted(os.listdir(ckpt)) == complete_and_partial(ckpt)[0]  # no lock, no partial save left
 
