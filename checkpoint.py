@@ -1095,7 +1095,7 @@ def number(positive: bool):  # argparse type: a finite number > 0 (positive) or 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Before a run writes anything: its paths, its lock, and whether it continues the run in --checkpoint-dir
+# Before a run writes anything: its paths and its lock
 
 def check_run(args, rank: int, job: list[str]) -> None:
     """Every check of what the run will write, collectively, so a run that cannot save fails in seconds; takes
