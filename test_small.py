@@ -64,6 +64,7 @@ import export
 import model as model_module
 import nccl_rules
 import plan
+import plot
 import prepare_data as prep
 import train_pipeline_afab_manual as manual
 import train_pipeline_gpipe as gpipe
@@ -5490,6 +5491,63 @@ def test_benchmark_force_replaces_nothing_it_did_not_write(change, tmp_path, fak
     assert snapshot(tmp_path) == before
 
 
+# -- plot.py: the losses of --metrics files, drawn
+
+def metrics_file(path: Path, steps: int, evaluated=()) -> Path:
+    """A --metrics file written as the scripts write it (checkpoint.Metrics): a row a step, a row an evaluation (at
+    the steps in evaluated), the summary."""
+    metrics = checkpoint.Metrics(str(path), 0)
+    for step in range(1, steps + 1):
+        metrics.write({"step": step, "loss": 9 - 0.25 * step, "lr": 1e-3, "tokens": 256 * step})
+        if step in evaluated:
+            metrics.write({"eval": {"step": step, "loss": 9.5 - 0.25 * step, "perplexity": 1.0, "batches": 4}})
+    metrics.write({"summary": {"steps": steps, "median_step_time": 0.1}})
+    metrics.file.close()
+    return path
+
+
+def test_plot_reads_the_losses_and_says_in_one_line_what_it_cannot_draw(tmp_path, capsys, monkeypatch):
+    run = metrics_file(tmp_path / "run.jsonl", 5, evaluated=(3, 5))
+    train, held_out = plot.read_run(str(run))
+    assert train == [(s, 9 - 0.25 * s) for s in range(1, 6)] and held_out == [(3, 8.75), (5, 8.25)]
+    # A run writing its file: a last line not yet whole is left for the next time.
+    (tmp_path / "writing.jsonl").write_text(run.read_text() + '{"step": 6, "lo')
+    assert plot.read_run(str(tmp_path / "writing.jsonl")) == (train, held_out)
+    # Bad input: one line naming the file, exit status 1, no picture.
+    (tmp_path / "summary.jsonl").write_text('{"summary": {"steps": 0}}\n')
+    (tmp_path / "log.txt").write_text("step 1: loss 9.0\n")
+    out = tmp_path / "loss.png"
+    for given, said in [("missing.jsonl", ": no such file; give the files that a training script's --metrics FILE "
+                                          "wrote"),
+                        ("summary.jsonl", ': no loss in it (no row {"step": N, "loss": L}); give a file that '
+                                          "--metrics wrote, of a run that trained or evaluated"),
+                        ("log.txt", ", line 1: not JSON (Expecting value); give a file that --metrics wrote")]:
+        assert run_main(capsys, plot.main, run, tmp_path / given, "--out", out) == (
+            1, "", f"error: {tmp_path / given}{said}\n")
+    assert run_main(capsys, plot.main, run, "--out", run)[2] == f"error: --out {run} is one of the files to read; " \
+        "give another --out\n" and run.read_text().count("\n") == 8  # never written over
+    # Without matplotlib (here made unimportable, as where it is not installed): how to get it, in one line.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert run_main(capsys, plot.main, run, "--out", out) == (
+        1, "", "error: plot.py draws with matplotlib, which is not installed: pip install matplotlib\n")
+    assert not out.exists()
+
+
+def test_plot_draws_several_runs_overlaid_each_labelled_with_its_file(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (requirements-dev.txt has it)")
+    first, second = metrics_file(tmp_path / "a.jsonl", 12, evaluated=(6, 12)), metrics_file(tmp_path / "b.jsonl", 8)
+    runs = {str(path): plot.read_run(str(path)) for path in (first, second)}
+    assert plot.draw(runs, str(tmp_path / "drawn.png")) == [
+        f"{first}: training", f"{first}: held-out", f"{second}: training"]  # b evaluated nothing
+    out = tmp_path / "pictures" / "loss.png"  # its folder made
+    assert run_main(capsys, plot.main, first, second, "--out", out) == (
+        0, f"plotted 2 run(s) into {out}\n", "")
+    import matplotlib.image
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and matplotlib.image.imread(out).shape[:2] == (550, 900)
+    code, _, err = run_main(capsys, plot.main, first, "--out", tmp_path / "loss.jsonl")
+    assert code == 1 and err.startswith(f"error: --out {tmp_path / 'loss.jsonl'}: matplotlib cannot write a jsonl ")
+
+
 # -- run.sh: real runs
 
 SCRIPT = "train_pipeline_gpipe.py"
@@ -6055,14 +6113,15 @@ def test_help_works_without_torchrun_and_every_script_has_the_same_flags_with_th
     # Every flag that takes a value says its default in --help, in every script and tool (on/off flags are off).
     texts = {script: result.stdout for script, result in helps.items()}
     texts |= {name: module.build_parser().format_help() for name, module in [
-        ("plan.py", plan), ("benchmark.py", benchmark), ("prepare_data.py", prep), ("export.py", export)]}
+        ("plan.py", plan), ("benchmark.py", benchmark), ("prepare_data.py", prep), ("export.py", export),
+        ("plot.py", plot)]}
     with pytest.raises(SystemExit):
         benchmark.loss_memory(["--help"])
     texts["benchmark.py loss-memory"] = capsys.readouterr().out
     for name, text in texts.items():
         entries = re.split(r"\n(?=  -)", text[text.index("options:"):])[1:]  # one per flag: its line(s) of help
         takes_value = [entry.split("\n\n")[0] for entry in entries if re.match(r"  (-\w, )?--[\w-]+ [A-Z{]", entry)]
-        assert len(takes_value) > 1, name
+        assert takes_value, name  # found (plot.py has one: --out)
         silent = [entry.split()[0] for entry in takes_value if "default" not in entry
                   and entry.split()[0] not in ("--processes", "--gpus")]  # plan.py: one of the two is required
         assert not silent, (name, silent)
@@ -6087,6 +6146,7 @@ def test_scripts_import_only_model_and_checkpoint():
     assert project_imports(ROOT / "export.py") == {"checkpoint", "model"}  # a tool: no script imports it
     assert project_imports(ROOT / "model.py") == set()
     assert project_imports(ROOT / "prepare_data.py") == set()  # and no torch: see its own test
+    assert project_imports(ROOT / "plot.py") == set()  # a tool of its own (and matplotlib's)
 
 
 def test_each_script_copied_into_an_empty_folder_trains(tmp_path):
