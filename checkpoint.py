@@ -523,6 +523,24 @@ def read_data_meta(directory: str) -> dict:
     return meta
 
 
+def eval_batches(args, windows: int) -> int:
+    """The held-out batches of an evaluation: --eval-batches; by default up to 4, as many as the held-out windows
+    (of --seq-len + 1) fill, at least one (fewer windows than a batch: it repeats some, as Batches wraps around)."""
+    if not args.eval_every and args.steps:  # no evaluation
+        return args.eval_batches or 0
+    if args.eval_batches is None and windows:
+        return max(1, min(4, windows // args.batch_size))
+    if not windows:
+        raise UsageError(f"--seq-len {args.seq_len}: --data {args.data} holds no held-out window of --seq-len + 1 "
+                         "tokens; use a shorter --seq-len, prepare more held-out data (prepare_data.py --eval-data), "
+                         "or train without evaluating (--eval-every 0)")
+    if windows < args.eval_batches * args.batch_size:
+        raise UsageError(f"--eval-batches {args.eval_batches}: --data {args.data} holds {windows} held-out windows of "
+                         f"--seq-len + 1, fewer than --eval-batches x --batch-size; ask fewer, or leave the flag out "
+                         "(up to 4 batches, as many as there are)")
+    return args.eval_batches
+
+
 def data_identity(directory: str) -> str:
     """The prepared data at directory, as a short hash of its meta.json (token counts, sources, tokenizer)."""
     with open(os.path.join(directory, "meta.json"), "rb") as f:
@@ -535,7 +553,7 @@ class Metrics:
     does it again: a stop or a kill may have come before it), so the file reads as one uninterrupted run."""
 
     def __init__(self, path: str | None, resume_step: int):
-        self.file = None
+        self.file, self.loss, self.held_out = None, None, None  # the last step's loss and evaluation: the done line
         if path is None:
             return
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -543,12 +561,15 @@ class Metrics:
         if resume_step and os.path.isfile(path):
             with open(path) as f:
                 rows = [(line, json.loads(line)) for line in f]
-            kept = [line for line, row in rows if (row["step"] <= resume_step if "step" in row else
-                                                   row.get("eval", {}).get("step", math.inf) < resume_step)]
+            kept = [(line, row) for line, row in rows if (row["step"] <= resume_step if "step" in row else
+                                                          row.get("eval", {}).get("step", math.inf) < resume_step)]
         self.file = open(path, "w")
-        self.file.writelines(kept)
+        for line, row in kept:
+            self.file.write(line)
+            self._note(row)
 
     def write(self, row: dict) -> None:
+        self._note(row)
         if self.file is not None:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
@@ -570,6 +591,14 @@ def job_ids() -> list[str]:
 def same_job(recorded, job: list[str]) -> bool:
     """Whether the job ids a lock or a checkpoint recorded (any JSON: the files are untrusted) share one with job."""
     return isinstance(recorded, list) and not set(job).isdisjoint(i for i in recorded if isinstance(i, str))
+
+    def _note(self, row: dict) -> None:
+        self.loss, self.held_out = row.get("loss", self.loss), row.get("eval", self.held_out)
+
+    def final_losses(self) -> str:
+        """For the run's last line: the last step's training loss, and the last held-out loss (at its step)."""
+        held_out = f" (held-out {self.held_out['loss']:.4f} at step {self.held_out['step']})" if self.held_out else ""
+        return f"loss {self.loss:.4f}{held_out}" if self.loss is not None else "no step trained"
 
 
 def relayout(args, world_size: int, job: list[str], stages_per_rank: int, say=print) -> tuple[int, str]:

@@ -574,9 +574,11 @@ def one_process_group():
 # -- Runs and files that several sections use, made once
 
 # The tests' run of the scripts (the lr drift_rtol was measured at): 5 steps at every layout (LAYOUT_RUNS), 16 for
-# the reference run and what resumes from it; argparse keeps the last --steps given.
+# the reference run and what resumes from it; argparse keeps the last --steps (and --eval-every) given. No held-out
+# evaluation unless a test asks for one (the default's, at the end, would cost each run 4 forward batches): what
+# evaluates is tested where it is asked for, and in the README's command (the defaults).
 TRAIN_ARGS = ["--layers", "4", "--steps", "5", "--batch-size", "8", "--microbatches", "4", "--seq-len", "32",
-              "--warmup-steps", "2", "--lr", "1e-2"]
+              "--warmup-steps", "2", "--lr", "1e-2", "--eval-every", "0"]
 RESUME_ARGS = [*TRAIN_ARGS, "--steps", "16"]
 
 
@@ -1805,6 +1807,23 @@ def test_batches_visit_every_window_once_per_epoch_in_a_seeded_order_and_resume(
     assert in_order.next()[0][:, 0].tolist() == [0, 10, 20, 30, 40]
 
 
+def test_an_evaluation_takes_up_to_4_held_out_batches_by_default_and_refuses_more_than_there_are():
+    flags = lambda **given: argparse.Namespace(**{"eval_every": 100, "steps": 300, "eval_batches": None,  # noqa
+                                                  "batch_size": 16, "seq_len": 128, "data": "d", **given})
+    assert checkpoint.eval_batches(flags(), 585) == 4  # the default data: 585 held-out windows of 129 tokens
+    assert checkpoint.eval_batches(flags(), 40) == 2  # fewer: as many batches as there are
+    assert checkpoint.eval_batches(flags(), 1) == 1  # a small corpus's tail: its window repeated in one batch
+    assert checkpoint.eval_batches(flags(eval_batches=2), 32) == 2
+    assert checkpoint.eval_batches(flags(eval_every=0), 0) == 0  # no evaluation: nothing asked of the data
+    with pytest.raises(checkpoint.UsageError, match=r"^--eval-batches 3: --data d holds 40 held-out windows of "
+                       r"--seq-len \+ 1, fewer than --eval-batches x --batch-size; ask fewer, or leave the flag out"):
+        checkpoint.eval_batches(flags(eval_batches=3), 40)
+    for only_evaluating in ({}, {"steps": 0, "eval_every": 0}):
+        with pytest.raises(checkpoint.UsageError, match=r"^--seq-len 128: --data d holds no held-out window .* or "
+                           r"train without evaluating \(--eval-every 0\)$"):
+            checkpoint.eval_batches(flags(**only_evaluating), 0)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # 4. Parity: a pipeline is the same model, in each script
 
@@ -2796,9 +2815,15 @@ def test_readme_command_trains_saves_and_resumes(tmp_path, data_dir):
     args = ["--steps", "12", "--warmup-steps", "3", "--metrics", "m.jsonl"]
     result = launch(3, "train_pipeline_gpipe.py", *args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "done: 12 steps" in result.stdout
     rows, _ = read_metrics(tmp_path / "m.jsonl")
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, [r["loss"] for r in rows]
+    # By default it evaluates at the end (and every 100 steps), on 4 held-out batches; the last line says the last
+    # step's loss and the held-out one.
+    (held_out,) = evaluations(tmp_path / "m.jsonl")
+    assert held_out["step"] == 12 and held_out["batches"] == 4 and f"eval at step 12: loss {held_out['loss']:.4f}" \
+        in result.stdout
+    assert f"done: 12 steps, loss {rows[-1]['loss']:.4f} (held-out {held_out['loss']:.4f} at step 12), median step " \
+        in result.stdout, result.stdout
     assert (tmp_path / "checkpoints" / "step-00000012" / "meta.json").is_file()
 
     # The same command again: the run is done, nothing is trained and the metrics file keeps its summary.
@@ -2808,6 +2833,20 @@ def test_readme_command_trains_saves_and_resumes(tmp_path, data_dir):
     assert "checkpoints/step-00000012 is step 12: --steps 12 are done, nothing to train" in result.stdout
     assert (tmp_path / "m.jsonl").read_text() == written
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000012"]  # lock released
+
+
+def test_the_last_line_says_the_last_loss_and_the_last_held_out_one_also_after_resuming(tmp_path):
+    # checkpoint.Metrics keeps them for the scripts' done line; resumed, from the rows the file keeps.
+    path = metrics_file(tmp_path / "m.jsonl", 6, evaluated=(4, 6))
+    resumed = checkpoint.Metrics(str(path), 5)  # steps 1-5 and the evaluation at 4 kept
+    assert resumed.final_losses() == "loss 7.7500 (held-out 8.5000 at step 4)"
+    resumed.write({"step": 6, "loss": 7.0})
+    assert resumed.final_losses() == "loss 7.0000 (held-out 8.5000 at step 4)"
+    resumed.write({"eval": {"step": 6, "loss": 8.0}})
+    assert resumed.final_losses() == "loss 7.0000 (held-out 8.0000 at step 6)"
+    unwritten = checkpoint.Metrics(None, 0)  # no --metrics: the line still says them
+    unwritten.write({"step": 1, "loss": 9.0})
+    assert unwritten.final_losses() == "loss 9.0000"
 
 
 def complete_and_partial(checkpoint_dir: Path):
@@ -6173,6 +6212,8 @@ def test_each_script_copied_into_an_empty_folder_trains(tmp_path):
         assert result.returncode == 0, (folder.name, result.stderr[-3000:])
         rows, _ = read_metrics(folder / "m.jsonl")
         assert [r["step"] for r in rows] == [1, 2, 3] and (folder / "checkpoints" / "step-00000003").is_dir()
+        # Evaluated by default, at the end, on 4 held-out batches.
+        assert [(e["step"], e["batches"]) for e in evaluations(folder / "m.jsonl")] == [(3, 4)], folder.name
         assert sorted(p.name for p in folder.iterdir() if p.suffix == ".py") == sorted(
             {script, "model.py", "checkpoint.py", "prepare_data.py"})
 
