@@ -5362,14 +5362,22 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypat
     # The sweep as users run it (its runs under torchrun); the other modes' runs with their ranks forked.
     sweep = run_script(0, "benchmark.py", *jobs.pop("sweep"), *small, cwd=tmp_path, wait=False)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(benchmark, "launch", forked_launch)
+    launched = []
+    monkeypatch.setattr(benchmark, "launch", lambda *a: launched.append(a[3]) or forked_launch(*a))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: the pictures are missing, and it says so
-    for argv in jobs.values():
+    said = {}
+    for name, argv in jobs.items():
         benchmark.main(benchmark.parse_args([*argv, *small]))
+        said[name], runs = capsys.readouterr().err, len(launched)
+        launched.clear()
+        # Before any run, how many it will make; then a tick of its progress bar per run, which ends at all of them.
+        assert said[name].startswith(f"benchmark: {runs} training runs, one at a time") and runs > 1, said[name]
+        assert re.search(rf"\b{runs}/{runs} \[", said[name]) and not re.search(rf"\b{runs + 1}/{runs}\b", said[name])
     assert "benchmark: no timeline pictures: matplotlib is not installed (pip install matplotlib)\n" in \
-        capsys.readouterr().err and not list((tmp_path / "bench").glob("*.png"))
+        said["bench"] and not list((tmp_path / "bench").glob("*.png"))
     result = finish(sweep, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "benchmark: 2 training runs" in result.stderr and "2/2 [" in result.stderr  # m = 1, 2; no memory run
 
     table = (tmp_path / "bench" / "results.md").read_text()
     rows = [line.split(" | ")[0].removeprefix("| ") for line in table.splitlines() if line.startswith("| ")]
