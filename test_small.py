@@ -6174,6 +6174,22 @@ def test_help_works_without_torchrun_and_every_script_has_the_same_flags_with_th
         assert not silent, (name, silent)
 
 
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="not a git checkout")
+def test_git_ignores_what_the_documented_commands_write_and_nothing_of_the_project():
+    written = ["data/meta.json", "data/llama/val.bin", "data-llama/train-00000.bin", "train.jsonl",  # prepare_data.py
+               "checkpoints/step-00000300/meta.json", "checkpoints/nccl-trace-rank0", "ckpt-afab/run.lock",
+               "checkpoints.previous-20260101-120000/step-00000300/meta.json", "m.jsonl", "trace/rank0.json",
+               "bench/results.md", "bench-doc-2048/documents.json", "gpu-check/gpu-check.md", "mem.json",  # benchmark
+               "tiny.pt", "tiny.pt.config.json", "tiny.pt.tokenizer.json", "tiny-hf/config.json",  # export.py
+               "Llama-3.2-1B-continued/model.safetensors", "Llama-3.2-1B/tokenizer.json", "loss.png"]  # plot.py
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    assert [path for path in written if path not in ignored] == []
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert subprocess.run(["git", "check-ignore", "--no-index", *tracked], cwd=ROOT, capture_output=True,
+                          text=True).stdout.split() == []  # docs/*.png included
+
+
 def project_imports(path: Path) -> set[str]:
     """The modules of this project a file imports (its own folder's .py files)."""
     modules = {p.stem for p in ROOT.glob("*.py")}
