@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import datetime
 import errno
+import functools
 import gc
 import hashlib
 import io
@@ -151,11 +152,13 @@ def flight_recorder(checkpoint_dir: str, environ=os.environ) -> None:
 # bytecodes, and the main thread may wait in a collective for a hung peer until --timeout. Python's C-level
 # handler writes the signal's number to set_wakeup_fd's pipe even then; the Python handlers do nothing. run.sh
 # records the requests it gets in a file, PIPELINE_STOP_FILE, which the ranks read when they start (torchrun
-# may start or restart them after the request) and after every step. The first rank of a node to hear a request
-# says so, on its own line: one line a node, though the request reaches every rank.
+# may start or restart them after the request) and after every step; a file older than the process, and not of
+# its run.sh, is another run's: no request. The first rank of a node to hear a request says so, on its own line:
+# one line a node, though the request reaches every rank.
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _STOP = {"signal": None, "at": None, "said": False}  # the request this rank knows of: its signal's name, when
+_IMPORTED = time.time()  # where a process's start cannot be read: about when it started
 
 
 def _listen_for_stops() -> None:
@@ -192,17 +195,40 @@ def _asked_to_stop(signum: signal.Signals) -> None:
 
 
 def _launcher_request() -> None:
-    """Take on the request run.sh recorded, if this rank has none of its own."""
+    """Take on the request run.sh recorded, if this rank has none of its own: "SIGNAL RUN_SH_PID", its launch's
+    (however old: made before torchrun started, or restarted, this process), or one made since this process
+    started; an older one is left over from another run."""
     try:
         with open(os.environ["PIPELINE_STOP_FILE"]) as f:
-            name, at = f.read().strip(), os.fstat(f.fileno()).st_mtime
+            (name, *launcher), at = f.read().split() or [""], os.fstat(f.fileno()).st_mtime
     except (KeyError, OSError):
         return
-    if _STOP["at"] is None and name in {s.name for s in STOP_SIGNALS}:
+    if _STOP["at"] is None and name in {s.name for s in STOP_SIGNALS} and (
+            _launched_by(launcher[:1]) or at >= _started_at()):
         if name == "SIGHUP":
             _quiet_if_hung_up()
         _STOP.update(signal=name, at=at)
         _say_request()
+
+
+def _launched_by(pid: list) -> bool:
+    """Whether [pid] is the process that started this one's launcher (run.sh, which started torchrun); Linux."""
+    try:
+        with open(f"/proc/{os.getppid()}/stat") as f:
+            return [f.read().rsplit(")", 1)[1].split()[1]] == pid
+    except (OSError, IndexError):
+        return False
+
+
+@functools.cache
+def _started_at() -> float:
+    """When this process started, in seconds since the epoch (Linux; elsewhere: when it imported this module)."""
+    try:
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + int(_process_start(os.getpid())) / os.sysconf("SC_CLK_TCK")  # btime is whole: up to 1 s early
+    except (OSError, StopIteration, TypeError, ValueError):
+        return _IMPORTED
 
 
 def _say_request() -> None:
@@ -249,11 +275,14 @@ def _say(line: str) -> None:
 def final_status(status: int) -> int:
     """The exit status of a mistake that every rank found (a flag, an input, another job holding --checkpoint-dir):
     no restart can mend it, but torchrun restarts a job whenever a process fails (torch 2.13's agent reads no exit
-    status). Under run.sh, which names a file in RUN_SH_STATUS_FILE, the status goes there and the process exits 0,
-    so that torchrun ends the job; run.sh exits with the status."""
-    if path := os.environ.get("RUN_SH_STATUS_FILE"):
-        with contextlib.suppress(OSError), open(path, "w") as f:
-            f.write(str(status))
+    status). Under run.sh, which names a file in RUN_SH_STATUS_FILE holding its pid, the status goes there (the
+    second line) and the process exits 0, so that torchrun ends the job; run.sh exits with the status. A file of
+    another launch (the variable inherited from an outer run.sh, or left over) is left alone."""
+    with contextlib.suppress(KeyError, OSError), open(os.environ["RUN_SH_STATUS_FILE"], "r+") as f:
+        if _launched_by(f.readline().split()):
+            f.seek(0, os.SEEK_CUR)  # from reading to writing, after the pid's line
+            f.write(f"{status}\n")
+            f.truncate()
             return 0
     return status
 
@@ -574,6 +603,14 @@ class Metrics:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
 
+    def _note(self, row: dict) -> None:
+        self.loss, self.held_out = row.get("loss", self.loss), row.get("eval", self.held_out)
+
+    def final_losses(self) -> str:
+        """For the run's last line: the last step's training loss, and the last held-out loss (at its step)."""
+        held_out = f" (held-out {self.held_out['loss']:.4f} at step {self.held_out['step']})" if self.held_out else ""
+        return f"loss {self.loss:.4f}{held_out}" if self.loss is not None else "no step trained"
+
 
 # ----------------------------------------------------------------------------------------------------------
 # This job: its attempts (torchrun restarts; a node lost or back) continue one run, on the processes there are
@@ -591,14 +628,6 @@ def job_ids() -> list[str]:
 def same_job(recorded, job: list[str]) -> bool:
     """Whether the job ids a lock or a checkpoint recorded (any JSON: the files are untrusted) share one with job."""
     return isinstance(recorded, list) and not set(job).isdisjoint(i for i in recorded if isinstance(i, str))
-
-    def _note(self, row: dict) -> None:
-        self.loss, self.held_out = row.get("loss", self.loss), row.get("eval", self.held_out)
-
-    def final_losses(self) -> str:
-        """For the run's last line: the last step's training loss, and the last held-out loss (at its step)."""
-        held_out = f" (held-out {self.held_out['loss']:.4f} at step {self.held_out['step']})" if self.held_out else ""
-        return f"loss {self.loss:.4f}{held_out}" if self.loss is not None else "no step trained"
 
 
 def relayout(args, world_size: int, job: list[str], stages_per_rank: int, say=print) -> tuple[int, str]:

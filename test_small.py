@@ -3009,6 +3009,7 @@ def test_whole_runs_complete_under_nccls_rules(tmp_path, data_dir, reference_run
     # script's own forward pass), saved in the background; the hand-written 1F1B at 3 stages asked to stop as it
     # starts (every rank agrees on the step to stop after, and saves it).
     (tmp_path / "stop").write_text("SIGTERM")
+    os.utime(tmp_path / "stop", (time.time() + 60,) * 2)  # newer than the ranks: made as they start (not a leftover)
     runs = {"zbv": run_script(4, *recorded(tmp_path / "zbv", "train_pipeline_gpipe.py"), *TRAIN_ARGS, "--steps", "2",
                               "--schedule", "zbvzerobubble", "--tp", "2", "--document-masking", "--eval-every", "2",
                               "--eval-batches", "1", "--async-checkpoint", "--checkpoint-every", "1", "--data",
@@ -3201,6 +3202,41 @@ def test_a_stop_asked_while_the_job_starts_stops_it_after_its_first_step(tmp_pat
     assert "stopped by SIGTERM after step 1, saved in checkpoints/step-00000001" in result.stdout, result.stdout
     assert result.stderr.count("SIGTERM: stopping after this step, with a checkpoint; again to stop at once") == 1
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000001"]  # lock released
+
+
+def launcher_of_this_process() -> str:
+    """The pid of the process that started this one's parent: where run.sh stands to a training process."""
+    return Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[1]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="a process's start and parent are read in /proc")
+def test_a_stop_file_of_another_run_is_no_request_and_a_status_file_of_another_launch_is_left_alone(
+        tmp_path, monkeypatch):
+    # A PIPELINE_STOP_FILE is run.sh's record of a request ("SIGNAL RUN_SH_PID"): its own launch's is kept however
+    # old (made before torchrun started, or restarted, the process), another one only if made since the process
+    # started; older, it is left over from another run. In this process, as a rank reads it when it starts.
+    stop, launcher = tmp_path / "stop", launcher_of_this_process()
+    monkeypatch.setenv("PIPELINE_STOP_FILE", str(stop))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    before = checkpoint._started_at() - 5
+    assert time.time() - 600 < before < time.time()  # this process's start, read
+    for text, made, kept in [("SIGTERM", before, False), (f"SIGTERM {int(launcher) + 1}", before, False),
+                             (f"SIGTERM {launcher}", before, True), ("SIGINT", time.time(), True)]:
+        monkeypatch.setattr(checkpoint, "_STOP", {"signal": None, "at": None, "said": False})
+        stop.write_text(text + "\n")
+        os.utime(stop, (made, made))
+        checkpoint._launcher_request()
+        assert checkpoint._STOP["signal"] == (text.split()[0] if kept else None), text
+    # RUN_SH_STATUS_FILE: run.sh's pid, then the status of a mistake that every process found. A process of another
+    # launch that inherited the variable (its launcher's parent another) writes nothing there, and fails as itself.
+    status = tmp_path / "status"
+    monkeypatch.setenv("RUN_SH_STATUS_FILE", str(status))
+    assert checkpoint.final_status(2) == 2 and not status.exists()  # its run.sh is gone
+    status.write_text(f"{int(launcher) + 1}\n")
+    assert checkpoint.final_status(2) == 2 and status.read_text() == f"{int(launcher) + 1}\n"
+    status.write_text(f"{launcher}\n")
+    assert checkpoint.final_status(2) == 0 and checkpoint.final_status(1) == 0  # every rank writes it
+    assert status.read_text() == f"{launcher}\n1\n"
 
 
 def test_a_closed_terminal_stops_the_job_after_its_step_and_saves_it(tmp_path, data_dir):
