@@ -65,6 +65,7 @@ import torch.distributed as dist
 import torch.distributed.pipelining.stage
 from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.tensor import DTensor
+import tqdm
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import checkpoint
@@ -522,11 +523,46 @@ def in_process(argv: list[str]) -> None:
 # Runs
 
 def command(args, script, schedule, steps, workdir, microbatches=None, extra=()) -> list[str]:
-    """A training script and its flags for one run of the benchmark."""
+    """A training script and its flags for one run of the benchmark (training alone: no held-out evaluation)."""
     return [os.path.join(ROOT, script), "--schedule", schedule, "--steps", str(steps), "--warmup-steps", "2",
             "--batch-size", str(args.batch_size), "--microbatches", str(microbatches or args.microbatches),
             "--seq-len", str(args.seq_len), "--data", args.data, "--metrics", os.path.join(workdir, "metrics.jsonl"),
-            "--checkpoint-dir", os.path.join(workdir, "ckpt"), "--fresh", *args.script_args, *extra]
+            "--checkpoint-dir", os.path.join(workdir, "ckpt"), "--fresh", "--eval-every", "0", *args.script_args,
+            *extra]
+
+
+PROGRESS = {"bar": None}  # main()'s progress bar, a tick per training run
+
+
+def planned_runs(args) -> int:
+    """The training runs main() makes with these flags, one after another: the timed ones, and one untimed run per
+    variant under measure-memory (but for --sweep and --documents)."""
+    if args.sweep:
+        return args.repeats * len(args.sweep_microbatches)
+    if args.dp > 1 or args.tp > 1:
+        return (args.repeats + 1) * 2
+    if args.splits:
+        return (args.repeats + 1) * len(chosen(SPLITS, "one process", args.variants))
+    if args.documents:
+        return args.repeats * 2
+    return (args.repeats + 1) * len(chosen(VARIANTS, "gpipe", args.variants))
+
+
+def launched(cmd: list[str], ranks: int, workdir: str, what: str) -> str:
+    """launch(), shown on the progress bar: the run under way, then one more done."""
+    bar = PROGRESS["bar"]
+    if bar is not None:
+        bar.set_postfix_str(what)
+    stdout = launch(cmd, ranks, workdir, what)
+    if bar is not None:
+        bar.update()
+    return stdout
+
+
+def timed(args, repeat: int, name: str, summary: dict) -> None:
+    """A timed run's line, above the progress bar."""
+    tqdm.tqdm.write(f"repeat {repeat + 1}/{args.repeats} {name}: median step {summary['median_step_time'] * 1e3:.1f} "
+                    "ms", file=sys.stderr)
 
 
 def launch(cmd: list[str], ranks: int, workdir: str, what: str) -> str:
@@ -541,9 +577,9 @@ def launch(cmd: list[str], ranks: int, workdir: str, what: str) -> str:
 def run(args, script, schedule, steps, workdir, microbatches=None, extra=(), ranks=None) -> tuple[dict, str]:
     """One training run (the script's main() under benchmark.py run: torch's 1F1B labelled in its trace);
     returns its summary row and stdout."""
-    stdout = launch([os.path.abspath(__file__), "run",
-                     *command(args, script, schedule, steps, workdir, microbatches, extra)],
-                    ranks or args.ranks, workdir, f"{script} --schedule {schedule}")
+    stdout = launched([os.path.abspath(__file__), "run",
+                       *command(args, script, schedule, steps, workdir, microbatches, extra)],
+                      ranks or args.ranks, workdir, f"{script} --schedule {schedule}")
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [json.loads(line)["summary"] for line in f if line.startswith('{"summary"')][-1], stdout
 
@@ -552,9 +588,9 @@ def memory(args, script, schedule, workdir, microbatches=None, extra=(), ranks=N
     """A short untimed run under measure-memory (the saved-tensor hooks slow a step down): every rank's peak
     activation bytes and the bytes it holds ({"activation_bytes_per_rank": [...], ...}), and the run's stdout."""
     out = os.path.join(workdir, "memory.json")
-    stdout = launch([os.path.abspath(__file__), "measure-memory", out,
-                     *command(args, script, schedule, 2, workdir, microbatches, extra)], ranks or args.ranks,
-                    workdir, f"measure-memory {script} --schedule {schedule}")
+    stdout = launched([os.path.abspath(__file__), "measure-memory", out,
+                       *command(args, script, schedule, 2, workdir, microbatches, extra)], ranks or args.ranks,
+                      workdir, f"measure-memory {script} --schedule {schedule}")
     with open(out) as f:
         return json.load(f), stdout
 
@@ -570,10 +606,23 @@ def traced(r: dict, trace: str) -> None:
 
 
 def main(args):
+    """Every run of the mode the flags ask for, one after another, under a progress bar (a tick per run)."""
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as e:
         fail(f"--out {args.out}: cannot create it ({e.strerror}); give another --out")
+    runs = planned_runs(args)
+    print(f"benchmark: {runs} training runs, one at a time (each starts its processes, then trains); the bar's "
+          "time left is estimated from the runs done", file=sys.stderr, flush=True)
+    with tqdm.tqdm(total=runs, unit="run", file=sys.stderr) as bar:
+        PROGRESS["bar"] = bar
+        try:
+            compare(args)
+        finally:
+            PROGRESS["bar"] = None
+
+
+def compare(args):
     for path in outputs(args):  # an earlier run's traces (--force; check_out saw they are ours): a stale
         if path.endswith(".trace") and os.path.isdir(path):  # rank file would be read with the new ones
             shutil.rmtree(path)
@@ -602,8 +651,7 @@ def main(args):
                 r["tokens_per_s"] = summary["tokens_per_s"]
                 if last:
                     traced(r, trace)
-                print(f"repeat {repeat + 1}/{args.repeats} {name}: median step "
-                      f"{summary['median_step_time'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+                timed(args, repeat, name, summary)
         for name, (script, schedule) in variants.items():
             results[name]["activation_bytes_per_rank"] = memory(args, script, schedule, workdir)[0][
                 "activation_bytes_per_rank"]
@@ -664,8 +712,7 @@ def sweep(args, workdir):
             times.setdefault(m, []).append(summary["median_step_time"])
             if last:
                 bounds[m] = (traced_step_time(trace), unequal_stages_bound(trace, m), measured_bubble(trace))
-            print(f"repeat {repeat + 1}/{args.repeats} m={m}: {summary['median_step_time'] * 1e3:.1f} ms",
-                  file=sys.stderr, flush=True)
+            timed(args, repeat, f"m={m}", summary)
     top = max(times)
     ref = statistics.median(times[top]) / ((top + p - 1) / top)
     lines = [f"GPipe, {p} ranks, batch {args.batch_size} x {args.seq_len}: step time vs microbatches m. Model: "
@@ -695,8 +742,7 @@ def data_parallel(args, workdir):
             summary, _ = run(args, "train_pipeline_gpipe.py", "gpipe", args.steps, workdir, extra=extra, ranks=ranks)
             results[name]["step_times"].append(summary["median_step_time"])
             results[name]["tokens_per_s"] = summary["tokens_per_s"]
-            print(f"repeat {repeat + 1}/{args.repeats} {name}: median step {summary['median_step_time'] * 1e3:.1f} "
-                  "ms", file=sys.stderr, flush=True)
+            timed(args, repeat, name, summary)
     for name, (ranks, extra) in layouts.items():  # untimed: what each rank holds
         results[name]["memory"], _ = memory(args, "train_pipeline_gpipe.py", "gpipe", workdir, extra=extra,
                                             ranks=ranks)
@@ -726,8 +772,7 @@ def sequence_parallel(args, workdir):
         for name, extra in layouts.items():
             summary, _ = run(args, "train_pipeline_gpipe.py", "gpipe", args.steps, workdir, extra=extra, ranks=ranks)
             results[name]["step_times"].append(summary["median_step_time"])
-            print(f"repeat {repeat + 1}/{args.repeats} {name}: median step {summary['median_step_time'] * 1e3:.1f} "
-                  "ms", file=sys.stderr, flush=True)
+            timed(args, repeat, name, summary)
     for name, extra in layouts.items():  # untimed: what each rank holds and sends
         results[name]["memory"], _ = memory(args, "train_pipeline_gpipe.py", "gpipe", workdir, extra=extra,
                                             ranks=ranks)
@@ -763,8 +808,7 @@ def splits(args, workdir):
             results[name]["step_times"].append(summary["median_step_time"])
             if last:
                 traced(results[name], trace)
-            print(f"repeat {repeat + 1}/{args.repeats} {name}: median step {summary['median_step_time'] * 1e3:.1f} "
-                  "ms", file=sys.stderr, flush=True)
+            timed(args, repeat, name, summary)
     for name, (ranks, extra) in variants.items():  # untimed: the saved-tensor hooks slow a step down
         measured, stdout = memory(args, "train_pipeline_gpipe.py", "gpipe", workdir, extra=extra, ranks=ranks)
         results[name]["activation_bytes_per_rank"] = measured["activation_bytes_per_rank"]
@@ -808,8 +852,7 @@ def documents(args, workdir):
             results[name]["step_times"].append(summary["median_step_time"])
             results[name]["tokens_per_s"] = summary["tokens_per_s"]
             results[name]["peak_memory_bytes_per_rank"] = summary["peak_memory_bytes_per_rank"]
-            print(f"repeat {repeat + 1}/{args.repeats} {name}: median step {summary['median_step_time'] * 1e3:.1f} "
-                  "ms", file=sys.stderr, flush=True)
+            timed(args, repeat, name, summary)
     base = statistics.median(results["causal"]["step_times"])
     lines = [f"GPipe, {args.ranks} rank(s), batch {args.batch_size} x {args.seq_len}, {args.microbatches} "
              f"microbatches, {args.repeats} alternating runs of {args.steps} steps (OMP_NUM_THREADS="

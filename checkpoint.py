@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import datetime
 import errno
+import functools
 import gc
 import hashlib
 import io
@@ -924,11 +925,13 @@ def flight_recorder(checkpoint_dir: str, environ=os.environ) -> None:
 # bytecodes, and the main thread may wait in a collective for a hung peer until --timeout. Python's C-level
 # handler writes the signal's number to set_wakeup_fd's pipe even then; the Python handlers do nothing. run.sh
 # records the requests it gets in a file, PIPELINE_STOP_FILE, which the ranks read when they start (torchrun
-# may start or restart them after the request) and after every step. The first rank of a node to hear a request
-# says so, on its own line: one line a node, though the request reaches every rank.
+# may start or restart them after the request) and after every step; a file older than the process, and not of
+# its run.sh, is another run's: no request. The first rank of a node to hear a request says so, on its own line:
+# one line a node, though the request reaches every rank.
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _STOP = {"signal": None, "at": None, "said": False}  # the request this rank knows of: its signal's name, when
+_IMPORTED = time.time()  # where a process's start cannot be read: about when it started
 
 
 def _listen_for_stops() -> None:
@@ -965,17 +968,40 @@ def _asked_to_stop(signum: signal.Signals) -> None:
 
 
 def _launcher_request() -> None:
-    """Take on the request run.sh recorded, if this rank has none of its own."""
+    """Take on the request run.sh recorded, if this rank has none of its own: "SIGNAL RUN_SH_PID", its launch's
+    (however old: made before torchrun started, or restarted, this process), or one made since this process
+    started; an older one is left over from another run."""
     try:
         with open(os.environ["PIPELINE_STOP_FILE"]) as f:
-            name, at = f.read().strip(), os.fstat(f.fileno()).st_mtime
+            (name, *launcher), at = f.read().split() or [""], os.fstat(f.fileno()).st_mtime
     except (KeyError, OSError):
         return
-    if _STOP["at"] is None and name in {s.name for s in STOP_SIGNALS}:
+    if _STOP["at"] is None and name in {s.name for s in STOP_SIGNALS} and (
+            _launched_by(launcher[:1]) or at >= _started_at()):
         if name == "SIGHUP":
             _quiet_if_hung_up()
         _STOP.update(signal=name, at=at)
         _say_request()
+
+
+def _launched_by(pid: list) -> bool:
+    """Whether [pid] is the process that started this one's launcher (run.sh, which started torchrun); Linux."""
+    try:
+        with open(f"/proc/{os.getppid()}/stat") as f:
+            return [f.read().rsplit(")", 1)[1].split()[1]] == pid
+    except (OSError, IndexError):
+        return False
+
+
+@functools.cache
+def _started_at() -> float:
+    """When this process started, in seconds since the epoch (Linux; elsewhere: when it imported this module)."""
+    try:
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + int(_process_start(os.getpid())) / os.sysconf("SC_CLK_TCK")  # btime is whole: up to 1 s early
+    except (OSError, StopIteration, TypeError, ValueError):
+        return _IMPORTED
 
 
 def _say_request() -> None:
@@ -1022,11 +1048,14 @@ def _say(line: str) -> None:
 def final_status(status: int) -> int:
     """The exit status of a mistake that every rank found (a flag, an input, another job holding --checkpoint-dir):
     no restart can mend it, but torchrun restarts a job whenever a process fails (torch 2.13's agent reads no exit
-    status). Under run.sh, which names a file in RUN_SH_STATUS_FILE, the status goes there and the process exits 0,
-    so that torchrun ends the job; run.sh exits with the status."""
-    if path := os.environ.get("RUN_SH_STATUS_FILE"):
-        with contextlib.suppress(OSError), open(path, "w") as f:
-            f.write(str(status))
+    status). Under run.sh, which names a file in RUN_SH_STATUS_FILE holding its pid, the status goes there (the
+    second line) and the process exits 0, so that torchrun ends the job; run.sh exits with the status. A file of
+    another launch (the variable inherited from an outer run.sh, or left over) is left alone."""
+    with contextlib.suppress(KeyError, OSError), open(os.environ["RUN_SH_STATUS_FILE"], "r+") as f:
+        if _launched_by(f.readline().split()):
+            f.seek(0, os.SEEK_CUR)  # from reading to writing, after the pid's line
+            f.write(f"{status}\n")
+            f.truncate()
             return 0
     return status
 
@@ -1306,6 +1335,24 @@ def read_data_meta(directory: str) -> dict:
     return meta
 
 
+def eval_batches(args, windows: int) -> int:
+    """The held-out batches of an evaluation: --eval-batches; by default up to 4, as many as the held-out windows
+    (of --seq-len + 1) fill, at least one (fewer windows than a batch: it repeats some, as Batches wraps around)."""
+    if not args.eval_every and args.steps:  # no evaluation
+        return args.eval_batches or 0
+    if args.eval_batches is None and windows:
+        return max(1, min(4, windows // args.batch_size))
+    if not windows:
+        raise UsageError(f"--seq-len {args.seq_len}: --data {args.data} holds no held-out window of --seq-len + 1 "
+                         "tokens; use a shorter --seq-len, prepare more held-out data (prepare_data.py --eval-data), "
+                         "or train without evaluating (--eval-every 0)")
+    if windows < args.eval_batches * args.batch_size:
+        raise UsageError(f"--eval-batches {args.eval_batches}: --data {args.data} holds {windows} held-out windows of "
+                         f"--seq-len + 1, fewer than --eval-batches x --batch-size; ask fewer, or leave the flag out "
+                         "(up to 4 batches, as many as there are)")
+    return args.eval_batches
+
+
 def data_identity(directory: str) -> str:
     """The prepared data at directory, as a short hash of its meta.json (token counts, sources, tokenizer)."""
     with open(os.path.join(directory, "meta.json"), "rb") as f:
@@ -1318,7 +1365,7 @@ class Metrics:
     does it again: a stop or a kill may have come before it), so the file reads as one uninterrupted run."""
 
     def __init__(self, path: str | None, resume_step: int):
-        self.file = None
+        self.file, self.loss, self.held_out = None, None, None  # the last step's loss and evaluation: the done line
         if path is None:
             return
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -1326,15 +1373,26 @@ class Metrics:
         if resume_step and os.path.isfile(path):
             with open(path) as f:
                 rows = [(line, json.loads(line)) for line in f]
-            kept = [line for line, row in rows if (row["step"] <= resume_step if "step" in row else
-                                                   row.get("eval", {}).get("step", math.inf) < resume_step)]
+            kept = [(line, row) for line, row in rows if (row["step"] <= resume_step if "step" in row else
+                                                          row.get("eval", {}).get("step", math.inf) < resume_step)]
         self.file = open(path, "w")
-        self.file.writelines(kept)
+        for line, row in kept:
+            self.file.write(line)
+            self._note(row)
 
     def write(self, row: dict) -> None:
+        self._note(row)
         if self.file is not None:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
+
+    def _note(self, row: dict) -> None:
+        self.loss, self.held_out = row.get("loss", self.loss), row.get("eval", self.held_out)
+
+    def final_losses(self) -> str:
+        """For the run's last line: the last step's training loss, and the last held-out loss (at its step)."""
+        held_out = f" (held-out {self.held_out['loss']:.4f} at step {self.held_out['step']})" if self.held_out else ""
+        return f"loss {self.loss:.4f}{held_out}" if self.loss is not None else "no step trained"
 
 
 def traced_run(args, env, config: LlamaConfig, layers: list[range], chunks: int) -> dict:

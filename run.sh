@@ -174,8 +174,11 @@ state=$(mktemp -d "${TMPDIR:-/tmp}/run.sh.XXXXXX") ||
     die "cannot create a folder in ${TMPDIR:-/tmp}; set TMPDIR to a writable directory"
 trap 'rm -rf "$state"' EXIT
 # torchrun restarts a job whenever a process fails, whatever its status. A process ending on a mistake that every
-# process finds writes its status here and exits 0 instead (checkpoint.final_status): torchrun ends the job.
+# process finds writes its status here and exits 0 instead (checkpoint.final_status): torchrun ends the job. The
+# file names this launch (run.sh's pid, the parent of torchrun, so of no other job's processes): a process of
+# another launch that inherited the variable (a job started by one of this job's processes) leaves it alone.
 export RUN_SH_STATUS_FILE=$state/status
+echo $$ >"$RUN_SH_STATUS_FILE"
 # A collective that waits past --timeout on a GPU: NCCL's watchdog dumps its flight recorder and ends the process
 # (docs/launching.md). torchrun would set 1, which first aborts the communicators (and can hang in that); 3,
 # torch's own default and torchtitan's, ends the process without. A value set before run.sh wins.
@@ -196,7 +199,7 @@ stop() { # SIGNAL
     now=${now:-$((SECONDS * 1000000))} # bash < 5: whole seconds
     if [[ -z $asked ]]; then
         asked=$now
-        echo "SIG$1" >"$PIPELINE_STOP_FILE"
+        echo "SIG$1 $$" >"$PIPELINE_STOP_FILE" # this launch's request: kept by the processes it starts later
         [[ -z $torchrun ]] || pkill "-$1" -P "$torchrun" || true
     elif ((now - asked > 2000000)); then
         printf '\nrun.sh: SIG%s again: stopped at once, %s\n' "$1" \
@@ -223,7 +226,8 @@ while kill -0 "$torchrun" 2>/dev/null; do # a signal ended `wait` early: torchru
     status=0
     wait "$torchrun" || status=$?
 done
-if ((status == 0)) && [[ -f $RUN_SH_STATUS_FILE && $(<"$RUN_SH_STATUS_FILE") =~ ^[0-9]+$ ]]; then
-    status=$(<"$RUN_SH_STATUS_FILE") # the processes ended on a mistake (they exited 0 so that torchrun would not restart)
+mistake=$(sed -n 2p "$RUN_SH_STATUS_FILE" 2>/dev/null) || true # under the pid: a status the processes wrote
+if ((status == 0)) && [[ $mistake =~ ^[0-9]+$ ]]; then
+    status=$mistake # the processes ended on a mistake (they exited 0 so that torchrun would not restart)
 fi
 exit "$status"

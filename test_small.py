@@ -66,6 +66,7 @@ import export
 import model as model_module
 import nccl_rules
 import plan
+import plot
 import prepare_data as prep
 import train_pipeline_afab_manual as manual
 import train_pipeline_gpipe as gpipe
@@ -583,9 +584,11 @@ def one_process_group():
 # -- Runs and files that several sections use, made once
 
 # The tests' run of the scripts (the lr drift_rtol was measured at): 5 steps at every layout (LAYOUT_RUNS), 16 for
-# the reference run and what resumes from it; argparse keeps the last --steps given.
+# the reference run and what resumes from it; argparse keeps the last --steps (and --eval-every) given. No held-out
+# evaluation unless a test asks for one (the default's, at the end, would cost each run 4 forward batches): what
+# evaluates is tested where it is asked for, and in the README's command (the defaults).
 TRAIN_ARGS = ["--layers", "4", "--steps", "5", "--batch-size", "8", "--microbatches", "4", "--seq-len", "32",
-              "--warmup-steps", "2", "--lr", "1e-2"]
+              "--warmup-steps", "2", "--lr", "1e-2", "--eval-every", "0"]
 RESUME_ARGS = [*TRAIN_ARGS, "--steps", "16"]
 
 
@@ -1814,6 +1817,23 @@ def test_batches_visit_every_window_once_per_epoch_in_a_seeded_order_and_resume(
     assert in_order.next()[0][:, 0].tolist() == [0, 10, 20, 30, 40]
 
 
+def test_an_evaluation_takes_up_to_4_held_out_batches_by_default_and_refuses_more_than_there_are():
+    flags = lambda **given: argparse.Namespace(**{"eval_every": 100, "steps": 300, "eval_batches": None,  # noqa
+                                                  "batch_size": 16, "seq_len": 128, "data": "d", **given})
+    assert checkpoint.eval_batches(flags(), 585) == 4  # the default data: 585 held-out windows of 129 tokens
+    assert checkpoint.eval_batches(flags(), 40) == 2  # fewer: as many batches as there are
+    assert checkpoint.eval_batches(flags(), 1) == 1  # a small corpus's tail: its window repeated in one batch
+    assert checkpoint.eval_batches(flags(eval_batches=2), 32) == 2
+    assert checkpoint.eval_batches(flags(eval_every=0), 0) == 0  # no evaluation: nothing asked of the data
+    with pytest.raises(checkpoint.UsageError, match=r"^--eval-batches 3: --data d holds 40 held-out windows of "
+                       r"--seq-len \+ 1, fewer than --eval-batches x --batch-size; ask fewer, or leave the flag out"):
+        checkpoint.eval_batches(flags(eval_batches=3), 40)
+    for only_evaluating in ({}, {"steps": 0, "eval_every": 0}):
+        with pytest.raises(checkpoint.UsageError, match=r"^--seq-len 128: --data d holds no held-out window .* or "
+                           r"train without evaluating \(--eval-every 0\)$"):
+            checkpoint.eval_batches(flags(**only_evaluating), 0)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # 4. Parity: a pipeline is the same model, in each script
 
@@ -2815,6 +2835,13 @@ def test_readme_command_trains_saves_and_resumes(tmp_path, data_dir):
     assert layout in result.stdout, (layout, result.stdout[-3000:])  # as the README quotes it
     rows, _ = read_metrics(tmp_path / "m.jsonl")
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, [r["loss"] for r in rows]
+    # By default it evaluates at the end (and every 100 steps), on 4 held-out batches; the last line says the last
+    # step's loss and the held-out one.
+    (held_out,) = evaluations(tmp_path / "m.jsonl")
+    assert held_out["step"] == 12 and held_out["batches"] == 4 and f"eval at step 12: loss {held_out['loss']:.4f}" \
+        in result.stdout
+    assert f"done: 12 steps, loss {rows[-1]['loss']:.4f} (held-out {held_out['loss']:.4f} at step 12), median step " \
+        in result.stdout, result.stdout
     assert (tmp_path / "checkpoints" / "step-00000012" / "meta.json").is_file()
 
     # The same command again: the run is done, nothing is trained and the metrics file keeps its summary.
@@ -2824,6 +2851,20 @@ def test_readme_command_trains_saves_and_resumes(tmp_path, data_dir):
     assert "checkpoints/step-00000012 is step 12: --steps 12 are done, nothing to train" in result.stdout
     assert (tmp_path / "m.jsonl").read_text() == written
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000012"]  # lock released
+
+
+def test_the_last_line_says_the_last_loss_and_the_last_held_out_one_also_after_resuming(tmp_path):
+    # checkpoint.Metrics keeps them for the scripts' done line; resumed, from the rows the file keeps.
+    path = metrics_file(tmp_path / "m.jsonl", 6, evaluated=(4, 6))
+    resumed = checkpoint.Metrics(str(path), 5)  # steps 1-5 and the evaluation at 4 kept
+    assert resumed.final_losses() == "loss 7.7500 (held-out 8.5000 at step 4)"
+    resumed.write({"step": 6, "loss": 7.0})
+    assert resumed.final_losses() == "loss 7.0000 (held-out 8.5000 at step 4)"
+    resumed.write({"eval": {"step": 6, "loss": 8.0}})
+    assert resumed.final_losses() == "loss 7.0000 (held-out 8.0000 at step 6)"
+    unwritten = checkpoint.Metrics(None, 0)  # no --metrics: the line still says them
+    unwritten.write({"step": 1, "loss": 9.0})
+    assert unwritten.final_losses() == "loss 9.0000"
 
 
 def complete_and_partial(checkpoint_dir: Path):
@@ -2986,6 +3027,7 @@ def test_whole_runs_complete_under_nccls_rules(tmp_path, data_dir, reference_run
     # script's own forward pass), saved in the background; the hand-written 1F1B at 3 stages asked to stop as it
     # starts (every rank agrees on the step to stop after, and saves it).
     (tmp_path / "stop").write_text("SIGTERM")
+    os.utime(tmp_path / "stop", (time.time() + 60,) * 2)  # newer than the ranks: made as they start (not a leftover)
     runs = {"zbv": run_script(4, *recorded(tmp_path / "zbv", "train_pipeline_gpipe.py"), *TRAIN_ARGS, "--steps", "2",
                               "--schedule", "zbvzerobubble", "--tp", "2", "--document-masking", "--eval-every", "2",
                               "--eval-batches", "1", "--async-checkpoint", "--checkpoint-every", "1", "--data",
@@ -3199,6 +3241,41 @@ def test_a_stop_asked_while_the_job_starts_stops_it_after_its_first_step(tmp_pat
     assert "stopped by SIGTERM after step 1, saved in checkpoints/step-00000001" in result.stdout, result.stdout
     assert result.stderr.count("SIGTERM: stopping after this step, with a checkpoint; again to stop at once") == 1
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000001"]  # lock released
+
+
+def launcher_of_this_process() -> str:
+    """The pid of the process that started this one's parent: where run.sh stands to a training process."""
+    return Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[1]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="a process's start and parent are read in /proc")
+def test_a_stop_file_of_another_run_is_no_request_and_a_status_file_of_another_launch_is_left_alone(
+        tmp_path, monkeypatch):
+    # A PIPELINE_STOP_FILE is run.sh's record of a request ("SIGNAL RUN_SH_PID"): its own launch's is kept however
+    # old (made before torchrun started, or restarted, the process), another one only if made since the process
+    # started; older, it is left over from another run. In this process, as a rank reads it when it starts.
+    stop, launcher = tmp_path / "stop", launcher_of_this_process()
+    monkeypatch.setenv("PIPELINE_STOP_FILE", str(stop))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    before = checkpoint._started_at() - 5
+    assert time.time() - 600 < before < time.time()  # this process's start, read
+    for text, made, kept in [("SIGTERM", before, False), (f"SIGTERM {int(launcher) + 1}", before, False),
+                             (f"SIGTERM {launcher}", before, True), ("SIGINT", time.time(), True)]:
+        monkeypatch.setattr(checkpoint, "_STOP", {"signal": None, "at": None, "said": False})
+        stop.write_text(text + "\n")
+        os.utime(stop, (made, made))
+        checkpoint._launcher_request()
+        assert checkpoint._STOP["signal"] == (text.split()[0] if kept else None), text
+    # RUN_SH_STATUS_FILE: run.sh's pid, then the status of a mistake that every process found. A process of another
+    # launch that inherited the variable (its launcher's parent another) writes nothing there, and fails as itself.
+    status = tmp_path / "status"
+    monkeypatch.setenv("RUN_SH_STATUS_FILE", str(status))
+    assert checkpoint.final_status(2) == 2 and not status.exists()  # its run.sh is gone
+    status.write_text(f"{int(launcher) + 1}\n")
+    assert checkpoint.final_status(2) == 2 and status.read_text() == f"{int(launcher) + 1}\n"
+    status.write_text(f"{launcher}\n")
+    assert checkpoint.final_status(2) == 0 and checkpoint.final_status(1) == 0  # every rank writes it
+    assert status.read_text() == f"{launcher}\n1\n"
 
 
 def test_a_closed_terminal_stops_the_job_after_its_step_and_saves_it(tmp_path, data_dir):
@@ -5742,14 +5819,22 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypat
     # The sweep as users run it (its runs under torchrun); the other modes' runs with their ranks forked.
     sweep = run_script(0, "benchmark.py", *jobs.pop("sweep"), *small, cwd=tmp_path, wait=False)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(benchmark, "launch", forked_launch)
+    launched = []
+    monkeypatch.setattr(benchmark, "launch", lambda *a: launched.append(a[3]) or forked_launch(*a))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: the pictures are missing, and it says so
-    for argv in jobs.values():
+    said = {}
+    for name, argv in jobs.items():
         benchmark.main(benchmark.parse_args([*argv, *small]))
+        said[name], runs = capsys.readouterr().err, len(launched)
+        launched.clear()
+        # Before any run, how many it will make; then a tick of its progress bar per run, which ends at all of them.
+        assert said[name].startswith(f"benchmark: {runs} training runs, one at a time") and runs > 1, said[name]
+        assert re.search(rf"\b{runs}/{runs} \[", said[name]) and not re.search(rf"\b{runs + 1}/{runs}\b", said[name])
     assert "benchmark: no timeline pictures: matplotlib is not installed (pip install matplotlib)\n" in \
-        capsys.readouterr().err and not list((tmp_path / "bench").glob("*.png"))
+        said["bench"] and not list((tmp_path / "bench").glob("*.png"))
     result = finish(sweep, timeout=600)
     assert result.returncode == 0, errors(result.stderr)
+    assert "benchmark: 2 training runs" in result.stderr and "2/2 [" in result.stderr  # m = 1, 2; no memory run
 
     table = (tmp_path / "bench" / "results.md").read_text()
     rows = [line.split(" | ")[0].removeprefix("| ") for line in table.splitlines() if line.startswith("| ")]
@@ -5908,6 +5993,63 @@ def test_benchmark_force_replaces_nothing_it_did_not_write(change, tmp_path, fak
         assert err.startswith(f"error: --out {out}: holds ") and ", not written by benchmark.py, where this run " \
             "writes; move them away or give another --out" in err, err
     assert snapshot(tmp_path) == before
+
+
+# -- plot.py: the losses of --metrics files, drawn
+
+def metrics_file(path: Path, steps: int, evaluated=()) -> Path:
+    """A --metrics file written as the scripts write it (checkpoint.Metrics): a row a step, a row an evaluation (at
+    the steps in evaluated), the summary."""
+    metrics = checkpoint.Metrics(str(path), 0)
+    for step in range(1, steps + 1):
+        metrics.write({"step": step, "loss": 9 - 0.25 * step, "lr": 1e-3, "tokens": 256 * step})
+        if step in evaluated:
+            metrics.write({"eval": {"step": step, "loss": 9.5 - 0.25 * step, "perplexity": 1.0, "batches": 4}})
+    metrics.write({"summary": {"steps": steps, "median_step_time": 0.1}})
+    metrics.file.close()
+    return path
+
+
+def test_plot_reads_the_losses_and_says_in_one_line_what_it_cannot_draw(tmp_path, capsys, monkeypatch):
+    run = metrics_file(tmp_path / "run.jsonl", 5, evaluated=(3, 5))
+    train, held_out = plot.read_run(str(run))
+    assert train == [(s, 9 - 0.25 * s) for s in range(1, 6)] and held_out == [(3, 8.75), (5, 8.25)]
+    # A run writing its file: a last line not yet whole is left for the next time.
+    (tmp_path / "writing.jsonl").write_text(run.read_text() + '{"step": 6, "lo')
+    assert plot.read_run(str(tmp_path / "writing.jsonl")) == (train, held_out)
+    # Bad input: one line naming the file, exit status 1, no picture.
+    (tmp_path / "summary.jsonl").write_text('{"summary": {"steps": 0}}\n')
+    (tmp_path / "log.txt").write_text("step 1: loss 9.0\n")
+    out = tmp_path / "loss.png"
+    for given, said in [("missing.jsonl", ": no such file; give the files that a training script's --metrics FILE "
+                                          "wrote"),
+                        ("summary.jsonl", ': no loss in it (no row {"step": N, "loss": L}); give a file that '
+                                          "--metrics wrote, of a run that trained or evaluated"),
+                        ("log.txt", ", line 1: not JSON (Expecting value); give a file that --metrics wrote")]:
+        assert run_main(capsys, plot.main, run, tmp_path / given, "--out", out) == (
+            1, "", f"error: {tmp_path / given}{said}\n")
+    assert run_main(capsys, plot.main, run, "--out", run)[2] == f"error: --out {run} is one of the files to read; " \
+        "give another --out\n" and run.read_text().count("\n") == 8  # never written over
+    # Without matplotlib (here made unimportable, as where it is not installed): how to get it, in one line.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert run_main(capsys, plot.main, run, "--out", out) == (
+        1, "", "error: plot.py draws with matplotlib, which is not installed: pip install matplotlib\n")
+    assert not out.exists()
+
+
+def test_plot_draws_several_runs_overlaid_each_labelled_with_its_file(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (requirements-dev.txt has it)")
+    first, second = metrics_file(tmp_path / "a.jsonl", 12, evaluated=(6, 12)), metrics_file(tmp_path / "b.jsonl", 8)
+    runs = {str(path): plot.read_run(str(path)) for path in (first, second)}
+    assert plot.draw(runs, str(tmp_path / "drawn.png")) == [
+        f"{first}: training", f"{first}: held-out", f"{second}: training"]  # b evaluated nothing
+    out = tmp_path / "pictures" / "loss.png"  # its folder made
+    assert run_main(capsys, plot.main, first, second, "--out", out) == (
+        0, f"plotted 2 run(s) into {out}\n", "")
+    import matplotlib.image
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and matplotlib.image.imread(out).shape[:2] == (550, 900)
+    code, _, err = run_main(capsys, plot.main, first, "--out", tmp_path / "loss.jsonl")
+    assert code == 1 and err.startswith(f"error: --out {tmp_path / 'loss.jsonl'}: matplotlib cannot write a jsonl ")
 
 
 # -- run.sh: real runs
@@ -6480,17 +6622,34 @@ def test_help_works_without_torchrun_and_every_script_has_the_same_flags_with_th
     # Every flag that takes a value says its default in --help, in every script and tool (on/off flags are off).
     texts = {script: result.stdout for script, result in helps.items()}
     texts |= {name: module.build_parser().format_help() for name, module in [
-        ("plan.py", plan), ("benchmark.py", benchmark), ("prepare_data.py", prep), ("export.py", export)]}
+        ("plan.py", plan), ("benchmark.py", benchmark), ("prepare_data.py", prep), ("export.py", export),
+        ("plot.py", plot)]}
     with pytest.raises(SystemExit):
         benchmark.loss_memory(["--help"])
     texts["benchmark.py loss-memory"] = capsys.readouterr().out
     for name, text in texts.items():
         entries = re.split(r"\n(?=  -)", text[text.index("options:"):])[1:]  # one per flag: its line(s) of help
         takes_value = [entry.split("\n\n")[0] for entry in entries if re.match(r"  (-\w, )?--[\w-]+ [A-Z{]", entry)]
-        assert len(takes_value) > 1, name
+        assert takes_value, name  # found (plot.py has one: --out)
         silent = [entry.split()[0] for entry in takes_value if "default" not in entry
                   and entry.split()[0] not in ("--processes", "--gpus")]  # plan.py: one of the two is required
         assert not silent, (name, silent)
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="not a git checkout")
+def test_git_ignores_what_the_documented_commands_write_and_nothing_of_the_project():
+    written = ["data/meta.json", "data/llama/val.bin", "data-llama/train-00000.bin", "train.jsonl",  # prepare_data.py
+               "checkpoints/step-00000300/meta.json", "checkpoints/nccl-trace-rank0", "ckpt-afab/run.lock",
+               "checkpoints.previous-20260101-120000/step-00000300/meta.json", "m.jsonl", "trace/rank0.json",
+               "bench/results.md", "bench-doc-2048/documents.json", "gpu-check/gpu-check.md", "mem.json",  # benchmark
+               "tiny.pt", "tiny.pt.config.json", "tiny.pt.tokenizer.json", "tiny-hf/config.json",  # export.py
+               "Llama-3.2-1B-continued/model.safetensors", "Llama-3.2-1B/tokenizer.json", "loss.png"]  # plot.py
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    assert [path for path in written if path not in ignored] == []
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert subprocess.run(["git", "check-ignore", "--no-index", *tracked], cwd=ROOT, capture_output=True,
+                          text=True).stdout.split() == []  # docs/*.png included
 
 
 def project_imports(path: Path) -> set[str]:
@@ -6512,6 +6671,7 @@ def test_scripts_import_only_model_and_checkpoint():
     assert project_imports(ROOT / "export.py") == {"checkpoint", "model"}  # a tool: no script imports it
     assert project_imports(ROOT / "model.py") == set()
     assert project_imports(ROOT / "prepare_data.py") == set()  # and no torch: see its own test
+    assert project_imports(ROOT / "plot.py") == set()  # a tool of its own (and matplotlib's)
 
 
 def test_each_script_copied_into_an_empty_folder_trains(tmp_path):
@@ -6538,6 +6698,8 @@ def test_each_script_copied_into_an_empty_folder_trains(tmp_path):
         assert result.returncode == 0, (folder.name, errors(result.stderr))
         rows, _ = read_metrics(folder / "m.jsonl")
         assert [r["step"] for r in rows] == [1, 2, 3] and (folder / "checkpoints" / "step-00000003").is_dir()
+        # Evaluated by default, at the end, on 4 held-out batches.
+        assert [(e["step"], e["batches"]) for e in evaluations(folder / "m.jsonl")] == [(3, 4)], folder.name
         assert sorted(p.name for p in folder.iterdir() if p.suffix == ".py") == sorted(
             {script, "model.py", "checkpoint.py", "prepare_data.py"})
 

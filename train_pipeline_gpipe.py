@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=number(positive=False), default=0.1, run=True, help="AdamW's, of matrices")
     g.add_argument("--grad-clip", type=number(positive=False), default=1.0, run=True, help="of the model; 0: none")
     g.add_argument("--seed", type=int, default=0, run=True, help="of the weights and the data order")
-    g.add_argument("--eval-every", type=whole(0), default=0, help="held-out loss every N steps and at the end")
-    g.add_argument("--eval-batches", type=whole(1), default=4, help="held-out batches per evaluation")
+    g.add_argument("--eval-every", type=whole(0), default=100, help="held-out loss every N steps, at the end; 0: off")
+    g.add_argument("--eval-batches", type=whole(1), help="held-out batches per evaluation (default: up to 4, as "
+                   "many as --data holds)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--schedule", choices=list(SCHEDULES), default="gpipe", help="the pipeline schedule")
     g.add_argument("--stages-per-rank", type=whole(1), help="of a looped schedule (default: 2; the others' is fixed)")
@@ -364,9 +365,7 @@ def open_data(args) -> tuple[dict, Batches, Batches]:
     if train.num_windows < 1:
         raise UsageError(f"--seq-len {args.seq_len}: --data {args.data} holds {sum(meta['train']['tokens'])} "
                          "training tokens, less than one window of --seq-len + 1; use a shorter --seq-len")
-    if (args.eval_every or args.steps == 0) and held_out.num_windows < args.eval_batches * args.batch_size:
-        raise UsageError(f"--eval-batches {args.eval_batches}: --data {args.data} holds {held_out.num_windows} "
-                         "held-out windows of --seq-len + 1, fewer than --eval-batches x --batch-size")
+    args.eval_batches = checkpoint.eval_batches(args, held_out.num_windows)
     return meta, train, held_out
 
 
@@ -503,8 +502,8 @@ def summary(env: Env, step_times: list[float], tokens_per_step: int, config, arg
     row["mfu"] = mfu(row["tokens_per_s"], config, args.seq_len, env.device, env.dtype, env.world_size)
     metrics.write({"summary": row})
     utilization = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
-    print(f"done: {row['steps']} steps, median step {row['median_step_time'] * 1e3:.0f} ms, {row['tokens_per_s']:.0f} "
-          f"tokens/s{utilization}; per rank, peak memory ({env.device.type}, MiB): "
+    print(f"done: {row['steps']} steps, {metrics.final_losses()}, median step {row['median_step_time'] * 1e3:.0f} ms, "
+          f"{row['tokens_per_s']:.0f} tokens/s{utilization}; per rank, peak memory ({env.device.type}, MiB): "
           f"{', '.join(f'{b / 2**20:.3g}' for b in peaks)}", flush=True)
 
 
