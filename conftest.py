@@ -1,0 +1,1012 @@
+"""The machinery of test_small.py's tests, which pytest reads before it (its conftest.py): the environment, running
+things (real processes, or ranks forked from a server that imported everything once), comparing numbers and
+files, small configs and the scripts' pieces; the fixtures: the data prepared once, and the runs that several
+tests share; and the groups those tests form under `pytest -n 2 --dist loadgroup`. test_small.py imports the
+helpers it calls by name.
+"""
+
+import atexit
+import contextlib
+import functools
+import json
+import math
+import multiprocessing.forkserver
+import os
+import random
+import re
+import runpy
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest.mock
+import uuid
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+
+import benchmark
+import model as model_module
+import nccl_rules
+import prepare_data as prep
+import train_pipeline_afab_manual as manual
+import train_pipeline_gpipe as gpipe
+import train_pipeline_tracer as tracer
+from model import LlamaConfig, LlamaForPretraining, even
+
+ROOT = Path(__file__).resolve().parent
+# One step from the same weights: a split computes the unsplit model's numbers with fp32 sums taken in another
+# order, ~1e-7 apart; 1e-5 leaves room for other machines' kernels and still sees one wrong element of a gradient.
+# Trajectories over several steps drift further apart: drift_rtol.
+RTOL = 1e-5
+SCRIPTS = ("train_pipeline_gpipe.py", "train_pipeline_afab_manual.py", "train_pipeline_tracer.py")
+# A suite started in the background (`pytest ... &` in a script, nohup) inherits SIGINT or SIGHUP ignored, passes
+# that on to what it starts, and a shell cannot trap a signal ignored when it started: run.sh would not hear the
+# Ctrl-C and the closed terminal the tests send it. Caught here, they start at their defaults in every process.
+for _signal, _handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGHUP, signal.SIG_DFL)):
+    if signal.getsignal(_signal) == signal.SIG_IGN:
+        signal.signal(_signal, _handler)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Helpers: the environment, launching processes, comparing numbers, small configs, shared runs
+
+def script_env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env.pop("RANK", None)  # a test run from inside torchrun must not make the scripts think they are ranks
+    return env
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory):
+    """The builtin corpus prepared once, as `python prepare_data.py` does with no arguments: (folder, result)."""
+    cwd = tmp_path_factory.mktemp("prepared")
+    result = launch(0, "prepare_data.py", cwd=cwd, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return cwd / "data", result
+
+
+@pytest.fixture(scope="session")
+def data_dir(prepared):
+    """--data for every script run: the builtin corpus, tokenized once."""
+    return str(prepared[0])
+
+
+# -- Running things: as a real process (start, launch, launch_ranks, run_sh), or a main() in this process (run_main)
+
+def start(cmd: list, *, cwd, env=None, timeout=240, wait=True, log=None):
+    """Any command as a real process, in a session of its own so that it can be stopped without touching pytest:
+    its CompletedProcess, or (wait=False) the Popen to finish() later. The others below are made of it. log: a
+    path; the output goes to LOG.out and LOG.err instead, to be read while it runs (finish() reads them too)."""
+    out, err = (open(f"{log}.{kind}", "w") if log else subprocess.PIPE for kind in ("out", "err"))
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or script_env(), stdout=out, stderr=err,
+                            text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+    proc.log = log
+    if log:  # the process has its own copies
+        out.close(), err.close()
+    return finish(proc, timeout) if wait else proc
+
+
+def launch(nproc: int, script: str, *args, cwd, timeout=240, wait=True, torchrun_args=(), env=None):
+    """A script of this folder (or at an absolute path) with plain python (nproc=0) or under torchrun with nproc
+    processes: what exit statuses, signals, stderr and torchrun show. Quicker, each rank forked: run_script;
+    in-process checks: run_main."""
+    if nproc == 0:
+        cmd = [sys.executable, str(ROOT / script), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               *torchrun_args, str(ROOT / script), *args]
+    return start(cmd, cwd=cwd, env=env, timeout=timeout, wait=wait)
+
+
+def finish(proc, timeout=240):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_job(proc)
+        out, err = proc.communicate()
+        if proc.log:
+            out, err = (Path(f"{proc.log}.{kind}").read_text() for kind in ("out", "err"))
+        pytest.fail(f"timed out (a hang?)\n{out[-3000:]}\n{err[-3000:]}")
+    if proc.log:
+        out, err = (Path(f"{proc.log}.{kind}").read_text() for kind in ("out", "err"))
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def errors(stderr: str, most: int = 3000) -> str:
+    """The end of a failed run's stderr for an assertion's message, without the C++ frames that torch appends to
+    its errors (a few of them fill the message and hide which rank said what)."""
+    return "\n".join(line for line in stderr.splitlines()
+                     if not re.match(r"\s*(frame #\d+:|Exception raised from )", line))[-most:]
+
+
+# -- The scripts' runs where torchrun itself is not what is tested: forked from a server that imported them once
+
+# Each process of a real launch spends ~2 s of CPU (measured here; more on slower machines) importing torch,
+# DTensor, FSDP and the pipelining package before the script's first line runs, and torchrun's agent ~1 s: most
+# of the suite's time. run_script() forks each rank from a server process that imported them once (multiprocessing's
+# forkserver, preloaded with this file, test_small.py and what they import) and runs the script's file as
+# `python SCRIPT ARGS` would, as __main__ (its own argument parsing, checkpoint.run, sys.exit), with what torchrun
+# gives each rank: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (rank 0 hosting the
+# store), and the TORCHELASTIC_* variables of a --standalone launch (a new run id each). A forked rank starts as a
+# new process would: a string-hash seed other than its neighbours' (two servers, for even and odd ranks, each with
+# a seed of its own), torch's, Python's and numpy's random state from the OS
+# (test_a_forked_rank_starts_as_a_torchrun_rank_does).
+# The server's warning filters are a rank's after its imports, and it shows no warning while importing (measured).
+# What a fork cannot give: the interpreter's shutdown (the rank runs its exit handlers, then multiprocessing's
+# os._exit), and no more imports than the script's (transformers is loaded; of the server's exit handlers, only
+# filelock's and huggingface_hub's are not a script's, measured). So each error path, and what is about torchrun,
+# signals, the command as a user types it and copies in other folders, also runs under launch().
+
+# What a rank runs is unpickled by name in the server's fork: _run_as_main and the fixtures' workers are here, the
+# tests' own workers in test_small (which imports this file as conftest, as pytest does).
+PRELOAD = ["conftest", "test_small", "transformers"]
+ODD_RANKS = multiprocessing.forkserver.ForkServer()  # the second server
+
+
+@functools.cache
+def forkserver():
+    """The context ranks start from: multiprocessing's forkserver, started once, single-threaded, with this file and
+    test_small.py (so torch, the scripts and the tools) imported under OMP_NUM_THREADS=1 (OpenMP reads it when torch
+    loads); and ODD_RANKS, the same with another string-hash seed."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    ODD_RANKS.set_forkserver_preload(PRELOAD)
+    saved = dict(os.environ)
+    os.environ.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # Python 3.11's forkserver ignores sys.path
+    try:
+        for server, seed in zip((multiprocessing.forkserver, ODD_RANKS), random.sample(range(1, 2**32), 2)):
+            os.environ["PYTHONHASHSEED"] = str(seed)
+            server.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    # Before multiprocessing's own exit handler, which would wait for ranks a failed test left running.
+    atexit.register(lambda: [job.kill() for job in Forked.started if job.poll() is None])
+    return context
+
+
+def _run_as_main(script: str, argv: list, env: dict, cwd: str, log: str) -> None:
+    """In a forked rank: what `python SCRIPT ARGV` runs, in cwd with env, its output (unbuffered) to LOG.out and
+    LOG.err; the interpreter's exit handlers run at the end as they would (the run lock is released there)."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, kind in ((1, "out"), (2, "err")):
+        file = os.open(f"{log}.{kind}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(file, fd)
+        os.close(file)
+    sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
+    sys.argv, sys.path[0] = [script, *argv], os.path.dirname(script)
+    torch.seed(), random.seed(), np.random.seed()  # from the OS, as torch 2.13 seeds a new process (measured)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()  # CPython's own, as at interpreter exit: multiprocessing ends a rank with os._exit
+
+
+class Forked:
+    """The ranks of run_script(), read as a launch()ed process is (poll, finish, kill_job): the exit status is the
+    rank's with plain python, torchrun's with ranks (1 when one failed, -9 when killed); the output every rank's,
+    in rank order. When a rank fails, the others get 10 s to stop on their own, then are killed, as torchrun
+    stops the rest of a failed job."""
+    started: list = []
+
+    def __init__(self, nproc: int, script, argv: list, cwd, env: dict):
+        self.nproc, self.args, self.log, self.killed = nproc, [str(script), *argv], None, False
+        self.dir = tempfile.mkdtemp(prefix="ranks-")
+        port, self.ranks = str(free_port()), []
+        context = forkserver()
+        # env may set the job's TORCHELASTIC_RUN_ID and TORCHELASTIC_RESTART_COUNT: another attempt of one job. No
+        # agent hosts a store here (torchrun's, for USE_AGENT_STORE True): rank 0 does, as under run.sh's nodes.
+        job = dict(TORCHELASTIC_RUN_ID=uuid.uuid4().hex, TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+                   TORCHELASTIC_USE_AGENT_STORE="False", GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default")
+        for rank in range(max(nproc, 1)):
+            torchrun = {**job, **env, **dict(
+                RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank), WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)}
+            self.ranks.append(context.Process(target=_run_as_main, daemon=True, args=(
+                str(script), argv, torchrun if nproc else env, str(cwd), os.path.join(self.dir, str(rank)))))
+            with unittest.mock.patch.object(multiprocessing.forkserver, "connect_to_new_process",
+                                            ODD_RANKS.connect_to_new_process) if rank % 2 else contextlib.nullcontext():
+                self.ranks[-1].start()  # odd ranks from the other server (multiprocessing asks its module for one)
+        self.pid = self.ranks[0].pid
+        Forked.started.append(self)
+
+    def poll(self) -> int | None:
+        codes = [p.exitcode for p in self.ranks]
+        if None in codes:
+            return None
+        return codes[0] if not self.nproc else -signal.SIGKILL if self.killed else int(any(codes))
+
+    returncode = property(poll)
+
+    def communicate(self, timeout=None):
+        deadline, failed_at = time.monotonic() + (timeout or math.inf), None
+        while self.poll() is None:
+            if failed_at is None and any(p.exitcode for p in self.ranks):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > 10:
+                for p in self.ranks:
+                    p.kill()
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        if not hasattr(self, "output"):  # read once: the files are removed
+            files = [[Path(self.dir, f"{rank}.{kind}") for rank in range(len(self.ranks))] for kind in ("out", "err")]
+            self.output = tuple("".join(f.read_text() if f.exists() else f"({f.name}: the rank never started)\n"
+                                        for f in kind) for kind in files)
+            shutil.rmtree(self.dir, ignore_errors=True)
+        return self.output
+
+    def kill(self) -> None:
+        self.killed = True
+        for p in self.ranks:
+            p.kill()
+
+
+def run_workers(worker, world_size: int, args: tuple) -> None:
+    """worker(rank, *args) on world_size ranks forked from the server (forkserver), as the parity tests run."""
+    forkserver()
+    mp.start_processes(worker, nprocs=world_size, args=args, start_method="forkserver", join=True)
+
+
+def run_script(nproc: int, script: str, *args, cwd, timeout=240, wait=True, env=None):
+    """A script of this folder as launch() runs it (nproc 0: plain python), each rank forked (Forked)."""
+    proc = Forked(nproc, ROOT / script, [str(a) for a in args], cwd, env or script_env())
+    return finish(proc, timeout) if wait else proc
+
+
+def worker_pids(parent: int) -> list[int]:
+    """Child processes of a torchrun agent, read from /proc."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                children.append(int(entry))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process started by pid, and by those, read from /proc."""
+    found = worker_pids(pid)
+    return found + [d for child in found for d in descendants(child)]
+
+
+def kill_job(proc) -> None:
+    """SIGKILL a launched job (torchrun, or run.sh and its torchrun) and every worker at once, like a machine that
+    lost power. torchrun starts each worker in a session of its own, so killing torchrun's process group would
+    leave the workers running: find them first, then kill them all (forked ranks: each one)."""
+    if isinstance(proc, Forked):
+        return proc.kill()
+    for pid in [*descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(world_size: int, script: str, *args, cwd) -> list:
+    """Start every rank by hand, as torchrun would, so each one's exit status and output can be seen. cwd: one
+    folder for all, or one per rank."""
+    port, cwds = str(free_port()), cwd if isinstance(cwd, list) else [cwd] * world_size
+    return [run_script(0, script, *args, cwd=cwds[rank], wait=False,
+                       env=dict(script_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+            for rank in range(world_size)]
+
+
+RUN_SH = str(ROOT / "run.sh")
+LAUNCHER_VARS = ["NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "MAX_RESTARTS", "LOG_DIR",
+                 "RDZV_ID", "RDZV_CONF", "DRY_RUN", "PYTHON", "SHUTDOWN_TIMEOUT", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+                 "RUN_SH_LAUNCH_ID", "RUN_SH_STATUS_FILE"]
+
+
+def launcher_env(**overrides) -> dict:
+    """The scripts' test environment without anything run.sh would pick up from the machine running pytest."""
+    env = script_env()
+    for name in [*LAUNCHER_VARS, *(k for k in env if k.startswith("SLURM_"))]:
+        env.pop(name, None)
+    env["PYTHON"] = sys.executable  # this venv's torch, whatever python3 is on PATH
+    env.update({k: str(v) for k, v in overrides.items()})
+    return env
+
+
+def run_sh(*args, cwd, wait=True, timeout=240, log=None, **env):
+    """run.sh ARGS, its variables given as keywords (NNODES=2) and nothing else of the machine's."""
+    return start([RUN_SH, *args], cwd=cwd, env=launcher_env(**env), timeout=timeout, wait=wait, log=log)
+
+
+def run_main(capsys, main, *argv) -> tuple[int, str, str]:
+    """A tool's main(argv) in this process (prepare_data, export, plan, benchmark's parse_args, a script's parser):
+    (exit status, stdout, stderr), quicker than a process where no signal, import or torchrun is checked."""
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# -- Their output: one line that names what is wrong
+
+def one_line_error(result, *expected, status=1):
+    """A real process (launch) that stopped with one line on stderr that names what is wrong (status 1; argparse:
+    2)."""
+    assert result.returncode == status, (result.returncode, errors(result.stderr))
+    assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    for text in expected:
+        assert text in result.stderr, (text, result.stderr)
+
+
+def refused(capsys, main, *argv, status: int = 1) -> str:
+    """The same for a main(argv) in this process (run_main) that must exit with `status`: its one error line."""
+    code, _, err = run_main(capsys, main, *argv)
+    assert code == status and err.startswith("error: ") and err.count("\n") == 1 and err.endswith("\n"), \
+        (argv, code, err)
+    return err.rstrip("\n")
+
+
+def error_lines(text: str) -> list[str]:
+    """stderr without torch's own noise (the profiler's USDT lines, torchrun's warnings)."""
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+# -- Comparing numbers and files
+
+def read_metrics(path):
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return [r for r in rows if "step" in r], [r["summary"] for r in rows if "summary" in r]
+
+
+def assert_close_rel(a, b, rtol=RTOL, what=""):
+    assert abs(a - b) <= rtol * abs(b), f"{what}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e})"
+
+
+def drift_rtol(steps: int, what: str) -> float | None:
+    """How far two correct fp32 runs may have drifted apart after `steps` steps (1: the first step, both from the
+    same weights) at the tests' lr 1e-2: the loss, or the gradient norm (None: not comparable any more).
+
+    Two correct runs differ only in the order fp32 sums are taken (another layout, another microbatch count,
+    another machine's kernels). Their first step agrees to round-off (~1e-7). From then on AdamW divides each
+    gradient by its own running size, so round-off in a near-zero gradient becomes a different update of its
+    weight, and the runs drift apart, faster the more steps. Measured on the tests' model and flags, largest
+    relative difference to one process over 8 seeds x 3 microbatch counts, and 4 seeds each of pp2 x dp2 and
+    pp2 x tp2: the loss 3e-7 up to step 3, 4e-6 up to step 9, 7e-5 up to step 16; the gradient norm 0 at step 1,
+    2e-5 up to step 8 (2.6e-5 at step 3 seen on another machine), up to 2e-2 beyond. The tolerances are ~10x
+    those. A real mistake is far above them, at the first step already (each tried, 2 stages or 2 x 2): one of
+    4 microbatches' gradient dropped (grad norm 9e-2 off), gradients summed over replicas instead of averaged
+    (1.0), a clipping norm without the other stage's part (0.5), replicas training on the same rows (loss 8e-4);
+    and the AdamW state not restored on resume: the loss 1.4e-2 off at the second step after it."""
+    if what == "loss":
+        return 1e-5 if steps <= 3 else 1e-4 if steps <= 9 else 1e-3
+    return 1e-5 if steps == 1 else 3e-4 if steps <= 8 else None
+
+
+def assert_same_trajectory(rows: list[dict], reference: list[dict], what: str, since: int = 0, floor: float = 0):
+    """Each row's loss (and gradient norm) equals the reference row's within what fp32 drift allows (drift_rtol).
+    since: the step at which both runs held the same weights (a resumed run: its checkpoint's); floor: a larger
+    tolerance of the run's own (compiled kernels round differently)."""
+    assert [r["step"] for r in rows] == [r["step"] for r in reference][:len(rows)], what
+    for got, want in zip(rows, reference):
+        steps = got["step"] - since
+        assert_close_rel(got["loss"], want["loss"], max(drift_rtol(steps, "loss"), floor),
+                         what=f"{what}, step {got['step']} loss")
+        if "grad_norm" in got and drift_rtol(steps, "grad_norm") is not None:
+            assert_close_rel(got["grad_norm"], want["grad_norm"], max(drift_rtol(steps, "grad_norm"), floor),
+                             what=f"{what}, step {got['step']} grad norm")
+
+
+def snapshot(path: Path, folder_times: bool = False) -> dict:
+    """Every file and folder under path (with hidden ones), each file's size and modification time: equal snapshots,
+    nothing touched. folder_times: folders' times too, which change when an entry is created and removed again."""
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() or folder_times
+            else "folder" for p in [path, *path.rglob("*")]}
+
+
+def mount_tmpfs(path: Path, options: str):
+    """A tmpfs at path (root only: permissions do not stop root, a read-only or full filesystem does)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small or read-only tmpfs")
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True,
+                            text=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+
+
+# -- Small configs and the scripts' pieces, in this process or in spawned workers
+
+def small_config(vocab=97, layers=4) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, max_position_embeddings=64, hidden_size=32, intermediate_size=48,
+                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+SCRIPT_MODULES = {"train_pipeline_gpipe.py": gpipe, "train_pipeline_afab_manual.py": manual,
+                  "train_pipeline_tracer.py": tracer}
+
+
+def checked_args(module, argv: list[str], world_size: int, device_type: str = "cuda"):
+    """A script's flags as its main resolves them (--stages-per-rank: the schedule's default), then its
+    check_args, which leaves them as they are."""
+    ns = module.build_parser().parse_args(argv)
+    if "stages_per_rank" in ns:
+        ns.stages_per_rank = ns.stages_per_rank or (1 if ns.schedule in gpipe.SINGLE_STAGE else 2)
+    resolved = vars(ns).copy()
+    module.check_args(ns, world_size, device_type, ns.init_from is None)  # no checkpoint to continue here
+    assert vars(ns) == resolved
+    return ns
+
+
+def cpu_env(rank: int, world_size: int, dtype=torch.float32) -> "gpipe.Env":
+    return gpipe.Env(rank, world_size, torch.device("cpu"), dtype, 0)
+
+
+def recorder() -> nccl_rules.Recorder:
+    """This worker's calls of torch.distributed, recorded while on (nccl_rules.Recorder: a context manager), to be
+    replayed under NCCL's rules. Made before the group starts: gloo's flight recorder, which checks the recording
+    for gaps, must be on by then."""
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "1000000"
+    return nccl_rules.Recorder()
+
+
+def start_group(rank: int, world_size: int, store_path: str, pp: int | None = None, dp: int = 1, tp: int = 1):
+    """A worker's gloo process group, and the scripts' (pp, dp, tp) mesh over it."""
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    return init_device_mesh("cpu", (pp or world_size // (dp * tp), dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape: tuple, microbatches: int,
+                     documents: bool = False, chunks: int = 8, seed: int = 11):
+    """The GPipe script's split and schedule of these stages, as its main builds them: (the rank's model, its
+    PipelineStages, the schedule, the loss). documents: the same stages (positions are a keyword argument)."""
+    modules = [gpipe.stage_module(config, s, layers) for s in stages]
+    model_module.parallelize(modules, mesh, torch.float32)
+    model_module.materialize(modules, config, torch.device("cpu"), seed)
+    shards = mesh["tp"].size()  # sequence parallelism, as the scripts' default: each tp rank 1/tp of the positions
+    built = [PipelineStage(module, s, len(layers), torch.device("cpu"), group=mesh.get_group("pp"),
+                           **gpipe.stage_io(config, s, len(layers), shape, shards, torch.float32))
+             for module, s in zip(modules, stages)]
+    schedule, loss_fn = gpipe.make_schedule(name, built, microbatches, chunks, shards)
+    return model_module.merged_stages(modules), built, schedule, loss_fn
+
+
+def traced_pipeline(config, name: str, stages: list, layers: list, mesh, shape: tuple, microbatches: int,
+                    documents: bool = False, chunks: int = 8, seed: int = 11):
+    """The same, as the tracer script builds it (documents: traced with --document-masking's positions)."""
+    modules, pipe = tracer.traced_modules(config, stages, layers, shape, documents)
+    model_module.parallelize(modules, mesh, torch.float32)
+    model_module.materialize(modules, config, torch.device("cpu"), seed)
+    built = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), mesh.get_group("pp"), torch.float32) for s in stages]
+    schedule, loss_fn = tracer.make_schedule(name, built, microbatches, chunks, 1)
+    return model_module.merged_stages(modules), built, schedule, loss_fn
+
+
+def cpu_stage(config, stage: int, layers: list, seed: int = 0):
+    """The GPipe script's stage module, allocated on the CPU and initialized as its main does (no parallelism)."""
+    module = gpipe.stage_module(config, stage, layers)
+    model_module.materialize([module], config, torch.device("cpu"), seed)
+    return module
+
+
+def cpu_traced(config, stages: list, layers: list, shape: tuple, seed: int = 0):
+    """The tracer script's stage modules and pipe, allocated on the CPU and initialized as its main does."""
+    modules, pipe = tracer.traced_modules(config, stages, layers, shape)
+    model_module.materialize(modules, config, torch.device("cpu"), seed)
+    return modules, pipe
+
+
+def plain_loss(logits, targets):
+    """The loss of the unsplit model: the mean cross-entropy of the whole logits, computed at once."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+BOS = 1  # the tests' bos: a document starts where it stands
+
+
+def documents_batch(inputs: torch.Tensor, starts: dict[int, list[int]]) -> torch.Tensor:
+    """inputs with a bos at each of starts[row]'s positions and nowhere else: documents packed as the data's are."""
+    inputs = inputs.masked_fill(inputs == BOS, BOS + 1)
+    for row, columns in starts.items():
+        inputs[row, columns] = BOS
+    return inputs
+
+
+def random_batch(config, batch=8, seq=16, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+    targets = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+    targets[0, :3] = -100  # ignored targets must stay ignored through the pipeline
+    return inputs, targets
+
+
+@pytest.fixture
+def one_process_group():
+    """build_stage asks the process group for its rank: a group of one, in this process, for in-process tests.
+    Each test's own: one left over would meet a later test that checks no process group was started."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+# -- Runs and files that several sections use, made once
+
+# The tests' run of the scripts (the lr drift_rtol was measured at): 5 steps at every layout (LAYOUT_RUNS), 16 for
+# the reference run and what resumes from it; argparse keeps the last --steps (and --eval-every) given. No held-out
+# evaluation unless a test asks for one (the default's, at the end, would cost each run 4 forward batches): what
+# evaluates is tested where it is asked for, and in the README's command (the defaults).
+TRAIN_ARGS = ["--layers", "4", "--steps", "5", "--batch-size", "8", "--microbatches", "4", "--seq-len", "32",
+              "--warmup-steps", "2", "--lr", "1e-2", "--eval-every", "0"]
+RESUME_ARGS = [*TRAIN_ARGS, "--steps", "16"]
+
+
+def recorded(directory: Path, script: str) -> list[str]:
+    """A script's command line, run with its calls of torch.distributed recorded into directory (nccl_rules.py)."""
+    return ["nccl_rules.py", "record", str(directory), str(ROOT / script)]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, data_dir):
+    """2 stages x 2 replicas, 16 steps, never interrupted; checkpoints after steps 4, 8, 12 written in the
+    background (--async-checkpoint: what resumes from them checks them too), and 16; its calls recorded (calls/)."""
+    directory = tmp_path_factory.mktemp("reference")
+    result = run_script(4, *recorded(directory / "calls", "train_pipeline_gpipe.py"), *RESUME_ARGS, "--dp", "2",
+                        "--checkpoint-every", "4", "--keep-checkpoints", "4", "--async-checkpoint", "--data",
+                        data_dir, "--metrics", "m.jsonl", cwd=directory)
+    assert result.returncode == 0, errors(result.stderr)
+    rows, _ = read_metrics(directory / "m.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    return directory, rows
+
+
+HF_MODELS = {  # name: the transformers.LlamaConfig fields that differ
+    "untied": {"num_hidden_layers": 3},  # grouped-query attention, plain RoPE
+    "tied": {"num_hidden_layers": 4, "tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE},
+    "tied_bf16": {"num_hidden_layers": 4, "tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE},
+}
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory, data_dir):
+    """Random LlamaForCausalLMs, written by save_pretrained with the builtin data's tokenizer: what --init-from
+    reads."""
+    transformers = pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
+    root = tmp_path_factory.mktemp("hf")
+    for name, fields in HF_MODELS.items():
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=8192, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=500000.0,
+            **{key: dict(value) if isinstance(value, dict) else value for key, value in fields.items()}))
+        if name.endswith("bf16"):
+            model = model.to(torch.bfloat16)
+        model.save_pretrained(root / name)
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(data_dir) / file, root / name)
+    return root
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Each section's own fixtures: the runs its tests share, made once per test module (those tests form a group:
+# below), and folders
+
+# -- model.py: start-up on sharded layouts. Each script's stage built on meta, parallelized there, then its shards
+# allocated and initialized a whole tensor at a time (model.materialize). Tied, on one stage: the head is the
+# embedding's tensor, sharded alike by tensor parallelism and FSDP2.
+
+STARTUP_CONFIG = LlamaConfig(vocab_size=96, max_position_embeddings=64, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                             tie_word_embeddings=True)
+STARTUP_LAYOUTS = [(1, 2), (2, 1), (2, 2)]  # (dp, tp) of one pipeline stage: FSDP2 over tp gives _StridedShard
+
+
+def _startup_worker(rank, world_size, store_path, out_dir, dp, tp):
+    """Each script's start-up of the one stage at (pp 1, dp, tp), as its main builds it, under the allocator's count
+    (benchmark.allocated_bytes; the tracer's trace before it: shapes only, on meta, and 10 s under the profiler).
+    Saves, per script: the peak bytes and those left allocated, the rank's shards, the largest whole tensor, the
+    whole stage, the longest side of a tensor, whether the tie held, and the weights gathered whole."""
+    mesh = start_group(rank, world_size, store_path, 1, dp, tp)
+    try:
+        config, layers, results = STARTUP_CONFIG, even(STARTUP_CONFIG.num_hidden_layers, 1), {}
+        for kind in ("library", "manual", "tracer") if tp == 1 else ("library", "manual"):  # the tracer: no --tp
+            traced = tracer.traced_modules(config, [0], layers, (2, 16))[0] if kind == "tracer" else None
+
+            def start():
+                if kind == "library":
+                    modules = [gpipe.stage_module(config, 0, layers)]
+                elif kind == "manual":
+                    with torch.device("meta"):
+                        modules = [LlamaForPretraining(config)]
+                    manual.partition_model(modules[0], 0, 1, mesh.get_group("pp"), layers, trim=True)
+                else:
+                    modules = traced
+                model_module.parallelize(modules, mesh, torch.float32)
+                model_module.materialize(modules, config, torch.device("cpu"), 5)
+                return modules[0]
+            module, peak, left = benchmark.allocated_bytes(start)
+            tensors = list({id(t): t for t in [*module.parameters(), *module.buffers()]}.values())
+            results[kind] = {
+                "peak": peak, "left": left,
+                "shards": sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors),
+                "largest": max(t.numel() * t.element_size() for t in tensors),
+                "stage": sum(t.numel() * t.element_size() for t in tensors), "rows": max(max(t.shape) for t in tensors),
+                "tied": module.get_submodule("lm_head").weight is
+                module.get_submodule("base_model.embed_tokens").weight,
+                "initial": {n: t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+                            for n, t in [*module.named_parameters(), *module.named_buffers()]}}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def startup_runs(tmp_path_factory):
+    """Every script's start-up at each of STARTUP_LAYOUTS: {(dp, tp): each rank's {script kind: results}}."""
+    runs = {}
+    for dp, tp in STARTUP_LAYOUTS:
+        tmp_path = tmp_path_factory.mktemp("startup")
+        run_workers(_startup_worker, dp * tp, args=(dp * tp, str(tmp_path / "store"), str(tmp_path), dp, tp))
+        runs[dp, tp] = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(dp * tp)]
+    return runs
+
+
+# -- Data: the test corpus and a tokenizer trained on it
+
+WORDS = ("the pipeline stage sends activations forward and gradients backward while each microbatch waits for its "
+         "turn été café 中文 tokens 42 (x) = y;").split()
+
+
+def corpus(n: int = 250, seed: int = 0) -> list[str]:
+    """n documents of 1-3 lines each, no blank lines inside (so a .txt holds them one per paragraph)."""
+    rng = random.Random(seed)
+    return [f"doc {i}: " + "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 25)))
+                                     for _ in range(rng.randint(1, 3))) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory) -> Path:
+    """A small BPE tokenizer with [PAD]/[BOT]/[EOT], trained on the test corpus (fast, unlike the builtin one)."""
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    prep.train_tokenizer(corpus(), 400).backend.save(str(path))
+    return path
+
+
+# -- Parity: one step of every split and schedule at each layout, on real gloo ranks
+
+def parity_config(layers: int) -> LlamaConfig:
+    """The parity tests' model: a vocabulary of 98, which 2 tensor-parallel ranks take in halves."""
+    return small_config(vocab=98, layers=layers)
+
+
+def split_layers(split: int | tuple, num_stages: int) -> list[range]:
+    """A parity variant's layers per stage: an even split of that many layers, or the counts given."""
+    return even(split, num_stages) if isinstance(split, int) else model_module.from_sizes(list(split))
+
+
+def layer_count(split: int | tuple) -> int:
+    return split if isinstance(split, int) else sum(split)
+
+
+def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, dp, tp, microbatches):
+    """One training step, then an evaluation of the same batch, of each (split, schedule, layers, documents) in
+    variants at (pp, dp, tp), as the scripts build them, on real gloo ranks: the split by the library (the GPipe
+    script's), traced (the tracer script's) or by hand (the AFAB script's); documents: with --document-masking's
+    positions, every rank's from its rows of the batch. Saves, per variant, the full gradients, the global loss,
+    the evaluated loss, the activations held, the stages' initial tensors and state_dict keys, the dense document
+    masks built (from building the stages to the evaluation's end), and the step's and the evaluation's calls of
+    torch.distributed (to replay under NCCL's rules)."""
+    calls = recorder()
+    mesh = start_group(rank, world_size, store_path, pp, dp, tp)
+    masks, dense = [], model_module.document_mask  # this process's: each mask a stage (or the tracer) builds
+    model_module.document_mask = lambda positions: masks.append(1) or dense(positions)
+    try:
+        env = cpu_env(rank, world_size)
+        pp_rank, dp_rank, tp_rank = (mesh[dim].get_local_rank() for dim in ("pp", "dp", "tp"))
+        inputs, targets = batch
+        share = len(inputs) // dp  # this replica's rows of the global batch
+        x, y = (t[dp_rank * share:(dp_rank + 1) * share] for t in (inputs, targets))
+        shape, m = (share // microbatches, inputs.shape[1]), microbatches
+        reports = dp_rank == tp_rank == 0  # the others hold the same (gathered) tensors and losses
+        results = {}
+        for kind, name, split, documents in variants:
+            positions = model_module.document_positions(x, BOS) if documents else None  # as the scripts do
+            masks.clear()
+            stages = [pp_rank] if kind == "manual" else gpipe.stage_ids(name, pp_rank, pp, 2)
+            num_stages = pp * len(stages)
+            first, last = 0 in stages, num_stages - 1 in stages
+            layers = split_layers(split, num_stages)
+            config = parity_config(layer_count(split))
+            if kind in ("library", "tracer"):
+                build, script = (library_pipeline, gpipe) if kind == "library" else (traced_pipeline, tracer)
+                model, built, schedule, loss_fn = build(config, name, stages, layers, mesh, shape, m, documents)
+                modules = [stage.submod for stage in built]
+            else:
+                with torch.device("meta"):
+                    model = LlamaForPretraining(config)
+                partition = manual.partition_model(model, pp_rank, pp, mesh.get_group("pp"), layers, trim=True)
+                model_module.parallelize([model], mesh, torch.float32)
+                model_module.materialize([model], config, env.device, 11)
+                partition.sequence_shards = tp  # sequence parallelism with tp > 1, as the scripts' default
+                modules = [model]
+            initial = {n: t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+                       for module in modules for n, t in [*module.named_parameters(), *module.named_buffers()]}
+            with calls:  # the step and the evaluation
+                meter = benchmark.ActivationMeter()
+                with meter, warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    if kind == "manual":
+                        with manual.compute(env, tp):
+                            loss = manual.SCHEDULES[name](
+                                partition, x.chunk(m) if first else [None] * m, y.chunk(m) if last else [None] * m,
+                                env.device, torch.float32, loss_chunks=8,  # as the library's loss above
+                                positions=positions.chunk(m) if documents else None, shape=shape)
+                    else:
+                        loss = script.train_step(schedule, x if first else None, y if last else None, env, tp,
+                                                 **({"positions": positions} if documents else {}))
+                # Copied: a replicated DTensor's full_tensor() is its local tensor, and torch 2.13's eval() below
+                # divides the gradients it finds by the microbatches once more.
+                grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                         for n, p in model.named_parameters()}
+                # The evaluation of the same batch (the weights are unchanged: no optimizer step), forward only: the
+                # schedule's eval(), or the script's own forward pass where torch's cannot serve (V-shaped).
+                if kind == "manual":
+                    with manual.compute(env, tp):
+                        evaluated = manual.eval_step_pipeline(
+                            partition, x.chunk(m) if first else [None] * m, y.chunk(m) if last else [None] * m,
+                            env.device, torch.float32, loss_chunks=8,
+                            positions=positions.chunk(m) if documents else None, shape=shape)
+                else:
+                    evaluated = script.eval_step(schedule, built, x if first else None, y if last else None, env,
+                                                 tp, loss_fn, m, (shape[0], shape[1] // tp, config.hidden_size),
+                                                 **({"positions": positions} if documents else {}))
+            if last and dp > 1:
+                for value in (loss, evaluated):
+                    dist.all_reduce(value, group=mesh.get_group("dp"))
+                    value /= dp
+            results[kind, name, split, documents] = {
+                "grads": grads if reports else {}, "initial": initial if reports else {},
+                "state_keys": list(model.state_dict()) if reports else [],
+                "loss": loss if last and reports else None, "eval": evaluated if last and reports else None,
+                "activations": meter.peak_bytes, "masks": len(masks), "calls": calls.recording(),
+                "views": sum("returned a view tensor" in str(w.message) for w in caught)}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+EVERY_SPLIT_AND_SCHEDULE = [*(("library", s) for s in gpipe.SCHEDULES), *(("tracer", s) for s in tracer.SCHEDULES),
+                            *(("manual", s) for s in manual.SCHEDULES)]
+# Per schedule, a split of 4 layers over 2 pipeline ranks whose end stages hold no decoder layer (the embedding
+# alone first; the norm, the head and the loss alone last): in each kind a layerless first stage, a layerless last
+# one, and both (the hand-written script's at 3 stages). V-shaped, (0, 2, 2, 0): rank 0 holds the embedding and
+# the head and no layer.
+LAYERLESS = {"gpipe": (0, 4), "afab": (0, 4), "1f1b": (4, 0), "interleaved1f1b": (0, 2, 2, 0),
+             "loopedbfs": (0, 1, 2, 1), "interleavedzerobubble": (1, 2, 1, 0), "zbvzerobubble": (0, 2, 2, 0),
+             "dualpipev": (1, 2, 1, 0)}
+PARITY_LAYOUTS = {  # (pp, dp, tp) -> the (kind, schedule, layers: even over that many or per stage, --document-masking)
+    # 4 layers: 2 stages, or 4 with the multi-stage schedules (looped or V-shaped); with layerless ends below; and
+    # with documents kept apart (their boundaries reach every stage of every microbatch, through every schedule's
+    # backward): every schedule; traced (each traces the model again) with layerless ends, whose stages take
+    # positions that none of their ops uses: the embedding alone first (GPipe), the head alone last (1F1B), a rank
+    # holding a stage with layers and one without (looped), both ends and no layer (ZBV's rank 0). (Traced evenly
+    # at 3 stages and with replicas.)
+    (2, 1, 1): [(kind, name, 4, False) for kind, name in EVERY_SPLIT_AND_SCHEDULE]
+               + [(kind, name, 4, True) for kind, name in EVERY_SPLIT_AND_SCHEDULE if kind != "tracer"]
+               + [("tracer", name, LAYERLESS[name], True)
+                  for name in ("gpipe", "1f1b", "interleavedzerobubble", "zbvzerobubble")],
+    # The tracer's split is the hand split's (checked at dp 1): one of each kind with replicas; most with
+    # layerless ends (a stage whose FSDP unit is the embedding, or the norm and the head, alone).
+    (2, 2, 1): [(kind, name, LAYERLESS[name] if name in ("afab", "1f1b", "loopedbfs", "zbvzerobubble", "dualpipev")
+                 else 4, False) for kind, name in EVERY_SPLIT_AND_SCHEDULE
+                if kind != "tracer" or name in ("1f1b", "interleaved1f1b", "dualpipev")]
+               + [("library", "interleavedzerobubble", 4, True), ("tracer", "dualpipev", 4, True),
+                  ("manual", "1f1b", 4, True)],
+    # tp 2: each layer's heads, MLP, the embedding and the head split over 2 ranks (2 of 4 heads, 1 of 2 KV heads
+    # each; the vocabulary, 98, in halves). One of each kind: single-stage, looped, V-shaped, by hand (the tracer
+    # refuses --tp); evenly and with layerless ends.
+    # With sequence parallelism (the default): the norms, the residual stream and what crosses stages are each
+    # rank's half of the positions (attention, on the gathered sequence, masks by the whole sequence's documents).
+    (2, 1, 2): [("library", "gpipe", 4, False), ("library", "1f1b", (4, 0), False),
+                ("library", "interleaved1f1b", (0, 2, 2, 0), False), ("library", "zbvzerobubble", 4, False),
+                ("manual", "afab", (0, 4), False), ("manual", "1f1b", 4, False),
+                ("library", "zbvzerobubble", 4, True), ("manual", "afab", 4, True)],
+    (2, 2, 2): [("library", "gpipe", 4, False), ("library", "dualpipev", (0, 2, 2, 0), False),
+                ("manual", "1f1b", (0, 4), False), ("library", "1f1b", 4, True)],
+    # 3 stages: 4 layers split unevenly (2, 1, 1), and 6; and all 4 on the middle stage, (0, 4, 0).
+    (3, 1, 1): [(kind, "gpipe", layers, documents) for layers in (4, 6) for kind in ("library", "tracer")
+                for documents in ((False, True) if layers == 4 else (False,))]
+               + [(kind, "1f1b", (0, 4, 0), False) for kind in ("library", "tracer", "manual")]
+               # Every other schedule at 3 pipeline ranks too, for NCCL's rules (their messages cross otherwise than
+               # at 2): 6 layers, one a stage where there are 6; traced, a looped and a V-shaped one.
+               + [("library", name, 6, False) for name in gpipe.SCHEDULES if name not in ("gpipe", "1f1b")]
+               + [("tracer", "interleavedzerobubble", 6, False), ("tracer", "dualpipev", 6, False),
+                  ("manual", "afab", 6, False)],
+}
+# Layerless ends at dp 1 too, for each schedule of each kind that the launches above do not run so (without documents).
+PARITY_LAYOUTS[2, 1, 1] += [(kind, name, LAYERLESS[name], False) for kind, name in EVERY_SPLIT_AND_SCHEDULE
+                            if not any(v[:2] == (kind, name) and not isinstance(v[2], int) and not v[3]
+                                       for variants in PARITY_LAYOUTS.values() for v in variants)]
+
+
+def parity_step(layout: tuple) -> tuple[int, int]:
+    """(microbatches per replica, rows of the batch) of a layout's launch: 4 of 8, and at 3 pipeline ranks 6 of 12
+    (DualPipeV takes as many microbatches as stages, 6 in its V)."""
+    return (6, 12) if layout == (3, 1, 1) else (4, 8)
+
+
+@pytest.fixture(scope="module", params=list(PARITY_LAYOUTS), ids=lambda layout: "-".join(map(str, layout)))
+def parity_run(request, tmp_path_factory):
+    """One step of every variant of a layout in PARITY_LAYOUTS, in one launch, parity_step's microbatches per
+    replica: ((pp, dp, tp), variants, the batch, each rank's saved results)."""
+    (pp, dp, tp), tmp_path = request.param, tmp_path_factory.mktemp("parity")
+    variants, world_size = PARITY_LAYOUTS[pp, dp, tp], pp * dp * tp
+    microbatches, rows = parity_step((pp, dp, tp))
+    inputs, targets = random_batch(parity_config(4), batch=rows)
+    # Documents start in rows 2 and 3 alone (microbatch 1 of 4 at dp 1, microbatches 2 and 3 of the first replica
+    # at dp 2): a pipeline that gave every microbatch the first one's boundaries, or none to a later stage,
+    # computes those rows causally (torchtitan #1723, KempnerForge #204); the other rows are one document each.
+    inputs = documents_batch(inputs, {2: [5, 11], 3: [0, 9]})
+    run_workers(_layout_worker, world_size, args=(world_size, str(tmp_path / "store"), str(tmp_path), variants,
+                                                  (inputs, targets), pp, dp, tp, microbatches))
+    return (pp, dp, tp), variants, (inputs, targets), [torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
+                                                       for r in range(world_size)]
+
+
+# -- The scripts themselves at every layout, and on documents kept apart
+
+LAYOUT_RUNS = {
+    # name: (processes (0: plain python), script, extra flags); the stages are balanced by cost unless --split
+    "gpipe1": (0, "train_pipeline_gpipe.py", []),
+    "compiled1": (0, "train_pipeline_gpipe.py", ["--compile"]),
+    "gpipe2": (2, "train_pipeline_gpipe.py", ["--trace", "gpipe_trace"]),
+    "checkpointed2": (2, "train_pipeline_gpipe.py", ["--activation-checkpointing"]),
+    "afab3": (3, "train_pipeline_afab_manual.py", ["--trace", "afab_trace", "--split", "2,1,1"]),
+    # 2 stages x 2 data-parallel replicas (FSDP2): each replica trains on half of every batch.
+    # Its checkpoints written in the background, one a step: each waits for the one before, training goes on.
+    "gpipe2x2": (4, "train_pipeline_gpipe.py", ["--dp", "2", "--async-checkpoint", "--checkpoint-every", "1"]),
+    "tracer2x2": (4, "train_pipeline_tracer.py", ["--dp", "2", "--schedule", "interleaved1f1b",
+                                                  "--activation-checkpointing", "--loss-chunks", "4"]),
+    "1f1b2x2": (4, "train_pipeline_afab_manual.py", ["--dp", "2", "--schedule", "1f1b", "--split", "even",
+                                                     "--activation-checkpointing"]),
+    # x 2 tensor-parallel ranks: each holds half of every layer's heads and MLP, of the embedding and the head
+    # (the library's 2 stages x tp 2 alone: test_tensor_parallel_resumes_exactly..., 16 steps).
+    # With sequence parallelism (the default with --tp) and without it: each tp rank holds and sends half of the
+    # positions, or all of them.
+    "afab2xtp2": (4, "train_pipeline_afab_manual.py", ["--tp", "2", "--loss-chunks", "1"]),
+    "afab2xtp2nosp": (4, "train_pipeline_afab_manual.py", ["--tp", "2", "--loss-chunks", "1",
+                                                           "--no-sequence-parallel"]),
+    "gpipe2x2xtp2": (8, "train_pipeline_gpipe.py", ["--dp", "2", "--tp", "2", "--loss-chunks", "8"]),
+    "1f1b2x2xtp2": (8, "train_pipeline_afab_manual.py", ["--dp", "2", "--tp", "2", "--schedule", "1f1b",
+                                                         "--activation-checkpointing"]),
+}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory, data_dir):
+    """5 steps of every layout in LAYOUT_RUNS, at once, each under benchmark.py measure-memory (the bytes each rank
+    holds: activations at their peak, parameters, gradients, AdamW state): {name: (rows, summary, stdout,
+    memory, stderr)}, and the folder they ran in."""
+    tmp_path, procs, runs = tmp_path_factory.mktemp("layouts"), {}, {}
+    for name, (nproc, script, extra) in LAYOUT_RUNS.items():
+        args = [*TRAIN_ARGS, *extra, "--data", data_dir, "--metrics", str(tmp_path / name / "m.jsonl"),
+                "--checkpoint-dir", str(tmp_path / name / "ckpt")]
+        procs[name] = run_script(nproc, "benchmark.py", "measure-memory", str(tmp_path / f"{name}.json"),
+                                 str(ROOT / script), *args, cwd=tmp_path, wait=False)
+    for name, proc in procs.items():
+        result = finish(proc, timeout=400)
+        assert result.returncode == 0, (name, errors(result.stderr))
+        rows, (summary,) = read_metrics(tmp_path / name / "m.jsonl")
+        runs[name] = rows, summary, result.stdout, json.loads((tmp_path / f"{name}.json").read_text()), result.stderr
+    return runs, tmp_path
+
+
+DOCUMENTS = ["--document-masking"]
+DOCUMENT_RUNS = {  # name: (processes (0: plain python), script, flags), on short documents (document_runs)
+    "one": (0, "train_pipeline_gpipe.py", DOCUMENTS),
+    "causal": (0, "train_pipeline_gpipe.py", []),  # the same without the flag
+    "pp2 x dp2, interleaved zero bubble": (4, "train_pipeline_gpipe.py", [*DOCUMENTS, "--dp", "2", "--schedule",
+                                                                          "interleavedzerobubble"]),
+    # The evaluation of a V: the script's own forward pass. Rank 0 holds the embedding and the head and no layer:
+    # its stages take positions that none of their ops uses.
+    "traced V, checkpointed": (2, "train_pipeline_tracer.py", [*DOCUMENTS, "--schedule", "zbvzerobubble",
+                                                               "--split", "0,2,2,0", "--activation-checkpointing"]),
+    "by hand 1f1b, pp2 x tp2 without sequence parallelism": (4, "train_pipeline_afab_manual.py", [
+        *DOCUMENTS, "--schedule", "1f1b", "--tp", "2", "--no-sequence-parallel"]),
+}
+
+
+@pytest.fixture(scope="module")
+def document_runs(tmp_path_factory):
+    """5 steps and an evaluation of every run in DOCUMENT_RUNS, at once, on documents of about 35 tokens (a window
+    of 33 holds one or two boundaries): {name: (rows, evaluations)}."""
+    tmp_path, procs, runs = tmp_path_factory.mktemp("documents"), {}, {}
+    data = prepare_small(tmp_path / "data")
+    for name, (nproc, script, extra) in DOCUMENT_RUNS.items():
+        procs[name] = run_script(nproc, script, *TRAIN_ARGS, *extra, "--eval-every", "5",
+                                 "--eval-batches", "1", "--data", data, "--metrics", f"{name}.jsonl",
+                                 "--checkpoint-dir", name, cwd=tmp_path, wait=False)
+    for name, proc in procs.items():
+        result = finish(proc, timeout=400)
+        assert result.returncode == 0, (name, errors(result.stderr))
+        lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        runs[name] = [r for r in lines if "loss" in r], [r["eval"] for r in lines if "eval" in r]
+    return runs
+
+
+def prepare_small(out: Path, documents: int = 600, tokenizer=None, seed: int = 0, vocab_size: int = 300) -> Path:
+    """A small dataset prepared from generated documents (a trained 300-token vocabulary, or the tokenizer given)."""
+    rng = random.Random(seed)
+    source = out.parent / f"{out.name}.jsonl"
+    source.write_text("".join(json.dumps({"text": f"document {i}: " + " ".join(
+        f"word{rng.randrange(50)}" for _ in range(5 + i % 17))}) + "\n" for i in range(documents)))
+    vocab = ["--tokenizer", str(tokenizer)] if tokenizer else ["--vocab-size", str(vocab_size)]
+    result = launch(0, "prepare_data.py", "--data", source, "--out", out, "--force", *vocab, cwd=out.parent,
+                    timeout=120)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+# -- Folders for the tools' and the bad-input tests
+
+@pytest.fixture
+def fake_data(tmp_path) -> str:
+    """--data that passes benchmark.py's check (a meta.json); nothing here runs a script."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text("{}")
+    return str(tmp_path / "data")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    path = tmp_path / "read-only"
+    if os.geteuid() != 0:  # an ordinary user is stopped by permissions
+        path.mkdir()
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    mount_tmpfs(path, "ro,size=1m")
+    yield path
+    subprocess.run(["umount", str(path)])
+
+
+# -- Two workers, `pytest -n 2 --dist loadgroup` (pytest-xdist: requirements-dev.txt): the tests that share a
+# module fixture (the parity launches, the layout runs, ...) are one group, run by one worker that computes it once.
+# Not reference_run's 14 tests, a third of the suite's time: each worker makes that 16-step run (25 s) itself.
+SHARED_FIXTURES = ("parity_run", "layout_runs", "document_runs", "hf_models", "tokenizer_file", "startup_runs")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which adds the group to the test's id (after it: none)
+def pytest_collection_modifyitems(items):
+    """A test that takes one of SHARED_FIXTURES (the first of them, in that order) is marked xdist_group(its name)."""
+    for item in items:
+        shared = [name for name in SHARED_FIXTURES if name in getattr(item, "fixturenames", ())]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(shared[0]))
