@@ -163,10 +163,10 @@ def main(args):
     metrics = checkpoint.Metrics(args.metrics, step) if reports and (step < args.steps or not args.steps) else None
     rows = slice(dp_rank * args.batch_size // dp, (dp_rank + 1) * args.batch_size // dp)  # this replica's
 
-    def through_pipeline(run, inputs, targets):  # this replica's rows in; the mean loss over the replicas out
+    def through_pipeline(run_step, inputs, targets):  # this replica's rows in; the mean loss over the replicas out
         inputs = inputs[rows].to(env.device) if has_first or args.document_masking else None  # copied where used
         documents = {"positions": document_positions(inputs, meta["bos_id"])} if args.document_masking else {}
-        loss = run(inputs if has_first else None, targets[rows].to(env.device) if has_last else None, **documents)
+        loss = run_step(inputs if has_first else None, targets[rows].to(env.device) if has_last else None, **documents)
         if has_last and dp > 1:
             dist.all_reduce(loss, group=mesh.get_group("dp"))
             loss /= dp
