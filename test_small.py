@@ -2162,7 +2162,6 @@ def test_whole_runs_complete_under_nccls_rules(tmp_path, data_dir, reference_run
 
 def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, reference_run):
     reference_dir, reference = reference_run
-    procs = {}
     # The reference ran 2 stages x 2 replicas, its tensors sharded by FSDP, the head on a stage of its own
     # (balanced: [embed + layers 0-3] [norm + head]). Resumed: 2 stages of 2 layers, no replicas, in the
     # hand-written script (checkpoints are shared by all scripts); 1 process; 1 stage x 2 replicas; 2 processes
@@ -2173,6 +2172,16 @@ def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, refer
                 "replicas2": (2, "train_pipeline_gpipe.py", ["--dp", "2"]),
                 "zbv2": (2, "train_pipeline_gpipe.py", ["--schedule", "zbvzerobubble"]),
                 "traced_dualpipev2": (2, "train_pipeline_tracer.py", ["--schedule", "dualpipev", "--split", "0,2,2,0"])}
+    for name, (result, rows) in resumed_from_step_8(tmp_path, data_dir, reference_dir, variants).items():
+        assert "(saved by 4 process(es))" in result.stdout
+        assert ("; --precision auto → fp32 (free to change" in result.stdout) == (name == "one"), result.stdout
+        assert_same_trajectory(rows, reference[8:], name, since=8)
+
+
+def resumed_from_step_8(tmp_path, data_dir, reference_dir, variants: dict) -> dict:
+    """Each variant {name: (processes, script, flags)} resumed from a copy of the reference run's step 8 to its
+    step 16, all at once: {name: (its CompletedProcess, its metrics rows)}, each checked to have run steps 9-16."""
+    procs, done = {}, {}
     for name, (nproc, script, extra) in variants.items():
         run_dir = tmp_path / name
         shutil.copytree(reference_dir / "checkpoints" / "step-00000008", run_dir / "checkpoints" / "step-00000008")
@@ -2180,12 +2189,11 @@ def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, refer
                                  "--metrics", "m.jsonl", cwd=run_dir, wait=False)
     for name, proc in procs.items():
         result = finish(proc)
-        assert result.returncode == 0, errors(result.stderr)
-        assert "(saved by 4 process(es))" in result.stdout
-        assert ("; --precision auto → fp32 (free to change" in result.stdout) == (name == "one"), result.stdout
+        assert result.returncode == 0, (name, errors(result.stderr))
         rows, _ = read_metrics(tmp_path / name / "m.jsonl")
-        assert [r["step"] for r in rows] == list(range(9, 17))
-        assert_same_trajectory(rows, reference[8:], name, since=8)
+        assert [r["step"] for r in rows] == list(range(9, 17)), name
+        done[name] = result, rows
+    return done
 
 
 def test_every_layerless_layout_resumes_in_every_script(tmp_path, data_dir, reference_run):
@@ -2197,18 +2205,8 @@ def test_every_layerless_layout_resumes_in_every_script(tmp_path, data_dir, refe
     variants = {f"{script}_{where}": (nproc, f"train_pipeline_{script}.py", extra)
                 for script in ("gpipe", "afab_manual", "tracer") for where, (nproc, extra) in layouts.items()}
     variants["gpipe_first_dp2"] = (4, "train_pipeline_gpipe.py", ["--split", "0,4", "--dp", "2"])
-    procs = {}
-    for name, (nproc, script, extra) in variants.items():
-        run_dir = tmp_path / name
-        shutil.copytree(reference_dir / "checkpoints" / "step-00000008", run_dir / "checkpoints" / "step-00000008")
-        procs[name] = run_script(nproc, script, *RESUME_ARGS, *extra, "--data", data_dir,
-                                 "--metrics", "m.jsonl", cwd=run_dir, wait=False)
-    for name, proc in procs.items():
-        result = finish(proc)
-        assert result.returncode == 0, (name, errors(result.stderr))
+    for name, (result, rows) in resumed_from_step_8(tmp_path, data_dir, reference_dir, variants).items():
         assert "resumed from" in result.stdout, name
-        rows, _ = read_metrics(tmp_path / name / "m.jsonl")
-        assert [r["step"] for r in rows] == list(range(9, 17)), name
         assert_same_trajectory(rows, reference[8:], name, since=8)
 
 
