@@ -849,6 +849,9 @@ PARITY_LAYOUTS = {  # (pp, dp, tp) -> the (kind, schedule, layers: even over tha
                + [("tracer", "interleavedzerobubble", 6, False), ("tracer", "dualpipev", 6, False),
                   ("manual", "afab", 6, False)],
 }
+# One process: every schedule of the two library kinds, its stages all on the one rank (a loop's or a V's stage
+# hands its output to the next in the same process, in training and in the evaluation).
+PARITY_LAYOUTS[1, 1, 1] = [(kind, name, 4, False) for kind, name in EVERY_SPLIT_AND_SCHEDULE if kind != "manual"]
 # Layerless ends at dp 1 too, for each schedule of each kind that the launches above do not run so (without documents).
 PARITY_LAYOUTS[2, 1, 1] += [(kind, name, LAYERLESS[name], False) for kind, name in EVERY_SPLIT_AND_SCHEDULE
                             if not any(v[:2] == (kind, name) and not isinstance(v[2], int) and not v[3]

@@ -435,8 +435,9 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
     losses, args = [], [inputs] if inputs is not None else []  # as in train_step
     kwargs = {"target": targets, "losses": losses} if targets is not None else {}
     with compute(env, tp):
-        if isinstance(schedule, (ScheduleZBVZeroBubble, ScheduleDualPipeV)):
-            # torch 2.13: their eval() asserts ("can't steal_bwd_input if this stage doesn't have backward")
+        if isinstance(schedule, (ScheduleZBVZeroBubble, ScheduleDualPipeV)) or pipeline_stages[0].group_size == 1:
+            # torch 2.13's eval() asserts ("can't steal_bwd_input ...") where it hands an output to the next stage
+            # on the same rank: in a V, and in a loop on one process. (Decided alike on every rank of the pipeline.)
             forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, env.dtype, loss_fn, losses,
                          documents)
         else:
