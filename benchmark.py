@@ -1029,17 +1029,21 @@ probe("AdamW")
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
-# A peer that never answers, as one process can have it: the clipping's all-reduce queued behind a kernel that
-# spins for minutes (torch.cuda._sleep), as a call waits for a peer that died or hangs. (A receive from this very
-# rank with no send to meet it is no stand-in: NCCL 2.28 fails it at once, "internal error".)
+# A peer that never answers, as one process can have it: the clipping's all-reduce issued behind a kernel that
+# spins for minutes (torch.cuda._sleep), as a call waits for a peer that died or hangs. The kernel goes in just
+# before the call. Put at clipping's start instead, it was never seen by the watchdog on one H100 (no line, no end
+# in 170 s): the host blocked somewhere before issuing the all-reduce (not found which op); a program issuing the
+# all-reduce right after the kernel was ended by the watchdog (docs/measured.md). (A receive from this very rank
+# with no send to meet it is no stand-in: NCCL 2.28 fails it at once.)
 GPU_HANG_PROBE = """import os, runpy, sys, torch
 sys.path.insert(0, os.path.dirname(sys.argv[1]))  # the script's folder, as python SCRIPT has it
-import model
-original = model.clip_grad_norm_
-def clip(*args, **kwargs):
-    torch.cuda._sleep(2 ** 40)  # cycles: about 10 minutes
-    return original(*args, **kwargs)
-model.clip_grad_norm_ = clip
+import torch.distributed as dist
+original = dist.all_reduce
+def all_reduce(tensor, *args, **kwargs):
+    if tensor.dtype == torch.float64:  # clip_grad_norm_'s sum of squares
+        torch.cuda._sleep(2 ** 40)  # cycles: about 10 minutes
+    return original(tensor, *args, **kwargs)
+dist.all_reduce = all_reduce
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
