@@ -26,6 +26,7 @@ import unittest.mock
 import uuid
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -799,6 +800,39 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def schedule_file(order: str, pp: int, microbatches: int, directory: Path) -> Path:
+    """A pipeline order for --schedule FILE.csv, in torch's compute-only CSV form, written into directory: the
+    pipeline_order of torch's multi-stage schedule by that name, as it runs it; or, made here, "1f1b" (rank r:
+    pp - r forwards, then a backward and a forward in turn) and "zbh1", which torch does not ship: the same with
+    each backward split into I, where the B ran, and W, which rank r puts off by pp - 1 - r of its I's (W needs
+    nothing from another rank: it fills the waits at 1F1B's end). (torch's own table of Schedule1F1B is no order:
+    its last rank runs the backward of microbatch 0 before any forward.) The one place the tests' orders come
+    from: one from elsewhere (plan.py --write-schedule) joins here."""
+    m, rows = microbatches, {}
+    if order in ("1f1b", "zbh1"):
+        split = order == "zbh1"
+        for r in range(pp):
+            warmup, late = min(m, pp - r), (pp - 1 - r) * split  # late: how many I's a W waits behind
+            back = [f"{r}I{i}" if split else f"{r}B{i}" for i in range(m)]
+            rows[r] = [f"{r}F{i}" for i in range(warmup)]
+            for i in range(m):
+                rows[r] += [back[i], *([f"{r}W{i - late}"] if split and i >= late else []),
+                            *([f"{r}F{warmup + i}"] if warmup + i < m else [])]
+            rows[r] += [f"{r}W{i}" for i in range(m - late, m)] if split else []
+    else:
+        stages = pp * 2
+        placeholders = [SimpleNamespace(num_stages=stages, group_size=pp, group_rank=0, stage_index=s,
+                                        is_first=s == 0, is_last=s == stages - 1, submod=torch.nn.Module())
+                        for s in gpipe.stage_ids(order, 0, pp, 2)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            table = gpipe.SCHEDULES[order](placeholders, n_microbatches=m).pipeline_order  # every rank's
+        rows = {r: ["" if a is None else str(a) for a in table[r]] for r in range(pp)}
+    path = directory / f"{order}-{pp}x{m}.csv"
+    path.write_text("".join(",".join(rows[r]) + "\n" for r in range(pp)))
+    return path
 
 
 EVERY_SPLIT_AND_SCHEDULE = [*(("library", s) for s in gpipe.SCHEDULES), *(("tracer", s) for s in tracer.SCHEDULES),
