@@ -811,10 +811,13 @@ def variant_order(name: str, directory, world_size: int, dp: int, tp: int, micro
     order schedule_file wrote into directory (parity_run does, before the ranks start); None for a schedule."""
     if not name.endswith(".csv"):
         return None
-    pp = world_size // (dp * tp)
-    path = Path(directory) / f"{name.removesuffix('.csv')}-{pp}x{microbatches}.csv"
+    path = schedule_path(name.removesuffix(".csv"), world_size // (dp * tp), microbatches, directory)
     return model_module.read_order(SimpleNamespace(schedule=str(path), dp=dp, tp=tp, microbatches=microbatches,
                                                    stages_per_rank=None, compile=False), world_size)
+
+
+def schedule_path(order: str, pp: int, microbatches: int, directory) -> Path:
+    return Path(directory) / f"{order}-{pp}x{microbatches}.csv"
 
 
 def schedule_file(order: str, pp: int, microbatches: int, directory: Path) -> Path:
@@ -823,7 +826,7 @@ def schedule_file(order: str, pp: int, microbatches: int, directory: Path) -> Pa
     pp - r forwards, then a backward and a forward in turn) and "zbh1", which torch does not ship: the same with
     each backward split into I, where the B ran, and W, which rank r puts off by pp - 1 - r of its I's (W needs
     nothing from another rank: it fills the waits at 1F1B's end). (torch's own table of Schedule1F1B is no order:
-    its last rank runs the backward of microbatch 0 before any forward.) The one place the tests' orders come
+    its last rank runs microbatch 0's backward without its forward.) The one place the tests' orders come
     from: one from elsewhere (plan.py --write-schedule) joins here."""
     m, rows = microbatches, {}
     if order in ("1f1b", "zbh1"):
@@ -845,7 +848,7 @@ def schedule_file(order: str, pp: int, microbatches: int, directory: Path) -> Pa
             warnings.simplefilter("ignore")
             table = gpipe.SCHEDULES[order](placeholders, n_microbatches=m).pipeline_order  # every rank's
         rows = {r: ["" if a is None else str(a) for a in table[r]] for r in range(pp)}
-    path = directory / f"{order}-{pp}x{m}.csv"
+    path = schedule_path(order, pp, m, directory)
     path.write_text("".join(",".join(rows[r]) + "\n" for r in range(pp)))
     return path
 

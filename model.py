@@ -1054,6 +1054,8 @@ def read_order(args, world_size: int) -> PipelineOrder | None:
     try:
         with open(path, newline="") as file:
             rows = list(csv.reader(file))
+        while rows and not "".join(rows[-1]).strip():  # blank lines at the end: no rank of their own
+            rows.pop()
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise ValueError(f"--schedule {path}: cannot read it ({getattr(e, 'strerror', None) or e}); give a CSV "
                          "file of an order, a row per pipeline rank (plan.py --write-schedule writes one)") from None

@@ -503,9 +503,9 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
     losses, args = [], [inputs] if inputs is not None else []  # as in train_step
     kwargs = {"target": targets, "losses": losses} if targets is not None else {}
     with compute(env, tp):
-        ranks = pipeline_stages[0].stage_index_to_group_rank  # every rank's stages: all ranks take one way
-        if any(ranks[s] == ranks[s + 1] for s in range(len(ranks) - 1)):  # two stages in a row on a rank (a V,
-            # one process): torch 2.13's eval() asserts ("can't steal_bwd_input if this stage doesn't have backward")
+        ranks = pipeline_stages[0].stage_index_to_group_rank  # the whole pipeline's map: every rank decides alike
+        if any(ranks[s] == ranks[s + 1] for s in range(len(ranks) - 1)):  # a rank holds two stages in a row (a V,
+            # one process): torch 2.13's eval() asserts there ("can't steal_bwd_input if this stage doesn't have ...")
             forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, env.dtype, loss_fn, losses,
                          documents)
         else:
