@@ -908,13 +908,14 @@ PARITY_LAYOUTS[2, 1, 1] += [(kind, name, LAYERLESS[name], False) for kind, name 
 # Orders from files (--schedule FILE.csv; schedule_file), run by torch's runtime, in both scripts that take them:
 # ZB-H1 (torch ships no such order: I and W, a stage a rank), torch's zero-bubble V (I and W; a V rank 0 holding the
 # embedding and the head alone) and looped, its looped 1F1B (idle cells) with documents, DualPipeV (overlapped
-# forward and backward in a cell); 3 stages, and replicas (FSDP2 unshards, reshards and reduces in the order's steps).
+# forward and backward in a cell); 3 stages, replicas (FSDP2 unshards, reshards and reduces in the order's steps), tp.
 PARITY_LAYOUTS[2, 1, 1] += [("library", "zbh1.csv", 4, False), ("library", "zbvzerobubble.csv", (0, 2, 2, 0), False),
                             ("tracer", "interleavedzerobubble.csv", 4, False),
                             ("library", "interleaved1f1b.csv", 4, True), ("tracer", "dualpipev.csv", 4, False)]
 PARITY_LAYOUTS[3, 1, 1] += [("library", "zbh1.csv", 6, False), ("tracer", "zbvzerobubble.csv", 6, False),
                             ("library", "1f1b.csv", 6, False)]
 PARITY_LAYOUTS[2, 2, 1] += [("library", "zbvzerobubble.csv", 4, False), ("tracer", "zbh1.csv", 4, False)]
+PARITY_LAYOUTS[2, 1, 2] += [("library", "zbh1.csv", 4, False)]  # the library script's: the tracer takes no --tp
 
 
 def parity_step(layout: tuple) -> tuple[int, int]:
