@@ -1364,6 +1364,29 @@ def _orders_worker(rank, world_size, store_path, out_dir):
         dist.destroy_process_group()
 
 
+def test_a_file_of_torchs_own_order_runs_exactly_what_torchs_schedule_runs(tmp_path):
+    # --schedule FILE.csv: torch's own multi-stage orders, written as files (schedule_file) and read as the scripts
+    # read them, lower on every rank to the very actions torch's schedule class runs (its computation, sends and
+    # receives, FSDP's unshards and reshards, gradient reductions, in the same order); placeholder stages (the
+    # lowering needs only their indices and ranks).
+    for name, pp, m in [("interleavedzerobubble", 2, 4), ("zbvzerobubble", 3, 6), ("dualpipev", 2, 4),
+                        ("loopedbfs", 3, 6)]:
+        path = schedule_file(name, pp, m, tmp_path)
+        for rank in range(pp):
+            def stages():
+                return [types.SimpleNamespace(num_stages=2 * pp, group_size=pp, group_rank=rank, stage_index=s,
+                                              is_first=s == 0, is_last=s == 2 * pp - 1, submod=torch.nn.Module())
+                        for s in gpipe.stage_ids(name, rank, pp, 2)]
+            flags = types.SimpleNamespace(schedule=str(path), dp=1, tp=1, microbatches=m, stages_per_rank=None,
+                                          compile=False)
+            order = model_module.read_order(flags, pp)
+            assert order.stages(rank) == gpipe.stage_ids(name, rank, pp, 2)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                expected = gpipe.SCHEDULES[name](stages(), n_microbatches=m).pipeline_order_with_comms
+            assert order.schedule(stages(), None).pipeline_order_with_comms == expected, (name, rank)
+
+
 def _forward_only_worker(rank, world_size, store_path, out_dir):
     """The V-shaped schedule's evaluation (the scripts' forward_only: torch's eval() asserts) on 2 pipeline ranks
     x 2 replicas, as the GPipe and the tracer script build it, its messages recorded: torch.distributed's sends and
