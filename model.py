@@ -1097,9 +1097,11 @@ def read_order(args, world_size: int) -> PipelineOrder | None:
         raise ValueError(f"--stages-per-rank {args.stages_per_rank}: --schedule {path} holds {per_rank} stage(s) "
                          "per rank; leave the flag out")
     if args.compile and any(a.computation_type in ("I", "W") for a in computed):
-        # torch refuses compiled stages for its own zero-bubble schedules (_check_torch_compile_compatibility), not
-        # for an order its runtime runs, where the weight half then fails (pytorch #161904, open).
-        raise ValueError(f"--compile: --schedule {path} splits backwards into I and W, which torch 2.13 cannot "
-                         "run on compiled stages; leave --compile out, or give an order of B actions")
+        # torch 2.13 refuses stages compiled by torch.compile(module) for its own zero-bubble schedules, whose weight
+        # half failed on them (pytorch #161904, open; _check_torch_compile_compatibility), and checks no order its
+        # runtime is given. (It misses the scripts' in-place layer.compile(), no OptimizedModule: not tested here.)
+        raise ValueError(f"--compile: --schedule {path} splits backwards into I and W, which torch 2.13 does not "
+                         "support on compiled stages (pytorch #161904); leave --compile out, or give an order of B "
+                         "actions")
     args.stages_per_rank = per_rank
     return PipelineOrder(path, actions, stage_ranks, microbatches)

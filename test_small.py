@@ -5581,7 +5581,7 @@ def test_schedule_file_mistakes_are_one_line_before_any_work(tmp_path, monkeypat
         ("tracer", [zbh1, "--dp", "2"], 2, "but 2 process(es) / (--dp 2 x --tp 1) are 1; start 4 processes"),
         ("gpipe", [zbh1, "--microbatches", "2"], 2, "--microbatches 2: --schedule"),
         ("tracer", [zbv, "--stages-per-rank", "3"], 2, "--stages-per-rank 3: --schedule"),
-        ("gpipe", [zbh1, "--compile"], 2, "--compile: --schedule"),  # I and W: torch cannot run them compiled
+        ("gpipe", [zbh1, "--compile"], 2, "--compile: --schedule"),  # I and W: not supported compiled (pytorch #161904)
     ]
     for script, given, world_size, named in cases:
         monkeypatch.setenv("RANK", "0")
