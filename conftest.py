@@ -26,6 +26,7 @@ import unittest.mock
 import uuid
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -484,9 +485,10 @@ def start_group(rank: int, world_size: int, store_path: str, pp: int | None = No
 
 
 def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape: tuple, microbatches: int,
-                     documents: bool = False, chunks: int = 8, seed: int = 11):
+                     documents: bool = False, chunks: int = 8, seed: int = 11, order=None):
     """The GPipe script's split and schedule of these stages, as its main builds them: (the rank's model, its
-    PipelineStages, the schedule, the loss). documents: the same stages (positions are a keyword argument)."""
+    PipelineStages, the schedule, the loss). documents: the same stages (positions are a keyword argument);
+    order: a file's (model.read_order), run in place of the schedule by name."""
     modules = [gpipe.stage_module(config, s, layers) for s in stages]
     model_module.parallelize(modules, mesh, torch.float32)
     model_module.materialize(modules, config, torch.device("cpu"), seed)
@@ -494,18 +496,18 @@ def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape:
     built = [PipelineStage(module, s, len(layers), torch.device("cpu"), group=mesh.get_group("pp"),
                            **gpipe.stage_io(config, s, len(layers), shape, shards, torch.float32))
              for module, s in zip(modules, stages)]
-    schedule, loss_fn = gpipe.make_schedule(name, built, microbatches, chunks, shards)
+    schedule, loss_fn = gpipe.make_schedule(name, built, microbatches, chunks, shards, order)
     return model_module.merged_stages(modules), built, schedule, loss_fn
 
 
 def traced_pipeline(config, name: str, stages: list, layers: list, mesh, shape: tuple, microbatches: int,
-                    documents: bool = False, chunks: int = 8, seed: int = 11):
+                    documents: bool = False, chunks: int = 8, seed: int = 11, order=None):
     """The same, as the tracer script builds it (documents: traced with --document-masking's positions)."""
     modules, pipe = tracer.traced_modules(config, stages, layers, shape, documents)
     model_module.parallelize(modules, mesh, torch.float32)
     model_module.materialize(modules, config, torch.device("cpu"), seed)
     built = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), mesh.get_group("pp"), torch.float32) for s in stages]
-    schedule, loss_fn = tracer.make_schedule(name, built, microbatches, chunks, 1)
+    schedule, loss_fn = tracer.make_schedule(name, built, microbatches, chunks, 1, order)
     return model_module.merged_stages(modules), built, schedule, loss_fn
 
 
@@ -738,14 +740,17 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
         for kind, name, split, documents in variants:
             positions = model_module.document_positions(x, BOS) if documents else None  # as the scripts do
             masks.clear()
-            stages = [pp_rank] if kind == "manual" else gpipe.stage_ids(name, pp_rank, pp, 2)
+            order = variant_order(name, out_dir, world_size, dp, tp, m)  # "zbh1.csv": a file's (schedule_file)
+            stages = [pp_rank] if kind == "manual" else order.stages(pp_rank) if order else \
+                gpipe.stage_ids(name, pp_rank, pp, 2)
             num_stages = pp * len(stages)
             first, last = 0 in stages, num_stages - 1 in stages
             layers = split_layers(split, num_stages)
             config = parity_config(layer_count(split))
             if kind in ("library", "tracer"):
                 build, script = (library_pipeline, gpipe) if kind == "library" else (traced_pipeline, tracer)
-                model, built, schedule, loss_fn = build(config, name, stages, layers, mesh, shape, m, documents)
+                model, built, schedule, loss_fn = build(config, name, stages, layers, mesh, shape, m, documents,
+                                                        order=order)
                 modules = [stage.submod for stage in built]
             else:
                 with torch.device("meta"):
@@ -794,11 +799,58 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                 "grads": grads if reports else {}, "initial": initial if reports else {},
                 "state_keys": list(model.state_dict()) if reports else [],
                 "loss": loss if last and reports else None, "eval": evaluated if last and reports else None,
-                "activations": meter.peak_bytes, "masks": len(masks), "calls": calls.recording(),
+                "activations": meter.peak_bytes, "masks": len(masks), "calls": calls.recording(), "stages": stages,
                 "views": sum("returned a view tensor" in str(w.message) for w in caught)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def variant_order(name: str, directory, world_size: int, dp: int, tp: int, microbatches: int):
+    """A parity variant's order, read as the scripts read --schedule FILE.csv: for a name such as "zbh1.csv", the
+    order schedule_file wrote into directory (parity_run does, before the ranks start); None for a schedule."""
+    if not name.endswith(".csv"):
+        return None
+    path = schedule_path(name.removesuffix(".csv"), world_size // (dp * tp), microbatches, directory)
+    return model_module.read_order(SimpleNamespace(schedule=str(path), dp=dp, tp=tp, microbatches=microbatches,
+                                                   stages_per_rank=None, compile=False), world_size)
+
+
+def schedule_path(order: str, pp: int, microbatches: int, directory) -> Path:
+    return Path(directory) / f"{order}-{pp}x{microbatches}.csv"
+
+
+def schedule_file(order: str, pp: int, microbatches: int, directory: Path) -> Path:
+    """A pipeline order for --schedule FILE.csv, in torch's compute-only CSV form, written into directory: the
+    pipeline_order of torch's multi-stage schedule by that name, as it runs it; or, made here, "1f1b" (rank r:
+    pp - r forwards, then a backward and a forward in turn) and "zbh1", which torch does not ship: the same with
+    each backward split into I, where the B ran, and W, which rank r puts off by pp - 1 - r of its I's (W needs
+    nothing from another rank: it fills the waits at 1F1B's end). (torch's own table of Schedule1F1B is no order:
+    its last rank runs microbatch 0's backward without its forward.) The one place the tests' orders come
+    from: one from elsewhere (plan.py --write-schedule) joins here."""
+    m, rows = microbatches, {}
+    if order in ("1f1b", "zbh1"):
+        split = order == "zbh1"
+        for r in range(pp):
+            warmup, late = min(m, pp - r), (pp - 1 - r) * split  # late: how many I's a W waits behind
+            back = [f"{r}I{i}" if split else f"{r}B{i}" for i in range(m)]
+            rows[r] = [f"{r}F{i}" for i in range(warmup)]
+            for i in range(m):
+                rows[r] += [back[i], *([f"{r}W{i - late}"] if split and i >= late else []),
+                            *([f"{r}F{warmup + i}"] if warmup + i < m else [])]
+            rows[r] += [f"{r}W{i}" for i in range(m - late, m)] if split else []
+    else:
+        stages = pp * 2
+        placeholders = [SimpleNamespace(num_stages=stages, group_size=pp, group_rank=0, stage_index=s,
+                                        is_first=s == 0, is_last=s == stages - 1, submod=torch.nn.Module())
+                        for s in gpipe.stage_ids(order, 0, pp, 2)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            table = gpipe.SCHEDULES[order](placeholders, n_microbatches=m).pipeline_order  # every rank's
+        rows = {r: ["" if a is None else str(a) for a in table[r]] for r in range(pp)}
+    path = schedule_path(order, pp, m, directory)
+    path.write_text("".join(",".join(rows[r]) + "\n" for r in range(pp)))
+    return path
 
 
 EVERY_SPLIT_AND_SCHEDULE = [*(("library", s) for s in gpipe.SCHEDULES), *(("tracer", s) for s in tracer.SCHEDULES),
@@ -856,6 +908,17 @@ PARITY_LAYOUTS[1, 1, 1] = [(kind, name, 4, False) for kind, name in EVERY_SPLIT_
 PARITY_LAYOUTS[2, 1, 1] += [(kind, name, LAYERLESS[name], False) for kind, name in EVERY_SPLIT_AND_SCHEDULE
                             if not any(v[:2] == (kind, name) and not isinstance(v[2], int) and not v[3]
                                        for variants in PARITY_LAYOUTS.values() for v in variants)]
+# Orders from files (--schedule FILE.csv; schedule_file), run by torch's runtime, in both scripts that take them:
+# ZB-H1 (torch ships no such order: I and W, a stage a rank), torch's zero-bubble V (I and W; a V rank 0 holding the
+# embedding and the head alone) and looped, its looped 1F1B (idle cells) with documents, DualPipeV (overlapped
+# forward and backward in a cell); 3 stages, replicas (FSDP2 unshards, reshards and reduces in the order's steps), tp.
+PARITY_LAYOUTS[2, 1, 1] += [("library", "zbh1.csv", 4, False), ("library", "zbvzerobubble.csv", (0, 2, 2, 0), False),
+                            ("tracer", "interleavedzerobubble.csv", 4, False),
+                            ("library", "interleaved1f1b.csv", 4, True), ("tracer", "dualpipev.csv", 4, False)]
+PARITY_LAYOUTS[3, 1, 1] += [("library", "zbh1.csv", 6, False), ("tracer", "zbvzerobubble.csv", 6, False),
+                            ("library", "1f1b.csv", 6, False)]
+PARITY_LAYOUTS[2, 2, 1] += [("library", "zbvzerobubble.csv", 4, False), ("tracer", "zbh1.csv", 4, False)]
+PARITY_LAYOUTS[2, 1, 2] += [("library", "zbh1.csv", 4, False)]  # the library script's: the tracer takes no --tp
 
 
 def parity_step(layout: tuple) -> tuple[int, int]:
@@ -876,6 +939,8 @@ def parity_run(request, tmp_path_factory):
     # at dp 2): a pipeline that gave every microbatch the first one's boundaries, or none to a later stage,
     # computes those rows causally (torchtitan #1723, KempnerForge #204); the other rows are one document each.
     inputs = documents_batch(inputs, {2: [5, 11], 3: [0, 9]})
+    for order in {name.removesuffix(".csv") for _, name, _, _ in variants if name.endswith(".csv")}:
+        schedule_file(order, pp, microbatches, tmp_path)  # read by each rank: variant_order
     run_workers(_layout_worker, world_size, args=(world_size, str(tmp_path / "store"), str(tmp_path), variants,
                                                   (inputs, targets), pp, dp, tp, microbatches))
     return (pp, dp, tp), variants, (inputs, targets), [torch.load(tmp_path / f"rank{r}.pt", weights_only=True)

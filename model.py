@@ -4,18 +4,21 @@ First the model: its config, rotary embedding, decoder layers, the model classes
 in Hugging Face Llama's math and tensor names (``base_model.`` for its ``model.``: weights move between the two
 by renaming one prefix). Then, after a divider: presets and Hugging Face configs, the masks of packed documents,
 costs, pipeline layouts, how a stage is parallelized (tensor parallelism, activation checkpointing, compile,
-FSDP2), tied embeddings across stages, gradient clipping.
+FSDP2), tied embeddings across stages, gradient clipping, and a pipeline order read from a file (--schedule
+FILE.csv, run by torch's own runtime).
 
 A pipeline stage is the model trimmed (keep_only): layers in a ModuleDict keyed by global index, forward skips
 what a stage lacks, no module passed into another's forward (the tracer needs that), and every tensor's initial
 value drawn from its full-model name alone (init_tensor_), so that any split starts from the same weights.
 """
 
+import csv
 import dataclasses
 import functools
 import hashlib
 import json
 import math
+import re
 
 import torch
 import torch.distributed as dist
@@ -24,6 +27,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining.schedules import (_Action, _add_reduce_grad, _add_send_recv, _add_unshard_reshard,
+                                                    _ComputationType, _PipelineScheduleRuntime, _validate_schedule)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -987,3 +992,116 @@ def clip_grad_norm_(params, max_norm: float, copies=(), tp: int = 1) -> Tensor:
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params], scale)
     return total
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A pipeline order from a file (--schedule FILE.csv), in torch's compute-only CSV form, run by torch's runtime
+
+class ScheduleChoices(list):
+    """--schedule's choices for argparse: the names listed, and any FILE.csv (an order: read_order)."""
+
+    def __contains__(self, value) -> bool:
+        return super().__contains__(value) or str(value).endswith(".csv")
+
+
+_ACTION = re.compile(r"(\d+)([FIWB])(\d+)")  # stage, F(orward) / I(nput gradient) / W(eight gradient) / B(oth), mb
+
+
+def _action(cell: str):
+    """A cell's _Action: 0F1, or torch's (0F3;3B1)OVERLAP_F_B (DualPipeV's: one forward's and another backward's,
+    run one after the other); None if it is neither."""
+    if cell.startswith("(") and cell.endswith(")OVERLAP_F_B"):
+        parts = [_action(part) for part in cell[1:-len(")OVERLAP_F_B")].split(";")]
+        return None if None in parts else _Action(-1, _ComputationType.OVERLAP_F_B, None, tuple(parts))
+    match = _ACTION.fullmatch(cell)
+    return match and _Action(int(match[1]), _ComputationType(match[2]), int(match[3]))
+
+
+@dataclasses.dataclass(eq=False)
+class PipelineOrder:
+    """Each pipeline rank's compute actions, in the order it runs them (torch's pipeline_order), as read_order
+    read and checked them: the stage -> rank map and the microbatches follow from it."""
+    path: str
+    actions: dict[int, list]  # pipeline rank -> an _Action, or None (idle), per step
+    stage_ranks: dict[int, int]  # stage -> the pipeline rank that holds it (torch's _validate_schedule infers it)
+    microbatches: int
+
+    def stages(self, rank: int) -> list[int]:
+        return sorted(s for s, r in self.stage_ranks.items() if r == rank)
+
+    def schedule(self, pipeline_stages: list, loss_fn) -> _PipelineScheduleRuntime:
+        """torch's runtime over this rank's PipelineStages, running the order: lowered as its _load_csv lowers a
+        file (sends and receives where a neighbour is on another rank, FSDP unshard/reshard, gradient reduction)."""
+        if pipeline_stages[0].group_size != len(self.actions):  # torchrun restarted the job on other processes
+            raise ValueError(f"it is an order for {len(self.actions)} pipeline ranks, the job now has "
+                             f"{pipeline_stages[0].group_size}; start as many processes as before")
+        schedule = _PipelineScheduleRuntime(pipeline_stages, n_microbatches=self.microbatches, loss_fn=loss_fn)
+        schedule.pipeline_order = {rank: list(acts) for rank, acts in self.actions.items()}
+        schedule._prepare_schedule_with_comms(schedule.pipeline_order)  # also sets each stage's stage -> rank map
+        return schedule
+
+
+def read_order(args, world_size: int) -> PipelineOrder | None:
+    """--schedule FILE.csv: the order in torch's compute-only CSV form, a row per pipeline rank, a cell per step
+    (0F1: stage 0's forward of microbatch 1; I, W: a backward's input and weight halves; B: both; empty: idle),
+    read and checked before anything runs: as torch checks an order (_validate_schedule; _add_send_recv, which
+    finds an order that cannot progress), stages placed looped or V-shaped as the scripts place them, and
+    against the flags; args.stages_per_rank becomes the file's. None for a schedule by name. A mistake is a
+    ValueError of one line that names --schedule and the flag."""
+    path = args.schedule
+    if not path.endswith(".csv"):
+        return None
+    try:
+        with open(path, newline="") as file:
+            rows = list(csv.reader(file))
+        while rows and not "".join(rows[-1]).strip():  # blank lines at the end: no rank of their own
+            rows.pop()
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise ValueError(f"--schedule {path}: cannot read it ({getattr(e, 'strerror', None) or e}); give a CSV "
+                         "file of an order, a row per pipeline rank (plan.py --write-schedule writes one)") from None
+    actions: dict[int, list] = {}
+    for rank, row in enumerate(rows):
+        actions[rank] = []
+        for step, cell in enumerate(row):
+            if (action := _action(cell.strip())) is None and cell.strip():
+                raise ValueError(f"--schedule {path}: row {rank + 1}, cell {step + 1} is {cell.strip()!r}, not an "
+                                 "action: give stage, F, I, W or B, microbatch (such as 0F1), or nothing (idle)")
+            actions[rank].append(action)
+    computed = [sub for acts in actions.values() for a in acts if a is not None for sub in a.sub_actions or [a]]
+    if not computed:
+        raise ValueError(f"--schedule {path}: no action in it; give a row of actions per pipeline rank")
+    pp, num_stages = len(actions), 1 + max(a.stage_index for a in computed)
+    microbatches = 1 + max(a.microbatch_index for a in computed)
+    try:  # torch's own checks: every stage's F, and I + W or B, of each microbatch once, on one rank; can progress
+        stage_ranks = _validate_schedule(actions, pp, num_stages, microbatches)
+        _add_send_recv({rank: _add_reduce_grad(_add_unshard_reshard(acts), microbatches)
+                        for rank, acts in actions.items()}, stage_ranks.__getitem__, num_stages)
+    except AssertionError as e:
+        raise ValueError(f"--schedule {path}: torch refuses this order: {str(e).strip().splitlines()[0]}") from None
+    per_rank = num_stages // pp
+    looped = {s: s % pp for s in range(num_stages)}  # rank r: r, r + p, ...; V: r and 2p - 1 - r
+    v_shaped = {s: min(s, 2 * pp - 1 - s) for s in range(num_stages)} if num_stages == 2 * pp else looped
+    if stage_ranks not in (looped, v_shaped):
+        where = "; ".join(f"rank {r}: {[s for s in range(num_stages) if stage_ranks[s] == r]}" for r in range(pp))
+        raise ValueError(f"--schedule {path}: stages {where}; the scripts place stages looped (rank r holds r, r + "
+                         f"{pp}, ...) or V-shaped (r and {2 * pp - 1} - r)")
+    group = args.dp * args.tp
+    if world_size % group == 0 and world_size // group != pp:  # (not divisible: the scripts' check says so)
+        raise ValueError(f"--schedule {path} is an order for {pp} pipeline rank(s), but {world_size} process(es) "
+                         f"/ (--dp {args.dp} x --tp {args.tp}) are {world_size // group}; start {pp * group} "
+                         "processes, or give an order for as many pipeline ranks as there are")
+    if microbatches != args.microbatches:
+        raise ValueError(f"--microbatches {args.microbatches}: --schedule {path} runs {microbatches} microbatches; "
+                         f"give --microbatches {microbatches}")
+    if args.stages_per_rank not in (None, per_rank):
+        raise ValueError(f"--stages-per-rank {args.stages_per_rank}: --schedule {path} holds {per_rank} stage(s) "
+                         "per rank; leave the flag out")
+    if args.compile and any(a.computation_type in ("I", "W") for a in computed):
+        # torch 2.13 refuses stages compiled by torch.compile(module) for its own zero-bubble schedules, whose weight
+        # half failed on them (pytorch #161904, open; _check_torch_compile_compatibility), and checks no order its
+        # runtime is given. (It misses the scripts' in-place layer.compile(), no OptimizedModule: not tested here.)
+        raise ValueError(f"--compile: --schedule {path} splits backwards into I and W, which torch 2.13 does not "
+                         "support on compiled stages (pytorch #161904); leave --compile out, or give an order of B "
+                         "actions")
+    args.stages_per_rank = per_rank
+    return PipelineOrder(path, actions, stage_ranks, microbatches)

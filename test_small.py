@@ -71,8 +71,8 @@ from conftest import (  # the helpers; the fixtures pytest finds there itself
     cpu_stage, cpu_traced, descendants, documents_batch, error_lines, errors, finish, free_port, kill_job, launch,
     launch_ranks, launcher_env, layer_count, library_pipeline, mount_tmpfs, one_line_error, parity_config,
     parity_step, plain_loss, prepare_small, random_batch, read_metrics, recorded, recorder, refused, run_main,
-    run_script, run_sh, run_workers, script_env, small_config, snapshot, split_layers, start, start_group,
-    traced_pipeline, worker_pids)
+    run_script, run_sh, run_workers, schedule_file, script_env, small_config, snapshot, split_layers, start,
+    start_group, traced_pipeline, worker_pids)
 from export import hf_config
 from model import MAX_LAYERS, LlamaConfig, LlamaForPretraining, config_from_hf, config_from_preset, even
 
@@ -1258,7 +1258,7 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
         # in each layer (model.LlamaModel.mask_in_each_layer): each rank traces the whole model once, a mask a layer.
         kind, name, split, documents = variant
         for r, result in enumerate(ranks):
-            stages = [r // (dp * tp)] if kind == "manual" else gpipe.stage_ids(name, r // (dp * tp), pp, 2)
+            stages = result[variant]["stages"]  # the schedule's (stage_ids), or a file's order's
             layers = split_layers(split, pp * len(stages))
             built = layer_count(split) if kind == "tracer" else 2 * microbatches * len([s for s in stages if layers[s]])
             assert result[variant]["masks"] == documents * built, (variant, r)
@@ -1362,6 +1362,29 @@ def _orders_worker(rank, world_size, store_path, out_dir):
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_file_of_torchs_own_order_runs_exactly_what_torchs_schedule_runs(tmp_path):
+    # --schedule FILE.csv: torch's own multi-stage orders, written as files (schedule_file) and read as the scripts
+    # read them, lower on every rank to the very actions torch's schedule class runs (its computation, sends and
+    # receives, FSDP's unshards and reshards, gradient reductions, in the same order); placeholder stages (the
+    # lowering needs only their indices and ranks).
+    for name, pp, m in [("interleavedzerobubble", 2, 4), ("zbvzerobubble", 3, 6), ("dualpipev", 2, 4),
+                        ("loopedbfs", 3, 6)]:
+        path = schedule_file(name, pp, m, tmp_path)
+        for rank in range(pp):
+            def stages():
+                return [types.SimpleNamespace(num_stages=2 * pp, group_size=pp, group_rank=rank, stage_index=s,
+                                              is_first=s == 0, is_last=s == 2 * pp - 1, submod=torch.nn.Module())
+                        for s in gpipe.stage_ids(name, rank, pp, 2)]
+            flags = types.SimpleNamespace(schedule=str(path), dp=1, tp=1, microbatches=m, stages_per_rank=None,
+                                          compile=False)
+            order = model_module.read_order(flags, pp)
+            assert order.stages(rank) == gpipe.stage_ids(name, rank, pp, 2)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                expected = gpipe.SCHEDULES[name](stages(), n_microbatches=m).pipeline_order_with_comms
+            assert order.schedule(stages(), None).pipeline_order_with_comms == expected, (name, rank)
 
 
 def _forward_only_worker(rank, world_size, store_path, out_dir):
@@ -2194,6 +2217,37 @@ def resumed_from_step_8(tmp_path, data_dir, reference_dir, variants: dict) -> di
         assert [r["step"] for r in rows] == list(range(9, 17)), name
         done[name] = result, rows
     return done
+
+
+def test_a_schedule_file_resumes_a_named_schedules_run_and_back_and_evaluates(tmp_path, data_dir, reference_run):
+    # Checkpoints hold no schedule: the reference's step 8 (GPipe, 2 stages x 2 replicas) resumed under orders
+    # from files (--schedule FILE.csv): torch's zero-bubble V (I, W) on 2 processes, ZB-H1 on 1 (every stage on
+    # it); beside them torch's looped interleaved 1F1B on 1 process, evaluated every 4 steps as the V is (both
+    # forward only: a rank holding two stages in a row; torch 2.13's eval() asserted there). Then the V's step 12
+    # resumed under a schedule by name in the tracer script: each continues the reference's trajectory.
+    reference_dir, reference = reference_run
+    zbv, zbh1 = schedule_file("zbvzerobubble", 2, 4, tmp_path), schedule_file("zbh1", 1, 4, tmp_path)
+    variants = {"zbv_file": (2, "train_pipeline_gpipe.py", ["--schedule", zbv, "--checkpoint-every", "4",
+                                                            "--eval-every", "4", "--eval-batches", "1"]),
+                "zbh1_file_one": (0, "train_pipeline_tracer.py", ["--schedule", zbh1]),
+                "interleaved_one": (0, "train_pipeline_gpipe.py", ["--schedule", "interleaved1f1b", "--eval-every",
+                                                                   "4", "--eval-batches", "1"])}
+    runs = resumed_from_step_8(tmp_path, data_dir, reference_dir, variants)
+    for name, (result, rows) in runs.items():
+        assert_same_trajectory(rows, reference[8:], name, since=8)
+    held_out = {name: [float(loss) for loss in re.findall(r"^eval at step (?:12|16): loss ([\d.]+)",
+                                                           runs[name][0].stdout, re.M)]
+                for name in ("zbv_file", "interleaved_one")}
+    assert len(held_out["zbv_file"]) == 2 and held_out["zbv_file"] == pytest.approx(held_out["interleaved_one"],
+                                                                                   rel=1e-3), held_out  # 4 decimals
+    back = tmp_path / "back"
+    shutil.copytree(tmp_path / "zbv_file" / "checkpoints" / "step-00000012", back / "checkpoints" / "step-00000012")
+    result = run_script(2, "train_pipeline_tracer.py", *RESUME_ARGS, "--schedule", "interleavedzerobubble",
+                        "--data", data_dir, "--metrics", "m.jsonl", cwd=back)
+    assert result.returncode == 0 and "resumed from checkpoints/step-00000012" in result.stdout, errors(result.stderr)
+    rows, _ = read_metrics(back / "m.jsonl")
+    assert [r["step"] for r in rows] == list(range(13, 17))
+    assert_same_trajectory(rows, reference[12:], "back to a named schedule", since=8)
 
 
 def test_every_layerless_layout_resumes_in_every_script(tmp_path, data_dir, reference_run):
@@ -5497,6 +5551,55 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
     assert not ckpt.exists()
 
 
+def test_schedule_file_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    # --schedule FILE.csv (model.read_order), in both scripts that take one: each mistake in the file, or between
+    # the file and the flags or the processes, is one line naming --schedule (and the flag) before any data, model
+    # or checkpoint; what torch refuses of an order too, in torch's words.
+    orders = {name: schedule_file(name, 2, 4, tmp_path) for name in ("zbh1", "zbvzerobubble")}
+    files = {"cell.csv": "0F0,0X1\n", "empty.csv": "", "backward-first.csv": "0F0,0B0\n1B0,1F0\n",
+             # Rank 0's backward of microbatch 0 waits for rank 1's, which waits behind a forward rank 0 runs later.
+             "stuck.csv": "0F0,0B0,0F1,0B1\n1F0,1F1,1B0,1B1\n",
+             "blocks.csv": "0F0,1F0,1B0,0B0\n2F0,3F0,3B0,2B0\n"}  # stages 0, 1 on rank 0: neither looped nor V
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "binary.csv").write_bytes(b"0F0,\xff\xfe\n")
+    (tmp_path / "folder.csv").mkdir()
+    ckpt = tmp_path / "ckpt"
+    common = ["--checkpoint-dir", str(ckpt), "--data", str(tmp_path / "data")]
+    zbh1, zbv = str(orders["zbh1"]), str(orders["zbvzerobubble"])
+    cases = [  # (script, flags, processes, what the line must say)
+        ("gpipe", [str(tmp_path / "missing.csv")], 2, "missing.csv: cannot read it (No such file or directory)"),
+        ("tracer", [str(tmp_path / "folder.csv")], 2, "folder.csv: cannot read it (Is a directory)"),
+        ("gpipe", [str(tmp_path / "binary.csv")], 2, "binary.csv: cannot read it ("),
+        ("gpipe", [str(tmp_path / "cell.csv")], 2, "row 1, cell 2 is '0X1', not an action"),
+        ("gpipe", [str(tmp_path / "empty.csv")], 2, "empty.csv: no action in it"),
+        ("gpipe", [str(tmp_path / "backward-first.csv")], 2, "torch refuses this order: Rank 1, step 0: Running Full "
+                                                             "Backward for stage 1, microbatch 0 without first"),
+        ("tracer", [str(tmp_path / "stuck.csv")], 2, "torch refuses this order: Malformed compute schedule"),
+        ("gpipe", [str(tmp_path / "blocks.csv")], 2, "stages rank 0: [0, 1]; rank 1: [2, 3]; the scripts place"),
+        ("gpipe", [zbh1], 3, "is an order for 2 pipeline rank(s), but 3 process(es) / (--dp 1 x --tp 1) are 3"),
+        ("tracer", [zbh1, "--dp", "2"], 2, "but 2 process(es) / (--dp 2 x --tp 1) are 1; start 4 processes"),
+        ("gpipe", [zbh1, "--microbatches", "2"], 2, "--microbatches 2: --schedule"),
+        ("tracer", [zbv, "--stages-per-rank", "3"], 2, "--stages-per-rank 3: --schedule"),
+        ("gpipe", [zbh1, "--compile"], 2, "--compile: --schedule"),  # I and W: not supported compiled (pytorch #161904)
+    ]
+    for script, given, world_size, named in cases:
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        module = gpipe if script == "gpipe" else tracer
+        try:
+            with pytest.raises(checkpoint.UsageError) as failure:
+                module.main(module.build_parser().parse_args(["--schedule", *given, *common]))
+        finally:
+            dist.destroy_process_group()
+        message = str(failure.value)
+        assert named in message and "--schedule" in message and "\n" not in message, (script, given, message)
+    # A file that is no CSV by its name is no schedule either: argparse's one line, which offers FILE.csv.
+    err = refused(capsys, tracer.build_parser().parse_args, "--schedule", "order.txt", status=2)
+    assert "--schedule: invalid choice: 'order.txt'" in err and "'FILE.csv'" in err, err
+    assert not ckpt.exists()
+
+
 def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, data_dir):
     ckpt = tmp_path / "ckpt" / "step-00000001"
     ckpt.mkdir(parents=True)
@@ -5722,6 +5825,7 @@ def test_git_ignores_what_the_documented_commands_write_and_nothing_of_the_proje
     written = ["data/meta.json", "data/llama/val.bin", "data-llama/train-00000.bin", "train.jsonl",  # prepare_data.py
                "checkpoints/step-00000300/meta.json", "checkpoints/nccl-trace-rank0", "ckpt-afab/run.lock",
                "checkpoints.previous-20260101-120000/step-00000300/meta.json", "m.jsonl", "trace/rank0.json",
+               "zbh1.csv",  # an order for --schedule FILE.csv
                "bench/results.md", "bench-doc-2048/documents.json", "gpu-check/gpu-check.md", "mem.json",  # benchmark
                "tiny.pt", "tiny.pt.config.json", "tiny.pt.tokenizer.json", "tiny-hf/config.json",  # export.py
                "Llama-3.2-1B-continued/model.safetensors", "Llama-3.2-1B/tokenizer.json", "loss.png"]  # plot.py

@@ -34,9 +34,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
-from model import (PRESETS, LlamaForPretraining, TiedEmbedding, chunked_loss, clip_grad_norm_, config_from_preset,
-                   describe_layout, document_positions, estimated_costs, layout, loss_chunks, materialize,
-                   merged_stages, mfu, parallelize)
+from model import (PRESETS, LlamaForPretraining, ScheduleChoices, TiedEmbedding, chunked_loss, clip_grad_norm_,
+                   config_from_preset, describe_layout, document_positions, estimated_costs, layout, loss_chunks,
+                   materialize, merged_stages, mfu, parallelize, read_order)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
              "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-batches", type=whole(1), help="held-out batches per evaluation (default: up to 4, as "
                    "many as --data holds)")
     g = p.add_argument_group("parallelism")
-    g.add_argument("--schedule", choices=list(SCHEDULES), default="gpipe", help="the pipeline schedule")
+    g.add_argument("--schedule", choices=ScheduleChoices([*SCHEDULES, "FILE.csv"]), default="gpipe", help="the "
+                   "pipeline schedule, or an order in torch's CSV form (docs/schedules-and-benchmark.md)")
     g.add_argument("--stages-per-rank", type=whole(1), help="of a looped schedule (default: 2; the others' is fixed)")
     g.add_argument("--split", default="balanced", help="layers per stage: balanced (by estimated compute), even, "
                    "or counts such as 5,1 or 0,3,3,0 (a first or last 0: the embedding, or the head, alone)")
@@ -103,9 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
 # The run, in order: the sections below follow it
 
 def main(args):
-    args.stages_per_rank = args.stages_per_rank or (1 if args.schedule in SINGLE_STAGE else 2)  # its default
     env = launch_env(args.device, args.precision)
     init_distributed(env, args.timeout)
+    try:  # --schedule FILE.csv: the order, read and checked on every rank (model.py), its stages per rank the run's
+        order = read_order(args, env.world_size)
+    except ValueError as e:
+        raise UsageError(str(e), on_every_rank=True) from None
+    args.stages_per_rank = args.stages_per_rank or (1 if args.schedule in SINGLE_STAGE else 2)  # its default
     say = print if env.rank == 0 else (lambda *a, **k: None)
     run = checkpoint.Run(args, env.rank, env.world_size, say)  # this job, the checkpoint it continues, saves
     args.dp, args.split = run.relayout(args.stages_per_rank)  # torchrun restarted the job on other processes?
@@ -120,7 +125,7 @@ def main(args):
     with collective_errors():
         meta, batches, held_out = open_data(args)
     run.check()
-    stages = stage_ids(args.schedule, pp_rank, pp, args.stages_per_rank)
+    stages = order.stages(pp_rank) if order else stage_ids(args.schedule, pp_rank, pp, args.stages_per_rank)
     num_stages, has_first, has_last = pp * len(stages), 0 in stages, pp * len(stages) - 1 in stages
     with collective_errors():
         config, name = run.model_config(meta, env.device.type)
@@ -138,7 +143,7 @@ def main(args):
     # --- the schedule: a PipelineStage per stage, talking to the same tp rank of the other pipeline ranks
     pipeline_stages = [PipelineStage(module, s, num_stages, env.device, group=mesh.get_group("pp"), **stage_io(
         config, s, num_stages, microbatch, shards, env.dtype)) for module, s in zip(modules, stages)]
-    schedule, loss_fn = make_schedule(args.schedule, pipeline_stages, args.microbatches, chunks, shards)
+    schedule, loss_fn = make_schedule(args.schedule, pipeline_stages, args.microbatches, chunks, shards, order)
     run_train = functools.partial(train_step, schedule, env=env, tp=tp)
     run_eval = functools.partial(eval_step, schedule, pipeline_stages, env=env, tp=tp, loss_fn=loss_fn,
                                  microbatches=args.microbatches,
@@ -404,9 +409,9 @@ def stage_io(config, stage: int, num_stages: int, microbatch: tuple[int, int], s
 # ----------------------------------------------------------------------------------------------------------
 # The schedule
 
-def make_schedule(name: str, pipeline_stages: list, microbatches: int, chunks: int, shards: int):
-    """The schedule of this rank's stages, and its loss: a microbatch's mean cross-entropy, the head applied a
-    chunk at a time. The schedule divides gradients by the microbatches: those of the batch's mean loss."""
+def make_schedule(name: str, pipeline_stages: list, microbatches: int, chunks: int, shards: int, order=None):
+    """This rank's schedule (order: a file's, run by torch's runtime) and its loss: a microbatch's mean cross-entropy,
+    the head applied a chunk at a time. The schedule divides gradients by the microbatches: the batch's mean loss's."""
     heads = [stage.submod.lm_head for stage in pipeline_stages if stage.is_last]
 
     def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -414,7 +419,8 @@ def make_schedule(name: str, pipeline_stages: list, microbatches: int, chunks: i
             return chunked_loss(heads[0], hidden, targets, chunks, shards)
     try:
         given = pipeline_stages[0] if name in SINGLE_STAGE else pipeline_stages  # one PipelineStage, or the list
-        return SCHEDULES[name](given, n_microbatches=microbatches, loss_fn=loss_fn), loss_fn
+        return (order.schedule(given, loss_fn) if order else
+                SCHEDULES[name](given, n_microbatches=microbatches, loss_fn=loss_fn)), loss_fn
     except ValueError as e:  # what the schedule needs of the microbatches: torch says it
         raise UsageError(f"--schedule {name} with --microbatches {microbatches}: {e}", on_every_rank=True) from None
 
@@ -435,9 +441,9 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
     losses, args = [], [inputs] if inputs is not None else []  # as in train_step
     kwargs = {"target": targets, "losses": losses} if targets is not None else {}
     with compute(env, tp):
-        if isinstance(schedule, (ScheduleZBVZeroBubble, ScheduleDualPipeV)) or pipeline_stages[0].group_size == 1:
-            # torch 2.13's eval() asserts ("can't steal_bwd_input ...") where it hands an output to the next stage
-            # on the same rank: in a V, and in a loop on one process. (Decided alike on every rank of the pipeline.)
+        ranks = pipeline_stages[0].stage_index_to_group_rank  # the whole pipeline's map: every rank decides alike
+        if any(ranks[s] == ranks[s + 1] for s in range(len(ranks) - 1)):  # a rank holds two stages in a row (a V,
+            # one process): torch 2.13's eval() asserts there ("can't steal_bwd_input if this stage doesn't have ...")
             forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, env.dtype, loss_fn, losses,
                          documents)
         else:
