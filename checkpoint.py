@@ -415,8 +415,7 @@ def load_dcp(state: dict, path: str, no_dist: bool = False, flag: str = "--check
 # -- --init-from: only the model's weights, each rank its own stage's
 
 def load_weights(source: str, model, config: LlamaConfig) -> str:
-    """This rank's weights (with FSDP, its shard) from a Hugging Face directory or a checkpoint; the path read.
-    Collective."""
+    """Collective: this rank's weights (FSDP: its shard) from a Hugging Face directory or a checkpoint; the path."""
     if not is_hf_dir(source):
         with collective_errors():
             path = resolve(source, "--init-from")
@@ -469,9 +468,9 @@ def _hf_request(path: str, state: dict, config: LlamaConfig) -> dict[str, str]:
 # -- The run's checkpoints: continued exactly, or refused
 
 class Run:
-    """A run's checkpoints, made once in main after the process groups (collective): the job's launch ids, the
-    checkpoint the run continues, the data's identity, the background save in flight. main calls relayout,
-    check, model_config, resume, then save_if_due after every step."""
+    """A run's checkpoints, made once in main after the process groups (collective): the job, the checkpoint it
+    continues, the data's identity, the save in flight. main calls relayout, check, model_config, resume and
+    save_if_due."""
     current = None  # this process's: run() waits for its save in flight when the run fails
 
     def __init__(self, args, rank: int, world_size: int, say=print):
@@ -581,8 +580,7 @@ class Run:
         return "\n".join(said) or None
 
     def finish_save(self, wait: bool = True) -> str | None:
-        """Complete the save in flight once every rank's files are written (not wait: only if they are
-        already); the checkpoint's path, if one. Collective."""
+        """Complete the save in flight once every rank wrote its files (not wait: only if they have). Collective."""
         if self.in_flight is None:
             return None
         written, tmp, meta = self.in_flight
@@ -627,8 +625,7 @@ def check_same_run(args, path: str, data_id: str, meta: dict, config: LlamaConfi
 
 
 def _set_aside(checkpoint_dir: str, job: list[str], say=print) -> None:
-    """--fresh: move what checkpoint_dir holds to DIR.previous-TIME, but the lock and the checkpoints this
-    job saved (a restart of the job resumes those)."""
+    """--fresh: move what checkpoint_dir holds to DIR.previous-TIME but the lock and this job's checkpoints."""
     def saved_by_this_job(name: str) -> bool:
         try:
             return same_job(read_meta(os.path.join(checkpoint_dir, name)).get("job"), job)
