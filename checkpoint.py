@@ -1,10 +1,7 @@
-"""Distributed checkpoints (DCP) of a pipeline run, and the run around them. A --checkpoint-dir holds:
-
-    step-00000100/      a checkpoint: DCP's shards and .metadata (model and AdamW state of each rank's stages, under
-                        the full model's names: it loads into any layout), rng/rank*.pt, the data's tokenizer files,
-                        meta.json (step, data position, config, run flags, job, file sizes; written last)
-    step-00000200.tmp/  a save in progress, renamed to step-00000200 once complete
-    run.lock            held by the run using the directory
+"""Distributed checkpoints (DCP) of a pipeline run, and the run around them. A --checkpoint-dir holds step-N/
+(DCP's shards and .metadata: each rank's stages under the full model's names, so it loads into any layout;
+rng/rank*.pt, the data's tokenizer files, meta.json written last), step-N.tmp/ (a save in progress) and run.lock
+(held by the run using it): docs/checkpoints.md.
 
 Part 1, the checkpoints: finding, saving (save), loading (verified first: verify_files, load_state), --init-from
 (load_weights), and the resume rules (Run, check_same_run); the restricted reader of DCP's index last. Part 2, the
@@ -39,7 +36,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 import warnings
 
 import numpy as np
@@ -47,24 +43,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader, metadata as dcp_metadata
+from torch.distributed.checkpoint import (CheckpointException, DefaultLoadPlanner, FileSystemReader,
+                                          HuggingFaceStorageReader, Metadata, metadata as dcp_metadata)
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
-    set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from model import LlamaConfig, check_layout, config_from_hf, config_from_preset, hf_name, max_stages
 
 # ==========================================================================================================
 # Part 1. Checkpoints (DCP): finding, saving, loading, --init-from, the resume rules
 
-# ----------------------------------------------------------------------------------------------------------
-# Finding checkpoints
+# -- Finding checkpoints
 
 def complete_checkpoints(checkpoint_dir: str) -> list[str]:
     """Paths of the complete checkpoints (step-N holding meta.json) in checkpoint_dir, oldest first."""
@@ -87,20 +79,27 @@ def resolve(path: str, flag: str = "checkpoint") -> str:
 
 
 def read_meta(path: str, flag: str = "--checkpoint-dir") -> dict:
-    """The meta.json of the checkpoint at path, each field the code reads checked, or one line saying why it is
-    not one (flag: how path was given)."""
+    """The checkpoint's meta.json, each field read checked, or one line saying why not (flag: how path was given)."""
     try:
         meta = read_json(os.path.join(path, "meta.json"))
-        problem = _meta_problem(meta)
     except (OSError, ValueError) as e:
-        meta, problem = None, f"not a complete checkpoint, its meta.json cannot be read ({e})"
-    if problem is not None:
-        raise bad_checkpoint(flag, path, problem)
+        raise bad_checkpoint(flag, path, f"not a complete checkpoint, its meta.json cannot be read ({e})") from None
+    if isinstance(meta, dict) and {"dtype", "train", "val"} <= meta.keys():
+        raise bad_checkpoint(flag, path, "not a complete checkpoint, it holds data prepared by prepare_data.py")
+    if not isinstance(meta, dict) or not {"step", "config", "files", "world_size"} <= meta.keys():
+        raise bad_checkpoint(flag, path, "not a complete checkpoint, its meta.json lacks step, config, files or "
+                                         "world_size")
+    for field, value, ok, what in _meta_checks(meta):
+        if not ok:
+            raise bad_checkpoint(flag, path, f"its meta.json's {field} is {shown(value)}, not {what}")
+    try:  # every field as Hugging Face's config.json would have it: the same checks, naming the field
+        config_from_hf({**meta["config"], "model_type": "llama"})
+    except ValueError as e:
+        raise bad_checkpoint(flag, path, f"its meta.json's {str(e).replace('config.json ', 'config.', 1)}") from None
     return meta
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Saving
+# -- Saving
 
 # AdamW's state keyed by parameter name ("optim.state.<fqn>.exp_avg"): keyed by group index (the default), every
 # stage's group 0 would be one shared key, and DCP would keep only one rank's copy.
@@ -111,39 +110,32 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int, keep: int,
          tokenizer_dir: str | None = None, background: tuple | None = None) -> str | tuple:
-    """Save this rank's stages, collectively; return the checkpoint's path. meta (rank 0's is written) holds at
-    least "config". A failed save raises the same UsageError on every rank and leaves no step-N.tmp; older
-    checkpoints (beyond keep) are deleted only once the new one is complete. background (background_group's):
-    only take a copy of the state in CPU memory and leave the writing to a thread (DCP's async_save); returned
-    is the save in flight, (DCP's future, step-N.tmp, meta), for Run.finish_save to complete."""
-    final = os.path.join(checkpoint_dir, f"step-{step:08d}")
-    tmp = final + ".tmp"
-    with _removed_if_failed(tmp, rank):
-        with collective_errors(), _save_errors(tmp):
-            if rank == 0:
-                _remove(tmp)  # left over from a save that was killed
-                os.makedirs(os.path.join(tmp, "rng"))
-        state, _ = state_dicts(model, optimizer, LlamaConfig(**meta["config"]))
-        meta = dict(meta, step=step, world_size=dist.get_world_size())
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        with collective_errors(), _save_errors(tmp):  # DCP itself raises on every rank if a rank failed
-            torch.save(rng, os.path.join(tmp, "rng", f"rank{rank}.pt"))
-            if background is None:
-                dcp.save(state, checkpoint_id=tmp)  # writes and fsyncs this rank's shard
-                written = None
-            else:  # the copy is taken before async_save returns, so the next step may change the state
-                written = dcp.async_save(state, checkpoint_id=tmp, process_group=background[0],
-                                         async_stager=background[1])
-    return _complete(tmp, meta, rank, keep, tokenizer_dir) if written is None else (written, tmp, meta)
+    """Save this rank's stages, collectively: the checkpoint's path, or with background (background_group's) the
+    save in flight, written by a thread (DCP's async_save): (its future, step-N.tmp, meta) for Run.finish_save."""
+    tmp = os.path.join(checkpoint_dir, f"step-{step:08d}.tmp")
+    with _saving(tmp, rank):
+        if rank == 0:
+            _remove(tmp)  # left over from a save that was killed
+            os.makedirs(os.path.join(tmp, "rng"))
+    state, _ = state_dicts(model, optimizer, LlamaConfig(**meta["config"]))
+    meta = dict(meta, step=step, world_size=dist.get_world_size())
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    with _saving(tmp, rank):  # DCP itself raises on every rank if a rank failed
+        torch.save(rng, os.path.join(tmp, "rng", f"rank{rank}.pt"))
+        if background is None:
+            dcp.save(state, checkpoint_id=tmp)  # writes and fsyncs this rank's shard
+        else:  # the copy is taken before async_save returns, so the next step may change the state
+            written = dcp.async_save(state, checkpoint_id=tmp, process_group=background[0],
+                                     async_stager=background[1])
+    return _complete(tmp, meta, rank, keep, tokenizer_dir) if background is None else (written, tmp, meta)
 
 
 def _complete(tmp: str, meta: dict, rank: int, keep: int, tokenizer_dir: str | None) -> str:
-    """Make the save whose files every rank wrote a checkpoint (meta.json last, then the rename), then delete
-    the complete ones beyond keep. Collective."""
+    """Make a written save a checkpoint (meta.json last, then the rename); delete those beyond keep. Collective."""
     final = tmp.removesuffix(".tmp")
-    with _removed_if_failed(tmp, rank), collective_errors(), _save_errors(tmp):
+    with _saving(tmp, rank):
         if rank == 0:
             for name in TOKENIZER_FILES if tokenizer_dir else ():
                 if os.path.isfile(os.path.join(tokenizer_dir, name)):
@@ -165,10 +157,8 @@ def _complete(tmp: str, meta: dict, rank: int, keep: int, tokenizer_dir: str | N
 
 
 def background_group(timeout: float) -> tuple:
-    """What every --async-checkpoint save uses, made collectively at the first: a gloo group of its own (a CPU
-    backend, which async_save needs, beside NCCL too; its collectives, in the writing thread, never meet the
-    training's on one group: KempnerForge #104's deadlock), and the staged copy of the state in CPU memory, kept
-    and refilled by every save."""
+    """What every --async-checkpoint save uses, made collectively at the first: a gloo group of its own (the
+    writing thread's collectives never meet the training's: KempnerForge #104's deadlock) and the CPU copy."""
     pinned = torch.cuda.is_available() and torch.cuda.is_initialized()  # faster copies from the GPU
     return (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)),
             DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
@@ -176,40 +166,37 @@ def background_group(timeout: float) -> tuple:
 
 
 @contextlib.contextmanager
-def _removed_if_failed(tmp: str, rank: int):
+def _saving(tmp: str, rank: int):
+    """A block of a save: a failed write is one line on every rank, and the partial save is removed."""
     try:
-        yield
+        with collective_errors():
+            try:
+                yield
+            except (OSError, RuntimeError, CheckpointException) as e:
+                raise _save_failed(tmp, e) from None
     except UsageError:
         if rank == 0:
             _remove(tmp)  # frees what the failed save took; nothing else is touched
         raise
 
 
-@contextlib.contextmanager
-def _save_errors(tmp: str):
-    """A failed write as one line: the cause, and what state the checkpoint directory is left in."""
-    try:
-        yield
-    except (OSError, RuntimeError, CheckpointException) as e:
-        directory, final = os.path.dirname(tmp) or ".", tmp.removesuffix(".tmp")
-        cause, fix = root_cause(e), "free space (or choose another --checkpoint-dir)"
-        try:  # torch.save reports a full disk as "unexpected pos ...": say what it means
-            usage = shutil.disk_usage(directory)
-            if usage.free < max(64 * 2**20, usage.total // 100):
-                cause = f"the disk is full: {usage.free / 2**20:.0f} MiB free of {usage.total / 2**20:.0f} MiB"
-            elif isinstance(e, OSError) and e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR):
-                cause, fix = f"{final} exists already, not this run's", f"move {final} away"
-        except OSError:
-            pass
-        newest = latest(directory)
-        kept = f"the newest complete one, {newest}, is untouched" if newest else "there is no complete one yet"
-        raise UsageError(f"--checkpoint-dir: saving {tmp} failed ({cause}); the partial save is removed and {kept}; "
-                         f"{fix} and rerun the same command to resume") from None
+def _save_failed(tmp: str, e: BaseException) -> "UsageError":
+    directory, final = os.path.dirname(tmp) or ".", tmp.removesuffix(".tmp")
+    cause, fix = root_cause(e), "free space (or choose another --checkpoint-dir)"
+    with contextlib.suppress(OSError):  # torch.save reports a full disk as "unexpected pos ...": say what it means
+        usage = shutil.disk_usage(directory)
+        if usage.free < max(64 * 2**20, usage.total // 100):
+            cause = f"the disk is full: {usage.free / 2**20:.0f} MiB free of {usage.total / 2**20:.0f} MiB"
+        elif isinstance(e, OSError) and e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR):
+            cause, fix = f"{final} exists already, not this run's", f"move {final} away"
+    newest = latest(directory)
+    kept = f"the newest complete one, {newest}, is untouched" if newest else "there is no complete one yet"
+    return UsageError(f"--checkpoint-dir: saving {tmp} failed ({cause}); the partial save is removed and {kept}; "
+                      f"{fix} and rerun the same command to resume")
 
 
 def root_cause(e: BaseException) -> str:
-    """An exception in a few words: the first failure DCP collected, a full disk named as such, torch.load's
-    refusal of a file without its advice to load it unsafely."""
+    """An exception in a few words: DCP's first failure, a full disk, torch.load's refusal without its advice."""
     if isinstance(e, CheckpointException):
         first = next(iter(e.failures.values()), None)
         e = first[0] if isinstance(first, tuple) else (first or e)
@@ -239,8 +226,8 @@ def _write_synced(path: str, text: str, exclusive: bool = False) -> None:
 
 
 def state_dicts(model, optimizer, config: LlamaConfig) -> tuple[dict, dict]:
-    """This rank's model (and AdamW) state under the names it is saved by, and for each part the saved name of
-    each of its own keys. A tied head is saved once, as the embedding, so the checkpoint loads into any layout."""
+    """This rank's state under its saved names, and each key's saved name: a tied head is saved once, as the
+    embedding, so the checkpoint loads into any layout."""
     state = {"model": get_model_state_dict(model, options=_OPTIONS)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
@@ -258,19 +245,15 @@ def _tied_name(key: str) -> str:
     return key
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Loading: a checkpoint is untrusted input, read without running anything it names, in bounded memory
+# -- Loading: a checkpoint is untrusted input, read without running anything it names, in bounded memory
 
-# The largest files read whole: a JSON file (a meta.json lists ~60 bytes of files a rank; the tokenizer.json of a
-# large vocabulary runs to tens of MB) and DCP's index (~150 bytes a tensor chunk: llama-8b's model and AdamW
-# state saved by 64 ranks, 8 MB, measured on one built as DCP builds it).
+# The largest files read whole: a JSON file (a large vocabulary's tokenizer.json runs to tens of MB) and DCP's
+# index (~150 bytes a tensor chunk: llama-8b's model and AdamW state saved by 64 ranks, 8 MB, measured).
 MAX_JSON_BYTES, MAX_INDEX_BYTES = 64 * 2**20, 2**30
 
 
 def bad_checkpoint(flag: str, path: str, problem: str) -> "UsageError":
-    """One line for a checkpoint that is not as this project writes it, naming how it was given (flag; export.py's
-    is "checkpoint") and what to do: only a run's own checkpoint is worth deleting, to resume from an older one.
-    Every rank reads the same files, so every rank raises it: said once a node."""
+    """One line naming the checkpoint as given (flag) and the fix; raised on every rank (all read the same files)."""
     fix = "delete it to resume from an older one" if flag == "--checkpoint-dir" else \
         f"give {'export.py' if flag == 'checkpoint' else flag} another checkpoint"
     return UsageError(f"{flag} {path}: {problem}; {fix}", on_every_rank=True)
@@ -286,12 +269,10 @@ def read_bytes(file: str, most: int) -> bytes:
         return f.read()
 
 
-def read_json(file: str, most: int = MAX_JSON_BYTES):
-    """A JSON file, or ValueError saying why not (not a regular file, too large, nested too deeply, not JSON);
-    OSError if missing."""
-    text = read_bytes(file, most)
+def read_json(file: str):
+    """A JSON file, or ValueError saying why not (not a regular file, too large or deep, not JSON)."""
     try:
-        return json.loads(text)
+        return json.loads(read_bytes(file, MAX_JSON_BYTES))
     except RecursionError:
         raise ValueError("nested too deeply") from None
 
@@ -310,8 +291,7 @@ def _whole(value, least: int, most: int = 2**32) -> bool:
 
 
 def _meta_checks(meta: dict):
-    """(field, value, whether it is as save() writes it, what it must be) for each field the code reads of a
-    checkpoint's meta.json; a generator, so a field is looked into only once its container passed."""
+    """(field, value, ok, what it must be) for each field read of a meta.json; a field once its container passed."""
     yield "step", meta["step"], _whole(meta["step"], 0), "a whole number >= 0"
     yield "world_size", meta["world_size"], _whole(meta["world_size"], 1), "a whole number >= 1"
     data = meta.get("data")  # the data loader's position: null (or none), or where the next batch starts
@@ -340,26 +320,9 @@ def _meta_checks(meta: dict):
     yield "config", config, isinstance(config, dict) and config.keys() == fields, "the fields of a LlamaConfig"
 
 
-def _meta_problem(meta) -> str | None:
-    """What in a checkpoint's meta.json is not as save() writes it, or None."""
-    if isinstance(meta, dict) and {"dtype", "train", "val"} <= meta.keys():
-        return "not a complete checkpoint, it holds data prepared by prepare_data.py"
-    if not isinstance(meta, dict) or not {"step", "config", "files", "world_size"} <= meta.keys():
-        return "not a complete checkpoint, its meta.json lacks step, config, files or world_size"
-    for field, value, ok, what in _meta_checks(meta):
-        if not ok:
-            return f"its meta.json's {field} is {shown(value)}, not {what}"
-    try:  # every field as Hugging Face's config.json would have it: the same checks, naming the field
-        config_from_hf({**meta["config"], "model_type": "llama"})
-    except ValueError as e:
-        return f"its meta.json's {str(e).replace('config.json ', 'config.', 1)}"
-    return None
-
-
 def verify_files(path: str, meta: dict, flag: str = "--checkpoint-dir") -> None:
-    """Every file the save wrote is there, inside the checkpoint (no link), with its size, and the index is DCP's,
-    naming only those files: checked before DCP reads anything, so a truncated copy or a tampered index fails in
-    one line. flag: how path was given."""
+    """Every file the save wrote is there, inside (no link), of its size, and the index is DCP's: checked before
+    DCP reads anything, so a truncated copy or a tampered index fails in one line."""
     for name in (".metadata", *TOKENIZER_FILES):  # read here, by DCP, or copied into an export
         if name not in meta["files"] and (name == ".metadata" or os.path.lexists(os.path.join(path, name))):
             raise bad_checkpoint(flag, path, f"damaged, its meta.json does not list {name}")
@@ -373,18 +336,15 @@ def verify_files(path: str, meta: dict, flag: str = "--checkpoint-dir") -> None:
         if actual != size:
             raise bad_checkpoint(flag, path, f"damaged, {name} has {actual} bytes, its meta.json says {size}")
     with open_untrusted(path, ".metadata", flag):
-        metadata = read_index(os.path.join(path, ".metadata"))
-        for info in metadata.storage_data.values():  # a shard outside the checkpoint would be read too
-            if info.relative_path not in meta["files"]:
-                raise ValueError(f"it points to {info.relative_path!r}, which the checkpoint does not hold")
-        check_index(metadata, meta["files"])
+        check_index(read_index(os.path.join(path, ".metadata")), meta["files"])
 
 
 def check_index(metadata: Metadata, sizes: dict[str, int]) -> None:
-    """What DCP takes on trust in an index (ValueError if not so): every tensor's chunks lie inside it and cover it
-    exactly once, each chunk and value has its stored bytes, inside its file (sizes: meta.json's). A chunk moved
-    outside its tensor would leave that part as initialized, silently; bytes past a file's end, another's read."""
+    """What DCP takes on trust in an index (ValueError if not so): each chunk's bytes inside a file it holds
+    (sizes), each tensor's chunks inside it, covering it once (else a part stays as initialized, silently)."""
     for index, info in metadata.storage_data.items():
+        if info.relative_path not in sizes:  # a shard outside the checkpoint would be read too
+            raise ValueError(f"it points to {info.relative_path!r}, which the checkpoint does not hold")
         if not (_whole(info.offset, 0, 2**63) and _whole(info.length, 0, 2**63)) or \
                 info.offset + info.length > sizes[info.relative_path]:
             raise ValueError(f"it places the bytes of {shown(index.fqn, 120)} at {shown(info.offset)} + "
@@ -412,8 +372,7 @@ def check_index(metadata: Metadata, sizes: dict[str, int]) -> None:
 
 
 def _overlap(boxes: list[tuple[tuple, tuple]]) -> bool:
-    """Whether two of the (offsets, lengths) boxes share an element: swept along the first dimension, so shards
-    cut along it (FSDP's) are each compared only with their neighbours."""
+    """Whether two (offsets, lengths) boxes overlap, swept along dim 0: FSDP's shards meet only their neighbours."""
     active = []
     for start, length in sorted(boxes):
         active = [(s, n) for s, n in active if not start or s[0] + n[0] > start[0]]
@@ -453,43 +412,36 @@ def load_dcp(state: dict, path: str, no_dist: bool = False, flag: str = "--check
         raise bad_checkpoint(flag, path, f"cannot read its tensors ({root_cause(e)})") from None
 
 
-# ----------------------------------------------------------------------------------------------------------
-# --init-from: only the model's weights, each rank its own stage's
+# -- --init-from: only the model's weights, each rank its own stage's
 
 def load_weights(source: str, model, config: LlamaConfig) -> str:
-    """Only the model's weights, each rank its own stage's (with FSDP, its shard), from a Hugging Face directory
-    or one of this project's checkpoints. Collective. Returns the path read."""
-    hf = is_hf_dir(source)
-    with collective_errors():
-        path = source if hf else resolve(source, "--init-from")
-        if not hf:
+    """Collective: this rank's weights (FSDP: its shard) from a Hugging Face directory or a checkpoint; the path."""
+    if not is_hf_dir(source):
+        with collective_errors():
+            path = resolve(source, "--init-from")
             verify_files(path, read_meta(path, "--init-from"), "--init-from")
-    if not hf:
         load_state(path, model, None, config, "--init-from")
         return path
-    # HuggingFaceStorageReader reads only the requested tensors (slices, for FSDP's shards) from the
-    # memory-mapped safetensors files and casts them to the model's dtype.
+    # HuggingFaceStorageReader reads only the tensors (FSDP: slices) asked for, cast to the model's dtype.
     state = get_model_state_dict(model, options=_OPTIONS)
     with collective_errors():
-        request = _hf_request(path, state, config)  # their name for each of this stage's tensors
+        request = _hf_request(source, state, config)  # their name for each of this stage's tensors
     targets = {}  # their name -> our tensors; two when a rank holds a tied embedding and its head's copy
     for name, tensor in state.items():
         targets.setdefault(request[name], []).append(tensor)
     try:
-        dcp.load({key: tensors[0] for key, tensors in targets.items()}, storage_reader=HuggingFaceStorageReader(path))
+        dcp.load({key: ours[0] for key, ours in targets.items()}, storage_reader=HuggingFaceStorageReader(source))
     except (Exception, CheckpointException) as e:  # DCP raises its CheckpointException on every rank
-        raise UsageError(f"--init-from {path}: cannot read its tensors ({root_cause(e)})", on_every_rank=True) \
-            from None
+        raise bad_checkpoint("--init-from", source, f"cannot read its tensors ({root_cause(e)})") from None
     for tensors in targets.values():
         for copy in tensors[1:]:
             copy.copy_(tensors[0])
     set_model_state_dict(model, state, options=_OPTIONS)
-    return path
+    return source
 
 
 def _hf_request(path: str, state: dict, config: LlamaConfig) -> dict[str, str]:
-    """Their name for each of a stage's tensors (of the shape config.json gives it); a tied checkpoint stores the
-    head once, as the embedding."""
+    """Their name for each of a stage's tensors, of its shape; a tied checkpoint stores the head as the embedding."""
     available = {}  # their name -> its shape
     for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
         try:  # reads the header only; a file cut short (an interrupted download) fails here
@@ -513,14 +465,12 @@ def _hf_request(path: str, state: dict, config: LlamaConfig) -> dict[str, str]:
     return request
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The run's checkpoints: continued exactly, or refused
+# -- The run's checkpoints: continued exactly, or refused
 
 class Run:
-    """A training run's checkpoints, made once in main after the process groups (collective): this job's launch
-    ids, the checkpoint the run continues (found once a start; again only after --fresh moved others aside), the
-    data's identity and the background save in flight. main calls, in order: relayout, check, model_config,
-    resume, then save_if_due after every step."""
+    """A run's checkpoints, made once in main after the process groups (collective): the job, the checkpoint it
+    continues, the data's identity, the save in flight. main calls relayout, check, model_config, resume and
+    save_if_due."""
     current = None  # this process's: run() waits for its save in flight when the run fails
 
     def __init__(self, args, rank: int, world_size: int, say=print):
@@ -537,8 +487,8 @@ class Run:
         return self._meta
 
     def source(self) -> str | None:
-        """Where the model's shape comes from, when not from --model: --init-from for a new run; for a resumed run
-        that started from other weights, its checkpoint (those weights need not exist anymore)."""
+        """Where the model's shape comes from if not --model: --init-from, or a resumed run's checkpoint if it
+        started from other weights (those need not exist anymore)."""
         if self.path is not None:
             return self.path if self.saved().get("run", {}).get("init_from") is not None else None
         return self.args.init_from
@@ -554,9 +504,9 @@ class Run:
         return relayout(self.args, self.world_size, self.job, stages_per_rank, self.path, self.saved(), self.say)
 
     def check(self) -> None:
-        """Every check of what the run writes (check_run: the paths, the lock, --fresh), then whether it continues
-        the run its checkpoint saved (if so, args.init_from becomes the one that run recorded). Collective."""
-        self.data_id = data_identity(self.args.data)
+        """check_run, then whether the run continues its checkpoint's (args.init_from: the one it recorded)."""
+        with open(os.path.join(self.args.data, "meta.json"), "rb") as f:  # its sources, token counts, tokenizer
+            self.data_id = hashlib.sha256(f.read()).hexdigest()[:16]
         check_run(self.args, self.rank, self.job)
         if self.args.fresh:
             self.path, self._meta = latest(self.args.checkpoint_dir), None  # left: one this job saved, a restart
@@ -569,9 +519,8 @@ class Run:
         return model_config(self.args, data, device_type, self.source())
 
     def resume(self, model, optimizer, config: LlamaConfig) -> tuple[int, dict | None]:
-        """Continue the run in --checkpoint-dir exactly (nothing to resume: --init-from's weights), or refuse in one
-        line. Collective. Returns the step done (>= --steps: nothing left to do) and the data loader's position
-        (None: from the start)."""
+        """Continue the run exactly (none: from --init-from's weights), or refuse in one line. Collective.
+        Returns the step done and the data loader's position (None: from the start)."""
         args, path, say = self.args, self.path, self.say
         if path is None:
             if args.init_from is not None:
@@ -591,11 +540,12 @@ class Run:
             say(f"{path} is step {meta['step']}: --steps {args.steps} are done, nothing to train", flush=True)
             return meta["step"], None
         load_state(path, model, optimizer, config)
+        name = f"rng/rank{self.rank}.pt"
         if meta["world_size"] == self.world_size:  # RNG streams belong to ranks; another layout starts new ones
-            with collective_errors(), open_untrusted(path, f"rng/rank{self.rank}.pt"):
-                if f"rng/rank{self.rank}.pt" not in meta["files"]:  # those listed are verified: inside, no link
+            with collective_errors(), open_untrusted(path, name):
+                if name not in meta["files"]:  # those listed are verified: inside, no link
                     raise ValueError("its meta.json does not list it")
-                rng = torch.load(os.path.join(path, "rng", f"rank{self.rank}.pt"), weights_only=True)  # data only
+                rng = torch.load(os.path.join(path, name), weights_only=True)  # plain data only
                 torch.set_rng_state(rng["cpu"])
                 if "cuda" in rng and torch.cuda.is_available():
                     torch.cuda.set_rng_state(rng["cuda"])
@@ -608,11 +558,8 @@ class Run:
 
     def save_if_due(self, step: int, model, optimizer, config: LlamaConfig, data_position: dict,
                     stop: str | None = None) -> str | None:
-        """Save every --checkpoint-every steps, at the end of the run, and when it stops (stop: the signal that
-        asked); what to say of the checkpoints this call completed, if any. Collective, after every step. With
-        --async-checkpoint the periodic saves are written in the background: one in flight at most (the next
-        waits for it), completed after the first step at which every rank's files are written; the last one (the
-        end, a stop) waits for it, then is written before the call returns."""
+        """Save every --checkpoint-every steps, at the end and on a stop (the signal that asked); what to
+        say of the checkpoints completed. Collective. --async-checkpoint: docs/checkpoints.md."""
         args = self.args
         last = step == args.steps or stop is not None
         due = last or (args.checkpoint_every and step % args.checkpoint_every == 0)
@@ -620,28 +567,27 @@ class Run:
         if due:
             meta = {"config": dataclasses.asdict(config), "run": run_identity(args, self.data_id),
                     "data": data_position, "args": vars(args), "torch": torch.__version__, "job": self.job}
-            if args.async_checkpoint and not last:
-                self.background = self.background or background_group(args.timeout)
+            background = None
+            if args.async_checkpoint and not last:  # written by a thread, completed by a later call
+                background = self.background = self.background or background_group(args.timeout)
             path = save(args.checkpoint_dir, step, model, optimizer, meta, self.rank, args.keep_checkpoints,
-                        args.data, self.background if args.async_checkpoint and not last else None)
-            if isinstance(path, tuple):  # written in the background: completed by a later call
-                self.in_flight, path = path, None
-            if path:
+                        args.data, background)
+            if background is not None:
+                self.in_flight = path
+            else:
                 said.append(f"stopped by {stop} after step {step}, saved in {path}; the same command continues "
                             "the run" if stop else f"saved {path}")
         return "\n".join(said) or None
 
     def finish_save(self, wait: bool = True) -> str | None:
-        """Complete the save in flight, if any: once every rank's files are written (wait), or (not wait) only if
-        they already are. Collective; the checkpoint's path if one was completed. A failed write (a full disk) is
-        the same UsageError as a failed save's, on every rank, the partial save removed."""
+        """Complete the save in flight once every rank wrote its files (not wait: only if they have). Collective."""
         if self.in_flight is None:
             return None
         written, tmp, meta = self.in_flight
         if not wait and max_over_ranks(not written.done()):
             return None
         self.in_flight = None
-        with _removed_if_failed(tmp, self.rank), collective_errors(), _save_errors(tmp):
+        with _saving(tmp, self.rank):
             written.result()  # DCP raises a rank's failure on every rank
         return _complete(tmp, meta, self.rank, self.args.keep_checkpoints, self.args.data)
 
@@ -652,23 +598,16 @@ def run_identity(args, data_id: str) -> dict:
             "init_from": args.init_from}
 
 
-def named_model(args, saved: dict) -> dict:
-    """Of a preset's model, what --model and --layers say before the script builds it (without --model, the
-    preset is the device's, known later): the fields a checkpoint's config must have."""
-    if args.model:
-        return dataclasses.asdict(config_from_preset(args.model, saved.get("vocab_size"), args.layers))
-    return {"num_hidden_layers": args.layers} if args.layers else {}
-
-
 def check_same_run(args, path: str, data_id: str, meta: dict, config: LlamaConfig | None = None) -> dict:
-    """One line naming each flag (old → new) in which this run differs from the checkpoint at path (meta: its
-    meta.json), and the model: config when given, else what --model and --layers already say of it (a run from
-    other weights: nothing yet). --init-from is recorded, not compared: once a run has checkpoints they are its
-    weights. Returns meta."""
-    identity = run_identity(args, data_id)
-    saved, found = meta.get("run", {}), []
-    model = dataclasses.asdict(config) if config is not None else \
-        {} if saved.get("init_from") is not None else named_model(args, meta["config"])
+    """One line naming each flag (old → new) in which this run differs from its checkpoint (meta), and
+    the model (config, or what --model and --layers say); --init-from is recorded, not compared."""
+    identity, saved, found = run_identity(args, data_id), meta.get("run", {}), []
+    if config is not None:
+        model = dataclasses.asdict(config)
+    elif saved.get("init_from") is None and args.model:
+        model = dataclasses.asdict(config_from_preset(args.model, meta["config"].get("vocab_size"), args.layers))
+    else:  # from other weights: nothing known yet; without --model the preset is the device's, known later
+        model = {"num_hidden_layers": args.layers} if args.layers and saved.get("init_from") is None else {}
     found += [f"model {field} {meta['config'].get(field)} → {value} (--model, --layers, --init-from)"
               for field, value in model.items() if meta["config"].get(field) != value]
     for flag in args.run_flags:  # a flag newer than the checkpoint: it ran at the flag's default of off
@@ -686,8 +625,7 @@ def check_same_run(args, path: str, data_id: str, meta: dict, config: LlamaConfi
 
 
 def _set_aside(checkpoint_dir: str, job: list[str], say=print) -> None:
-    """--fresh: move what checkpoint_dir holds into DIR.previous-TIME (nothing is deleted), but the run's lock and
-    the checkpoints this job saved: a restart of the job resumes those instead of starting over again."""
+    """--fresh: move what checkpoint_dir holds to DIR.previous-TIME but the lock and this job's checkpoints."""
     def saved_by_this_job(name: str) -> bool:
         try:
             return same_job(read_meta(os.path.join(checkpoint_dir, name)).get("job"), job)
@@ -709,17 +647,11 @@ def _set_aside(checkpoint_dir: str, job: list[str], say=print) -> None:
     say(f"--fresh: moved the previous checkpoints to {aside}", flush=True)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The restricted reader of DCP's index (.metadata), behind read_index
+# -- The restricted reader of DCP's index (.metadata), behind read_index
 
 def read_index(file: str) -> Metadata:
-    """DCP's index (.metadata), a pickle, read by pickle's pure-Python unpickler restricted to what DCP writes:
-    only the exact (module, name) pairs of DCP's classes (never a dotted name or a whole module; getattr only for
-    the members of DCP's one enum), BUILD only on instances of DCP's dataclasses and only of their own fields
-    (BUILD on a class sets its attributes for the whole process), none of the opcodes an index never holds. Its
-    memo is a dict: the C unpickler's is an array of 16 bytes a slot, allocated up to the slot a file names
-    (9 bytes that name slot 2**27 took 2 GiB), so memory stays within ~72x the file's size (an empty dict a byte;
-    a real index takes ~20x)."""
+    """DCP's index, a pickle, read by pickle's pure-Python unpickler restricted to what DCP writes, its memo
+    a dict (the C one allocates up to the slot a file names: 9 bytes took 2 GiB). Why: docs/checkpoints.md."""
     data = read_bytes(file, MAX_INDEX_BYTES)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
@@ -728,7 +660,7 @@ def read_index(file: str) -> Metadata:
     except Exception:  # damaged pickle data: an empty stack, a missing memo slot, a cut-off file
         raise pickle.UnpicklingError("its bytes are not an index as DCP writes it") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict) or \
-            not isinstance(metadata.storage_meta, (StorageMeta, type(None))):
+            not isinstance(metadata.storage_meta, (dcp_metadata.StorageMeta, type(None))):
         raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
     for info in metadata.storage_data.values():
         if type(info) is not _StorageInfo or type(info.relative_path) is not str:
@@ -762,7 +694,7 @@ _INDEX_GLOBALS = {
 }
 # BUILD's state for each dataclass: the names of its fields (TensorProperties: the 5-tuple of its __setstate__).
 _BUILDS = {cls: {f.name for f in dataclasses.fields(cls)} for cls in (
-    Metadata, StorageMeta, dcp_metadata.MetadataIndex, dcp_metadata.TensorStorageMetadata,
+    Metadata, dcp_metadata.StorageMeta, dcp_metadata.MetadataIndex, dcp_metadata.TensorStorageMetadata,
     dcp_metadata.BytesStorageMetadata, dcp_metadata.ChunkStorageMetadata, _StorageInfo)}
 # Opcodes an index never holds: persistent ids, the extension registry, sets (~200 bytes of memory per byte),
 # out-of-band buffers, protocol 0/1 instances and NEWOBJ_EX's keyword arguments.
@@ -808,7 +740,7 @@ class _SafeReader(FileSystemReader):
     def read_metadata(self) -> Metadata:
         metadata = read_index(self._get_metadata_path())
         if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
+            metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -827,13 +759,10 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 # Part 2. The run around the checkpoints: errors and run(), stopping, flags, the lock, data and metrics, relayout,
 # which model
 
-# ----------------------------------------------------------------------------------------------------------
-# Errors: one line, on every rank
-
+# -- Errors: one line, on every rank
 
 class UsageError(Exception):
-    """A mistake in the command line or its inputs: one line, exit status 1, no traceback.
-    on_every_rank: every rank raises this same error, so one line per node is enough."""
+    """A mistake in the command line or its inputs: one line, exit status 1 (on_every_rank: once a node)."""
 
     def __init__(self, message: str, on_every_rank: bool = False):
         super().__init__(message)
@@ -849,8 +778,8 @@ def max_over_ranks(value: int) -> int:
 
 @contextlib.contextmanager
 def collective_errors():
-    """Run a block on every rank; a UsageError on any rank is raised on every rank, so no rank waits for a peer
-    that stopped. The block must not start a collective that a failing rank would skip."""
+    """A UsageError in the block on any rank is raised on every rank, so none waits for a peer that stopped; the
+    block must not start a collective that a failing rank would skip."""
     error = None
     try:
         yield
@@ -868,8 +797,8 @@ def collective_errors():
 
 
 def run(main, args) -> None:
-    """main(args), an error a user can cause as one line on stderr (exit status 1), always torn down. SIGTERM,
-    Ctrl-C and SIGHUP ask the run to stop after its step (see stop_requested); a second one stops it at once."""
+    """main(args): a UsageError as one line (status 1), a lost peer said as such, always torn down; SIGTERM,
+    Ctrl-C and SIGHUP stop it after its step (stop_requested), a second one at once."""
     _listen_for_stops()
     flight_recorder(args.checkpoint_dir)  # before main starts NCCL, which reads it
     status, done = 1, False
@@ -906,9 +835,7 @@ def run(main, args) -> None:
 
 
 def flight_recorder(checkpoint_dir: str, environ=os.environ) -> None:
-    """NCCL's flight recorder on, its record dumped on a timeout beside the checkpoints, DIR/nccl-trace-rankN (as
-    torchtitan does; set before init_process_group, which reads them). A user's own settings, under either name
-    torch 2.13 reads, win. Read the dumps with torch's `torchfrtrace DIR -p nccl-trace-rank` (docs/launching.md)."""
+    """NCCL's flight recorder on, dumped on a timeout to DIR/nccl-trace-rankN; a user's settings win."""
     if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in environ:  # the older name of TORCH_FR_BUFFER_SIZE
         environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # the process's last 2000 calls, of all its groups
     environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
@@ -916,18 +843,11 @@ def flight_recorder(checkpoint_dir: str, environ=os.environ) -> None:
         environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(os.path.abspath(checkpoint_dir), "nccl-trace-rank"))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Stopping: SIGTERM (a scheduler, SLURM's preemption, torchrun), SIGINT (Ctrl-C) and SIGHUP (a closed terminal, a
-# dropped ssh) ask the run to stop after its step, with a checkpoint; another one more than 2 s later (not a copy
-# of the same request, which run.sh, torchrun or SLURM sends every process within milliseconds) ends it at once.
-#
-# A watcher thread hears each signal at once: Python runs signal handlers in the main thread only, between
-# bytecodes, and the main thread may wait in a collective for a hung peer until --timeout. Python's C-level
-# handler writes the signal's number to set_wakeup_fd's pipe even then; the Python handlers do nothing. run.sh
-# records the requests it gets in a file, PIPELINE_STOP_FILE, which the ranks read when they start (torchrun
-# may start or restart them after the request) and after every step; a file older than the process, and not of
-# its run.sh, is another run's: no request. The first rank of a node to hear a request says so, on its own line:
-# one line a node, though the request reaches every rank.
+# -- Stopping: SIGTERM, SIGINT (Ctrl-C) and SIGHUP stop the run after its step, with a checkpoint; another one more
+# than 2 s later (not a copy of the same request) ends it at once (docs/launching.md, "Stopped, preempted").
+# A watcher thread hears each signal at once: Python runs handlers in the main thread only, which may wait in a
+# collective until --timeout, but its C-level handler writes the signal to set_wakeup_fd's pipe even then. run.sh
+# records the requests it gets in PIPELINE_STOP_FILE, which the ranks read when they start and after every step.
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _STOP = {"signal": None, "at": None, "said": False}  # the request this rank knows of: its signal's name, when
@@ -940,20 +860,18 @@ def _listen_for_stops() -> None:
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda signum, frame: None)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-    threading.Thread(target=_watch_signals, args=(read,), daemon=True).start()
+
+    def watch():
+        while True:
+            for signum in os.read(read, 64):
+                if signum in STOP_SIGNALS:
+                    _asked_to_stop(signal.Signals(signum))
+    threading.Thread(target=watch, daemon=True).start()
     _launcher_request()  # made before this process listened
 
 
-def _watch_signals(fd: int) -> None:
-    while True:
-        for signum in os.read(fd, 64):
-            if signum in STOP_SIGNALS:
-                _asked_to_stop(signal.Signals(signum))
-
-
 def _asked_to_stop(signum: signal.Signals) -> None:
-    """In the watcher thread: the first request of this rank (or of run.sh) asks for a stop after the step; a
-    signal more than 2 s after it ends the process."""
+    """In the watcher thread: the first request asks for a stop after the step; a signal 2 s later ends it."""
     if signum == signal.SIGHUP:
         _quiet_if_hung_up()
     _launcher_request()
@@ -968,9 +886,8 @@ def _asked_to_stop(signum: signal.Signals) -> None:
 
 
 def _launcher_request() -> None:
-    """Take on the request run.sh recorded, if this rank has none of its own: "SIGNAL RUN_SH_PID", its launch's
-    (however old: made before torchrun started, or restarted, this process), or one made since this process
-    started; an older one is left over from another run."""
+    """Take on run.sh's recorded request ("SIGNAL RUN_SH_PID") if this rank has none: its launch's,
+    or one made since this process started (an older one is another run's)."""
     try:
         with open(os.environ["PIPELINE_STOP_FILE"]) as f:
             (name, *launcher), at = f.read().split() or [""], os.fstat(f.fileno()).st_mtime
@@ -1013,20 +930,18 @@ def _say_request() -> None:
                             f"stop-said-{hashlib.sha256(agent.encode()).hexdigest()[:16]}")
         try:
             os.close(os.open(said, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
-        except FileExistsError:
-            return
-        except OSError:
-            pass
-        else:
             if "PIPELINE_STOP_FILE" not in os.environ:  # run.sh removes its folder
                 atexit.register(_remove, said)
+        except FileExistsError:
+            return  # said by another rank
+        except OSError:
+            pass  # cannot tell: say it
     _STOP["said"] = True
     _say(f"{_STOP['signal']}: stopping after this step, with a checkpoint; again to stop at once")
 
 
 def _quiet_if_hung_up() -> None:
-    """After a terminal closed, writing to it fails (EIO): this process's output then goes nowhere, not to an
-    error that would end the run before its checkpoint."""
+    """After a terminal closed, writing to it fails (EIO), which would end the run before its checkpoint."""
     for fd in (1, 2):
         try:
             os.write(fd, b"")
@@ -1037,20 +952,13 @@ def _quiet_if_hung_up() -> None:
 
 
 def _say(line: str) -> None:
-    """A line on stderr, on a line of its own (after a progress bar, say), in one write: never mixed with another
-    process's line."""
-    try:
+    with contextlib.suppress(OSError):  # on a line of its own, in one write: never mixed with another process's
         os.write(2, f"\n{line}\n".encode())
-    except OSError:
-        pass
 
 
 def final_status(status: int) -> int:
-    """The exit status of a mistake that every rank found (a flag, an input, another job holding --checkpoint-dir):
-    no restart can mend it, but torchrun restarts a job whenever a process fails (torch 2.13's agent reads no exit
-    status). Under run.sh, which names a file in RUN_SH_STATUS_FILE holding its pid, the status goes there (the
-    second line) and the process exits 0, so that torchrun ends the job; run.sh exits with the status. A file of
-    another launch (the variable inherited from an outer run.sh, or left over) is left alone."""
+    """The status of a mistake every rank found, which no torchrun restart mends: under run.sh it goes to
+    RUN_SH_STATUS_FILE's second line and the process exits 0, so torchrun ends the job."""
     with contextlib.suppress(KeyError, OSError), open(os.environ["RUN_SH_STATUS_FILE"], "r+") as f:
         if _launched_by(f.readline().split()):
             f.seek(0, os.SEEK_CUR)  # from reading to writing, after the pid's line
@@ -1061,22 +969,17 @@ def final_status(status: int) -> int:
 
 
 def stop_requested() -> str | None:
-    """Collective, once a step: the signal that asked any rank to stop (SLURM's preemption, torchrun stopping the
-    job, Ctrl-C, a closed terminal), or None. Every rank gets the same answer, so all stop after the same step and
-    none waits."""
+    """Collective, once a step: the signal that asked any rank to stop, or None, the same on every rank."""
     _launcher_request()
     signum = max_over_ranks(signal.Signals[_STOP["signal"]] if _STOP["signal"] else 0)
     return signal.Signals(signum).name if signum else None
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The command line
+# -- The command line
 
 class Parser(argparse.ArgumentParser):
-    """argparse with each mistake in one line (the usage is in --help) and every flag's default in --help. A flag
-    declared with run=True defines what the run computes besides the model and the data: a resumed run must keep
-    it (check_same_run; the others, such as the layout and the schedule, change only how the same numbers are
-    computed). Their names are args.run_flags."""
+    """argparse with each mistake in one line and every default in --help. A flag declared with run=True defines
+    what the run computes: a resumed run must keep it (check_same_run). Their names: args.run_flags."""
 
     class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         def _get_help_string(self, action):  # no "(default: None)" for a flag that is off unless given
@@ -1123,19 +1026,22 @@ def number(positive: bool):  # argparse type: a finite number > 0 (positive) or 
     return parse
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Before a run writes anything: its paths and its lock
+# -- Before a run writes anything: its paths and its lock
 
 def check_run(args, rank: int, job: list[str]) -> None:
-    """Every check of what the run will write, collectively, so a run that cannot save fails in seconds; takes
-    the lock on rank 0 (job: job_ids()); --fresh moves aside what other runs left there."""
-    with collective_errors():  # 1. nothing written yet: is every path usable?
-        check_apart(args)
+    """Every check of what the run writes, collectively, before it writes: paths, rank 0's lock, --fresh."""
+    data = os.path.realpath(args.data)
+    with collective_errors():  # 1. nothing written yet: is every path usable, and apart from the data?
         if args.async_checkpoint and torch.__version__ < "2.13":  # measured: torch 2.11's DefaultStager fails
             raise UsageError(f"--async-checkpoint: torch {torch.__version__} cannot stage a checkpoint (its copy "
                              "of the state fails: KeyError <class 'type'>); use torch 2.13 or leave the flag out")
         for flag, path, directory in (("--checkpoint-dir", args.checkpoint_dir, True),
                                       ("--metrics", args.metrics, False), ("--trace", args.trace, True)):
+            # Never written into the data, nor holding it: --fresh moves what --checkpoint-dir holds.
+            common = os.path.commonpath([os.path.realpath(path), data]) if path else None
+            if common == data or (flag == "--checkpoint-dir" and common == os.path.realpath(path)):
+                raise UsageError(f"{flag} {path}: {'is or lies inside' if common == data else 'holds'} --data "
+                                 f"{args.data}; choose a {flag} apart from the data")
             if path:
                 check_output(flag, path, directory)
     token = [None]
@@ -1144,69 +1050,45 @@ def check_run(args, rank: int, job: list[str]) -> None:
             token[0] = RunLock.acquire(args.checkpoint_dir, job).holder["token"]
     dist.broadcast_object_list(token, src=0)
     with collective_errors():  # 3. every rank sees that directory and can write its shard there
-        probe_directory("--checkpoint-dir", args.checkpoint_dir, token[0])
+        check_output("--checkpoint-dir", args.checkpoint_dir, True, token[0])
     with collective_errors():  # 4. --fresh, once per job: a restart keeps (and resumes) what this job saved
         if args.fresh and rank == 0:
             _set_aside(args.checkpoint_dir, job)
 
 
-def check_apart(args) -> None:
-    """No output lies inside the data, and --checkpoint-dir does not hold it (--fresh moves what it holds)."""
-    data = os.path.realpath(args.data)
-    for flag, path in (("--checkpoint-dir", args.checkpoint_dir), ("--metrics", args.metrics), ("--trace", args.trace)):
-        common = os.path.commonpath([os.path.realpath(path), data]) if path else None
-        if common == data or (flag == "--checkpoint-dir" and common == os.path.realpath(path)):
-            raise UsageError(f"{flag} {path}: {'is or lies inside' if common == data else 'holds'} --data "
-                             f"{args.data}; choose a {flag} apart from the data")
-
-
-def check_output(flag: str, path: str, directory: bool) -> None:
-    """path (a directory, or a file) can be written, or created: its nearest existing ancestor takes entries."""
-    if os.path.lexists(path):
-        if directory and not os.path.isdir(path):
-            raise UsageError(f"{flag} {path}: is a file, not a directory; choose another {flag}")
-        if not directory and os.path.isdir(path):
-            raise UsageError(f"{flag} {path}: is a directory; give a file name")
-        if not os.access(path, (os.W_OK | os.X_OK) if directory else os.W_OK):
-            read_only = os.path.exists(path) and os.statvfs(path).f_flag & os.ST_RDONLY
-            reason = "read-only file system" if read_only else "permission denied"
-            raise UsageError(f"{flag} {path}: cannot write there ({reason}); choose another {flag}")
-        return
-    ancestor = os.path.abspath(path)
-    while not os.path.lexists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor):
-        raise UsageError(f"{flag} {path}: cannot be created, {ancestor} is a file, not a directory; "
-                         f"choose another {flag}")
-    try:  # the only sure test (permissions, a read-only or special filesystem such as /proc): create, remove
-        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=ancestor))
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot be created in {ancestor} ({root_cause(e)}); choose another "
-                         f"{flag}") from None
-
-
-def probe_directory(flag: str, path: str, lock_token: str) -> None:
-    """path is the directory rank 0 locked (a filesystem every node shares), and a file can be written, fsynced,
-    renamed and removed there, as a save does."""
-    if (_read_lock(os.path.join(path, LOCK_NAME)) or {}).get("token") != lock_token:
+def check_output(flag: str, path: str, directory: bool, lock_token: str | None = None) -> None:
+    """path (a directory, or a file) can be written: a file is written, fsynced, renamed and removed in it or
+    its nearest ancestor (the only sure test); lock_token: every node sees the directory rank 0 locked."""
+    if lock_token is not None and (_read_lock(os.path.join(path, LOCK_NAME)) or {}).get("token") != lock_token:
         raise UsageError(f"{flag} {path}: this node does not see the directory rank 0 locked; with several nodes "
                          f"{flag} must be on a filesystem they all share")
-    name = os.path.join(path, f".probe-{socket.gethostname()}-{os.getpid()}")
+    where, problem = os.path.abspath(path), "cannot write there"
+    if os.path.lexists(path) and directory != os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a file, not a directory; choose another {flag}" if directory else
+                         f"{flag} {path}: is a directory; give a file name")
+    if not os.path.lexists(path):
+        while not os.path.lexists(where):
+            where = os.path.dirname(where)
+        if not os.path.isdir(where):
+            raise UsageError(f"{flag} {path}: cannot be created, {where} is a file, not a directory; "
+                             f"choose another {flag}")
+        problem = f"cannot be created in {where}"
+    probe = os.path.join(where, f".probe-{socket.gethostname()}-{os.getpid()}")
     try:
-        _write_synced(name + ".tmp", "probe")
-        os.replace(name + ".tmp", name)
-        os.remove(name)
+        if not os.path.isdir(where):  # an existing file, which --metrics rewrites in place: opened, not changed
+            open(where, "a").close()
+        else:
+            _write_synced(probe + ".tmp", "probe")
+            os.replace(probe + ".tmp", probe)
+            os.remove(probe)
     except OSError as e:
-        for leftover in (name + ".tmp", name):
+        for leftover in (probe + ".tmp", probe):
             _remove(leftover)
-        raise UsageError(f"{flag} {path}: cannot write a file there ({root_cause(e)}); choose another {flag}")
+        raise UsageError(f"{flag} {path}: {problem} ({root_cause(e)}); choose another {flag}") from None
 
 
-# The lock: DIR/run.lock, created by the run's rank 0 and removed when the run ends; it names its holder's host,
-# pid, start time and job (job_ids()), and a second run on DIR stops at once. A lock left by a killed run is taken
-# over at once when its holder was on this host and is gone, or, on another host, was an earlier attempt of this
-# job (torchrun stops an attempt before it starts the next); otherwise once it is older than STALE_SECONDS (the
-# holder touches it every HEARTBEAT_SECONDS, so hosts sharing DIR need clocks that agree to a few seconds).
+# The lock: one run per checkpoint directory; when a killed run's lock is taken over (its holder gone, an earlier
+# attempt of this job, or silent for STALE_SECONDS): docs/checkpoints.md#one-run-per-checkpoint-directory.
 LOCK_NAME = "run.lock"
 HEARTBEAT_SECONDS = 10
 STALE_SECONDS = 60
@@ -1230,7 +1112,7 @@ class RunLock:
             raise UsageError(f"--checkpoint-dir {directory}: {path} is not a run lock (a link or a directory); "
                              "move it away, or choose another --checkpoint-dir")
         me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_started": _process_start(os.getpid()),
-              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "job": list(job), "token": uuid.uuid4().hex}
+              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "job": list(job), "token": os.urandom(16).hex()}
         for _ in range(3):
             try:
                 _write_synced(path, json.dumps(me), exclusive=True)
@@ -1242,11 +1124,9 @@ class RunLock:
                        if holder else "a run that is starting")
                 raise UsageError(f"--checkpoint-dir {directory}: another run is using it ({who}); wait for it to "
                                  f"finish or choose another --checkpoint-dir (if that run is gone, delete {path})")
-            try:  # moved away atomically: of two runs taking a stale lock over, only one rename succeeds
+            with contextlib.suppress(FileNotFoundError):  # of two runs taking it over, one renames it (atomic)
                 os.rename(path, f"{path}.stale-{me['token']}")
                 os.remove(f"{path}.stale-{me['token']}")
-            except FileNotFoundError:
-                pass  # another run took it over first; the next attempt finds its lock
         raise UsageError(f"--checkpoint-dir {directory}: another run took {path} just now")
 
     def _mine(self) -> bool:
@@ -1254,29 +1134,24 @@ class RunLock:
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_SECONDS):
-            try:
+            with contextlib.suppress(OSError):  # a full or flaky disk: the run's own saves report it
                 if not self._mine():
                     return  # taken over (this run was stopped for longer than STALE_SECONDS): leave it alone
                 os.utime(self.path)
-            except OSError:
-                pass  # a full or flaky disk: the run's own saves report it
 
     def release(self) -> None:
         """Remove the lock, and the checkpoint directory too if this run created it and wrote nothing else."""
         self._stop.set()
-        try:
+        with contextlib.suppress(OSError):
             if self._mine():
                 os.remove(self.path)
             if self.created_dir and not os.listdir(os.path.dirname(self.path)):
                 os.rmdir(os.path.dirname(self.path))
-        except OSError:
-            pass
 
 
 def _read_lock(path: str) -> dict | None:
     try:
-        with open(path) as f:
-            holder = json.load(f)
+        holder = read_json(path)
         return holder if isinstance(holder, dict) and {"host", "pid", "started"} <= holder.keys() else None
     except (OSError, ValueError):
         return None  # gone, or being written by a run that is starting
@@ -1311,12 +1186,10 @@ def _process_start(pid: int) -> str | None:
         return None
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The data a run reads, and the --metrics and --trace it writes
+# -- The data a run reads, and the --metrics and --trace it writes
 
 def read_data_meta(directory: str) -> dict:
-    """The meta.json of the data prepared in directory, checked: every token file is there with its size (a
-    file cut short would silently train on less, or fail mid-run)."""
+    """The meta.json of the data in directory, checked: every token file there, of its size."""
     prepare = f"python prepare_data.py{'' if directory == 'data' else ' --out ' + directory}"
     try:
         meta = read_json(os.path.join(directory, "meta.json"))
@@ -1336,8 +1209,7 @@ def read_data_meta(directory: str) -> dict:
 
 
 def eval_batches(args, windows: int) -> int:
-    """The held-out batches of an evaluation: --eval-batches; by default up to 4, as many as the held-out windows
-    (of --seq-len + 1) fill, at least one (fewer windows than a batch: it repeats some, as Batches wraps around)."""
+    """--eval-batches, or by default up to 4, as many as the held-out windows fill (at least one)."""
     if not args.eval_every and args.steps:  # no evaluation
         return args.eval_batches or 0
     if args.eval_batches is None and windows:
@@ -1353,16 +1225,9 @@ def eval_batches(args, windows: int) -> int:
     return args.eval_batches
 
 
-def data_identity(directory: str) -> str:
-    """The prepared data at directory, as a short hash of its meta.json (token counts, sources, tokenizer)."""
-    with open(os.path.join(directory, "meta.json"), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:16]
-
-
 class Metrics:
-    """--metrics FILE, one JSON line per row (path None: nothing is written). Resumed at resume_step, the rows
-    after it (of a run killed after its checkpoint) are dropped, and the evaluation of that step (the resumed run
-    does it again: a stop or a kill may have come before it), so the file reads as one uninterrupted run."""
+    """--metrics FILE, a JSON line per row (None: not written); resumed, rows after resume_step are dropped
+    and that step's evaluation (done again), so it reads as one run."""
 
     def __init__(self, path: str | None, resume_step: int):
         self.file, self.loss, self.held_out = None, None, None  # the last step's loss and evaluation: the done line
@@ -1372,22 +1237,17 @@ class Metrics:
         kept = []
         if resume_step and os.path.isfile(path):
             with open(path) as f:
-                rows = [(line, json.loads(line)) for line in f]
-            kept = [(line, row) for line, row in rows if (row["step"] <= resume_step if "step" in row else
-                                                          row.get("eval", {}).get("step", math.inf) < resume_step)]
+                kept = [row for row in map(json.loads, f) if (row["step"] <= resume_step if "step" in row else
+                        row.get("eval", {}).get("step", math.inf) < resume_step)]  # its evaluation is done again
         self.file = open(path, "w")
-        for line, row in kept:
-            self.file.write(line)
-            self._note(row)
+        for row in kept:
+            self.write(row)
 
     def write(self, row: dict) -> None:
-        self._note(row)
+        self.loss, self.held_out = row.get("loss", self.loss), row.get("eval", self.held_out)
         if self.file is not None:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
-
-    def _note(self, row: dict) -> None:
-        self.loss, self.held_out = row.get("loss", self.loss), row.get("eval", self.held_out)
 
     def final_losses(self) -> str:
         """For the run's last line: the last step's training loss, and the last held-out loss (at its step)."""
@@ -1396,9 +1256,7 @@ class Metrics:
 
 
 def traced_run(args, env, config: LlamaConfig, layers: list[range], chunks: int) -> dict:
-    """What a --trace measured, as it goes into each rank's trace ("run" in its top level) for plan.py --trace to
-    check against its plan: the model's shape, a microbatch (rows of a replica x --seq-len), the layout, and what
-    the run computed it in (device, dtype, tp, sequence parallelism, checkpointing, loss pieces, documents)."""
+    """What a --trace measured ("run" in each rank's trace), for plan.py --trace to check against its plan."""
     return {"model": {"layers": config.num_hidden_layers, "hidden": config.hidden_size,
                       "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
                       "head_dim": config.head_dim, "ffn": config.intermediate_size, "vocab": config.vocab_size},
@@ -1413,43 +1271,30 @@ def traced_run(args, env, config: LlamaConfig, layers: list[range], chunks: int)
 
 
 def profiler(args, env, step: int, config: LlamaConfig, layers: list[range], chunks: int):
-    """--trace DIR: torch.profiler over the run's last 3 steps (it is at `step`), each rank's Chrome trace exported
-    to DIR/rank{R}.json with what it measured (traced_run); without --trace a context that does nothing."""
+    """--trace DIR: torch.profiler over the last 3 steps, each rank's trace in DIR/rankN.json; else a null context."""
     if not args.trace:
         return contextlib.nullcontext()
     profiler = torch.profiler.profile(
         schedule=torch.profiler.schedule(wait=max(0, args.steps - step - 4), warmup=1, active=3),
         on_trace_ready=lambda p: (os.makedirs(args.trace, exist_ok=True),
                                   p.export_chrome_trace(os.path.join(args.trace, f"rank{env.rank}.json"))))
-    # Preset: torch 2.13 exports the metadata its session was given (add_metadata_json in on_trace_ready, after
-    # the session ended, never reaches the file).
+    # torch 2.13 exports only the metadata its session was given (add_metadata_json in on_trace_ready is too late).
     profiler.preset_metadata_json("run", json.dumps(traced_run(args, env, config, layers, chunks)))
     return profiler
 
 
-# ----------------------------------------------------------------------------------------------------------
-# This job: its attempts (torchrun restarts; a node lost or back) continue one run, on the processes there are
+# -- This job: its attempts (torchrun restarts; a node lost or back) continue one run, on the processes there are
 
 def job_ids() -> list[str]:
-    """This job, as the ids of its nodes' launches, gathered from every rank (collective). Every attempt of the job
-    shares one with the earlier attempts (the node that hosts the rendezvous takes part in all); another job shares
-    none."""
+    """This job as its nodes' launch ids (collective; docs/launching.md): an attempt shares one with the earlier
+    ones, another job none. torchrun's default id, "none", names no job: then it is torchrun's agent (the parent)."""
+    launch = os.environ.get("RUN_SH_LAUNCH_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    if not (launch and launch.strip() and launch != "none"):
+        pid = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+        launch = f"{socket.gethostname()}-{pid}-{_process_start(pid)}"  # no other launch, here or elsewhere
     ids = [None] * dist.get_world_size()
-    dist.all_gather_object(ids, launch_id())
+    dist.all_gather_object(ids, launch)
     return sorted(set(ids))
-
-
-def launch_id(environ=os.environ) -> str:
-    """This node's launch: run.sh makes an id per node and launch (RUN_SH_LAUNCH_ID; under SLURM the job's, which a
-    requeue keeps), torchrun --standalone a new rendezvous id, a --rdzv-id names the job. torchrun's default
-    rendezvous id, "none", names no job (every plain launch has it): then the launch is torchrun's agent, this
-    rank's parent, which restarts its workers and lives as long as the job on this node; plain python, this
-    process. Host, pid and start time: no other launch, here or on another host, has the same."""
-    given = environ.get("RUN_SH_LAUNCH_ID") or environ.get("TORCHELASTIC_RUN_ID")
-    if given and given.strip() and given != "none":
-        return given
-    pid = os.getppid() if "TORCHELASTIC_RUN_ID" in environ else os.getpid()
-    return f"{socket.gethostname()}-{pid}-{_process_start(pid)}"
 
 
 def same_job(recorded, job: list[str]) -> bool:
@@ -1459,13 +1304,8 @@ def same_job(recorded, job: list[str]) -> bool:
 
 def relayout(args, world_size: int, job: list[str], stages_per_rank: int, path: str | None, meta: dict,
              say=print) -> tuple[int, str]:
-    """The --dp and --split this attempt runs at: the flags', or, when this job saved the newest checkpoint on
-    another number of processes (torchrun restarted it on more or fewer), a layout of the same run that fits them,
-    said in one line. --tp is kept, the pipeline too while it fits, else the most stages below it, else the fewest
-    above. The scripts' rules: pp x stages_per_rank stages (the schedule's), at most model.max_stages (a layer
-    each, but for layerless ends); --split's counts only while there are as many stages (else
-    balanced, and the line says so); --batch-size divisible by dp x --microbatches. Decided from the checkpoint
-    alone (path, its meta.json), so every rank decides the same; no layout: one line."""
+    """The --dp and --split this attempt runs at: the flags', or a layout of the same run that fits the processes
+    when this job saved the newest checkpoint on another number (docs/launching.md); the same on every rank."""
     saved, old_world = meta.get("args", {}), meta.get("world_size", world_size)
     if not same_job(meta.get("job"), job) or old_world == world_size or not {"dp", "tp"} <= saved.keys():
         return args.dp, args.split  # a new launch takes its flags as given, as does a restart on the same processes
@@ -1495,13 +1335,11 @@ def relayout(args, world_size: int, job: list[str], stages_per_rank: int, path: 
     return dp, split
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Which model a run trains: a preset, --init-from's, or (resuming a run started from weights) its checkpoint's
+# -- Which model a run trains: a preset, --init-from's, or (resuming a run started from weights) its checkpoint's
 
 def model_config(args, data: dict, device_type: str, source: str | None) -> tuple[LlamaConfig, str]:
-    """The model to train and a name for it: source's (Run.source: --init-from's, or the checkpoint of a resumed
-    run that started from weights; its tokenizer must be the data's), else the preset's with the data's vocabulary
-    (data: its meta.json) and --layers. Call it inside collective_errors."""
+    """The model to train and its name: source's (Run.source; its tokenizer must be the data's), else the
+    preset's with the data's vocabulary and --layers. Call it inside collective_errors."""
     if source is None:
         preset = args.model or ("small" if device_type == "cuda" else "tiny")
         return config_from_preset(preset, data["vocab_size"], args.layers), preset
@@ -1517,8 +1355,7 @@ def model_config(args, data: dict, device_type: str, source: str | None) -> tupl
 
 
 def source_config(source: str, args) -> tuple[LlamaConfig, str]:
-    """The model of --init-from (a Hugging Face directory, a checkpoint, or a --checkpoint-dir: its newest) and
-    the path read. --model, or another --layers, beside it is refused."""
+    """The model of --init-from (Hugging Face, a checkpoint, or a run's newest) and the path read."""
     path = source
     if is_hf_dir(source):
         config = read_hf_config(source)
@@ -1549,9 +1386,7 @@ def read_hf_config(path: str) -> LlamaConfig:
 
 
 def same_tokenizer(a: str, b: str, flags: tuple[str, str] = ("--init-from", "--data")) -> bool:
-    """Whether the tokenizer.json files in directories a and b (given by flags) have the same vocabulary, merges
-    and special tokens; the post-processor, newer settings and the spelling of merges ("a b" or ["a", "b"]) may
-    differ."""
+    """Whether the tokenizer.json in a and b (given by flags) have the same vocabulary, merges, specials."""
     def essence(directory, flag):
         tokenizer = read_tokenizer(directory, flag)
         model = tokenizer.get("model") or {}
@@ -1562,8 +1397,7 @@ def same_tokenizer(a: str, b: str, flags: tuple[str, str] = ("--init-from", "--d
 
 
 def read_tokenizer(directory: str, flag: str) -> dict:
-    """The tokenizer.json in directory (given by flag), each field this project reads checked, or one line
-    naming the file and the field."""
+    """The tokenizer.json in directory, each field read checked, or one line naming the field."""
     def wrong(field, value, what):
         raise UsageError(f"{flag} {directory}: its tokenizer.json's {field} is {shown(value)}, not {what}")
     try:
