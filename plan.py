@@ -41,6 +41,14 @@ model.estimated_costs: a stage's forward takes 1/3 of its forward + backward, a 
 gradient 1/3 each for the zero-bubble schedules, plus what torch recomputes in each: split_backward), and a
 message takes no time (--message-time: its time).
 
+Beside torch's seven, the Zero Bubble paper's orders (Qi et al., ICLR 2024), generated from the same stage times
+and torch's memory (a microbatch's activations held until its W): zbh2 (handcrafted, 2p microbatches in flight),
+zb1p and zb2p (its automatic heuristic, capped at p or 2p microbatches' activations per rank) and zbvauto (its
+cost-aware V, capped at 1F1B's); each row adds the paper's own measure of the bubble, the idle share of the
+longest rank's span (docs/plan-vs-the-zero-bubble-paper.md). No script runs them by name: --write-schedule
+FILE.csv writes --schedule's order (any of the eleven) as torch's _PipelineScheduleRuntime loads a custom
+schedule (one row per pipeline rank: its compute actions in order, such as 0F1, 1I0, 1W0).
+
 Measured times instead of the estimate: --layer-times F,B,W (a decoder layer's forward, input-gradient and
 weight-gradient milliseconds), --embed-times, --head-times (the final norm, head and loss) and --message-time,
 as the Zero Bubble paper plans (fed its profiled times, the replay gives its bubbles:
@@ -58,6 +66,7 @@ and the step it replays, against the traced run's own.
 import argparse
 import bisect
 import collections
+import contextlib
 import copy
 import csv
 import functools
@@ -327,12 +336,12 @@ def schedule_orders(name: str, pp: int, microbatches: int, stages_per_rank: int)
 
 
 def zbh_orders(pp: int, m: int, warmup: int) -> dict[int, list[list[tuple]]]:
-    """ZB-H1 (warmup 1) and ZB-H2 (warmup 2), the Zero Bubble paper's handcrafted orders (its section 2.2,
-    Figure 3): 1F1B with each backward split into its input gradient (I, on the critical path) and its weight
-    gradient (W). Rank r runs warmup x (pp - 1 - r) forwards ahead of 1F1B's one (ZB-H1: 1F1B's warm-up; ZB-H2:
-    twice it, up to 2p microbatches' activations on rank 0), then F, I and, from its (warmup x r)-th I on, the
-    oldest W; the W's left over close the step. A fixed order, as the paper's: the times do not change it
-    (with fewer microbatches than the warm-up takes, the warm-up is cut to them)."""
+    """ZB-H1 (warmup 1) and ZB-H2 (warmup 2), the Zero Bubble paper's handcrafted orders: 1F1B with each
+    backward split into its input gradient (I, on the critical path) and its weight gradient (W). Rank r runs
+    warmup x (pp - 1 - r) forwards ahead of 1F1B's one (ZB-H2: up to 2p microbatches in flight on rank 0), then
+    F, I and, from its (warmup x r)-th I on, the oldest W; the W's left over close the step (the paper's, as its
+    repository times them). A fixed order: the times do not change it. With fewer microbatches than the warm-up
+    takes, the warm-up is cut to them (its repository asks for at least 2p)."""
     orders = {}
     for r in range(pp):
         ahead, lag = min(warmup * (pp - 1 - r), m - 1), min(warmup * r, m)
@@ -481,8 +490,21 @@ def schedule_result(name, pp, m, stages_per_rank, times: tuple, held, between=No
 # ----------------------------------------------------------------------------------------------------------
 # Zero-bubble orders generated from the pass times (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024)
 
+@contextlib.contextmanager
+def _no_collector():
+    """The generators make hundreds of thousands of small tuples and no cycles: the cyclic garbage collector,
+    scanning them again and again, would take three quarters of their time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class _Stuck(Exception):
-    """A generator's greedy choice that cannot go on: an input not yet computed, or no W left to free memory."""
+    """A generator's choice that cannot go on: an input not yet computed, or no W left to free memory."""
 
 
 class _Timeline:
@@ -496,8 +518,9 @@ class _Timeline:
         pp = max(rank_of) + 1
         self.rank_of, self.m, self.cost, self.memory, self.cap, self.message = rank_of, m, cost, memory, cap, message
         self.approved = approved or [0.0] * pp
+        self.most, self.most_approved = 0.0, max(self.approved)  # the largest idle time, approved idle time
         self.end: dict[tuple, float] = {}  # (kind, stage, microbatch) -> when it ends
-        self.done = collections.Counter()  # (kind, stage) -> how many
+        self.done = collections.defaultdict(int)  # (kind, stage) -> how many
         self.free, self.used, self.idle, self.first = [0.0] * pp, [0.0] * pp, [0.0] * pp, [0.0] * pp
         self.weights = [collections.deque() for _ in range(pp)]  # (stage, microbatch) with I done, W to do
         self.orders: dict[int, list[list[tuple]]] = {r: [] for r in range(pp)}
@@ -526,7 +549,7 @@ class _Timeline:
 
     def slack(self, r: int) -> float:
         """How much more rank r may idle without raising the most any rank idles (or was approved to)."""
-        return max(max(self.idle), max(self.approved) - self.approved[r]) - self.idle[r]
+        return max(self.most, self.most_approved - self.approved[r]) - self.idle[r]
 
     def put(self, kind: str, s: int) -> None:
         r = self.rank_of[s]
@@ -534,19 +557,26 @@ class _Timeline:
             s, i = self.weights[r].popleft()
         else:
             i = self.done[kind, s]
-        need = self.source(kind, s, i)
-        if i >= self.m or need is not None and need not in self.end or self.used[r] + self.memory[kind][s] > \
-                self.cap[r] * (1 + 1e-12):
+        need, held = self.source(kind, s, i), self.used[r] + self.memory[kind][s]
+        if i >= self.m or held > self.cap[r] * (1 + 1e-12):
             raise _Stuck
-        start = max(self.free[r], 0.0 if need is None else self.end[need] + (
-            self.message if self.rank_of[need[1]] != r else 0.0))
+        start = self.free[r]
+        if need is not None:
+            ready = self.end.get(need)
+            if ready is None:
+                raise _Stuck
+            if self.rank_of[need[1]] != r:
+                ready += self.message
+            if ready > start:
+                start = ready
         if self.orders[r]:
             self.idle[r] += start - self.free[r]
+            self.most = max(self.most, self.idle[r])
         else:
             self.first[r] = start
         self.free[r] = self.end[kind, s, i] = start + self.cost[kind][s]
-        self.used[r] += self.memory[kind][s]
-        self.done[kind, s] += 1
+        self.used[r] = held
+        self.done[kind, s] = i + 1
         self.orders[r].append([(kind, s, i)])
         if kind == "I":
             self.weights[r].append((s, i))
@@ -579,17 +609,18 @@ class _Timeline:
         return max(free - first for free, first in zip(self.free, self.first))
 
 
+@_no_collector()
 def zb_orders(cost: dict, memory: dict, cap: list, m: int, message: float) -> dict[int, list[list[tuple]]]:
-    """ZB-1p and ZB-2p (cap p or 2p microbatches' activations): the Zero Bubble paper's automatic heuristic
-    (section 3.1), one stage per rank, from each stage's F, I and W times and a message's. Warm-up: each rank
-    runs as many forwards as its cap allows before the first input gradient reaches it (a hyperparameter:
-    stop before a forward that would delay it, or after); each rank at least one forward ahead of the next. Then
-    F and I alternate, and W's fill the waits: every W that ends before the input arrives, and one more where
-    the wait would raise the most any rank idles (a hyperparameter: also where it would not); W's also free
-    memory for the cap. A rank two or more forwards ahead of the next may skip one where that idles it less (a
-    hyperparameter). The paper grid-searches the three hyperparameters and keeps the order whose longest rank
-    span is shortest, then refines it by an ILP; its repository (tag zero-bubble-v0.1.0) has the ILP disabled and
-    its Table 5 comes from the heuristic alone, as here. None: no order fits the cap."""
+    """ZB-1p and ZB-2p (cap: p or 2p microbatches' activations per rank), the Zero Bubble paper's automatic
+    heuristic, one stage per rank, from each stage's F, I and W times and a message's. As the paper: warm-up
+    forwards as the cap allows before the first input gradient can arrive, each rank at least one ahead of the
+    next; then F and I alternate, W's filling each wait (every W that ends in time, and one more where the wait
+    would raise the largest idle time of any rank) and freeing memory for the cap; a rank two forwards ahead of
+    the next may skip one. Three binary choices (a warm-up forward that delays the first I or not; the skip; a
+    W into a wait that raises no maximum) are grid-searched, keeping the order with the shortest longest rank
+    span. Unlike the paper: no ILP refinement after it (its repository, tag zero-bubble-v0.1.0, has it disabled
+    and its Table 5 is the heuristic's alone); a rank never gets more warm-up forwards than the one before (where
+    the repository's would fail). None: no order fits the cap."""
     pp, best = len(cap), None
     F, I = cost["F"], cost["I"]
     last = pp - 1
@@ -622,7 +653,7 @@ def zb_orders(cost: dict, memory: dict, cap: list, m: int, message: float) -> di
                     # When this rank's next input gradient could come: skip a forward that would delay it.
                     comes = line.free[s + 1] + F[s + 1] + I[s + 1] + message
                     freeing, held = 0.0, line.used[s] + memory["F"][s]
-                    for t, _ in itertools.islice(line.weights[s], 0, None):
+                    for t, _ in line.weights[s]:
                         if held <= cap[s]:
                             break
                         freeing, held = freeing + cost["W"][t], held + memory["W"][t]
@@ -650,20 +681,19 @@ def zb_orders(cost: dict, memory: dict, cap: list, m: int, message: float) -> di
     return best and best.orders
 
 
+@_no_collector()
 def zbv_orders(cost: dict, memory: dict, cap: list, m: int, message: float) -> dict[int, list[list[tuple]]]:
-    """ZB-V, the Zero Bubble paper's V (section 5): 2p stages, rank r holding stage r (down) and 2p - 1 - r
-    (up), so that the last stage and the first input gradient are on rank 0; ordered by its cost-aware greedy
-    scheduler (its repository's v_schedule.py, tag zero-bubble-v0.1.0, re-implemented: the paper's Table 8 comes
-    from it) under a memory cap per rank. Warm-up: one forward down the V, then from the bottom up each rank
-    runs more down-forwards (with every rank above it) while they fit the cap and end before its first
-    up-forward's input arrives, then that up-forward; then forwards alternate down and up until each rank has
-    at least as many as the one above and more up-forwards. Then, 2m rounds: each rank an input gradient
-    (the up stage's, unless the down stage's has its input ready), then a forward (the up stage's when its
-    input is ready, else the down stage's), W's filling the waits before either (every W that ends in time,
-    and one more where the wait would raise the most any rank idles: always before a down stage's input
-    gradient, before the others a hyperparameter each) and freeing memory for the cap. Each attempt is
-    repeated, allowing each rank the idle time the previous one left it, while that lowers the most any rank
-    idles; the best of the four hyperparameter settings is kept. None: no order fits the cap."""
+    """ZB-V, the Zero Bubble paper's V: rank r holds stage r (down) and 2p - 1 - r (up), so the last stage and
+    the first input gradient are on rank 0, ordered under a memory cap per rank by the paper's cost-aware greedy
+    scheduler (its Table 8 comes from it; its repository's v_schedule.py, tag zero-bubble-v0.1.0, re-implemented).
+    A warm-up down the V and back up, more down-forwards where they fit the cap and end before the rank's first
+    up-forward could start; then forwards alternate until each rank is ahead of the one above; then 2m rounds of
+    an input gradient and a forward per rank, each stage chosen by which input is there, W's filling the waits
+    (as zb_orders: two binary choices, before an up-stage I and before an F) and freeing memory. Each attempt is
+    repeated allowing each rank the idle time the last one left it, while that lowers the largest; the best of
+    the four choices is kept. Unlike the repository's: where it would stop on an assertion (an input not yet
+    computed, a forward over the cap: few microbatches, stages of unlike sizes), this one leaves that action to
+    a later round. None: no order fits the cap."""
     pp = len(cap)
     down, up = range(pp), [2 * pp - 1 - r for r in range(pp)]
     rank_of = [*down, *reversed(range(pp))]
@@ -684,12 +714,12 @@ def zbv_orders(cost: dict, memory: dict, cap: list, m: int, message: float) -> d
         stages = [down, up]
         forwards = lambda r: line.done["F", down[r]] + line.done["F", up[r]]  # noqa: E731
         for r in range(1, pp):
-            idle = 0  # chunks in a row that had no forward to run
+            empty = 0  # passes in a row that ran no forward (the cap, on stages of unlike sizes: the rounds go on)
             while forwards(r) < forwards(r - 1) or line.done["F", up[r]] <= line.done["F", up[r - 1]] < m:
                 ran = [line.put("F", s) for s in (stages[0][j] for j in range(pp - 1, r - 1, -1))
                        if line.can("F", s, room=True)]
-                idle = 0 if ran else idle + 1
-                if idle == 2:  # (the cap, where stages hold unlike activations: the rounds below go on)
+                empty = 0 if ran else empty + 1
+                if empty == 2:
                     break
                 stages.reverse()
         while sum(line.done["I", s] for s in rank_of) < 2 * pp * m:  # 2m rounds, where each rank can go on
@@ -1221,12 +1251,21 @@ def script_args(args, schedule: str, split: str | None = None) -> argparse.Names
     return ns
 
 
+def script_check(ns: argparse.Namespace, args, schedule: str) -> None:
+    """train_pipeline_gpipe.py's check_args; a generated order's refusal names it, not the schedule it is
+    checked as."""
+    try:
+        gpipe.check_args(ns, args.processes, device_type(args), ns.init_from is None)
+    except UsageError as e:
+        raise UsageError(str(e).replace(f": {ns.schedule} ", f": {schedule} ")) from None
+
+
 def check(args, config: LlamaConfig, schedule: str, split: str | None = None) -> tuple[argparse.Namespace,
                                                                                       list[range]]:
     """What train_pipeline_gpipe.py checks before it runs: the flags (check_args), then the layout on the
     model's shape (stage_layout: a layer per stage, --seq-len within its positions, --split). UsageError."""
     ns = script_args(args, schedule, split)
-    gpipe.check_args(ns, args.processes, device_type(args), ns.init_from is None)
+    script_check(ns, args, schedule)
     pp = args.processes // (args.dp * args.tp)
     num_stages = pp * len(stage_ids(ns.schedule, 0, pp, ns.stages_per_rank))
     layout = gpipe.stage_layout(config, num_stages, ns)
@@ -1258,7 +1297,7 @@ def plan(args) -> dict:
     # The hand-written script's afab is GPipe's order; its 1f1b is the library's.
     schedule = "gpipe" if args.schedule == "afab" else args.schedule
     ns = script_args(args, schedule)
-    gpipe.check_args(ns, args.processes, device_type(args), ns.init_from is None)  # before reading files
+    script_check(ns, args, schedule)  # before reading files
     config = plan_config(args)
     ns, layout = check(args, config, schedule)
     processes, dp, tp, m, per_rank = args.processes, args.dp, args.tp, args.microbatches, ns.stages_per_rank
@@ -1394,7 +1433,7 @@ def plan(args) -> dict:
         print(f"  {name:22s} step {seconds * 1e3:10.4g} ms ({seconds / ideal:.2f} x no bubble)  bubble "
               f"{out[0]['bubble']:6.1%}  activations {max(out[0]['peak'].values()) / unit:.2f} / "
               f"{max(out[1]['peak'].values()) / unit:.2f}" + (
-                  f"  (generated; {span_bubble(out[0]):.1%} within the longest rank's span)" if name in GENERATED
+                  f"  (generated; {span_bubble(out[0]):.1%} by the paper's measure)" if name in GENERATED
                   else ""))
     if args.write_schedule:
         write_schedule(args.write_schedule, chosen)

@@ -3881,6 +3881,12 @@ def test_the_plan_gives_the_zero_bubble_papers_bubbles_from_its_pass_times(tmp_p
     # Table 6: 1.01 / 0.82); the paper's own bubbles say 1.16 and 1.28 (docs/plan-vs-the-zero-bubble-paper.md).
     for name, measured in (("interleaved1f1b", 0.82 / 0.76), ("zbvzerobubble", 1.01 / 0.82)):
         assert report["1f1b"]["step"] / report[name]["step"] == pytest.approx(measured, abs=0.1), name
+    # The paper's orders, generated from these times with torch's memory (docs/plan-vs-the-zero-bubble-paper.md):
+    # a row each; where the ranks start and end apart (ZB-H2) the paper's measure, the longest rank span, is below
+    # the step's; ZB-1p's first rank spans the step.
+    assert re.search(r"^  zbvauto +step +[\d.]+ ms .*\(generated; [\d.]+% by the paper's measure\)$", out, re.M)
+    assert report["zbh2"]["span_bubble"] < report["zbh2"]["bubble"] - 0.04
+    assert report["zb1p"]["span_bubble"] == pytest.approx(report["zb1p"]["bubble"])
 
 
 # The Zero Bubble paper's profiled times (its repository's efficiency.py and v_schedule.py, tag zero-bubble-v0.1.0:
@@ -3918,7 +3924,7 @@ def test_the_generated_orders_give_the_zero_bubble_papers_table_5():
     for model, ((p, m, F, B, W, c, h, a), published) in ZERO_BUBBLE_TABLE_5.items():
         cost, memory, held = zero_bubble_inputs(p, F, B, W, h, a)
         orders = (plan.schedule_orders("zbh1", p, m, 1), plan.schedule_orders("zbh2", p, m, 1),
-                  plan.zb_orders(cost, memory, [p * held] * p, m, c), plan.zb_orders(cost, memory, [2 * p * held] * p, m, c))
+                  *(plan.zb_orders(cost, memory, [cap * p * held] * p, m, c) for cap in (1, 2)))
         for name, order, rate in zip(("ZB-H1", "ZB-H2", "ZB-1p", "ZB-2p"), orders, published):
             result = zero_bubble_replay(order, p, F, B, W, c)
             assert plan.span_bubble(result) == pytest.approx(rate, abs=1e-3), (model, name)
@@ -4376,6 +4382,8 @@ def test_plan_prints_every_schedule_for_a_cluster_on_this_machine(tmp_path):
     (["--processes", "2", "--write-schedule", "."], 1, "error: --write-schedule .: is a directory; give a file"),
     (["--gpus", "8", "--write-schedule", "s.csv"], 1, "error: --write-schedule s.csv: writes one layout's order; "
                                                       "give --processes instead of --gpus"),
+    (["--processes", "2", "--schedule", "zbvauto", "--stages-per-rank", "3"], 1, "error: --stages-per-rank 3: "
+                                                                                "zbvauto holds 2 stage(s) per rank"),
 ])
 def test_plan_refuses_what_the_script_refuses_in_one_line(argv, status, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
