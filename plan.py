@@ -1722,8 +1722,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--schedule", choices=[*SCHEDULES, "afab", *GENERATED], default="gpipe",
                    help="the library schedules, the hand-written script's afab (GPipe's order), and the Zero "
                         "Bubble paper's orders generated here from the stage times: zbh2 (handcrafted, 2p "
-                        "microbatches' activations), zb1p and zb2p (its heuristic, capped at p or 2p), zbvauto "
-                        "(its V, capped at p); run them with --write-schedule")
+                        "microbatches' activations), zb1p and zb2p (its heuristic, capped at p or 2p microbatches' "
+                        "activations), zbvauto (its V, capped at 1F1B's); --write-schedule writes one out to run")
     g.add_argument("--write-schedule", metavar="FILE.csv",
                    help="write --schedule's order for this layout (with --processes) as torch 2.13's "
                         "_PipelineScheduleRuntime._load_csv(FILE, format='compute_only') reads it: row r is "
