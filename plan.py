@@ -41,6 +41,14 @@ model.estimated_costs: a stage's forward takes 1/3 of its forward + backward, a 
 gradient 1/3 each for the zero-bubble schedules, plus what torch recomputes in each: split_backward), and a
 message takes no time (--message-time: its time).
 
+Beside torch's seven, the Zero Bubble paper's orders (Qi et al., ICLR 2024), generated from the same stage times
+and torch's memory (a microbatch's activations held until its W): zbh2 (handcrafted, 2p microbatches in flight),
+zb1p and zb2p (its automatic heuristic, capped at p or 2p microbatches' activations per rank) and zbvauto (its
+cost-aware V, capped at 1F1B's); each row adds the paper's own measure of the bubble, the idle share of the
+longest rank's span (docs/plan-vs-the-zero-bubble-paper.md). No script runs them by name: --write-schedule
+FILE.csv writes --schedule's order (any of the eleven) as torch's _PipelineScheduleRuntime loads a custom
+schedule (one row per pipeline rank: its compute actions in order, such as 0F1, 1I0, 1W0).
+
 Measured times instead of the estimate: --layer-times F,B,W (a decoder layer's forward, input-gradient and
 weight-gradient milliseconds), --embed-times, --head-times (the final norm, head and loss) and --message-time,
 as the Zero Bubble paper plans (fed its profiled times, the replay gives its bubbles:
@@ -57,9 +65,13 @@ and the step it replays, against the traced run's own.
 
 import argparse
 import bisect
+import collections
+import contextlib
 import copy
+import csv
 import functools
 import gc
+import itertools
 import json
 import math
 import os
@@ -306,8 +318,8 @@ def schedule_orders(name: str, pp: int, microbatches: int, stages_per_rank: int)
             acts += [[("B", r, i)] for i in range(m - warmup, m)]
             orders[r] = acts
         return orders
-    if name == "zbh1":
-        return zbh1_orders(pp, m)
+    if name in ("zbh1", "zbh2"):  # the Zero Bubble paper's handcrafted orders, fixed as torch's are
+        return zbh_orders(pp, m, int(name[-1]))
     num_stages = pp * (2 if name in V_SHAPED else stages_per_rank)
     # Rank 0's schedule object computes every rank's order (pipeline_order holds them all): build it once.
     placeholders = [types.SimpleNamespace(num_stages=num_stages, group_size=pp, group_rank=0, stage_index=s,
@@ -323,34 +335,21 @@ def schedule_orders(name: str, pp: int, microbatches: int, stages_per_rank: int)
     return {r: [acts for acts in map(_actions, filter(None, table[r])) if acts] for r in range(pp)}
 
 
-def zbh1_orders(pp: int, m: int) -> dict[int, list[list[tuple]]]:
-    """ZB-H1 (Qi et al. 2023), which torch does not ship: 1F1B with each backward split into the input gradient
-    (I, first, as 1F1B's backward) and the weight gradient (W), the W's filling the time a rank would otherwise
-    wait. The order is the one this gives when every action takes the same time: on each rank, whenever it is
-    free, an I that is ready, else a forward within 1F1B's limit (pp - rank microbatches between forward and
-    I), else the oldest W still to do. Only for comparing with the published bubble: no script runs it. (Its
-    activations are counted as held until W, more than ZB-H1 keeps: W needs only the layers' inputs.)"""
-    done: dict[tuple, int] = {}
-    forward, grad, weight, busy_until = [0] * pp, [0] * pp, [0] * pp, [0] * pp
-    orders: dict[int, list[list[tuple]]] = {r: [] for r in range(pp)}
-    t = 0
-    while any(w < m for w in weight):
-        for r in range(pp):
-            if busy_until[r] > t:
-                continue
-            finished = lambda key: done.get(key, t + 1) <= t  # noqa: E731
-            i, f = grad[r], forward[r]
-            if i < m and finished(("F", r, i)) and (r == pp - 1 or finished(("I", r + 1, i))):
-                action, grad[r] = ("I", r, i), i + 1
-            elif f < m and f - i < pp - r and (r == 0 or finished(("F", r - 1, f))):
-                action, forward[r] = ("F", r, f), f + 1
-            elif weight[r] < grad[r]:
-                action, weight[r] = ("W", r, weight[r]), weight[r] + 1
-            else:
-                continue
-            done[action], busy_until[r] = t + 1, t + 1
-            orders[r].append([action])
-        t += 1
+def zbh_orders(pp: int, m: int, warmup: int) -> dict[int, list[list[tuple]]]:
+    """ZB-H1 (warmup 1) and ZB-H2 (warmup 2), the Zero Bubble paper's handcrafted orders: 1F1B with each
+    backward split into its input gradient (I, on the critical path) and its weight gradient (W). Rank r runs
+    warmup x (pp - 1 - r) forwards ahead of 1F1B's one (ZB-H2: up to 2p microbatches in flight on rank 0), then
+    F, I and, from its (warmup x r)-th I on, the oldest W; the W's left over close the step (the paper's, as its
+    repository times them). A fixed order: the times do not change it. With fewer microbatches than the warm-up
+    takes, the warm-up is cut to them (its repository asks for at least 2p)."""
+    orders = {}
+    for r in range(pp):
+        ahead, lag = min(warmup * (pp - 1 - r), m - 1), min(warmup * r, m)
+        acts = [[("F", r, i)] for i in range(ahead)]
+        for i in range(m):
+            acts += [[("F", r, ahead + i)]] if ahead + i < m else []
+            acts += [[("I", r, i)]] + ([[("W", r, i - lag)]] if i >= lag else [])
+        orders[r] = acts + [[("W", r, i)] for i in range(m - lag, m)]
     return orders
 
 
@@ -453,7 +452,21 @@ def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward:
     if any(position[r] < len(acts) for r, acts in orders.items()):
         raise RuntimeError("the schedule's order cannot proceed: an action waits for one that never comes")
     step = max(clock.values())
-    return {"step": step, "busy": busy, "peak": peak, "bubble": 1 - sum(busy.values()) / (len(busy) * step)}
+    # Each rank's span, from its first action's start to its last's end: where ranks start and end apart (the
+    # zero-bubble orders), what a step would take if the next one's forwards could start as each rank ends.
+    span = {r: clock[r] - min(finished[key] - cost[kind][s] for kind, s, key in steps[index][0][1])
+            for index, r in enumerate(ranks) if steps[index]}
+    return {"step": step, "busy": busy, "peak": peak, "bubble": 1 - sum(busy.values()) / (len(busy) * step),
+            "span": span}
+
+
+def span_bubble(result: dict) -> float:
+    """The Zero Bubble paper's bubble rate of a replay: the idle share of the ranks' time with the longest rank
+    span (a rank's time from its first action's start to its last's end) in place of the step, as if each rank
+    began the next step as it ended this one (the paper's runs do: they bypass the optimizer's
+    synchronization). The replay's bubble where the first rank spans the step (1F1B, ZB-H1); less where the
+    ranks start and end apart (ZB-H2, ZB-2p)."""
+    return 1 - sum(result["busy"].values()) / (len(result["busy"]) * max(result["span"].values()))
 
 
 def flop_times(layout: list[range], costs: dict, scale: float = 1.0) -> tuple[list, list, tuple]:
@@ -465,10 +478,349 @@ def flop_times(layout: list[range], costs: dict, scale: float = 1.0) -> tuple[li
     return [w / 3 for w in work], backward, split_backward(backward, again, costs.get("head_recompute", 0.0) * scale)
 
 
-def schedule_result(name, pp, m, stages_per_rank, times: tuple, held, between=None, message: float = 0.0) -> dict:
-    """The replay of one schedule with each stage's times (flop_times or measured_times) and bytes held."""
+def schedule_result(name, pp, m, stages_per_rank, times: tuple, held, between=None, message: float = 0.0,
+                    orders: dict | None = None) -> dict:
+    """The replay of one schedule (torch's order, or the orders given) with each stage's times (flop_times or
+    measured_times) and bytes held."""
     forward, backward, split = times
-    return replay(schedule_orders(name, pp, m, stages_per_rank), forward, backward, held, between, split, message)
+    orders = orders or schedule_orders(name, pp, m, stages_per_rank)
+    return replay(orders, forward, backward, held, between, split, message)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Zero-bubble orders generated from the pass times (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024)
+
+@contextlib.contextmanager
+def _no_collector():
+    """The generators make hundreds of thousands of small tuples and no cycles: the cyclic garbage collector,
+    scanning them again and again, would take three quarters of their time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+class _Stuck(Exception):
+    """A generator's choice that cannot go on: an input not yet computed, or no W left to free memory."""
+
+
+class _Timeline:
+    """The orders the generators build, one action at a time, each timed as replay() times it: as early as its
+    rank is free and its input has arrived (a message's time later from another rank). Also each rank's memory
+    (cost and memory: {kind: per stage}; cap: per rank) and its idle time since its first action; approved: a
+    previous attempt's idle time per rank, which the V scheduler's second and later attempts may spend."""
+
+    def __init__(self, rank_of: list[int], m: int, cost: dict, memory: dict, cap: list, message: float,
+                 approved: list | None = None):
+        pp = max(rank_of) + 1
+        self.rank_of, self.m, self.cost, self.memory, self.cap, self.message = rank_of, m, cost, memory, cap, message
+        self.approved = approved or [0.0] * pp
+        self.most, self.most_approved = 0.0, max(self.approved)  # the largest idle time, approved idle time
+        self.end: dict[tuple, float] = {}  # (kind, stage, microbatch) -> when it ends
+        self.done = collections.defaultdict(int)  # (kind, stage) -> how many
+        self.free, self.used, self.idle, self.first = [0.0] * pp, [0.0] * pp, [0.0] * pp, [0.0] * pp
+        self.weights = [collections.deque() for _ in range(pp)]  # (stage, microbatch) with I done, W to do
+        self.orders: dict[int, list[list[tuple]]] = {r: [] for r in range(pp)}
+
+    def source(self, kind: str, s: int, i: int) -> tuple | None:
+        last = len(self.rank_of) - 1
+        if kind == "F":
+            return ("F", s - 1, i) if s > 0 else None
+        return ("I", s, i) if kind == "W" else ("I", s + 1, i) if s < last else ("F", s, i)
+
+    def incoming(self, kind: str, s: int) -> float | None:
+        """When the input of stage s's next action of this kind arrives from another rank (None: it comes from
+        this rank, or is not computed yet)."""
+        need = self.source(kind, s, self.done[kind, s])
+        if need is None or self.rank_of[need[1]] == self.rank_of[s] or need not in self.end:
+            return None
+        return self.end[need] + self.message
+
+    def can(self, kind: str, s: int, room: bool = False) -> bool:
+        """Whether stage s has another action of this kind (F or I) to run, its input computed (and, with
+        room, the memory for it under the cap)."""
+        i, r = self.done[kind, s], self.rank_of[s]
+        need = self.source(kind, s, i)
+        return i < self.m and (need is None or need in self.end) and (
+            not room or self.used[r] + self.memory[kind][s] <= self.cap[r] * (1 + 1e-12))
+
+    def slack(self, r: int) -> float:
+        """How much more rank r may idle without raising the most any rank idles (or was approved to)."""
+        return max(self.most, self.most_approved - self.approved[r]) - self.idle[r]
+
+    def put(self, kind: str, s: int) -> None:
+        r = self.rank_of[s]
+        if kind == "W":
+            s, i = self.weights[r].popleft()
+        else:
+            i = self.done[kind, s]
+        need, held = self.source(kind, s, i), self.used[r] + self.memory[kind][s]
+        if i >= self.m or held > self.cap[r] * (1 + 1e-12):
+            raise _Stuck
+        start = self.free[r]
+        if need is not None:
+            ready = self.end.get(need)
+            if ready is None:
+                raise _Stuck
+            if self.rank_of[need[1]] != r:
+                ready += self.message
+            if ready > start:
+                start = ready
+        if self.orders[r]:
+            self.idle[r] += start - self.free[r]
+            self.most = max(self.most, self.idle[r])
+        else:
+            self.first[r] = start
+        self.free[r] = self.end[kind, s, i] = start + self.cost[kind][s]
+        self.used[r] = held
+        self.done[kind, s] = i + 1
+        self.orders[r].append([(kind, s, i)])
+        if kind == "I":
+            self.weights[r].append((s, i))
+
+    def room(self, r: int, need: float) -> None:
+        """W's until rank r has `need` more bytes free under its cap."""
+        while self.used[r] + need > self.cap[r] * (1 + 1e-12):
+            if not self.weights[r]:
+                raise _Stuck
+            self.put("W", self.weights[r][0][0])
+
+    def fill(self, r: int, ready: float | None, over: bool, under: bool) -> None:
+        """W's into rank r's wait for an input that arrives at `ready`: each that ends by then; then one more
+        that runs past it where the wait left would raise the most idle time (over) or would not (under)."""
+        if ready is None:
+            return
+        while self.weights[r] and self.free[r] + self.cost["W"][self.weights[r][0][0]] <= ready:
+            self.put("W", self.weights[r][0][0])
+        if self.weights[r] and ready > self.free[r] and (over if ready - self.free[r] > self.slack(r) else under):
+            self.put("W", self.weights[r][0][0])
+
+    def flush(self, *ranks: int) -> None:
+        """Every W still to do, of these ranks (all by default)."""
+        for r in ranks or range(len(self.weights)):
+            while self.weights[r]:
+                self.put("W", self.weights[r][0][0])
+
+    def longest(self) -> float:
+        """The longest of the ranks' spans, from its first action's start to its last's end."""
+        return max(free - first for free, first in zip(self.free, self.first))
+
+
+@_no_collector()
+def zb_orders(cost: dict, memory: dict, cap: list, m: int, message: float) -> dict[int, list[list[tuple]]]:
+    """ZB-1p and ZB-2p (cap: p or 2p microbatches' activations per rank), the Zero Bubble paper's automatic
+    heuristic, one stage per rank, from each stage's F, I and W times and a message's. As the paper: warm-up
+    forwards as the cap allows before the first input gradient can arrive, each rank at least one ahead of the
+    next; then F and I alternate, W's filling each wait (every W that ends in time, and one more where the wait
+    would raise the largest idle time of any rank) and freeing memory for the cap; a rank two forwards ahead of
+    the next may skip one. Three binary choices (a warm-up forward that delays the first I or not; the skip; a
+    W into a wait that raises no maximum) are grid-searched, keeping the order with the shortest longest rank
+    span. Unlike the paper: no ILP refinement after it (its repository, tag zero-bubble-v0.1.0, has it disabled
+    and its Table 5 is the heuristic's alone); a rank never gets more warm-up forwards than the one before (where
+    the repository's would fail). None: no order fits the cap."""
+    pp, best = len(cap), None
+    F, I = cost["F"], cost["I"]
+    last = pp - 1
+    for early, skip, greedy in itertools.product((True, False), repeat=3):
+        line = _Timeline(list(range(pp)), m, cost, memory, cap, message)
+        try:
+            for s in range(pp):
+                line.put("F", s)
+            # Warm-up: forwards until the first input gradient could reach the rank (`reach`, estimated).
+            extra, reach = [0] * pp, line.end["F", last, 0] + I[last]
+            for s in range(last - 1, -1, -1):
+                held, clock = line.used[s], line.free[s]
+                while 1 + extra[s] < m and held + memory["F"][s] <= cap[s] and (
+                        clock + F[s] <= reach + message if early else clock < reach + message):
+                    held, clock, extra[s] = held + memory["F"][s], clock + F[s], extra[s] + 1
+                reach = max(clock, reach + message) + I[s]
+            for s in range(1, pp):  # each rank fewer than the one before (unless both run all), never more
+                while 0 < extra[s] and (extra[s] > extra[s - 1] or extra[s] == extra[s - 1] and 1 + extra[s] < m):
+                    extra[s] -= 1
+            for s in range(pp):
+                for _ in range(extra[s]):
+                    line.put("F", s)
+            for s in range(last, -1, -1):
+                line.put("I", s)
+            for i in range(1, m):
+                want = [line.done["F", s] < m for s in range(pp)]
+                for s in range(last):
+                    if not (want[s] and skip and line.done["F", s] >= line.done["F", s + 1] + 2):
+                        continue
+                    # When this rank's next input gradient could come: skip a forward that would delay it.
+                    comes = line.free[s + 1] + F[s + 1] + I[s + 1] + message
+                    freeing, held = 0.0, line.used[s] + memory["F"][s]
+                    for t, _ in line.weights[s]:
+                        if held <= cap[s]:
+                            break
+                        freeing, held = freeing + cost["W"][t], held + memory["W"][t]
+                    if line.free[s] >= comes or line.free[s] + F[s] + freeing > comes and \
+                            comes - line.free[s] <= line.slack(s):
+                        want[s] = False
+                for s in range(last - 1, -1, -1):  # a rank runs a forward only where the next one does
+                    want[s] = want[s] and want[s + 1]
+                for s in range(pp):
+                    if want[s] and line.can("F", s):
+                        line.room(s, memory["F"][s])
+                        line.fill(s, line.incoming("F", s), True, greedy)
+                        line.put("F", s)
+                for s in range(last, -1, -1):
+                    line.room(s, memory["I"][s])
+                    line.fill(s, line.incoming("I", s), True, greedy)
+                    if s == 0 and line.done["F", 0] == m:
+                        line.flush(0)
+                    line.put("I", s)
+            line.flush()
+        except _Stuck:
+            continue
+        if best is None or line.longest() < best.longest():
+            best = line
+    return best and best.orders
+
+
+@_no_collector()
+def zbv_orders(cost: dict, memory: dict, cap: list, m: int, message: float) -> dict[int, list[list[tuple]]]:
+    """ZB-V, the Zero Bubble paper's V: rank r holds stage r (down) and 2p - 1 - r (up), so the last stage and
+    the first input gradient are on rank 0, ordered under a memory cap per rank by the paper's cost-aware greedy
+    scheduler (its Table 8 comes from it; its repository's v_schedule.py, tag zero-bubble-v0.1.0, re-implemented).
+    A warm-up down the V and back up, more down-forwards where they fit the cap and end before the rank's first
+    up-forward could start; then forwards alternate until each rank is ahead of the one above; then 2m rounds of
+    an input gradient and a forward per rank, each stage chosen by which input is there, W's filling the waits
+    (as zb_orders: two binary choices, before an up-stage I and before an F) and freeing memory. Each attempt is
+    repeated allowing each rank the idle time the last one left it, while that lowers the largest; the best of
+    the four choices is kept. Unlike the repository's: where it would stop on an assertion (an input not yet
+    computed, a forward over the cap: few microbatches, stages of unlike sizes), this one leaves that action to
+    a later round. None: no order fits the cap."""
+    pp = len(cap)
+    down, up = range(pp), [2 * pp - 1 - r for r in range(pp)]
+    rank_of = [*down, *reversed(range(pp))]
+
+    def attempt(fill_i: bool, fill_f: bool, approved: list | None) -> _Timeline:
+        line = _Timeline(rank_of, m, cost, memory, cap, message, approved)
+        for r in range(pp):
+            line.put("F", down[r])
+        for r in range(pp - 1, -1, -1):  # each rank's first up-forward, from the bottom of the V
+            if r < pp - 1:
+                comes = line.end["F", up[r + 1], 0] + message
+                while line.used[r] + memory["F"][r] * (2 + 2 * r) <= cap[r] and line.free[r] + cost["F"][r] <= \
+                        comes and line.done["F", r] < m - r:
+                    for j in range(r + 1):
+                        if line.can("F", down[j], room=True):
+                            line.put("F", down[j])
+            line.put("F", up[r])
+        stages = [down, up]
+        forwards = lambda r: line.done["F", down[r]] + line.done["F", up[r]]  # noqa: E731
+        for r in range(1, pp):
+            empty = 0  # passes in a row that ran no forward (the cap, on stages of unlike sizes: the rounds go on)
+            while forwards(r) < forwards(r - 1) or line.done["F", up[r]] <= line.done["F", up[r - 1]] < m:
+                ran = [line.put("F", s) for s in (stages[0][j] for j in range(pp - 1, r - 1, -1))
+                       if line.can("F", s, room=True)]
+                empty = 0 if ran else empty + 1
+                if empty == 2:
+                    break
+                stages.reverse()
+        while sum(line.done["I", s] for s in rank_of) < 2 * pp * m:  # 2m rounds, where each rank can go on
+            # Each rank's next input gradient: the down stage's where it has caught up with the up stage's
+            # and its input is there (or the up stage has none left), else the up stage's.
+            first = [r for r in range(pp) if line.done["I", down[r]] < line.done["I", up[r]] and (
+                r == pp - 1 or ("I", down[r + 1], line.done["I", down[r]]) in line.end or line.done["I", up[r]] >= m)]
+            before = len(line.end)
+            for r, s in [(r, down[r]) for r in reversed(first)] + [(r, up[r]) for r in range(pp) if r not in first]:
+                if not line.can("I", s):
+                    continue
+                line.room(r, memory["I"][s])
+                line.fill(r, line.incoming("I", s), s == down[r] or fill_i, False)
+                line.put("I", s)
+            for r in range(pp):
+                f_down, f_up = line.done["F", down[r]], line.done["F", up[r]]
+                if f_up >= m:
+                    continue
+                if f_up >= f_down:
+                    if not line.can("F", down[r]):
+                        continue
+                    s = down[r]
+                elif r == pp - 1 or ("F", up[r + 1], f_up) in line.end:
+                    s = up[r]
+                elif f_down < m and (r == 0 or ("F", down[r - 1], f_down) in line.end):
+                    s = down[r]
+                else:
+                    continue
+                line.room(r, memory["F"][s])
+                line.fill(r, line.incoming("F", s), fill_f, False)
+                line.put("F", s)
+            if len(line.end) == before:
+                raise _Stuck
+        line.flush()
+        return line
+
+    best = None
+    for fill_i, fill_f in itertools.product((True, False), repeat=2):
+        try:
+            line = attempt(fill_i, fill_f, None)
+        except _Stuck:
+            continue
+        while True:  # again, each rank allowed the idle time the last attempt left it, while that helps
+            try:
+                again = attempt(fill_i, fill_f, line.idle)
+            except _Stuck:
+                break
+            if max(again.idle) >= max(line.idle):
+                break
+            line = again
+        if best is None or max(line.idle) < max(best.idle):
+            best = line
+    return best and best.orders
+
+
+# The generated orders, by name: the torch schedule whose stage placement each has (one stage per rank, or the
+# V), whose checks it takes; the memory cap of the automatic ones, in p microbatches of a rank's activations.
+GENERATED = {"zbh2": "1f1b", "zb1p": "1f1b", "zb2p": "1f1b", "zbvauto": "zbvzerobubble"}
+CAPS = {"zb1p": 1, "zb2p": 2, "zbvauto": 1}
+
+
+def placement(name: str) -> str:
+    """The torch schedule a schedule's stages are placed as (itself, for torch's)."""
+    return GENERATED.get(name, name)
+
+
+def generated_orders(name: str, pp: int, m: int, times: tuple, held: list, between: list,
+                     message: float) -> dict[int, list[list[tuple]]]:
+    """A generated schedule's order for these stage times (flop_times or measured_times: torch's split
+    backward, stage 0's all W) and bytes (stage_held, stage_between: torch holds a microbatch's activations
+    until its W, and the output gradients from its I on). The cap of zb1p, zb2p and zbvauto: CAPS x p
+    microbatches of the rank's stage's activations (1F1B's first rank holds p), and one microbatch's gradients
+    between an I and its W. (On the V, 2p microbatches of the rank's larger stage: the paper's 2p chunks.)
+    UsageError where no order fits it."""
+    if name == "zbh2":
+        return schedule_orders(name, pp, m, 1)
+    forward, _, (input_grad, weight_grad) = times
+    cost = {"F": forward, "I": input_grad, "W": weight_grad}
+    memory = {"F": held, "I": between, "W": [-h - b for h, b in zip(held, between)]}
+    stages = [stage_ids(placement(name), r, pp, 1) for r in range(pp)]
+    cap = [CAPS[name] * pp * len(own) * max(held[s] for s in own) + max(between[s] for s in own) for own in stages]
+    orders = (zbv_orders if name == "zbvauto" else zb_orders)(cost, memory, cap, m, message)
+    if orders is None:
+        raise UsageError(f"--schedule {name}: no order of {m} microbatches on {pp} ranks fits its memory cap "
+                         f"({CAPS[name]}p microbatches' activations); try another schedule or more microbatches")
+    return orders
+
+
+def write_schedule(path: str, orders: dict[int, list[list[tuple]]]) -> None:
+    """The orders as torch 2.13 reads a custom schedule (_PipelineScheduleRuntime._load_csv(path,
+    format="compute_only"), which lowers it with _add_send_recv): row r is pipeline rank r's compute actions
+    in the order it runs them, a cell each, {stage}{F|I|W|B}{microbatch} (2I1: stage 2's input gradient of
+    microbatch 1; B a whole backward), DualPipeV's overlapped pair as (0F1;3B0)OVERLAP_F_B; no empty cells (a
+    rank waits where an input has not arrived). torch infers each stage's rank from the row it is in."""
+    cell = lambda acts: "".join(f"{s}{kind}{i}" for kind, s, i in acts) if len(acts) == 1 else (  # noqa: E731
+        "(" + ";".join(f"{s}{kind}{i}" for kind, s, i in acts) + ")OVERLAP_F_B")
+    try:
+        with open(path, "w", newline="") as f:
+            csv.writer(f).writerows([cell(acts) for acts in orders[r]] for r in sorted(orders))
+    except OSError as e:
+        raise UsageError(f"--write-schedule {path}: {e.strerror}; give a file in a writable directory") from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -886,7 +1238,7 @@ def script_args(args, schedule: str, split: str | None = None) -> argparse.Names
     ns = gpipe.build_parser().parse_args([])
     for name in SHARED:
         setattr(ns, name, getattr(args, name))
-    ns.schedule = schedule
+    ns.schedule = schedule = placement(schedule)  # a generated order: checked as the torch schedule placed alike
     ns.split = args.split if split is None else split
     ns.stages_per_rank = ns.stages_per_rank or (1 if schedule in SINGLE_STAGE else 2)  # as the script's main does
     if is_config_json(args):
@@ -899,16 +1251,26 @@ def script_args(args, schedule: str, split: str | None = None) -> argparse.Names
     return ns
 
 
+def script_check(ns: argparse.Namespace, args, schedule: str) -> None:
+    """train_pipeline_gpipe.py's check_args; a generated order's refusal names it, not the schedule it is
+    checked as."""
+    try:
+        gpipe.check_args(ns, args.processes, device_type(args), ns.init_from is None)
+    except UsageError as e:
+        raise UsageError(str(e).replace(f": {ns.schedule} ", f": {schedule} ")) from None
+
+
 def check(args, config: LlamaConfig, schedule: str, split: str | None = None) -> tuple[argparse.Namespace,
                                                                                       list[range]]:
     """What train_pipeline_gpipe.py checks before it runs: the flags (check_args), then the layout on the
     model's shape (stage_layout: a layer per stage, --seq-len within its positions, --split). UsageError."""
     ns = script_args(args, schedule, split)
-    gpipe.check_args(ns, args.processes, device_type(args), ns.init_from is None)
+    script_check(ns, args, schedule)
     pp = args.processes // (args.dp * args.tp)
-    num_stages = pp * len(stage_ids(schedule, 0, pp, ns.stages_per_rank))
+    num_stages = pp * len(stage_ids(ns.schedule, 0, pp, ns.stages_per_rank))
     layout = gpipe.stage_layout(config, num_stages, ns)
-    check_microbatches(schedule, pp, args.microbatches, num_stages)
+    if schedule not in GENERATED:  # (the generated orders take any number)
+        check_microbatches(schedule, pp, args.microbatches, num_stages)
     return ns, layout
 
 
@@ -935,7 +1297,7 @@ def plan(args) -> dict:
     # The hand-written script's afab is GPipe's order; its 1f1b is the library's.
     schedule = "gpipe" if args.schedule == "afab" else args.schedule
     ns = script_args(args, schedule)
-    gpipe.check_args(ns, args.processes, device_type(args), ns.init_from is None)  # before reading files
+    script_check(ns, args, schedule)  # before reading files
     config = plan_config(args)
     ns, layout = check(args, config, schedule)
     processes, dp, tp, m, per_rank = args.processes, args.dp, args.tp, args.microbatches, ns.stages_per_rank
@@ -944,7 +1306,7 @@ def plan(args) -> dict:
     tokens = args.batch_size // (dp * m) * args.seq_len  # one microbatch of one replica
     chunks = loss_chunks(args.loss_chunks, config, (tokens // args.seq_len, args.seq_len), tp)
     sizes = activation_bytes(config, tokens, args.seq_len, half, tp, chunks, shards(args, tp), args.document_masking)
-    stages_of = {r: stage_ids(schedule, r, pp, per_rank) for r in range(pp)}
+    stages_of = {r: stage_ids(placement(schedule), r, pp, per_rank) for r in range(pp)}
     report = {"ranks": [], "schedules": {}}
     print(f"plan: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
           f"{processes} processes = {pp} pipeline x {dp} data x {tp} tensor, --schedule {args.schedule}, "
@@ -1002,8 +1364,14 @@ def plan(args) -> dict:
     else:
         layout = balance(args.split, layout)
 
+    def orders_of(name: str, lay: list[range], stages_per_rank: int) -> dict:  # torch's, or generated for lay
+        if name in GENERATED:
+            return generated_orders(name, pp, m, timed(lay), *held(lay, args.activation_checkpointing), message)
+        return schedule_orders(name, pp, m, stages_per_rank)
+
     # Memory of the chosen schedule, per pipeline rank (each replica of a rank holds the same).
-    result = {ac: schedule_result(schedule, pp, m, per_rank, timed(layout), *held(layout, ac), message)
+    chosen = orders_of(schedule, layout, per_rank)
+    result = {ac: schedule_result(schedule, pp, m, per_rank, timed(layout), *held(layout, ac), message, chosen)
               for ac in (False, True)}
     if args.trace:  # (as fast as the traced split: where the rest of the layout is the traced run's)
         print(f"balanced on these times: --split {report['split']}, step {result[False]['step'] * 1e3:.4g} ms "
@@ -1044,26 +1412,33 @@ def plan(args) -> dict:
           f"{', each layer recomputed in backward' if args.activation_checkpointing and passes is None else ''}; "
           f"activations of the fullest rank, {unit_name}, without / with checkpointing):")
     spec = args.split if args.split in ("even", "balanced") else "balanced"
-    for name in SCHEDULES:
-        own = argparse.Namespace(**{**vars(args), "stages_per_rank": None}) if name in SINGLE_STAGE or \
-            name in V_SHAPED else args
+    for name in [*SCHEDULES, *GENERATED]:
+        own = argparse.Namespace(**{**vars(args), "stages_per_rank": None}) if placement(name) in SINGLE_STAGE or \
+            placement(name) in V_SHAPED else args
         try:
             each, lay = (ns, layout) if name == schedule else check(own, config, name, spec)
+            lay = lay if name == schedule else balance(spec, lay)
+            orders = chosen if name == schedule else orders_of(name, lay, each.stages_per_rank)
         except UsageError as e:
             print(f"  {name:22s} not possible here: {str(e).split(';')[0]}")
             continue
-        lay = lay if name == schedule else balance(spec, lay)
-        out = [schedule_result(name, pp, m, each.stages_per_rank, timed(lay), *held(lay, ac), message)
+        out = [schedule_result(name, pp, m, each.stages_per_rank, timed(lay), *held(lay, ac), message, orders)
                for ac in (False, True)]
         seconds = out[0]["step"]
         ideal = sum(f + b for f, b in zip(*timed(lay)[:2])) * m / pp  # all work, no bubble
-        report["schedules"][name] = {"step": seconds, "bubble": out[0]["bubble"],
+        report["schedules"][name] = {"step": seconds, "bubble": out[0]["bubble"], "span_bubble": span_bubble(out[0]),
                                      "activations": max(out[0]["peak"].values()),
                                      "activations_checkpointed": max(out[1]["peak"].values()),
                                      "split": counts(lay)}
         print(f"  {name:22s} step {seconds * 1e3:10.4g} ms ({seconds / ideal:.2f} x no bubble)  bubble "
               f"{out[0]['bubble']:6.1%}  activations {max(out[0]['peak'].values()) / unit:.2f} / "
-              f"{max(out[1]['peak'].values()) / unit:.2f}")
+              f"{max(out[1]['peak'].values()) / unit:.2f}" + (
+                  f"  (generated; {span_bubble(out[0]):.1%} by the paper's measure)" if name in GENERATED
+                  else ""))
+    if args.write_schedule:
+        write_schedule(args.write_schedule, chosen)
+        print(f"\nwrote {args.write_schedule}: {args.schedule}'s order on {pp} pipeline ranks, {m} microbatches, as "
+              "torch 2.13's _PipelineScheduleRuntime._load_csv reads it (row r: pipeline rank r's actions, in order)")
     return report
 
 
@@ -1344,8 +1719,17 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "model":  # a preset, or for plan.py also a Hugging Face config.json
             action.choices, action.metavar = None, "{" + ",".join(PRESETS) + "} or config.json"
         g._add_action(action)
-    g.add_argument("--schedule", choices=[*SCHEDULES, "afab"], default="gpipe",
-                   help="the library schedules, and the hand-written script's afab (GPipe's order)")
+    g.add_argument("--schedule", choices=[*SCHEDULES, "afab", *GENERATED], default="gpipe",
+                   help="the library schedules, the hand-written script's afab (GPipe's order), and the Zero "
+                        "Bubble paper's orders generated here from the stage times: zbh2 (handcrafted, 2p "
+                        "microbatches' activations), zb1p and zb2p (its heuristic, capped at p or 2p microbatches' "
+                        "activations), zbvauto (its V, capped at 1F1B's); --write-schedule writes one out to run")
+    g.add_argument("--write-schedule", metavar="FILE.csv",
+                   help="write --schedule's order for this layout (with --processes) as torch 2.13's "
+                        "_PipelineScheduleRuntime._load_csv(FILE, format='compute_only') reads it: row r is "
+                        "pipeline rank r's compute actions in the order it runs them, each {stage}{F|I|W|B}"
+                        "{microbatch} (2I1: stage 2's input gradient of microbatch 1), no empty cells; the same "
+                        "file for every replica and tensor-parallel rank (default: none)")
     g = p.add_argument_group("vocabulary (without --init-from)").add_mutually_exclusive_group()
     g.add_argument("--vocab-size", type=vocabulary,
                    help=f"tokens in the vocabulary (default: {VOCAB_SIZE}, prepare_data.py's default tokenizer)")
@@ -1384,7 +1768,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_measured(args) -> None:
-    """What the measured-time flags rule out together (UsageError)."""
+    """What the measured-time flags and --write-schedule rule out (UsageError), before any work."""
+    if args.write_schedule and args.gpus:
+        raise UsageError(f"--write-schedule {args.write_schedule}: writes one layout's order; give --processes "
+                         "instead of --gpus")
+    folder = os.path.dirname(args.write_schedule or "") or "."
+    if args.write_schedule and (not os.path.isdir(folder) or os.path.isdir(args.write_schedule)):
+        raise UsageError(f"--write-schedule {args.write_schedule}: " + (
+            "is a directory" if os.path.isdir(args.write_schedule) else f"no directory {folder}")
+            + "; give a file in an existing directory")
     given = [flag for flag in ("layer_times", "embed_times", "head_times", "trace") if getattr(args, flag)]
     if args.gpus and (given or args.message_time):
         flag = "--" + (given or ["message_time"])[0].replace("_", "-")
