@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 import benchmark
 import model as model_module
 import nccl_rules
+import plan
 import prepare_data as prep
 import train_pipeline_afab_manual as manual
 import train_pipeline_gpipe as gpipe
@@ -827,8 +828,13 @@ def schedule_file(order: str, pp: int, microbatches: int, directory: Path) -> Pa
     each backward split into I, where the B ran, and W, which rank r puts off by pp - 1 - r of its I's (W needs
     nothing from another rank: it fills the waits at 1F1B's end). (torch's own table of Schedule1F1B is no order:
     its last rank runs microbatch 0's backward without its forward.) The one place the tests' orders come
-    from: one from elsewhere (plan.py --write-schedule) joins here."""
-    m, rows = microbatches, {}
+    from; and plan.py's generated ones (zbh2, zb1p, zb2p, zbvauto), as `plan.py --write-schedule` writes them."""
+    m, rows, path = microbatches, {}, schedule_path(order, pp, microbatches, directory)
+    if order in plan.GENERATED:
+        with contextlib.redirect_stdout(None):  # its plan's table
+            plan.main(["--processes", str(pp), "--batch-size", str(m), "--microbatches", str(m), "--schedule", order,
+                       "--device", "cpu", "--write-schedule", str(path)])
+        return path
     if order in ("1f1b", "zbh1"):
         split = order == "zbh1"
         for r in range(pp):
@@ -848,7 +854,6 @@ def schedule_file(order: str, pp: int, microbatches: int, directory: Path) -> Pa
             warnings.simplefilter("ignore")
             table = gpipe.SCHEDULES[order](placeholders, n_microbatches=m).pipeline_order  # every rank's
         rows = {r: ["" if a is None else str(a) for a in table[r]] for r in range(pp)}
-    path = schedule_path(order, pp, m, directory)
     path.write_text("".join(",".join(rows[r]) + "\n" for r in range(pp)))
     return path
 
@@ -919,6 +924,11 @@ PARITY_LAYOUTS[3, 1, 1] += [("library", "zbh1.csv", 6, False), ("tracer", "zbvze
                             ("library", "1f1b.csv", 6, False)]
 PARITY_LAYOUTS[2, 2, 1] += [("library", "zbvzerobubble.csv", 4, False), ("tracer", "zbh1.csv", 4, False)]
 PARITY_LAYOUTS[2, 1, 2] += [("library", "zbh1.csv", 4, False)]  # the library script's: the tracer takes no --tp
+# Orders plan.py generates (--write-schedule): the Zero Bubble paper's heuristic at 1p and 2p memory, its
+# handcrafted ZB-H2, its cost-aware V; at 2 and 3 stages and with replicas.
+PARITY_LAYOUTS[2, 1, 1] += [("library", "zb2p.csv", 4, False), ("tracer", "zbvauto.csv", (0, 2, 2, 0), False)]
+PARITY_LAYOUTS[3, 1, 1] += [("library", "zb1p.csv", 6, False), ("library", "zbvauto.csv", 6, False)]
+PARITY_LAYOUTS[2, 2, 1] += [("library", "zbh2.csv", 4, False)]
 
 
 def parity_step(layout: tuple) -> tuple[int, int]:
