@@ -3824,8 +3824,9 @@ def test_the_replay_gives_the_published_bubbles(p):
 
 def test_the_plan_counts_the_recomputation_of_a_split_backward(one_process_group):
     # ZBV's two stages on one rank, each layer checkpointed: count each layer's forwards in one step. torch
-    # runs stage 0's backward whole (one recomputation); stage 1 recomputes for its input gradient and then
-    # once per weight for its weight gradient: what plan.split_backward charges.
+    # runs stage 0's backward whole (one recomputation); stage 1 recomputes for its input gradient, and its weight
+    # gradient reads what that recomputed (model.checkpoint_once; torch's checkpoint alone recomputed once per
+    # weight there, 9 more): what plan.split_backward charges.
     config, m = small_config(layers=2), 2
     modules = [cpu_stage(config, s, even(2, 2)) for s in (0, 1)]
     calls = {0: 0, 1: 0}
@@ -3845,9 +3846,9 @@ def test_the_plan_counts_the_recomputation_of_a_split_backward(one_process_group
     schedule, _ = gpipe.make_schedule("zbvzerobubble", built, m, 1, 1)
     inputs, targets = random_batch(config, batch=4)
     gpipe.train_step(schedule, inputs, targets, cpu_env(0, 1), 1)
-    assert calls == {0: m * 2, 1: m * (2 + plan.LAYER_WEIGHTS)}  # forward, I (and W for stage 0), W per weight
-    backward, again = [2.0, 2.0], [1.0, 1.0]  # the plan's I and W: one recomputation in I, LAYER_WEIGHTS in W
-    assert plan.split_backward(backward, again, 0.0) == ([0.0, 1.5], [2.0, 0.5 + plan.LAYER_WEIGHTS])
+    assert calls == {0: m * 2, 1: m * 2}  # forward, and the recomputation in I (in W for stage 0)
+    backward, again = [2.0, 2.0], [1.0, 1.0]  # the plan's I and W: one recomputation in I, none in W
+    assert plan.split_backward(backward, again, 0.0) == ([0.0, 1.5], [2.0, 0.5])
 
 
 # The Zero Bubble paper (Qi et al., ICLR 2024, arXiv 2401.10241): its 28.3B GPT (62 layers, hidden 6144, 48 heads,
