@@ -3874,6 +3874,33 @@ def test_the_plan_counts_the_recomputation_of_a_split_backward(one_process_group
     assert plan.split_backward(backward, again, 0.0) == ([0.0, 1.5], [2.0, 0.5])
 
 
+def test_a_checkpointed_layer_that_w_reads_again_unkept_is_recomputed_again_not_wrong(one_process_group):
+    # model.checkpoint_once keeps from I to W only what the nodes W runs again read (_weights_only finds them).
+    # Should it keep nothing, W's read of a freed tensor recomputes the layer once more: one more forward a
+    # microbatch on stage 1, and the same gradients as without checkpointing, bit for bit.
+    config, m = small_config(layers=2), 2
+    grads, calls = {}, {}
+    for checkpointed in (False, True):
+        modules = [cpu_stage(config, s, even(2, 2)) for s in (0, 1)]
+        for i, layer in enumerate(model_module.decoder_layers(modules)):
+            forward = layer.forward
+            layer.forward = lambda *a, i=i, forward=forward, **k: calls.update({i: calls.get(i, 0) + 1}) or \
+                forward(*a, **k)
+        if checkpointed:
+            model_module.checkpoint_layers(modules)
+        mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+        built = [PipelineStage(module, s, 2, torch.device("cpu"), group=mesh.get_group("pp"),
+                               **gpipe.stage_io(config, s, 2, (2, 16), 1, torch.float32))
+                 for module, s in zip(modules, (0, 1))]
+        schedule, _ = gpipe.make_schedule("zbvzerobubble", built, m, 1, 1)
+        calls.clear()
+        with unittest.mock.patch.object(model_module, "_weights_only", lambda fn: False):
+            gpipe.train_step(schedule, *random_batch(config, batch=4), cpu_env(0, 1), 1)
+        grads[checkpointed] = {n: p.grad for module in modules for n, p in module.named_parameters()}
+    assert calls == {0: m * 2, 1: m * 3}  # forward, I's recomputation (W's for stage 0), and W's again
+    assert all(torch.equal(grads[True][n], g) for n, g in grads[False].items())
+
+
 # The Zero Bubble paper (Qi et al., ICLR 2024, arXiv 2401.10241): its 28.3B GPT (62 layers, hidden 6144, 48 heads,
 # sequence 1024, microbatch 1) on 32 GPUs, 96 microbatches, pure pipeline. Table 9 profiles a stage (the median
 # one, 2 layers) at F 10.419, B 10.207, W 7.715 ms and a message at 0.408 ms; the paper's first and last stages
