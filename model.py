@@ -764,8 +764,66 @@ def _checkpointed(forward):
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # forward only (evaluation): nothing to keep either way
             return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint_once(forward, *args, **kwargs)
     return run
+
+
+def checkpoint_once(function, *args, **kwargs):
+    """torch.utils.checkpoint (non-reentrant) of function(*args, **kwargs), recomputed once however many backward
+    calls read it. torch recomputes a region once per autograd call (graph task), and the zero-bubble schedules'
+    split backward makes several per microbatch: I (the input gradient) one, W (the weight gradients) one per
+    group of weights, and W runs again the nodes of I where a weight's gradient branches off (retain_graph), so
+    it reads their saved tensors a second time. torch.utils.checkpoint.GraphExecGroup lets several calls share one
+    recompute but refuses a tensor read twice. So: one group per region, every read made under it, and a tensor
+    that W reads again kept from its first read until its node is freed (after W; after the node's own run in a
+    plain backward, as torch frees it). The rest is freed once read, as torch does: a split backward holds from
+    I to W the inputs of the weights' ops, not the whole layer. Should W read a freed one after all, the region
+    is recomputed once more under a new group: slower, never wrong."""
+    # Traced by torch.compile, or a torch before 2.13 (no GraphExecGroup): torch's own, a recompute per call.
+    if torch.compiler.is_compiling() or not hasattr(torch.utils.checkpoint, "GraphExecGroup"):
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+    group, runs = [torch.utils.checkpoint.GraphExecGroup()], []
+
+    def hooked(*a, **k):
+        runs.append(1)
+        if len(runs) > 1:  # the recomputation, under torch's recording hooks: nothing of ours
+            return function(*a, **k)
+        pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)  # checkpoint's, just entered
+
+        def unpack_once(saved: list):  # [torch's holder, the tensor if kept, the group it was read under]
+            if saved[1] is not None:
+                return saved[1]
+            if saved[2] is group[0]:  # read and freed under this group, read again: recompute once more
+                group[0] = torch.utils.checkpoint.GraphExecGroup()
+            with group[0]:
+                tensor, saved[2] = unpack(saved[0]), group[0]
+            node = torch._C._current_autograd_node()
+            if node is None or any(_weights_only(fn) for fn, _ in node.next_functions):
+                saved[1] = tensor
+            return tensor
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: [pack(x), None, None], unpack_once):
+            return function(*a, **k)
+    return torch.utils.checkpoint.checkpoint(hooked, *args, use_reentrant=False, **kwargs)
+
+
+def _weights_only(fn, budget: int = 8) -> bool:
+    """Whether autograd node fn leads to parameters and nothing else, within a few nodes (a weight's transpose,
+    cast or view): where a node of the input gradient branches off to a weight, which the weight gradient (W)
+    runs again (torch's stage_backward_input calls it an intermediate of a parameter group)."""
+    stack, found = [fn], False
+    while stack:
+        fn = stack.pop()
+        if fn is None:
+            continue
+        budget -= 1
+        if budget < 0:
+            return False
+        if hasattr(fn, "variable"):  # AccumulateGrad: a leaf
+            if not isinstance(fn.variable, nn.Parameter):
+                return False
+            found = True
+        stack += [next_fn for next_fn, _ in fn.next_functions]
+    return found
 
 
 def compile_layers(modules) -> None:

@@ -238,9 +238,13 @@ def activation_bytes(config: LlamaConfig, tokens: int, seq_len: int, bf16: bool,
     # The plain loss's log-softmax goes at I (torch detaches the loss then, freeing what only it reached).
     weight_grad = tokens * (2 * 4 * h / shards + e * (2 * h + (heads * d + 2 * kv * d + 2 * inter) / tp))
     head_grad = tokens * (4 * h / shards + e * vocab - (4 * vocab if chunks == 1 else 0))
+    # With checkpointing, what W reads again of what I recomputed (model.checkpoint_once keeps it between them):
+    # the inputs of the ops that multiply by a weight, the norms' normalized values (fp32) and the projections'
+    # inputs (q/k/v's one, o's, gate/up's one, down's).
+    weight_inputs = tokens * (4 * 2 * h / shards + e * (2 * h + heads * d / tp + inter / tp))
     return {"layer": layer, "layer_checkpointed": tokens * h * 4 / shards, "head": head, "embed": tokens * 8,
             "loss": loss,
-            "weight_grad": weight_grad, "head_grad": head_grad}
+            "weight_grad": weight_grad, "head_grad": head_grad, "weight_inputs": weight_inputs}
 
 
 def stage_held(layout: list[range], sizes: dict, checkpointing: bool) -> list[float]:
@@ -250,32 +254,28 @@ def stage_held(layout: list[range], sizes: dict, checkpointing: bool) -> list[fl
             for s, layers in enumerate(layout)]
 
 
-def stage_between(layout: list[range], sizes: dict) -> list[float]:
+def stage_between(layout: list[range], sizes: dict, checkpointing: bool = False) -> list[float]:
     """Bytes a stage adds from a microbatch's input gradient to its weight gradient: the output gradients its W
     starts from, less what its I frees (on the last stage with the plain loss: fewer). None on the first stage,
-    which torch runs whole at W. (With checkpointing nothing more: torch recomputes a layer for each backward
-    call and frees what it recomputed as that call uses it.)"""
-    return [0.0 if s == 0 else len(layers) * sizes["weight_grad"] + (sizes["head_grad"] if s == len(layout) - 1
-                                                                      else 0.0) for s, layers in enumerate(layout)]
-
-
-# torch 2.13's split backward: the first stage's I does nothing and its W is the whole backward (stage 0 has no
-# input gradient to hurry); another stage's W calls autograd once per weight, and torch.utils.checkpoint
-# recomputes a checkpointed region once per autograd call, so a checkpointed layer runs its forward again for I
-# and once per weight at W, and the chunked loss's pieces (checkpointed too) once more at W. Measured: a stage of
-# 2 checkpointed layers recomputes 2 times in I, 18 in W.
-LAYER_WEIGHTS = 9  # the two norms' gains, q, k, v, o, gate, up, down
+    which torch runs whole at W. With checkpointing also what W reads of each layer's recomputation, kept from
+    I's (model.checkpoint_once): the inputs of its weights' ops."""
+    return [0.0 if s == 0 else len(layers) * (sizes["weight_grad"] + (
+        sizes["weight_inputs"] if checkpointing else 0.0)) + (
+        sizes["head_grad"] if s == len(layout) - 1 else 0.0) for s, layers in enumerate(layout)]
 
 
 def split_backward(backward: list[float], again: list[float], head_again: float) -> tuple[list, list]:
     """Each stage's I and W time from its full backward B (which includes one recomputation, `again`) and the
     chunked loss's recomputed head forward (`head_again`, on the last stage): I and W each take half of the
-    rest; I recomputes once, W once per weight and the head once more."""
+    rest. torch 2.13's split backward: the first stage's I does nothing and its W is the whole backward (stage 0
+    has no input gradient to hurry); another stage's I recomputes its checkpointed layers, once, and its W reads
+    what I recomputed (model.checkpoint_once; torch.utils.checkpoint alone recomputes once per autograd call, and
+    W makes one per weight: 9 a layer, measured 2 in I and 18 in W on 2 layers). The chunked loss's pieces, torch's
+    checkpoint (their recomputed logits are not kept from I to W), run the head once more at W."""
     last = len(backward) - 1
     half = [(b - r) / 2 for b, r in zip(backward, again)]
     return ([0.0] + [h + r for h, r in zip(half[1:], again[1:])],
-            [backward[0]] + [h + LAYER_WEIGHTS * r + (head_again if s == last else 0.0)
-                             for s, (h, r) in enumerate(zip(half, again)) if s > 0])
+            [backward[0]] + [h + (head_again if s == last else 0.0) for s, h in enumerate(half) if s > 0])
 
 
 def rank_memory(params: float, dp: int, peak: float, peak_checkpointed: float, loss: float, layer: float,
@@ -1342,7 +1342,7 @@ def plan(args) -> dict:
         return balanced(config.num_hidden_layers, len(lay), costs) if passes and spec == "balanced" else lay
 
     def held(lay: list[range], checkpointing: bool) -> tuple[list[float], list[float]]:
-        return stage_held(lay, sizes, checkpointing), stage_between(lay, sizes)
+        return stage_held(lay, sizes, checkpointing), stage_between(lay, sizes, checkpointing)
 
     if args.trace:  # the traced run's own layout, replayed on its times, against its traced step
         own = from_sizes(run["split"])
@@ -1521,7 +1521,7 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
     forward, backward, split = stage_seconds(config, layout, costs, tokens, pp, dp, tp, checkpointing, per_rank,
                                              trial)
     result = replay(schedule_orders(schedule, pp, m, ns.stages_per_rank), forward, backward,
-                    stage_held(layout, sizes, checkpointing), stage_between(layout, sizes), split)
+                    stage_held(layout, sizes, checkpointing), stage_between(layout, sizes, checkpointing), split)
     memory = max(rank_memory(held[r], dp, result["peak"][r], result["peak"][r],
                              sizes["loss"] if len(layout) - 1 in per_rank[r] else 0, sizes["layer"],
                              checkpointing, bf16(trial), startup_bytes(config, layout, per_rank[r], dp, tp)
