@@ -9,13 +9,16 @@
     python benchmark.py --splits                              # split by layers vs by cost; checkpointing, compile
     python benchmark.py --documents --ranks 1 --seq-len 1024  # --document-masking vs causal attention
     python benchmark.py --variants 1f1b -- --layers 2         # flags after -- go to every run
+    python benchmark.py --variants 1f1b,zbvzerobubble,gen.csv # an order of plan.py --write-schedule gen.csv too
     torchrun --nproc_per_node 2 benchmark.py measure-memory OUT.json train_pipeline_gpipe.py --steps 2 ...
     torchrun --nproc_per_node 2 benchmark.py run train_pipeline_gpipe.py --schedule 1f1b --trace DIR ...
     python benchmark.py loss-memory                           # the loss's peak memory, plain and in chunks
     python benchmark.py gpu-check                             # on one GPU: every feature it can run, checked
 
 Variants: every schedule of torch.distributed.pipelining (train_pipeline_gpipe.py), the hand-written AFAB
-and 1F1B (train_pipeline_afab_manual.py), and the tracer split (train_pipeline_tracer.py). Each is a real
+and 1F1B (train_pipeline_afab_manual.py), the tracer split (train_pipeline_tracer.py), and any FILE.csv that
+--variants names (an order in torch's CSV form, such as plan.py --write-schedule writes: train_pipeline_gpipe.py
+--schedule FILE.csv, its variant named as given). Each is a real
 training run under torchrun, reading --data (prepared once by prepare_data.py), the script's main() run by
 `benchmark.py run` (which labels torch's 1F1B in the trace: torch 2.13's Schedule1F1B records no labels of
 its own, unlike its GPipe and the multi-stage schedules). Runs alternate between
@@ -545,7 +548,7 @@ def planned_runs(args) -> int:
         return (args.repeats + 1) * len(chosen(SPLITS, "one process", args.variants))
     if args.documents:
         return args.repeats * 2
-    return (args.repeats + 1) * len(chosen(VARIANTS, "gpipe", args.variants))
+    return (args.repeats + 1) * len(timed_variants(args))
 
 
 def launched(cmd: list[str], ranks: int, workdir: str, what: str) -> str:
@@ -554,6 +557,11 @@ def launched(cmd: list[str], ranks: int, workdir: str, what: str) -> str:
     if bar is not None:
         bar.set_postfix_str(what)
     stdout = launch(cmd, ranks, workdir, what)
+    # A run's checkpoints measure nothing, and --fresh keeps each earlier run's aside (ckpt.previous-TIME): `small`
+    # saves 1.4 GB a run, and 24 runs of it filled this machine's disk. Only the metrics are read afterwards.
+    for name in os.listdir(workdir):
+        if name == "ckpt" or name.startswith("ckpt.previous-"):
+            shutil.rmtree(os.path.join(workdir, name), ignore_errors=True)
     if bar is not None:
         bar.update()
     return stdout
@@ -638,7 +646,7 @@ def compare(args):
             return splits(args, workdir)
         if args.documents:
             return documents(args, workdir)
-        variants = chosen(VARIANTS, "gpipe", args.variants)
+        variants = timed_variants(args)
         results = {name: {"step_times": []} for name in variants}
         for repeat in range(args.repeats):
             for name, (script, schedule) in variants.items():
@@ -873,6 +881,15 @@ def chosen(variants: dict, reference: str, asked: str | None) -> dict:
     return {k: v for k, v in variants.items() if k in {reference, *asked.split(",")}}
 
 
+def timed_variants(args) -> dict:
+    """The default mode's variants: those of VARIANTS --variants names (gpipe always), then each FILE.csv it names,
+    an order run as train_pipeline_gpipe.py --schedule FILE.csv (its path made absolute: the runs start in a
+    folder of their own)."""
+    files = [v for v in (args.variants or "").split(",") if v.endswith(".csv")]
+    return {**chosen(VARIANTS, "gpipe", args.variants),
+            **{v: ("train_pipeline_gpipe.py", os.path.abspath(v)) for v in files}}
+
+
 def finish(args, table: str, results: dict, name: str = "results") -> None:
     print(table)
     with open(os.path.join(args.out, f"{name}.md"), "w") as f:
@@ -898,7 +915,7 @@ def outputs(args) -> list[str]:
     elif args.documents:
         name, traced_names = "documents", []
     else:
-        name, traced_names = "results", list(chosen(VARIANTS, "gpipe", args.variants))
+        name, traced_names = "results", list(timed_variants(args))
     traces = [trace_dir(args, variant) for variant in traced_names]
     pictures = [trace.removesuffix(".trace") + ".png" for trace in traces] if name == "results" else []
     return [os.path.join(args.out, f"{name}.md"), os.path.join(args.out, f"{name}.json"), *traces, *pictures]
@@ -965,7 +982,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", default="data",
                         help="data prepared by prepare_data.py, read by every run (default: %(default)s)")
     parser.add_argument("--variants", default=None,
-                        help="comma-separated subset of (gpipe always runs): " + ", ".join(VARIANTS) + "; with "
+                        help="comma-separated subset of (gpipe always runs): " + ", ".join(VARIANTS) + ", and any "
+                             "FILE.csv (an order run by train_pipeline_gpipe.py --schedule FILE.csv); with "
                              "--splits (one process always runs): " + ", ".join(SPLITS) + " (default: all)")
     parser.add_argument("--sweep", action="store_true", help="time GPipe against the microbatch count instead")
     parser.add_argument("--sweep-microbatches", default="1,2,4,8,16",
@@ -1003,8 +1021,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--sweep-microbatches {','.join(map(str, args.sweep_microbatches))}: each count must be at "
                      "least 1")
     known = SPLITS if args.splits else VARIANTS
-    if args.variants and (unknown := set(args.variants.split(",")) - set(known)):
-        parser.error(f"--variants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
+    asked = set(args.variants.split(",")) if args.variants else set()
+    files = set() if args.splits else {v for v in asked if v.endswith(".csv")}
+    if unknown := asked - files - set(known):
+        parser.error(f"--variants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(known)}"
+                     f"{'' if args.splits else ', or a FILE.csv'}")
+    if missing := sorted(v for v in files if not os.path.isfile(v)):
+        parser.error(f"--variants {missing[0]}: no such file; write an order there with plan.py --write-schedule "
+                     f"{missing[0]}, or give the path of one")
     if not os.path.isfile(os.path.join(args.data, "meta.json")):  # as the scripts say it: one line, exit 1
         fail(f"--data {args.data}: no data prepared there; run python prepare_data.py"
              f"{'' if args.data == 'data' else ' --out ' + args.data} first (see its --help)")

@@ -4582,8 +4582,8 @@ def test_every_documented_run_after_the_default_job_has_a_checkpoint_dir_of_its_
 
 def shell_commands(block: str, variables: dict) -> list[list[str]]:
     """A bash block's commands, each as the words a shell would give it: continued lines joined, a quote running
-    over lines kept whole, comments left out, `$NAME` replaced by its value (when the page set one). A `NAME=...` line sets a value in
-    variables (kept from block to block of a page, as a shell keeps them)."""
+    over lines kept whole, comments left out, `$NAME` replaced by its value (when the page set one). A `NAME=...`
+    line sets a value in variables (kept from block to block of a page, as a shell keeps them)."""
     commands, pending = [], ""
     for line in block.replace("\\\n", " ").splitlines():
         pending += line + "\n"
@@ -5111,6 +5111,8 @@ def test_the_one_gpu_check_passes(tmp_path, data_dir):
 @pytest.mark.parametrize("argv, message", [
     (["--variants", "1f1b,nope"], "error: --variants: unknown nope; choose from gpipe, 1f1b,"),
     (["--splits", "--variants", "1f1b"], "error: --variants: unknown 1f1b; choose from one process, even,"),
+    (["--variants", "1f1b,nowhere/gen.csv"], "error: --variants nowhere/gen.csv: no such file; write an order there "
+                                             "with plan.py --write-schedule nowhere/gen.csv, or give the path of one"),
     (["--steps", "1"], "error: --repeats, --dp and --tp must be at least 1 and --steps at least 2"),
     (["--data", "nowhere"], "error: --data nowhere: no data prepared there; run python prepare_data.py --out "
                             "nowhere first"),
@@ -5130,7 +5132,8 @@ def forked_launch(cmd: list, ranks: int, workdir: str, what: str) -> str:
 
 def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypatch, capsys):
     small = ["--repeats", "1", "--steps", "3", "--seq-len", "16", "--data", data_dir, "--", "--layers", "2"]
-    jobs = {"bench": ["--variants", "1f1b", "--batch-size", "4", "--microbatches", "4", "--out", "bench"],
+    order = str(schedule_file("zbh1", 2, 4, tmp_path))  # a FILE.csv variant: train_pipeline_gpipe.py runs it
+    jobs = {"bench": ["--variants", f"1f1b,{order}", "--batch-size", "4", "--microbatches", "4", "--out", "bench"],
             "sweep": ["--sweep", "--sweep-microbatches", "1,2", "--batch-size", "4", "--out", "sweep"],
             "dp": ["--dp", "2", "--batch-size", "8", "--microbatches", "2", "--out", "dp"],
             "tp": ["--tp", "2", "--batch-size", "4", "--microbatches", "2", "--out", "tp"],
@@ -5141,8 +5144,9 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypat
     # The sweep as users run it (its runs under torchrun); the other modes' runs with their ranks forked.
     sweep = run_script(0, "benchmark.py", *jobs.pop("sweep"), *small, cwd=tmp_path, wait=False)
     monkeypatch.chdir(tmp_path)
-    launched = []
-    monkeypatch.setattr(benchmark, "launch", lambda *a: launched.append(a[3]) or forked_launch(*a))
+    launched, kept = [], []  # kept: checkpoints an earlier run left in the runs' folder (small's: 1.4 GB a run)
+    monkeypatch.setattr(benchmark, "launch", lambda *a: launched.append(a[3]) or kept.extend(
+        n for n in os.listdir(a[2]) if n.startswith("ckpt")) or forked_launch(*a))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: the pictures are missing, and it says so
     said = {}
     for name, argv in jobs.items():
@@ -5152,6 +5156,7 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypat
         # Before any run, how many it will make; then a tick of its progress bar per run, which ends at all of them.
         assert said[name].startswith(f"benchmark: {runs} training runs, one at a time") and runs > 1, said[name]
         assert re.search(rf"\b{runs}/{runs} \[", said[name]) and not re.search(rf"\b{runs + 1}/{runs}\b", said[name])
+    assert kept == []
     assert "benchmark: no timeline pictures: matplotlib is not installed (pip install matplotlib)\n" in \
         said["bench"] and not list((tmp_path / "bench").glob("*.png"))
     result = finish(sweep, timeout=600)
@@ -5160,7 +5165,7 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypat
 
     table = (tmp_path / "bench" / "results.md").read_text()
     rows = [line.split(" | ")[0].removeprefix("| ") for line in table.splitlines() if line.startswith("| ")]
-    assert rows == ["variant", "gpipe", "1f1b"]  # gpipe runs even when not asked for: it is the reference
+    assert rows == ["variant", "gpipe", "1f1b", order]  # gpipe runs even when not asked for: it is the reference
     assert re.search(r"bubble-limited ideal .* = \d+\.\d\d\n", table), table
     assert re.search(r"tighter bound for unequal stages.* = \d+\.\d\d\n", table), table
     assert "Stage-0 activations, 1F1B / GPipe = 0.500; p/m = 0.500 (+0%)" in table  # 2 of 4 microbatches
@@ -5173,6 +5178,7 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypat
         assert 0 < benchmark.measured_bubble(trace) < 1 and 0 < benchmark.receive_share(trace) < 1
     results = json.loads((tmp_path / "bench" / "results.json").read_text())["results"]
     assert all(len(r["activation_bytes_per_rank"]) == 2 for r in results.values())
+    assert sorted(os.listdir(results[order]["trace"])) == ["rank0.json", "rank1.json"]  # the file's order ran
 
     table = (tmp_path / "sweep" / "sweep.md").read_text()
     assert [line.split(" | ")[0] for line in table.splitlines() if re.match(r"\| \d", line)] == ["| 1", "| 2"]
