@@ -1135,7 +1135,7 @@ def read_order(args, world_size: int) -> PipelineOrder | None:
         _add_send_recv({rank: _add_reduce_grad(_add_unshard_reshard(acts), microbatches)
                         for rank, acts in actions.items()}, stage_ranks.__getitem__, num_stages)
     except AssertionError as e:
-        raise ValueError(f"--schedule {path}: torch refuses this order: {str(e).strip().splitlines()[0]}") from None
+        raise ValueError(f"--schedule {path}: torch refuses this order: {' '.join(str(e).split())}") from None
     per_rank = num_stages // pp
     looped = {s: s % pp for s in range(num_stages)}  # rank r: r, r + p, ...; V: r and 2p - 1 - r
     v_shaped = {s: min(s, 2 * pp - 1 - s) for s in range(num_stages)} if num_stages == 2 * pp else looped
