@@ -4,8 +4,8 @@ First the model: its config, rotary embedding, decoder layers, the model classes
 in Hugging Face Llama's math and tensor names (``base_model.`` for its ``model.``: weights move between the two
 by renaming one prefix). Then, after a divider: presets and Hugging Face configs, the masks of packed documents,
 costs, pipeline layouts, how a stage is parallelized (tensor parallelism, activation checkpointing, compile,
-FSDP2), tied embeddings across stages, gradient clipping, and a pipeline order read from a file (--schedule
-FILE.csv, run by torch's own runtime).
+FSDP2), tied embeddings across stages, gradient clipping, a pipeline order read from a file (--schedule
+FILE.csv, run by torch's own runtime), and a forward-only pass for evaluating where torch's eval() cannot.
 
 A pipeline stage is the model trimmed (keep_only): layers in a ModuleDict keyed by global index, forward skips
 what a stage lacks, no module passed into another's forward (the tracer needs that), and every tensor's initial
@@ -1163,3 +1163,31 @@ def read_order(args, world_size: int) -> PipelineOrder | None:
                          "actions")
     args.stages_per_rank = per_rank
     return PipelineOrder(path, actions, stage_ranks, microbatches)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Evaluation where torch's eval() cannot run: a forward-only pass through this rank's stages
+
+def forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, dtype, loss_fn, losses, documents):
+    """Every microbatch forward through this rank's stages, in the order of their index: stage s only ever
+    waits for stage s - 1, which every rank runs earlier, and sends do not wait, so no rank waits on itself. Each
+    message is a batch of one in the pipeline's group, on both sides: NCCL runs it on the group's communicator."""
+    first, held, sends = pipeline_stages[0], {}, []  # held: (stage, microbatch) -> an output for a stage here
+    peer = first.stage_index_to_group_rank  # group ranks; a lone send or receive would make a pair's communicator
+    message = lambda op, t, s: dist.batch_isend_irecv([dist.P2POp(op, t, group=first.group, group_peer=peer[s])])
+    for stage in sorted(pipeline_stages, key=lambda st: st.stage_index):
+        s = stage.stage_index
+        for i in range(microbatches):
+            x = inputs.chunk(microbatches)[i] if s == 0 else held.pop((s - 1, i), None)
+            if x is None:  # from another rank: one microbatch's hidden states, in the computation's dtype
+                message(dist.irecv, x := torch.empty(hidden_shape, dtype=dtype, device=stage.device), s - 1)[0].wait()
+            out = stage.submod(x, **{name: t.chunk(microbatches)[i] for name, t in documents.items()})
+            if s == stage.num_stages - 1:
+                losses.append(loss_fn(out, targets.chunk(microbatches)[i]))
+            elif peer[s + 1] == first.group_rank:
+                held[s, i] = out
+            else:
+                sends += message(dist.isend, out.contiguous(), s + 1)  # waited for at the end
+    for work in sends:
+        work.wait()
+

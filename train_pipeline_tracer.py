@@ -36,8 +36,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
 from model import (PRESETS, LlamaForPretraining, ScheduleChoices, TiedEmbedding, chunked_loss, clip_grad_norm_,
-                   config_from_preset, describe_layout, document_positions, estimated_costs, layout, loss_chunks,
-                   materialize, merged_stages, mfu, parallelize, read_order)
+                   config_from_preset, describe_layout, document_positions, estimated_costs, forward_only, layout,
+                   loss_chunks, materialize, merged_stages, mfu, parallelize, read_order)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
              "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
@@ -513,30 +513,6 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
     for module in (m for stage in pipeline_stages for m in stage.submod.modules() if isinstance(m, FSDPModule)):
         module.reshard()  # gathered for the forwards; no backward frees them
     return torch.stack(losses).mean() if targets is not None else None
-
-
-def forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, dtype, loss_fn, losses, documents):
-    """Every microbatch forward through this rank's stages, in the order of their index: stage s only ever
-    waits for stage s - 1, which every rank runs earlier, and sends do not wait, so no rank waits on itself. Each
-    message is a batch of one in the pipeline's group, on both sides: NCCL runs it on the group's communicator."""
-    first, held, sends = pipeline_stages[0], {}, []  # held: (stage, microbatch) -> an output for a stage here
-    peer = first.stage_index_to_group_rank  # group ranks; a lone send or receive would make a pair's communicator
-    message = lambda op, t, s: dist.batch_isend_irecv([dist.P2POp(op, t, group=first.group, group_peer=peer[s])])
-    for stage in sorted(pipeline_stages, key=lambda st: st.stage_index):
-        s = stage.stage_index
-        for i in range(microbatches):
-            x = inputs.chunk(microbatches)[i] if s == 0 else held.pop((s - 1, i), None)
-            if x is None:  # from another rank: one microbatch's hidden states, in the computation's dtype
-                message(dist.irecv, x := torch.empty(hidden_shape, dtype=dtype, device=stage.device), s - 1)[0].wait()
-            out = stage.submod(x, **{name: t.chunk(microbatches)[i] for name, t in documents.items()})
-            if s == stage.num_stages - 1:
-                losses.append(loss_fn(out, targets.chunk(microbatches)[i]))
-            elif peer[s + 1] == first.group_rank:
-                held[s, i] = out
-            else:
-                sends += message(dist.isend, out.contiguous(), s + 1)  # waited for at the end
-    for work in sends:
-        work.wait()
 
 
 # ----------------------------------------------------------------------------------------------------------
