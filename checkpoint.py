@@ -10,7 +10,8 @@ flags (Parser), the checks and the lock of what a run writes, the data and --met
 
 A script's main calls, in order: checkpoint.run(main, args) around it all; run = Run(args, rank, world_size, say);
 run.relayout(stages_per_rank); run.check(); run.model_config(data, device_type); run.resume(model, optimizer,
-config); Metrics(path, step); then after every step stop_requested() and run.save_if_due(step, ...)."""
+config); Metrics(path, step); then after every step stop_requested() and run.save_if_due(step, ...); at the end
+summary(...)."""
 
 import argparse
 import atexit
@@ -29,6 +30,7 @@ import os
 import pathlib
 import pickle
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -51,7 +53,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from model import LlamaConfig, check_layout, config_from_hf, config_from_preset, hf_name, max_stages
+from model import LlamaConfig, check_layout, config_from_hf, config_from_preset, hf_name, max_stages, mfu
 
 # ==========================================================================================================
 # Part 1. Checkpoints (DCP): finding, saving, loading, --init-from, the resume rules
@@ -1255,12 +1257,31 @@ class Metrics:
         return f"loss {self.loss:.4f}{held_out}" if self.loss is not None else "no step trained"
 
 
+def summary(env, step_times: list[float], tokens_per_step: int, config, args, metrics) -> None:
+    """The run's last line, collective: every rank's peak memory, printed with the step time, tokens/s and MFU (per
+    optimizer step), and written to --metrics by the rank that writes them."""
+    peaks = [None] * env.world_size
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else
+                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+    if metrics is None or not step_times:
+        return
+    steady = sorted(step_times[1:] or step_times)  # the first step pays one-time costs
+    row = {"steps": len(step_times), "median_step_time": steady[len(steady) // 2],
+           "tokens_per_s": tokens_per_step * len(steady) / sum(steady), "peak_memory_bytes_per_rank": peaks}
+    row["mfu"] = mfu(row["tokens_per_s"], config, args.seq_len, env.device, env.dtype, env.world_size)
+    metrics.write({"summary": row})
+    utilization = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
+    print(f"done: {row['steps']} steps, {metrics.final_losses()}, median step {row['median_step_time'] * 1e3:.0f} ms, "
+          f"{row['tokens_per_s']:.0f} tokens/s{utilization}; per rank, peak memory ({env.device.type}, MiB): "
+          f"{', '.join(f'{b / 2**20:.3g}' for b in peaks)}", flush=True)
+
+
 def traced_run(args, env, config: LlamaConfig, layers: list[range], chunks: int) -> dict:
     """What a --trace measured ("run" in each rank's trace), for plan.py --trace to check against its plan."""
     return {"model": {"layers": config.num_hidden_layers, "hidden": config.hidden_size,
                       "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
                       "head_dim": config.head_dim, "ffn": config.intermediate_size, "vocab": config.vocab_size},
-            "seq_len": args.seq_len, "rows": args.batch_size // (args.dp * args.microbatches),
+            "seq_len": args.seq_len, "rows": args.batch_size // (args.dp * args.microbatches * args.accumulate),
             "batch_size": args.batch_size, "microbatches": args.microbatches, "processes": env.world_size,
             "dp": args.dp, "tp": args.tp, "split": [len(stage) for stage in layers], "schedule": args.schedule,
             "stages_per_rank": getattr(args, "stages_per_rank", 1),  # the hand-written script's: one
@@ -1312,7 +1333,8 @@ def relayout(args, world_size: int, job: list[str], stages_per_rank: int, path: 
     old_pp, layers, tp = old_world // (saved["dp"] * saved["tp"]), meta["config"]["num_hidden_layers"], args.tp
 
     def fits(pp: int, dp: int) -> bool:
-        return pp * stages_per_rank <= max_stages(layers) and args.batch_size % (dp * args.microbatches) == 0
+        return pp * stages_per_rank <= max_stages(layers) and not args.batch_size % (dp * args.microbatches *
+                                                                                      args.accumulate)
 
     found = [pp for pp in range(1, world_size // tp + 1) if world_size % (pp * tp) == 0
              and fits(pp, world_size // (pp * tp))]

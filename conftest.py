@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
@@ -720,14 +721,15 @@ def layer_count(split: int | tuple) -> int:
     return split if isinstance(split, int) else sum(split)
 
 
-def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, dp, tp, microbatches):
+def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, dp, tp, microbatches, accumulate=1):
     """One training step, then an evaluation of the same batch, of each (split, schedule, layers, documents) in
     variants at (pp, dp, tp), as the scripts build them, on real gloo ranks: the split by the library (the GPipe
     script's), traced (the tracer script's) or by hand (the AFAB script's); documents: with --document-masking's
     positions, every rank's from its rows of the batch. Saves, per variant, the full gradients, the global loss,
     the evaluated loss, the activations held, the stages' initial tensors and state_dict keys, the dense document
     masks built (from building the stages to the evaluation's end), and the step's and the evaluation's calls of
-    torch.distributed (to replay under NCCL's rules)."""
+    torch.distributed (to replay under NCCL's rules). accumulate: the step in that many schedule steps of
+    microbatches / accumulate each (--accumulate), with the FSDP units of the rank (each reduce-scatters once)."""
     calls = recorder()
     mesh = start_group(rank, world_size, store_path, pp, dp, tp)
     masks, dense = [], model_module.document_mask  # this process's: each mask a stage (or the tracer) builds
@@ -738,7 +740,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
         inputs, targets = batch
         share = len(inputs) // dp  # this replica's rows of the global batch
         x, y = (t[dp_rank * share:(dp_rank + 1) * share] for t in (inputs, targets))
-        shape, m = (share // microbatches, inputs.shape[1]), microbatches
+        shape, m, k = (share // microbatches, inputs.shape[1]), microbatches // accumulate, accumulate
         reports = dp_rank == tp_rank == 0  # the others hold the same (gathered) tensors and losses
         results = {}
         for kind, name, split, documents in variants:
@@ -770,31 +772,40 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                 meter = benchmark.ActivationMeter()
                 with meter, warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    if kind == "manual":
-                        with manual.compute(env, tp):
-                            loss = manual.SCHEDULES[name](
-                                partition, x.chunk(m) if first else [None] * m, y.chunk(m) if last else [None] * m,
-                                env.device, torch.float32, loss_chunks=8,  # as the library's loss above
-                                positions=positions.chunk(m) if documents else None, shape=shape)
-                    else:
-                        loss = script.train_step(schedule, x if first else None, y if last else None, env, tp,
-                                                 **({"positions": positions} if documents else {}))
+                    parts = [[t.chunk(k)[i] if t is not None else None for t in (x, y, positions)] for i in range(k)]
+                    losses = []  # of each schedule step: their mean is the optimizer step's
+                    for i, (xi, yi, pi) in enumerate(parts):
+                        if kind == "manual":
+                            with manual.compute(env, tp):
+                                losses.append(manual.SCHEDULES[name](
+                                    partition, xi.chunk(m) if first else [None] * m,
+                                    yi.chunk(m) if last else [None] * m, env.device, torch.float32,
+                                    loss_chunks=8,  # as the library's loss above
+                                    positions=pi.chunk(m) if documents else None, shape=shape, window=(i, k)))
+                        else:
+                            losses.append(script.train_step(schedule, xi if first else None, yi if last else None,
+                                                            env, tp, window=(i, k),
+                                                            **({"positions": pi} if documents else {})))
+                    loss = sum(losses) / k if last else None
                 # Copied: a replicated DTensor's full_tensor() is its local tensor, and torch 2.13's eval() below
                 # divides the gradients it finds by the microbatches once more.
                 grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
                          for n, p in model.named_parameters()}
                 # The evaluation of the same batch (the weights are unchanged: no optimizer step), forward only: the
                 # schedule's eval(), or the script's own forward pass where torch's cannot serve (V-shaped).
-                if kind == "manual":
-                    with manual.compute(env, tp):
-                        evaluated = manual.eval_step_pipeline(
-                            partition, x.chunk(m) if first else [None] * m, y.chunk(m) if last else [None] * m,
-                            env.device, torch.float32, loss_chunks=8,
-                            positions=positions.chunk(m) if documents else None, shape=shape)
-                else:
-                    evaluated = script.eval_step(schedule, built, x if first else None, y if last else None, env,
-                                                 tp, loss_fn, m, (shape[0], shape[1] // tp, config.hidden_size),
-                                                 **({"positions": positions} if documents else {}))
+                evaluations = []  # a schedule step's microbatches at a time, as the scripts evaluate
+                for xi, yi, pi in parts:
+                    if kind == "manual":
+                        with manual.compute(env, tp):
+                            evaluations.append(manual.eval_step_pipeline(
+                                partition, xi.chunk(m) if first else [None] * m, yi.chunk(m) if last else [None] * m,
+                                env.device, torch.float32, loss_chunks=8,
+                                positions=pi.chunk(m) if documents else None, shape=shape))
+                    else:
+                        evaluations.append(script.eval_step(
+                            schedule, built, xi if first else None, yi if last else None, env, tp, loss_fn, m,
+                            (shape[0], shape[1] // tp, config.hidden_size), **({"positions": pi} if documents else {})))
+                evaluated = sum(evaluations) / k if last else None
             if last and dp > 1:
                 for value in (loss, evaluated):
                     dist.all_reduce(value, group=mesh.get_group("dp"))
@@ -804,10 +815,21 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                 "state_keys": list(model.state_dict()) if reports else [],
                 "loss": loss if last and reports else None, "eval": evaluated if last and reports else None,
                 "activations": meter.peak_bytes, "masks": len(masks), "calls": calls.recording(), "stages": stages,
-                "views": sum("returned a view tensor" in str(w.message) for w in caught)}
+                "views": sum("returned a view tensor" in str(w.message) for w in caught),
+                "fsdp_units": fsdp_groups(modules),
+                "dp_group": mesh.get_group("dp").group_name}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def fsdp_groups(modules: list) -> int:
+    """The FSDP2 units among modules that hold parameters of their own (a stage's root over its layers alone holds
+    none): each reduce-scatters its gradients once a step."""
+    units = [m for module in modules for m in module.modules() if isinstance(m, FSDPModule)]
+    inner = {u: {p for v in u.modules() if v is not u and isinstance(v, FSDPModule) for p in v.parameters()}
+             for u in units}
+    return sum(bool(set(u.parameters()) - inner[u]) for u in units)
 
 
 def variant_order(name: str, directory, world_size: int, dp: int, tp: int, microbatches: int):
@@ -970,6 +992,38 @@ PARITY_LAYOUTS[2, 1, 2] += [("library", "zbh1.csv", 4, False)]  # the library sc
 PARITY_LAYOUTS[2, 1, 1] += [("library", "zb2p.csv", 4, False), ("tracer", "zbvauto.csv", (0, 2, 2, 0), False)]
 PARITY_LAYOUTS[3, 1, 1] += [("library", "zb1p.csv", 6, False), ("library", "zbvauto.csv", 6, False)]
 PARITY_LAYOUTS[2, 2, 1] += [("library", "zbh2.csv", 4, False)]
+
+
+# --accumulate 2: each optimizer step's 8 microbatches a replica (a row each) in 2 schedule steps of 4 (DualPipeV's
+# V takes at least its 4 stages' worth): every schedule of every kind; replicas (FSDP2 reduce-scatters once an
+# optimizer step, not once a schedule step), tensor parallelism, documents kept apart, an order from a file.
+ACCUMULATED_LAYOUTS = {
+    (2, 1, 1): [(kind, name, 4, False) for kind, name in EVERY_SPLIT_AND_SCHEDULE]
+               + [("library", "1f1b", 4, True), ("manual", "afab", 4, True), ("tracer", "zbvzerobubble", 4, True)],
+    (2, 2, 1): [("library", "gpipe", 4, False), ("library", "zbvzerobubble", (0, 2, 2, 0), False),
+                ("library", "interleavedzerobubble", 4, True), ("tracer", "interleaved1f1b", 4, False),
+                ("tracer", "dualpipev", 4, False), ("manual", "1f1b", 4, False), ("manual", "afab", (0, 4), True),
+                ("library", "zbh1.csv", 4, False)],
+    (2, 1, 2): [("library", "1f1b", 4, False), ("library", "dualpipev", 4, True), ("manual", "afab", 4, False)],
+}
+ACCUMULATE, ACCUMULATED_MICROBATCHES = 2, 8  # schedule steps an optimizer step; microbatches a replica, in all
+
+
+@pytest.fixture(scope="module", params=list(ACCUMULATED_LAYOUTS), ids=lambda layout: "-".join(map(str, layout)))
+def accumulated_run(request, tmp_path_factory):
+    """One optimizer step of every variant of a layout in ACCUMULATED_LAYOUTS, in ACCUMULATE schedule steps, as
+    parity_run runs one: ((pp, dp, tp), variants, the batch, each rank's saved results)."""
+    (pp, dp, tp), tmp_path = request.param, tmp_path_factory.mktemp("accumulated")
+    variants, world_size = ACCUMULATED_LAYOUTS[pp, dp, tp], pp * dp * tp
+    inputs, targets = random_batch(parity_config(4), batch=ACCUMULATED_MICROBATCHES * dp)
+    inputs = documents_batch(inputs, {2: [5, 11], 3: [0, 9]})  # (as parity_run's)
+    for order in {name.removesuffix(".csv") for _, name, _, _ in variants if name.endswith(".csv")}:
+        schedule_file(order, pp, ACCUMULATED_MICROBATCHES // ACCUMULATE, tmp_path)
+    run_workers(_layout_worker, world_size, args=(world_size, str(tmp_path / "store"), str(tmp_path), variants,
+                                                  (inputs, targets), pp, dp, tp, ACCUMULATED_MICROBATCHES,
+                                                  ACCUMULATE))
+    return (pp, dp, tp), variants, (inputs, targets), [torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
+                                                       for r in range(world_size)]
 
 
 def parity_step(layout: tuple) -> tuple[int, int]:

@@ -5,7 +5,8 @@ in Hugging Face Llama's math and tensor names (``base_model.`` for its ``model.`
 by renaming one prefix). Then, after a divider: presets and Hugging Face configs, the masks of packed documents,
 costs, pipeline layouts, how a stage is parallelized (tensor parallelism, activation checkpointing, compile,
 FSDP2), tied embeddings across stages, gradient clipping, a pipeline order read from a file (--schedule
-FILE.csv, run by torch's own runtime), and a forward-only pass for evaluating where torch's eval() cannot.
+FILE.csv, run by torch's own runtime), gradient accumulation under torch's schedules, and a
+forward-only pass for evaluating where torch's eval() cannot.
 
 A pipeline stage is the model trimmed (keep_only): layers in a ModuleDict keyed by global index, forward skips
 what a stage lacks, no module passed into another's forward (the tracer needs that), and every tensor's initial
@@ -1163,6 +1164,29 @@ def read_order(args, world_size: int) -> PipelineOrder | None:
                          "actions")
     args.stages_per_rank = per_rank
     return PipelineOrder(path, actions, stage_ranks, microbatches)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Gradient accumulation (--accumulate K) under torch's schedules
+
+def accumulate_into(schedule, step: int, steps: int) -> None:
+    """Before schedule step `step` (from 0) of the `steps` an optimizer step takes. torch ends every schedule step
+    in each stage's perform_reduce_grad: FSDP2's reduce-scatter of the step's gradients, then their division by the
+    microbatches (scale_grads). Run K times, that would reduce-scatter K times and divide the first steps' sums
+    again at each later step (torchtitan #1733's moving average). So the first K - 1 steps skip it: their
+    backwards already run with FSDP's gradient sync off and its parameters kept unsharded (torch's stage sets both
+    for every backward but a step's last), so the gradients add up, unsharded, across the steps; the last step
+    reduce-scatters the sum once and divides it by all K x m microbatches. K = 1: torch's own path, untouched."""
+    for stage in getattr(schedule, "_stages", None) or [schedule._stage]:  # a multi-stage schedule's, or the one
+        vars(stage).pop("perform_reduce_grad", None)  # the previous step's choice undone: torch's method again
+        if step < steps - 1:
+            stage.perform_reduce_grad = lambda scale: None
+        elif steps > 1:
+            stage.perform_reduce_grad = functools.partial(_reduce_all_steps, stage, steps)
+
+
+def _reduce_all_steps(stage, steps: int, scale: int) -> None:
+    type(stage).perform_reduce_grad(stage, scale * steps)  # scale: torch's microbatch count (scale_grads)
 
 
 # ----------------------------------------------------------------------------------------------------------

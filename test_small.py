@@ -66,7 +66,7 @@ import train_pipeline_afab_manual as manual
 import train_pipeline_gpipe as gpipe
 import train_pipeline_tracer as tracer
 from conftest import (  # the helpers; the fixtures pytest finds there itself
-    BOS, DOCUMENT_RUNS, LAYOUT_RUNS, LLAMA3_ROPE, RESUME_ARGS, ROOT, RTOL, RUN_SH, SCRIPTS, SCRIPT_MODULES,
+    ACCUMULATED_MICROBATCHES, BOS, DOCUMENT_RUNS, LAYOUT_RUNS, LLAMA3_ROPE, RESUME_ARGS, ROOT, RTOL, RUN_SH, SCRIPTS, SCRIPT_MODULES,
     STARTUP_CONFIG, TRAIN_ARGS, WORDS, assert_close_rel, assert_same_trajectory, checked_args, corpus, cpu_env,
     cpu_stage, cpu_traced, descendants, documents_batch, error_lines, errors, finish, free_port, kill_job, launch,
     launch_ranks, launcher_env, layer_count, library_pipeline, mount_tmpfs, one_line_error, parity_config,
@@ -1276,6 +1276,32 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
             (kind, name, ratios)
 
 
+def test_accumulated_schedule_steps_give_the_unsplit_gradients_and_reduce_scatter_once(accumulated_run):
+    # --accumulate 2: an optimizer step's 8 microbatches in 2 schedule steps of 4 are the unsplit model's 8, for
+    # every schedule: the gradients, the loss and the evaluation, also with replicas, tp and documents. torch ends
+    # each schedule step by reducing and dividing the gradients (perform_reduce_grad); run twice, the first
+    # step's would be divided twice (1/16 of them, not 1/8) and FSDP2 would reduce-scatter twice: each FSDP unit
+    # of a replica reduce-scatters once, on the replicas' group (model.accumulate_into skips the first step's).
+    (pp, dp, tp), variants, (inputs, targets), ranks = accumulated_run
+    references = {(layer_count(split), documents): unsplit_step(parity_config(layer_count(split)), inputs, targets,
+                                                                dp * ACCUMULATED_MICROBATCHES, documents)
+                  for _, _, split, documents in variants}
+    for variant in variants:
+        loss, expected, _ = references[layer_count(variant[2]), variant[3]]
+        got = {name: g for result in ranks for name, g in result[variant]["grads"].items()}
+        assert sorted(got) == sorted(expected), variant
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-8, msg=f"{variant} {name}")
+        for kind in ("loss", "eval"):
+            value = next(result[variant][kind] for result in ranks if result[variant][kind] is not None)
+            assert_close_rel(value.item(), loss.item(), what=f"{variant} {kind}")
+        nccl_rules.check([result[variant]["calls"] for result in ranks])
+        for r, result in enumerate(ranks):
+            reduced = sum(e.get("name") == "reduce_scatter" and e.get("group") == result[variant]["dp_group"]
+                          for e in result[variant]["calls"]["events"])
+            assert reduced == (result[variant]["fsdp_units"] if dp > 1 else 0), (variant, r, reduced)
+
+
 ZERO_BUBBLE = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")  # the schedules that split a backward
 
 
@@ -2282,8 +2308,19 @@ def test_every_layerless_layout_resumes_in_every_script(tmp_path, data_dir, refe
     variants = {f"{script}_{where}": (nproc, f"train_pipeline_{script}.py", extra)
                 for script in ("gpipe", "afab_manual", "tracer") for where, (nproc, extra) in layouts.items()}
     variants["gpipe_first_dp2"] = (4, "train_pipeline_gpipe.py", ["--split", "0,4", "--dp", "2"])
+    # And with --accumulate: each optimizer step's batch of 8 (the reference's 4 microbatches a replica, in one
+    # schedule step) in 2 or 4 schedule steps, from the same checkpoint (it holds no microbatch count).
+    accumulated = {"gpipe_accumulate": (4, "train_pipeline_gpipe.py", ["--dp", "2", "--accumulate", "2"]),
+                   "afab_manual_accumulate": (2, "train_pipeline_afab_manual.py", ["--schedule", "1f1b",
+                                                                                   "--accumulate", "4"]),
+                   "tracer_accumulate": (2, "train_pipeline_tracer.py", ["--schedule", "zbvzerobubble",
+                                                                         "--accumulate", "4"])}
+    variants |= {name: (nproc, script, [*extra, "--microbatches", "2"]) for name, (nproc, script, extra)
+                 in accumulated.items()}
     for name, (result, rows) in resumed_from_step_8(tmp_path, data_dir, reference_dir, variants).items():
         assert "resumed from" in result.stdout, name
+        if name in accumulated:  # said where the layout is
+            assert f"{accumulated[name][2][-1]} x 2 microbatches an optimizer step" in result.stdout, name
         assert_same_trajectory(rows, reference[8:], name, since=8)
 
 
@@ -5674,6 +5711,8 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
     cases = [("train_pipeline_gpipe.py", given, named, 1) for given, named in gpipe_cases.items()]
     # The other scripts share the checks; their own choices are checked too.
     cases += [("train_pipeline_afab_manual.py", ("--split", "1,1,1"), "--split 1,1,1: give 1 layer counts", 1),
+              ("train_pipeline_tracer.py", ("--batch-size", "12", "--accumulate", "2"),
+               "--batch-size 12 is not divisible by --dp 1 x --microbatches 4 x --accumulate 2", 1),
               ("train_pipeline_tracer.py", ("--schedule", "zbvzerobubble", "--stages-per-rank", "3"),
                "--stages-per-rank", 1),
               ("train_pipeline_tracer.py", ("--schedule", "1f1b", "--stages-per-rank", "2"),
@@ -5714,6 +5753,7 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
                                  ("train_pipeline_tracer.py", ("--lr", "inf"), "--lr"),
                                  ("train_pipeline_gpipe.py", ("--dp", "0"), "--dp"),
                                  ("train_pipeline_afab_manual.py", ("--microbatches", "0"), "--microbatches"),
+                                 ("train_pipeline_gpipe.py", ("--accumulate", "0"), "--accumulate"),
                                  ("train_pipeline_afab_manual.py", ("--schedule", "gpipe"), "--schedule"),
                                  ("train_pipeline_gpipe.py", ("--tokenizer", "t.json"),
                                   "unrecognized arguments: --tokenizer t.json")]:

@@ -19,7 +19,6 @@ import datetime
 import functools
 import math
 import os
-import resource
 import time
 
 import numpy as np
@@ -36,7 +35,7 @@ import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
 from model import (PRESETS, LlamaForPretraining, TiedEmbedding, attention_mask, chunked_loss, clip_grad_norm_,
                    config_from_preset, describe_layout, document_mask, document_positions, estimated_costs, even,
-                   layout, loss_chunks, materialize, mfu, parallelize)
+                   layout, loss_chunks, materialize, parallelize)
 
 # ----------------------------------------------------------------------------------------------------------
 # Flags: the same names and meanings in every script of the collection
@@ -51,8 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("training")
     g.add_argument("--data", default="data", help="data prepared by prepare_data.py")
     g.add_argument("--steps", type=whole(0), default=300, run=True, help="optimizer steps; 0: only evaluate")
-    g.add_argument("--batch-size", type=whole(1), default=16, run=True, help="sequences per step, all replicas")
-    g.add_argument("--microbatches", type=whole(1), default=4, help="per replica, of its share of the batch")
+    g.add_argument("--batch-size", type=whole(1), default=16, run=True,
+                   help="sequences per optimizer step, all replicas")
+    g.add_argument("--microbatches", type=whole(1), default=4, help="per replica and schedule step, of its rows")
+    g.add_argument("--accumulate", type=whole(1), default=1, help="schedule steps per optimizer step, each of "
+                   "--microbatches microbatches per replica: a bigger --batch-size in the same memory")
     g.add_argument("--seq-len", type=whole(1), default=128, run=True, help="tokens per sequence")
     g.add_argument("--document-masking", action="store_true", run=True, help="attention, positions per document")
     g.add_argument("--lr", type=number(positive=True), default=3e-3, run=True, help="peak learning rate (AdamW)")
@@ -116,7 +118,7 @@ def main(args):
     with collective_errors():
         config, name = run.model_config(meta, env.device.type)
         layers = stage_layout(config, num_stages, args)
-    microbatch = (args.batch_size // (dp * args.microbatches), args.seq_len)
+    microbatch = (args.batch_size // (dp * args.microbatches * args.accumulate), args.seq_len)  # of a replica
     chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
 
     # --- the split: this rank's slice trimmed on meta; tensor parallelism, checkpointing, compile, FSDP2; its shards
@@ -131,10 +133,11 @@ def main(args):
     pipe = functools.partial(run_batch, env=env, tp=tp, m=args.microbatches, chunks=chunks, shape=microbatch)
     run_train, run_eval = (functools.partial(pipe, schedule, partition)
                            for schedule in (SCHEDULES[args.schedule], eval_step_pipeline))
+    window = f", {args.accumulate} x {args.microbatches} microbatches an optimizer step" if args.accumulate > 1 else ""
     say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
         f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
         f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks))}"
-        f" | {args.schedule} by hand | {env.device.type} {str(env.dtype).removeprefix('torch.')}", flush=True)
+        f" | {args.schedule}{window} by hand | {env.device.type} {str(env.dtype).removeprefix('torch.')}", flush=True)
 
     # --- optimizer, tied embedding, resume: from here on the same in every script
     optimizer = make_optimizer(model, args)
@@ -145,9 +148,10 @@ def main(args):
     reports = has_last and dp_rank == tp_rank == 0  # one last-stage rank prints the loss and writes --metrics
     # Resumed, --metrics drops the rows after the checkpoint; with nothing left to train it stays as it was.
     metrics = checkpoint.Metrics(args.metrics, step) if reports and (step < args.steps or not args.steps) else None
-    rows = slice(dp_rank * args.batch_size // dp, (dp_rank + 1) * args.batch_size // dp)  # this replica's
 
-    def through_pipeline(run_step, inputs, targets):  # this replica's rows in; the mean loss over the replicas out
+    def through_pipeline(run_step, inputs, targets, part=0, parts=1):  # this replica's rows (their part-th of
+        share = args.batch_size // (dp * parts)  # parts) in; the mean loss over the replicas out
+        rows = slice((dp_rank * parts + part) * share, (dp_rank * parts + part + 1) * share)
         inputs = inputs[rows].to(env.device) if has_first or args.document_masking else None  # copied where used
         documents = {"positions": document_positions(inputs, meta["bos_id"])} if args.document_masking else {}
         loss = run_step(inputs if has_first else None, targets[rows].to(env.device) if has_last else None, **documents)
@@ -185,7 +189,9 @@ def main(args):
                 torch.cuda.synchronize(env.device)  # time the step's work, not its launch
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss = through_pipeline(run_train, *batches.next())
+            batch, k = batches.next(), args.accumulate  # an optimizer step's rows: k schedule steps, a part each
+            losses = [through_pipeline(functools.partial(run_train, window=(i, k)), *batch, i, k) for i in range(k)]
+            loss = sum(losses) / k if has_last else None  # the mean over all k x m microbatches, as at k = 1
             tied.sync_grads()
             grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies, tp)
             optimizer.step()
@@ -211,7 +217,7 @@ def main(args):
                 break
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                 evaluate(step)
-    summary(env, step_times, tokens_per_step, config, args, metrics)
+    checkpoint.summary(env, step_times, tokens_per_step, config, args, metrics)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -223,9 +229,9 @@ def check_args(args, world_size: int, device_type: str, preset: bool) -> None:
     if world_size % group:
         raise UsageError(f"--dp {args.dp} x --tp {args.tp}: {world_size} processes do not divide into stages of "
                          f"{group}; start a multiple of {group} (pipeline ranks x dp x tp)", on_every_rank=True)
-    if args.batch_size % (args.dp * args.microbatches):
+    if args.batch_size % (args.dp * args.microbatches * args.accumulate):
         raise UsageError(f"--batch-size {args.batch_size} is not divisible by --dp {args.dp} x --microbatches "
-                         f"{args.microbatches}", on_every_rank=True)
+                         f"{args.microbatches} x --accumulate {args.accumulate}", on_every_rank=True)
     if args.tp > 1 and args.sequence_parallel and args.seq_len % args.tp:
         raise UsageError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp}: with sequence parallelism each "
                          f"tensor-parallel rank holds seq_len / tp positions; use a multiple of {args.tp}, or add "
@@ -240,7 +246,7 @@ def check_args(args, world_size: int, device_type: str, preset: bool) -> None:
 
 def stage_layout(config, num_stages: int, args) -> list[range]:
     """The layers of each stage (--split), once the model's shape is known; model.layout says what it rules out."""
-    microbatch = (args.batch_size // (args.dp * args.microbatches), args.seq_len)
+    microbatch = (args.batch_size // (args.dp * args.microbatches * args.accumulate), args.seq_len)
     try:
         return layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing,
                       loss_chunks(args.loss_chunks, config, microbatch, args.tp), args.tp)
@@ -420,10 +426,10 @@ def loss_fn(partition: Partition, hidden: torch.Tensor, targets: torch.Tensor, c
 class Step:
     """One step of AFAB or 1F1B on this rank, each forward, backward, send and receive labelled for --trace."""
 
-    def __init__(self, model, inputs, targets, device, dtype, loss_chunks=1, positions=None, shape=None):
+    def __init__(self, model, inputs, targets, device, dtype, loss_chunks=1, positions=None, shape=None, window=(0, 1)):
         part = model if isinstance(model, Partition) else partition_model(model, dist.get_rank(), dist.get_world_size())
         self.partition, self.inputs, self.targets, self.device, self.dtype = part, inputs, targets, device, dtype
-        self.chunks, self.microbatches, self.positions = loss_chunks, len(inputs), positions
+        self.chunks, self.microbatches, self.positions, self.window = loss_chunks, len(inputs), positions, window
         self.rank, self.first, self.last = part.rank, part.rank == 0, part.rank == part.world_size - 1
         # saved: microbatch -> (input, output or loss); held: sends for the next receive; sends: the last ones alone
         self.saved, self.loss, self.held, self.sends = {}, torch.zeros((), device=device), [], []
@@ -455,9 +461,10 @@ class Step:
         x.requires_grad_(not self.first)
         with record_function(f"forward {i}"):
             out = forward_stage(self.partition, x, self.positions[i] if self.positions else None)
-            if self.last:  # divided by the microbatches: the gradients add up to those of their mean loss
+            if self.last:  # divided by the microbatches (and steps accumulated): the gradients add up to their mean's
                 out = loss_fn(self.partition, out, self.targets[i].to(self.device), self.chunks) / self.microbatches
                 self.loss += out.detach()
+                out = out / self.window[1] if self.window[1] > 1 else out  # (k = 1: nothing more, bit for bit)
         if not self.last:  # values only travel; the graph stays here in `out` for this stage's backward
             self.message(dist.isend, out.detach().to(self.dtype), self.rank + 1, i, hold)
         self.saved[i] = (x, out)
@@ -467,8 +474,9 @@ class Step:
         grad = None if self.last else self.message(dist.irecv, self.shapes[i], self.rank + 1, i).to(out.dtype)
         if isinstance(model := self.partition.model, FSDPModule):
             # With replicas, every backward adds into the unsharded gradient and only the last one (microbatch
-            # m - 1, in AFAB and 1F1B alike) reduce-scatters the sum: once per step, not m times.
-            last = i == self.microbatches - 1
+            # m - 1, in AFAB and 1F1B alike, of the optimizer step's last schedule step) reduce-scatters the sum: once
+            # per optimizer step, not m (x --accumulate) times.
+            last = i == self.microbatches - 1 and self.window[0] == self.window[1] - 1
             model.set_requires_gradient_sync(last)
             model.set_reshard_after_backward(last)
             model.set_is_last_backward(last)
@@ -483,11 +491,13 @@ class Step:
         return self.loss if self.last else None
 
 
-def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None, shape=None):
+def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None, shape=None,
+                             window=(0, 1)):
     """Every microbatch forward, then every one backward. model: the whole model, on every rank, or a Partition;
     inputs, targets: lists of microbatches' token ids (None where unread; then shape: their (batch, seq)); dtype:
-    of what is sent. The mean microbatch loss on the last rank, else None; gradients only in this rank's part."""
-    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape)
+    of what is sent; window: (k, K), schedule step k of the K of an optimizer step (--accumulate). The mean
+    microbatch loss on the last rank, else None; gradients only in this rank's part, added to what they hold."""
+    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape, window)
     for i in range(step.microbatches):
         step.forward(i, hold=False)
     for i in range(step.microbatches):
@@ -495,10 +505,11 @@ def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chun
     return step.finish()
 
 
-def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None, shape=None):
+def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None, shape=None,
+                             window=(0, 1)):
     """One training step with 1F1B (PipeDream-flush): AFAB's arguments, result and gradients, but a rank holds
     the activations of at most world_size - rank microbatches."""
-    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape)
+    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape, window)
     m = step.microbatches
     warmup = min(step.partition.world_size - step.rank - 1, m)  # fill the pipeline below; the last rank needs none
     for i in range(warmup):
@@ -526,15 +537,18 @@ def eval_step_pipeline(model, inputs, targets, device, dtype, *, loss_chunks=1, 
 SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 
 
-def run_batch(schedule, partition, inputs, targets, env: Env, tp: int, m: int, chunks: int, shape, positions=None):
-    """A batch, cut into m microbatches of shape (batch, seq), through a schedule: the last stage's mean loss."""
+def run_batch(schedule, partition, inputs, targets, env: Env, tp: int, m: int, chunks: int, shape, positions=None,
+              **window):
+    """A batch, cut into m microbatches of shape (batch, seq), through a schedule (with a training step's window:
+    its place among --accumulate's): the last stage's mean loss."""
     mbs = [x.chunk(m) if x is not None else [None] * m for x in (inputs, targets, positions)]
     with compute(env, tp):  # in the computation's dtype between stages (model.cast_between_stages casts to it)
-        return schedule(partition, *mbs[:2], env.device, env.dtype, loss_chunks=chunks, positions=mbs[2], shape=shape)
+        return schedule(partition, *mbs[:2], env.device, env.dtype, loss_chunks=chunks, positions=mbs[2], shape=shape,
+                        **window)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Training: the optimizer, its learning rate, the summary
+# Training: the optimizer and its learning rate (the run's summary: checkpoint.summary)
 
 def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     # Decay matrices only, not norm gains (the same on any split); no empty group (an embedding-only stage has no
@@ -550,24 +564,6 @@ def lr_at(step: int, args) -> float:
         return args.lr * step / args.warmup_steps
     progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def summary(env: Env, step_times: list[float], tokens_per_step: int, config, args, metrics) -> None:
-    """Collective: every rank's peak memory, printed with the step time, tokens/s and MFU, and written to --metrics."""
-    peaks = [None] * env.world_size
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else
-                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
-    if metrics is None or not step_times:
-        return
-    steady = sorted(step_times[1:] or step_times)  # the first step pays one-time costs
-    row = {"steps": len(step_times), "median_step_time": steady[len(steady) // 2],
-           "tokens_per_s": tokens_per_step * len(steady) / sum(steady), "peak_memory_bytes_per_rank": peaks}
-    row["mfu"] = mfu(row["tokens_per_s"], config, args.seq_len, env.device, env.dtype, env.world_size)
-    metrics.write({"summary": row})
-    utilization = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
-    print(f"done: {row['steps']} steps, {metrics.final_losses()}, median step {row['median_step_time'] * 1e3:.0f} ms, "
-          f"{row['tokens_per_s']:.0f} tokens/s{utilization}; per rank, peak memory ({env.device.type}, MiB): "
-          f"{', '.join(f'{b / 2**20:.3g}' for b in peaks)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import datetime
 import functools
 import math
 import os
-import resource
 import time
 
 import numpy as np
@@ -34,9 +33,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
-from model import (PRESETS, LlamaForPretraining, ScheduleChoices, TiedEmbedding, chunked_loss, clip_grad_norm_,
-                   config_from_preset, describe_layout, document_positions, estimated_costs, forward_only, layout,
-                   loss_chunks, materialize, merged_stages, mfu, parallelize, read_order)
+from model import (PRESETS, LlamaForPretraining, ScheduleChoices, TiedEmbedding, accumulate_into, chunked_loss,
+                   clip_grad_norm_, config_from_preset, describe_layout, document_positions, estimated_costs,
+                   forward_only, layout, loss_chunks, materialize, merged_stages, parallelize, read_order)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
              "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
@@ -57,8 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("training")
     g.add_argument("--data", default="data", help="data prepared by prepare_data.py")
     g.add_argument("--steps", type=whole(0), default=300, run=True, help="optimizer steps; 0: only evaluate")
-    g.add_argument("--batch-size", type=whole(1), default=16, run=True, help="sequences per step, all replicas")
-    g.add_argument("--microbatches", type=whole(1), default=4, help="per replica, of its share of the batch")
+    g.add_argument("--batch-size", type=whole(1), default=16, run=True,
+                   help="sequences per optimizer step, all replicas")
+    g.add_argument("--microbatches", type=whole(1), default=4, help="per replica and schedule step, of its rows")
+    g.add_argument("--accumulate", type=whole(1), default=1, help="schedule steps per optimizer step, each of "
+                   "--microbatches microbatches per replica: a bigger --batch-size in the same memory")
     g.add_argument("--seq-len", type=whole(1), default=128, run=True, help="tokens per sequence")
     g.add_argument("--document-masking", action="store_true", run=True, help="attention, positions per document")
     g.add_argument("--lr", type=number(positive=True), default=3e-3, run=True, help="peak learning rate (AdamW)")
@@ -130,7 +132,7 @@ def main(args):
     with collective_errors():
         config, name = run.model_config(meta, env.device.type)
         layers = stage_layout(config, num_stages, args)
-    microbatch = (args.batch_size // (dp * args.microbatches), args.seq_len)
+    microbatch = (args.batch_size // (dp * args.microbatches * args.accumulate), args.seq_len)  # of a replica
     chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
     shards = tp if args.sequence_parallel else 1  # sequence parallelism: each tp rank holds seq_len / tp positions
 
@@ -148,10 +150,11 @@ def main(args):
     run_eval = functools.partial(eval_step, schedule, pipeline_stages, env=env, tp=tp, loss_fn=loss_fn,
                                  microbatches=args.microbatches,
                                  hidden_shape=(microbatch[0], microbatch[1] // shards, config.hidden_size))
+    window = f", {args.accumulate} x {args.microbatches} microbatches an optimizer step" if args.accumulate > 1 else ""
     say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
         f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
         f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks))}"
-        f" | {args.schedule} | {env.device.type} {str(env.dtype).removeprefix('torch.')}", flush=True)
+        f" | {args.schedule}{window} | {env.device.type} {str(env.dtype).removeprefix('torch.')}", flush=True)
 
     # --- optimizer, tied embedding, resume: from here on the same in every script
     optimizer = make_optimizer(model, args)
@@ -162,9 +165,10 @@ def main(args):
     reports = has_last and dp_rank == tp_rank == 0  # one last-stage rank prints the loss and writes --metrics
     # Resumed, --metrics drops the rows after the checkpoint; with nothing left to train it stays as it was.
     metrics = checkpoint.Metrics(args.metrics, step) if reports and (step < args.steps or not args.steps) else None
-    rows = slice(dp_rank * args.batch_size // dp, (dp_rank + 1) * args.batch_size // dp)  # this replica's
 
-    def through_pipeline(run_step, inputs, targets):  # this replica's rows in; the mean loss over the replicas out
+    def through_pipeline(run_step, inputs, targets, part=0, parts=1):  # this replica's rows (their part-th of
+        share = args.batch_size // (dp * parts)  # parts) in; the mean loss over the replicas out
+        rows = slice((dp_rank * parts + part) * share, (dp_rank * parts + part + 1) * share)
         inputs = inputs[rows].to(env.device) if has_first or args.document_masking else None  # copied where used
         documents = {"positions": document_positions(inputs, meta["bos_id"])} if args.document_masking else {}
         loss = run_step(inputs if has_first else None, targets[rows].to(env.device) if has_last else None, **documents)
@@ -202,7 +206,9 @@ def main(args):
                 torch.cuda.synchronize(env.device)  # time the step's work, not its launch
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss = through_pipeline(run_train, *batches.next())
+            batch, k = batches.next(), args.accumulate  # an optimizer step's rows: k schedule steps, a part each
+            losses = [through_pipeline(functools.partial(run_train, window=(i, k)), *batch, i, k) for i in range(k)]
+            loss = sum(losses) / k if has_last else None  # the mean over all k x m microbatches, as at k = 1
             tied.sync_grads()
             grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies, tp)
             optimizer.step()
@@ -228,7 +234,7 @@ def main(args):
                 break
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                 evaluate(step)
-    summary(env, step_times, tokens_per_step, config, args, metrics)
+    checkpoint.summary(env, step_times, tokens_per_step, config, args, metrics)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -241,9 +247,9 @@ def check_args(args, world_size: int, device_type: str, preset: bool) -> None:
     if world_size % group:
         raise UsageError(f"--dp {args.dp} x --tp {args.tp}: {world_size} processes do not divide into stages of "
                          f"{group}; start a multiple of {group} (pipeline ranks x dp x tp)", on_every_rank=True)
-    if args.batch_size % (args.dp * args.microbatches):
+    if args.batch_size % (args.dp * args.microbatches * args.accumulate):
         raise UsageError(f"--batch-size {args.batch_size} is not divisible by --dp {args.dp} x --microbatches "
-                         f"{args.microbatches}", on_every_rank=True)
+                         f"{args.microbatches} x --accumulate {args.accumulate}", on_every_rank=True)
     if args.tp > 1 and args.sequence_parallel and args.seq_len % args.tp:
         raise UsageError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp}: with sequence parallelism each "
                          f"tensor-parallel rank holds seq_len / tp positions; use a multiple of {args.tp}, or add "
@@ -261,7 +267,7 @@ def check_args(args, world_size: int, device_type: str, preset: bool) -> None:
 
 def stage_layout(config, num_stages: int, args) -> list[range]:
     """The layers of each stage (--split), once the model's shape is known; model.layout says what it rules out."""
-    microbatch = (args.batch_size // (args.dp * args.microbatches), args.seq_len)
+    microbatch = (args.batch_size // (args.dp * args.microbatches * args.accumulate), args.seq_len)
     try:
         return layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing,
                       loss_chunks(args.loss_chunks, config, microbatch, args.tp), args.tp)
@@ -425,8 +431,10 @@ def make_schedule(name: str, pipeline_stages: list, microbatches: int, chunks: i
         raise UsageError(f"--schedule {name} with --microbatches {microbatches}: {e}", on_every_rank=True) from None
 
 
-def train_step(schedule, inputs, targets, env: Env, tp: int, **documents) -> torch.Tensor | None:
-    """Forward and backward of a batch; the mean microbatch loss on the last stage's rank, else None."""
+def train_step(schedule, inputs, targets, env: Env, tp: int, window=(0, 1), **documents) -> torch.Tensor | None:
+    """Forward and backward of a batch, schedule step window[0] of the window[1] of an optimizer step (--accumulate);
+    the mean microbatch loss on the last stage's rank, else None."""
+    accumulate_into(schedule, *window)  # the gradients' reduction and scaling once, at the last step (model.py)
     losses, args = [], [inputs] if inputs is not None else []  # token ids: into the first stage, on its rank
     kwargs = {"target": targets, "losses": losses} if targets is not None else {}  # for the last stage's loss
     with compute(env, tp):  # return_outputs=False: the last stage's outputs are not kept after the loss
@@ -454,7 +462,7 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Training: the optimizer, its learning rate, the summary
+# Training: the optimizer and its learning rate (the run's summary: checkpoint.summary)
 
 def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     # Decay matrices only, not norm gains (the same on any split); no empty group (an embedding-only stage has no
@@ -470,24 +478,6 @@ def lr_at(step: int, args) -> float:
         return args.lr * step / args.warmup_steps
     progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def summary(env: Env, step_times: list[float], tokens_per_step: int, config, args, metrics) -> None:
-    """Collective: every rank's peak memory, printed with the step time, tokens/s and MFU, and written to --metrics."""
-    peaks = [None] * env.world_size
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else
-                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
-    if metrics is None or not step_times:
-        return
-    steady = sorted(step_times[1:] or step_times)  # the first step pays one-time costs
-    row = {"steps": len(step_times), "median_step_time": steady[len(steady) // 2],
-           "tokens_per_s": tokens_per_step * len(steady) / sum(steady), "peak_memory_bytes_per_rank": peaks}
-    row["mfu"] = mfu(row["tokens_per_s"], config, args.seq_len, env.device, env.dtype, env.world_size)
-    metrics.write({"summary": row})
-    utilization = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
-    print(f"done: {row['steps']} steps, {metrics.final_losses()}, median step {row['median_step_time'] * 1e3:.0f} ms, "
-          f"{row['tokens_per_s']:.0f} tokens/s{utilization}; per rank, peak memory ({env.device.type}, MiB): "
-          f"{', '.join(f'{b / 2**20:.3g}' for b in peaks)}", flush=True)
 
 
 if __name__ == "__main__":
