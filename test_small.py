@@ -4413,8 +4413,10 @@ def test_plan_finds_layouts_for_a_cluster_that_the_scripts_accept(capsys):
     (["--gpus", "12"], "error: --gpus 12: not whole nodes of --gpus-per-node 8; give a multiple of 8"),
     (["--gpus", "16", "--tp", "16"], "error: --tp 16: larger than a node (--gpus-per-node 8);"),
     (["--gpus", "16", "--dp", "3"], "error: --dp 3 x --tp 1: does not divide --gpus 16;"),
+    # The least memory of a layout is at the largest --accumulate the scripts accept (here 1 sequence a step:
+    # 134 GB, 215 at --accumulate 1), so it is said with it.
     (["--gpus", "1", "--gpu-memory", "40"], "error: --gpu-memory 40: no layout fits; the smallest, pp 1 x dp 1 x tp 1 "
-                                            "with --activation-checkpointing, needs"),
+                                            "with --activation-checkpointing and --accumulate 16, needs 134 GB"),
     (["--gpus", "8", "--gpu-memory", "8"], "needs 17 GB per GPU; --gpus 32 would fit"),
     (["--gpus", "8", "--gpu-memory", "1"], "; more GPUs would not fit it either"),
 ])

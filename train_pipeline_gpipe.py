@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=whole(0), default=300, run=True, help="optimizer steps; 0: only evaluate")
     g.add_argument("--batch-size", type=whole(1), default=16, run=True, help="sequences per step, all replicas")
     g.add_argument("--microbatches", type=whole(1), default=4, help="per replica, of its share of the batch")
+    g.add_argument("--accumulate", type=whole(1), default=1, help="schedule steps per optimizer step, each of "
+                   "--microbatches microbatches per replica: a bigger --batch-size in the same memory")
     g.add_argument("--seq-len", type=whole(1), default=128, run=True, help="tokens per sequence")
     g.add_argument("--document-masking", action="store_true", run=True, help="attention, positions per document")
     g.add_argument("--lr", type=number(positive=True), default=3e-3, run=True, help="peak learning rate (AdamW)")
@@ -241,9 +243,10 @@ def check_args(args, world_size: int, device_type: str, preset: bool) -> None:
     if world_size % group:
         raise UsageError(f"--dp {args.dp} x --tp {args.tp}: {world_size} processes do not divide into stages of "
                          f"{group}; start a multiple of {group} (pipeline ranks x dp x tp)", on_every_rank=True)
-    if args.batch_size % (args.dp * args.microbatches):
+    if args.batch_size % (args.dp * args.microbatches * args.accumulate):
         raise UsageError(f"--batch-size {args.batch_size} is not divisible by --dp {args.dp} x --microbatches "
-                         f"{args.microbatches}", on_every_rank=True)
+                         f"{args.microbatches} x --accumulate {args.accumulate}; give a multiple of "
+                         f"{args.dp * args.microbatches * args.accumulate}", on_every_rank=True)
     if args.tp > 1 and args.sequence_parallel and args.seq_len % args.tp:
         raise UsageError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp}: with sequence parallelism each "
                          f"tensor-parallel rank holds seq_len / tp positions; use a multiple of {args.tp}, or add "
