@@ -1558,7 +1558,7 @@ def layouts(args, config: LlamaConfig, schedules=tuple(SCHEDULES), checkpointing
     --accumulate K > 1 only where memory forces it: a pp x dp x tp and schedule that fits the budget neither
     with nor without checkpointing at any microbatch count, but whose weights do, is tried at the smallest K
     (dividing a replica's batch, up to MAX_ACCUMULATE) that fits, K schedule steps each paying its fill and
-    drain; without a budget (the least memory any layout needs), at the largest K the scripts accept (the
+    drain (found by bisection: the memory of the most microbatches a K allows falls as K grows); without a budget (the least memory any layout needs), at the largest K the scripts accept (the
     smallest microbatches: the least activation memory). An --accumulate given is kept instead.
     budget: see evaluate()."""
     found = []
@@ -1566,6 +1566,7 @@ def layouts(args, config: LlamaConfig, schedules=tuple(SCHEDULES), checkpointing
                                                            key=lambda candidate: candidate[:4]):
         group = list(group)
 
+        @functools.cache
         def rows_at(k: int) -> list[dict]:  # each checkpointing's row at the most microbatches the scripts accept
             rows = []
             for *_, counts, ac in group:
@@ -1586,9 +1587,11 @@ def layouts(args, config: LlamaConfig, schedules=tuple(SCHEDULES), checkpointing
         rows = rows_at(args.accumulate)
         # K shrinks the activations only: not tried where K = 1 fits or the weights alone do not (not replayed).
         if rows and more and not fits(rows) and all(math.isfinite(row["step"]) for row in rows):
-            # The largest K first: where even it does not fit, none does; else the smallest K that fits.
-            if fits(next((at for at in map(rows_at, reversed(more)) if at), [])):
-                rows = next(at for k in more if fits(at := rows_at(k)))
+            # The largest K the scripts accept first: where even it does not fit, none does. Else the smallest K
+            # that fits, halving the range (a larger K: fewer or smaller microbatches a step, never more memory).
+            top = next((i for i in reversed(range(len(more))) if rows_at(more[i])), None)
+            if top is not None and fits(rows_at(more[top])):
+                rows = rows_at(more[bisect.bisect_left(range(top), True, key=lambda i: fits(rows_at(more[i])))])
         found += rows
     return found
 
