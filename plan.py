@@ -1565,18 +1565,20 @@ def layouts(args, config: LlamaConfig, schedules=tuple(SCHEDULES), checkpointing
     for (pp, dp, tp, schedule), group in itertools.groupby(candidates(args, config, schedules, checkpointing),
                                                            key=lambda candidate: candidate[:4]):
         group = list(group)
+        choices = range(len(group) - 1, -1, -1)  # checkpointing (when searched) first: the likelier to fit
 
         @functools.cache
-        def rows_at(k: int) -> list[dict]:  # each checkpointing's row at the most microbatches the scripts accept
-            rows = []
-            for *_, counts, ac in group:
-                tried = (evaluate(args, config, pp, dp, tp, schedule, m, ac, budget, k)
-                         for m in sorted(counts, reverse=True) if args.batch_size // dp // k % m == 0)
-                rows.append(next((row for row in tried if row is not None), None))
-            return [row for row in rows if row is not None]
+        def row_at(k: int, choice: int) -> dict | None:  # at the most microbatches the scripts accept, if any
+            *_, counts, ac = group[choice]
+            tried = (evaluate(args, config, pp, dp, tp, schedule, m, ac, budget, k)
+                     for m in sorted(counts, reverse=True) if args.batch_size // dp // k % m == 0)
+            return next((row for row in tried if row is not None), None)
 
-        def fits(rows: list[dict]) -> bool:
-            return any(row["memory"] <= budget for row in rows)
+        def rows_at(k: int) -> list[dict]:
+            return [row for row in map(row_at, [k] * len(group), range(len(group))) if row is not None]
+
+        def fits(k: int) -> bool:  # (evaluates what it needs only: a replay each)
+            return any((row := row_at(k, choice)) is not None and row["memory"] <= budget for choice in choices)
 
         # More schedule steps, each of smaller microbatches: less activation memory, and another fill and drain.
         more = [k for k in range(2, MAX_ACCUMULATE + 1) if args.batch_size // dp % k == 0] \
@@ -1586,12 +1588,12 @@ def layouts(args, config: LlamaConfig, schedules=tuple(SCHEDULES), checkpointing
             continue
         rows = rows_at(args.accumulate)
         # K shrinks the activations only: not tried where K = 1 fits or the weights alone do not (not replayed).
-        if rows and more and not fits(rows) and all(math.isfinite(row["step"]) for row in rows):
+        if rows and more and not fits(args.accumulate) and all(math.isfinite(row["step"]) for row in rows):
             # The largest K the scripts accept first: where even it does not fit, none does. Else the smallest K
             # that fits, halving the range (a larger K: fewer or smaller microbatches a step, never more memory).
-            top = next((i for i in reversed(range(len(more))) if rows_at(more[i])), None)
-            if top is not None and fits(rows_at(more[top])):
-                rows = rows_at(more[bisect.bisect_left(range(top), True, key=lambda i: fits(rows_at(more[i])))])
+            top = next((i for i in reversed(range(len(more))) if any(row_at(more[i], c) for c in choices)), None)
+            if top is not None and fits(more[top]):
+                rows = rows_at(more[bisect.bisect_left(range(top), True, key=lambda i: fits(more[i]))])
         found += rows
     return found
 
