@@ -12,20 +12,27 @@
 
 --gpus N searches the layouts of N GPUs: pp x dp x tp = N with tp inside a node and dividing the model's heads,
 every schedule torch ships (the hand-written script's afab and 1f1b are GPipe's and 1F1B's orders), the most
-microbatches the batch and schedule allow, with and without activation checkpointing, the balanced split. It
-drops what the scripts would refuse or what does not fit in --gpu-memory (less 10 % for CUDA itself), and
-prints the fastest few, each with its step time, bubble, memory per GPU and the command that runs it. Its
-model of time: each stage's FLOPs at --efficiency x --peak-tflops, plus tensor parallelism's all-reduces and
-the messages between stages at --intra-node-bandwidth or --inter-node-bandwidth, plus FSDP's gather and
-reduce-scatter of each stage once per step; nothing overlapped.
+microbatches the batch and schedule allow, with and without activation checkpointing, the balanced split; and
+--accumulate K > 1 only where memory forces it: for a pp x dp x tp and schedule that fits at no microbatch
+count, with or without checkpointing, the smallest K that fits. It drops what the scripts would refuse or what
+does not fit in --gpu-memory (less 10 % for CUDA itself), and prints the fastest few, each with its step time,
+bubble, memory per GPU and the command that runs it. Its model of time: each stage's FLOPs at --efficiency x
+--peak-tflops, plus tensor parallelism's all-reduces and the messages between stages at --intra-node-bandwidth
+or --inter-node-bandwidth, K schedule steps one after the other (each with its fill and drain), plus FSDP's
+gather and reduce-scatter of each stage once per optimizer step; nothing overlapped.
 
 --processes N plans one layout. The flags are the training scripts' own (the same names, meanings and
-defaults: --model, --layers, --init-from, --seq-len, --document-masking, --batch-size, --microbatches, --schedule,
---stages-per-rank, --split, --dp, --tp, --loss-chunks, --activation-checkpointing, --device), and where the
-vocabulary comes from: --vocab-size (default 8192, prepare_data.py's default tokenizer) or --data DIR (a
-prepared dataset's meta.json); --init-from brings its own. A plan is refused, with the same one line, exactly
-when train_pipeline_gpipe.py would refuse the run (its check_args and stage_layout do the checking); the
-hand-written script's afab is accepted too (GPipe's order).
+defaults: --model, --layers, --init-from, --seq-len, --document-masking, --batch-size, --microbatches,
+--accumulate, --schedule, --stages-per-rank, --split, --dp, --tp, --loss-chunks, --activation-checkpointing,
+--device), and where the vocabulary comes from: --vocab-size (default 8192, prepare_data.py's default
+tokenizer) or --data DIR (a prepared dataset's meta.json); --init-from brings its own. A plan is refused, with
+the same one line, exactly when train_pipeline_gpipe.py would refuse the run (its check_args and stage_layout
+do the checking); the hand-written script's afab is accepted too (GPipe's order).
+
+--accumulate K plans an optimizer step of K schedule steps of --microbatches m each (microbatches of batch /
+(dp x m x K) rows): a step's activations, K times the replayed step's time (K fills and drains: 1F1B on 4 equal
+stages idles 27 % of 4 x 8 microbatches, 8.6 % of 1 x 32), the bytes sent in all K; what FSDP holds through
+the K steps (each stage's gathered parameters and gradients, between steps too) is in a step's total already.
 
 Nothing is allocated and no process group or GPU is needed. For every rank of the pipeline it prints the bytes
 of parameters, gradients and AdamW state it holds (fp32, 1/dp of its stages' with FSDP, 1/tp of the matrices,
@@ -99,8 +106,8 @@ VOCAB_SIZE = 8192  # prepare_data.py's default tokenizer
 # The flags plan.py shares with the training scripts: copied from train_pipeline_gpipe.py's parser, so their
 # names, types, defaults and help are the script's (--schedule is declared here: it also takes afab).
 SHARED = ("model", "layers", "init_from", "seq_len", "document_masking", "batch_size", "microbatches",
-          "accumulate", "stages_per_rank", "split", "dp", "tp", "sequence_parallel", "loss_chunks", "activation_checkpointing",
-          "device", "precision", "async_checkpoint")
+          "accumulate", "stages_per_rank", "split", "dp", "tp", "sequence_parallel", "loss_chunks",
+          "activation_checkpointing", "device", "precision", "async_checkpoint")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1558,8 +1565,9 @@ def layouts(args, config: LlamaConfig, schedules=tuple(SCHEDULES), checkpointing
     --accumulate K > 1 only where memory forces it: a pp x dp x tp and schedule that fits the budget neither
     with nor without checkpointing at any microbatch count, but whose weights do, is tried at the smallest K
     (dividing a replica's batch, up to MAX_ACCUMULATE) that fits, K schedule steps each paying its fill and
-    drain (found by bisection: the memory of the most microbatches a K allows falls as K grows); without a budget (the least memory any layout needs), at the largest K the scripts accept (the
-    smallest microbatches: the least activation memory). An --accumulate given is kept instead.
+    drain (found by bisection: the memory of the most microbatches a K allows falls as K grows); without a
+    budget (the least memory any layout needs), at the largest K the scripts accept (the smallest microbatches:
+    the least activation memory). An --accumulate given is kept instead.
     budget: see evaluate()."""
     found = []
     for (pp, dp, tp, schedule), group in itertools.groupby(candidates(args, config, schedules, checkpointing),

@@ -4517,8 +4517,8 @@ def test_the_search_accumulates_steps_only_where_memory_forces_it_and_the_fewest
         words = shlex.split(row["command"])
         assert words[3] == "train_pipeline_gpipe.py" and checked_args(gpipe, words[4:], 2).accumulate == k
         # Memory forces a slower step: K fills and drains where K = 1 (if it fitted) would pay one.
-        unforced = plan.evaluate(args, config, row["pp"], row["dp"], row["tp"], row["schedule"], k * row["microbatches"],
-                                 row["checkpointing"], None, 1)
+        unforced = plan.evaluate(args, config, row["pp"], row["dp"], row["tp"], row["schedule"],
+                                 k * row["microbatches"], row["checkpointing"], None, 1)
         assert unforced["memory"] > budget and (unforced["step"] < row["step"] if row["pp"] > 1 else
                                                 unforced["step"] == pytest.approx(row["step"]))
 
