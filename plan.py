@@ -1681,6 +1681,9 @@ def search(args) -> list[dict]:
     if args.gpus % (args.dp * args.tp):
         raise UsageError(f"--dp {args.dp} x --tp {args.tp}: does not divide --gpus {args.gpus}; leave them out to "
                          "search them")
+    if args.batch_size % args.accumulate:  # (then no layout would pass the scripts' checks)
+        raise UsageError(f"--accumulate {args.accumulate}: does not divide --batch-size {args.batch_size}; leave it "
+                         "out to search it")
     args.device = "cuda"  # a plan for GPUs (the default model is the scripts' on a GPU)
     config = plan_config(args)
     budget = args.gpu_memory * 1e9 * (1 - HEADROOM)

@@ -4571,6 +4571,8 @@ def test_the_search_accumulates_steps_only_where_memory_forces_it_and_the_fewest
     (["--processes", "2", "--write-schedule", "nowhere/s.csv"], 1, "error: --write-schedule nowhere/s.csv: no "
                                                                   "directory nowhere; give a file in an existing"),
     (["--processes", "2", "--write-schedule", "."], 1, "error: --write-schedule .: is a directory; give a file"),
+    (["--gpus", "8", "--batch-size", "16", "--accumulate", "3"], 1, "error: --accumulate 3: does not divide "
+                                                                    "--batch-size 16; leave it out to search it"),
     (["--gpus", "8", "--write-schedule", "s.csv"], 1, "error: --write-schedule s.csv: writes one layout's order; "
                                                       "give --processes instead of --gpus"),
     (["--processes", "2", "--schedule", "zbvauto", "--stages-per-rank", "3"], 1, "error: --stages-per-rank 3: "
