@@ -1583,7 +1583,7 @@ def layouts(args, config: LlamaConfig, schedules=tuple(SCHEDULES), checkpointing
             return next((row for row in tried if row is not None), None)
 
         def rows_at(k: int) -> list[dict]:
-            return [row for row in map(row_at, [k] * len(group), range(len(group))) if row is not None]
+            return [row for choice in range(len(group)) if (row := row_at(k, choice)) is not None]
 
         def fits(k: int) -> bool:  # (evaluates what it needs only: a replay each)
             return any((row := row_at(k, choice)) is not None and row["memory"] <= budget for choice in choices)
@@ -1637,7 +1637,7 @@ def command(args, row: dict) -> str:
     else:
         model = f"--model {args.model or 'small'}"
     flags = (f"{model} --seq-len {args.seq_len} --batch-size {args.batch_size} --microbatches {row['microbatches']} "
-             + (f"--accumulate {row['accumulate']} " if row.get("accumulate", 1) > 1 else "")
+             + (f"--accumulate {row['accumulate']} " if row["accumulate"] > 1 else "")
              + f"--schedule {row['schedule']}" + (f" --dp {row['dp']}" if row["dp"] > 1 else "")
              + (f" --tp {row['tp']}" if row["tp"] > 1 else "")
              + (" --no-sequence-parallel" if row["tp"] > 1 and not args.sequence_parallel else "")
