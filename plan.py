@@ -12,20 +12,27 @@
 
 --gpus N searches the layouts of N GPUs: pp x dp x tp = N with tp inside a node and dividing the model's heads,
 every schedule torch ships (the hand-written script's afab and 1f1b are GPipe's and 1F1B's orders), the most
-microbatches the batch and schedule allow, with and without activation checkpointing, the balanced split. It
-drops what the scripts would refuse or what does not fit in --gpu-memory (less 10 % for CUDA itself), and
-prints the fastest few, each with its step time, bubble, memory per GPU and the command that runs it. Its
-model of time: each stage's FLOPs at --efficiency x --peak-tflops, plus tensor parallelism's all-reduces and
-the messages between stages at --intra-node-bandwidth or --inter-node-bandwidth, plus FSDP's gather and
-reduce-scatter of each stage once per step; nothing overlapped.
+microbatches the batch and schedule allow, with and without activation checkpointing, the balanced split; and
+--accumulate K > 1 only where memory forces it: for a pp x dp x tp and schedule that fits at no microbatch
+count, with or without checkpointing, the smallest K that fits. It drops what the scripts would refuse or what
+does not fit in --gpu-memory (less 10 % for CUDA itself), and prints the fastest few, each with its step time,
+bubble, memory per GPU and the command that runs it. Its model of time: each stage's FLOPs at --efficiency x
+--peak-tflops, plus tensor parallelism's all-reduces and the messages between stages at --intra-node-bandwidth
+or --inter-node-bandwidth, K schedule steps one after the other (each with its fill and drain), plus FSDP's
+gather and reduce-scatter of each stage once per optimizer step; nothing overlapped.
 
 --processes N plans one layout. The flags are the training scripts' own (the same names, meanings and
-defaults: --model, --layers, --init-from, --seq-len, --document-masking, --batch-size, --microbatches, --schedule,
---stages-per-rank, --split, --dp, --tp, --loss-chunks, --activation-checkpointing, --device), and where the
-vocabulary comes from: --vocab-size (default 8192, prepare_data.py's default tokenizer) or --data DIR (a
-prepared dataset's meta.json); --init-from brings its own. A plan is refused, with the same one line, exactly
-when train_pipeline_gpipe.py would refuse the run (its check_args and stage_layout do the checking); the
-hand-written script's afab is accepted too (GPipe's order).
+defaults: --model, --layers, --init-from, --seq-len, --document-masking, --batch-size, --microbatches,
+--accumulate, --schedule, --stages-per-rank, --split, --dp, --tp, --loss-chunks, --activation-checkpointing,
+--device), and where the vocabulary comes from: --vocab-size (default 8192, prepare_data.py's default
+tokenizer) or --data DIR (a prepared dataset's meta.json); --init-from brings its own. A plan is refused, with
+the same one line, exactly when train_pipeline_gpipe.py would refuse the run (its check_args and stage_layout
+do the checking); the hand-written script's afab is accepted too (GPipe's order).
+
+--accumulate K plans an optimizer step of K schedule steps of --microbatches m each (microbatches of batch /
+(dp x m x K) rows): a step's activations, K times the replayed step's time (K fills and drains: 1F1B on 4 equal
+stages idles 27 % of 4 x 8 microbatches, 8.6 % of 1 x 32), the bytes sent in all K; what FSDP holds through
+the K steps (each stage's gathered parameters and gradients, between steps too) is in a step's total already.
 
 Nothing is allocated and no process group or GPU is needed. For every rank of the pipeline it prints the bytes
 of parameters, gradients and AdamW state it holds (fp32, 1/dp of its stages' with FSDP, 1/tp of the matrices,
@@ -99,8 +106,8 @@ VOCAB_SIZE = 8192  # prepare_data.py's default tokenizer
 # The flags plan.py shares with the training scripts: copied from train_pipeline_gpipe.py's parser, so their
 # names, types, defaults and help are the script's (--schedule is declared here: it also takes afab).
 SHARED = ("model", "layers", "init_from", "seq_len", "document_masking", "batch_size", "microbatches",
-          "stages_per_rank", "split", "dp", "tp", "sequence_parallel", "loss_chunks", "activation_checkpointing",
-          "device", "precision", "async_checkpoint")
+          "accumulate", "stages_per_rank", "split", "dp", "tp", "sequence_parallel", "loss_chunks",
+          "activation_checkpointing", "device", "precision", "async_checkpoint")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1301,16 +1308,17 @@ def plan(args) -> dict:
     config = plan_config(args)
     ns, layout = check(args, config, schedule)
     processes, dp, tp, m, per_rank = args.processes, args.dp, args.tp, args.microbatches, ns.stages_per_rank
-    pp = processes // (dp * tp)
+    pp, steps = processes // (dp * tp), args.accumulate  # K schedule steps of m microbatches: one optimizer step
     half = bf16(args)
-    tokens = args.batch_size // (dp * m) * args.seq_len  # one microbatch of one replica
+    tokens = args.batch_size // (dp * m * steps) * args.seq_len  # one microbatch of one replica
     chunks = loss_chunks(args.loss_chunks, config, (tokens // args.seq_len, args.seq_len), tp)
     sizes = activation_bytes(config, tokens, args.seq_len, half, tp, chunks, shards(args, tp), args.document_masking)
     stages_of = {r: stage_ids(placement(schedule), r, pp, per_rank) for r in range(pp)}
     report = {"ranks": [], "schedules": {}}
     print(f"plan: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
           f"{processes} processes = {pp} pipeline x {dp} data x {tp} tensor, --schedule {args.schedule}, "
-          f"{m} microbatches of {tokens // args.seq_len} x {args.seq_len} tokens per replica, "
+          f"{m} microbatches of {tokens // args.seq_len} x {args.seq_len} tokens per replica"
+          f"{f' in each of {steps} schedule steps per optimizer step (--accumulate)' if steps > 1 else ''}, "
           f"{'bf16 autocast' if half else 'fp32'}{', sequence parallel' if shards(args, tp) > 1 else ''}")
     passes = given_passes(args, config)
     if args.trace:  # the traced run's times, if a microbatch there costs what it does here
@@ -1320,7 +1328,8 @@ def plan(args) -> dict:
             raise UsageError(f"--trace {args.trace}: {e}") from None
         env = types.SimpleNamespace(world_size=processes, device=torch.device(device_type(args)),
                                     dtype=torch.bfloat16 if half else torch.float32)
-        planned = checkpoint.traced_run(ns, env, config, layout, chunks) | {"schedule": args.schedule}
+        planned = checkpoint.traced_run(ns, env, config, layout, chunks) | {"schedule": args.schedule,
+                                                                           "rows": tokens // args.seq_len}
         run = traced_run(args, ranks, planned)
         passes = traced_passes(args, run, ranks)
         carried = [key for key in LAYOUT_FLAGS if run_field(run, key) != run_field(planned, key)]
@@ -1387,7 +1396,8 @@ def plan(args) -> dict:
           "stages a step" + (" | CPU memory: the checkpoint staged for --async-checkpoint" if args.async_checkpoint
                              else ""))
     last_rank = next(r for r in range(pp) if len(layout) - 1 in stages_of[r])
-    sent = sent_bytes(list(stages_of.values()), len(layout), m, tokens / shards(args, tp), config.hidden_size, half)
+    sent = sent_bytes(list(stages_of.values()), len(layout), m * steps, tokens / shards(args, tp), config.hidden_size,
+                      half)
     for r in range(pp):
         row = rank_memory(sum(params[s] for s in stages_of[r]), dp, result[False]["peak"][r],
                           result[True]["peak"][r], sizes["loss"] if r == last_rank else 0, sizes["layer"],
@@ -1398,6 +1408,11 @@ def plan(args) -> dict:
         report["ranks"].append(row)
         print(f"  rank {r} (stages {', '.join(map(str, stages_of[r]))}): " + " | ".join(
             f"{v / unit:.2f}" for v in row.values()))
+    if steps > 1:  # what the window holds between its steps is what a step holds, less the activations
+        print(f"--accumulate {steps}: each step's activations are those of its {m} microbatches; the gradients "
+              "add up in place over the steps" + (", FSDP keeping each stage's gathered parameters and gradients "
+                                                   "from the first step to the last one's reduce-scatter (the "
+                                                   "gathered column, in the total)" if dp > 1 else ""))
     share = stage_costs(layout, costs)
     report["compute_share"] = [c / sum(share) for c in share]
     print(f"{'compute' if passes is None else 'measured time'} per stage: "
@@ -1405,7 +1420,9 @@ def plan(args) -> dict:
 
     # Every schedule, on the layout it would use (a --split of layer counts fits one stage count only: the
     # others are shown balanced; --stages-per-rank is the looped schedules' alone).
-    print(f"\nschedules ({pp} ranks, {m} microbatches; step time "
+    print(f"\nschedules ({pp} ranks, {m} microbatches"
+          + (f"; an optimizer step: {steps} schedule steps, each with its fill and drain" if steps > 1 else "")
+          + "; step time "
           + (f"at {ASSUMED_FLOPS / 1e12:.0f} TFLOP/s per GPU" if passes is None else "from the measured times")
           + (f", {args.message_time:g} ms a message" if message else "")
           + f"{', tensor-parallel all-reduces not counted' if tp > 1 and passes is None else ''}"
@@ -1424,8 +1441,8 @@ def plan(args) -> dict:
             continue
         out = [schedule_result(name, pp, m, each.stages_per_rank, timed(lay), *held(lay, ac), message, orders)
                for ac in (False, True)]
-        seconds = out[0]["step"]
-        ideal = sum(f + b for f, b in zip(*timed(lay)[:2])) * m / pp  # all work, no bubble
+        seconds = steps * out[0]["step"]  # K schedule steps one after the other: K fills and drains
+        ideal = sum(f + b for f, b in zip(*timed(lay)[:2])) * m * steps / pp  # all work, no bubble
         report["schedules"][name] = {"step": seconds, "bubble": out[0]["bubble"], "span_bubble": span_bubble(out[0]),
                                      "activations": max(out[0]["peak"].values()),
                                      "activations_checkpointed": max(out[1]["peak"].values()),
@@ -1446,6 +1463,7 @@ def plan(args) -> dict:
 # Which layout: every (pp, dp, tp, schedule, microbatches, checkpointing) for a cluster, ranked
 
 MAX_MICROBATCHES = 256
+MAX_ACCUMULATE = 256  # schedule steps per optimizer step the search tries (a replica: up to 65,536 microbatches)
 
 
 def divisors(n: int) -> list[int]:
@@ -1491,12 +1509,13 @@ def stage_seconds(config: LlamaConfig, layout: list[range], costs: dict, tokens:
 
 
 def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str, m: int,
-             checkpointing: bool, budget: float | None = None) -> dict | None:
+             checkpointing: bool, budget: float | None = None, accumulate: int = 1) -> dict | None:
     """One layout's step time, bubble and memory per GPU, or None where the scripts would refuse it. Over a
-    budget (bytes) by its parameters, gradients and AdamW state alone: that memory, no step time (no replay)."""
+    budget (bytes) by its parameters, gradients and AdamW state alone: that memory, no step time (no replay).
+    With accumulate K: an optimizer step of K schedule steps of m microbatches, each step a fill and a drain."""
     trial = argparse.Namespace(**{**vars(args), "processes": pp * dp * tp, "dp": dp, "tp": tp, "microbatches": m,
-                                  "activation_checkpointing": checkpointing, "split": "balanced",
-                                  "device": "cuda"})
+                                  "accumulate": accumulate, "activation_checkpointing": checkpointing,
+                                  "split": "balanced", "device": "cuda"})
     try:
         ns = script_args(trial, schedule)
         gpipe.check_args(ns, trial.processes, "cuda", ns.init_from is None)
@@ -1505,15 +1524,15 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
         check_microbatches(schedule, pp, m, num_stages)
     except UsageError:
         return None
-    row = {"pp": pp, "dp": dp, "tp": tp, "schedule": schedule, "microbatches": m, "checkpointing": checkpointing,
-           "stages_per_rank": ns.stages_per_rank}
+    row = {"pp": pp, "dp": dp, "tp": tp, "schedule": schedule, "microbatches": m, "accumulate": accumulate,
+           "checkpointing": checkpointing, "stages_per_rank": ns.stages_per_rank}
     per_rank = [stage_ids(schedule, r, pp, ns.stages_per_rank) for r in range(pp)]
     params = stage_params(config, layout, tp)
     held = [sum(params[s] for s in stages) for stages in per_rank]
     weights = rank_memory(max(held), dp, 0.0, 0.0, 0.0, 0.0, False)["total"]
     if budget is not None and weights > budget:
         return {**row, "step": math.inf, "bubble": math.nan, "memory": weights}
-    tokens = args.batch_size // (dp * m) * args.seq_len
+    tokens = args.batch_size // (dp * m * accumulate) * args.seq_len
     chunks = loss_chunks(args.loss_chunks, config, (tokens // args.seq_len, args.seq_len), tp)
     costs = {k: v / tp for k, v in estimated_costs(config, args.seq_len, checkpointing, chunks).items()}
     sizes = activation_bytes(config, tokens, args.seq_len, bf16(trial), tp, chunks, shards(args, tp),
@@ -1526,11 +1545,12 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
                              sizes["loss"] if len(layout) - 1 in per_rank[r] else 0, sizes["layer"],
                              checkpointing, bf16(trial), startup_bytes(config, layout, per_rank[r], dp, tp)
                              )["total"] for r in range(pp))
-    # FSDP2 gathers each stage's parameters once per step (bf16) and reduce-scatters its gradients once (fp32),
-    # over the node's links when a stage's replicas share a node, else across nodes.
+    # FSDP2 gathers each stage's parameters once per optimizer step (bf16) and reduce-scatters its gradients once
+    # (fp32), over the node's links when a stage's replicas share a node, else across nodes: under --accumulate K
+    # both stay unsharded from the first schedule step to the last, which alone reduce-scatters.
     bandwidth = args.intra_node_bandwidth if dp * tp <= args.gpus_per_node else args.inter_node_bandwidth
     sync = (2 + 4) * max(held) * (dp - 1) / dp / (bandwidth * 1e9) if dp > 1 else 0.0
-    return {**row, "step": result["step"] + sync, "bubble": result["bubble"], "memory": memory}
+    return {**row, "step": accumulate * result["step"] + sync, "bubble": result["bubble"], "memory": memory}
 
 
 def layouts(args, config: LlamaConfig, schedules=tuple(SCHEDULES), checkpointing=(False, True),
@@ -1542,13 +1562,47 @@ def layouts(args, config: LlamaConfig, schedules=tuple(SCHEDULES), checkpointing
     without activation checkpointing; and the most microbatches the schedule accepts, up to MAX_MICROBATCHES,
     dividing a replica's batch. (The model of time has no cost per microbatch, so more microbatches, smaller,
     never plan slower or bigger; in a real run, microbatches too small to keep a GPU busy do run slower.)
+    --accumulate K > 1 only where memory forces it: a pp x dp x tp and schedule that fits the budget neither
+    with nor without checkpointing at any microbatch count, but whose weights do, is tried at the smallest K
+    (dividing a replica's batch, up to MAX_ACCUMULATE) that fits, K schedule steps each paying its fill and
+    drain (found by bisection: the memory of the most microbatches a K allows falls as K grows); without a
+    budget (the least memory any layout needs), at the largest K the scripts accept (the smallest microbatches:
+    the least activation memory). An --accumulate given is kept instead.
     budget: see evaluate()."""
     found = []
-    for pp, dp, tp, schedule, counts, ac in candidates(args, config, schedules, checkpointing):
-        rows = (evaluate(args, config, pp, dp, tp, schedule, m, ac, budget) for m in sorted(counts, reverse=True))
-        row = next((row for row in rows if row is not None), None)  # the most microbatches the scripts accept
-        if row is not None:
-            found.append(row)
+    for (pp, dp, tp, schedule), group in itertools.groupby(candidates(args, config, schedules, checkpointing),
+                                                           key=lambda candidate: candidate[:4]):
+        group = list(group)
+        choices = range(len(group) - 1, -1, -1)  # checkpointing (when searched) first: the likelier to fit
+
+        @functools.cache
+        def row_at(k: int, choice: int) -> dict | None:  # at the most microbatches the scripts accept, if any
+            *_, counts, ac = group[choice]
+            tried = (evaluate(args, config, pp, dp, tp, schedule, m, ac, budget, k)
+                     for m in sorted(counts, reverse=True) if args.batch_size // dp // k % m == 0)
+            return next((row for row in tried if row is not None), None)
+
+        def rows_at(k: int) -> list[dict]:
+            return [row for choice in range(len(group)) if (row := row_at(k, choice)) is not None]
+
+        def fits(k: int) -> bool:  # (evaluates what it needs only: a replay each)
+            return any((row := row_at(k, choice)) is not None and row["memory"] <= budget for choice in choices)
+
+        # More schedule steps, each of smaller microbatches: less activation memory, and another fill and drain.
+        more = [k for k in range(2, MAX_ACCUMULATE + 1) if args.batch_size // dp % k == 0] \
+            if args.accumulate == 1 else []  # (an --accumulate given is kept)
+        if budget is None:  # the least memory: at the largest K the scripts accept, its activations the smallest
+            found += next((at for at in map(rows_at, [*reversed(more), args.accumulate]) if at), [])
+            continue
+        rows = rows_at(args.accumulate)
+        # K shrinks the activations only: not tried where K = 1 fits or the weights alone do not (not replayed).
+        if rows and more and not fits(args.accumulate) and all(math.isfinite(row["step"]) for row in rows):
+            # The largest K the scripts accept first: where even it does not fit, none does. Else the smallest K
+            # that fits, halving the range (a larger K: fewer or smaller microbatches a step, never more memory).
+            top = next((i for i in reversed(range(len(more))) if any(row_at(more[i], c) for c in choices)), None)
+            if top is not None and fits(more[top]):
+                rows = rows_at(more[bisect.bisect_left(range(top), True, key=lambda i: fits(more[i]))])
+        found += rows
     return found
 
 
@@ -1583,7 +1637,8 @@ def command(args, row: dict) -> str:
     else:
         model = f"--model {args.model or 'small'}"
     flags = (f"{model} --seq-len {args.seq_len} --batch-size {args.batch_size} --microbatches {row['microbatches']} "
-             f"--schedule {row['schedule']}" + (f" --dp {row['dp']}" if row["dp"] > 1 else "")
+             + (f"--accumulate {row['accumulate']} " if row["accumulate"] > 1 else "")
+             + f"--schedule {row['schedule']}" + (f" --dp {row['dp']}" if row["dp"] > 1 else "")
              + (f" --tp {row['tp']}" if row["tp"] > 1 else "")
              + (" --no-sequence-parallel" if row["tp"] > 1 and not args.sequence_parallel else "")
              + (" --activation-checkpointing" if row["checkpointing"] else "")
@@ -1626,6 +1681,9 @@ def search(args) -> list[dict]:
     if args.gpus % (args.dp * args.tp):
         raise UsageError(f"--dp {args.dp} x --tp {args.tp}: does not divide --gpus {args.gpus}; leave them out to "
                          "search them")
+    if args.batch_size % args.accumulate:  # (then no layout would pass the scripts' checks)
+        raise UsageError(f"--accumulate {args.accumulate}: does not divide --batch-size {args.batch_size}; leave it "
+                         "out to search it")
     args.device = "cuda"  # a plan for GPUs (the default model is the scripts' on a GPU)
     config = plan_config(args)
     budget = args.gpu_memory * 1e9 * (1 - HEADROOM)
@@ -1649,9 +1707,10 @@ def search(args) -> list[dict]:
         more = next((g for g in (2 * args.gpus, 4 * args.gpus, 8 * args.gpus) if any(
             row["memory"] <= budget for row in layouts(argparse.Namespace(**{**vars(args), "gpus": g}), config,
                                                        ("1f1b",), (True,), budget))), None)
+        flags = [*(["--activation-checkpointing"] if least["checkpointing"] else []),
+                 *([f"--accumulate {least['accumulate']}"] if least["accumulate"] > 1 else [])]
         raise UsageError(f"--gpu-memory {args.gpu_memory:g}: no layout fits; the smallest, pp {least['pp']} x dp "
-                         f"{least['dp']} x tp {least['tp']}"
-                         f"{' with --activation-checkpointing' if least['checkpointing'] else ''}, needs "
+                         f"{least['dp']} x tp {least['tp']}{' with ' + ' and '.join(flags) if flags else ''}, needs "
                          f"{show_gb(least['memory'] / (1 - HEADROOM))} per GPU"
                          + (f"; --gpus {more} would fit" if more else "; more GPUs would not fit it either: a "
                             "smaller --seq-len or --batch-size, or GPUs with more memory, might"))
@@ -1670,6 +1729,8 @@ def search(args) -> list[dict]:
     for i, row in enumerate(fits[:args.top], 1):
         print(f"\n{i}. pp {row['pp']} x dp {row['dp']} x tp {row['tp']}, {row['schedule']}, {row['microbatches']} "
               f"microbatch{'es' if row['microbatches'] > 1 else ''}"
+              + (f" x {row['accumulate']} schedule steps (--accumulate: each its fill and drain)"
+                 if row["accumulate"] > 1 else "") +
               f"{', activation checkpointing' if row['checkpointing'] else ''}: step {show_seconds(row['step'])} "
               f"({tokens / row['step']:,.0f} tokens/s), bubble {row['bubble']:.0%}, {show_bytes(row['memory'])} "
               "per GPU")
@@ -1710,8 +1771,9 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--processes", type=whole(1),
                       help="plan this layout: processes the run would start, pipeline ranks x --dp x --tp")
     what.add_argument("--gpus", type=whole(1), help="find the layouts for this many GPUs (pp, dp, tp, schedule, "
-                                                    "microbatches, checkpointing searched; a --dp or --tp given "
-                                                    "is kept), fastest first")
+                                                    "microbatches, checkpointing searched, --accumulate where "
+                                                    "memory forces it; a --dp, --tp or --accumulate given is "
+                                                    "kept), fastest first")
     script = {action.dest: action for action in gpipe.build_parser()._actions}
     g = p.add_argument_group("the training scripts' flags (same meaning)")
     for name in SHARED:

@@ -4450,8 +4450,10 @@ def test_plan_finds_layouts_for_a_cluster_that_the_scripts_accept(capsys):
     (["--gpus", "12"], "error: --gpus 12: not whole nodes of --gpus-per-node 8; give a multiple of 8"),
     (["--gpus", "16", "--tp", "16"], "error: --tp 16: larger than a node (--gpus-per-node 8);"),
     (["--gpus", "16", "--dp", "3"], "error: --dp 3 x --tp 1: does not divide --gpus 16;"),
+    # The least memory of a layout is at the largest --accumulate the scripts accept (here 1 sequence a step:
+    # 134 GB, 215 at --accumulate 1), so it is said with it.
     (["--gpus", "1", "--gpu-memory", "40"], "error: --gpu-memory 40: no layout fits; the smallest, pp 1 x dp 1 x tp 1 "
-                                            "with --activation-checkpointing, needs"),
+                                            "with --activation-checkpointing and --accumulate 16, needs 134 GB"),
     (["--gpus", "8", "--gpu-memory", "8"], "needs 17 GB per GPU; --gpus 32 would fit"),
     (["--gpus", "8", "--gpu-memory", "1"], "; more GPUs would not fit it either"),
 ])
@@ -4478,6 +4480,86 @@ def test_plan_prints_every_schedule_for_a_cluster_on_this_machine(tmp_path):
                          result.stdout, re.M), (name, result.stdout)
 
 
+def test_the_plan_of_accumulated_steps_pays_a_fill_and_drain_for_each(capsys, tmp_path, monkeypatch):
+    # --accumulate K: an optimizer step is K schedule steps of --microbatches m each, every step its own fill and
+    # drain (issue 47: 1F1B at p 4, 4 x 8 microbatches has a bubble of 27 %, 1 x 32 of 8.6 %: (p - 1)/(m + p - 1)
+    # on equal stages), its activations those of m microbatches of batch / (dp x m x K) rows.
+    monkeypatch.chdir(tmp_path)  # the scripts' checks read --checkpoint-dir (./checkpoints): none here
+    equal = ["--processes", "4", "--layers", "8", "--layer-times", "1,1,1", "--embed-times", "0,0,0", "--head-times",
+             "0,0,0", "--schedule", "1f1b", "--device", "cpu"]  # four stages of 2 layers, nothing else timed
+
+    def planned(*flags) -> dict:
+        report = plan.main(list(flags))
+        return report | {"out": capsys.readouterr().out}
+
+    window = planned(*equal, "--batch-size", "32", "--microbatches", "8", "--accumulate", "4")
+    whole = planned(*equal, "--batch-size", "32", "--microbatches", "32")
+    step = planned(*equal, "--batch-size", "8", "--microbatches", "8")  # one of the window's steps
+    assert f"{window['schedules']['1f1b']['bubble']:.0%}" == "27%" and window["schedules"]["1f1b"]["bubble"] == \
+        pytest.approx(3 / 11) and whole["schedules"]["1f1b"]["bubble"] == pytest.approx(3 / 35)
+    assert window["schedules"]["1f1b"]["step"] == pytest.approx(4 * 11 * 6e-3)  # 4 x (m + p - 1) x (F + B)
+    assert whole["schedules"]["1f1b"]["step"] == pytest.approx(35 * 6e-3)
+    for name, row in window["schedules"].items():  # every schedule: K times its step, the same bubble and bytes
+        assert row == {**step["schedules"][name], "step": pytest.approx(4 * step["schedules"][name]["step"])}, name
+    assert window["ranks"] == [{**row, "sent": 4 * row["sent"]} for row in step["ranks"]]
+    assert "in each of 4 schedule steps per optimizer step (--accumulate)" in window["out"]
+    # With --dp 2 FSDP keeps each stage's gathered parameters and gradients from the window's first step to its
+    # last one's reduce-scatter, between steps too: the total counts them, beside a step's activations.
+    replicas = ["--processes", "4", "--dp", "2", "--microbatches", "4", "--device", "cpu"]
+    window = planned(*replicas, "--batch-size", "32", "--accumulate", "4")
+    step = planned(*replicas, "--batch-size", "8")
+    assert window["ranks"] == [{**row, "sent": 4 * row["sent"]} for row in step["ranks"]]
+    for row in window["ranks"]:
+        # (gathered: fp32 parameters and gradients, whole: 2 x dp x a parameter shard)
+        assert row["gathered"] == 2 * 2 * row["param"] > 0 and row["total"] >= row["param"] + row["grad"] + \
+            row["optimizer"] + row["gathered"] + row["activations"]
+    assert "FSDP keeping each stage's gathered parameters and gradients from the first step to the last one's " \
+           "reduce-scatter (the gathered column, in the total)" in window["out"]
+
+
+def test_the_search_accumulates_steps_only_where_memory_forces_it_and_the_fewest(capsys, tmp_path, monkeypatch):
+    # The small model at 2 GPUs of 3 GB, a batch of 64 x 1024: GPipe's and looped BFS's layouts fit only with
+    # --accumulate. Each layout the search proposes comes at the smallest K at which some microbatch count, with
+    # or without checkpointing, fits (K = 1 wherever one does), found here by trying them all.
+    monkeypatch.chdir(tmp_path)  # the scripts' checks read --checkpoint-dir (./checkpoints): none here
+    argv = ["--model", "small", "--seq-len", "1024", "--batch-size", "64", "--gpus", "2", "--gpu-memory", "3",
+            "--top", "1000"]
+    best = plan.main(argv)
+    out = capsys.readouterr().out
+    args = plan.build_parser().parse_args(argv)
+    args.device = "cuda"
+    config, budget = plan.plan_config(args), 3e9 * (1 - plan.HEADROOM)
+
+    def fewest(pp, dp, tp, schedule) -> int | None:
+        n = 64 // dp  # a replica's sequences
+        for k in [k for k in range(1, n + 1) if n % k == 0]:
+            for m in [m for m in range(1, n // k + 1) if n // k % m == 0]:
+                for ac in (False, True):
+                    row = plan.evaluate(args, config, pp, dp, tp, schedule, m, ac, None, k)
+                    if row is not None and row["memory"] <= budget:
+                        return k
+        return None
+
+    layouts = {c[:4] for c in plan.candidates(args, config, tuple(gpipe.SCHEDULES), (False, True))}
+    expected = {layout: k for layout in layouts if (k := fewest(*layout))}
+    got = {(row["pp"], row["dp"], row["tp"], row["schedule"]): row["accumulate"] for row in best}
+    assert len(got) == len({(*layout, k) for layout, k in got.items()}) and got == expected
+    assert {1, 4} <= set(got.values()), got
+    for row in best:
+        k = row["accumulate"]
+        if k == 1:
+            assert "--accumulate" not in row["command"]
+            continue
+        assert f"{row['microbatches']} microbatches x {k} schedule steps (--accumulate: each its fill and drain)" in out
+        words = shlex.split(row["command"])
+        assert words[3] == "train_pipeline_gpipe.py" and checked_args(gpipe, words[4:], 2).accumulate == k
+        # Memory forces a slower step: K fills and drains where K = 1 (if it fitted) would pay one.
+        unforced = plan.evaluate(args, config, row["pp"], row["dp"], row["tp"], row["schedule"],
+                                 k * row["microbatches"], row["checkpointing"], None, 1)
+        assert unforced["memory"] > budget and (unforced["step"] < row["step"] if row["pp"] > 1 else
+                                                unforced["step"] == pytest.approx(row["step"]))
+
+
 @pytest.mark.parametrize("argv, status, message", [
     (["--processes", "0"], 2, "error: argument --processes: must be a whole number of at least 1, got 0"),
     (["--processes", "8", "--dp", "3"], 1, "error: --dp 3 x --tp 1: 8 processes do not divide into stages of 3"),
@@ -4488,6 +4570,8 @@ def test_plan_prints_every_schedule_for_a_cluster_on_this_machine(tmp_path):
     (["--processes", "4", "--tp", "4"], 1, "error: --tp 4: the model's KV heads (2) do not divide by it"),
     (["--processes", "2", "--schedule", "1f1b", "--microbatches", "1", "--batch-size", "4"], 1,
      "error: --microbatches 1: 1f1b needs at least as many microbatches as stages (2)"),
+    (["--processes", "2", "--batch-size", "12", "--microbatches", "4", "--accumulate", "2"], 1,
+     "error: --batch-size 12 is not divisible by --dp 1 x --microbatches 4 x --accumulate 2; give a multiple of 8"),
     (["--processes", "2", "--seq-len", "4096"], 1, "error: --seq-len 4096 exceeds the model's 1024 positions"),
     (["--processes", "2", "--data", "nowhere"], 1, "error: --data nowhere: no data prepared there; run python "
                                                    "prepare_data.py --out nowhere first"),
@@ -4524,6 +4608,8 @@ def test_plan_prints_every_schedule_for_a_cluster_on_this_machine(tmp_path):
     (["--processes", "2", "--write-schedule", "nowhere/s.csv"], 1, "error: --write-schedule nowhere/s.csv: no "
                                                                   "directory nowhere; give a file in an existing"),
     (["--processes", "2", "--write-schedule", "."], 1, "error: --write-schedule .: is a directory; give a file"),
+    (["--gpus", "8", "--batch-size", "16", "--accumulate", "3"], 1, "error: --accumulate 3: does not divide "
+                                                                    "--batch-size 16; leave it out to search it"),
     (["--gpus", "8", "--write-schedule", "s.csv"], 1, "error: --write-schedule s.csv: writes one layout's order; "
                                                       "give --processes instead of --gpus"),
     (["--processes", "2", "--schedule", "zbvauto", "--stages-per-rank", "3"], 1, "error: --stages-per-rank 3: "

@@ -231,7 +231,8 @@ def check_args(args, world_size: int, device_type: str, preset: bool) -> None:
                          f"{group}; start a multiple of {group} (pipeline ranks x dp x tp)", on_every_rank=True)
     if args.batch_size % (args.dp * args.microbatches * args.accumulate):
         raise UsageError(f"--batch-size {args.batch_size} is not divisible by --dp {args.dp} x --microbatches "
-                         f"{args.microbatches} x --accumulate {args.accumulate}", on_every_rank=True)
+                         f"{args.microbatches} x --accumulate {args.accumulate}; give a multiple of "
+                         f"{args.dp * args.microbatches * args.accumulate}", on_every_rank=True)
     if args.tp > 1 and args.sequence_parallel and args.seq_len % args.tp:
         raise UsageError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp}: with sequence parallelism each "
                          f"tensor-parallel rank holds seq_len / tp positions; use a multiple of {args.tp}, or add "

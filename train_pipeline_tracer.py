@@ -253,7 +253,8 @@ def check_args(args, world_size: int, device_type: str, preset: bool) -> None:
                          f"{group}; start a multiple of {group} (pipeline ranks x dp x tp)", on_every_rank=True)
     if args.batch_size % (args.dp * args.microbatches * args.accumulate):
         raise UsageError(f"--batch-size {args.batch_size} is not divisible by --dp {args.dp} x --microbatches "
-                         f"{args.microbatches} x --accumulate {args.accumulate}", on_every_rank=True)
+                         f"{args.microbatches} x --accumulate {args.accumulate}; give a multiple of "
+                         f"{args.dp * args.microbatches * args.accumulate}", on_every_rank=True)
     if args.tp > 1:
         raise UsageError(f"--tp {args.tp}: the traced stages cannot be split by tensor parallelism (a flat graph of "
                          "ops, head counts in shapes); use train_pipeline_gpipe.py for --tp", on_every_rank=True)
