@@ -1562,8 +1562,8 @@ def layouts(args, config: LlamaConfig, schedules=tuple(SCHEDULES), checkpointing
     without activation checkpointing; and the most microbatches the schedule accepts, up to MAX_MICROBATCHES,
     dividing a replica's batch. (The model of time has no cost per microbatch, so more microbatches, smaller,
     never plan slower or bigger; in a real run, microbatches too small to keep a GPU busy do run slower.)
-    --accumulate K > 1 only where memory forces it: a pp x dp x tp and schedule that fits the budget neither
-    with nor without checkpointing at any microbatch count, but whose weights do, is tried at the smallest K
+    --accumulate K > 1 only where memory forces it: a pp x dp x tp, schedule and checkpointing choice that fits
+    the budget at no microbatch count, but whose weights do, is tried at the smallest K
     (dividing a replica's batch, up to MAX_ACCUMULATE) that fits, K schedule steps each paying its fill and
     drain (found by bisection: the memory of the most microbatches a K allows falls as K grows); without a
     budget (the least memory any layout needs), at the largest K the scripts accept (the smallest microbatches:
@@ -1585,8 +1585,8 @@ def layouts(args, config: LlamaConfig, schedules=tuple(SCHEDULES), checkpointing
         def rows_at(k: int) -> list[dict]:
             return [row for choice in range(len(group)) if (row := row_at(k, choice)) is not None]
 
-        def fits(k: int) -> bool:  # (evaluates what it needs only: a replay each)
-            return any((row := row_at(k, choice)) is not None and row["memory"] <= budget for choice in choices)
+        def fits(k: int, choice: int) -> bool:  # (evaluates what it needs only: a replay each)
+            return (row := row_at(k, choice)) is not None and row["memory"] <= budget
 
         # More schedule steps, each of smaller microbatches: less activation memory, and another fill and drain.
         more = [k for k in range(2, MAX_ACCUMULATE + 1) if args.batch_size // dp % k == 0] \
@@ -1594,15 +1594,17 @@ def layouts(args, config: LlamaConfig, schedules=tuple(SCHEDULES), checkpointing
         if budget is None:  # the least memory: at the largest K the scripts accept, its activations the smallest
             found += next((at for at in map(rows_at, [*reversed(more), args.accumulate]) if at), [])
             continue
-        rows = rows_at(args.accumulate)
-        # K shrinks the activations only: not tried where K = 1 fits or the weights alone do not (not replayed).
-        if rows and more and not fits(args.accumulate) and all(math.isfinite(row["step"]) for row in rows):
-            # The largest K the scripts accept first: where even it does not fit, none does. Else the smallest K
-            # that fits, halving the range (a larger K: fewer or smaller microbatches a step, never more memory).
-            top = next((i for i in reversed(range(len(more))) if any(row_at(more[i], c) for c in choices)), None)
-            if top is not None and fits(more[top]):
-                rows = rows_at(more[bisect.bisect_left(range(top), True, key=lambda i: fits(more[i]))])
-        found += rows
+        for choice in choices:  # with checkpointing and without, each at the fewest steps that fit
+            row = row_at(args.accumulate, choice)
+            # K shrinks the activations only: not tried where K = 1 fits or the weights alone do not (not replayed).
+            if row is not None and more and not fits(args.accumulate, choice) and math.isfinite(row["step"]):
+                # The largest K the scripts accept first: where even it does not fit, none does. Else the smallest
+                # K that fits, halving the range (a larger K: fewer or smaller microbatches a step, never more).
+                top = next((i for i in reversed(range(len(more))) if row_at(more[i], choice)), None)
+                if top is not None and fits(more[top], choice):
+                    row = row_at(more[bisect.bisect_left(range(top), True, key=lambda i: fits(more[i], choice))],
+                                 choice)
+            found += [row] if row is not None else []
     return found
 
 

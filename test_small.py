@@ -4519,8 +4519,9 @@ def test_the_plan_of_accumulated_steps_pays_a_fill_and_drain_for_each(capsys, tm
 
 def test_the_search_accumulates_steps_only_where_memory_forces_it_and_the_fewest(capsys, tmp_path, monkeypatch):
     # The small model at 2 GPUs of 3 GB, a batch of 64 x 1024: GPipe's and looped BFS's layouts fit only with
-    # --accumulate. Each layout the search proposes comes at the smallest K at which some microbatch count, with
-    # or without checkpointing, fits (K = 1 wherever one does), found here by trying them all.
+    # --accumulate. Each layout the search proposes, with checkpointing and without, comes at the smallest K at
+    # which some microbatch count fits (K = 1 wherever one does), found here by trying them all: a layout that
+    # fits at K = 1 only with checkpointing is also proposed without it at the K it needs (which may be faster).
     monkeypatch.chdir(tmp_path)  # the scripts' checks read --checkpoint-dir (./checkpoints): none here
     argv = ["--model", "small", "--seq-len", "1024", "--batch-size", "64", "--gpus", "2", "--gpu-memory", "3",
             "--top", "1000"]
@@ -4530,27 +4531,31 @@ def test_the_search_accumulates_steps_only_where_memory_forces_it_and_the_fewest
     args.device = "cuda"
     config, budget = plan.plan_config(args), 3e9 * (1 - plan.HEADROOM)
 
-    def fewest(pp, dp, tp, schedule) -> int | None:
+    def fewest(pp, dp, tp, schedule, ac) -> int | None:
         n = 64 // dp  # a replica's sequences
         for k in [k for k in range(1, n + 1) if n % k == 0]:
             for m in [m for m in range(1, n // k + 1) if n // k % m == 0]:
-                for ac in (False, True):
-                    row = plan.evaluate(args, config, pp, dp, tp, schedule, m, ac, None, k)
-                    if row is not None and row["memory"] <= budget:
-                        return k
+                row = plan.evaluate(args, config, pp, dp, tp, schedule, m, ac, None, k)
+                if row is not None and row["memory"] <= budget:
+                    return k
         return None
 
-    layouts = {c[:4] for c in plan.candidates(args, config, tuple(gpipe.SCHEDULES), (False, True))}
+    layouts = {(*c[:4], c[5]) for c in plan.candidates(args, config, tuple(gpipe.SCHEDULES), (False, True))}
     expected = {layout: k for layout in layouts if (k := fewest(*layout))}
-    got = {(row["pp"], row["dp"], row["tp"], row["schedule"]): row["accumulate"] for row in best}
-    assert len(got) == len({(*layout, k) for layout, k in got.items()}) and got == expected
+    got = {(row["pp"], row["dp"], row["tp"], row["schedule"], row["checkpointing"]): row["accumulate"]
+           for row in best}
+    assert len(got) == len(best) and got == expected
     assert {1, 4} <= set(got.values()), got
+    # Each choice at its own K (one K for both would hide a faster one): here GPipe at dp 2, 4 with checkpointing
+    # and 32 without.
+    assert any(k != got.get((*layout[:4], False), k) for layout, k in got.items() if layout[4]), got
     for row in best:
         k = row["accumulate"]
         if k == 1:
             assert "--accumulate" not in row["command"]
             continue
-        assert f"{row['microbatches']} microbatches x {k} schedule steps (--accumulate: each its fill and drain)" in out
+        m = row["microbatches"]
+        assert f"{m} microbatch{'es' * (m > 1)} x {k} schedule steps (--accumulate: each its fill and drain)" in out
         words = shlex.split(row["command"])
         assert words[3] == "train_pipeline_gpipe.py" and checked_args(gpipe, words[4:], 2).accumulate == k
         # Memory forces a slower step: K fills and drains where K = 1 (if it fitted) would pay one.
