@@ -1282,7 +1282,8 @@ def traced_run(args, env, config: LlamaConfig, layers: list[range], chunks: int)
                       "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
                       "head_dim": config.head_dim, "ffn": config.intermediate_size, "vocab": config.vocab_size},
             "seq_len": args.seq_len, "rows": args.batch_size // (args.dp * args.microbatches * args.accumulate),
-            "batch_size": args.batch_size, "microbatches": args.microbatches, "processes": env.world_size,
+            "batch_size": args.batch_size, "microbatches": args.microbatches, "accumulate": args.accumulate,
+            "processes": env.world_size,
             "dp": args.dp, "tp": args.tp, "split": [len(stage) for stage in layers], "schedule": args.schedule,
             "stages_per_rank": getattr(args, "stages_per_rank", 1),  # the hand-written script's: one
             "device": env.device.type, "dtype": str(env.dtype).removeprefix("torch."),

@@ -1132,7 +1132,7 @@ SAME_WORK = {
     "model": lambda m: (f"a model of hidden {m['hidden']}, {m['heads']} heads ({m['kv_heads']} KV) of "
                         f"{m['head_dim']}, MLP {m['ffn']}, vocab {m['vocab']}"),
     "seq_len": "--seq-len {}".format,
-    "rows": "microbatches of {} rows".format,  # of a replica: --batch-size / (--dp x --microbatches)
+    "rows": "microbatches of {} rows".format,  # of a replica: --batch-size / (--dp x --microbatches x --accumulate)
     "device": "--device {}".format,
     "dtype": lambda dtype: f"--precision {'bf16' if dtype == 'bfloat16' else 'fp32'}",
     "tp": "--tp {}".format,
@@ -1142,7 +1142,8 @@ SAME_WORK = {
     "document_masking": lambda on: f"{'' if on else 'no '}--document-masking",
 }
 LAYOUT_FLAGS = {"layers": "--layers", "processes": "--processes", "dp": "--dp", "schedule": "--schedule",
-                "stages_per_rank": "--stages-per-rank", "batch_size": "--batch-size", "microbatches": "--microbatches"}
+                "stages_per_rank": "--stages-per-rank", "batch_size": "--batch-size", "microbatches": "--microbatches",
+                "accumulate": "--accumulate"}
 
 
 def run_field(run: dict, key: str):
@@ -1357,8 +1358,8 @@ def plan(args) -> dict:
         own = from_sizes(run["split"])
         traced = schedule_result(run["schedule"], run["processes"] // (run["dp"] * run["tp"]), run["microbatches"],
                                  run["stages_per_rank"], timed(own), [0.0] * len(own), message=message)
-        report["traced"] = {"split": counts(own), "step": traced_step_time(args.trace), "replayed": traced["step"],
-                            "run": run}
+        report["traced"] = {"split": counts(own), "step": traced_step_time(args.trace),  # a profiled step: an
+                            "replayed": traced["step"] * run["accumulate"], "run": run}  # optimizer step's K
         layout = balanced(config.num_hidden_layers, len(layout), costs)
         report |= {"passes": passes, "split": counts(layout)}
         ms = lambda part: f"{passes[part][0] * 1e3:.3g} / {sum(passes[part][1:]) * 1e3:.3g} ms"  # noqa: E731

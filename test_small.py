@@ -4204,6 +4204,17 @@ def test_the_plan_takes_each_parts_time_from_a_trace_of_known_costs(tmp_path, ca
             # The balanced split (4.5, 9 and 8, 12 ms): 4.5 + 2 x 8 + 2 x 12 + 9 = 53.5 ms.
             assert report["schedules"]["gpipe"]["step"] == pytest.approx(0.0535)
             assert "step 53.5 ms replayed (1.11 x as fast as the traced run's split)" in out
+    # The same trace had the run accumulated 2 schedule steps an optimizer step (a batch of 16, the microbatches
+    # the same): a profiled step is both, so the traced layout's replay is twice the schedule step's.
+    trace = Path(_costs_trace(tmp_path / "accumulated", True, [2, 2]))
+    for rank_file in trace.glob("rank*.json"):
+        data = json.loads(rank_file.read_text())
+        data["run"] |= {"accumulate": 2, "batch_size": 16}
+        rank_file.write_text(json.dumps(data))
+    report = plan.main(["--processes", "2", "--split", "2,2", *shape, "--batch-size", "16", "--accumulate", "2",
+                        "--trace", str(trace)])
+    capsys.readouterr()
+    assert report["traced"]["replayed"] == pytest.approx(2 * 0.0595)
     # Without the loss's label and with no layer before the last stage, a layer cannot be told from the head.
     trace = _costs_trace(tmp_path / "by_hand2", False, [0, 4])
     assert "the traced run labels no loss" in refused(capsys, plan.main, "--processes", "2", "--split", "0,4",
