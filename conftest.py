@@ -995,11 +995,13 @@ PARITY_LAYOUTS[2, 2, 1] += [("library", "zbh2.csv", 4, False)]
 
 
 # --accumulate 2: each optimizer step's 8 microbatches a replica (a row each) in 2 schedule steps of 4 (DualPipeV's
-# V takes at least its 4 stages' worth): every schedule of every kind; replicas (FSDP2 reduce-scatters once an
-# optimizer step, not once a schedule step), tensor parallelism, documents kept apart, an order from a file.
+# V takes at least its 4 stages' worth): every schedule, split by the library and by hand (the traced stages run
+# the same train_step: a few of them); replicas (FSDP2 reduce-scatters once an optimizer step, not once a schedule
+# step), tensor parallelism, documents kept apart, an order from a file.
 ACCUMULATED_LAYOUTS = {
-    (2, 1, 1): [(kind, name, 4, False) for kind, name in EVERY_SPLIT_AND_SCHEDULE]
-               + [("library", "1f1b", 4, True), ("manual", "afab", 4, True), ("tracer", "zbvzerobubble", 4, True)],
+    (2, 1, 1): [(kind, name, 4, False) for kind, name in EVERY_SPLIT_AND_SCHEDULE if kind != "tracer"]
+               + [("tracer", "gpipe", 4, False), ("library", "1f1b", 4, True), ("manual", "afab", 4, True),
+                  ("tracer", "zbvzerobubble", 4, True)],
     (2, 2, 1): [("library", "gpipe", 4, False), ("library", "zbvzerobubble", (0, 2, 2, 0), False),
                 ("library", "interleavedzerobubble", 4, True), ("tracer", "interleaved1f1b", 4, False),
                 ("tracer", "dualpipev", 4, False), ("manual", "1f1b", 4, False), ("manual", "afab", (0, 4), True),
