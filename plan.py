@@ -610,7 +610,8 @@ class _Timeline:
 
 
 @_no_collector()
-def zb_orders(cost: dict, memory: dict, cap: list, m: int, message: float) -> dict[int, list[list[tuple]]]:
+def zb_orders(cost: dict, memory: dict, cap: list, m: int, message: float, by: str = "span",
+              seeds: tuple = ()) -> dict[int, list[list[tuple]]]:
     """ZB-1p and ZB-2p (cap: p or 2p microbatches' activations per rank), the Zero Bubble paper's automatic
     heuristic, one stage per rank, from each stage's F, I and W times and a message's. As the paper: warm-up
     forwards as the cap allows before the first input gradient can arrive, each rank at least one ahead of the
@@ -618,10 +619,11 @@ def zb_orders(cost: dict, memory: dict, cap: list, m: int, message: float) -> di
     would raise the largest idle time of any rank) and freeing memory for the cap; a rank two forwards ahead of
     the next may skip one. Three binary choices (a warm-up forward that delays the first I or not; the skip; a
     W into a wait that raises no maximum) are grid-searched, keeping the order with the shortest longest rank
-    span. Unlike the paper: no ILP refinement after it (its repository, tag zero-bubble-v0.1.0, has it disabled
-    and its Table 5 is the heuristic's alone); a rank never gets more warm-up forwards than the one before (where
-    the repository's would fail). None: no order fits the cap."""
-    pp, best = len(cap), None
+    span (by="span", the paper's) or the shortest step (by="step": _least_step, with the seeds; by a tuple of
+    both: both orders, from one generation). Unlike the paper: no ILP refinement after it (its repository, tag
+    zero-bubble-v0.1.0, has it disabled and its Table 5 is the heuristic's alone); a rank never gets more warm-up
+    forwards than the one before (where the repository's would fail). None: no order fits the cap."""
+    pp, lines = len(cap), []
     F, I = cost["F"], cost["I"]
     last = pp - 1
     for early, skip, greedy in itertools.product((True, False), repeat=3):
@@ -676,13 +678,15 @@ def zb_orders(cost: dict, memory: dict, cap: list, m: int, message: float) -> di
             line.flush()
         except _Stuck:
             continue
-        if best is None or line.longest() < best.longest():
-            best = line
-    return best and best.orders
+        lines.append(line)
+    picks = {"span": lambda: min(lines, key=_Timeline.longest).orders if lines else None,
+             "step": lambda: _least_step(lines, seeds, cost, memory, cap, message)}
+    return picks[by]() if isinstance(by, str) else tuple(picks[b]() for b in by)
 
 
 @_no_collector()
-def zbv_orders(cost: dict, memory: dict, cap: list, m: int, message: float) -> dict[int, list[list[tuple]]]:
+def zbv_orders(cost: dict, memory: dict, cap: list, m: int, message: float, by: str = "span",
+               seeds: tuple = ()) -> dict[int, list[list[tuple]]]:
     """ZB-V, the Zero Bubble paper's V: rank r holds stage r (down) and 2p - 1 - r (up), so the last stage and
     the first input gradient are on rank 0, ordered under a memory cap per rank by the paper's cost-aware greedy
     scheduler (its Table 8 comes from it; its repository's v_schedule.py, tag zero-bubble-v0.1.0, re-implemented).
@@ -756,29 +760,56 @@ def zbv_orders(cost: dict, memory: dict, cap: list, m: int, message: float) -> d
         line.flush()
         return line
 
-    best = None
+    best, tried = None, []
     for fill_i, fill_f in itertools.product((True, False), repeat=2):
         try:
             line = attempt(fill_i, fill_f, None)
         except _Stuck:
             continue
+        tried.append(line)
         while True:  # again, each rank allowed the idle time the last attempt left it, while that helps
             try:
                 again = attempt(fill_i, fill_f, line.idle)
             except _Stuck:
                 break
+            tried.append(again)
             if max(again.idle) >= max(line.idle):
                 break
             line = again
         if best is None or max(line.idle) < max(best.idle):
             best = line
-    return best and best.orders
+    picks = {"span": lambda: best and best.orders,
+             "step": lambda: _least_step(tried, seeds, cost, memory, cap, message)}
+    return picks[by]() if isinstance(by, str) else tuple(picks[b]() for b in by)
+
+
+def _least_step(lines: list, seeds: tuple, cost: dict, memory: dict, cap: list,
+                message: float) -> dict[int, list[list[tuple]]] | None:
+    """Of a generator's orders (its timelines) and the seeds (other orders, such as torch's fixed one for the same
+    placement, replayed here and kept only where they fit the cap), the one whose step is least. The paper's
+    schedulers minimize each rank's span, the time from its first action to its last, as if each rank started
+    the next step when it ended this one (its runs bypass the optimizer's synchronization); torch's runtime and
+    the scripts' clipping synchronize every step, so the step from one start to the last rank's end is what a
+    step costs there. (A timeline's step is replay()'s: the same actions timed alike.) Ties go to the first."""
+    best, least = None, math.inf
+    for line in lines:
+        if max(line.free) < least:
+            best, least = line.orders, max(line.free)
+    for orders in seeds:
+        result = replay(orders, cost["F"], [i + w for i, w in zip(cost["I"], cost["W"])], memory["F"], memory["I"],
+                        (cost["I"], cost["W"]), message)
+        if result["step"] < least and all(result["peak"][r] <= cap[r] * (1 + 1e-12) for r in result["peak"]):
+            best, least = orders, result["step"]
+    return best
 
 
 # The generated orders, by name: the torch schedule whose stage placement each has (one stage per rank, or the
 # V), whose checks it takes; the memory cap of the automatic ones, in p microbatches of a rank's activations.
 GENERATED = {"zbh2": "1f1b", "zb1p": "1f1b", "zb2p": "1f1b", "zbvauto": "zbvzerobubble"}
 CAPS = {"zb1p": 1, "zb2p": 2, "zbvauto": 1}
+# The fixed orders each automatic one starts from (schedule_orders' arguments): kept where its step is least.
+SEEDS = {"zb1p": lambda pp, m: [("zbh1", pp, m, 1)], "zb2p": lambda pp, m: [("zbh1", pp, m, 1), ("zbh2", pp, m, 1)],
+         "zbvauto": lambda pp, m: [("zbvzerobubble", pp, m, 2)]}
 
 
 def placement(name: str) -> str:
@@ -801,7 +832,18 @@ def generated_orders(name: str, pp: int, m: int, times: tuple, held: list, betwe
     memory = {"F": held, "I": between, "W": [-h - b for h, b in zip(held, between)]}
     stages = [stage_ids(placement(name), r, pp, 1) for r in range(pp)]
     cap = [CAPS[name] * pp * len(own) * max(held[s] for s in own) + max(between[s] for s in own) for own in stages]
-    orders = (zbv_orders if name == "zbvauto" else zb_orders)(cost, memory, cap, m, message)
+    # Chosen by the step, which torch's runtime synchronizes (the paper's span is the table's extra column), among
+    # the paper's attempts and the fixed orders that fit the cap (SEEDS): never predicted slower than those. The
+    # V's cap also admits torch's V, which it is to replace: where torch's holds more on a rank (one more
+    # microbatch's output gradients, on the last), the V may hold that much there, as torch's would by name.
+    seeds = []
+    for seed in SEEDS[name](pp, m):
+        with contextlib.suppress(ValueError):  # (torch's V refuses too few microbatches: no seed then)
+            seeds.append(schedule_orders(*seed))
+    if name == "zbvauto" and seeds:
+        peak = replay(seeds[0], forward, [i + w for i, w in zip(input_grad, weight_grad)], held, between)["peak"]
+        cap = [max(c, peak[r]) for r, c in enumerate(cap)]
+    orders = (zbv_orders if name == "zbvauto" else zb_orders)(cost, memory, cap, m, message, "step", tuple(seeds))
     if orders is None:
         raise UsageError(f"--schedule {name}: no order of {m} microbatches on {pp} ranks fits its memory cap "
                          f"({CAPS[name]}p microbatches' activations); try another schedule or more microbatches")
