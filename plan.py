@@ -363,20 +363,35 @@ def _actions(action) -> list[tuple]:
     return [(kind, action.stage_index, action.microbatch_index)] if kind else []
 
 
-_INPUTS: dict[int, tuple] = {}
+_INPUTS: dict[tuple, tuple] = {}
+
+
+def merged(acts: list[list[tuple]]) -> list[list[tuple]]:
+    """A rank's order with each I followed next by its own W (the same stage and microbatch) made one B: torch's
+    _merge_bw, which the scripts apply to every order they run (model.merge_backwards). Overlapped pairs stay."""
+    out = []
+    for group in acts:
+        if out and group == [("W", *out[-1][0][1:])] and out[-1][0][0] == "I" and len(out[-1]) == 1:
+            out[-1] = [("B", *group[0][1:])]
+        else:
+            out.append(group)
+    return out
 
 
 def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward: list[float],
            held: list[float], between: list[float] | None = None, split: tuple | None = None,
-           message: float = 0.0) -> dict:
+           message: float = 0.0, merge: bool = True) -> dict:
     """Run the orders against the dependencies: stage s's forward of microbatch i after stage s - 1's, its
     backward (B, or I for the input gradient alone) after its forward and after stage s + 1's backward, a
     weight gradient (W) after its I. forward/backward: each stage's times; split: each stage's I and W times
     (split_backward; by default half a backward each); held: each stage's activation bytes per microbatch, kept
     from its forward to its B or W; between: the bytes an I adds until its W (the gradients the weight gradient
     needs); message: the time an output or its gradient takes to reach a stage on another rank (in flight while
-    both ranks compute other things: the Zero Bubble paper's model). Returns the step time, each rank's busy
-    time, its peak bytes held, and the bubble (the idle share of all ranks' time)."""
+    both ranks compute other things: the Zero Bubble paper's model); merge: an I followed on its rank by its own
+    W (the same stage and microbatch) runs as one B, as the gpipe and tracer scripts run every order
+    (model.merge_backwards): a B's time, and no gradients held between (where B = I + W the same times). Returns
+    the step time, each rank's busy time, its peak bytes held, and the bubble (the idle share of all ranks'
+    time)."""
     last = len(forward) - 1
     finished: dict[tuple, float] = {}  # ("F" or "G" (input gradient ready) or "W", stage, microbatch) -> time
     between = between or [0.0] * len(held)
@@ -395,19 +410,19 @@ def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward:
     # Per rank, each element of its order as (what it waits for, each with whether it comes from another rank,
     # and its actions as (kind, stage, what they produce)): computed once per order (schedule_orders caches them:
     # replayed many times).
-    if id(orders) not in _INPUTS or _INPUTS[id(orders)][0] is not orders:
+    if (id(orders), merge) not in _INPUTS or _INPUTS[id(orders), merge][0] is not orders:
         rank_of = {s: r for r, acts in orders.items() for group in acts for _, s, _ in group}
         steps = []
         for r, acts in orders.items():
             steps.append([])
-            for group in acts:
+            for group in merged(acts) if merge else acts:
                 needed, actions = [], []
                 for kind, s, i in group:
                     needed += [(n, rank_of[n[1]] != r) for n in needs(kind, s, i)]
                     actions.append((kind, s, ("G" if kind in "BI" else kind, s, i)))
                 steps[-1].append((needed, actions))
-        _INPUTS[id(orders)] = orders, steps
-    steps = _INPUTS[id(orders)][1]
+        _INPUTS[id(orders), merge] = orders, steps
+    steps = _INPUTS[id(orders), merge][1]
 
     # Each rank runs its order in sequence; an action starts when the rank is free and its inputs are there.
     # Those times do not depend on which rank is advanced first: advance a rank until an input is missing, park

@@ -1293,6 +1293,14 @@ def test_a_checkpointed_layer_is_recomputed_once_per_microbatch_in_a_split_backw
     _, expected, _ = unsplit_step(parity_config(4), inputs, targets, m)
     for variant in variants:
         assert [runs for rank in ranks for runs in rank[variant]["runs"]] == [2 * m] * 4, variant
+        # Each I that its own W follows next on the rank ran as one backward (model.merge_backwards), the rest as
+        # torch orders them: what plan.py replays (plan.merged over torch's order); on the V most of them.
+        for r, rank in enumerate(ranks):
+            order = plan.merged(plan.schedule_orders(variant[1], 2, m, 2)[r])
+            assert rank[variant]["backwards"] == {k: sorted((s, i) for group in order for kind, s, i in group
+                                                            if kind == k) for k in "BIW"}, (variant, r)
+        if variant[1] == "zbvzerobubble":
+            assert [len(rank[variant]["backwards"]["B"]) for rank in ranks] == [8, 5]  # of 8 I's each
         got = {name: g for rank in ranks for name, g in rank[variant]["grads"].items()}
         assert sorted(got) == sorted(expected), variant
         for name in expected:
@@ -1389,9 +1397,10 @@ def _orders_worker(rank, world_size, store_path, out_dir):
 
 def test_a_file_of_torchs_own_order_runs_exactly_what_torchs_schedule_runs(tmp_path):
     # --schedule FILE.csv: torch's own multi-stage orders, written as files (schedule_file) and read as the scripts
-    # read them, lower on every rank to the very actions torch's schedule class runs (its computation, sends and
-    # receives, FSDP's unshards and reshards, gradient reductions, in the same order); placeholder stages (the
-    # lowering needs only their indices and ranks).
+    # read them, lower on every rank to the very actions torch's schedule class runs in the scripts (its
+    # computation, an I and its own W back to back as one B in both, sends and receives, FSDP's unshards and
+    # reshards, gradient reductions, in the same order); placeholder stages (the lowering needs only their indices
+    # and ranks).
     for name, pp, m in [("interleavedzerobubble", 2, 4), ("zbvzerobubble", 3, 6), ("dualpipev", 2, 4),
                         ("loopedbfs", 3, 6)]:
         path = schedule_file(name, pp, m, tmp_path)
@@ -1406,8 +1415,9 @@ def test_a_file_of_torchs_own_order_runs_exactly_what_torchs_schedule_runs(tmp_p
             assert order.stages(rank) == gpipe.stage_ids(name, rank, pp, 2)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                expected = gpipe.SCHEDULES[name](stages(), n_microbatches=m).pipeline_order_with_comms
-            assert order.schedule(stages(), None).pipeline_order_with_comms == expected, (name, rank)
+                expected = model_module.merge_backwards(gpipe.SCHEDULES[name](stages(), n_microbatches=m))
+            assert order.schedule(stages(), None).pipeline_order_with_comms == expected.pipeline_order_with_comms, (
+                name, rank)
 
 
 def _forward_only_worker(rank, world_size, store_path, out_dir):
@@ -3922,7 +3932,8 @@ def test_the_plan_counts_the_recomputation_of_a_split_backward(one_process_group
     built = [PipelineStage(module, s, 2, torch.device("cpu"), group=mesh.get_group("pp"),
                            **gpipe.stage_io(config, s, 2, (2, 16), 1, torch.float32))
              for module, s in zip(modules, (0, 1))]
-    schedule, _ = gpipe.make_schedule("zbvzerobubble", built, m, 1, 1)
+    with unittest.mock.patch.object(gpipe, "merge_backwards", lambda schedule: schedule):  # every I and W apart
+        schedule, _ = gpipe.make_schedule("zbvzerobubble", built, m, 1, 1)
     inputs, targets = random_batch(config, batch=4)
     gpipe.train_step(schedule, inputs, targets, cpu_env(0, 1), 1)
     assert calls == {0: m * 2, 1: m * 2}  # forward, and the recomputation in I (in W for stage 0)
@@ -3948,7 +3959,8 @@ def test_a_checkpointed_layer_that_w_reads_again_unkept_is_recomputed_again_not_
         built = [PipelineStage(module, s, 2, torch.device("cpu"), group=mesh.get_group("pp"),
                                **gpipe.stage_io(config, s, 2, (2, 16), 1, torch.float32))
                  for module, s in zip(modules, (0, 1))]
-        schedule, _ = gpipe.make_schedule("zbvzerobubble", built, m, 1, 1)
+        with unittest.mock.patch.object(gpipe, "merge_backwards", lambda schedule: schedule):  # I and W apart
+            schedule, _ = gpipe.make_schedule("zbvzerobubble", built, m, 1, 1)
         calls.clear()
         with unittest.mock.patch.object(model_module, "_weights_only", lambda fn: False):
             gpipe.train_step(schedule, *random_batch(config, batch=4), cpu_env(0, 1), 1)
@@ -4076,7 +4088,8 @@ def test_the_generated_orders_are_chosen_by_the_step_torchs_runtime_takes(pp, ca
                         "28,33.55,33.55"])["schedules"]
     assert report["zbvauto"]["step"] <= report["zbvzerobubble"]["step"]
     assert report["zb2p"]["step"] <= report["zbh2"]["step"]
-    assert re.search(r"^  zbvauto +step .*\(generated; [\d.]+% by the paper's measure\)$", capsys.readouterr().out, re.M)
+    out = capsys.readouterr().out
+    assert re.search(r"^  zbvauto +step .*\(generated; [\d.]+% by the paper's measure\)$", out, re.M)
 
 
 def _placeholder_runtime(name: str, pp: int, m: int):
