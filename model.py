@@ -28,8 +28,7 @@ import torch.utils.checkpoint
 from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining.schedules import (_Action, _add_reduce_grad, _add_send_recv, _add_unshard_reshard,
-                                                    _ComputationType, _merge_bw, _PipelineScheduleRuntime,
-                                                    _validate_schedule)
+                                                    _ComputationType, _PipelineScheduleRuntime, _validate_schedule)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -1095,25 +1094,38 @@ class PipelineOrder:
             raise ValueError(f"it is an order for {len(self.actions)} pipeline ranks, the job now has "
                              f"{pipeline_stages[0].group_size}; start as many processes as before")
         schedule = _PipelineScheduleRuntime(pipeline_stages, n_microbatches=self.microbatches, loss_fn=loss_fn)
-        return merge_backwards(schedule, self.actions)
+        return merge_backwards(schedule, self.actions, self.stage_ranks)
 
 
-def merge_backwards(schedule, order: dict | None = None):
-    """Where a rank's order runs a stage's input gradient (I) and then, next, the same microbatch's weight
-    gradient (W), run them as one backward (B): one autograd call instead of I's one and W's one per group of
-    weights, which walks the graph again from I's saved intermediates (measured on small: the pair 1.07-1.10 x
-    a B, with and without checkpointing; docs/faster-and-smaller.md). torch 2.13's own _merge_bw does it and is
-    never called; torch's zero-bubble classes place W's late only where an I must hurry, and run I, W back to
-    back elsewhere (ZBV at 2 ranks, 8 microbatches: 29 of 32 pairs). The rest is as the order says: an I whose
-    W comes later, DualPipeV's overlapped cells. order: the compute-only order to run (a file's); None: the
-    schedule's own pipeline_order (torch's classes). Lowered again as torch lowers a compute-only order (sends
-    and receives, FSDP, gradient reduction; also each stage's stage -> rank map). Another schedule (GPipe, 1F1B,
-    no I or W) is returned as it is."""
+def merge_backwards(schedule, order: dict | None = None, stage_ranks: dict | None = None):
+    """Run an input gradient (I) that its own weight gradient (W: the same stage and microbatch) follows next on
+    the rank as one backward (B), where the gradient goes to no other rank: one autograd call instead of I's one
+    and W's one per group of weights, which walks the graph again from what I kept (measured on small, one
+    stage: I + W 1.07-1.16 x a B, with and without checkpointing; docs/faster-and-smaller.md). Where the input
+    gradient goes to another rank, a B would send it only after the weights' part: that rank would wait W's
+    time longer, so there they stay apart (torch's own _merge_bw merges every such pair, and is never called).
+    Stage 0 sends no gradient; on a rank whose next stage down is its own (the V's turn), the next backward
+    there comes after W anyway. The rest is as the order says (W's put off, DualPipeV's overlapped cells).
+    order: the compute-only order to run (a file's), stage_ranks its stage -> rank map; None: the schedule's own
+    (torch's classes). Lowered again as torch lowers a compute-only order (sends and receives, FSDP, gradient
+    reduction). A schedule without an order (GPipe, 1F1B) is returned as it is."""
     order = order or getattr(schedule, "pipeline_order", None)
     if order is None or not isinstance(schedule, _PipelineScheduleRuntime):
         return schedule
-    schedule.pipeline_order = {rank: _merge_bw(list(acts)) for rank, acts in order.items()}  # (it empties its list)
-    schedule._prepare_schedule_with_comms(schedule.pipeline_order)
+    rank_of = stage_ranks or schedule.stage_index_to_group_rank
+    merged = {}
+    for rank, acts in order.items():
+        merged[rank] = []
+        for action in filter(None, acts):  # (an idle step: a rank waits for its inputs without one)
+            last = merged[rank][-1] if merged[rank] else None
+            if last and (last.computation_type, action.computation_type) == ("I", "W") and (
+                    last.stage_index, last.microbatch_index) == (action.stage_index, action.microbatch_index) and (
+                    action.stage_index == 0 or rank_of[action.stage_index - 1] == rank):
+                merged[rank][-1] = _Action(action.stage_index, _ComputationType("B"), action.microbatch_index)
+            else:
+                merged[rank].append(action)
+    schedule.pipeline_order = merged
+    schedule._prepare_schedule_with_comms(merged)
     return schedule
 
 

@@ -366,13 +366,15 @@ def _actions(action) -> list[tuple]:
 _INPUTS: dict[tuple, tuple] = {}
 
 
-def merged(acts: list[list[tuple]]) -> list[list[tuple]]:
-    """A rank's order with each I followed next by its own W (the same stage and microbatch) made one B: torch's
-    _merge_bw, which the scripts apply to every order they run (model.merge_backwards). Overlapped pairs stay."""
+def merged(acts: list[list[tuple]], rank: int, rank_of: dict) -> list[list[tuple]]:
+    """Rank `rank`'s order as the scripts run it (model.merge_backwards): an I that its own W (the same stage and
+    microbatch) follows next made one B where its gradient goes to no other rank (stage 0, or stage s - 1 on this
+    rank: rank_of, stage -> rank); elsewhere a B would send it W's time later. Overlapped pairs stay."""
     out = []
     for group in acts:
-        if out and group == [("W", *out[-1][0][1:])] and out[-1][0][0] == "I" and len(out[-1]) == 1:
-            out[-1] = [("B", *group[0][1:])]
+        (kind, s, i), before = group[0], out[-1] if out else None
+        if kind == "W" and len(group) == 1 and before == [("I", s, i)] and (s == 0 or rank_of[s - 1] == rank):
+            out[-1] = [("B", s, i)]
         else:
             out.append(group)
     return out
@@ -388,8 +390,8 @@ def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward:
     from its forward to its B or W; between: the bytes an I adds until its W (the gradients the weight gradient
     needs); message: the time an output or its gradient takes to reach a stage on another rank (in flight while
     both ranks compute other things: the Zero Bubble paper's model); merge: an I followed on its rank by its own
-    W (the same stage and microbatch) runs as one B, as the gpipe and tracer scripts run every order
-    (model.merge_backwards): a B's time, and no gradients held between (where B = I + W the same times). Returns
+    W runs as one B where its gradient stays on the rank, as the gpipe and tracer scripts run every order
+    (merged, model.merge_backwards): a B's time, no gradients held between (with B = I + W the same times). Returns
     the step time, each rank's busy time, its peak bytes held, and the bubble (the idle share of all ranks'
     time)."""
     last = len(forward) - 1
@@ -415,7 +417,7 @@ def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward:
         steps = []
         for r, acts in orders.items():
             steps.append([])
-            for group in merged(acts) if merge else acts:
+            for group in merged(acts, r, rank_of) if merge else acts:
                 needed, actions = [], []
                 for kind, s, i in group:
                     needed += [(n, rank_of[n[1]] != r) for n in needs(kind, s, i)]
@@ -464,7 +466,7 @@ def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward:
             at += 1
         position[index], clock[index], holding[index], peak[index], busy[index] = at, time, now_held, most, spent
     position, clock, peak, busy = (dict(zip(ranks, v)) for v in (position, clock, peak, busy))
-    if any(position[r] < len(acts) for r, acts in orders.items()):
+    if any(position[r] < len(steps[index]) for index, r in enumerate(ranks)):
         raise RuntimeError("the schedule's order cannot proceed: an action waits for one that never comes")
     step = max(clock.values())
     # Each rank's span, from its first action's start to its last's end: where ranks start and end apart (the
@@ -801,21 +803,24 @@ def zbv_orders(cost: dict, memory: dict, cap: list, m: int, message: float, by: 
 def _least_step(lines: list, seeds: tuple, cost: dict, memory: dict, cap: list,
                 message: float) -> dict[int, list[list[tuple]]] | None:
     """Of a generator's orders (its timelines) and the seeds (other orders, such as torch's fixed one for the same
-    placement, replayed here and kept only where they fit the cap), the one whose step is least. The paper's
-    schedulers minimize each rank's span, the time from its first action to its last, as if each rank started
-    the next step when it ended this one (its runs bypass the optimizer's synchronization); torch's runtime and
-    the scripts' clipping synchronize every step, so the step from one start to the last rank's end is what a
-    step costs there. (A timeline's step is replay()'s: the same actions timed alike.) Ties go to the first."""
-    best, least = None, math.inf
-    for line in lines:
-        if max(line.free) < least:
-            best, least = line.orders, max(line.free)
-    for orders in seeds:
-        result = replay(orders, cost["F"], [i + w for i, w in zip(cost["I"], cost["W"])], memory["F"], memory["I"],
-                        (cost["I"], cost["W"]), message)
-        if result["step"] < least and all(result["peak"][r] <= cap[r] * (1 + 1e-12) for r in result["peak"]):
-            best, least = orders, result["step"]
-    return best
+    placement: the caller gives those it admits), the one whose step is least; of those within STEP_TIE of it,
+    the one whose fullest rank holds least. The paper's schedulers minimize each rank's span, the time from its
+    first action to its last, as if each rank started the next step when it ended this one (its runs bypass the
+    optimizer's synchronization); torch's runtime and the scripts' clipping synchronize every step, so the step
+    from one start to the last rank's end is what a step costs there. (A timeline's step is replay()'s.)"""
+    split, whole = (cost["I"], cost["W"]), [i + w for i, w in zip(cost["I"], cost["W"])]
+    run = lambda orders: replay(orders, cost["F"], whole, memory["F"], memory["I"], split, message)  # noqa: E731
+    steps = [(line.orders, max(line.free)) for line in lines] + [(orders, run(orders)["step"]) for orders in seeds]
+    if not steps:
+        return None
+    least = min(step for _, step in steps)
+    tied = [orders for orders, step in steps if step <= least * (1 + STEP_TIE)]
+    return tied[0] if len(tied) == 1 else min(tied, key=lambda orders: max(run(orders)["peak"].values()))
+
+
+# Steps this close are a tie (replayed, they differ by less than a run's steps do from each other, several %):
+# the order that holds less is taken (the paper's V at 28.3B: torch's V's step within 0.03 %, two thirds its memory).
+STEP_TIE = 1e-3
 
 
 # The generated orders, by name: the torch schedule whose stage placement each has (one stage per rank, or the
@@ -848,16 +853,18 @@ def generated_orders(name: str, pp: int, m: int, times: tuple, held: list, betwe
     stages = [stage_ids(placement(name), r, pp, 1) for r in range(pp)]
     cap = [CAPS[name] * pp * len(own) * max(held[s] for s in own) + max(between[s] for s in own) for own in stages]
     # Chosen by the step, which torch's runtime synchronizes (the paper's span is the table's extra column), among
-    # the paper's attempts and the fixed orders that fit the cap (SEEDS): never predicted slower than those. The
-    # V's cap also admits torch's V, which it is to replace: where torch's holds more on a rank (one more
-    # microbatch's output gradients, on the last), the V may hold that much there, as torch's would by name.
+    # the paper's attempts and the fixed orders of SEEDS that fit the cap: never predicted slower than those. The
+    # V also takes torch's V, which it is to replace, whatever it holds (as much as torch's by name: on a rank
+    # up to a microbatch's output gradients more than the cap); the attempts keep the cap.
     seeds = []
     for seed in SEEDS[name](pp, m):
-        with contextlib.suppress(ValueError):  # (torch's V refuses too few microbatches: no seed then)
-            seeds.append(schedule_orders(*seed))
-    if name == "zbvauto" and seeds:
-        peak = replay(seeds[0], forward, [i + w for i, w in zip(input_grad, weight_grad)], held, between)["peak"]
-        cap = [max(c, peak[r]) for r, c in enumerate(cap)]
+        try:
+            orders = schedule_orders(*seed)
+        except ValueError:  # (torch's V refuses too few microbatches: no seed then)
+            continue
+        peak = replay(orders, forward, [i + w for i, w in zip(input_grad, weight_grad)], held, between)["peak"]
+        if name == "zbvauto" or all(peak[r] <= cap[r] * (1 + 1e-12) for r in peak):
+            seeds.append(orders)
     orders = (zbv_orders if name == "zbvauto" else zb_orders)(cost, memory, cap, m, message, "step", tuple(seeds))
     if orders is None:
         raise UsageError(f"--schedule {name}: no order of {m} microbatches on {pp} ranks fits its memory cap "

@@ -1293,14 +1293,17 @@ def test_a_checkpointed_layer_is_recomputed_once_per_microbatch_in_a_split_backw
     _, expected, _ = unsplit_step(parity_config(4), inputs, targets, m)
     for variant in variants:
         assert [runs for rank in ranks for runs in rank[variant]["runs"]] == [2 * m] * 4, variant
-        # Each I that its own W follows next on the rank ran as one backward (model.merge_backwards), the rest as
-        # torch orders them: what plan.py replays (plan.merged over torch's order); on the V most of them.
+        # Each I that its own W follows next on the rank ran as one backward where its gradient stays on the rank
+        # (model.merge_backwards), the rest as torch orders them: what plan.py replays (plan.merged).
+        torch_order = plan.schedule_orders(variant[1], 2, m, 2)
+        rank_of = {s: r for r, acts in torch_order.items() for group in acts for _, s, _ in group}
         for r, rank in enumerate(ranks):
-            order = plan.merged(plan.schedule_orders(variant[1], 2, m, 2)[r])
+            order = plan.merged(torch_order[r], r, rank_of)
             assert rank[variant]["backwards"] == {k: sorted((s, i) for group in order for kind, s, i in group
                                                             if kind == k) for k in "BIW"}, (variant, r)
-        if variant[1] == "zbvzerobubble":
-            assert [len(rank[variant]["backwards"]["B"]) for rank in ranks] == [8, 5]  # of 8 I's each
+        if variant[1] == "zbvzerobubble":  # stage 0's 4 on rank 0; 3 of the V's turn (stage 2 -> 1) on rank 1
+            assert [rank[variant]["backwards"]["B"] for rank in ranks] == [[(0, i) for i in range(4)],
+                                                                           [(2, i) for i in range(3)]]
         got = {name: g for rank in ranks for name, g in rank[variant]["grads"].items()}
         assert sorted(got) == sorted(expected), variant
         for name in expected:
@@ -4062,8 +4065,8 @@ def test_the_generated_v_gives_the_zero_bubble_papers_table_8():
     # torch's fixed ScheduleZBVZeroBubble order, replayed with the same times and measured alike, lands within 0.2
     # points of it (docs/plan-vs-the-zero-bubble-paper.md: above it at p 16, below it at p 24 and 32).
     # plan.py's zbvauto picks by the step instead (by="step", torch's V a candidate: torch's runtime synchronizes
-    # every step), from the same attempts: never a longer step than torch's V (the paper's pick has one on all nine;
-    # none of its attempts is shorter than torch's V by the step: zbvauto is torch's V on these nine).
+    # every step), from the same attempts: never a longer step than torch's V (the paper's pick has one on all nine,
+    # 0.08-1.1 % longer), but for a tie (plan.STEP_TIE, 0.1 %: then the one that holds less).
     for (p, m, f, b, w, c, h, a), published in ZERO_BUBBLE_TABLE_8:
         cost, memory, held = zero_bubble_inputs(2 * p, f, b, w, h, a)
         torch_v = plan.schedule_orders("zbvzerobubble", p, m, 2)
@@ -4072,7 +4075,7 @@ def test_the_generated_v_gives_the_zero_bubble_papers_table_8():
         assert plan.span_bubble(ours) == pytest.approx(published, abs=1e-3), (p, m)
         torchs = zero_bubble_replay(torch_v, 2 * p, f, b, w, c)
         assert plan.span_bubble(torchs) == pytest.approx(published, abs=2e-3), (p, m)
-        assert zero_bubble_replay(by_step, 2 * p, f, b, w, c)["step"] <= torchs["step"], (p, m)
+        assert zero_bubble_replay(by_step, 2 * p, f, b, w, c)["step"] <= torchs["step"] * (1 + plan.STEP_TIE), (p, m)
 
 
 @pytest.mark.parametrize("pp", [2, 3])
@@ -4081,13 +4084,14 @@ def test_the_generated_orders_are_chosen_by_the_step_torchs_runtime_takes(pp, ca
     # 44.9 / 92.8 ms, the head with the loss 28 / 67.1 ms, each backward in equal halves as plan.py cuts a trace's;
     # the embedding's not listed there, 2 ms). Picked by the paper's measure, zbvauto's step was 1.025 x torch's
     # V's at 2 ranks; picked by the step, with the fixed orders of the same placement as candidates, it is never
-    # predicted slower than those: torch's V, and ZB-H2 for zb2p.
+    # predicted slower than those (but for a tie, plan.STEP_TIE: then the one that holds less): torch's V, and
+    # ZB-H2 for zb2p.
     report = plan.main(["--processes", str(pp), "--model", "small", "--seq-len", "128",
                         "--batch-size", "8", "--microbatches", "8", "--device", "cpu", "--schedule", "zbvauto",
                         "--layer-times", "44.9,46.4,46.4", "--embed-times", "2,1,1", "--head-times",
                         "28,33.55,33.55"])["schedules"]
-    assert report["zbvauto"]["step"] <= report["zbvzerobubble"]["step"]
-    assert report["zb2p"]["step"] <= report["zbh2"]["step"]
+    assert report["zbvauto"]["step"] <= report["zbvzerobubble"]["step"] * (1 + plan.STEP_TIE)
+    assert report["zb2p"]["step"] <= report["zbh2"]["step"] * (1 + plan.STEP_TIE)
     out = capsys.readouterr().out
     assert re.search(r"^  zbvauto +step .*\(generated; [\d.]+% by the paper's measure\)$", out, re.M)
 
