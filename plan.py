@@ -44,7 +44,9 @@ message takes no time (--message-time: its time).
 Beside torch's seven, the Zero Bubble paper's orders (Qi et al., ICLR 2024), generated from the same stage times
 and torch's memory (a microbatch's activations held until its W): zbh2 (handcrafted, 2p microbatches in flight),
 zb1p and zb2p (its automatic heuristic, capped at p or 2p microbatches' activations per rank) and zbvauto (its
-cost-aware V, capped at 1F1B's); each row adds the paper's own measure of the bubble, the idle share of the
+cost-aware V, capped at 1F1B's), each the one of the orders the paper's method tries, and of the fixed orders of
+its placement (torch's V for zbvauto), whose step is least: torch's runtime synchronizes every step, where the
+paper minimizes each rank's span; each row adds the paper's own measure of the bubble, the idle share of the
 longest rank's span (docs/plan-vs-the-zero-bubble-paper.md). No script runs them by name: --write-schedule
 FILE.csv writes --schedule's order (any of the eleven) as torch's _PipelineScheduleRuntime loads a custom
 schedule (one row per pipeline rank: its compute actions in order, such as 0F1, 1I0, 1W0).
