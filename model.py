@@ -1108,12 +1108,12 @@ def merge_backwards(schedule, order: dict | None = None, stage_ranks: dict | Non
     there comes after W anyway. The rest is as the order says (W's put off, DualPipeV's overlapped cells).
     order: the compute-only order to run (a file's), stage_ranks its stage -> rank map; None: the schedule's own
     (torch's classes). Lowered again as torch lowers a compute-only order (sends and receives, FSDP, gradient
-    reduction). A schedule without an order (GPipe, 1F1B) is returned as it is."""
-    order = order or getattr(schedule, "pipeline_order", None)
+    reduction), unless it is the schedule's own and nothing merged. A schedule without an order (GPipe, 1F1B)
+    is returned as it is."""
+    own, order = order is None, order or getattr(schedule, "pipeline_order", None)
     if order is None or not isinstance(schedule, _PipelineScheduleRuntime):
         return schedule
-    rank_of = stage_ranks or schedule.stage_index_to_group_rank
-    merged = {}
+    rank_of, merged, changed = stage_ranks or schedule.stage_index_to_group_rank, {}, False
     for rank, acts in order.items():
         merged[rank] = []
         for action in filter(None, acts):  # (an idle step: a rank waits for its inputs without one)
@@ -1121,9 +1121,12 @@ def merge_backwards(schedule, order: dict | None = None, stage_ranks: dict | Non
             if last and (last.computation_type, action.computation_type) == ("I", "W") and (
                     last.stage_index, last.microbatch_index) == (action.stage_index, action.microbatch_index) and (
                     action.stage_index == 0 or rank_of[action.stage_index - 1] == rank):
-                merged[rank][-1] = _Action(action.stage_index, _ComputationType("B"), action.microbatch_index)
+                merged[rank][-1], changed = _Action(action.stage_index, _ComputationType("B"),
+                                                   action.microbatch_index), True
             else:
                 merged[rank].append(action)
+    if own and not changed:  # (interleaved 1F1B, LoopedBFS: as torch lowered them)
+        return schedule
     schedule.pipeline_order = merged
     schedule._prepare_schedule_with_comms(merged)
     return schedule
