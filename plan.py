@@ -821,7 +821,7 @@ def _least_step(lines: list, seeds: tuple, cost: dict, memory: dict, cap: list,
 
 
 # Steps this close are a tie (replayed, they differ by less than a run's steps do from each other, several %):
-# the order that holds less is taken (the paper's V at 28.3B: torch's V's step within 0.03 %, two thirds its memory).
+# the order that holds less is taken (the paper's V at 28.3B: torch's V's step within 0.01 %, two thirds its memory).
 STEP_TIE = 1e-3
 
 
