@@ -886,9 +886,20 @@ def schedule_file(order: str, pp: int, microbatches: int, directory: Path) -> Pa
 def _recompute_worker(rank, world_size, store_path, out_dir, variants, batch, microbatches):
     """One training step of each (kind: "library" or "tracer", schedule) in variants, every decoder layer
     checkpointed (--activation-checkpointing), pp = world_size, on real gloo ranks: each parameter's gradient,
-    and how many times each of the rank's layers ran its forward (the forward itself and each recomputation)."""
+    how many times each of the rank's layers ran its forward (the forward itself and each recomputation), and
+    the (stage, microbatch) of each backward the rank's stages ran, by kind: B (whole), I, W."""
     mesh = start_group(rank, world_size, store_path)
-    runs, checkpoint_layers = {}, model_module.checkpoint_layers
+    runs, checkpoint_layers, ran = {}, model_module.checkpoint_layers, {"B": [], "I": [], "W": []}
+    base = torch.distributed.pipelining.stage._PipelineStageBase
+    backward, weight = base.backward_one_chunk, base.backward_weight_one_chunk
+
+    def backward_one_chunk(self, chunk, loss=None, full_backward=True, last_backward=False):
+        ran["B" if full_backward else "I"].append((self.stage_index, chunk))
+        return backward(self, chunk, loss=loss, full_backward=full_backward, last_backward=last_backward)
+
+    def backward_weight_one_chunk(self, chunk, last_backward=False):
+        ran["W"].append((self.stage_index, chunk))
+        return weight(self, chunk, last_backward=last_backward)
 
     def counted(layer, forward):  # what checkpointing runs, at the forward and at each recomputation
         def run(*args, **kwargs):
@@ -903,7 +914,9 @@ def _recompute_worker(rank, world_size, store_path, out_dir, variants, batch, mi
     try:
         results, (inputs, targets) = {}, batch
         shape, config = (len(inputs) // microbatches, inputs.shape[1]), parity_config(4)
-        with unittest.mock.patch.object(model_module, "checkpoint_layers", counted_layers):
+        with unittest.mock.patch.object(model_module, "checkpoint_layers", counted_layers), \
+                unittest.mock.patch.object(base, "backward_one_chunk", backward_one_chunk), \
+                unittest.mock.patch.object(base, "backward_weight_one_chunk", backward_weight_one_chunk):
             for kind, name in variants:
                 stages = gpipe.stage_ids(name, rank, world_size, 2)
                 first, last = 0 in stages, world_size * len(stages) - 1 in stages
@@ -911,11 +924,14 @@ def _recompute_worker(rank, world_size, store_path, out_dir, variants, batch, mi
                 model, built, schedule, _ = build(config, name, stages, even(4, world_size * len(stages)), mesh,
                                                   shape, microbatches, checkpointing=True)
                 runs.clear()
+                for kinds in ran.values():
+                    kinds.clear()
                 script.train_step(schedule, inputs if first else None, targets if last else None,
                                   cpu_env(rank, world_size), 1)
                 layers = model_module.decoder_layers([stage.submod for stage in built])
                 results[kind, name] = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-                                       "runs": [runs.get(layer, 0) for layer in layers]}
+                                       "runs": [runs.get(layer, 0) for layer in layers],
+                                       "backwards": {k: sorted(v) for k, v in ran.items()}}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

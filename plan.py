@@ -51,7 +51,9 @@ message takes no time (--message-time: its time).
 Beside torch's seven, the Zero Bubble paper's orders (Qi et al., ICLR 2024), generated from the same stage times
 and torch's memory (a microbatch's activations held until its W): zbh2 (handcrafted, 2p microbatches in flight),
 zb1p and zb2p (its automatic heuristic, capped at p or 2p microbatches' activations per rank) and zbvauto (its
-cost-aware V, capped at 1F1B's); each row adds the paper's own measure of the bubble, the idle share of the
+cost-aware V, capped at 1F1B's), each the one of the orders the paper's method tries, and of the fixed orders of
+its placement (torch's V for zbvauto), whose step is least: torch's runtime synchronizes every step, where the
+paper minimizes each rank's span; each row adds the paper's own measure of the bubble, the idle share of the
 longest rank's span (docs/plan-vs-the-zero-bubble-paper.md). No script runs them by name: --write-schedule
 FILE.csv writes --schedule's order (any of the eleven) as torch's _PipelineScheduleRuntime loads a custom
 schedule (one row per pipeline rank: its compute actions in order, such as 0F1, 1I0, 1W0).
@@ -370,20 +372,37 @@ def _actions(action) -> list[tuple]:
     return [(kind, action.stage_index, action.microbatch_index)] if kind else []
 
 
-_INPUTS: dict[int, tuple] = {}
+_INPUTS: dict[tuple, tuple] = {}
+
+
+def merged(acts: list[list[tuple]], rank: int, rank_of: dict) -> list[list[tuple]]:
+    """Rank `rank`'s order as the scripts run it (model.merge_backwards): an I that its own W (the same stage and
+    microbatch) follows next made one B where its gradient goes to no other rank (stage 0, or stage s - 1 on this
+    rank: rank_of, stage -> rank); elsewhere a B would send it W's time later. Overlapped pairs stay."""
+    out = []
+    for group in acts:
+        (kind, s, i), before = group[0], out[-1] if out else None
+        if kind == "W" and len(group) == 1 and before == [("I", s, i)] and (s == 0 or rank_of[s - 1] == rank):
+            out[-1] = [("B", s, i)]
+        else:
+            out.append(group)
+    return out
 
 
 def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward: list[float],
            held: list[float], between: list[float] | None = None, split: tuple | None = None,
-           message: float = 0.0) -> dict:
+           message: float = 0.0, merge: bool = True) -> dict:
     """Run the orders against the dependencies: stage s's forward of microbatch i after stage s - 1's, its
     backward (B, or I for the input gradient alone) after its forward and after stage s + 1's backward, a
     weight gradient (W) after its I. forward/backward: each stage's times; split: each stage's I and W times
     (split_backward; by default half a backward each); held: each stage's activation bytes per microbatch, kept
     from its forward to its B or W; between: the bytes an I adds until its W (the gradients the weight gradient
     needs); message: the time an output or its gradient takes to reach a stage on another rank (in flight while
-    both ranks compute other things: the Zero Bubble paper's model). Returns the step time, each rank's busy
-    time, its peak bytes held, and the bubble (the idle share of all ranks' time)."""
+    both ranks compute other things: the Zero Bubble paper's model); merge: an I followed on its rank by its own
+    W runs as one B where its gradient stays on the rank, as the gpipe and tracer scripts run every order
+    (merged, model.merge_backwards): a B's time, no gradients held between (with B = I + W the same times). Returns
+    the step time, each rank's busy time, its peak bytes held, and the bubble (the idle share of all ranks'
+    time)."""
     last = len(forward) - 1
     finished: dict[tuple, float] = {}  # ("F" or "G" (input gradient ready) or "W", stage, microbatch) -> time
     between = between or [0.0] * len(held)
@@ -402,19 +421,19 @@ def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward:
     # Per rank, each element of its order as (what it waits for, each with whether it comes from another rank,
     # and its actions as (kind, stage, what they produce)): computed once per order (schedule_orders caches them:
     # replayed many times).
-    if id(orders) not in _INPUTS or _INPUTS[id(orders)][0] is not orders:
+    if (id(orders), merge) not in _INPUTS or _INPUTS[id(orders), merge][0] is not orders:
         rank_of = {s: r for r, acts in orders.items() for group in acts for _, s, _ in group}
         steps = []
         for r, acts in orders.items():
             steps.append([])
-            for group in acts:
+            for group in merged(acts, r, rank_of) if merge else acts:
                 needed, actions = [], []
                 for kind, s, i in group:
                     needed += [(n, rank_of[n[1]] != r) for n in needs(kind, s, i)]
                     actions.append((kind, s, ("G" if kind in "BI" else kind, s, i)))
                 steps[-1].append((needed, actions))
-        _INPUTS[id(orders)] = orders, steps
-    steps = _INPUTS[id(orders)][1]
+        _INPUTS[id(orders), merge] = orders, steps
+    steps = _INPUTS[id(orders), merge][1]
 
     # Each rank runs its order in sequence; an action starts when the rank is free and its inputs are there.
     # Those times do not depend on which rank is advanced first: advance a rank until an input is missing, park
@@ -456,7 +475,7 @@ def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward:
             at += 1
         position[index], clock[index], holding[index], peak[index], busy[index] = at, time, now_held, most, spent
     position, clock, peak, busy = (dict(zip(ranks, v)) for v in (position, clock, peak, busy))
-    if any(position[r] < len(acts) for r, acts in orders.items()):
+    if any(position[r] < len(steps[index]) for index, r in enumerate(ranks)):
         raise RuntimeError("the schedule's order cannot proceed: an action waits for one that never comes")
     step = max(clock.values())
     # Each rank's span, from its first action's start to its last's end: where ranks start and end apart (the
@@ -617,7 +636,8 @@ class _Timeline:
 
 
 @_no_collector()
-def zb_orders(cost: dict, memory: dict, cap: list, m: int, message: float) -> dict[int, list[list[tuple]]]:
+def zb_orders(cost: dict, memory: dict, cap: list, m: int, message: float, by: str = "span",
+              seeds: tuple = ()) -> dict[int, list[list[tuple]]]:
     """ZB-1p and ZB-2p (cap: p or 2p microbatches' activations per rank), the Zero Bubble paper's automatic
     heuristic, one stage per rank, from each stage's F, I and W times and a message's. As the paper: warm-up
     forwards as the cap allows before the first input gradient can arrive, each rank at least one ahead of the
@@ -625,10 +645,11 @@ def zb_orders(cost: dict, memory: dict, cap: list, m: int, message: float) -> di
     would raise the largest idle time of any rank) and freeing memory for the cap; a rank two forwards ahead of
     the next may skip one. Three binary choices (a warm-up forward that delays the first I or not; the skip; a
     W into a wait that raises no maximum) are grid-searched, keeping the order with the shortest longest rank
-    span. Unlike the paper: no ILP refinement after it (its repository, tag zero-bubble-v0.1.0, has it disabled
-    and its Table 5 is the heuristic's alone); a rank never gets more warm-up forwards than the one before (where
-    the repository's would fail). None: no order fits the cap."""
-    pp, best = len(cap), None
+    span (by="span", the paper's) or the shortest step (by="step": _least_step, with the seeds; by a tuple of
+    both: both orders, from one generation). Unlike the paper: no ILP refinement after it (its repository, tag
+    zero-bubble-v0.1.0, has it disabled and its Table 5 is the heuristic's alone); a rank never gets more warm-up
+    forwards than the one before (where the repository's would fail). None: no order fits the cap."""
+    pp, lines = len(cap), []
     F, I = cost["F"], cost["I"]
     last = pp - 1
     for early, skip, greedy in itertools.product((True, False), repeat=3):
@@ -683,13 +704,15 @@ def zb_orders(cost: dict, memory: dict, cap: list, m: int, message: float) -> di
             line.flush()
         except _Stuck:
             continue
-        if best is None or line.longest() < best.longest():
-            best = line
-    return best and best.orders
+        lines.append(line)
+    picks = {"span": lambda: min(lines, key=_Timeline.longest).orders if lines else None,
+             "step": lambda: _least_step(lines, seeds, cost, memory, cap, message)}
+    return picks[by]() if isinstance(by, str) else tuple(picks[b]() for b in by)
 
 
 @_no_collector()
-def zbv_orders(cost: dict, memory: dict, cap: list, m: int, message: float) -> dict[int, list[list[tuple]]]:
+def zbv_orders(cost: dict, memory: dict, cap: list, m: int, message: float, by: str = "span",
+               seeds: tuple = ()) -> dict[int, list[list[tuple]]]:
     """ZB-V, the Zero Bubble paper's V: rank r holds stage r (down) and 2p - 1 - r (up), so the last stage and
     the first input gradient are on rank 0, ordered under a memory cap per rank by the paper's cost-aware greedy
     scheduler (its Table 8 comes from it; its repository's v_schedule.py, tag zero-bubble-v0.1.0, re-implemented).
@@ -763,29 +786,59 @@ def zbv_orders(cost: dict, memory: dict, cap: list, m: int, message: float) -> d
         line.flush()
         return line
 
-    best = None
+    best, tried = None, []
     for fill_i, fill_f in itertools.product((True, False), repeat=2):
         try:
             line = attempt(fill_i, fill_f, None)
         except _Stuck:
             continue
+        tried.append(line)
         while True:  # again, each rank allowed the idle time the last attempt left it, while that helps
             try:
                 again = attempt(fill_i, fill_f, line.idle)
             except _Stuck:
                 break
+            tried.append(again)
             if max(again.idle) >= max(line.idle):
                 break
             line = again
         if best is None or max(line.idle) < max(best.idle):
             best = line
-    return best and best.orders
+    picks = {"span": lambda: best and best.orders,
+             "step": lambda: _least_step(tried, seeds, cost, memory, cap, message)}
+    return picks[by]() if isinstance(by, str) else tuple(picks[b]() for b in by)
+
+
+def _least_step(lines: list, seeds: tuple, cost: dict, memory: dict, cap: list,
+                message: float) -> dict[int, list[list[tuple]]] | None:
+    """Of a generator's orders (its timelines) and the seeds (other orders, such as torch's fixed one for the same
+    placement: the caller gives those it admits), the one whose step is least; of those within STEP_TIE of it,
+    the one whose fullest rank holds least. The paper's schedulers minimize each rank's span, the time from its
+    first action to its last, as if each rank started the next step when it ended this one (its runs bypass the
+    optimizer's synchronization); torch's runtime and the scripts' clipping synchronize every step, so the step
+    from one start to the last rank's end is what a step costs there. (A timeline's step is replay()'s.)"""
+    split, whole = (cost["I"], cost["W"]), [i + w for i, w in zip(cost["I"], cost["W"])]
+    run = lambda orders: replay(orders, cost["F"], whole, memory["F"], memory["I"], split, message)  # noqa: E731
+    steps = [(line.orders, max(line.free)) for line in lines] + [(orders, run(orders)["step"]) for orders in seeds]
+    if not steps:
+        return None
+    least = min(step for _, step in steps)
+    tied = [orders for orders, step in steps if step <= least * (1 + STEP_TIE)]
+    return tied[0] if len(tied) == 1 else min(tied, key=lambda orders: max(run(orders)["peak"].values()))
+
+
+# Steps this close are a tie (replayed, they differ by less than a run's steps do from each other, several %):
+# the order that holds less is taken (the paper's V at 28.3B: torch's V's step within 0.01 %, two thirds its memory).
+STEP_TIE = 1e-3
 
 
 # The generated orders, by name: the torch schedule whose stage placement each has (one stage per rank, or the
 # V), whose checks it takes; the memory cap of the automatic ones, in p microbatches of a rank's activations.
 GENERATED = {"zbh2": "1f1b", "zb1p": "1f1b", "zb2p": "1f1b", "zbvauto": "zbvzerobubble"}
 CAPS = {"zb1p": 1, "zb2p": 2, "zbvauto": 1}
+# The fixed orders each automatic one starts from (schedule_orders' arguments): kept where its step is least.
+SEEDS = {"zb1p": lambda pp, m: [("zbh1", pp, m, 1)], "zb2p": lambda pp, m: [("zbh1", pp, m, 1), ("zbh2", pp, m, 1)],
+         "zbvauto": lambda pp, m: [("zbvzerobubble", pp, m, 2)]}
 
 
 def placement(name: str) -> str:
@@ -808,7 +861,20 @@ def generated_orders(name: str, pp: int, m: int, times: tuple, held: list, betwe
     memory = {"F": held, "I": between, "W": [-h - b for h, b in zip(held, between)]}
     stages = [stage_ids(placement(name), r, pp, 1) for r in range(pp)]
     cap = [CAPS[name] * pp * len(own) * max(held[s] for s in own) + max(between[s] for s in own) for own in stages]
-    orders = (zbv_orders if name == "zbvauto" else zb_orders)(cost, memory, cap, m, message)
+    # Chosen by the step, which torch's runtime synchronizes (the paper's span is the table's extra column), among
+    # the paper's attempts and the fixed orders of SEEDS that fit the cap: never predicted slower than those. The
+    # V also takes torch's V, which it is to replace, whatever it holds (as much as torch's by name: on a rank
+    # up to a microbatch's output gradients more than the cap); the attempts keep the cap.
+    seeds = []
+    for seed in SEEDS[name](pp, m):
+        try:
+            orders = schedule_orders(*seed)
+        except ValueError:  # (torch's V refuses too few microbatches: no seed then)
+            continue
+        peak = replay(orders, forward, [i + w for i, w in zip(input_grad, weight_grad)], held, between)["peak"]
+        if name == "zbvauto" or all(peak[r] <= cap[r] * (1 + 1e-12) for r in peak):
+            seeds.append(orders)
+    orders = (zbv_orders if name == "zbvauto" else zb_orders)(cost, memory, cap, m, message, "step", tuple(seeds))
     if orders is None:
         raise UsageError(f"--schedule {name}: no order of {m} microbatches on {pp} ranks fits its memory cap "
                          f"({CAPS[name]}p microbatches' activations); try another schedule or more microbatches")

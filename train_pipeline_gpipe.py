@@ -35,7 +35,8 @@ import checkpoint
 from checkpoint import Parser, UsageError, collective_errors, number, whole
 from model import (PRESETS, LlamaForPretraining, ScheduleChoices, TiedEmbedding, accumulate_into, chunked_loss,
                    clip_grad_norm_, config_from_preset, describe_layout, document_positions, estimated_costs,
-                   forward_only, layout, loss_chunks, materialize, merged_stages, parallelize, read_order)
+                   forward_only, layout, loss_chunks, materialize, merge_backwards, merged_stages, parallelize,
+                   read_order)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
              "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
@@ -426,8 +427,8 @@ def make_schedule(name: str, pipeline_stages: list, microbatches: int, chunks: i
             return chunked_loss(heads[0], hidden, targets, chunks, shards)
     try:
         given = pipeline_stages[0] if name in SINGLE_STAGE else pipeline_stages  # one PipelineStage, or the list
-        return (order.schedule(given, loss_fn) if order else
-                SCHEDULES[name](given, n_microbatches=microbatches, loss_fn=loss_fn)), loss_fn
+        return (order.schedule(given, loss_fn) if order else  # (an I and its own W back to back run as one B)
+                merge_backwards(SCHEDULES[name](given, n_microbatches=microbatches, loss_fn=loss_fn))), loss_fn
     except ValueError as e:  # what the schedule needs of the microbatches: torch says it
         raise UsageError(f"--schedule {name} with --microbatches {microbatches}: {e}", on_every_rank=True) from None
 
