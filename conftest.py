@@ -1010,8 +1010,12 @@ LAYOUT_RUNS = {
     # 2 stages x 2 data-parallel replicas (FSDP2): each replica trains on half of every batch.
     # Its checkpoints written in the background, one a step: each waits for the one before, training goes on.
     "gpipe2x2": (4, "train_pipeline_gpipe.py", ["--dp", "2", "--async-checkpoint", "--checkpoint-every", "1"]),
+    # Selective checkpointing on traced stages, 2 a rank, under FSDP2; per stage by hand (the first selective, the
+    # second's layer whole).
     "tracer2x2": (4, "train_pipeline_tracer.py", ["--dp", "2", "--schedule", "interleaved1f1b",
-                                                  "--activation-checkpointing", "--loss-chunks", "4"]),
+                                                  "--activation-checkpointing", "selective", "--loss-chunks", "4"]),
+    "perstage2": (2, "train_pipeline_afab_manual.py", ["--schedule", "1f1b", "--split", "3,1",
+                                                       "--activation-checkpointing", "selective,1"]),
     "1f1b2x2": (4, "train_pipeline_afab_manual.py", ["--dp", "2", "--schedule", "1f1b", "--split", "even",
                                                      "--activation-checkpointing"]),
     # x 2 tensor-parallel ranks: each holds half of every layer's heads and MLP, of the embedding and the head

@@ -995,17 +995,17 @@ def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool
 
 
 def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_parallel: bool = True,
-                activation_checkpointing: bool | str | list = False, compile: bool = False) -> None:
+                activation_checkpointing: bool | str = False, compile: bool = False, stages=None) -> None:
     """A rank's stage modules, in place, in torchtitan's order: tensor parallelism over mesh["tp"], activation
     checkpointing, compile, then FSDP2 over mesh["dp"] (each decoder layer, then each stage's root, gathered and
     reduced as one unit). On the meta device, as the scripts call it: then materialize. dtype: of the computation
     and of what crosses between stages (cast_between_stages); weights, their gradients' reduction and what goes
-    into the loss fp32. activation_checkpointing: a checkpointing_plan entry for every module, or a list of one per
-    module (True: full)."""
+    into the loss fp32. activation_checkpointing: --activation-checkpointing's SPEC (True: full), whose entry per
+    stage is that of the modules' `stages` (their indices in the pipeline; a single entry is every stage's)."""
     for module in modules:
         tensor_parallel(module, mesh["tp"], sequence_parallel)
-    checkpoint_layers(modules, activation_checkpointing if isinstance(activation_checkpointing, list)
-                      else checkpointing_plan(activation_checkpointing)[0])
+    entries = checkpointing_plan(activation_checkpointing)  # (layout() checked their count against the stages')
+    checkpoint_layers(modules, entries * len(modules) if len(entries) == 1 else [entries[s] for s in stages])
     if compile:
         compile_layers(modules)
     if mesh["dp"].size() > 1:

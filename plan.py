@@ -1167,7 +1167,8 @@ SAME_WORK = {
     "dtype": lambda dtype: f"--precision {'bf16' if dtype == 'bfloat16' else 'fp32'}",
     "tp": "--tp {}".format,
     "sequence_parallel": lambda on: f"{'' if on else 'no '}sequence parallelism",
-    "activation_checkpointing": lambda on: f"{'' if on else 'no '}--activation-checkpointing",
+    "activation_checkpointing": lambda spec: "no --activation-checkpointing" if spec == "none" else
+    f"--activation-checkpointing{'' if spec == 'full' else ' ' + spec}",
     "loss_chunks": "--loss-chunks {}".format,
     "document_masking": lambda on: f"{'' if on else 'no '}--document-masking",
 }
@@ -1180,6 +1181,8 @@ def run_field(run: dict, key: str):
     LAYOUT_FLAGS' "layers"."""
     if key in ("model", "layers"):
         return run["model"]["layers"] if key == "layers" else {k: v for k, v in run["model"].items() if k != "layers"}
+    if key == "activation_checkpointing" and isinstance(run[key], bool):  # traced before the flag took a SPEC
+        return "full" if run[key] else "none"
     return run[key]
 
 
@@ -1424,7 +1427,8 @@ def plan(args) -> dict:
     full_costs = args.activation_checkpointing == "full"
 
     def recomputed(lay: list[range]) -> list[int] | None:  # the layers each stage recomputes, where costs do not say
-        if args.activation_checkpointing in ("none", "full") and (args.activation_checkpointing == "full") == full_costs:
+        spec = args.activation_checkpointing
+        if spec in ("none", "full") and (spec == "full") == full_costs:
             return None
         return [modes.count("full") for modes in layer_modes(lay, flagged(lay))]
 
@@ -1510,9 +1514,9 @@ def plan(args) -> dict:
           + (f"at {ASSUMED_FLOPS / 1e12:.0f} TFLOP/s per GPU" if passes is None else "from the measured times")
           + (f", {args.message_time:g} ms a message" if message else "")
           + f"{', tensor-parallel all-reduces not counted' if tp > 1 and passes is None else ''}"
-          f"{', each layer recomputed in backward' if args.activation_checkpointing == 'full' and passes is None else ''}"
-          f"{f', --activation-checkpointing {args.activation_checkpointing}' if other and passes is None else ''}; "
-          f"activations of the fullest rank, {unit_name}, without / with checkpointing):")
+          + ("" if passes else ", each layer recomputed in backward" if args.activation_checkpointing == "full" else
+             f", --activation-checkpointing {args.activation_checkpointing}" if other else "") + "; "
+          + f"activations of the fullest rank, {unit_name}, without / with checkpointing):")
     spec = args.split if args.split in ("even", "balanced") else "balanced"
     for name in [*SCHEDULES, *GENERATED]:
         own = argparse.Namespace(**{**vars(args), "stages_per_rank": None}) if placement(name) in SINGLE_STAGE or \
