@@ -1285,7 +1285,9 @@ def test_a_checkpointed_layer_is_recomputed_once_per_microbatch_in_a_split_backw
     # per call: 10 times a microbatch (measured 35.2 s a step against 1F1B's 17.8 s, small, 2 ranks). With
     # model.checkpoint_once I and W share one. Each layer of each rank, split by the library and by the tracer,
     # 2 ranks, 4 stages: its forward and one recomputation per microbatch, and the unsplit model's gradients.
-    variants, m = [(kind, name) for kind in ("library", "tracer") for name in ZERO_BUBBLE], 4
+    # Selective checkpointing alike (its kept outputs handed back by the one recomputation), split both ways.
+    variants, m = [(kind, name, "full") for kind in ("library", "tracer") for name in ZERO_BUBBLE] + [
+        ("library", "interleavedzerobubble", "selective"), ("tracer", "zbvzerobubble", "selective")], 4
     inputs, targets = random_batch(parity_config(4), batch=8)
     run_workers(_recompute_worker, 2, args=(2, str(tmp_path / "store"), str(tmp_path), variants, (inputs, targets),
                                             m))
@@ -4733,6 +4735,10 @@ def test_the_docs_measured_bytes_are_what_plan_py_computes_for_the_runs_measured
              "balanced": ["--processes", "2"],
              "balanced + activation checkpointing": ["--processes", "2", "--activation-checkpointing"]},
             {"peak activations per stage (MiB)": "activations"}),  # compiled: inductor's, not planned
+        ("faster-and-smaller.md", "| --activation-checkpointing | median step (ms)"): (  # small, 1F1B, 2 ranks
+            {spec: ["--processes", "2", "--model", "small", "--schedule", "1f1b", "--batch-size", "8", "--microbatches",
+                    "4", "--activation-checkpointing", spec] for spec in ("none", "selective", "full", "3,0")},
+            {"peak activations per rank (MiB)": "activations_flagged"}),
         ("tensor-parallel.md", "| variant | median step (ms) | vs no sequence parallel"): (
             {"sequence parallel": ["--processes", "4", "--tp", "2"],
              "no sequence parallel": ["--processes", "4", "--tp", "2", "--no-sequence-parallel"]},
