@@ -1351,7 +1351,7 @@ def least_checkpointing(args, config, layout: list[range], sizes: dict, stages_o
                 chosen[r] = entries
     if len(chosen) < pp:
         r = min(set(range(pp)) - set(chosen))
-        need = show_gb(totals[r] / (1 - HEADROOM))
+        need = f"{totals[r] / (1 - HEADROOM) / 1e9:.3g} GB"
         raise UsageError(f"--gpu-memory {args.gpu_memory:g}: pipeline rank {r} needs {need} per GPU with every layer "
                          "recomputed (--activation-checkpointing full); give more --processes, --microbatches, or a "
                          "larger --gpu-memory")
@@ -1360,7 +1360,7 @@ def least_checkpointing(args, config, layout: list[range], sizes: dict, stages_o
     spec = "full" if full else entries[0] if len(set(entries)) == 1 and isinstance(entries[0], str) else ",".join(
         "0" if e == "none" else str(e) for e in entries)
     print(f"fits --gpu-memory {args.gpu_memory:g} with --activation-checkpointing {spec}: on each rank the least "
-          f"recomputation that fits ({show_gb(budget)} of {args.gpu_memory:g} GB, {HEADROOM:.0%} left to CUDA)")
+          f"recomputation that fits ({budget / 1e9:.3g} of {args.gpu_memory:g} GB, {HEADROOM:.0%} left to CUDA)")
     return spec
 
 
@@ -1464,12 +1464,12 @@ def plan(args) -> dict:
 
     params = stage_params(config, layout, tp)
     if auto:  # the least recomputation that fits --gpu-memory, rank by rank
-        args.activation_checkpointing = least_checkpointing(args, config, layout, sizes, stages_of, params, dp, half,
-                                                            lambda spec: schedule_result(
-                                                                schedule, pp, m, per_rank, timed(layout),
-                                                                *held(layout, spec), message,
-                                                                orders_of(schedule, layout, per_rank)
-                                                                if schedule not in GENERATED else None)["peak"])
+        torchs = None if schedule in GENERATED else orders_of(schedule, layout, per_rank)  # (a generated order
+        # depends on what the stages hold: generated again for each SPEC tried)
+        args.activation_checkpointing = least_checkpointing(
+            args, config, layout, sizes, stages_of, params, dp, half, lambda spec: schedule_result(
+                schedule, pp, m, per_rank, timed(layout), *held(layout, spec), message, torchs or generated_orders(
+                    schedule, pp, m, timed(layout), *held(layout, spec), message))["peak"])
     # Memory of the chosen schedule, per pipeline rank (each replica of a rank holds the same).
     chosen = orders_of(schedule, layout, per_rank)
     spec = flagged(layout)

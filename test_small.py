@@ -3792,6 +3792,9 @@ def test_the_plan_chooses_the_least_checkpointing_that_fits_more_on_the_early_ra
         budget = float(memory) * 1e9 * (1 - plan.HEADROOM)
         assert max(row["total"] for row in auto) <= budget < max(row["total"] for row in plan.main(run)["ranks"])
         capsys.readouterr()
+    # An order plan.py generates depends on what the stages hold: generated again for each SPEC tried.
+    plan.main([*run[:-1], "zb1p", "--activation-checkpointing", "auto", "--gpu-memory", "1.2"])
+    assert "fits --gpu-memory 1.2 with --activation-checkpointing " in capsys.readouterr().out
     # A SPEC's entries per stage (model.checkpointing_plan), and what each of a stage's layers does.
     assert model_module.checkpointing_plan("3,selective,0,0", 4, [0, 1]) == [3, "selective"]
     assert model_module.checkpointing_plan(True, 2) == ["full", "full"]
