@@ -775,8 +775,8 @@ def checkpointing_plan(spec: str | bool, num_stages: int | None = None, stages=N
                          "separated by commas, each full, selective, none or a count of the stage's layers "
                          "recomputed whole (4,2,0,0)")
     if len(entries) > 1 and num_stages is not None and len(entries) != num_stages:
-        raise ValueError(f"--activation-checkpointing {spec}: {len(entries)} entries for {num_stages} stages; give "
-                         f"one per stage ({num_stages}), or one for all")
+        raise ValueError(f"--activation-checkpointing {spec}: {len(entries)} entries for {num_stages} "
+                         f"stage{'s' * (num_stages != 1)}; give one per stage ({num_stages}), or one for all")
     entries = entries * (num_stages or 1) if len(entries) == 1 else entries
     return entries if stages is None else [entries[s] for s in stages]
 

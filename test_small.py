@@ -3777,6 +3777,24 @@ def test_the_plan_counts_each_schedules_activations(parity_run):
                                          abs=inputs.nbytes + targets.nbytes), (kind, name, split, measured)
 
 
+@pytest.mark.parametrize("script", sorted(SCRIPT_MODULES))
+def test_each_script_reads_an_activation_checkpointing_spec_and_refuses_a_wrong_one_in_one_line(script, capsys):
+    # The same flag in every script: bare, full (its meaning before it took a SPEC); left out, none; a SPEC that
+    # is no SPEC stops the parser in one line, and one of the wrong length the checks, before any work.
+    module = SCRIPT_MODULES[script]
+    parse = module.build_parser().parse_args
+    assert [parse(argv).activation_checkpointing for argv in ([], ["--activation-checkpointing"],
+                                                              ["--activation-checkpointing", "2,selective"])] == \
+        ["none", "full", "2,selective"]
+    err = refused(capsys, parse, "--activation-checkpointing", "half", status=2)
+    assert err.startswith("error: argument --activation-checkpointing: give full, selective, none, or one per "
+                          "stage separated by commas"), err
+    with pytest.raises(checkpoint.UsageError, match=r"^--activation-checkpointing 1,0,0: 3 entries for 2 stages; "
+                                                    r"give one per stage \(2\), or one for all$"):
+        checked_args(module, ["--activation-checkpointing", "1,0,0", "--checkpoint-dir", os.devnull + "/none"], 2,
+                     "cpu")
+
+
 def test_the_plan_chooses_the_least_checkpointing_that_fits_more_on_the_early_ranks(capsys):
     # plan.py --activation-checkpointing auto: for a --gpu-memory cap, each rank's least recomputation that fits
     # (none, selective, then the first 1, 2, ... of its layers whole). 1F1B's rank r holds p - r microbatches: the
