@@ -62,6 +62,7 @@ import sys
 import tempfile
 import time
 import unittest.mock
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,7 @@ import tqdm
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import checkpoint
+import model
 import plan
 from checkpoint import Parser, UsageError, whole
 from plan import compute_actions, read_rank, read_trace, traced_step_time  # noqa: F401 (the tests ask them here)
@@ -175,7 +177,8 @@ def draw(trace_dir: str, png_path: str, title: str) -> bool:
 class ActivationMeter:
     """Peak bytes of activations held for backward while active: the tensors autograd saves, counted through its
     saved-tensor hooks, and the gradients the zero-bubble schedules keep from a microbatch's input gradient (I)
-    to its weight gradient (W).
+    to its weight gradient (W), and the outputs a selective checkpoint keeps (model._Reusable, the store torch's
+    selective checkpointing fills in forward and empties as its recomputation takes them back).
 
     Parameters (which autograd also saves, e.g. a linear's weight) are not activations and are not counted: an
     nn.Parameter, or a view of one (FSDP2's unsharded parameters, gathered for the step, are Parameters too). A
@@ -195,7 +198,9 @@ class ActivationMeter:
         self._kept: dict[int, list[int]] = {}  # id(param_groups) -> the storages its gradients hold, until W
         stage = torch.distributed.pipelining.stage
         self._split = [unittest.mock.patch.object(stage, "stage_backward_input", self._input_grad(stage)),
-                       unittest.mock.patch.object(stage, "stage_backward_weight", self._weight_grad(stage))]
+                       unittest.mock.patch.object(stage, "stage_backward_weight", self._weight_grad(stage)),
+                       unittest.mock.patch.object(model._Reusable, "__setitem__",
+                                                  self._stored(model._Reusable.__setitem__))]
 
     def _hold(self, tensor) -> list[int]:
         ptrs = []
@@ -250,6 +255,27 @@ class ActivationMeter:
                 for ptr in self._kept.pop(id(param_groups), ()):
                     self._release(ptr)
         return weight_grad
+
+    def _stored(self, original):
+        held = {}  # id(a store) -> {the op's call number: the storages its kept output holds}
+
+        def free(store_id):  # the region's backward is done: what its recomputation did not need to take back
+            for ptrs in held.pop(store_id, {}).values():  # (it stops at the last tensor its backward reads)
+                for ptr in ptrs:
+                    self._release(ptr)
+
+        def setitem(store, key, value):  # kept in forward; replaced once the recomputation took it back
+            if id(store) not in held:
+                held[id(store)] = {}
+                weakref.finalize(store, free, id(store))
+            for ptr in held[id(store)].pop(key, ()):
+                self._release(ptr)
+            kept = [leaf.val for leaf in torch.utils._pytree.tree_leaves(value)
+                    if isinstance(getattr(leaf, "val", None), torch.Tensor)]
+            if kept:
+                held[id(store)][key] = [ptr for tensor in kept for ptr in self._hold(tensor)]
+            original(store, key, value)
+        return setitem
 
     def __enter__(self):
         for patch in self._split:

@@ -53,7 +53,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from model import LlamaConfig, check_layout, config_from_hf, config_from_preset, hf_name, max_stages, mfu
+from model import (LlamaConfig, check_layout, checkpointing_plan, config_from_hf, config_from_preset, hf_name,
+                   max_stages, mfu)
 
 # ==========================================================================================================
 # Part 1. Checkpoints (DCP): finding, saving, loading, --init-from, the resume rules
@@ -1026,6 +1027,14 @@ def number(positive: bool):  # argparse type: a finite number > 0 (positive) or 
                                              f"number, got {text}")
         return value
     return parse
+
+
+def checkpointing(text):  # argparse type of --activation-checkpointing: a SPEC (model.checkpointing_plan)
+    try:
+        checkpointing_plan(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
+    return text
 
 
 # -- Before a run writes anything: its paths and its lock

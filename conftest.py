@@ -488,13 +488,13 @@ def start_group(rank: int, world_size: int, store_path: str, pp: int | None = No
 
 def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape: tuple, microbatches: int,
                      documents: bool = False, chunks: int = 8, seed: int = 11, order=None,
-                     checkpointing: bool = False):
+                     checkpointing: bool | str = False):
     """The GPipe script's split and schedule of these stages, as its main builds them: (the rank's model, its
     PipelineStages, the schedule, the loss). documents: the same stages (positions are a keyword argument);
     order: a file's (model.read_order), run in place of the schedule by name; checkpointing:
-    --activation-checkpointing."""
+    --activation-checkpointing (True: full, or its SPEC)."""
     modules = [gpipe.stage_module(config, s, layers) for s in stages]
-    model_module.parallelize(modules, mesh, torch.float32, activation_checkpointing=checkpointing)
+    model_module.parallelize(modules, mesh, torch.float32, activation_checkpointing=checkpointing, stages=stages)
     model_module.materialize(modules, config, torch.device("cpu"), seed)
     shards = mesh["tp"].size()  # sequence parallelism, as the scripts' default: each tp rank 1/tp of the positions
     built = [PipelineStage(module, s, len(layers), torch.device("cpu"), group=mesh.get_group("pp"),
@@ -506,10 +506,10 @@ def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape:
 
 def traced_pipeline(config, name: str, stages: list, layers: list, mesh, shape: tuple, microbatches: int,
                     documents: bool = False, chunks: int = 8, seed: int = 11, order=None,
-                    checkpointing: bool = False):
+                    checkpointing: bool | str = False):
     """The same, as the tracer script builds it (documents: traced with --document-masking's positions)."""
     modules, pipe = tracer.traced_modules(config, stages, layers, shape, documents)
-    model_module.parallelize(modules, mesh, torch.float32, activation_checkpointing=checkpointing)
+    model_module.parallelize(modules, mesh, torch.float32, activation_checkpointing=checkpointing, stages=stages)
     model_module.materialize(modules, config, torch.device("cpu"), seed)
     built = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), mesh.get_group("pp"), torch.float32) for s in stages]
     schedule, loss_fn = tracer.make_schedule(name, built, microbatches, chunks, 1, order)
@@ -884,10 +884,10 @@ def schedule_file(order: str, pp: int, microbatches: int, directory: Path) -> Pa
 
 
 def _recompute_worker(rank, world_size, store_path, out_dir, variants, batch, microbatches):
-    """One training step of each (kind: "library" or "tracer", schedule) in variants, every decoder layer
-    checkpointed (--activation-checkpointing), pp = world_size, on real gloo ranks: each parameter's gradient,
-    how many times each of the rank's layers ran its forward (the forward itself and each recomputation), and
-    the (stage, microbatch) of each backward the rank's stages ran, by kind: B (whole), I, W."""
+    """One training step of each (kind: "library" or "tracer", schedule, --activation-checkpointing: full or
+    selective) in variants, every decoder layer checkpointed, pp = world_size, on real gloo ranks: each parameter's
+    gradient, how many times each of the rank's layers ran its forward (the forward itself and each
+    recomputation), and the (stage, microbatch) of each backward the rank's stages ran, by kind: B (whole), I, W."""
     mesh = start_group(rank, world_size, store_path)
     runs, checkpoint_layers, ran = {}, model_module.checkpoint_layers, {"B": [], "I": [], "W": []}
     base = torch.distributed.pipelining.stage._PipelineStageBase
@@ -907,31 +907,31 @@ def _recompute_worker(rank, world_size, store_path, out_dir, variants, batch, mi
             return forward(*args, **kwargs)
         return run
 
-    def counted_layers(modules):  # each layer's own forward (a traced stage's layer: its graph), then checkpointed
+    def counted_layers(modules, how):  # each layer's own forward (a traced stage's layer: its graph), checkpointed
         for layer in model_module.decoder_layers(modules):
             layer.forward = counted(layer, layer.forward)
-        checkpoint_layers(modules)
+        checkpoint_layers(modules, how)
     try:
         results, (inputs, targets) = {}, batch
         shape, config = (len(inputs) // microbatches, inputs.shape[1]), parity_config(4)
         with unittest.mock.patch.object(model_module, "checkpoint_layers", counted_layers), \
                 unittest.mock.patch.object(base, "backward_one_chunk", backward_one_chunk), \
                 unittest.mock.patch.object(base, "backward_weight_one_chunk", backward_weight_one_chunk):
-            for kind, name in variants:
+            for kind, name, how in variants:
                 stages = gpipe.stage_ids(name, rank, world_size, 2)
                 first, last = 0 in stages, world_size * len(stages) - 1 in stages
                 build, script = (library_pipeline, gpipe) if kind == "library" else (traced_pipeline, tracer)
                 model, built, schedule, _ = build(config, name, stages, even(4, world_size * len(stages)), mesh,
-                                                  shape, microbatches, checkpointing=True)
+                                                  shape, microbatches, checkpointing=how)
                 runs.clear()
                 for kinds in ran.values():
                     kinds.clear()
                 script.train_step(schedule, inputs if first else None, targets if last else None,
                                   cpu_env(rank, world_size), 1)
                 layers = model_module.decoder_layers([stage.submod for stage in built])
-                results[kind, name] = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-                                       "runs": [runs.get(layer, 0) for layer in layers],
-                                       "backwards": {k: sorted(v) for k, v in ran.items()}}
+                results[kind, name, how] = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+                                            "runs": [runs.get(layer, 0) for layer in layers],
+                                            "backwards": {k: sorted(v) for k, v in ran.items()}}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -1082,8 +1082,12 @@ LAYOUT_RUNS = {
     # 2 stages x 2 data-parallel replicas (FSDP2): each replica trains on half of every batch.
     # Its checkpoints written in the background, one a step: each waits for the one before, training goes on.
     "gpipe2x2": (4, "train_pipeline_gpipe.py", ["--dp", "2", "--async-checkpoint", "--checkpoint-every", "1"]),
+    # Selective checkpointing on traced stages, 2 a rank, under FSDP2; per stage by hand (the first selective, the
+    # second's layer whole).
     "tracer2x2": (4, "train_pipeline_tracer.py", ["--dp", "2", "--schedule", "interleaved1f1b",
-                                                  "--activation-checkpointing", "--loss-chunks", "4"]),
+                                                  "--activation-checkpointing", "selective", "--loss-chunks", "4"]),
+    "perstage2": (2, "train_pipeline_afab_manual.py", ["--schedule", "1f1b", "--split", "3,1",
+                                                       "--activation-checkpointing", "selective,1"]),
     "1f1b2x2": (4, "train_pipeline_afab_manual.py", ["--dp", "2", "--schedule", "1f1b", "--split", "even",
                                                      "--activation-checkpointing"]),
     # x 2 tensor-parallel ranks: each holds half of every layer's heads and MLP, of the embedding and the head

@@ -13,6 +13,7 @@ what a stage lacks, no module passed into another's forward (the tracer needs th
 value drawn from its full-model name alone (init_tensor_), so that any split starts from the same weights.
 """
 
+import collections
 import csv
 import dataclasses
 import functools
@@ -591,14 +592,16 @@ def loss_chunks(requested: int, config: LlamaConfig, microbatch: tuple[int, int]
 # allow. On the tiny model with 3 stages that takes the slowest stage from 53 % of the work to 43 %. (plan.py
 # --trace balances on times measured on the machine instead.)
 
-def estimated_costs(config: LlamaConfig, seq_len: int, recompute: bool = False,
+def estimated_costs(config: LlamaConfig, seq_len: int, recompute: bool | str = False,
                     loss_chunks: int = 1) -> dict[str, float]:
     """Forward + backward FLOPs per token of one decoder layer (with its recomputed forward, when activation
     checkpointing: "recompute" says how much of "layer" that is), the head with the loss (its forward twice with
-    a chunked loss: "head_recompute"), and the embedding."""
+    a chunked loss: "head_recompute"), and the embedding. recompute: True or "full" (--activation-checkpointing's
+    SPEC) for every layer; selective recomputes no matmul (no FLOPs counted), and a SPEC per stage is balanced as
+    none (its counts are of the layers the split gives a stage)."""
     params, q = parameter_counts(config), config.num_attention_heads * config.head_dim
     layer = 6 * params["layer"] + 12 * q * seq_len
-    again = layer / 3 if recompute else 0.0  # the forward is a third of forward + backward
+    again = layer / 3 if recompute in (True, "full") else 0.0  # the forward is a third of forward + backward
     head = 6 * params["head"]
     head_again = head / 3 if loss_chunks > 1 else 0.0
     return {"layer": layer + again, "recompute": again, "head": head + head_again, "head_recompute": head_again,
@@ -666,11 +669,11 @@ def max_stages(num_layers: int) -> int:
     return num_layers + 2
 
 
-def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recompute: bool = False,
+def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recompute: bool | str = False,
            loss_chunks: int = 1, tp: int = 1) -> list[range]:
     """The layers of each stage: spec "balanced" (by estimated_costs), "even", or layers per stage ("5,1"; the
     first and the last may be 0). What the model's shape rules out (more stages than it has layers but for two
-    layerless ends, --seq-len, --tp, --split) is a ValueError."""
+    layerless ends, --seq-len, --tp, --split, --activation-checkpointing's entries) is a ValueError."""
     if num_stages > max_stages(config.num_hidden_layers):
         raise ValueError(f"{num_stages} pipeline stages but the model has {config.num_hidden_layers} layers: each "
                          "stage needs one, but for a first stage of the embedding alone and a last one of the head "
@@ -683,6 +686,7 @@ def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recomp
             raise ValueError(f"--tp {tp}: the model's {what} ({count}) do not divide by it; use a --tp that "
                              f"divides {count}")
     check_layout(spec, config.num_hidden_layers, num_stages)
+    checkpointing_plan(recompute, num_stages)  # --activation-checkpointing: one entry, or one a stage
     if spec == "even":
         return even(config.num_hidden_layers, num_stages)
     if spec == "balanced":
@@ -747,29 +751,108 @@ def merged_stages(modules: list[nn.Module]) -> nn.Module:
 
 
 def decoder_layers(modules) -> list[nn.Module]:
-    """The decoder layers (base_model.layers.K) of some stage modules, each once; traced stages keep the names."""
-    layers = {id(m): m for module in modules for name, m in module.named_modules()
+    """The decoder layers (base_model.layers.K) of some stage modules, each once, in layer order (K); traced stages
+    keep the names."""
+    layers = {id(m): (int(name.rsplit(".", 1)[-1]), m) for module in modules for name, m in module.named_modules()
               if name.rsplit(".", 1)[0].endswith("layers") and name.rsplit(".", 1)[-1].isdigit()}
-    return list(layers.values())
+    return [m for _, m in sorted(layers.values(), key=lambda pair: pair[0])]
 
 
-def checkpoint_layers(modules) -> None:
-    """Activation checkpointing: each decoder layer keeps only its input for backward and runs its forward again
-    there (non-reentrant torch.utils.checkpoint: FSDP's hooks and autocast work inside; the same ops, so the
-    same numbers, bit for bit). Done on the layer modules, so it works on traced stages too."""
-    for layer in decoder_layers(modules):
-        layer.forward = _checkpointed(layer.forward)
+CHECKPOINTING = ("none", "selective", "full")
 
 
-def _checkpointed(forward):
+def checkpointing_plan(spec: str | bool, num_stages: int | None = None, stages=None) -> list[str | int]:
+    """--activation-checkpointing SPEC, one entry per stage: "none"; "selective" (each layer keeps the outputs of
+    SELECTIVE_SAVE's ops, its matmuls and attention, and recomputes the rest); "full" (each layer keeps its input
+    alone and runs its forward again); or a count N (the stage's first N layers full, the rest none; N at least its
+    layers: all of them). One entry is every stage's; else one per stage, separated by commas (num_stages; None:
+    not checked); of `stages` alone where given (a rank's). True is "full", False "none" (the flag before it took
+    a SPEC). ValueError, one line."""
+    if isinstance(spec, bool):
+        spec = "full" if spec else "none"
+    entries = [int(e) if e.isdigit() else e for e in spec.split(",")]
+    if any(e not in CHECKPOINTING and not isinstance(e, int) for e in entries):
+        raise ValueError(f"--activation-checkpointing {spec}: give full, selective, none, or one per stage "
+                         "separated by commas, each full, selective, none or a count of the stage's layers "
+                         "recomputed whole (4,2,0,0)")
+    if len(entries) > 1 and num_stages is not None and len(entries) != num_stages:
+        raise ValueError(f"--activation-checkpointing {spec}: {len(entries)} entries for {num_stages} "
+                         f"stage{'s' * (num_stages != 1)}; give one per stage ({num_stages}), or one for all")
+    entries = entries * (num_stages or 1) if len(entries) == 1 else entries
+    return entries if stages is None else [entries[s] for s in stages]
+
+
+def layer_checkpointing(entry: str | int, layers: int) -> list[str]:
+    """What each of a stage's `layers` decoder layers does under its checkpointing_plan entry: none, selective or
+    full (a count: the first that many full)."""
+    return [("full" if i < entry else "none") if isinstance(entry, int) else entry for i in range(layers)]
+
+
+def checkpoint_layers(modules, how: str | int | list = "full") -> None:
+    """Activation checkpointing of each decoder layer, as `how` says (a checkpointing_plan entry for every module,
+    or a list of one per module): "full" keeps only the layer's input for backward and runs its forward again there
+    (non-reentrant torch.utils.checkpoint: FSDP's hooks and autocast work inside; the same ops, so the same
+    numbers, bit for bit); "selective" keeps what SELECTIVE_SAVE's ops give out besides and recomputes only the
+    rest. Done on the layer modules, so it works on traced stages too."""
+    seen = set()
+    for module, entry in zip(modules, how if isinstance(how, list) else [how] * len(modules)):
+        layers = [layer for layer in decoder_layers([module]) if id(layer) not in seen]
+        for layer, mode in zip(layers, layer_checkpointing(entry, len(layers))):
+            seen.add(id(layer))
+            if mode != "none":
+                layer.forward = _checkpointed(layer.forward, mode == "selective")
+
+
+def _checkpointed(forward, selective: bool = False):
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # forward only (evaluation): nothing to keep either way
             return forward(*args, **kwargs)
-        return checkpoint_once(forward, *args, **kwargs)
+        return checkpoint_once(forward, *args, context_fn=_selective_contexts if selective else None, **kwargs)
     return run
 
 
-def checkpoint_once(function, *args, **kwargs):
+def _saved_ops() -> frozenset:
+    """SELECTIVE_SAVE: torchtitan's selective policy (op level). Kept: the matmuls' outputs (a layer's seven
+    projections: aten.mm under F.linear); attention's (CPU: the flash kernel for the CPU; CUDA: flash, efficient,
+    cuDNN; under --document-masking on a GPU FlexAttention's higher-order op, which torchtitan keeps too: not run
+    here, its backward has no CPU kernel); and with --tp the reduce-scatters of sequence parallelism (torchtitan's
+    choice: not redone in backward). Recomputed: the norms, RoPE, SiLU and the product, the residual adds, casts,
+    views, and the all-gathers and all-reduces (as full checkpointing redoes them). torchtitan's policy recomputes
+    every second mm; this keeps all, the issue's policy: less recomputation, more memory (plan.py counts it)."""
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    names = [(aten, "mm"), (aten, "addmm"), (aten, "bmm"), (aten, "_scaled_dot_product_flash_attention_for_cpu"),
+             (aten, "_scaled_dot_product_flash_attention"), (aten, "_scaled_dot_product_efficient_attention"),
+             (aten, "_scaled_dot_product_cudnn_attention"), (c10d, "reduce_scatter_tensor")]
+    ops = {getattr(namespace, name).default for namespace, name in names if hasattr(namespace, name)}
+    return frozenset(ops | {torch.ops.higher_order.flex_attention})
+
+
+SELECTIVE_SAVE = _saved_ops()
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return (torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE
+            else torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+class _Reusable(dict):
+    """A selective checkpoint's store of one op's outputs: torch marks an output consumed once the recomputation
+    took it, and refuses a second recomputation. checkpoint_once may recompute a region once more (a read it did
+    not keep): there that op runs again instead, the same op on the same inputs."""
+    def __setitem__(self, key, value):
+        super().__setitem__(key, torch.utils.checkpoint._RECOMPUTE if value is torch.utils.checkpoint._CONSUMED
+                            else value)
+
+
+def _selective_contexts():
+    """The context_fn of a selective checkpoint: torch's two modes (keep SELECTIVE_SAVE's outputs in forward, hand
+    them back in the recomputation), sharing a store that allows checkpoint_once's rare second recomputation."""
+    forward, recompute = torch.utils.checkpoint.create_selective_checkpoint_contexts(_selective_policy)
+    forward.storage = recompute.storage = collections.defaultdict(_Reusable)
+    return forward, recompute
+
+
+def checkpoint_once(function, *args, context_fn=None, **kwargs):
     """torch.utils.checkpoint (non-reentrant) of function(*args, **kwargs), recomputed once however many backward
     calls read it. torch recomputes a region once per autograd call (graph task), and the zero-bubble schedules'
     split backward makes several per microbatch: I (the input gradient) one, W (the weight gradients) one per
@@ -779,10 +862,12 @@ def checkpoint_once(function, *args, **kwargs):
     that W reads again kept from its first read until its node is freed (after W; after the node's own run in a
     plain backward, as torch frees it). The rest is freed once read, as torch does: a split backward holds from
     I to W the inputs of the weights' ops, not the whole layer. Should W read a freed one after all, the region
-    is recomputed once more under a new group: slower, never wrong."""
+    is recomputed once more under a new group: slower, never wrong. context_fn: torch.utils.checkpoint's (a
+    selective checkpoint's modes: _selective_contexts)."""
+    context = {"context_fn": context_fn} if context_fn else {}
     # Traced by torch.compile, or a torch before 2.13 (no GraphExecGroup): torch's own, a recompute per call.
     if torch.compiler.is_compiling() or not hasattr(torch.utils.checkpoint, "GraphExecGroup"):
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **context, **kwargs)
     group, runs = [torch.utils.checkpoint.GraphExecGroup()], []
 
     def hooked(*a, **k):
@@ -804,7 +889,7 @@ def checkpoint_once(function, *args, **kwargs):
             return tensor
         with torch.autograd.graph.saved_tensors_hooks(lambda x: [pack(x), None, None], unpack_once):
             return function(*a, **k)
-    return torch.utils.checkpoint.checkpoint(hooked, *args, use_reentrant=False, **kwargs)
+    return torch.utils.checkpoint.checkpoint(hooked, *args, use_reentrant=False, **context, **kwargs)
 
 
 def _weights_only(fn, budget: int = 8) -> bool:
@@ -911,16 +996,17 @@ def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool
 
 
 def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_parallel: bool = True,
-                activation_checkpointing: bool = False, compile: bool = False) -> None:
+                activation_checkpointing: bool | str = False, compile: bool = False, stages=None) -> None:
     """A rank's stage modules, in place, in torchtitan's order: tensor parallelism over mesh["tp"], activation
     checkpointing, compile, then FSDP2 over mesh["dp"] (each decoder layer, then each stage's root, gathered and
     reduced as one unit). On the meta device, as the scripts call it: then materialize. dtype: of the computation
     and of what crosses between stages (cast_between_stages); weights, their gradients' reduction and what goes
-    into the loss fp32."""
+    into the loss fp32. activation_checkpointing: --activation-checkpointing's SPEC (True: full), whose entry per
+    stage is that of the modules' `stages` (their indices in the pipeline; a single entry is every stage's)."""
     for module in modules:
         tensor_parallel(module, mesh["tp"], sequence_parallel)
-    if activation_checkpointing:
-        checkpoint_layers(modules)
+    entries = checkpointing_plan(activation_checkpointing)  # (layout() checked their count against the stages')
+    checkpoint_layers(modules, entries * len(modules) if len(entries) == 1 else [entries[s] for s in stages])
     if compile:
         compile_layers(modules)
     if mesh["dp"].size() > 1:

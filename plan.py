@@ -97,8 +97,9 @@ import torch
 import checkpoint
 import train_pipeline_gpipe as gpipe
 from checkpoint import Parser, UsageError, whole
-from model import (PRESETS, LlamaConfig, balanced, config_from_hf, config_from_preset, describe_layout,
-                   estimated_costs, from_sizes, loss_chunks, parameter_counts, stage_costs)
+from model import (PRESETS, LlamaConfig, balanced, checkpointing_plan, config_from_hf, config_from_preset,
+                   describe_layout, estimated_costs, from_sizes, layer_checkpointing, loss_chunks, parameter_counts,
+                   stage_costs)
 from train_pipeline_gpipe import SCHEDULES, SINGLE_STAGE, V_SHAPED, stage_ids
 
 # The throughput the step times are given at: 40 % of an H100's dense bf16 peak, a typical sustained rate.
@@ -251,26 +252,55 @@ def activation_bytes(config: LlamaConfig, tokens: int, seq_len: int, bf16: bool,
     # the inputs of the ops that multiply by a weight, the norms' normalized values (fp32) and the projections'
     # inputs (q/k/v's one, o's, gate/up's one, down's).
     weight_inputs = tokens * (4 * 2 * h / shards + e * (2 * h + heads * d / tp + inter / tp))
-    return {"layer": layer, "layer_checkpointed": tokens * h * 4 / shards, "head": head, "embed": tokens * 8,
+    # Selective checkpointing (model.SELECTIVE_SAVE): the layer's input and what its kept ops give out, in the
+    # compute dtype: the seven projections' outputs (o's and down's whole under tensor parallelism, partial sums
+    # before their reduction; with sequence parallelism also the reduce-scatters' pieces), attention's output and
+    # its fp32 logsumexp.
+    selective = tokens * (4 * h / shards + 4 * heads / tp + e * ((2 * heads + 2 * kv) * d / tp + 2 * inter / tp
+                                                                 + 2 * h + (2 * h / tp if shards > 1 else 0)))
+    return {"layer": layer, "layer_checkpointed": tokens * h * 4 / shards, "layer_selective": selective,
+            "head": head, "embed": tokens * 8,
             "loss": loss,
             "weight_grad": weight_grad, "head_grad": head_grad, "weight_inputs": weight_inputs}
 
 
-def stage_held(layout: list[range], sizes: dict, checkpointing: bool) -> list[float]:
-    """Activation bytes each stage holds per microbatch, from its forward to its backward."""
-    return [len(layers) * sizes["layer_checkpointed" if checkpointing else "layer"]
+KEPT = {"none": "layer", "selective": "layer_selective", "full": "layer_checkpointed"}  # a layer's, per mode
+
+
+def layer_modes(layout: list[range], checkpointing) -> list[list[str]]:
+    """Each stage's layers' checkpointing (none, selective, full): checkpointing is --activation-checkpointing's
+    SPEC, a bool (full or none), or model.checkpointing_plan's entries, one per stage."""
+    entries = checkpointing if isinstance(checkpointing, list) else checkpointing_plan(checkpointing, len(layout))
+    return [layer_checkpointing(entry, len(layers)) for entry, layers in zip(entries, layout)]
+
+
+def stage_held(layout: list[range], sizes: dict, checkpointing) -> list[float]:
+    """Activation bytes each stage holds per microbatch, from its forward to its backward (checkpointing: as
+    layer_modes reads it)."""
+    return [sum(sizes[KEPT[mode]] for mode in modes)
             + (sizes["embed"] if s == 0 else 0) + (sizes["head"] if s == len(layout) - 1 else 0)
-            for s, layers in enumerate(layout)]
+            for s, modes in enumerate(layer_modes(layout, checkpointing))]
 
 
 def stage_between(layout: list[range], sizes: dict, checkpointing: bool = False) -> list[float]:
     """Bytes a stage adds from a microbatch's input gradient to its weight gradient: the output gradients its W
     starts from, less what its I frees (on the last stage with the plain loss: fewer). None on the first stage,
     which torch runs whole at W. With checkpointing also what W reads of each layer's recomputation, kept from
-    I's (model.checkpoint_once): the inputs of its weights' ops."""
-    return [0.0 if s == 0 else len(layers) * (sizes["weight_grad"] + (
-        sizes["weight_inputs"] if checkpointing else 0.0)) + (
-        sizes["head_grad"] if s == len(layout) - 1 else 0.0) for s, layers in enumerate(layout)]
+    I's (model.checkpoint_once): the inputs of its weights' ops (selective too: none of them is a kept op's
+    output, or each is recomputed from one)."""
+    return [0.0 if s == 0 else sum(sizes["weight_grad"] + (sizes["weight_inputs"] if mode != "none" else 0.0)
+                                   for mode in modes) + (sizes["head_grad"] if s == len(layout) - 1 else 0.0)
+            for s, modes in enumerate(layer_modes(layout, checkpointing))]
+
+
+def recomputing(layout: list[range], sizes: dict, checkpointing, stages) -> float:
+    """What a rank's recomputation adds for a moment (the rest of one layer's activations, while it recomputes
+    it): a layer's whole with full checkpointing on any of `stages`, what selective does not keep with
+    selective, else nothing."""
+    modes = {mode for s, stage_modes in enumerate(layer_modes(layout, checkpointing)) if s in stages
+             for mode in stage_modes}
+    return sizes["layer"] if "full" in modes else sizes["layer"] - sizes["layer_selective"] if "selective" in modes \
+        else 0.0
 
 
 def split_backward(backward: list[float], again: list[float], head_again: float) -> tuple[list, list]:
@@ -288,19 +318,23 @@ def split_backward(backward: list[float], again: list[float], head_again: float)
 
 
 def rank_memory(params: float, dp: int, peak: float, peak_checkpointed: float, loss: float, layer: float,
-                checkpointing: bool, bf16: bool = False, startup: float = 0.0) -> dict[str, float]:
+                checkpointing: bool, bf16: bool = False, startup: float = 0.0,
+                flagged: tuple[float, float] | None = None) -> dict[str, float]:
     """Bytes one GPU of a pipeline rank holds: its parameters (fp32), gradients and AdamW state, 1/dp of them
     with FSDP, and the whole stage's parameters (bf16 under --precision bf16) and gradients (fp32, as reduced)
     gathered during a step when dp > 1; activations
     at the schedule's worst moment, without and with checkpointing (which holds one layer's full activations
     for a moment while it recomputes it); the loss's logits on the last stage; the peak of its start-up
-    (startup_bytes). "total": the most of a step, as flagged, or of the start-up."""
+    (startup_bytes). "total": the most of a step, as flagged, or of the start-up. flagged: the activations' peak
+    under another --activation-checkpointing (selective, per stage) and what its recomputation adds for a moment
+    (recomputing): "activations_flagged", counted in the total instead."""
     row = {"param": 4 * params / dp, "grad": 4 * params / dp, "optimizer": 8 * params / dp,
            "gathered": (6 if bf16 else 8) * params if dp > 1 else 0, "activations": peak,
-           "activations_checkpointed": peak_checkpointed, "loss": loss}
+           "activations_checkpointed": peak_checkpointed} | (
+        {"activations_flagged": flagged[0]} if flagged is not None else {}) | {"loss": loss}
     row["startup"] = startup
     row["total"] = max(row["startup"], row["param"] + row["grad"] + row["optimizer"] + row["gathered"] + loss + (
-        peak_checkpointed + layer if checkpointing else peak))
+        sum(flagged) if flagged is not None else peak_checkpointed + layer if checkpointing else peak))
     return row
 
 
@@ -495,11 +529,14 @@ def span_bubble(result: dict) -> float:
     return 1 - sum(result["busy"].values()) / (len(result["busy"]) * max(result["span"].values()))
 
 
-def flop_times(layout: list[range], costs: dict, scale: float = 1.0) -> tuple[list, list, tuple]:
+def flop_times(layout: list[range], costs: dict, scale: float = 1.0, recomputed: list[int] | None = None
+               ) -> tuple[list, list, tuple]:
     """Each stage's forward and backward, and its I and W (split_backward), from per-token costs (FLOPs) times
-    scale: a forward is a third of a stage's forward + backward, the backward the rest, with any recomputation."""
-    again = [len(layers) * costs.get("recompute", 0.0) * scale for layers in layout]
-    work = [w * scale - r for w, r in zip(stage_costs(layout, costs), again)]
+    scale: a forward is a third of a stage's forward + backward, the backward the rest, with any recomputation:
+    costs' own, or (recomputed, costs of none) that many layers' forward again on each stage."""
+    again = [len(layers) * costs.get("recompute", 0.0) * scale for layers in layout] if recomputed is None else \
+        [n * costs["layer"] / 3 * scale for n in recomputed]
+    work = [w * scale - (r if recomputed is None else 0.0) for w, r in zip(stage_costs(layout, costs), again)]
     backward = [2 * w / 3 + r for w, r in zip(work, again)]
     return [w / 3 for w in work], backward, split_backward(backward, again, costs.get("head_recompute", 0.0) * scale)
 
@@ -1203,7 +1240,8 @@ SAME_WORK = {
     "dtype": lambda dtype: f"--precision {'bf16' if dtype == 'bfloat16' else 'fp32'}",
     "tp": "--tp {}".format,
     "sequence_parallel": lambda on: f"{'' if on else 'no '}sequence parallelism",
-    "activation_checkpointing": lambda on: f"{'' if on else 'no '}--activation-checkpointing",
+    "activation_checkpointing": lambda spec: "no --activation-checkpointing" if spec == "none" else
+    f"--activation-checkpointing{'' if spec == 'full' else ' ' + spec}",
     "loss_chunks": "--loss-chunks {}".format,
     "document_masking": lambda on: f"{'' if on else 'no '}--document-masking",
 }
@@ -1217,6 +1255,8 @@ def run_field(run: dict, key: str):
     LAYOUT_FLAGS' "layers"."""
     if key in ("model", "layers"):
         return run["model"]["layers"] if key == "layers" else {k: v for k, v in run["model"].items() if k != "layers"}
+    if key == "activation_checkpointing" and isinstance(run[key], bool):  # traced before the flag took a SPEC
+        return "full" if run[key] else "none"
     return run[key]
 
 
@@ -1362,6 +1402,42 @@ def check_microbatches(schedule: str, pp: int, m: int, num_stages: int) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # The report
 
+def least_checkpointing(args, config, layout: list[range], sizes: dict, stages_of: dict, params: list, dp: int,
+                        half: bool, peaks) -> str:
+    """--activation-checkpointing auto (plan.py): on each pipeline rank the least recomputation whose total fits
+    --gpu-memory (less HEADROOM, as the search leaves): its stages' layers none, then selective (no matmul
+    recomputed), then the first 1, 2, ... of each stage's layers whole, up to all. A rank holding more microbatches
+    (1F1B's and the interleaved schedules' first ranks) gets more. peaks(entries): each rank's activations at
+    their peak under model.checkpointing_plan's entries (a replay). Printed, and returned as a SPEC; a rank that
+    does not fit with every layer recomputed is a UsageError."""
+    budget, pp, last = args.gpu_memory * 1e9 * (1 - HEADROOM), len(stages_of), len(layout) - 1
+    level = lambda k, n: "none" if k == 0 else "selective" if k == 1 else min(k - 1, n)  # noqa: E731
+    chosen, totals = {}, {}
+    for k in range(max(len(layers) for layers in layout) + 2):
+        entries = [level(k, len(layers)) for layers in layout]
+        peak = peaks(entries)
+        for r in (r for r in range(pp) if r not in chosen):
+            totals[r] = rank_memory(sum(params[s] for s in stages_of[r]), dp, 0, 0,
+                                    sizes["loss"] if last in stages_of[r] else 0, sizes["layer"], False, half,
+                                    startup_bytes(config, layout, stages_of[r], dp, args.tp),
+                                    (peak[r], recomputing(layout, sizes, entries, stages_of[r])))["total"]
+            if totals[r] <= budget:
+                chosen[r] = entries
+    if len(chosen) < pp:
+        r = min(set(range(pp)) - set(chosen))
+        need = f"{totals[r] / (1 - HEADROOM) / 1e9:.3g} GB"
+        raise UsageError(f"--gpu-memory {args.gpu_memory:g}: pipeline rank {r} needs {need} per GPU with every layer "
+                         "recomputed (--activation-checkpointing full); give more --processes, --microbatches, or a "
+                         "larger --gpu-memory")
+    entries = [next(chosen[r][s] for r in chosen if s in stages_of[r]) for s in range(len(layout))]
+    full = all(e == len(layers) for e, layers in zip(entries, layout))
+    spec = "full" if full else entries[0] if len(set(entries)) == 1 and isinstance(entries[0], str) else ",".join(
+        "0" if e == "none" else str(e) for e in entries)
+    print(f"fits --gpu-memory {args.gpu_memory:g} with --activation-checkpointing {spec}: on each rank the least "
+          f"recomputation that fits ({budget / 1e9:.3g} of {args.gpu_memory:g} GB, {HEADROOM:.0%} left to CUDA)")
+    return spec
+
+
 def plan(args) -> dict:
     """Print the plan (see the module's docstring) and return it: {"ranks": [per pipeline rank {"param", "grad",
     "optimizer", "gathered", "activations", "activations_checkpointed", "total"}, bytes], "schedules": {name:
@@ -1370,6 +1446,9 @@ def plan(args) -> dict:
     "traced" ({"split", "step", "replayed"}: the traced run's). A flag the scripts would refuse is a UsageError."""
     # The hand-written script's afab is GPipe's order; its 1f1b is the library's.
     schedule = "gpipe" if args.schedule == "afab" else args.schedule
+    auto = args.activation_checkpointing == "auto"  # chosen below, once the layout is known
+    args = argparse.Namespace(**{**vars(args), "activation_checkpointing": "none" if auto else
+                                 args.activation_checkpointing})
     ns = script_args(args, schedule)
     script_check(ns, args, schedule)  # before reading files
     config = plan_config(args)
@@ -1408,7 +1487,8 @@ def plan(args) -> dict:
     if passes is None:  # the FLOP estimate: split over a stage's tensor-parallel ranks (their all-reduces not counted)
         costs = {k: v / tp for k, v in estimated_costs(config, args.seq_len, args.activation_checkpointing,
                                                        chunks).items()}
-        timed = lambda lay: flop_times(lay, costs, tokens / ASSUMED_FLOPS)  # noqa: E731
+        # (costs recompute every layer where the flag says full; a SPEC per stage, or auto's, counts its own)
+        timed = lambda lay: flop_times(lay, costs, tokens / ASSUMED_FLOPS, recomputed(lay))  # noqa: E731
     else:
         costs = pass_costs(passes)
         timed = lambda lay: measured_times(lay, passes)  # noqa: E731
@@ -1417,8 +1497,21 @@ def plan(args) -> dict:
     def balance(spec: str, lay: list[range]) -> list[range]:  # measured: balanced on the measured times
         return balanced(config.num_hidden_layers, len(lay), costs) if passes and spec == "balanced" else lay
 
-    def held(lay: list[range], checkpointing: bool) -> tuple[list[float], list[float]]:
+    def held(lay: list[range], checkpointing) -> tuple[list[float], list[float]]:
         return stage_held(lay, sizes, checkpointing), stage_between(lay, sizes, checkpointing)
+
+    full_costs = args.activation_checkpointing == "full"
+
+    def recomputed(lay: list[range]) -> list[int] | None:  # the layers each stage recomputes, where costs do not say
+        spec = args.activation_checkpointing
+        if spec in ("none", "full") and (spec == "full") == full_costs:
+            return None
+        return [modes.count("full") for modes in layer_modes(lay, flagged(lay))]
+
+    def flagged(lay: list[range]) -> list:  # --activation-checkpointing on lay: one entry per stage fits its count
+        entries = args.activation_checkpointing.split(",")
+        return checkpointing_plan(args.activation_checkpointing if len(entries) in (1, len(lay)) else "none",
+                                  len(lay))
 
     if args.trace:  # the traced run's own layout, replayed on its times, against its traced step
         own = from_sizes(run["split"])
@@ -1442,22 +1535,33 @@ def plan(args) -> dict:
 
     def orders_of(name: str, lay: list[range], stages_per_rank: int) -> dict:  # torch's, or generated for lay
         if name in GENERATED:
-            return generated_orders(name, pp, m, timed(lay), *held(lay, args.activation_checkpointing), message)
+            return generated_orders(name, pp, m, timed(lay), *held(lay, flagged(lay)), message)
         return schedule_orders(name, pp, m, stages_per_rank)
 
+    params = stage_params(config, layout, tp)
+    if auto:  # the least recomputation that fits --gpu-memory, rank by rank
+        torchs = None if schedule in GENERATED else orders_of(schedule, layout, per_rank)  # (a generated order
+        # depends on what the stages hold: generated again for each SPEC tried)
+        args.activation_checkpointing = least_checkpointing(
+            args, config, layout, sizes, stages_of, params, dp, half, lambda spec: schedule_result(
+                schedule, pp, m, per_rank, timed(layout), *held(layout, spec), message, torchs or generated_orders(
+                    schedule, pp, m, timed(layout), *held(layout, spec), message))["peak"])
     # Memory of the chosen schedule, per pipeline rank (each replica of a rank holds the same).
     chosen = orders_of(schedule, layout, per_rank)
-    result = {ac: schedule_result(schedule, pp, m, per_rank, timed(layout), *held(layout, ac), message, chosen)
-              for ac in (False, True)}
+    spec = flagged(layout)
+    result = {ac: schedule_result(schedule, pp, m, per_rank, timed(layout), *held(layout, spec if ac == "flagged"
+                                                                                    else ac), message, chosen)
+              for ac in (False, True, "flagged")}  # none, full, and as flagged
     if args.trace:  # (as fast as the traced split: where the rest of the layout is the traced run's)
         print(f"balanced on these times: --split {report['split']}, step {result[False]['step'] * 1e3:.4g} ms "
               "replayed" + ("" if carried else f" ({traced['step'] / result[False]['step']:.2f} x as fast as the "
                                                "traced run's split)"))
     print(f"layout (--split {report.get('split', args.split)}): {describe_layout(layout, costs)}")
-    params = stage_params(config, layout, tp)
     unit, unit_name = (2 ** 30, "GiB") if 16 * sum(params) >= 2 ** 30 else (2 ** 20, "MiB")  # MiB for small models
+    other = args.activation_checkpointing not in ("none", "full")  # selective, or per stage: a column of its own
     print(f"\nper pipeline rank, {unit_name} (each of its replicas and tensor-parallel ranks holds the same) | param "
           "| grad | AdamW | gathered during a step (dp > 1) | activations held | with --activation-checkpointing | "
+          + (f"with --activation-checkpointing {args.activation_checkpointing} | " if other else "") +
           f"the loss's logits ({chunks} piece{'s' if chunks > 1 else ''}) | start-up: shards + the largest whole "
           "tensor | total, as flagged | sent to other "
           "stages a step" + (" | CPU memory: the checkpoint staged for --async-checkpoint" if args.async_checkpoint
@@ -1468,13 +1572,14 @@ def plan(args) -> dict:
     for r in range(pp):
         row = rank_memory(sum(params[s] for s in stages_of[r]), dp, result[False]["peak"][r],
                           result[True]["peak"][r], sizes["loss"] if r == last_rank else 0, sizes["layer"],
-                          args.activation_checkpointing, half, startup_bytes(config, layout, stages_of[r], dp, tp)
+                          False, half, startup_bytes(config, layout, stages_of[r], dp, tp),
+                          (result["flagged"]["peak"][r], recomputing(layout, sizes, spec, stages_of[r]))
                           ) | {"sent": sent[r]}
         if args.async_checkpoint:  # in CPU memory: the copy of the weights and AdamW state a save writes from
             row["staged"] = row["param"] + row["optimizer"]
         report["ranks"].append(row)
         print(f"  rank {r} (stages {', '.join(map(str, stages_of[r]))}): " + " | ".join(
-            f"{v / unit:.2f}" for v in row.values()))
+            f"{v / unit:.2f}" for k, v in row.items() if other or k != "activations_flagged"))
     if steps > 1:  # what the window holds between its steps is what a step holds, less the activations
         print(f"--accumulate {steps}: each step's activations are those of its {m} microbatches; the gradients "
               "add up in place over the steps" + (", FSDP keeping each stage's gathered parameters and gradients "
@@ -1493,8 +1598,9 @@ def plan(args) -> dict:
           + (f"at {ASSUMED_FLOPS / 1e12:.0f} TFLOP/s per GPU" if passes is None else "from the measured times")
           + (f", {args.message_time:g} ms a message" if message else "")
           + f"{', tensor-parallel all-reduces not counted' if tp > 1 and passes is None else ''}"
-          f"{', each layer recomputed in backward' if args.activation_checkpointing and passes is None else ''}; "
-          f"activations of the fullest rank, {unit_name}, without / with checkpointing):")
+          + ("" if passes else ", each layer recomputed in backward" if args.activation_checkpointing == "full" else
+             f", --activation-checkpointing {args.activation_checkpointing}" if other else "") + "; "
+          + f"activations of the fullest rank, {unit_name}, without / with checkpointing):")
     spec = args.split if args.split in ("even", "balanced") else "balanced"
     for name in [*SCHEDULES, *GENERATED]:
         own = argparse.Namespace(**{**vars(args), "stages_per_rank": None}) if placement(name) in SINGLE_STAGE or \
@@ -1849,6 +1955,9 @@ def build_parser() -> argparse.ArgumentParser:
         action = copy.copy(script[name])
         if name == "model":  # a preset, or for plan.py also a Hugging Face config.json
             action.choices, action.metavar = None, "{" + ",".join(PRESETS) + "} or config.json"
+        if name == "activation_checkpointing":  # for plan.py also auto: chosen for --gpu-memory
+            action.type = lambda text: text if text == "auto" else checkpoint.checkpointing(text)
+            action.help += "; auto (plan.py, with --processes): on each rank the least that fits --gpu-memory"
         g._add_action(action)
     g.add_argument("--schedule", choices=[*SCHEDULES, "afab", *GENERATED], default="gpipe",
                    help="the library schedules, the hand-written script's afab (GPipe's order), and the Zero "

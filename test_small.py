@@ -1311,7 +1311,9 @@ def test_a_checkpointed_layer_is_recomputed_once_per_microbatch_in_a_split_backw
     # per call: 10 times a microbatch (measured 35.2 s a step against 1F1B's 17.8 s, small, 2 ranks). With
     # model.checkpoint_once I and W share one. Each layer of each rank, split by the library and by the tracer,
     # 2 ranks, 4 stages: its forward and one recomputation per microbatch, and the unsplit model's gradients.
-    variants, m = [(kind, name) for kind in ("library", "tracer") for name in ZERO_BUBBLE], 4
+    # Selective checkpointing alike (its kept outputs handed back by the one recomputation), split both ways.
+    variants, m = [(kind, name, "full") for kind in ("library", "tracer") for name in ZERO_BUBBLE] + [
+        ("library", "interleavedzerobubble", "selective"), ("tracer", "zbvzerobubble", "selective")], 4
     inputs, targets = random_batch(parity_config(4), batch=8)
     run_workers(_recompute_worker, 2, args=(2, str(tmp_path / "store"), str(tmp_path), variants, (inputs, targets),
                                             m))
@@ -3825,6 +3827,48 @@ def test_the_plan_counts_each_schedules_activations(parity_run):
                                          abs=inputs.nbytes + targets.nbytes), (kind, name, split, measured)
 
 
+@pytest.mark.parametrize("script", sorted(SCRIPT_MODULES))
+def test_each_script_reads_an_activation_checkpointing_spec_and_refuses_a_wrong_one_in_one_line(script, capsys):
+    # The same flag in every script: bare, full (its meaning before it took a SPEC); left out, none; a SPEC that
+    # is no SPEC stops the parser in one line, and one of the wrong length the checks, before any work.
+    module = SCRIPT_MODULES[script]
+    parse = module.build_parser().parse_args
+    assert [parse(argv).activation_checkpointing for argv in ([], ["--activation-checkpointing"],
+                                                              ["--activation-checkpointing", "2,selective"])] == \
+        ["none", "full", "2,selective"]
+    err = refused(capsys, parse, "--activation-checkpointing", "half", status=2)
+    assert err.startswith("error: argument --activation-checkpointing: give full, selective, none, or one per "
+                          "stage separated by commas"), err
+    with pytest.raises(checkpoint.UsageError, match=r"^--activation-checkpointing 1,0,0: 3 entries for 2 stages; "
+                                                    r"give one per stage \(2\), or one for all$"):
+        checked_args(module, ["--activation-checkpointing", "1,0,0", "--checkpoint-dir", os.devnull + "/none"], 2,
+                     "cpu")
+
+
+def test_the_plan_chooses_the_least_checkpointing_that_fits_more_on_the_early_ranks(capsys):
+    # plan.py --activation-checkpointing auto: for a --gpu-memory cap, each rank's least recomputation that fits
+    # (none, selective, then the first 1, 2, ... of its layers whole). 1F1B's rank r holds p - r microbatches: the
+    # first ranks recompute more. What it prints is a SPEC the scripts take, and the plan at that SPEC fits.
+    run = ["--processes", "4", "--model", "small", "--batch-size", "64", "--microbatches", "8", "--device", "cpu",
+           "--schedule", "1f1b"]
+    expected = {"1.5": "selective,0,0,0", "1.2": "selective,selective,0,0", "1": "3,selective,0,0"}
+    for memory, spec in expected.items():
+        auto = plan.main([*run, "--activation-checkpointing", "auto", "--gpu-memory", memory])["ranks"]
+        assert f"fits --gpu-memory {memory} with --activation-checkpointing {spec}: " in capsys.readouterr().out
+        assert [row["total"] for row in auto] == [row["total"] for row in plan.main(
+            [*run, "--activation-checkpointing", spec])["ranks"]]
+        budget = float(memory) * 1e9 * (1 - plan.HEADROOM)
+        assert max(row["total"] for row in auto) <= budget < max(row["total"] for row in plan.main(run)["ranks"])
+        capsys.readouterr()
+    # An order plan.py generates depends on what the stages hold: generated again for each SPEC tried.
+    plan.main([*run[:-1], "zb1p", "--activation-checkpointing", "auto", "--gpu-memory", "1.2"])
+    assert "fits --gpu-memory 1.2 with --activation-checkpointing " in capsys.readouterr().out
+    # A SPEC's entries per stage (model.checkpointing_plan), and what each of a stage's layers does.
+    assert model_module.checkpointing_plan("3,selective,0,0", 4, [0, 1]) == [3, "selective"]
+    assert model_module.checkpointing_plan(True, 2) == ["full", "full"]
+    assert model_module.layer_checkpointing(2, 3) == ["full", "full", "none"]
+
+
 def test_the_plan_counts_the_start_up_peak(startup_runs, tmp_path, monkeypatch, capsys):
     # plan.py's start-up peak (the rank's shards and the largest whole tensor of its stages) is what every script's
     # start-up measured, within 10 %: one stage, tied, at tp 2, dp 2 and dp 2 x tp 2 (startup_runs); and it shows
@@ -3872,10 +3916,11 @@ def test_the_plan_counts_what_the_runs_hold(layout_runs, data_dir):
     # bytes, with and without replicas, and the activations held, with and without checkpointing and sequence
     # parallelism, in all three scripts; exactly the bytes each rank sends to other stages a step; the copy of
     # its state a background save stages; and the peak of its start-up (model.materialize: its shards and, when
-    # sharded, the largest whole tensor of its stages).
+    # sharded, the largest whole tensor of its stages). Checkpointing full, selective (what its kept ops give out)
+    # and per stage (perstage2: selective on the first, its layer whole on the second).
     runs, _ = layout_runs
-    for name in ("gpipe2", "checkpointed2", "gpipe2x2", "tracer2x2", "1f1b2x2", "afab2xtp2", "afab2xtp2nosp",
-                 "gpipe2x2xtp2", "1f1b2x2xtp2"):
+    for name in ("gpipe2", "checkpointed2", "perstage2", "gpipe2x2", "tracer2x2", "1f1b2x2", "afab2xtp2",
+                 "afab2xtp2nosp", "gpipe2x2xtp2", "1f1b2x2xtp2"):
         processes, script, extra = LAYOUT_RUNS[name]
         shape = ["--layers", "4", "--batch-size", "8", "--microbatches", "4", "--seq-len", "32"]
         ranks = planned(processes, data_dir, *shape, *itertools.takewhile(  # the flags plan.py shares
@@ -3885,7 +3930,9 @@ def test_the_plan_counts_what_the_runs_hold(layout_runs, data_dir):
         for kind in ("param", "grad", "optimizer", "startup"):
             assert measured[f"{kind}_bytes_per_rank"] == pytest.approx([row[kind] for row in on_rank], rel=0.1), \
                 (name, kind)
-        key = "activations_checkpointed" if "--activation-checkpointing" in extra else "activations"
+        flag = extra.index("--activation-checkpointing") + 1 if "--activation-checkpointing" in extra else None
+        spec = "none" if flag is None else extra[flag] if flag < len(extra) and extra[flag][0] != "-" else "full"
+        key = {"none": "activations", "full": "activations_checkpointed"}.get(spec, "activations_flagged")
         assert measured["activation_bytes_per_rank"] == pytest.approx([row[key] for row in on_rank], rel=0.1), \
             (name, key, on_rank)
         assert measured["sent_bytes_per_rank"] == [row["sent"] for row in on_rank], name
@@ -3951,11 +3998,13 @@ def test_the_replay_gives_the_published_bubbles(p):
         assert (result["step"] - 3 * m) / (3 * m) == pytest.approx((p - 1) / (v * m)), (p, v, m)
 
 
-def test_the_plan_counts_the_recomputation_of_a_split_backward(one_process_group):
+@pytest.mark.parametrize("how", ["full", "selective"])
+def test_the_plan_counts_the_recomputation_of_a_split_backward(how, one_process_group):
     # ZBV's two stages on one rank, each layer checkpointed: count each layer's forwards in one step. torch
     # runs stage 0's backward whole (one recomputation); stage 1 recomputes for its input gradient, and its weight
     # gradient reads what that recomputed (model.checkpoint_once; torch's checkpoint alone recomputed once per
-    # weight there, 9 more): what plan.split_backward charges.
+    # weight there, 9 more): what plan.split_backward charges. Selective (torch's op-level policy, its kept outputs
+    # handed back by the recomputation) shares I's recomputation with W alike.
     config, m = small_config(layers=2), 2
     modules = [cpu_stage(config, s, even(2, 2)) for s in (0, 1)]
     calls = {0: 0, 1: 0}
@@ -3967,7 +4016,7 @@ def test_the_plan_counts_the_recomputation_of_a_split_backward(one_process_group
         return run
     for i, layer in enumerate(model_module.decoder_layers(modules)):
         layer.forward = counted(layer.forward, i)
-    model_module.checkpoint_layers(modules)
+    model_module.checkpoint_layers(modules, how)
     mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
     built = [PipelineStage(module, s, 2, torch.device("cpu"), group=mesh.get_group("pp"),
                            **gpipe.stage_io(config, s, 2, (2, 16), 1, torch.float32))
@@ -3981,12 +4030,15 @@ def test_the_plan_counts_the_recomputation_of_a_split_backward(one_process_group
     assert plan.split_backward(backward, again, 0.0) == ([0.0, 1.5], [2.0, 0.5])
 
 
-def test_a_checkpointed_layer_that_w_reads_again_unkept_is_recomputed_again_not_wrong(one_process_group):
+@pytest.mark.parametrize("how", ["full", "selective"])
+def test_a_checkpointed_layer_that_w_reads_again_unkept_is_recomputed_again_not_wrong(how, one_process_group):
     # model.checkpoint_once keeps from I to W only what the nodes W runs again read (_weights_only finds them).
     # Should it keep nothing, W's read of a freed tensor recomputes the layer once more: one more forward a
-    # microbatch on stage 1, and the same gradients as without checkpointing, bit for bit.
+    # microbatch on stage 1, and the same loss and gradients as without checkpointing, bit for bit. Selective
+    # too: torch refuses a second recomputation of a selective region (its kept outputs were handed back once);
+    # model._Reusable lets it run those ops again.
     config, m = small_config(layers=2), 2
-    grads, calls = {}, {}
+    grads, calls, losses = {}, {}, {}
     for checkpointed in (False, True):
         modules = [cpu_stage(config, s, even(2, 2)) for s in (0, 1)]
         for i, layer in enumerate(model_module.decoder_layers(modules)):
@@ -3994,7 +4046,7 @@ def test_a_checkpointed_layer_that_w_reads_again_unkept_is_recomputed_again_not_
             layer.forward = lambda *a, i=i, forward=forward, **k: calls.update({i: calls.get(i, 0) + 1}) or \
                 forward(*a, **k)
         if checkpointed:
-            model_module.checkpoint_layers(modules)
+            model_module.checkpoint_layers(modules, how)
         mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
         built = [PipelineStage(module, s, 2, torch.device("cpu"), group=mesh.get_group("pp"),
                                **gpipe.stage_io(config, s, 2, (2, 16), 1, torch.float32))
@@ -4003,9 +4055,10 @@ def test_a_checkpointed_layer_that_w_reads_again_unkept_is_recomputed_again_not_
             schedule, _ = gpipe.make_schedule("zbvzerobubble", built, m, 1, 1)
         calls.clear()
         with unittest.mock.patch.object(model_module, "_weights_only", lambda fn: False):
-            gpipe.train_step(schedule, *random_batch(config, batch=4), cpu_env(0, 1), 1)
+            losses[checkpointed] = gpipe.train_step(schedule, *random_batch(config, batch=4), cpu_env(0, 1), 1)
         grads[checkpointed] = {n: p.grad for module in modules for n, p in module.named_parameters()}
     assert calls == {0: m * 2, 1: m * 3}  # forward, I's recomputation (W's for stage 0), and W's again
+    assert torch.equal(losses[True], losses[False])
     assert all(torch.equal(grads[True][n], g) for n, g in grads[False].items())
 
 
@@ -4669,6 +4722,13 @@ def test_the_search_accumulates_steps_only_where_memory_forces_it_and_the_fewest
                                                       "give --processes instead of --gpus"),
     (["--processes", "2", "--schedule", "zbvauto", "--stages-per-rank", "3"], 1, "error: --stages-per-rank 3: "
                                                                                 "zbvauto holds 2 stage(s) per rank"),
+    (["--processes", "2", "--activation-checkpointing", "most"], 2, "error: argument --activation-checkpointing: "
+     "give full, selective, none, or one per stage separated by commas, each full, selective, none or a count"),
+    (["--processes", "2", "--activation-checkpointing", "1,full,0"], 1, "error: --activation-checkpointing "
+                                                                        "1,full,0: 3 entries for 2 stages; give one "
+                                                                        "per stage (2), or one for all"),
+    (["--processes", "2", "--activation-checkpointing", "auto", "--gpu-memory", "0.01"], 1,
+     "error: --gpu-memory 0.01: pipeline rank 0 needs"),
 ])
 def test_plan_refuses_what_the_script_refuses_in_one_line(argv, status, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -4874,6 +4934,10 @@ def test_the_docs_measured_bytes_are_what_plan_py_computes_for_the_runs_measured
              "balanced": ["--processes", "2"],
              "balanced + activation checkpointing": ["--processes", "2", "--activation-checkpointing"]},
             {"peak activations per stage (MiB)": "activations"}),  # compiled: inductor's, not planned
+        ("faster-and-smaller.md", "| --activation-checkpointing | median step (ms)"): (  # small, 1F1B, 2 ranks
+            {spec: ["--processes", "2", "--model", "small", "--schedule", "1f1b", "--batch-size", "8", "--microbatches",
+                    "4", "--activation-checkpointing", spec] for spec in ("none", "selective", "full", "3,0")},
+            {"peak activations per rank (MiB)": "activations_flagged"}),
         ("tensor-parallel.md", "| variant | median step (ms) | vs no sequence parallel"): (
             {"sequence parallel": ["--processes", "4", "--tp", "2"],
              "no sequence parallel": ["--processes", "4", "--tp", "2", "--no-sequence-parallel"]},

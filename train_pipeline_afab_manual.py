@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --tp: the residual stream, the norms and what crosses stages sharded by sequence")
     g.add_argument("--loss-chunks", type=whole(0), default=0, help="pieces of the sequence the loss takes at a "
                    "time, recomputed in backward; 0: as few as keep a piece's fp32 logits within 256 MiB")
-    g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
+    g.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", type=checkpoint.checkpointing,
+                   help="full (the bare flag), selective (all but matmuls, attention), none, or per stage: 4,2,0,0")
     g.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     g = p.add_argument_group("checkpoints and output")
     g.add_argument("--checkpoint-dir", default="checkpoints", help="saved to and resumed from")
@@ -125,7 +126,8 @@ def main(args):
     with torch.device("meta"):
         model = LlamaForPretraining(config)  # with one stage, a tied head is the embedding's (else TiedEmbedding)
     partition = partition_model(model, pp_rank, pp, group=mesh.get_group("pp"), layout=layers, trim=True)
-    parallelize([model], mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing, args.compile)
+    parallelize([model], mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing, args.compile,
+                [pp_rank])  # its stage: checkpointed as --activation-checkpointing's entry for it says
     materialize([model], config, env.device, args.seed)  # a shard at a time: the full model's weights, any layout
     partition.sequence_shards = tp if args.sequence_parallel else 1  # each tp rank: seq_len / tp positions
 

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --tp: the residual stream, the norms and what crosses stages sharded by sequence")
     g.add_argument("--loss-chunks", type=whole(0), default=0, help="pieces of the sequence the loss takes at a "
                    "time, recomputed in backward; 0: as few as keep a piece's fp32 logits within 256 MiB")
-    g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
+    g.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", type=checkpoint.checkpointing,
+                   help="full (the bare flag), selective (all but matmuls, attention), none, or per stage: 4,2,0,0")
     g.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     g = p.add_argument_group("checkpoints and output")
     g.add_argument("--checkpoint-dir", default="checkpoints", help="saved to and resumed from")
@@ -139,7 +140,7 @@ def main(args):
 
     # --- the split: this rank's stages on meta, tensor parallelism, checkpointing, compile, FSDP2; then its shards
     modules = [stage_module(config, s, layers) for s in stages]
-    parallelize(modules, mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing, args.compile)
+    parallelize(modules, mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing, args.compile, stages)
     materialize(modules, config, env.device, args.seed)  # a shard at a time: the full model's weights, any layout
     model = merged_stages(modules)  # the rank's parameters, for the optimizer and checkpoints
 
