@@ -2329,12 +2329,13 @@ def test_every_layerless_layout_resumes_in_every_script(tmp_path, data_dir, refe
     accumulated = {"gpipe_accumulate": (4, "train_pipeline_gpipe.py", ["--dp", "2", "--accumulate", "2"]),
                    "afab_manual_accumulate": (2, "train_pipeline_afab_manual.py", ["--schedule", "1f1b",
                                                                                    "--accumulate", "4"])}
-    variants |= {name: (nproc, script, [*extra, "--microbatches", "2"]) for name, (nproc, script, extra)
-                 in accumulated.items()}
+    variants |= {name: (nproc, script, [*extra, "--microbatches", "2", "--eval-every", "4"])  # (evaluated in parts)
+                 for name, (nproc, script, extra) in accumulated.items()}
     for name, (result, rows) in resumed_from_step_8(tmp_path, data_dir, reference_dir, variants).items():
         assert "resumed from" in result.stdout, name
-        if name in accumulated:  # said where the layout is
+        if name in accumulated:  # said where the layout is; evaluated a schedule step's microbatches at a time
             assert f"{accumulated[name][2][-1]} x 2 microbatches an optimizer step" in result.stdout, name
+            assert "eval at step 12: loss" in result.stdout and "eval at step 16: loss" in result.stdout, name
         assert_same_trajectory(rows, reference[8:], name, since=8)
 
 

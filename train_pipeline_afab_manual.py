@@ -164,7 +164,9 @@ def main(args):
 
     def evaluate(at_step: int) -> None:
         held_out.load_state_dict({"epoch": 0, "index": 0})  # the same held-out batches every time
-        losses = [through_pipeline(run_eval, *held_out.next()) for _ in range(args.eval_batches)]
+        evaluated = [held_out.next() for _ in range(args.eval_batches)]  # each in --accumulate parts, as in training:
+        losses = [through_pipeline(run_eval, *batch, part, args.accumulate)  # the microbatches the stages expect
+                  for batch in evaluated for part in range(args.accumulate)]
         if metrics is not None:
             loss = torch.stack(losses).mean().item()
             metrics.write({"eval": {"step": at_step, "loss": loss, "perplexity": math.exp(min(loss, 700)),
