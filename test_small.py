@@ -1217,6 +1217,18 @@ def unsplit_step(config, inputs, targets, microbatches: int, documents: bool = F
     return torch.stack(losses).mean().detach(), {name: p.grad for name, p in reference.named_parameters()}, reference
 
 
+def assert_unsplit(variant, ranks: list[dict], loss, expected: dict) -> None:
+    """A launched variant's gradients, gathered from every rank, are the unsplit step's (unsplit_step), and so are
+    its loss and its evaluation's (forward only)."""
+    got = {name: g for result in ranks for name, g in result[variant]["grads"].items()}
+    assert sorted(got) == sorted(expected), variant
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-8, msg=f"{variant} {name}")
+    for kind in ("loss", "eval"):
+        value = next(result[variant][kind] for result in ranks if result[variant][kind] is not None)
+        assert_close_rel(value.item(), loss.item(), what=f"{variant} {kind}")
+
+
 # parity_run (conftest.py): one step, then an evaluation, of every variant of a layout in PARITY_LAYOUTS
 # (every split and schedule) in one launch of real gloo ranks; the tests below hold it to the unsplit model.
 
@@ -1234,13 +1246,7 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
     assert sorted(ranks[0], key=str) == sorted(variants, key=str)
     for variant in variants:
         loss, expected, reference = references[layer_count(variant[2]), variant[3]]
-        got = {name: g for result in ranks for name, g in result[variant]["grads"].items()}
-        assert sorted(got) == sorted(expected), variant
-        for name in expected:
-            torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-8, msg=f"{variant} {name}")
-        for kind in ("loss", "eval"):  # the evaluation under every schedule too (forward only)
-            value = next(result[variant][kind] for result in ranks if result[variant][kind] is not None)
-            assert_close_rel(value.item(), loss.item(), what=f"{variant} {kind}")
+        assert_unsplit(variant, ranks, loss, expected)  # the evaluation under every schedule too (forward only)
         # Every stage started from exactly the full model's weights and RoPE buffers for the seed (nothing
         # trained them: no optimizer step) ...
         tensors = dict(reference.named_parameters()) | dict(reference.named_buffers())
@@ -1288,13 +1294,7 @@ def test_accumulated_schedule_steps_give_the_unsplit_gradients_and_reduce_scatte
                   for _, _, split, documents in variants}
     for variant in variants:
         loss, expected, _ = references[layer_count(variant[2]), variant[3]]
-        got = {name: g for result in ranks for name, g in result[variant]["grads"].items()}
-        assert sorted(got) == sorted(expected), variant
-        for name in expected:
-            torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-8, msg=f"{variant} {name}")
-        for kind in ("loss", "eval"):
-            value = next(result[variant][kind] for result in ranks if result[variant][kind] is not None)
-            assert_close_rel(value.item(), loss.item(), what=f"{variant} {kind}")
+        assert_unsplit(variant, ranks, loss, expected)
         nccl_rules.check([result[variant]["calls"] for result in ranks])
         for r, result in enumerate(ranks):
             reduced = sum(e.get("name") == "reduce_scatter" and e.get("group") == result[variant]["dp_group"]
