@@ -3,15 +3,15 @@
 rng/rank*.pt, the data's tokenizer files, meta.json written last), step-N.tmp/ (a save in progress) and run.lock
 (held by the run using it): docs/checkpoints.md.
 
-Part 1, the checkpoints: finding, saving (save), loading (verified first: verify_files, load_state), --init-from
-(load_weights), and the resume rules (Run, check_same_run); the restricted reader of DCP's index last. Part 2, the
-run around them: one-line errors on every rank (UsageError, collective_errors, run), stopping (stop_requested),
-flags (Parser), the checks and the lock of what a run writes, the data and --metrics, relayout, which model.
+The one-line errors first (UsageError, collective_errors). Part 1, the checkpoints, which uses no name of Part 2
+(a copier can take it alone): finding, saving (save), loading (verify_files, load_state), --init-from
+(load_weights), and a checkpoint as untrusted input: the checks of what it holds, the restricted reader of DCP's
+index. Part 2, the run around them: Run and the resume rules (check_same_run), run() around main, stopping
+(stop_requested), flags (Parser), the checks and the lock of what a run writes, the data and --metrics, this job.
 
 A script's main calls, in order: checkpoint.run(main, args) around it all; run = Run(args, rank, world_size, say);
-run.relayout(stages_per_rank); run.check(); run.model_config(data, device_type); run.resume(model, optimizer,
-config); Metrics(path, step); then after every step stop_requested() and run.save_if_due(step, ...); at the end
-summary(...)."""
+run.relayout(stages_per_rank); run.check(data); run.model_config(device_type); run.resume(model, optimizer, config);
+Metrics(path, step); after every step stop_requested() and run.save_if_due(step, position, stop); at the end summary."""
 
 import argparse
 import atexit
@@ -57,7 +57,45 @@ from model import (LlamaConfig, check_layout, checkpointing_plan, config_from_hf
                    max_stages, mfu)
 
 # ==========================================================================================================
-# Part 1. Checkpoints (DCP): finding, saving, loading, --init-from, the resume rules
+# Errors: one line, on every rank (both parts raise them)
+
+class UsageError(Exception):
+    """A mistake in the command line or its inputs: one line, exit status 1 (on_every_rank: once a node)."""
+
+    def __init__(self, message: str, on_every_rank: bool = False):
+        super().__init__(message)
+        self.on_every_rank = on_every_rank
+
+
+def max_over_ranks(value: int) -> int:
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    value = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
+@contextlib.contextmanager
+def collective_errors():
+    """A UsageError in the block on any rank is raised on every rank, so none waits for a peer that stopped; the
+    block must not start a collective that a failing rank would skip."""
+    error = None
+    try:
+        yield
+    except UsageError as e:
+        error = e
+    if not max_over_ranks(error is not None):
+        return
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else str(error))
+    found = [rank for rank, message in enumerate(messages) if message is not None]
+    message = messages[found[0]]
+    if len(found) < len(messages):  # say where, when only some ranks (nodes) have the problem
+        message += f" (found on rank{'s' if len(found) > 1 else ''} {', '.join(map(str, found))})"
+    raise UsageError(message, on_every_rank=True) from None
+
+
+# ==========================================================================================================
+# Part 1. Checkpoints (DCP): finding, saving, loading, --init-from, and a checkpoint as untrusted input
 
 # -- Finding checkpoints
 
@@ -102,7 +140,7 @@ def read_meta(path: str, flag: str = "--checkpoint-dir") -> dict:
     return meta
 
 
-# -- Saving
+# -- Saving, and loading (verified first: verify_files; through the restricted readers below)
 
 # AdamW's state keyed by parameter name ("optim.state.<fqn>.exp_avg"): keyed by group index (the default), every
 # stage's group 0 would be one shared key, and DCP would keep only one rank's copy.
@@ -112,7 +150,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int, keep: int,
-         tokenizer_dir: str | None = None, background: tuple | None = None) -> str | tuple:
+         tokenizer_dir: str, background: tuple | None = None) -> str | tuple:
     """Save this rank's stages, collectively: the checkpoint's path, or with background (background_group's) the
     save in flight, written by a thread (DCP's async_save): (its future, step-N.tmp, meta) for Run.finish_save."""
     tmp = os.path.join(checkpoint_dir, f"step-{step:08d}.tmp")
@@ -135,12 +173,12 @@ def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int
     return _complete(tmp, meta, rank, keep, tokenizer_dir) if background is None else (written, tmp, meta)
 
 
-def _complete(tmp: str, meta: dict, rank: int, keep: int, tokenizer_dir: str | None) -> str:
+def _complete(tmp: str, meta: dict, rank: int, keep: int, tokenizer_dir: str) -> str:
     """Make a written save a checkpoint (meta.json last, then the rename); delete those beyond keep. Collective."""
     final = tmp.removesuffix(".tmp")
     with _saving(tmp, rank):
         if rank == 0:
-            for name in TOKENIZER_FILES if tokenizer_dir else ():
+            for name in TOKENIZER_FILES:
                 if os.path.isfile(os.path.join(tokenizer_dir, name)):
                     shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(tmp, name))
             files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
@@ -248,7 +286,123 @@ def _tied_name(key: str) -> str:
     return key
 
 
-# -- Loading: a checkpoint is untrusted input, read without running anything it names, in bounded memory
+def load_state(path: str, model, optimizer, config: LlamaConfig, flag: str = "--checkpoint-dir") -> None:
+    """This rank's model (and AdamW) state from the checkpoint at path, verified. Collective."""
+    state, saved_as = state_dicts(model, optimizer, config)
+    load_dcp(state, path, flag)
+    restored = {part: {key: state[part][name] for key, name in names.items()} for part, names in saved_as.items()}
+    set_model_state_dict(model, restored["model"], options=_OPTIONS)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, restored["optim"], options=_OPTIONS)
+
+
+def load_dcp(state: dict, path: str, flag: str, no_dist: bool = False) -> None:
+    """DCP's load of state from the checkpoint at path (no_dist: on one process), through the safe readers."""
+    try:
+        with warnings.catch_warnings():  # no_dist: DCP warns that it loads on one process, which is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(), no_dist=no_dist)
+    except (Exception, CheckpointException) as e:  # DCP gathers read errors from all ranks, raises on each
+        raise bad_checkpoint(flag, path, f"cannot read its tensors ({root_cause(e)})") from None
+
+
+# -- --init-from: the model's shape and tokenizer, then only its weights, each rank its own stage's
+
+def source_config(source: str, args) -> tuple[LlamaConfig, str]:
+    """The model of --init-from (Hugging Face, a checkpoint, or a run's newest) and the path read."""
+    path = source
+    if is_hf_dir(source):
+        config = read_hf_config(source)
+    elif os.path.isdir(source):
+        path = resolve(source, "--init-from")
+        config = LlamaConfig(**read_meta(path, "--init-from")["config"])
+    else:
+        raise UsageError(f"--init-from {source}: not a directory; give a Hugging Face model directory "
+                         "(config.json + *.safetensors) or a checkpoint of this project")
+    for flag, value in (("--model", args.model), ("--layers", args.layers)):
+        if value is not None and (flag == "--model" or value != config.num_hidden_layers):
+            raise UsageError(f"{flag} {value}: the model's shape comes from {path} "
+                             f"({config.num_hidden_layers} layers); leave {flag} out")
+    return config, path
+
+
+def is_hf_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        name.endswith(".safetensors") for name in os.listdir(path))
+
+
+def read_hf_config(path: str) -> LlamaConfig:
+    """The LlamaConfig of a Hugging Face directory; what model.py does not compute is refused in one line."""
+    try:
+        return config_from_hf(read_json(os.path.join(path, "config.json")))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--init-from {path}: {e}") from None
+
+
+def same_tokenizer(a: str, b: str, flags: tuple[str, str] = ("--init-from", "--data")) -> bool:
+    """Whether the tokenizer.json in a and b (given by flags) have the same vocabulary, merges, specials."""
+    def essence(directory, flag):
+        tokenizer = read_tokenizer(directory, flag)
+        model = tokenizer.get("model") or {}
+        merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
+        return (model.get("type"), model.get("vocab"), merges,
+                [(t["id"], t["content"]) for t in tokenizer.get("added_tokens") or []])
+    return essence(a, flags[0]) == essence(b, flags[1])
+
+
+def load_weights(source: str, model, config: LlamaConfig) -> str:
+    """Collective: this rank's weights (FSDP: its shard) from a Hugging Face directory or a checkpoint; the path."""
+    if not is_hf_dir(source):
+        with collective_errors():
+            path = resolve(source, "--init-from")
+            verify_files(path, read_meta(path, "--init-from"), "--init-from")
+        load_state(path, model, None, config, "--init-from")
+        return path
+    # HuggingFaceStorageReader reads only the tensors (FSDP: slices) asked for, cast to the model's dtype.
+    state = get_model_state_dict(model, options=_OPTIONS)
+    with collective_errors():
+        request = _hf_request(source, state, config)  # their name for each of this stage's tensors
+    targets = {}  # their name -> our tensors; two when a rank holds a tied embedding and its head's copy
+    for name, tensor in state.items():
+        targets.setdefault(request[name], []).append(tensor)
+    try:
+        dcp.load({key: ours[0] for key, ours in targets.items()}, storage_reader=HuggingFaceStorageReader(source))
+    except (Exception, CheckpointException) as e:  # DCP raises its CheckpointException on every rank
+        raise bad_checkpoint("--init-from", source, f"cannot read its tensors ({root_cause(e)})") from None
+    for tensors in targets.values():
+        for copy in tensors[1:]:
+            copy.copy_(tensors[0])
+    set_model_state_dict(model, state, options=_OPTIONS)
+    return source
+
+
+def _hf_request(path: str, state: dict, config: LlamaConfig) -> dict[str, str]:
+    """Their name for each of a stage's tensors, of its shape; a tied checkpoint stores the head as the embedding."""
+    available = {}  # their name -> its shape
+    for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
+        try:  # reads the header only; a file cut short (an interrupted download) fails here
+            with safe_open(os.path.join(path, name), framework="pt") as f:
+                available.update((key, f.get_slice(key).get_shape()) for key in f.keys())
+        except Exception as e:  # safetensors' own error type, whatever the damage
+            raise UsageError(f"--init-from {path}: {name} is not a complete safetensors file ({root_cause(e)}); "
+                             "copy or download it again") from None
+    request = {}
+    for name in state:
+        key = hf_name(name)
+        if key not in available and name == HEAD and config.tie_word_embeddings:
+            key = hf_name(EMBED)
+        if key not in available:
+            raise UsageError(f"--init-from {path}: no tensor {key} in its safetensors files; is it the Llama "
+                             "checkpoint that config.json describes?")
+        if available[key] != list(state[name].shape):  # DCP would fail on every rank, in a traceback
+            raise UsageError(f"--init-from {path}: its tensor {key} is {available[key]}, config.json makes it "
+                             f"{list(state[name].shape)}; is it the Llama checkpoint that config.json describes?")
+        request[name] = key
+    return request
+
+
+# -- Untrusted input: a checkpoint (or --init-from) is read running nothing it names, in bounded memory, each field
+# and file checked before use (read_meta, verify_files, read_tokenizer), DCP's index by a restricted reader
 
 # The largest files read whole: a JSON file (a large vocabulary's tokenizer.json runs to tens of MB) and DCP's
 # index (~150 bytes a tensor chunk: llama-8b's model and AdamW state saved by 64 ranks, 8 MB, measured).
@@ -395,262 +549,36 @@ def open_untrusted(path: str, name: str, flag: str = "--checkpoint-dir"):
                                          f"({root_cause(e)})") from None
 
 
-def load_state(path: str, model, optimizer, config: LlamaConfig, flag: str = "--checkpoint-dir") -> None:
-    """This rank's model (and AdamW) state from the checkpoint at path, verified. Collective."""
-    state, saved_as = state_dicts(model, optimizer, config)
-    load_dcp(state, path, flag=flag)
-    restored = {part: {key: state[part][name] for key, name in names.items()} for part, names in saved_as.items()}
-    set_model_state_dict(model, restored["model"], options=_OPTIONS)
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, restored["optim"], options=_OPTIONS)
-
-
-def load_dcp(state: dict, path: str, no_dist: bool = False, flag: str = "--checkpoint-dir") -> None:
-    """DCP's load of state from the checkpoint at path (no_dist: on one process), through the safe readers."""
+def read_tokenizer(directory: str, flag: str) -> dict:
+    """The tokenizer.json in directory, each field read checked, or one line naming the field."""
+    def wrong(field, value, what):
+        raise UsageError(f"{flag} {directory}: its tokenizer.json's {field} is {shown(value)}, not {what}")
     try:
-        with warnings.catch_warnings():  # no_dist: DCP warns that it loads on one process, which is the intent
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(), no_dist=no_dist)
-    except (Exception, CheckpointException) as e:  # DCP gathers read errors from all ranks, raises on each
-        raise bad_checkpoint(flag, path, f"cannot read its tensors ({root_cause(e)})") from None
+        tokenizer = read_json(os.path.join(directory, "tokenizer.json"))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{flag} {directory}: cannot read its tokenizer.json ({e})") from None
+    if not isinstance(tokenizer, dict):
+        raise UsageError(f"{flag} {directory}: its tokenizer.json is {shown(tokenizer)}, not an object of fields")
+    model = tokenizer.get("model") or {}
+    if not isinstance(model, dict):
+        wrong("model", model, "an object")
+    vocab, merges, added = model.get("vocab") or {}, model.get("merges") or [], tokenizer.get("added_tokens") or []
+    if not isinstance(model.get("type"), (str, type(None))):
+        wrong("model.type", model.get("type"), "a string")
+    if not (isinstance(vocab, dict) and all(type(i) is int for i in vocab.values()) or isinstance(vocab, list) and
+            all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and type(p[1]) in (int, float)
+                for p in vocab)):  # a Unigram model's vocab: [token, score] pairs
+        wrong("model.vocab", vocab, "tokens and their ids")
+    if not (isinstance(merges, list) and all(isinstance(m, str) or isinstance(m, list) and len(m) == 2 and all(
+            isinstance(part, str) for part in m) for m in merges)):
+        wrong("model.merges", merges, 'a list of "a b" or ["a", "b"]')
+    if not (isinstance(added, list) and all(isinstance(t, dict) and type(t.get("id")) is int and
+                                            isinstance(t.get("content"), str) for t in added)):
+        wrong("added_tokens", added, 'a list of {"id": N, "content": TEXT}')
+    return tokenizer
 
 
-# -- --init-from: only the model's weights, each rank its own stage's
-
-def load_weights(source: str, model, config: LlamaConfig) -> str:
-    """Collective: this rank's weights (FSDP: its shard) from a Hugging Face directory or a checkpoint; the path."""
-    if not is_hf_dir(source):
-        with collective_errors():
-            path = resolve(source, "--init-from")
-            verify_files(path, read_meta(path, "--init-from"), "--init-from")
-        load_state(path, model, None, config, "--init-from")
-        return path
-    # HuggingFaceStorageReader reads only the tensors (FSDP: slices) asked for, cast to the model's dtype.
-    state = get_model_state_dict(model, options=_OPTIONS)
-    with collective_errors():
-        request = _hf_request(source, state, config)  # their name for each of this stage's tensors
-    targets = {}  # their name -> our tensors; two when a rank holds a tied embedding and its head's copy
-    for name, tensor in state.items():
-        targets.setdefault(request[name], []).append(tensor)
-    try:
-        dcp.load({key: ours[0] for key, ours in targets.items()}, storage_reader=HuggingFaceStorageReader(source))
-    except (Exception, CheckpointException) as e:  # DCP raises its CheckpointException on every rank
-        raise bad_checkpoint("--init-from", source, f"cannot read its tensors ({root_cause(e)})") from None
-    for tensors in targets.values():
-        for copy in tensors[1:]:
-            copy.copy_(tensors[0])
-    set_model_state_dict(model, state, options=_OPTIONS)
-    return source
-
-
-def _hf_request(path: str, state: dict, config: LlamaConfig) -> dict[str, str]:
-    """Their name for each of a stage's tensors, of its shape; a tied checkpoint stores the head as the embedding."""
-    available = {}  # their name -> its shape
-    for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
-        try:  # reads the header only; a file cut short (an interrupted download) fails here
-            with safe_open(os.path.join(path, name), framework="pt") as f:
-                available.update((key, f.get_slice(key).get_shape()) for key in f.keys())
-        except Exception as e:  # safetensors' own error type, whatever the damage
-            raise UsageError(f"--init-from {path}: {name} is not a complete safetensors file ({root_cause(e)}); "
-                             "copy or download it again") from None
-    request = {}
-    for name in state:
-        key = hf_name(name)
-        if key not in available and name == HEAD and config.tie_word_embeddings:
-            key = hf_name(EMBED)
-        if key not in available:
-            raise UsageError(f"--init-from {path}: no tensor {key} in its safetensors files; is it the Llama "
-                             "checkpoint that config.json describes?")
-        if available[key] != list(state[name].shape):  # DCP would fail on every rank, in a traceback
-            raise UsageError(f"--init-from {path}: its tensor {key} is {available[key]}, config.json makes it "
-                             f"{list(state[name].shape)}; is it the Llama checkpoint that config.json describes?")
-        request[name] = key
-    return request
-
-
-# -- The run's checkpoints: continued exactly, or refused
-
-class Run:
-    """A run's checkpoints, made once in main after the process groups (collective): the job, the checkpoint it
-    continues, the data's identity, the save in flight. main calls relayout, check, model_config, resume and
-    save_if_due."""
-    current = None  # this process's: run() waits for its save in flight when the run fails
-
-    def __init__(self, args, rank: int, world_size: int, say=print):
-        self.args, self.rank, self.world_size, self.say = args, rank, world_size, say
-        self.job = job_ids()  # every attempt of this job shares one: relayout fits a restart on other processes
-        self.data_id, self.in_flight, self.background = None, None, None  # (DCP's future, step-N.tmp, meta)
-        self.path, self._meta = latest(args.checkpoint_dir), None
-        Run.current = self
-
-    def saved(self) -> dict:
-        """The meta.json of the checkpoint this run continues (read once; {} if none)."""
-        if self._meta is None:
-            self._meta = read_meta(self.path) if self.path else {}
-        return self._meta
-
-    def source(self) -> str | None:
-        """Where the model's shape comes from if not --model: --init-from, or a resumed run's checkpoint if it
-        started from other weights (those need not exist anymore)."""
-        if self.path is not None:
-            return self.path if self.saved().get("run", {}).get("init_from") is not None else None
-        return self.args.init_from
-
-    def preset_model(self) -> bool:
-        """Whether the model's shape is --model's; False while a damaged checkpoint hides it (reported later)."""
-        try:
-            return self.source() is None
-        except UsageError:
-            return False
-
-    def relayout(self, stages_per_rank: int) -> tuple[int, str]:
-        return relayout(self.args, self.world_size, self.job, stages_per_rank, self.path, self.saved(), self.say)
-
-    def check(self) -> None:
-        """check_run, then whether the run continues its checkpoint's (args.init_from: the one it recorded)."""
-        with open(os.path.join(self.args.data, "meta.json"), "rb") as f:  # its sources, token counts, tokenizer
-            self.data_id = hashlib.sha256(f.read()).hexdigest()[:16]
-        check_run(self.args, self.rank, self.job)
-        if self.args.fresh:
-            self.path, self._meta = latest(self.args.checkpoint_dir), None  # left: one this job saved, a restart
-        with collective_errors():
-            if self.path is not None:
-                self.args.init_from = self.saved().get("run", {}).get("init_from")
-                check_same_run(self.args, self.path, self.data_id, self.saved())  # the model once it is known
-
-    def model_config(self, data: dict, device_type: str) -> tuple[LlamaConfig, str]:
-        return model_config(self.args, data, device_type, self.source())
-
-    def resume(self, model, optimizer, config: LlamaConfig) -> tuple[int, dict | None]:
-        """Continue the run exactly (none: from --init-from's weights), or refuse in one line. Collective.
-        Returns the step done and the data loader's position (None: from the start)."""
-        args, path, say = self.args, self.path, self.say
-        if path is None:
-            if args.init_from is not None:
-                source = load_weights(args.init_from, model, config)
-                say(f"initialized from the weights of {source} (a new run: new AdamW state, LR schedule and data "
-                    "order)", flush=True)
-            return 0, None
-        with collective_errors():
-            meta = check_same_run(args, path, self.data_id, self.saved(), config)
-            verify_files(path, meta)
-            # The scripts' Batches hold (tokens - 1) // --seq-len windows a file; a position past them is no run's.
-            windows = sum((tokens - 1) // args.seq_len for tokens in read_data_meta(args.data)["train"]["tokens"])
-            if meta.get("data") is not None and meta["data"]["index"] > windows:
-                raise bad_checkpoint("--checkpoint-dir", path, f"its meta.json's data index {meta['data']['index']}"
-                                                               f" is past the {windows} windows of --data")
-        if meta["step"] >= args.steps > 0:
-            say(f"{path} is step {meta['step']}: --steps {args.steps} are done, nothing to train", flush=True)
-            return meta["step"], None
-        load_state(path, model, optimizer, config)
-        name = f"rng/rank{self.rank}.pt"
-        if meta["world_size"] == self.world_size:  # RNG streams belong to ranks; another layout starts new ones
-            with collective_errors(), open_untrusted(path, name):
-                if name not in meta["files"]:  # those listed are verified: inside, no link
-                    raise ValueError("its meta.json does not list it")
-                rng = torch.load(os.path.join(path, name), weights_only=True)  # plain data only
-                torch.set_rng_state(rng["cpu"])
-                if "cuda" in rng and torch.cuda.is_available():
-                    torch.cuda.set_rng_state(rng["cuda"])
-        precision = meta.get("args", {}).get("precision", args.precision)  # free to change: said, not refused
-        say((f"resumed from {path} at step {meta['step']} (saved by {meta['world_size']} process(es))"
-             if args.steps else f"evaluating {path} (step {meta['step']})") +
-            (f"; --precision {precision} → {args.precision} (free to change: weights and AdamW stay fp32, only "
-             "the computation's rounding can differ)" if precision != args.precision else ""), flush=True)
-        return meta["step"], meta.get("data")
-
-    def save_if_due(self, step: int, model, optimizer, config: LlamaConfig, data_position: dict,
-                    stop: str | None = None) -> str | None:
-        """Save every --checkpoint-every steps, at the end and on a stop (the signal that asked); what to
-        say of the checkpoints completed. Collective. --async-checkpoint: docs/checkpoints.md."""
-        args = self.args
-        last = step == args.steps or stop is not None
-        due = last or (args.checkpoint_every and step % args.checkpoint_every == 0)
-        said = [f"saved {path}"] if (path := self.finish_save(wait=due)) else []
-        if due:
-            meta = {"config": dataclasses.asdict(config), "run": run_identity(args, self.data_id),
-                    "data": data_position, "args": vars(args), "torch": torch.__version__, "job": self.job}
-            background = None
-            if args.async_checkpoint and not last:  # written by a thread, completed by a later call
-                background = self.background = self.background or background_group(args.timeout)
-            path = save(args.checkpoint_dir, step, model, optimizer, meta, self.rank, args.keep_checkpoints,
-                        args.data, background)
-            if background is not None:
-                self.in_flight = path
-            else:
-                said.append(f"stopped by {stop} after step {step}, saved in {path}; the same command continues "
-                            "the run" if stop else f"saved {path}")
-        return "\n".join(said) or None
-
-    def finish_save(self, wait: bool = True) -> str | None:
-        """Complete the save in flight once every rank wrote its files (not wait: only if they have). Collective."""
-        if self.in_flight is None:
-            return None
-        written, tmp, meta = self.in_flight
-        if not wait and max_over_ranks(not written.done()):
-            return None
-        self.in_flight = None
-        with _saving(tmp, self.rank):
-            written.result()  # DCP raises a rank's failure on every rank
-        return _complete(tmp, meta, self.rank, self.args.keep_checkpoints, self.args.data)
-
-
-def run_identity(args, data_id: str) -> dict:
-    """What a checkpoint records of its run, to compare on resume: the flags declared with run=True, the data."""
-    return {**{flag: getattr(args, flag) for flag in args.run_flags}, "data": args.data, "data_id": data_id,
-            "init_from": args.init_from}
-
-
-def check_same_run(args, path: str, data_id: str, meta: dict, config: LlamaConfig | None = None) -> dict:
-    """One line naming each flag (old → new) in which this run differs from its checkpoint (meta), and
-    the model (config, or what --model and --layers say); --init-from is recorded, not compared."""
-    identity, saved, found = run_identity(args, data_id), meta.get("run", {}), []
-    if config is not None:
-        model = dataclasses.asdict(config)
-    elif saved.get("init_from") is None and args.model:
-        model = dataclasses.asdict(config_from_preset(args.model, meta["config"].get("vocab_size"), args.layers))
-    else:  # from other weights: nothing known yet; without --model the preset is the device's, known later
-        model = {"num_hidden_layers": args.layers} if args.layers and saved.get("init_from") is None else {}
-    found += [f"model {field} {meta['config'].get(field)} → {value} (--model, --layers, --init-from)"
-              for field, value in model.items() if meta["config"].get(field) != value]
-    for flag in args.run_flags:  # a flag newer than the checkpoint: it ran at the flag's default of off
-        old, new = saved.get(flag, False if isinstance(identity[flag], bool) else None), identity[flag]
-        if old != new and not (flag == "steps" and new <= meta["step"]):  # fewer steps than done: nothing to run
-            found.append(f"--{flag.replace('_', '-')} {old} → {new}")
-    if saved.get("data_id") != data_id:
-        found.append(f"--data {saved.get('data')} → {args.data} (other data, or prepared again differently)")
-    if found:
-        raise UsageError(f"--checkpoint-dir {args.checkpoint_dir}: {os.path.basename(path)} is another run: "
-                         f"{'; '.join(found)}. Rerun with its flags to continue it, add --fresh to start over "
-                         f"(its checkpoints are moved aside), or start a new run from its weights with "
-                         f"--init-from {path} --checkpoint-dir NEW_DIR")
-    return meta
-
-
-def _set_aside(checkpoint_dir: str, job: list[str], say=print) -> None:
-    """--fresh: move what checkpoint_dir holds to DIR.previous-TIME but the lock and this job's checkpoints."""
-    def saved_by_this_job(name: str) -> bool:
-        try:
-            return same_job(read_meta(os.path.join(checkpoint_dir, name)).get("job"), job)
-        except UsageError:
-            return False  # damaged: nothing to resume
-    complete = {os.path.basename(path) for path in complete_checkpoints(checkpoint_dir)}
-    entries = [name for name in os.listdir(checkpoint_dir)
-               if name != LOCK_NAME and not (name in complete and saved_by_this_job(name))]
-    if not entries:
-        return
-    stamp = f"{checkpoint_dir.rstrip(os.sep)}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
-    aside = next(path for path in (stamp, *(f"{stamp}-{n}" for n in range(2, 10**6))) if not os.path.lexists(path))
-    try:
-        os.makedirs(aside)
-        for name in entries:
-            os.replace(os.path.join(checkpoint_dir, name), os.path.join(aside, name))
-    except OSError as e:
-        raise UsageError(f"--fresh: cannot move the checkpoints in {checkpoint_dir} aside ({e.strerror})") from None
-    say(f"--fresh: moved the previous checkpoints to {aside}", flush=True)
-
-
-# -- The restricted reader of DCP's index (.metadata), behind read_index
+# The restricted reader of DCP's index (.metadata), behind read_index
 
 def read_index(file: str) -> Metadata:
     """DCP's index, a pickle, read by pickle's pure-Python unpickler restricted to what DCP writes, its memo
@@ -759,44 +687,233 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 
 # ==========================================================================================================
-# Part 2. The run around the checkpoints: errors and run(), stopping, flags, the lock, data and metrics, relayout,
-# which model
+# Part 2. The run around the checkpoints: Run and the resume rules, run(), stopping, flags, the lock, data and
+# metrics, this job
 
-# -- Errors: one line, on every rank
+# -- The run's checkpoints: continued exactly, or refused
 
-class UsageError(Exception):
-    """A mistake in the command line or its inputs: one line, exit status 1 (on_every_rank: once a node)."""
+class Run:
+    """A run's checkpoints, made once in main after the process groups (collective): the job (job: its launch
+    ids, else gathered), the checkpoint it continues, the data, what it trains, the save in flight. main calls
+    relayout, check, model_config, resume and save_if_due."""
+    current = None  # this process's: run() waits for its save in flight when the run fails
 
-    def __init__(self, message: str, on_every_rank: bool = False):
-        super().__init__(message)
-        self.on_every_rank = on_every_rank
+    def __init__(self, args, rank: int, world_size: int, say, job: list[str] | None = None):
+        self.args, self.rank, self.world_size, self.say = args, rank, world_size, say
+        self.job = job_ids() if job is None else job  # shared by every attempt: relayout fits a restart on others
+        self.data, self.in_flight, self.background = None, None, None  # in flight: (DCP's future, step-N.tmp, meta)
+        self.trained = None  # resume's (model, optimizer, config): what save_if_due saves
+        self.path, self._meta = latest(args.checkpoint_dir), None
+        Run.current = self
+
+    def saved(self) -> dict:
+        """The meta.json of the checkpoint this run continues (read once; {} if none)."""
+        if self._meta is None:
+            self._meta = read_meta(self.path) if self.path else {}
+        return self._meta
+
+    def source(self) -> str | None:
+        """Where the model's shape comes from if not --model: --init-from, or a resumed run's checkpoint if it
+        started from other weights (those need not exist anymore)."""
+        if self.path is not None:
+            return self.path if self.saved().get("run", {}).get("init_from") is not None else None
+        return self.args.init_from
+
+    def preset_model(self) -> bool:
+        """Whether the model's shape is --model's; False while a damaged checkpoint hides it (reported later)."""
+        try:
+            return self.source() is None
+        except UsageError:
+            return False
+
+    def relayout(self, stages_per_rank: int) -> tuple[int, str]:
+        """The --dp and --split this attempt runs at: the flags', or a layout of the same run that fits the processes
+        when this job saved the newest checkpoint on another number (docs/launching.md); the same on every rank."""
+        args, world_size, path, meta = self.args, self.world_size, self.path, self.saved()
+        saved, old_world = meta.get("args", {}), meta.get("world_size", world_size)
+        if not same_job(meta.get("job"), self.job) or old_world == world_size or not {"dp", "tp"} <= saved.keys():
+            return args.dp, args.split  # a new launch takes its flags as given, as does a restart on as many
+        old_pp, layers, tp = old_world // (saved["dp"] * saved["tp"]), meta["config"]["num_hidden_layers"], args.tp
+
+        def fits(pp: int, dp: int) -> bool:
+            return pp * stages_per_rank <= max_stages(layers) and not args.batch_size % (dp * args.microbatches *
+                                                                                          args.accumulate)
+
+        found = [pp for pp in range(1, world_size // tp + 1) if world_size % (pp * tp) == 0
+                 and fits(pp, world_size // (pp * tp))]
+        if not found:
+            counts = sorted({pp * dp * tp for pp in range(1, max_stages(layers) // stages_per_rank + 1)
+                             for dp in range(1, max(old_world, world_size) // (pp * tp) + 1) if fits(pp, dp)})
+            raise UsageError(f"{world_size} process(es) cannot hold this run ({os.path.basename(path)}, saved by "
+                             f"{old_world}): with --tp {tp}, --batch-size {args.batch_size}, --microbatches "
+                             f"{args.microbatches} and {layers} layers in {stages_per_rank} stage(s) per pipeline "
+                             f"rank it needs {', '.join(map(str, counts)) or 'more layers'} process(es); start that "
+                             "many", on_every_rank=True)
+        pp = max([pp for pp in found if pp <= old_pp], default=min(found))
+        dp, split, note = world_size // (pp * tp), args.split, ""
+        try:
+            check_layout(split, layers, pp * stages_per_rank)
+        except ValueError:
+            split, note = "balanced", f" (--split {args.split} is for {args.split.count(',') + 1} stages: balanced)"
+        self.say(f"{old_world} processes -> {world_size}: pp {old_pp} x dp {saved['dp']} x tp {saved['tp']} -> pp "
+                 f"{pp} x dp {dp} x tp {tp}{note}; resuming {path} at step {meta['step']}", flush=True)
+        return dp, split
+
+    def check(self, data: dict) -> None:
+        """check_run, then whether the run continues its checkpoint's (args.init_from: the one it recorded)."""
+        self.data = data  # read_data_meta's: for model_config, resume and the checkpoints
+        check_run(self.args, self.rank, self.job)
+        if self.args.fresh:
+            self.path, self._meta = latest(self.args.checkpoint_dir), None  # left: one this job saved, a restart
+        with collective_errors():
+            if self.path is not None:
+                self.args.init_from = self.saved().get("run", {}).get("init_from")
+                check_same_run(self.args, self.path, data["data_id"], self.saved())  # the model once it is known
+
+    def model_config(self, device_type: str) -> tuple[LlamaConfig, str]:
+        """The model to train and its name: source()'s (its tokenizer must be the data's), else the preset's with
+        the data's vocabulary and --layers. Call it inside collective_errors."""
+        args, vocab, source = self.args, self.data["vocab_size"], self.source()
+        if source is None:
+            preset = model_preset(args.model, device_type)
+            return config_from_preset(preset, vocab, args.layers), preset
+        config, path = source_config(source, args)
+        if not same_tokenizer(path, args.data, ("--init-from" if source == args.init_from else "--checkpoint-dir",
+                                                "--data")):
+            raise UsageError(f"--init-from {path}: its tokenizer is not the one --data {args.data} was prepared "
+                             f"with; prepare the data with it: python prepare_data.py --tokenizer {path} --out DIR")
+        if vocab > config.vocab_size:  # a Hugging Face model may have more rows than tokens
+            raise UsageError(f"--data {args.data}: {vocab} tokens, but {path} has embeddings for {config.vocab_size}")
+        return config, f"from {path if source == args.init_from else args.init_from}"  # resumed: where it started
+
+    def resume(self, model, optimizer, config: LlamaConfig) -> tuple[int, dict | None]:
+        """Continue the run exactly (none: from --init-from's weights), or refuse in one line. Collective.
+        Returns the step done and the data loader's position (None: from the start)."""
+        args, path, say = self.args, self.path, self.say
+        self.trained = model, optimizer, config
+        if path is None:
+            if args.init_from is not None:
+                source = load_weights(args.init_from, model, config)
+                say(f"initialized from the weights of {source} (a new run: new AdamW state, LR schedule and data "
+                    "order)", flush=True)
+            return 0, None
+        with collective_errors():
+            meta = check_same_run(args, path, self.data["data_id"], self.saved(), config)
+            verify_files(path, meta)
+            # The scripts' Batches hold (tokens - 1) // --seq-len windows a file; a position past them is no run's.
+            windows = sum((tokens - 1) // args.seq_len for tokens in self.data["train"]["tokens"])
+            if meta.get("data") is not None and meta["data"]["index"] > windows:
+                raise bad_checkpoint("--checkpoint-dir", path, f"its meta.json's data index {meta['data']['index']}"
+                                                               f" is past the {windows} windows of --data")
+        if meta["step"] >= args.steps > 0:
+            say(f"{path} is step {meta['step']}: --steps {args.steps} are done, nothing to train", flush=True)
+            return meta["step"], None
+        load_state(path, model, optimizer, config)
+        name = f"rng/rank{self.rank}.pt"
+        if meta["world_size"] == self.world_size:  # RNG streams belong to ranks; another layout starts new ones
+            with collective_errors(), open_untrusted(path, name):
+                if name not in meta["files"]:  # those listed are verified: inside, no link
+                    raise ValueError("its meta.json does not list it")
+                rng = torch.load(os.path.join(path, name), weights_only=True)  # plain data only
+                torch.set_rng_state(rng["cpu"])
+                if "cuda" in rng and torch.cuda.is_available():
+                    torch.cuda.set_rng_state(rng["cuda"])
+        precision = meta.get("args", {}).get("precision", args.precision)  # free to change: said, not refused
+        say((f"resumed from {path} at step {meta['step']} (saved by {meta['world_size']} process(es))"
+             if args.steps else f"evaluating {path} (step {meta['step']})") +
+            (f"; --precision {precision} → {args.precision} (free to change: weights and AdamW stay fp32, only "
+             "the computation's rounding can differ)" if precision != args.precision else ""), flush=True)
+        return meta["step"], meta.get("data")
+
+    def save_if_due(self, step: int, position: dict, stop: str | None) -> str | None:
+        """Save what resume took every --checkpoint-every steps, at the end and on a stop (the signal that asked),
+        with the data loader's position; what to say of the checkpoints completed. Collective.
+        --async-checkpoint: docs/checkpoints.md."""
+        args, (model, optimizer, config) = self.args, self.trained
+        last = step == args.steps or stop is not None
+        due = last or (args.checkpoint_every and step % args.checkpoint_every == 0)
+        said = [f"saved {path}"] if (path := self.finish_save(wait=due)) else []
+        if due:
+            meta = {"config": dataclasses.asdict(config), "run": run_identity(args, self.data["data_id"]),
+                    "data": position, "args": vars(args), "torch": torch.__version__, "job": self.job}
+            background = None
+            if args.async_checkpoint and not last:  # written by a thread, completed by a later call
+                background = self.background = self.background or background_group(args.timeout)
+            path = save(args.checkpoint_dir, step, model, optimizer, meta, self.rank, args.keep_checkpoints,
+                        args.data, background)
+            if background is not None:
+                self.in_flight = path
+            else:
+                said.append(f"stopped by {stop} after step {step}, saved in {path}; the same command continues "
+                            "the run" if stop else f"saved {path}")
+        return "\n".join(said) or None
+
+    def finish_save(self, wait: bool) -> str | None:
+        """Complete the save in flight once every rank wrote its files (not wait: only if they have). Collective."""
+        if self.in_flight is None:
+            return None
+        written, tmp, meta = self.in_flight
+        if not wait and max_over_ranks(not written.done()):
+            return None
+        self.in_flight = None
+        with _saving(tmp, self.rank):
+            written.result()  # DCP raises a rank's failure on every rank
+        return _complete(tmp, meta, self.rank, self.args.keep_checkpoints, self.args.data)
 
 
-def max_over_ranks(value: int) -> int:
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    value = torch.tensor([int(value)], dtype=torch.int64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return int(value.item())
+def run_identity(args, data_id: str) -> dict:
+    """What a checkpoint records of its run, to compare on resume: the flags declared with run=True, the data."""
+    return {**{flag: getattr(args, flag) for flag in args.run_flags}, "data": args.data, "data_id": data_id,
+            "init_from": args.init_from}
 
 
-@contextlib.contextmanager
-def collective_errors():
-    """A UsageError in the block on any rank is raised on every rank, so none waits for a peer that stopped; the
-    block must not start a collective that a failing rank would skip."""
-    error = None
-    try:
-        yield
-    except UsageError as e:
-        error = e
-    if not max_over_ranks(error is not None):
+def check_same_run(args, path: str, data_id: str, meta: dict, config: LlamaConfig | None = None) -> dict:
+    """One line naming each flag (old → new) in which this run differs from its checkpoint (meta), and
+    the model (config, or what --model and --layers say); --init-from is recorded, not compared."""
+    identity, saved, found = run_identity(args, data_id), meta.get("run", {}), []
+    if config is not None:
+        model = dataclasses.asdict(config)
+    elif saved.get("init_from") is None and args.model:
+        model = dataclasses.asdict(config_from_preset(args.model, meta["config"].get("vocab_size"), args.layers))
+    else:  # from other weights: nothing known yet; without --model the preset is the device's, known later
+        model = {"num_hidden_layers": args.layers} if args.layers and saved.get("init_from") is None else {}
+    found += [f"model {field} {meta['config'].get(field)} → {value} (--model, --layers, --init-from)"
+              for field, value in model.items() if meta["config"].get(field) != value]
+    for flag in args.run_flags:  # a flag newer than the checkpoint: it ran at the flag's default of off
+        old, new = saved.get(flag, False if isinstance(identity[flag], bool) else None), identity[flag]
+        if old != new and not (flag == "steps" and new <= meta["step"]):  # fewer steps than done: nothing to run
+            found.append(f"--{flag.replace('_', '-')} {old} → {new}")
+    if saved.get("data_id") != data_id:
+        found.append(f"--data {saved.get('data')} → {args.data} (other data, or prepared again differently)")
+    if found:
+        raise UsageError(f"--checkpoint-dir {args.checkpoint_dir}: {os.path.basename(path)} is another run: "
+                         f"{'; '.join(found)}. Rerun with its flags to continue it, add --fresh to start over "
+                         f"(its checkpoints are moved aside), or start a new run from its weights with "
+                         f"--init-from {path} --checkpoint-dir NEW_DIR")
+    return meta
+
+
+def _set_aside(checkpoint_dir: str, job: list[str], say=print) -> None:
+    """--fresh: move what checkpoint_dir holds to DIR.previous-TIME but the lock and this job's checkpoints."""
+    def saved_by_this_job(name: str) -> bool:
+        try:
+            return same_job(read_meta(os.path.join(checkpoint_dir, name)).get("job"), job)
+        except UsageError:
+            return False  # damaged: nothing to resume
+    complete = {os.path.basename(path) for path in complete_checkpoints(checkpoint_dir)}
+    entries = [name for name in os.listdir(checkpoint_dir)
+               if name != LOCK_NAME and not (name in complete and saved_by_this_job(name))]
+    if not entries:
         return
-    messages = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else str(error))
-    found = [rank for rank, message in enumerate(messages) if message is not None]
-    message = messages[found[0]]
-    if len(found) < len(messages):  # say where, when only some ranks (nodes) have the problem
-        message += f" (found on rank{'s' if len(found) > 1 else ''} {', '.join(map(str, found))})"
-    raise UsageError(message, on_every_rank=True) from None
+    stamp = f"{checkpoint_dir.rstrip(os.sep)}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside = next(path for path in (stamp, *(f"{stamp}-{n}" for n in range(2, 10**6))) if not os.path.lexists(path))
+    try:
+        os.makedirs(aside)
+        for name in entries:
+            os.replace(os.path.join(checkpoint_dir, name), os.path.join(aside, name))
+    except OSError as e:
+        raise UsageError(f"--fresh: cannot move the checkpoints in {checkpoint_dir} aside ({e.strerror})") from None
+    say(f"--fresh: moved the previous checkpoints to {aside}", flush=True)
 
 
 def run(main, args) -> None:
@@ -1037,6 +1154,15 @@ def checkpointing(text):  # argparse type of --activation-checkpointing: a SPEC 
     return text
 
 
+class ScheduleChoices(list):  # argparse choices of --schedule: the names listed, any FILE.csv (model.read_order)
+    def __contains__(self, value) -> bool:
+        return super().__contains__(value) or str(value).endswith(".csv")
+
+
+def model_preset(model: str | None, device_type: str) -> str:  # --model's, by default tiny on CPU, small on GPU
+    return model or ("small" if device_type == "cuda" else "tiny")
+
+
 # -- Before a run writes anything: its paths and its lock
 
 def check_run(args, rank: int, job: list[str]) -> None:
@@ -1200,10 +1326,11 @@ def _process_start(pid: int) -> str | None:
 # -- The data a run reads, and the --metrics and --trace it writes
 
 def read_data_meta(directory: str) -> dict:
-    """The meta.json of the data in directory, checked: every token file there, of its size."""
+    """The data's meta.json, checked (every token file there, of its size), with data_id: the hash checkpoints keep."""
     prepare = f"python prepare_data.py{'' if directory == 'data' else ' --out ' + directory}"
     try:
-        meta = read_json(os.path.join(directory, "meta.json"))
+        raw = read_bytes(os.path.join(directory, "meta.json"), MAX_JSON_BYTES)
+        meta = {**json.loads(raw), "data_id": hashlib.sha256(raw).hexdigest()[:16]}
         for split in ("train", "val"):
             for name, tokens in zip(meta[split]["files"], meta[split]["tokens"], strict=True):
                 path, expected = os.path.join(directory, name), tokens * np.dtype(meta["dtype"]).itemsize
@@ -1213,7 +1340,7 @@ def read_data_meta(directory: str) -> dict:
                                      f"is incomplete or damaged, prepare it again: {prepare}")
     except OSError:
         raise UsageError(f"--data {directory}: no data prepared there; run {prepare} first (see its --help)") from None
-    except (KeyError, TypeError, ValueError) as e:  # not JSON, or not the JSON prepare_data.py writes
+    except (KeyError, TypeError, ValueError, RecursionError) as e:  # not JSON, or not prepare_data.py's JSON
         raise UsageError(f"--data {directory}: its meta.json is damaged ({type(e).__name__}: {e}); prepare it "
                          f"again: {prepare}") from None
     return meta
@@ -1292,11 +1419,10 @@ def traced_run(args, env, config: LlamaConfig, layers: list[range], chunks: int)
                       "head_dim": config.head_dim, "ffn": config.intermediate_size, "vocab": config.vocab_size},
             "seq_len": args.seq_len, "rows": args.batch_size // (args.dp * args.microbatches * args.accumulate),
             "batch_size": args.batch_size, "microbatches": args.microbatches, "accumulate": args.accumulate,
-            "processes": env.world_size,
             "dp": args.dp, "tp": args.tp, "split": [len(stage) for stage in layers], "schedule": args.schedule,
             "stages_per_rank": getattr(args, "stages_per_rank", 1),  # the hand-written script's: one
             "device": env.device.type, "dtype": str(env.dtype).removeprefix("torch."),
-            "sequence_parallel": args.sequence_parallel and args.tp > 1,
+            "processes": env.world_size, "sequence_parallel": args.sequence_parallel and args.tp > 1,
             "activation_checkpointing": args.activation_checkpointing, "loss_chunks": chunks,
             "document_masking": args.document_masking}
 
@@ -1331,127 +1457,3 @@ def job_ids() -> list[str]:
 def same_job(recorded, job: list[str]) -> bool:
     """Whether the job ids a lock or a checkpoint recorded (any JSON: the files are untrusted) share one with job."""
     return isinstance(recorded, list) and not set(job).isdisjoint(i for i in recorded if isinstance(i, str))
-
-
-def relayout(args, world_size: int, job: list[str], stages_per_rank: int, path: str | None, meta: dict,
-             say=print) -> tuple[int, str]:
-    """The --dp and --split this attempt runs at: the flags', or a layout of the same run that fits the processes
-    when this job saved the newest checkpoint on another number (docs/launching.md); the same on every rank."""
-    saved, old_world = meta.get("args", {}), meta.get("world_size", world_size)
-    if not same_job(meta.get("job"), job) or old_world == world_size or not {"dp", "tp"} <= saved.keys():
-        return args.dp, args.split  # a new launch takes its flags as given, as does a restart on the same processes
-    old_pp, layers, tp = old_world // (saved["dp"] * saved["tp"]), meta["config"]["num_hidden_layers"], args.tp
-
-    def fits(pp: int, dp: int) -> bool:
-        return pp * stages_per_rank <= max_stages(layers) and not args.batch_size % (dp * args.microbatches *
-                                                                                      args.accumulate)
-
-    found = [pp for pp in range(1, world_size // tp + 1) if world_size % (pp * tp) == 0
-             and fits(pp, world_size // (pp * tp))]
-    if not found:
-        counts = sorted({pp * dp * tp for pp in range(1, max_stages(layers) // stages_per_rank + 1)
-                         for dp in range(1, max(old_world, world_size) // (pp * tp) + 1) if fits(pp, dp)})
-        raise UsageError(f"{world_size} process(es) cannot hold this run ({os.path.basename(path)}, saved by "
-                         f"{old_world}): with --tp {tp}, --batch-size {args.batch_size}, --microbatches "
-                         f"{args.microbatches} and {layers} layers in {stages_per_rank} stage(s) per pipeline rank "
-                         f"it needs {', '.join(map(str, counts)) or 'more layers'} process(es); start that many",
-                         on_every_rank=True)
-    pp = max([pp for pp in found if pp <= old_pp], default=min(found))
-    dp, split, note = world_size // (pp * tp), args.split, ""
-    try:
-        check_layout(split, layers, pp * stages_per_rank)
-    except ValueError:
-        split, note = "balanced", f" (--split {args.split} is for {args.split.count(',') + 1} stages: balanced)"
-    say(f"{old_world} processes -> {world_size}: pp {old_pp} x dp {saved['dp']} x tp {saved['tp']} -> pp {pp} x dp "
-        f"{dp} x tp {tp}{note}; resuming {path} at step {meta['step']}", flush=True)
-    return dp, split
-
-
-# -- Which model a run trains: a preset, --init-from's, or (resuming a run started from weights) its checkpoint's
-
-def model_config(args, data: dict, device_type: str, source: str | None) -> tuple[LlamaConfig, str]:
-    """The model to train and its name: source's (Run.source; its tokenizer must be the data's), else the
-    preset's with the data's vocabulary and --layers. Call it inside collective_errors."""
-    if source is None:
-        preset = args.model or ("small" if device_type == "cuda" else "tiny")
-        return config_from_preset(preset, data["vocab_size"], args.layers), preset
-    config, path = source_config(source, args)
-    if not same_tokenizer(path, args.data, ("--init-from" if source == args.init_from else "--checkpoint-dir",
-                                            "--data")):
-        raise UsageError(f"--init-from {path}: its tokenizer is not the one --data {args.data} was prepared "
-                         f"with; prepare the data with it: python prepare_data.py --tokenizer {path} --out DIR")
-    if data["vocab_size"] > config.vocab_size:  # a Hugging Face model may have more rows than tokens
-        raise UsageError(f"--data {args.data}: {data['vocab_size']} tokens, but {path} has embeddings for "
-                         f"{config.vocab_size}")
-    return config, f"from {path if source == args.init_from else args.init_from}"  # resumed: where it started
-
-
-def source_config(source: str, args) -> tuple[LlamaConfig, str]:
-    """The model of --init-from (Hugging Face, a checkpoint, or a run's newest) and the path read."""
-    path = source
-    if is_hf_dir(source):
-        config = read_hf_config(source)
-    elif os.path.isdir(source):
-        path = resolve(source, "--init-from")
-        config = LlamaConfig(**read_meta(path, "--init-from")["config"])
-    else:
-        raise UsageError(f"--init-from {source}: not a directory; give a Hugging Face model directory "
-                         "(config.json + *.safetensors) or a checkpoint of this project")
-    for flag, value in (("--model", args.model), ("--layers", args.layers)):
-        if value is not None and (flag == "--model" or value != config.num_hidden_layers):
-            raise UsageError(f"{flag} {value}: the model's shape comes from {path} "
-                             f"({config.num_hidden_layers} layers); leave {flag} out")
-    return config, path
-
-
-def is_hf_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.json")) and any(
-        name.endswith(".safetensors") for name in os.listdir(path))
-
-
-def read_hf_config(path: str) -> LlamaConfig:
-    """The LlamaConfig of a Hugging Face directory; what model.py does not compute is refused in one line."""
-    try:
-        return config_from_hf(read_json(os.path.join(path, "config.json")))
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--init-from {path}: {e}") from None
-
-
-def same_tokenizer(a: str, b: str, flags: tuple[str, str] = ("--init-from", "--data")) -> bool:
-    """Whether the tokenizer.json in a and b (given by flags) have the same vocabulary, merges, specials."""
-    def essence(directory, flag):
-        tokenizer = read_tokenizer(directory, flag)
-        model = tokenizer.get("model") or {}
-        merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
-        return (model.get("type"), model.get("vocab"), merges,
-                [(t["id"], t["content"]) for t in tokenizer.get("added_tokens") or []])
-    return essence(a, flags[0]) == essence(b, flags[1])
-
-
-def read_tokenizer(directory: str, flag: str) -> dict:
-    """The tokenizer.json in directory, each field read checked, or one line naming the field."""
-    def wrong(field, value, what):
-        raise UsageError(f"{flag} {directory}: its tokenizer.json's {field} is {shown(value)}, not {what}")
-    try:
-        tokenizer = read_json(os.path.join(directory, "tokenizer.json"))
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{flag} {directory}: cannot read its tokenizer.json ({e})") from None
-    if not isinstance(tokenizer, dict):
-        raise UsageError(f"{flag} {directory}: its tokenizer.json is {shown(tokenizer)}, not an object of fields")
-    model = tokenizer.get("model") or {}
-    if not isinstance(model, dict):
-        wrong("model", model, "an object")
-    vocab, merges, added = model.get("vocab") or {}, model.get("merges") or [], tokenizer.get("added_tokens") or []
-    if not isinstance(model.get("type"), (str, type(None))):
-        wrong("model.type", model.get("type"), "a string")
-    if not (isinstance(vocab, dict) and all(type(i) is int for i in vocab.values()) or isinstance(vocab, list) and
-            all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and type(p[1]) in (int, float)
-                for p in vocab)):  # a Unigram model's vocab: [token, score] pairs
-        wrong("model.vocab", vocab, "tokens and their ids")
-    if not (isinstance(merges, list) and all(isinstance(m, str) or isinstance(m, list) and len(m) == 2 and all(
-            isinstance(part, str) for part in m) for m in merges)):
-        wrong("model.merges", merges, 'a list of "a b" or ["a", "b"]')
-    if not (isinstance(added, list) and all(isinstance(t, dict) and type(t.get("id")) is int and
-                                            isinstance(t.get("content"), str) for t in added)):
-        wrong("added_tokens", added, 'a list of {"id": N, "content": TEXT}')
-    return tokenizer

@@ -1142,13 +1142,6 @@ def clip_grad_norm_(params, max_norm: float, copies=(), tp: int = 1) -> Tensor:
 # ----------------------------------------------------------------------------------------------------------
 # A pipeline order from a file (--schedule FILE.csv), in torch's compute-only CSV form, run by torch's runtime
 
-class ScheduleChoices(list):
-    """--schedule's choices for argparse: the names listed, and any FILE.csv (an order: read_order)."""
-
-    def __contains__(self, value) -> bool:
-        return super().__contains__(value) or str(value).endswith(".csv")
-
-
 _ACTION = re.compile(r"(\d+)([FIWB])(\d+)")  # stage, F(orward) / I(nput gradient) / W(eight gradient) / B(oth), mb
 
 

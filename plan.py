@@ -123,8 +123,8 @@ def plan_config(args) -> LlamaConfig:
     --vocab-size or another --layers beside it, a dataset with more tokens than the model has embeddings."""
     data_vocab = read_vocab(args.data) if args.data is not None else None
     if args.init_from is None and not is_config_json(args):
-        preset = args.model or ("small" if device_type(args) == "cuda" else "tiny")
-        return config_from_preset(preset, data_vocab or args.vocab_size or VOCAB_SIZE, args.layers)
+        return config_from_preset(checkpoint.model_preset(args.model, device_type(args)),
+                                  data_vocab or args.vocab_size or VOCAB_SIZE, args.layers)
     source = args.init_from or args.model
     flag = "--init-from" if args.init_from else "--model"
     if args.vocab_size is not None:
@@ -1810,7 +1810,7 @@ def command(args, row: dict) -> str:
     if args.init_from or is_config_json(args):  # the weights: beside a config.json
         model = f"--init-from {args.init_from or os.path.dirname(args.model) or '.'}"
     else:
-        model = f"--model {args.model or 'small'}"
+        model = f"--model {checkpoint.model_preset(args.model, device_type(args))}"
     flags = (f"{model} --seq-len {args.seq_len} --batch-size {args.batch_size} --microbatches {row['microbatches']} "
              + (f"--accumulate {row['accumulate']} " if row["accumulate"] > 1 else "")
              + f"--schedule {row['schedule']}" + (f" --dp {row['dp']}" if row["dp"] > 1 else "")

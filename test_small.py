@@ -2658,10 +2658,12 @@ def test_a_restarted_run_takes_the_layout_that_fits_the_processes_left(tmp_path,
 
     def say(line: str, flush: bool) -> None:
         said.append(line)
-    found = (str(path), checkpoint.read_meta(str(path)))  # what checkpoint.Run found
+
+    def relayout(job: list[str]) -> tuple[int, str]:  # as a rank of the job of launch ids job
+        return checkpoint.Run(args, 0, processes, say, job).relayout(per_rank)
     for job in [], ["job8"], ["job8", "job9"]:  # plain python; other jobs: their flags as given
-        assert checkpoint.relayout(args, processes, job, per_rank, *found, say) == given and not said
-    new = checkpoint.relayout(args, processes, ["job1", "job7"], per_rank, *found, say)  # this job, a new node
+        assert relayout(job) == given and not said
+    new = relayout(["job1", "job7"])  # this job, a new node
     if layout is None:
         assert new == given and not said
         return
@@ -2676,18 +2678,21 @@ def test_a_restarted_run_takes_the_layout_that_fits_the_processes_left(tmp_path,
 def test_a_restart_that_no_layout_fits_is_one_line_naming_the_counts_that_would(tmp_path, schedule, per_rank):
     # Grown from 2 to 4 processes: 2 replicas would need 16 sequences, pp 4 8 stages (V-shaped, looped) on 4 layers,
     # 2 more than layerless ends allow. On 3 processes, 6 stages: the 4 layers and both ends layerless.
-    found = (str(path := fake_checkpoint(tmp_path / "ckpt", 8, 2, 1, 1)), checkpoint.read_meta(str(path)))
+    fake_checkpoint(tmp_path / "ckpt", 8, 2, 1, 1)
     args = gpipe.build_parser().parse_args(["--checkpoint-dir", str(tmp_path / "ckpt"), "--schedule", schedule,
                                             "--batch-size", "8", "--microbatches", "8"])
+
+    def relayout(processes: int) -> tuple[int, str]:  # as a rank of the job that saved it
+        return checkpoint.Run(args, 0, processes, print, ["job7"]).relayout(per_rank)
     if per_rank == 1:  # one stage per rank: pp 4 fits
-        assert checkpoint.relayout(args, 4, ["job7"], per_rank, *found, print) == (1, "balanced")
+        assert relayout(4) == (1, "balanced")
         return
-    assert checkpoint.relayout(args, 3, ["job7"], per_rank, *found, print) == (1, "balanced")
+    assert relayout(3) == (1, "balanced")
     with pytest.raises(checkpoint.UsageError, match=re.escape(
             "4 process(es) cannot hold this run (step-00000008, saved by 2): with --tp 1, --batch-size 8, "
             "--microbatches 8 and 4 layers in 2 stage(s) per pipeline rank it needs 1, 2, 3 process(es); start "
             "that many")):
-        checkpoint.relayout(args, 4, ["job7"], per_rank, *found, print)
+        relayout(4)
 
 
 def test_no_layout_of_the_processes_left_is_one_line_and_touches_nothing(tmp_path, data_dir):
@@ -6273,6 +6278,36 @@ def test_scripts_import_only_model_and_checkpoint():
     assert project_imports(ROOT / "model.py") == set()
     assert project_imports(ROOT / "prepare_data.py") == set()  # and no torch: see its own test
     assert project_imports(ROOT / "plot.py") == set()  # a tool of its own (and matplotlib's)
+
+
+def test_part_1_of_checkpoint_py_uses_no_name_of_part_2():
+    # A copier can take checkpoint.py's errors and Part 1 (DCP: finding, saving, loading, --init-from, untrusted
+    # input) alone: nothing above Part 2's title refers to a module-level name defined below it.
+    source = (ROOT / "checkpoint.py").read_text()
+    titles = [(int(m[1]), n) for n, line in enumerate(source.splitlines(), 1)
+              if (m := re.match(r"#+\s*Part\s+(\d+)\b", line))]
+    assert [part for part, _ in titles] == [1, 2], titles  # each part's title, a comment line, once
+    body = ast.parse(source).body
+    first, second = [n for n in body if n.lineno < titles[1][1]], [n for n in body if n.lineno > titles[1][1]]
+
+    def bound(node) -> set[str]:  # the names a statement binds anywhere inside it (its locals, for a def)
+        names = set()
+        for n in ast.walk(node):
+            if isinstance(n, (ast.FunctionDef, ast.ClassDef)):
+                names.add(n.name)
+            names |= {n.id} if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load) else set()
+            names |= {n.arg} if isinstance(n, ast.arg) else {n.name} if isinstance(n, ast.ExceptHandler) else set()
+            names |= {(n.asname or n.name).split(".")[0]} if isinstance(n, ast.alias) else set()
+        return names
+    defined = set().union(*({n.name} if isinstance(n, (ast.FunctionDef, ast.ClassDef)) else bound(n)
+                            for n in second))
+    assert isinstance(second[0], ast.ClassDef) and second[0].name == "Run"  # Part 2 opens with Run
+    assert {"run", "Parser", "check_run", "job_ids", "LOCK_NAME"} <= defined  # what Part 2 holds, found
+    used = {n: {m.id for m in ast.walk(n) if isinstance(m, ast.Name) and isinstance(m.ctx, ast.Load)} - bound(n)
+            for n in first}
+    assert {"UsageError", "latest", "read_index"} <= set().union(*used.values())  # Part 1's own names, found
+    assert {getattr(n, "name", n.lineno): sorted(names & defined) for n, names in used.items() if names & defined} \
+        == {}
 
 
 def test_each_script_copied_into_an_empty_folder_trains(tmp_path):

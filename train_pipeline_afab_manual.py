@@ -114,10 +114,10 @@ def main(args):
     # --- the data, what the run will write (paths, the lock, the same run as its checkpoints?), the model
     with collective_errors():
         meta, batches, held_out = open_data(args)
-    run.check()
+    run.check(meta)
     num_stages, has_first, has_last = pp, pp_rank == 0, pp_rank == pp - 1
     with collective_errors():
-        config, name = run.model_config(meta, env.device.type)
+        config, name = run.model_config(env.device.type)
         layers = stage_layout(config, num_stages, args)
     microbatch = (args.batch_size // (dp * args.microbatches * args.accumulate), args.seq_len)  # of a replica
     chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
@@ -214,7 +214,7 @@ def main(args):
             # Saved before evaluating: whatever happens in an evaluation, this step's work is kept (and a resumed
             # run evaluates it). A stop asked of any rank, before the last step: every rank saves this step and stops.
             stop = checkpoint.stop_requested() if step < args.steps else None
-            saved = run.save_if_due(step, model, optimizer, config, batches.state_dict(), stop)
+            saved = run.save_if_due(step, batches.state_dict(), stop)
             if saved and reports:  # one rank prints the loop's lines: two ranks' lines never mix
                 bar.write(saved)
             if stop:
@@ -245,7 +245,7 @@ def check_args(args, world_size: int, device_type: str, preset: bool) -> None:
         raise UsageError("--compile with --tp: torch 2.13's compiled tensor-parallel layers fail in backward; "
                          "leave --compile out", on_every_rank=True)
     if preset:  # the model's shape is --model's (not a checkpoint's): its layout can be checked already
-        preset = config_from_preset(args.model or ("small" if device_type == "cuda" else "tiny"), 0, args.layers)
+        preset = config_from_preset(checkpoint.model_preset(args.model, device_type), 0, args.layers)
         stage_layout(preset, world_size // group, args)
 
 

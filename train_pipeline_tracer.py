@@ -33,8 +33,8 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor.parallel import loss_parallel
 
 import checkpoint
-from checkpoint import Parser, UsageError, collective_errors, number, whole
-from model import (PRESETS, LlamaForPretraining, ScheduleChoices, TiedEmbedding, accumulate_into, chunked_loss,
+from checkpoint import Parser, ScheduleChoices, UsageError, collective_errors, number, whole
+from model import (PRESETS, LlamaForPretraining, TiedEmbedding, accumulate_into, chunked_loss,
                    clip_grad_norm_, config_from_preset, describe_layout, document_positions, estimated_costs,
                    forward_only, layout, loss_chunks, materialize, merge_backwards, merged_stages, parallelize,
                    read_order)
@@ -129,11 +129,11 @@ def main(args):
     # --- the data, what the run will write (paths, the lock, the same run as its checkpoints?), the model
     with collective_errors():
         meta, batches, held_out = open_data(args)
-    run.check()
+    run.check(meta)
     stages = order.stages(pp_rank) if order else stage_ids(args.schedule, pp_rank, pp, args.stages_per_rank)
     num_stages, has_first, has_last = pp * len(stages), 0 in stages, pp * len(stages) - 1 in stages
     with collective_errors():
-        config, name = run.model_config(meta, env.device.type)
+        config, name = run.model_config(env.device.type)
         layers = stage_layout(config, num_stages, args)
     microbatch = (args.batch_size // (dp * args.microbatches * args.accumulate), args.seq_len)  # of a replica
     chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
@@ -235,7 +235,7 @@ def main(args):
             # Saved before evaluating: whatever happens in an evaluation, this step's work is kept (and a resumed
             # run evaluates it). A stop asked of any rank, before the last step: every rank saves this step and stops.
             stop = checkpoint.stop_requested() if step < args.steps else None
-            saved = run.save_if_due(step, model, optimizer, config, batches.state_dict(), stop)
+            saved = run.save_if_due(step, batches.state_dict(), stop)
             if saved and reports:  # one rank prints the loop's lines: two ranks' lines never mix
                 bar.write(saved)
             if stop:
@@ -266,7 +266,7 @@ def check_args(args, world_size: int, device_type: str, preset: bool) -> None:
         raise UsageError(f"--stages-per-rank {args.stages_per_rank}: {args.schedule} holds {fixed} stage(s) per "
                          "rank; leave the flag out", on_every_rank=True)
     if preset:  # the model's shape is --model's (not a checkpoint's): its layout can be checked already
-        preset = config_from_preset(args.model or ("small" if device_type == "cuda" else "tiny"), 0, args.layers)
+        preset = config_from_preset(checkpoint.model_preset(args.model, device_type), 0, args.layers)
         stage_layout(preset, world_size // group * args.stages_per_rank, args)
 
 
