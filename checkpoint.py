@@ -687,15 +687,13 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 
 # ==========================================================================================================
-# Part 2. The run around the checkpoints: Run and the resume rules, run(), stopping, flags, the lock, data and
-# metrics, this job
+# Part 2. The run around the checkpoints: Run and the resume rules, run(), stopping, flags, the lock, data, metrics
 
 # -- The run's checkpoints: continued exactly, or refused
 
 class Run:
-    """A run's checkpoints, made once in main after the process groups (collective): the job (job: its launch
-    ids, else gathered), the checkpoint it continues, the data, what it trains, the save in flight. main calls
-    relayout, check, model_config, resume and save_if_due."""
+    """A run's checkpoints, made once in main after the process groups (collective unless given job, its launch
+    ids): the checkpoint it continues, the data, what it trains, the save in flight; main calls each in order."""
     current = None  # this process's: run() waits for its save in flight when the run fails
 
     def __init__(self, args, rank: int, world_size: int, say, job: list[str] | None = None):
@@ -915,6 +913,8 @@ def _set_aside(checkpoint_dir: str, job: list[str], say=print) -> None:
         raise UsageError(f"--fresh: cannot move the checkpoints in {checkpoint_dir} aside ({e.strerror})") from None
     say(f"--fresh: moved the previous checkpoints to {aside}", flush=True)
 
+
+# -- Around main: a mistake as one line, a lost peer said as such, always torn down
 
 def run(main, args) -> None:
     """main(args): a UsageError as one line (status 1), a lost peer said as such, always torn down; SIGTERM,
