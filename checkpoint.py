@@ -1016,17 +1016,20 @@ def whole(minimum: int):  # argparse type: a whole number >= minimum
     return parse
 
 
-def number(positive: bool):  # argparse type: a finite number > 0 (positive) or >= 0
-    def parse(text):
+def number(positive: bool, maximum: float = math.inf, unit: str = ""):  # argparse type: a finite number > 0
+    def parse(text):  # (positive) or >= 0, up to maximum
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        if not math.isfinite(value) or value < 0 or (positive and value == 0) or value > maximum:
             raise argparse.ArgumentTypeError(f"must be a finite {'positive' if positive else 'non-negative'} "
-                                             f"number, got {text}")
+                                             f"number{f' up to {maximum:g}{unit}' * (maximum < math.inf)}, got {text}")
         return value
     return parse
+
+
+seconds = number(True, 7 * 24 * 3600, " (a week)")  # --timeout's: torch's stores fail at once from 2**63 ns (9.2e9 s)
 
 
 def checkpointing(text):  # argparse type of --activation-checkpointing: a SPEC (model.checkpointing_plan)
