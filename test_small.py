@@ -3874,6 +3874,13 @@ def test_the_plan_chooses_the_least_checkpointing_that_fits_more_on_the_early_ra
     # An order plan.py generates depends on what the stages hold: generated again for each SPEC tried.
     plan.main([*run[:-1], "zb1p", "--activation-checkpointing", "auto", "--gpu-memory", "1.2"])
     assert "fits --gpu-memory 1.2 with --activation-checkpointing " in capsys.readouterr().out
+    # Each schedule of the table its own choice, on its own stages (1F1B's SPEC of 4 entries fits no 8 stages): the
+    # one it gets as --schedule; where none fits, the row says what would.
+    table = plan.main([*run, "--activation-checkpointing", "auto", "--gpu-memory", "1.5"])["schedules"]
+    assert "zbh2                   not possible here: --gpu-memory 1.5: pipeline rank" in capsys.readouterr().out
+    assert len(table["interleaved1f1b"]["checkpointing"].split(",")) == 8, table
+    plan.main([*run[:-1], "interleaved1f1b", "--activation-checkpointing", "auto", "--gpu-memory", "1.5"])
+    assert f"with --activation-checkpointing {table['interleaved1f1b']['checkpointing']}: " in capsys.readouterr().out
     # A SPEC's entries per stage (model.checkpointing_plan), and what each of a stage's layers does.
     assert model_module.checkpointing_plan("3,selective,0,0", 4, [0, 1]) == [3, "selective"]
     assert model_module.checkpointing_plan(True, 2) == ["full", "full"]
