@@ -679,8 +679,7 @@ def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recomp
         raise ValueError(f"{num_stages} pipeline stages but the model has {config.num_hidden_layers} layers: each "
                          "stage needs one, but for a first stage of the embedding alone and a last one of the head "
                          "alone; use fewer stages or more --layers")
-    if seq_len > config.max_position_embeddings:
-        raise ValueError(f"--seq-len {seq_len} exceeds the model's {config.max_position_embeddings} positions")
+    check_positions(config, seq_len)
     for what, count in (("attention heads", config.num_attention_heads), ("KV heads", config.num_key_value_heads),
                         ("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)):
         if count % tp:  # tensor parallelism gives each rank an equal share of these
@@ -702,6 +701,14 @@ def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recomp
                              f"{'the largest stage' if one else f'stage {s}'} holds {limit} (--split {spec}: "
                              f"{[len(layers) for layers in stages]} layers); give at most {limit}, or full")
     return stages
+
+
+def check_positions(config: LlamaConfig, seq_len: int) -> None:
+    """--seq-len within the model's positions (max_position_embeddings), else a ValueError of one line."""
+    if seq_len > config.max_position_embeddings:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's {config.max_position_embeddings} positions; give "
+                         f"at most {config.max_position_embeddings}, or a model with more (a config.json's "
+                         "max_position_embeddings and rope_scaling: docs/layouts.md)")
 
 
 def check_layout(spec: str, num_layers: int | None = None, num_stages: int | None = None) -> None:

@@ -97,9 +97,9 @@ import torch
 import checkpoint
 import train_pipeline_gpipe as gpipe
 from checkpoint import Parser, UsageError, whole
-from model import (PRESETS, LlamaConfig, balanced, checkpointing_plan, config_from_hf, config_from_preset,
-                   describe_layout, estimated_costs, from_sizes, layer_checkpointing, loss_chunks, parameter_counts,
-                   stage_costs)
+from model import (PRESETS, LlamaConfig, balanced, check_positions, checkpointing_plan, config_from_hf,
+                   config_from_preset, describe_layout, estimated_costs, from_sizes, layer_checkpointing, loss_chunks,
+                   parameter_counts, stage_costs)
 from train_pipeline_gpipe import SCHEDULES, SINGLE_STAGE, V_SHAPED, stage_ids
 
 # The throughput the step times are given at: 40 % of an H100's dense bf16 peak, a typical sustained rate.
@@ -1873,6 +1873,10 @@ def search(args) -> list[dict]:
                          "out to search it")
     args.device = "cuda"  # a plan for GPUs (the default model is the scripts' on a GPU)
     config = plan_config(args)
+    try:  # (no layout would pass the scripts' checks: say which flag)
+        check_positions(config, args.seq_len)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     budget = args.gpu_memory * 1e9 * (1 - HEADROOM)
     # The replays make millions of small tuples and no reference cycles: the cyclic garbage collector would
     # only scan them again and again (a third of the search's time).

@@ -4698,7 +4698,11 @@ def test_the_search_accumulates_steps_only_where_memory_forces_it_and_the_fewest
      "error: --microbatches 1: 1f1b needs at least as many microbatches as stages (2)"),
     (["--processes", "2", "--batch-size", "12", "--microbatches", "4", "--accumulate", "2"], 1,
      "error: --batch-size 12 is not divisible by --dp 1 x --microbatches 4 x --accumulate 2; give a multiple of 8"),
-    (["--processes", "2", "--seq-len", "4096"], 1, "error: --seq-len 4096 exceeds the model's 1024 positions"),
+    (["--processes", "2", "--seq-len", "4096"], 1, "error: --seq-len 4096 exceeds the model's 1024 positions; give "
+                                                   "at most 1024, or a model with more (a config.json's "
+                                                   "max_position_embeddings and rope_scaling: docs/layouts.md)"),
+    (["--gpus", "8", "--seq-len", "9000"], 1, "error: --seq-len 9000 exceeds the model's 2048 positions; give at "
+                                              "most 2048"),  # (not: no layout passes, try another --batch-size)
     (["--processes", "2", "--data", "nowhere"], 1, "error: --data nowhere: no data prepared there; run python "
                                                    "prepare_data.py --out nowhere first"),
     (["--processes", "2", "--data", "x", "--vocab-size", "9"], 2, "error: argument --vocab-size: not allowed with"),
@@ -6041,7 +6045,7 @@ def test_schedule_file_mistakes_are_one_line_before_any_work(tmp_path, monkeypat
         ("gpipe", [str(tmp_path / "twice-b.csv")], 2, "row 2, cell 3 (1I0) runs stage 1's I of microbatch 0 again "
                                                       "(row 2, cell 2)"),
         ("gpipe", [str(tmp_path / "gap.csv")], 2, "gap.csv: stage 1 has no action, but stage 2 has"),
-        ("gpipe", [str(tmp_path / "long-cell.csv")], 2, "row 1, cell 2 is 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...'"),
+        ("gpipe", [str(tmp_path / "long-cell.csv")], 2, f"row 1, cell 2 is '{'x' * 40}...', not an action"),
         ("tracer", [str(tmp_path / "long-backward-first.csv")], 2, "torch refuses this order: Rank 1, step 0: Running"),
         ("gpipe", [str(tmp_path / "huge.csv")], 2, "1001 microbatches; torch 2.13 lowers an order in time that grows "
                                                    "with the square of its length: give at most 1000"),
