@@ -1440,9 +1440,8 @@ def test_a_file_of_torchs_own_order_runs_exactly_what_torchs_schedule_runs(tmp_p
                 return [types.SimpleNamespace(num_stages=2 * pp, group_size=pp, group_rank=rank, stage_index=s,
                                               is_first=s == 0, is_last=s == 2 * pp - 1, submod=torch.nn.Module())
                         for s in gpipe.stage_ids(name, rank, pp, 2)]
-            flags = types.SimpleNamespace(schedule=str(path), dp=1, tp=1, microbatches=m, stages_per_rank=None,
-                                          compile=False)
-            order = model_module.read_order(flags, pp)
+            order = model_module.read_order(str(path), pp, 1, 1, m, None, False)  # dp 1, tp 1, --stages-per-rank
+            assert order.per_rank == 2  # (left out: the file's), no --compile
             assert order.stages(rank) == gpipe.stage_ids(name, rank, pp, 2)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
