@@ -1309,8 +1309,9 @@ def read_order(path: str, world_size: int, dp: int, tp: int, microbatches: int, 
     if not seen:
         raise ValueError(f"--schedule {path}: no action in it; give a row of actions per pipeline rank")
     pp, num_stages = len(actions), 1 + max(key[0] for key in seen)
-    if missing := sorted(set(range(num_stages)) - {key[0] for key in seen})[:1]:  # (nor a table of all stages made)
-        raise ValueError(f"--schedule {path}: stage {missing[0]} has no action, but stage {num_stages - 1} has; give "
+    held = sorted({key[0] for key in seen})  # (a cell 999999999F0 must not make torch's table of as many stages)
+    if (missing := next((s for s, t in enumerate(held) if s != t), None)) is not None:
+        raise ValueError(f"--schedule {path}: stage {missing} has no action, but stage {num_stages - 1} has; give "
                          "each stage from 0 up its actions")
     file_microbatches = 1 + max(key[2] for key in seen)
     if file_microbatches > MAX_ORDER_MICROBATCHES:  # measured, ZB-V on 2 ranks: 1,000 about 2 s, 20,000 10 minutes
@@ -1319,10 +1320,10 @@ def read_order(path: str, world_size: int, dp: int, tp: int, microbatches: int, 
                          "batch as --accumulate steps)")
     try:  # torch's own checks, of the order as given and as merged: each stage on one rank, complete, can progress
         stage_ranks = _validate_schedule(actions, pp, num_stages, file_microbatches)
-        for order in (actions, _merged(actions, stage_ranks)[0]):
-            _validate_schedule(order, pp, num_stages, file_microbatches)
-            # (torch's FSDP unshard/reshard and gradient reduction, which it lowers too, are local: they change no
-            # rank's progress, and its _add_unshard_reshard is quadratic in the order's length)
+        merged = _merged(actions, stage_ranks)[0]
+        _validate_schedule(merged, pp, num_stages, file_microbatches)
+        for order in (actions, merged):  # (torch's FSDP unshard/reshard and gradient reduction, which it lowers too,
+            # are local: they change no rank's progress; its _add_unshard_reshard is quadratic in the order's length)
             _add_send_recv({rank: list(acts) for rank, acts in order.items()}, stage_ranks.__getitem__, num_stages)
     except AssertionError as e:  # its first line (the rest: the whole order), of ordinary length
         first = " ".join(str(e).split("\n\n")[0].split())

@@ -6014,7 +6014,7 @@ def test_schedule_file_mistakes_are_one_line_before_any_work(tmp_path, monkeypat
              "long-cell.csv": "0F0," + "x" * 20000 + "\n",
              "long-backward-first.csv": ",".join([f"0F{i}" for i in range(200)] + [f"0B{i}" for i in range(200)])
              + "\n" + ",".join(["1B0"] + [f"1F{i}" for i in range(200)] + [f"1B{i}" for i in range(1, 200)]) + "\n",
-             "huge.csv": "0F0,0F1000\n"}
+             "huge.csv": "0F0,0F1000\n", "far.csv": "0F0,999999999F0\n"}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     (tmp_path / "binary.csv").write_bytes(b"0F0,\xff\xfe\n")
@@ -6044,6 +6044,7 @@ def test_schedule_file_mistakes_are_one_line_before_any_work(tmp_path, monkeypat
         ("gpipe", [str(tmp_path / "twice-b.csv")], 2, "row 2, cell 3 (1I0) runs stage 1's I of microbatch 0 again "
                                                       "(row 2, cell 2)"),
         ("gpipe", [str(tmp_path / "gap.csv")], 2, "gap.csv: stage 1 has no action, but stage 2 has"),
+        ("gpipe", [str(tmp_path / "far.csv")], 2, "far.csv: stage 1 has no action, but stage 999999999 has"),
         ("gpipe", [str(tmp_path / "long-cell.csv")], 2, f"row 1, cell 2 is '{'x' * 40}...', not an action"),
         ("tracer", [str(tmp_path / "long-backward-first.csv")], 2, "torch refuses this order: Rank 1, step 0: Running"),
         ("gpipe", [str(tmp_path / "huge.csv")], 2, "1001 microbatches; torch 2.13 lowers an order in time that grows "
