@@ -1133,17 +1133,20 @@ def whole(minimum: int):  # argparse type: a whole number >= minimum
     return parse
 
 
-def number(positive: bool):  # argparse type: a finite number > 0 (positive) or >= 0
-    def parse(text):
+def number(positive: bool, maximum: float = math.inf, unit: str = ""):  # argparse type: a finite number > 0
+    def parse(text):  # (positive) or >= 0, up to maximum
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        if not math.isfinite(value) or value < 0 or (positive and value == 0) or value > maximum:
             raise argparse.ArgumentTypeError(f"must be a finite {'positive' if positive else 'non-negative'} "
-                                             f"number, got {text}")
+                                             f"number{f' up to {maximum:g}{unit}' * (maximum < math.inf)}, got {text}")
         return value
     return parse
+
+
+seconds = number(True, 7 * 24 * 3600, " (a week)")  # --timeout's: torch's stores fail at once from 2**63 ns (9.2e9 s)
 
 
 def checkpointing(text):  # argparse type of --activation-checkpointing: a SPEC (model.checkpointing_plan)
@@ -1154,9 +1157,27 @@ def checkpointing(text):  # argparse type of --activation-checkpointing: a SPEC 
     return text
 
 
-class ScheduleChoices(list):  # argparse choices of --schedule: the names listed, any FILE.csv (model.read_order)
+class ScheduleChoices(list):
+    """--schedule's choices for argparse: the names listed, and any FILE.csv (an order: read_order) where FILE.csv is
+    listed. An order plan.py generates (GENERATED_ORDERS), or a FILE.csv where none is read, is refused in one line
+    that points to plan.py --write-schedule (argparse reports an ArgumentError that `in` raises as it is)."""
+
     def __contains__(self, value) -> bool:
-        return super().__contains__(value) or str(value).endswith(".csv")
+        is_file, files = str(value).lower().endswith(".csv"), super().__contains__("FILE.csv")
+        if super().__contains__(value) or (is_file and files):
+            return True
+        name, elsewhere = str(value).lower(), "" if files else " to train_pipeline_gpipe.py or train_pipeline_tracer.py"
+        if name in GENERATED_ORDERS:
+            raise argparse.ArgumentError(None, f"argument --schedule: {value} is an order plan.py generates: write it "
+                                               f"with plan.py --schedule {name} --write-schedule {name}.csv (and the "
+                                               f"run's flags), then give --schedule {name}.csv{elsewhere}")
+        if is_file:
+            raise argparse.ArgumentError(None, f"argument --schedule: {value}: this script runs {' or '.join(self)}; "
+                                               f"give an order from a file (plan.py --write-schedule){elsewhere}")
+        return False
+
+
+GENERATED_ORDERS = ("zbh2", "zb1p", "zb2p", "zbvauto")  # plan.GENERATED's names (a test keeps them the same)
 
 
 def model_preset(model: str | None, device_type: str) -> str:  # --model's, by default tiny on CPU, small on GPU

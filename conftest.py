@@ -838,8 +838,7 @@ def variant_order(name: str, directory, world_size: int, dp: int, tp: int, micro
     if not name.endswith(".csv"):
         return None
     path = schedule_path(name.removesuffix(".csv"), world_size // (dp * tp), microbatches, directory)
-    return model_module.read_order(SimpleNamespace(schedule=str(path), dp=dp, tp=tp, microbatches=microbatches,
-                                                   stages_per_rank=None, compile=False), world_size)
+    return model_module.read_order(str(path), world_size, dp, tp, microbatches, None, False)
 
 
 def schedule_path(order: str, pp: int, microbatches: int, directory) -> Path:

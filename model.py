@@ -29,8 +29,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.pipelining.schedules import (_Action, _add_reduce_grad, _add_send_recv, _add_unshard_reshard,
-                                                    _ComputationType, _PipelineScheduleRuntime, _validate_schedule)
+from torch.distributed.pipelining.schedules import (_Action, _add_send_recv, _ComputationType,
+                                                    _PipelineScheduleRuntime, _validate_schedule)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -678,21 +678,36 @@ def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recomp
         raise ValueError(f"{num_stages} pipeline stages but the model has {config.num_hidden_layers} layers: each "
                          "stage needs one, but for a first stage of the embedding alone and a last one of the head "
                          "alone; use fewer stages or more --layers")
-    if seq_len > config.max_position_embeddings:
-        raise ValueError(f"--seq-len {seq_len} exceeds the model's {config.max_position_embeddings} positions")
+    check_positions(config, seq_len)
     for what, count in (("attention heads", config.num_attention_heads), ("KV heads", config.num_key_value_heads),
                         ("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)):
         if count % tp:  # tensor parallelism gives each rank an equal share of these
             raise ValueError(f"--tp {tp}: the model's {what} ({count}) do not divide by it; use a --tp that "
                              f"divides {count}")
     check_layout(spec, config.num_hidden_layers, num_stages)
-    checkpointing_plan(recompute, num_stages)  # --activation-checkpointing: one entry, or one a stage
+    entries = checkpointing_plan(recompute, num_stages)  # --activation-checkpointing: one entry, or one a stage
     if spec == "even":
-        return even(config.num_hidden_layers, num_stages)
-    if spec == "balanced":
-        return balanced(config.num_hidden_layers, num_stages,
-                        estimated_costs(config, seq_len, recompute, loss_chunks))
-    return from_sizes([int(size) for size in spec.split(",")])
+        stages = even(config.num_hidden_layers, num_stages)
+    elif spec == "balanced":
+        stages = balanced(config.num_hidden_layers, num_stages,
+                          estimated_costs(config, seq_len, recompute, loss_chunks))
+    else:
+        stages = from_sizes([int(size) for size in spec.split(",")])
+    one, most = isinstance(recompute, str) and "," not in recompute, max(map(len, stages))  # one: every stage's
+    for s, (entry, layers) in enumerate(zip(entries, stages)):  # a count beyond the layers: a mistake, not "full"
+        if isinstance(entry, int) and entry > (limit := most if one else len(layers)):
+            raise ValueError(f"--activation-checkpointing {recompute}: {entry} layer(s) recomputed whole, but "
+                             f"{'the largest stage' if one else f'stage {s}'} holds {limit} (--split {spec}: "
+                             f"{[len(layers) for layers in stages]} layers); give at most {limit}, or full")
+    return stages
+
+
+def check_positions(config: LlamaConfig, seq_len: int) -> None:
+    """--seq-len within the model's positions (max_position_embeddings), else a ValueError of one line."""
+    if seq_len > config.max_position_embeddings:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's {config.max_position_embeddings} positions; give "
+                         f"at most {config.max_position_embeddings}, or a model with more (a config.json's "
+                         "max_position_embeddings and rope_scaling: docs/layouts.md)")
 
 
 def check_layout(spec: str, num_layers: int | None = None, num_stages: int | None = None) -> None:
@@ -764,13 +779,17 @@ CHECKPOINTING = ("none", "selective", "full")
 def checkpointing_plan(spec: str | bool, num_stages: int | None = None, stages=None) -> list[str | int]:
     """--activation-checkpointing SPEC, one entry per stage: "none"; "selective" (each layer keeps the outputs of
     SELECTIVE_SAVE's ops, its matmuls and attention, and recomputes the rest); "full" (each layer keeps its input
-    alone and runs its forward again); or a count N (the stage's first N layers full, the rest none; N at least its
-    layers: all of them). One entry is every stage's; else one per stage, separated by commas (num_stages; None:
-    not checked); of `stages` alone where given (a rank's). True is "full", False "none" (the flag before it took
-    a SPEC). ValueError, one line."""
+    alone and runs its forward again); or a count N (the stage's first N layers full, the rest none; layout()
+    refuses an N beyond the stage's layers, or, given once for all, beyond the largest stage's). One entry is
+    every stage's; else one per stage, separated by commas (num_stages; None: not checked); of `stages` alone
+    where given (a rank's). True is "full", False "none" (the flag before it took a SPEC). ValueError, one line."""
     if isinstance(spec, bool):
         spec = "full" if spec else "none"
     entries = [int(e) if e.isdigit() else e for e in spec.split(",")]
+    if "auto" in entries:  # plan.py's choice, for a layout and a memory
+        raise ValueError(f"--activation-checkpointing {spec}: auto is plan.py's: plan.py --processes N "
+                         "--activation-checkpointing auto (and the run's flags) prints the SPEC that fits "
+                         "--gpu-memory; give that")
     if any(e not in CHECKPOINTING and not isinstance(e, int) for e in entries):
         raise ValueError(f"--activation-checkpointing {spec}: give full, selective, none, or one per stage "
                          "separated by commas, each full, selective, none or a count of the stage's layers "
@@ -1139,10 +1158,15 @@ def clip_grad_norm_(params, max_norm: float, copies=(), tp: int = 1) -> Tensor:
     return total
 
 
+# ==========================================================================================================
+# Extending torch's schedules: orders from a file, backwards merged where no gradient waits, gradient
+# accumulation, and evaluation where torch's eval() cannot run
+
 # ----------------------------------------------------------------------------------------------------------
 # A pipeline order from a file (--schedule FILE.csv), in torch's compute-only CSV form, run by torch's runtime
 
 _ACTION = re.compile(r"(\d+)([FIWB])(\d+)")  # stage, F(orward) / I(nput gradient) / W(eight gradient) / B(oth), mb
+MAX_ORDER_MICROBATCHES = 1000  # torch 2.13 lowers an order in time that grows with the square of its length
 
 
 def _action(cell: str):
@@ -1155,14 +1179,19 @@ def _action(cell: str):
     return match and _Action(int(match[1]), _ComputationType(match[2]), int(match[3]))
 
 
+def _clipped(text: str, limit: int = 40) -> str:  # what an error line says of a file: its start
+    return text[:limit] + ("..." if len(text) > limit else "")
+
+
 @dataclasses.dataclass(eq=False)
 class PipelineOrder:
     """Each pipeline rank's compute actions, in the order it runs them (torch's pipeline_order), as read_order
-    read and checked them: the stage -> rank map and the microbatches follow from it."""
+    read and checked them: the stage -> rank map, the stages per rank and the microbatches follow from it."""
     path: str
     actions: dict[int, list]  # pipeline rank -> an _Action, or None (idle), per step
     stage_ranks: dict[int, int]  # stage -> the pipeline rank that holds it (torch's _validate_schedule infers it)
     microbatches: int
+    per_rank: int  # stages per pipeline rank
 
     def stages(self, rank: int) -> list[int]:
         return sorted(s for s, r in self.stage_ranks.items() if r == rank)
@@ -1193,10 +1222,21 @@ def merge_backwards(schedule, order: dict | None = None, stage_ranks: dict | Non
     own, order = order is None, order or getattr(schedule, "pipeline_order", None)
     if order is None or not isinstance(schedule, _PipelineScheduleRuntime):
         return schedule
-    rank_of, merged, changed = stage_ranks or schedule.stage_index_to_group_rank, {}, False
+    merged, changed = _merged(order, stage_ranks or schedule.stage_index_to_group_rank)
+    if own and not changed:  # (interleaved 1F1B, LoopedBFS: as torch lowered them)
+        return schedule
+    schedule.pipeline_order = merged
+    schedule._prepare_schedule_with_comms(merged)
+    return schedule
+
+
+def _merged(order: dict, rank_of: dict) -> tuple[dict, bool]:
+    """merge_backwards' order (idle steps dropped: a rank waits for its inputs without one), and whether a pair
+    merged."""
+    merged, changed = {}, False
     for rank, acts in order.items():
         merged[rank] = []
-        for action in filter(None, acts):  # (an idle step: a rank waits for its inputs without one)
+        for action in filter(None, acts):
             last = merged[rank][-1] if merged[rank] else None
             if last and (last.computation_type, action.computation_type) == ("I", "W") and (
                     last.stage_index, last.microbatch_index) == (action.stage_index, action.microbatch_index) and (
@@ -1205,22 +1245,19 @@ def merge_backwards(schedule, order: dict | None = None, stage_ranks: dict | Non
                                                    action.microbatch_index), True
             else:
                 merged[rank].append(action)
-    if own and not changed:  # (interleaved 1F1B, LoopedBFS: as torch lowered them)
-        return schedule
-    schedule.pipeline_order = merged
-    schedule._prepare_schedule_with_comms(merged)
-    return schedule
+    return merged, changed
 
 
-def read_order(args, world_size: int) -> PipelineOrder | None:
+def read_order(path: str, world_size: int, dp: int, tp: int, microbatches: int, stages_per_rank: int | None,
+               compile: bool) -> PipelineOrder | None:
     """--schedule FILE.csv: the order in torch's compute-only CSV form, a row per pipeline rank, a cell per step
     (0F1: stage 0's forward of microbatch 1; I, W: a backward's input and weight halves; B: both; empty: idle),
-    read and checked before anything runs: as torch checks an order (_validate_schedule; _add_send_recv, which
-    finds an order that cannot progress), stages placed looped or V-shaped as the scripts place them, and
-    against the flags; args.stages_per_rank becomes the file's. None for a schedule by name. A mistake is a
-    ValueError of one line that names --schedule and the flag."""
-    path = args.schedule
-    if not path.endswith(".csv"):
+    read and checked before anything runs: each stage's F, and I and W or B, of each microbatch once; as torch
+    checks an order (_validate_schedule; _add_send_recv, which finds an order that cannot progress), as given and
+    as merge_backwards runs it; stages placed looped or V-shaped as the scripts place them; and against the flags
+    (--dp, --tp, --microbatches, --stages-per-rank: None where not given, --compile) and the processes. None for
+    a schedule by name. A mistake is a ValueError of one line that names --schedule and the flag."""
+    if not path.lower().endswith(".csv"):
         return None
     try:
         with open(path, newline="") as file:
@@ -1228,54 +1265,74 @@ def read_order(args, world_size: int) -> PipelineOrder | None:
         while rows and not "".join(rows[-1]).strip():  # blank lines at the end: no rank of their own
             rows.pop()
     except (OSError, UnicodeDecodeError, csv.Error) as e:
-        raise ValueError(f"--schedule {path}: cannot read it ({getattr(e, 'strerror', None) or e}); give a CSV "
-                         "file of an order, a row per pipeline rank (plan.py --write-schedule writes one)") from None
-    actions: dict[int, list] = {}
+        raise ValueError(f"--schedule {path}: cannot read it ({_clipped(getattr(e, 'strerror', None) or str(e), 100)});"
+                         " give a CSV file of an order, a row per pipeline rank (plan.py --write-schedule writes one)"
+                         ) from None
+    actions, seen = {}, {}  # seen: (stage, F / I / W, microbatch) -> the row and cell that ran it (a B: I and W)
     for rank, row in enumerate(rows):
         actions[rank] = []
         for step, cell in enumerate(row):
             if (action := _action(cell.strip())) is None and cell.strip():
-                raise ValueError(f"--schedule {path}: row {rank + 1}, cell {step + 1} is {cell.strip()!r}, not an "
-                                 "action: give stage, F, I, W or B, microbatch (such as 0F1), or nothing (idle)")
+                raise ValueError(f"--schedule {path}: row {rank + 1}, cell {step + 1} is {_clipped(cell.strip())!r}, "
+                                 "not an action: give stage, F, I, W or B, microbatch (such as 0F1), or nothing (idle)")
             actions[rank].append(action)
-    computed = [sub for acts in actions.values() for a in acts if a is not None for sub in a.sub_actions or [a]]
-    if not computed:
+            for sub in action and (action.sub_actions or [action]) or ():  # torch's check counts sets: repeats pass
+                for kind in ("I", "W") if sub.computation_type == "B" else (sub.computation_type.value,):
+                    if (key := (sub.stage_index, kind, sub.microbatch_index)) in seen:
+                        raise ValueError(f"--schedule {path}: row {rank + 1}, cell {step + 1} ({sub}) runs stage "
+                                         f"{key[0]}'s {kind} of microbatch {key[2]} again (row {seen[key][0] + 1}, "
+                                         f"cell {seen[key][1] + 1}); each stage runs each microbatch's F, and I "
+                                         "and W or B, once")
+                    seen[key] = rank, step
+    if not seen:
         raise ValueError(f"--schedule {path}: no action in it; give a row of actions per pipeline rank")
-    pp, num_stages = len(actions), 1 + max(a.stage_index for a in computed)
-    microbatches = 1 + max(a.microbatch_index for a in computed)
-    try:  # torch's own checks: every stage's F, and I + W or B, of each microbatch once, on one rank; can progress
-        stage_ranks = _validate_schedule(actions, pp, num_stages, microbatches)
-        _add_send_recv({rank: _add_reduce_grad(_add_unshard_reshard(acts), microbatches)
-                        for rank, acts in actions.items()}, stage_ranks.__getitem__, num_stages)
-    except AssertionError as e:
-        raise ValueError(f"--schedule {path}: torch refuses this order: {' '.join(str(e).split())}") from None
+    pp, num_stages = len(actions), 1 + max(key[0] for key in seen)
+    held = sorted({key[0] for key in seen})  # (a cell 999999999F0 must not make torch's table of as many stages)
+    if (missing := next((s for s, t in enumerate(held) if s != t), None)) is not None:
+        raise ValueError(f"--schedule {path}: stage {missing} has no action, but stage {num_stages - 1} has; give "
+                         "each stage from 0 up its actions")
+    file_microbatches = 1 + max(key[2] for key in seen)
+    if file_microbatches > MAX_ORDER_MICROBATCHES:  # measured, ZB-V on 2 ranks: 1,000 about 2 s, 20,000 10 minutes
+        raise ValueError(f"--schedule {path}: {file_microbatches} microbatches; torch 2.13 lowers an order in time "
+                         f"that grows with the square of its length: give at most {MAX_ORDER_MICROBATCHES} (a larger "
+                         "batch as --accumulate steps)")
+    try:  # torch's own checks, of the order as given and as merged: each stage on one rank, complete, can progress
+        stage_ranks = _validate_schedule(actions, pp, num_stages, file_microbatches)
+        merged = _merged(actions, stage_ranks)[0]
+        _validate_schedule(merged, pp, num_stages, file_microbatches)
+        for order in (actions, merged):  # (torch's FSDP unshard/reshard and gradient reduction, which it lowers too,
+            # are local: they change no rank's progress; its _add_unshard_reshard is quadratic in the order's length)
+            _add_send_recv({rank: list(acts) for rank, acts in order.items()}, stage_ranks.__getitem__, num_stages)
+    except AssertionError as e:  # its first line (the rest: the whole order), of ordinary length
+        first = " ".join(str(e).split("\n\n")[0].split())
+        raise ValueError(f"--schedule {path}: torch refuses this order: {_clipped(first, 200)}") from None
     per_rank = num_stages // pp
     looped = {s: s % pp for s in range(num_stages)}  # rank r: r, r + p, ...; V: r and 2p - 1 - r
     v_shaped = {s: min(s, 2 * pp - 1 - s) for s in range(num_stages)} if num_stages == 2 * pp else looped
     if stage_ranks not in (looped, v_shaped):
         where = "; ".join(f"rank {r}: {[s for s in range(num_stages) if stage_ranks[s] == r]}" for r in range(pp))
-        raise ValueError(f"--schedule {path}: stages {where}; the scripts place stages looped (rank r holds r, r + "
-                         f"{pp}, ...) or V-shaped (r and {2 * pp - 1} - r)")
-    group = args.dp * args.tp
+        raise ValueError(f"--schedule {path}: stages {_clipped(where, 200)}; the scripts place stages looped (rank r "
+                         f"holds r, r + {pp}, ...) or V-shaped (r and {2 * pp - 1} - r)")
+    group = dp * tp
     if world_size % group == 0 and world_size // group != pp:  # (not divisible: the scripts' check says so)
         raise ValueError(f"--schedule {path} is an order for {pp} pipeline rank(s), but {world_size} process(es) "
-                         f"/ (--dp {args.dp} x --tp {args.tp}) are {world_size // group}; start {pp * group} "
-                         "processes, or give an order for as many pipeline ranks as there are")
-    if microbatches != args.microbatches:
-        raise ValueError(f"--microbatches {args.microbatches}: --schedule {path} runs {microbatches} microbatches; "
-                         f"give --microbatches {microbatches}")
-    if args.stages_per_rank not in (None, per_rank):
-        raise ValueError(f"--stages-per-rank {args.stages_per_rank}: --schedule {path} holds {per_rank} stage(s) "
-                         "per rank; leave the flag out")
-    if args.compile and any(a.computation_type in ("I", "W") for a in computed):
+                         f"/ (--dp {dp} x --tp {tp}) are {world_size // group}; start {pp * group} processes, or "
+                         "give an order for as many pipeline ranks as there are")
+    if file_microbatches != microbatches:
+        raise ValueError(f"--microbatches {microbatches}: --schedule {path} runs {file_microbatches} microbatches; "
+                         f"give --microbatches {file_microbatches}")
+    if stages_per_rank not in (None, per_rank):
+        raise ValueError(f"--stages-per-rank {stages_per_rank}: --schedule {path} holds {per_rank} stage(s) per "
+                         "rank; leave the flag out")
+    if compile and any(sub.computation_type in ("I", "W") for acts in actions.values() for a in filter(None, acts)
+                       for sub in a.sub_actions or [a]):
         # torch 2.13 refuses stages compiled by torch.compile(module) for its own zero-bubble schedules, whose weight
         # half failed on them (pytorch #161904, open; _check_torch_compile_compatibility), and checks no order its
         # runtime is given. (It misses the scripts' in-place layer.compile(), no OptimizedModule: not tested here.)
         raise ValueError(f"--compile: --schedule {path} splits backwards into I and W, which torch 2.13 does not "
                          "support on compiled stages (pytorch #161904); leave --compile out, or give an order of B "
                          "actions")
-    args.stages_per_rank = per_rank
-    return PipelineOrder(path, actions, stage_ranks, microbatches)
+    return PipelineOrder(path, actions, stage_ranks, file_microbatches, per_rank)
 
 
 # ----------------------------------------------------------------------------------------------------------

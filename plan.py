@@ -97,9 +97,9 @@ import torch
 import checkpoint
 import train_pipeline_gpipe as gpipe
 from checkpoint import Parser, UsageError, whole
-from model import (PRESETS, LlamaConfig, balanced, checkpointing_plan, config_from_hf, config_from_preset,
-                   describe_layout, estimated_costs, from_sizes, layer_checkpointing, loss_chunks, parameter_counts,
-                   stage_costs)
+from model import (PRESETS, LlamaConfig, balanced, check_positions, checkpointing_plan, config_from_hf,
+                   config_from_preset, describe_layout, estimated_costs, from_sizes, layer_checkpointing, loss_chunks,
+                   parameter_counts, stage_costs)
 from train_pipeline_gpipe import SCHEDULES, SINGLE_STAGE, V_SHAPED, stage_ids
 
 # The throughput the step times are given at: 40 % of an H100's dense bf16 peak, a typical sustained rate.
@@ -1538,14 +1538,18 @@ def plan(args) -> dict:
             return generated_orders(name, pp, m, timed(lay), *held(lay, flagged(lay)), message)
         return schedule_orders(name, pp, m, stages_per_rank)
 
-    params = stage_params(config, layout, tp)
-    if auto:  # the least recomputation that fits --gpu-memory, rank by rank
-        torchs = None if schedule in GENERATED else orders_of(schedule, layout, per_rank)  # (a generated order
+    def least(name: str, lay: list[range], stages_per_rank: int) -> str:  # auto: the least recomputation that
+        stages = {r: stage_ids(placement(name), r, pp, stages_per_rank) for r in range(pp)}  # fits, rank by rank
+        torchs = None if name in GENERATED else orders_of(name, lay, stages_per_rank)  # (a generated order
         # depends on what the stages hold: generated again for each SPEC tried)
-        args.activation_checkpointing = least_checkpointing(
-            args, config, layout, sizes, stages_of, params, dp, half, lambda spec: schedule_result(
-                schedule, pp, m, per_rank, timed(layout), *held(layout, spec), message, torchs or generated_orders(
-                    schedule, pp, m, timed(layout), *held(layout, spec), message))["peak"])
+        return least_checkpointing(
+            args, config, lay, sizes, stages, stage_params(config, lay, tp), dp, half, lambda spec: schedule_result(
+                name, pp, m, stages_per_rank, timed(lay), *held(lay, spec), message, torchs or generated_orders(
+                    name, pp, m, timed(lay), *held(lay, spec), message))["peak"])
+
+    params = stage_params(config, layout, tp)
+    if auto:
+        args.activation_checkpointing = least(schedule, layout, per_rank)
     # Memory of the chosen schedule, per pipeline rank (each replica of a rank holds the same).
     chosen = orders_of(schedule, layout, per_rank)
     spec = flagged(layout)
@@ -1601,13 +1605,19 @@ def plan(args) -> dict:
           + ("" if passes else ", each layer recomputed in backward" if args.activation_checkpointing == "full" else
              f", --activation-checkpointing {args.activation_checkpointing}" if other else "") + "; "
           + f"activations of the fullest rank, {unit_name}, without / with checkpointing):")
-    spec = args.split if args.split in ("even", "balanced") else "balanced"
+    spec, flag = args.split if args.split in ("even", "balanced") else "balanced", args.activation_checkpointing
     for name in [*SCHEDULES, *GENERATED]:
+        args.activation_checkpointing = flag  # (auto: the schedule before's own choice undone)
         own = argparse.Namespace(**{**vars(args), "stages_per_rank": None}) if placement(name) in SINGLE_STAGE or \
             placement(name) in V_SHAPED else args
+        own = argparse.Namespace(**{**vars(own), "activation_checkpointing": "none"}) if auto else own
         try:
             each, lay = (ns, layout) if name == schedule else check(own, config, name, spec)
             lay = lay if name == schedule else balance(spec, lay)
+            if auto and name != schedule:  # its own least recomputation that fits, on its own stages
+                args.activation_checkpointing = "none"  # (what timed() and flagged() read meanwhile)
+                with contextlib.redirect_stdout(None):  # (the line it prints: --schedule's alone)
+                    args.activation_checkpointing = least(name, lay, each.stages_per_rank)
             orders = chosen if name == schedule else orders_of(name, lay, each.stages_per_rank)
         except UsageError as e:
             print(f"  {name:22s} not possible here: {str(e).split(';')[0]}")
@@ -1619,12 +1629,14 @@ def plan(args) -> dict:
         report["schedules"][name] = {"step": seconds, "bubble": out[0]["bubble"], "span_bubble": span_bubble(out[0]),
                                      "activations": max(out[0]["peak"].values()),
                                      "activations_checkpointed": max(out[1]["peak"].values()),
-                                     "split": counts(lay)}
+                                     "split": counts(lay), "checkpointing": args.activation_checkpointing}
         print(f"  {name:22s} step {seconds * 1e3:10.4g} ms ({seconds / ideal:.2f} x no bubble)  bubble "
               f"{out[0]['bubble']:6.1%}  activations {max(out[0]['peak'].values()) / unit:.2f} / "
               f"{max(out[1]['peak'].values()) / unit:.2f}" + (
                   f"  (generated; {span_bubble(out[0]):.1%} by the paper's measure)" if name in GENERATED
-                  else ""))
+                  else "") + (f"  (auto: --activation-checkpointing {args.activation_checkpointing})"
+                              if auto and name != schedule else ""))
+    args.activation_checkpointing = flag
     if args.write_schedule:
         write_schedule(args.write_schedule, chosen)
         print(f"\nwrote {args.write_schedule}: {args.schedule}'s order on {pp} pipeline ranks, {m} microbatches, as "
@@ -1861,6 +1873,10 @@ def search(args) -> list[dict]:
                          "out to search it")
     args.device = "cuda"  # a plan for GPUs (the default model is the scripts' on a GPU)
     config = plan_config(args)
+    try:  # (no layout would pass the scripts' checks: say which flag)
+        check_positions(config, args.seq_len)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     budget = args.gpu_memory * 1e9 * (1 - HEADROOM)
     # The replays make millions of small tuples and no reference cycles: the cyclic garbage collector would
     # only scan them again and again (a third of the search's time).

@@ -1440,9 +1440,8 @@ def test_a_file_of_torchs_own_order_runs_exactly_what_torchs_schedule_runs(tmp_p
                 return [types.SimpleNamespace(num_stages=2 * pp, group_size=pp, group_rank=rank, stage_index=s,
                                               is_first=s == 0, is_last=s == 2 * pp - 1, submod=torch.nn.Module())
                         for s in gpipe.stage_ids(name, rank, pp, 2)]
-            flags = types.SimpleNamespace(schedule=str(path), dp=1, tp=1, microbatches=m, stages_per_rank=None,
-                                          compile=False)
-            order = model_module.read_order(flags, pp)
+            order = model_module.read_order(str(path), pp, 1, 1, m, None, False)  # dp 1, tp 1, --stages-per-rank
+            assert order.per_rank == 2  # (left out: the file's), no --compile
             assert order.stages(rank) == gpipe.stage_ids(name, rank, pp, 2)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -3848,6 +3847,17 @@ def test_each_script_reads_an_activation_checkpointing_spec_and_refuses_a_wrong_
                                                     r"give one per stage \(2\), or one for all$"):
         checked_args(module, ["--activation-checkpointing", "1,0,0", "--checkpoint-dir", os.devnull + "/none"], 2,
                      "cpu")
+    # A count beyond a stage's layers (tiny's 6 on 2 stages) is a mistake, not full; auto is plan.py's choice.
+    with pytest.raises(checkpoint.UsageError, match=r"^--activation-checkpointing 7: 7 layer\(s\) recomputed whole, "
+                                                    r"but the largest stage holds (\d) \(--split balanced: \[\d, \d\] "
+                                                    r"layers\); give at most \1, or full$"):
+        checked_args(module, ["--activation-checkpointing", "7"], 2, "cpu")
+    with pytest.raises(checkpoint.UsageError, match=r"^--activation-checkpointing 6,0: 6 layer\(s\) recomputed whole, "
+                                                    r"but stage 0 holds 5 "):
+        checked_args(module, ["--activation-checkpointing", "6,0", "--split", "5,1"], 2, "cpu")
+    assert checked_args(module, ["--activation-checkpointing", "5,1", "--split", "5,1"], 2, "cpu")
+    err = refused(capsys, parse, "--activation-checkpointing", "auto", status=2)
+    assert "auto is plan.py's: plan.py --processes N --activation-checkpointing auto" in err, err
 
 
 def test_the_plan_chooses_the_least_checkpointing_that_fits_more_on_the_early_ranks(capsys):
@@ -3868,6 +3878,13 @@ def test_the_plan_chooses_the_least_checkpointing_that_fits_more_on_the_early_ra
     # An order plan.py generates depends on what the stages hold: generated again for each SPEC tried.
     plan.main([*run[:-1], "zb1p", "--activation-checkpointing", "auto", "--gpu-memory", "1.2"])
     assert "fits --gpu-memory 1.2 with --activation-checkpointing " in capsys.readouterr().out
+    # Each schedule of the table its own choice, on its own stages (1F1B's SPEC of 4 entries fits no 8 stages): the
+    # one it gets as --schedule; where none fits, the row says what would.
+    table = plan.main([*run, "--activation-checkpointing", "auto", "--gpu-memory", "1.5"])["schedules"]
+    assert "zbh2                   not possible here: --gpu-memory 1.5: pipeline rank" in capsys.readouterr().out
+    assert len(table["interleaved1f1b"]["checkpointing"].split(",")) == 8, table
+    plan.main([*run[:-1], "interleaved1f1b", "--activation-checkpointing", "auto", "--gpu-memory", "1.5"])
+    assert f"with --activation-checkpointing {table['interleaved1f1b']['checkpointing']}: " in capsys.readouterr().out
     # A SPEC's entries per stage (model.checkpointing_plan), and what each of a stage's layers does.
     assert model_module.checkpointing_plan("3,selective,0,0", 4, [0, 1]) == [3, "selective"]
     assert model_module.checkpointing_plan(True, 2) == ["full", "full"]
@@ -4685,7 +4702,11 @@ def test_the_search_accumulates_steps_only_where_memory_forces_it_and_the_fewest
      "error: --microbatches 1: 1f1b needs at least as many microbatches as stages (2)"),
     (["--processes", "2", "--batch-size", "12", "--microbatches", "4", "--accumulate", "2"], 1,
      "error: --batch-size 12 is not divisible by --dp 1 x --microbatches 4 x --accumulate 2; give a multiple of 8"),
-    (["--processes", "2", "--seq-len", "4096"], 1, "error: --seq-len 4096 exceeds the model's 1024 positions"),
+    (["--processes", "2", "--seq-len", "4096"], 1, "error: --seq-len 4096 exceeds the model's 1024 positions; give "
+                                                   "at most 1024, or a model with more (a config.json's "
+                                                   "max_position_embeddings and rope_scaling: docs/layouts.md)"),
+    (["--gpus", "8", "--seq-len", "9000"], 1, "error: --seq-len 9000 exceeds the model's 2048 positions; give at "
+                                              "most 2048"),  # (not: no layout passes, try another --batch-size)
     (["--processes", "2", "--data", "nowhere"], 1, "error: --data nowhere: no data prepared there; run python "
                                                    "prepare_data.py --out nowhere first"),
     (["--processes", "2", "--data", "x", "--vocab-size", "9"], 2, "error: argument --vocab-size: not allowed with"),
@@ -5965,6 +5986,16 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
                                  ("train_pipeline_afab_manual.py", ("--microbatches", "0"), "--microbatches"),
                                  ("train_pipeline_gpipe.py", ("--accumulate", "0"), "--accumulate"),
                                  ("train_pipeline_afab_manual.py", ("--schedule", "gpipe"), "--schedule"),
+                                 # past a week: an OverflowError (1e300) or torch's stores failing at once (1e10)
+                                 ("train_pipeline_gpipe.py", ("--timeout", "1e300"), "--timeout: must be a finite "
+                                                                                     "positive number up to 604800"),
+                                 ("train_pipeline_afab_manual.py", ("--timeout", "1e10"), "up to 604800 (a week)"),
+                                 # what plan.py generates, and a file where none is read: where to get and run it
+                                 ("train_pipeline_tracer.py", ("--schedule", "zbvauto"), "--schedule: zbvauto is an "
+                                  "order plan.py generates: write it with plan.py --schedule zbvauto --write-schedule"),
+                                 ("train_pipeline_afab_manual.py", ("--schedule", "zb.csv"), "--schedule: zb.csv: "
+                                  "this script runs afab or 1f1b; give an order from a file (plan.py --write-schedule)"
+                                  " to train_pipeline_gpipe.py or train_pipeline_tracer.py"),
                                  ("train_pipeline_gpipe.py", ("--tokenizer", "t.json"),
                                   "unrecognized arguments: --tokenizer t.json")]:
         err = refused(capsys, SCRIPT_MODULES[script].build_parser().parse_args, *given, status=2)
@@ -5980,7 +6011,15 @@ def test_schedule_file_mistakes_are_one_line_before_any_work(tmp_path, monkeypat
     files = {"cell.csv": "0F0,0X1\n", "empty.csv": "", "backward-first.csv": "0F0,0B0\n1B0,1F0\n",
              # Rank 0's backward of microbatch 0 waits for rank 1's, which waits behind a forward rank 0 runs later.
              "stuck.csv": "0F0,0B0,0F1,0B1\n1F0,1F1,1B0,1B1\n",
-             "blocks.csv": "0F0,1F0,1B0,0B0\n2F0,3F0,3B0,2B0\n"}  # stages 0, 1 on rank 0: neither looped nor V
+             "blocks.csv": "0F0,1F0,1B0,0B0\n2F0,3F0,3B0,2B0\n",  # stages 0, 1 on rank 0: neither looped nor V
+             # An action twice: torch's check counts sets, so it passed it, to fail at the first step (a B is I + W).
+             "twice-f.csv": "0F0,0F0,0B0\n1F0,1B0\n", "twice-w.csv": "0F0,0I0,0W0,0W0\n1F0,1B0\n",
+             "twice-b.csv": "0F0,0B0\n1F0,1B0,1I0\n", "gap.csv": "0F0,2F0\n",
+             # What the lines quote of a file is short: a long cell, torch's words about a long order (its table).
+             "long-cell.csv": "0F0," + "x" * 20000 + "\n",
+             "long-backward-first.csv": ",".join([f"0F{i}" for i in range(200)] + [f"0B{i}" for i in range(200)])
+             + "\n" + ",".join(["1B0"] + [f"1F{i}" for i in range(200)] + [f"1B{i}" for i in range(1, 200)]) + "\n",
+             "huge.csv": "0F0,0F1000\n", "far.csv": "0F0,999999999F0\n"}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     (tmp_path / "binary.csv").write_bytes(b"0F0,\xff\xfe\n")
@@ -5988,6 +6027,7 @@ def test_schedule_file_mistakes_are_one_line_before_any_work(tmp_path, monkeypat
     ckpt = tmp_path / "ckpt"
     common = ["--checkpoint-dir", str(ckpt), "--data", str(tmp_path / "data")]
     zbh1, zbv = str(orders["zbh1"]), str(orders["zbvzerobubble"])
+    (tmp_path / "ZBH1.CSV").write_text(orders["zbh1"].read_text())  # in capitals: a file all the same
     cases = [  # (script, flags, processes, what the line must say)
         ("gpipe", [str(tmp_path / "missing.csv")], 2, "missing.csv: cannot read it (No such file or directory)"),
         ("tracer", [str(tmp_path / "folder.csv")], 2, "folder.csv: cannot read it (Is a directory)"),
@@ -6003,6 +6043,18 @@ def test_schedule_file_mistakes_are_one_line_before_any_work(tmp_path, monkeypat
         ("gpipe", [zbh1, "--microbatches", "2"], 2, "--microbatches 2: --schedule"),
         ("tracer", [zbv, "--stages-per-rank", "3"], 2, "--stages-per-rank 3: --schedule"),
         ("gpipe", [zbh1, "--compile"], 2, "--compile: --schedule"),  # I and W: not supported compiled (pytorch #161904)
+        ("gpipe", [str(tmp_path / "twice-f.csv")], 2, "row 1, cell 2 (0F0) runs stage 0's F of microbatch 0 again "
+                                                      "(row 1, cell 1); each stage runs each microbatch's F, and I"),
+        ("tracer", [str(tmp_path / "twice-w.csv")], 2, "row 1, cell 4 (0W0) runs stage 0's W of microbatch 0 again"),
+        ("gpipe", [str(tmp_path / "twice-b.csv")], 2, "row 2, cell 3 (1I0) runs stage 1's I of microbatch 0 again "
+                                                      "(row 2, cell 2)"),
+        ("gpipe", [str(tmp_path / "gap.csv")], 2, "gap.csv: stage 1 has no action, but stage 2 has"),
+        ("gpipe", [str(tmp_path / "far.csv")], 2, "far.csv: stage 1 has no action, but stage 999999999 has"),
+        ("gpipe", [str(tmp_path / "long-cell.csv")], 2, f"row 1, cell 2 is '{'x' * 40}...', not an action"),
+        ("tracer", [str(tmp_path / "long-backward-first.csv")], 2, "torch refuses this order: Rank 1, step 0: Running"),
+        ("gpipe", [str(tmp_path / "huge.csv")], 2, "1001 microbatches; torch 2.13 lowers an order in time that grows "
+                                                   "with the square of its length: give at most 1000"),
+        ("gpipe", [str(tmp_path / "ZBH1.CSV"), "--microbatches", "2"], 2, "--microbatches 2: --schedule"),
     ]
     for script, given, world_size, named in cases:
         monkeypatch.setenv("RANK", "0")
@@ -6015,6 +6067,8 @@ def test_schedule_file_mistakes_are_one_line_before_any_work(tmp_path, monkeypat
             dist.destroy_process_group()
         message = str(failure.value)
         assert named in message and "--schedule" in message and "\n" not in message, (script, given, message)
+        assert len(message) < 400, (script, given, message)  # a line of ordinary length, whatever the file holds
+    assert set(checkpoint.GENERATED_ORDERS) == set(plan.GENERATED)  # the names the scripts point to plan.py for
     # A file that is no CSV by its name is no schedule either: argparse's one line, which offers FILE.csv.
     err = refused(capsys, tracer.build_parser().parse_args, "--schedule", "order.txt", status=2)
     assert "--schedule: invalid choice: 'order.txt'" in err and "'FILE.csv'" in err, err

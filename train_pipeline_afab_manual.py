@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import record_function
 
 import checkpoint
-from checkpoint import Parser, UsageError, collective_errors, number, whole
+from checkpoint import Parser, ScheduleChoices, UsageError, collective_errors, number, whole
 from model import (PRESETS, LlamaForPretraining, TiedEmbedding, attention_mask, chunked_loss, clip_grad_norm_,
                    config_from_preset, describe_layout, document_mask, document_positions, estimated_costs, even,
                    layout, loss_chunks, materialize, parallelize)
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-batches", type=whole(1), help="held-out batches per evaluation (default: up to 4, as "
                    "many as --data holds)")
     g = p.add_argument_group("parallelism")
-    g.add_argument("--schedule", choices=["afab", "1f1b"], default="afab", help="the pipeline schedule")
+    g.add_argument("--schedule", choices=ScheduleChoices(["afab", "1f1b"]), default="afab", help="pipeline schedule")
     g.add_argument("--split", default="balanced", help="layers per stage: balanced (by estimated compute), even, "
                    "or counts such as 5,1 or 0,3,3,0 (a first or last 0: the embedding, or the head, alone)")
     g.add_argument("--dp", type=whole(1), default=1, help="data-parallel replicas of the pipeline (FSDP2)")
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: cuda:LOCAL_RANK with NCCL if there is a GPU, else the CPU with gloo")
     g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on a GPU that "
                    "has it, else fp32; bf16: autocast, FSDP gathers bf16; weights, AdamW, loss, gradient sums fp32")
-    g.add_argument("--timeout", type=number(positive=True), default=600, help="seconds a rank waits for its peers")
+    g.add_argument("--timeout", type=checkpoint.seconds, default=600, help="seconds a rank waits for its peers")
     return p
 
 

@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: cuda:LOCAL_RANK with NCCL if there is a GPU, else the CPU with gloo")
     g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on a GPU that "
                    "has it, else fp32; bf16: autocast, FSDP gathers bf16; weights, AdamW, loss, gradient sums fp32")
-    g.add_argument("--timeout", type=number(positive=True), default=600, help="seconds a rank waits for its peers")
+    g.add_argument("--timeout", type=checkpoint.seconds, default=600, help="seconds a rank waits for its peers")
     return p
 
 
@@ -111,11 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(args):
     env = launch_env(args.device, args.precision)
     init_distributed(env, args.timeout)
-    try:  # --schedule FILE.csv: the order, read and checked on every rank (model.py), its stages per rank the run's
-        order = read_order(args, env.world_size)
+    try:  # --schedule FILE.csv: the order, read and checked on every rank (model.py); its stages per rank the run's
+        order = read_order(args.schedule, env.world_size, args.dp, args.tp, args.microbatches, args.stages_per_rank,
+                           args.compile)
     except ValueError as e:
         raise UsageError(str(e), on_every_rank=True) from None
-    args.stages_per_rank = args.stages_per_rank or (1 if args.schedule in SINGLE_STAGE else 2)  # its default
+    args.stages_per_rank = order.per_rank if order else args.stages_per_rank or 2 - (args.schedule in SINGLE_STAGE)
     say = print if env.rank == 0 else (lambda *a, **k: None)
     run = checkpoint.Run(args, env.rank, env.world_size, say)  # this job, the checkpoint it continues, saves
     args.dp, args.split = run.relayout(args.stages_per_rank)  # torchrun restarted the job on other processes?
