@@ -1114,7 +1114,7 @@ def layout_runs(tmp_path_factory, data_dir):
         procs[name] = run_script(nproc, "benchmark.py", "measure-memory", str(tmp_path / f"{name}.json"),
                                  str(ROOT / script), *args, cwd=tmp_path, wait=False)
     for name, proc in procs.items():
-        result = finish(proc, timeout=400)
+        result = finish(proc, timeout=900)  # a hang's limit; all these runs share the CPUs at once
         assert result.returncode == 0, (name, errors(result.stderr))
         rows, (summary,) = read_metrics(tmp_path / name / "m.jsonl")
         runs[name] = rows, summary, result.stdout, json.loads((tmp_path / f"{name}.json").read_text()), result.stderr
@@ -1147,7 +1147,7 @@ def document_runs(tmp_path_factory):
                                  "--eval-batches", "1", "--data", data, "--metrics", f"{name}.jsonl",
                                  "--checkpoint-dir", name, cwd=tmp_path, wait=False)
     for name, proc in procs.items():
-        result = finish(proc, timeout=400)
+        result = finish(proc, timeout=900)  # a hang's limit; all these runs share the CPUs at once
         assert result.returncode == 0, (name, errors(result.stderr))
         lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         runs[name] = [r for r in lines if "loss" in r], [r["eval"] for r in lines if "eval" in r]
@@ -1195,6 +1195,11 @@ def read_only_dir(tmp_path):
 # module fixture (the parity launches, the layout runs, ...) are one group, run by one worker that computes it once.
 # Not reference_run's 14 tests, a third of the suite's time: each worker makes that 16-step run (25 s) itself.
 SHARED_FIXTURES = ("parity_run", "layout_runs", "document_runs", "hf_models", "tokenizer_file", "startup_runs")
+
+
+def pytest_configure(config):
+    """xdist_group known without xdist too (`pytest -p no:xdist`, or xdist not installed): no warning."""
+    config.addinivalue_line("markers", "xdist_group(name): tests that one xdist worker runs (--dist loadgroup)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which adds the group to the test's id (after it: none)
