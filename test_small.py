@@ -5738,8 +5738,10 @@ def test_an_elastic_job_goes_on_without_a_lost_node_and_takes_it_back(tmp_path, 
         wait_for("step-6 checkpoint", lambda: (ckpt / "step-00000006").is_dir(), first)
         kill_job(jobs[1])
         if script == SCRIPT:
-            # This restart's line ("resumed from" may be an earlier one's: the second node joined late, say)
-            wait_for("restart on 2 processes", lambda: "4 processes -> 2: " in lines_of(tmp_path / "first.out"), first)
+            # Resumed (the lock taken) after this restart's layout line: an earlier "resumed from" may be another
+            # restart's (the second node joined late, say).
+            wait_for("restart on 2 processes", lambda: "resumed from" in lines_of(tmp_path / "first.out").partition(
+                "4 processes -> 2: ")[2], first)
             torchrun = worker_pids(first.pid)[0]
             workers = worker_pids(torchrun)
             for pid in workers:  # held, so that the job is still running when the others start
