@@ -2213,7 +2213,10 @@ def test_a_stop_during_an_async_save_waits_for_it_then_saves_its_step(tmp_path, 
     assert result.returncode == 0, errors(result.stderr)
     stopped = re.search(r"^stopped by SIGTERM after step (\d+), saved in checkpoints/step-(\d+); the same command "
                         r"continues the run$", result.stdout, re.M)
-    assert stopped and int(stopped[1]) == int(stopped[2]) == rows, result.stdout
+    # The step it stopped after is the last one trained (on a loaded machine, one may have taken longer than 3 s).
+    trained = read_metrics(tmp_path / "m.jsonl")[0][-1]["step"]
+    assert stopped and int(stopped[1]) == int(stopped[2]) == trained >= rows, result.stdout
+    rows = int(stopped[1])
     assert "saved checkpoints/step-00000004\n" in result.stdout
     saved = ["step-00000004", *(["step-00000008"] if rows > 8 else []), f"step-{rows:08d}"]
     assert complete_and_partial(tmp_path / "checkpoints") == (saved, [])
