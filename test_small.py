@@ -2491,6 +2491,12 @@ def test_a_stop_asked_while_the_job_starts_stops_it_after_its_first_step(tmp_pat
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000001"]  # lock released
 
 
+def _started_just_now(rank: int, forked_at: float) -> None:
+    """In a process forked from the server after forked_at: its start, read from /proc, is just now (btime is
+    whole: up to 1 s early; the start in clock ticks)."""
+    assert forked_at - 1.02 < checkpoint._started_at.__wrapped__() <= time.time()
+
+
 def launcher_of_this_process() -> str:
     """The pid of the process that started this one's parent: where run.sh stands to a training process."""
     return Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[1]
@@ -2506,16 +2512,8 @@ def test_a_stop_file_of_another_run_is_no_request_and_a_status_file_of_another_l
     monkeypatch.setenv("PIPELINE_STOP_FILE", str(stop))
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     before = checkpoint._started_at() - 5
-    assert before < time.time()
-    # A process's start, read: a process forked just now started just now (btime is whole: up to 1 s early; the
-    # start in clock ticks). Not this one's: a pytest worker may have started any time before this test.
-    forked_at, child = time.time(), os.fork()
-    if child == 0:
-        try:
-            os._exit(0 if forked_at - 1.02 < checkpoint._started_at.__wrapped__() <= time.time() else 1)
-        finally:
-            os._exit(2)
-    assert os.waitpid(child, 0)[1] == 0, "a process forked just now: its start not read as just now"
+    assert before + 5 < checkpoint._IMPORTED  # read (this process started before it imported checkpoint) ...
+    run_workers(_started_just_now, 1, (time.time(),))  # ... and read right: of a process of known age, not this one
     for text, made, kept in [("SIGTERM", before, False), (f"SIGTERM {int(launcher) + 1}", before, False),
                              (f"SIGTERM {launcher}", before, True), ("SIGINT", time.time(), True)]:
         monkeypatch.setattr(checkpoint, "_STOP", {"signal": None, "at": None, "said": False})
