@@ -1002,9 +1002,9 @@ def test_long_text_without_spaces_trains_quickly_and_is_encoded_in_bounded_piece
         assert "".join(parts) == sample and max(map(len, parts)) <= prep.TOKENIZER_PIECE_CHARS
     for sample in (text, code):
         assert [t for p in prep.pieces(sample) for t, _ in split(p)] == [t for t, _ in split(sample)]
-    started = time.perf_counter()
+    started = time.process_time()  # CPU time, its threads' too: a loaded machine does not stretch it
     prep.train_tokenizer([blob], 300)
-    took = time.perf_counter() - started
+    took = time.process_time() - started
     assert took < 5, took  # 0.3 s; 20-40 s uncut (the trainer's time grows with the square of a pre-token's length)
     data = write_jsonl(tmp_path / "d.jsonl", [blob, *corpus(60)])
     held_out = write_jsonl(tmp_path / "held_out.jsonl", corpus(20, seed=1))
@@ -2200,11 +2200,11 @@ def test_a_stop_during_an_async_save_waits_for_it_then_saves_its_step(tmp_path, 
         wait_for("step 5", lambda: metrics_rows(tmp_path / "m.jsonl") >= 5, proc)
         for pid in [proc.pid, *descendants(proc.pid)]:
             os.kill(pid, signal.SIGTERM)
-        rows = metrics_rows(tmp_path / "m.jsonl")
-        while True:  # until the job waits: no step for 3 s
-            time.sleep(3)
-            if rows == (rows := metrics_rows(tmp_path / "m.jsonl")):
-                break
+        rows, quiet = metrics_rows(tmp_path / "m.jsonl"), time.monotonic()
+        while time.monotonic() - quiet < 3:  # until the job waits: no step for 3 s
+            time.sleep(0.2)
+            if rows != (rows := metrics_rows(tmp_path / "m.jsonl")):
+                quiet = time.monotonic()
         assert proc.poll() is None and complete_and_partial(tmp_path / "checkpoints") == ([], ["step-00000004.tmp"])
         hold.unlink()
         result = finish(proc)
@@ -2445,7 +2445,7 @@ def test_sigterm_stops_after_the_step_saves_it_and_the_same_command_continues_ex
     # with one line naming the checkpoint (one rank prints the loop's lines, whole). The same command then
     # continues: the losses and evaluations (one a step; the stop came before its step's, done on resuming) of a
     # run never stopped, bit for bit.
-    args = [*TRAIN_ARGS, "--steps", "60", "--eval-every", "1", "--eval-batches", "1", "--data", data_dir,
+    args = [*TRAIN_ARGS, "--steps", "30", "--eval-every", "1", "--eval-batches", "1", "--data", data_dir,
             "--metrics", "m.jsonl"]
     (tmp_path / "stopped").mkdir()
     reference = run_script(2, "train_pipeline_gpipe.py", *args, cwd=(tmp_path / "reference").mkdir() or
@@ -2463,7 +2463,7 @@ def test_sigterm_stops_after_the_step_saves_it_and_the_same_command_continues_ex
     step = int(stopped[1])
     assert result.stderr.count("SIGTERM: stopping after this step, with a checkpoint; again to stop at once") == 1
     rows, _ = read_metrics(tmp_path / "stopped" / "m.jsonl")
-    assert 3 <= step < 60 and [r["step"] for r in rows] == list(range(1, step + 1))
+    assert 3 <= step < 30 and [r["step"] for r in rows] == list(range(1, step + 1))
     assert [e["step"] for e in evaluations(tmp_path / "stopped" / "m.jsonl")] == list(range(1, step))
     assert complete_and_partial(tmp_path / "stopped" / "checkpoints") == ([f"step-{step:08d}"], [])
     result = run_script(2, "train_pipeline_gpipe.py", *args, cwd=tmp_path / "stopped")  # the same command
