@@ -1338,8 +1338,8 @@ def _stale(holder: dict | None, me: dict, path: str) -> bool:
 def _process_start(pid: int) -> str | None:
     """The process's start time (clock ticks since boot), so a reused pid is not mistaken for the holder."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+        with open(f"/proc/{pid}/stat") as f:  # a zombie (ended, not yet waited for; os.kill finds it): "ended"
+            return "ended" if (fields := f.read().rsplit(")", 1)[1].split())[0] == "Z" else fields[19]
     except (OSError, IndexError):
         return None
 

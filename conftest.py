@@ -28,6 +28,7 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
+import filelock  # torch's own dependency
 import numpy as np
 import pytest
 import torch
@@ -72,13 +73,31 @@ def script_env():
     return env
 
 
+def made_once(tmp_path_factory, name: str, make) -> tuple[Path, object]:
+    """make(folder) once in the session, and what it returned (JSON): under pytest-xdist by the first worker that
+    asks, in a folder of the session's (each worker's own is inside it); the others wait for it, then read it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        folder = tmp_path_factory.mktemp(name)
+        return folder, make(folder)
+    root = tmp_path_factory.getbasetemp().parent
+    folder, made = root / name, root / f"{name}.json"
+    with filelock.FileLock(root / f"{name}.lock"):
+        if not made.exists():  # not made, or the worker making it failed (then this one fails alike)
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            made.write_text(json.dumps(make(folder)))
+    return folder, json.loads(made.read_text())
+
+
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory):
     """The builtin corpus prepared once, as `python prepare_data.py` does with no arguments: (folder, result)."""
-    cwd = tmp_path_factory.mktemp("prepared")
-    result = launch(0, "prepare_data.py", cwd=cwd, timeout=600)
-    assert result.returncode == 0, result.stderr
-    return cwd / "data", result
+    def prepare(cwd: Path) -> list:
+        result = launch(0, "prepare_data.py", cwd=cwd, timeout=600)
+        assert result.returncode == 0, result.stderr
+        return [result.args, result.stdout, result.stderr]
+    cwd, (args, out, err) = made_once(tmp_path_factory, "prepared", prepare)
+    return cwd / "data", subprocess.CompletedProcess(args, 0, out, err)
 
 
 @pytest.fixture(scope="session")
@@ -582,12 +601,14 @@ def recorded(directory: Path, script: str) -> list[str]:
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, data_dir):
     """2 stages x 2 replicas, 16 steps, never interrupted; checkpoints after steps 4, 8, 12 written in the
-    background (--async-checkpoint: what resumes from them checks them too), and 16; its calls recorded (calls/)."""
-    directory = tmp_path_factory.mktemp("reference")
-    result = run_script(4, *recorded(directory / "calls", "train_pipeline_gpipe.py"), *RESUME_ARGS, "--dp", "2",
-                        "--checkpoint-every", "4", "--keep-checkpoints", "4", "--async-checkpoint", "--data",
-                        data_dir, "--metrics", "m.jsonl", cwd=directory)
-    assert result.returncode == 0, errors(result.stderr)
+    background (--async-checkpoint: what resumes from them checks them too), and 16; its calls recorded (calls/).
+    Made once for both workers (made_once): the tests only read it, and copy what they resume."""
+    def train(directory: Path) -> None:
+        result = run_script(4, *recorded(directory / "calls", "train_pipeline_gpipe.py"), *RESUME_ARGS, "--dp", "2",
+                            "--checkpoint-every", "4", "--keep-checkpoints", "4", "--async-checkpoint", "--data",
+                            data_dir, "--metrics", "m.jsonl", cwd=directory)
+        assert result.returncode == 0, errors(result.stderr)
+    directory, _ = made_once(tmp_path_factory, "reference", train)
     rows, _ = read_metrics(directory / "m.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 17))
     return directory, rows
@@ -1113,7 +1134,7 @@ def layout_runs(tmp_path_factory, data_dir):
         procs[name] = run_script(nproc, "benchmark.py", "measure-memory", str(tmp_path / f"{name}.json"),
                                  str(ROOT / script), *args, cwd=tmp_path, wait=False)
     for name, proc in procs.items():
-        result = finish(proc, timeout=400)
+        result = finish(proc, timeout=900)  # a hang's limit; all these runs share the CPUs at once
         assert result.returncode == 0, (name, errors(result.stderr))
         rows, (summary,) = read_metrics(tmp_path / name / "m.jsonl")
         runs[name] = rows, summary, result.stdout, json.loads((tmp_path / f"{name}.json").read_text()), result.stderr
@@ -1146,7 +1167,7 @@ def document_runs(tmp_path_factory):
                                  "--eval-batches", "1", "--data", data, "--metrics", f"{name}.jsonl",
                                  "--checkpoint-dir", name, cwd=tmp_path, wait=False)
     for name, proc in procs.items():
-        result = finish(proc, timeout=400)
+        result = finish(proc, timeout=900)  # a hang's limit; all these runs share the CPUs at once
         assert result.returncode == 0, (name, errors(result.stderr))
         lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         runs[name] = [r for r in lines if "loss" in r], [r["eval"] for r in lines if "eval" in r]
@@ -1192,8 +1213,14 @@ def read_only_dir(tmp_path):
 
 # -- Two workers, `pytest -n 2 --dist loadgroup` (pytest-xdist: requirements-dev.txt): the tests that share a
 # module fixture (the parity launches, the layout runs, ...) are one group, run by one worker that computes it once.
-# Not reference_run's 14 tests, a third of the suite's time: each worker makes that 16-step run (25 s) itself.
+# Not reference_run's 21 tests, a third of the suite's time: the first worker that needs that 16-step run (25 s)
+# makes it for both (made_once), as the data.
 SHARED_FIXTURES = ("parity_run", "layout_runs", "document_runs", "hf_models", "tokenizer_file", "startup_runs")
+
+
+def pytest_configure(config):
+    """xdist_group known without xdist too (`pytest -p no:xdist`, or xdist not installed): no warning."""
+    config.addinivalue_line("markers", "xdist_group(name): tests that one xdist worker runs (--dist loadgroup)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which adds the group to the test's id (after it: none)

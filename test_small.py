@@ -1002,9 +1002,9 @@ def test_long_text_without_spaces_trains_quickly_and_is_encoded_in_bounded_piece
         assert "".join(parts) == sample and max(map(len, parts)) <= prep.TOKENIZER_PIECE_CHARS
     for sample in (text, code):
         assert [t for p in prep.pieces(sample) for t, _ in split(p)] == [t for t, _ in split(sample)]
-    started = time.perf_counter()
+    started = time.process_time()  # CPU time, its threads' too: a loaded machine does not stretch it
     prep.train_tokenizer([blob], 300)
-    took = time.perf_counter() - started
+    took = time.process_time() - started
     assert took < 5, took  # 0.3 s; 20-40 s uncut (the trainer's time grows with the square of a pre-token's length)
     data = write_jsonl(tmp_path / "d.jsonl", [blob, *corpus(60)])
     held_out = write_jsonl(tmp_path / "held_out.jsonl", corpus(20, seed=1))
@@ -1658,7 +1658,7 @@ def test_bf16_trains_as_fp32_does_within_bf16s_rounding_at_any_layout(tmp_path, 
                               wait=False) for name, (nproc, script, extra, _) in BF16_RUNS.items()}
     rows = {"fp32": layout_runs[0]["gpipe1"][0]}
     for name, proc in procs.items():
-        result = finish(proc, timeout=400)
+        result = finish(proc, timeout=900)  # a hang's limit; all these runs share the CPUs at once
         assert result.returncode == 0, (name, errors(result.stderr))
         assert "cpu bfloat16" in result.stdout, (name, result.stdout)
         rows[name], _ = read_metrics(tmp_path / f"{name}.jsonl")
@@ -2173,8 +2173,8 @@ def test_training_goes_on_while_an_async_save_is_written_and_a_kill_then_resumes
         ranks = descendants(proc.pid)
         kill_job(proc)
         proc.communicate()
-    deadline = time.monotonic() + 30  # a killed rank holds the run lock until it is gone (reaped)
-    while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30  # a killed rank holds the run lock until the SIGKILL takes effect (a zombie: not)
+    while any(map(running, ranks)) and time.monotonic() < deadline:
         time.sleep(0.05)
     result = run_script(4, "train_pipeline_gpipe.py", *args, cwd=tmp_path)  # the same command
     assert result.returncode == 0, errors(result.stderr)
@@ -2199,11 +2199,11 @@ def test_a_stop_during_an_async_save_waits_for_it_then_saves_its_step(tmp_path, 
         wait_for("step 5", lambda: metrics_rows(tmp_path / "m.jsonl") >= 5, proc)
         for pid in [proc.pid, *descendants(proc.pid)]:
             os.kill(pid, signal.SIGTERM)
-        rows = metrics_rows(tmp_path / "m.jsonl")
-        while True:  # until the job waits: no step for 3 s
-            time.sleep(3)
-            if rows == (rows := metrics_rows(tmp_path / "m.jsonl")):
-                break
+        rows, quiet = metrics_rows(tmp_path / "m.jsonl"), time.monotonic()
+        while time.monotonic() - quiet < 3:  # until the job waits: no step for 3 s
+            time.sleep(0.2)
+            if rows != (rows := metrics_rows(tmp_path / "m.jsonl")):
+                quiet = time.monotonic()
         assert proc.poll() is None and complete_and_partial(tmp_path / "checkpoints") == ([], ["step-00000004.tmp"])
         hold.unlink()
         result = finish(proc)
@@ -2212,7 +2212,10 @@ def test_a_stop_during_an_async_save_waits_for_it_then_saves_its_step(tmp_path, 
     assert result.returncode == 0, errors(result.stderr)
     stopped = re.search(r"^stopped by SIGTERM after step (\d+), saved in checkpoints/step-(\d+); the same command "
                         r"continues the run$", result.stdout, re.M)
-    assert stopped and int(stopped[1]) == int(stopped[2]) == rows, result.stdout
+    # The step it stopped after is the last one trained (on a loaded machine, one may have taken longer than 3 s).
+    trained = read_metrics(tmp_path / "m.jsonl")[0][-1]["step"]
+    assert stopped and int(stopped[1]) == int(stopped[2]) == trained >= rows, result.stdout
+    rows = int(stopped[1])
     assert "saved checkpoints/step-00000004\n" in result.stdout
     saved = ["step-00000004", *(["step-00000008"] if rows > 8 else []), f"step-{rows:08d}"]
     assert complete_and_partial(tmp_path / "checkpoints") == (saved, [])
@@ -2441,7 +2444,7 @@ def test_sigterm_stops_after_the_step_saves_it_and_the_same_command_continues_ex
     # with one line naming the checkpoint (one rank prints the loop's lines, whole). The same command then
     # continues: the losses and evaluations (one a step; the stop came before its step's, done on resuming) of a
     # run never stopped, bit for bit.
-    args = [*TRAIN_ARGS, "--steps", "60", "--eval-every", "1", "--eval-batches", "1", "--data", data_dir,
+    args = [*TRAIN_ARGS, "--steps", "30", "--eval-every", "1", "--eval-batches", "1", "--data", data_dir,
             "--metrics", "m.jsonl"]
     (tmp_path / "stopped").mkdir()
     reference = run_script(2, "train_pipeline_gpipe.py", *args, cwd=(tmp_path / "reference").mkdir() or
@@ -2459,7 +2462,7 @@ def test_sigterm_stops_after_the_step_saves_it_and_the_same_command_continues_ex
     step = int(stopped[1])
     assert result.stderr.count("SIGTERM: stopping after this step, with a checkpoint; again to stop at once") == 1
     rows, _ = read_metrics(tmp_path / "stopped" / "m.jsonl")
-    assert 3 <= step < 60 and [r["step"] for r in rows] == list(range(1, step + 1))
+    assert 3 <= step < 30 and [r["step"] for r in rows] == list(range(1, step + 1))
     assert [e["step"] for e in evaluations(tmp_path / "stopped" / "m.jsonl")] == list(range(1, step))
     assert complete_and_partial(tmp_path / "stopped" / "checkpoints") == ([f"step-{step:08d}"], [])
     result = run_script(2, "train_pipeline_gpipe.py", *args, cwd=tmp_path / "stopped")  # the same command
@@ -2487,6 +2490,12 @@ def test_a_stop_asked_while_the_job_starts_stops_it_after_its_first_step(tmp_pat
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000001"]  # lock released
 
 
+def _started_just_now(rank: int, forked_at: float) -> None:
+    """In a process forked from the server after forked_at: its start, read from /proc, is just now (btime is
+    whole: up to 1 s early; the start in clock ticks)."""
+    assert forked_at - 1.02 < checkpoint._started_at.__wrapped__() <= time.time()
+
+
 def launcher_of_this_process() -> str:
     """The pid of the process that started this one's parent: where run.sh stands to a training process."""
     return Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[1]
@@ -2502,7 +2511,8 @@ def test_a_stop_file_of_another_run_is_no_request_and_a_status_file_of_another_l
     monkeypatch.setenv("PIPELINE_STOP_FILE", str(stop))
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     before = checkpoint._started_at() - 5
-    assert time.time() - 600 < before < time.time()  # this process's start, read
+    assert before + 5 < checkpoint._IMPORTED  # read (this process started before it imported checkpoint) ...
+    run_workers(_started_just_now, 1, (time.time(),))  # ... and read right: of a process of known age, not this one
     for text, made, kept in [("SIGTERM", before, False), (f"SIGTERM {int(launcher) + 1}", before, False),
                              (f"SIGTERM {launcher}", before, True), ("SIGINT", time.time(), True)]:
         monkeypatch.setattr(checkpoint, "_STOP", {"signal": None, "at": None, "said": False})
@@ -2730,8 +2740,9 @@ def test_dead_rank_with_max_restarts_resumes_and_finishes_and_fresh_acts_once(tm
 
 
 def test_a_hung_peer_stops_the_job_after_the_timeout(tmp_path, data_dir):
-    # Ranks started by hand, so nothing but --timeout can stop the waiting ones.
-    procs = launch_ranks(3, "train_pipeline_gpipe.py", *RESUME_ARGS, "--steps", "1000", "--timeout", "3",
+    # Ranks started by hand, so nothing but --timeout can stop the waiting ones. 10 s: every wait of a rank is held
+    # to it, from meeting the others (each importing torch) to a peer's fsync on a busy disk, not only the hang's.
+    procs = launch_ranks(3, "train_pipeline_gpipe.py", *RESUME_ARGS, "--steps", "1000", "--timeout", "10",
                          "--data", data_dir, "--metrics", "m.jsonl", cwd=tmp_path)
     while not (tmp_path / "m.jsonl").is_file() or not (tmp_path / "m.jsonl").read_text():
         assert all(p.poll() is None for p in procs), [finish(p).stderr[-2000:] for p in procs]
@@ -2805,7 +2816,7 @@ def test_a_rank_stopped_on_an_error_aborts_its_process_group_and_ends_at_once(tm
     assert zero["status"] == 1 and zero_err.startswith("error: lost contact with another rank (")
     assert len(zero_err.splitlines()) == 1, zero_err
     assert zero["teardowns"] == one["teardowns"] == ["_abort_process_group"]
-    assert one["seconds"] < 10 and zero["seconds"] < 10, (one, zero)  # not the 20 s timeout: the peer's exit ends it
+    assert one["seconds"] < 20 and zero["seconds"] < 20, (one, zero)  # before the 20 s timeout: the peer's exit ends it
     for result, err in results[False]:
         assert (result["status"], result["teardowns"], err) == (0, ["destroy_process_group"], "")
     # The flight recorder's settings: dumps beside the checkpoints; a user's own kept, under either of torch's names.
@@ -3266,10 +3277,10 @@ def test_a_launch_on_another_host_leaves_a_live_runs_lock_alone(tmp_path, data_d
     args = [*TRAIN_ARGS, "--layers", "2", "--steps", "10000", "--data", data_dir, "--checkpoint-dir", "ckpt"]
     live = plain_torchrun(1, *args, cwd=tmp_path, wait=False)
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "ckpt" / "run.lock").exists() and live.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        holder = json.loads((tmp_path / "ckpt" / "run.lock").read_text())
+        deadline, lock = time.monotonic() + 120, str(tmp_path / "ckpt" / "run.lock")
+        while not (holder := checkpoint._read_lock(lock)) and live.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # the run creates the file, then writes it: read once written
+        assert holder, "the run never took its lock"
         other = plain_torchrun(1, *args, cwd=tmp_path, timeout=90, prefix=["unshare", "--uts", "sh", "-c",
                                                                             'hostname other-host && exec "$@"', "sh"])
         assert other.returncode == 1, errors(other.stderr)
@@ -3292,8 +3303,10 @@ def test_a_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path, monkeypatch)
     lock = checkpoint.RunLock.acquire(str(tmp_path))
     assert json.loads(lock_file.read_text())["pid"] == os.getpid()
     os.utime(lock_file, (stale, stale))
-    time.sleep(0.5)
-    assert time.time() - lock_file.stat().st_mtime < checkpoint.STALE_SECONDS  # the holder's heartbeat
+    deadline = time.monotonic() + 30  # the holder's heartbeat (a thread: on a loaded machine, not at once)
+    while time.time() - lock_file.stat().st_mtime >= checkpoint.STALE_SECONDS and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert time.time() - lock_file.stat().st_mtime < checkpoint.STALE_SECONDS
     lock.release()
     assert not lock_file.exists()
     # On another host, an earlier attempt of this job (one of its node launches the same) is taken over at once;
@@ -3310,6 +3323,16 @@ def test_a_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path, monkeypatch)
     with pytest.raises(checkpoint.UsageError, match=f"another run is using it \\(pid {os.getpid()}"):
         checkpoint.RunLock.acquire(str(tmp_path), ["node0-launch"])
     live.release()
+    # A holder killed a moment ago, not yet waited for by its parent: a zombie, which os.kill still finds, is gone.
+    holder = subprocess.Popen(["sleep", "60"])
+    lock_file.write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid, "started": "2026-01-01 00:00:00",
+                                     "pid_started": checkpoint._process_start(holder.pid)}))
+    holder.kill()
+    deadline = time.monotonic() + 30  # a SIGKILL takes effect a moment after kill() returns
+    while running(holder.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    checkpoint.RunLock.acquire(str(tmp_path)).release()
+    assert holder.wait() == -signal.SIGKILL and not lock_file.exists()
 
 
 def test_resume_refuses_changed_flags_and_touches_nothing(tmp_path, data_dir, reference_run):
@@ -5036,9 +5059,9 @@ def test_a_llama_3_70b_config_json_plans_and_searches_as_the_preset_does(tmp_pat
     out = capsys.readouterr().out
     assert "plan: 80 layers, hidden 8192, vocab 128256, 64 processes = 8 pipeline x 1 data x 8 tensor" in out
     assert len(report["ranks"]) == 8 and set(report["schedules"]) >= {"gpipe", "1f1b", "interleaved1f1b"}
-    started = time.perf_counter()
+    started = time.thread_time()  # the search's CPU time (it runs in this thread): not stretched by a loaded machine
     best = plan.main([*common, "--gpus", "64", "--gpus-per-node", "8", "--gpu-memory", "80"])
-    took = time.perf_counter() - started
+    took = time.thread_time() - started
     assert took < 30, took  # 7 s alone on this 2-core machine; the issue asks for under 10
     out = capsys.readouterr().out
     assert re.match(r"\d+ layouts of 80 layers \(hidden 8192, vocab 128256\) on 64 GPUs", out) and len(best) == 5
@@ -5697,9 +5720,13 @@ def test_two_nodes_train_like_one_node(tmp_path, data_dir):
 
 
 def signal_pending(pid: int, signum: int) -> bool:
-    """Whether the signal waits to be handled by a process (one stopped, say), read from /proc."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    return bool(int(re.search(r"^ShdPnd:\s*([0-9a-f]+)", status, re.M)[1], 16) >> (signum - 1) & 1)
+    """Whether the signal waits to be handled by a process (one stopped, say), read from /proc; none waits for a
+    process that is gone (it may end at any moment: its /proc entry goes, or lists no signals)."""
+    try:
+        pending = re.search(r"^ShdPnd:\s*([0-9a-f]+)", Path(f"/proc/{pid}/status").read_text(), re.M)
+    except OSError:
+        return False
+    return bool(pending and int(pending[1], 16) >> (signum - 1) & 1)
 
 
 def wait_for(what: str, found, proc, seconds: float = 240) -> None:
@@ -5726,17 +5753,22 @@ def test_an_elastic_job_goes_on_without_a_lost_node_and_takes_it_back(tmp_path, 
     args = [*RESUME_ARGS, "--dp", "2", "--checkpoint-every", "2", "--data", data_dir, "--checkpoint-dir", ckpt,
             "--metrics", tmp_path / "shared" / "m.jsonl", *flags]
     # The restart waits 3 s for more nodes after the first (torchrun's default: 30). run.sh's own rendezvous id.
+    # The first node hosts the rendezvous (it must survive); the others only join it (is_host: on one machine, the
+    # first to start would host it, and that need not be the first launched).
     node = dict(NNODES="1:2", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RDZV_CONF="last_call_timeout=3")
+    joins = dict(node, RDZV_CONF="last_call_timeout=3,is_host=false")
     first = run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "first", NPROC_PER_NODE=nodes[0], **node)
     jobs = [first]
     try:  # a failure leaves no job behind, stopped processes included
-        time.sleep(1)  # the first node hosts the rendezvous: it must survive
         jobs.append(run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "second",
-                           NPROC_PER_NODE=nodes[1], **node))
+                           NPROC_PER_NODE=nodes[1], **joins))
         wait_for("step-6 checkpoint", lambda: (ckpt / "step-00000006").is_dir(), first)
         kill_job(jobs[1])
         if script == SCRIPT:
-            wait_for("restart on 2 processes", lambda: "resumed from" in lines_of(tmp_path / "first.out"), first)
+            # Resumed (the lock taken) after this restart's layout line: an earlier "resumed from" may be another
+            # restart's (the second node joined late, say).
+            wait_for("restart on 2 processes", lambda: "resumed from" in lines_of(tmp_path / "first.out").partition(
+                "4 processes -> 2: ")[2], first)
             torchrun = worker_pids(first.pid)[0]
             workers = worker_pids(torchrun)
             for pid in workers:  # held, so that the job is still running when the others start
@@ -5751,13 +5783,15 @@ def test_an_elastic_job_goes_on_without_a_lost_node_and_takes_it_back(tmp_path, 
                 f"started {holder['started']}); wait for it to finish or choose another --checkpoint-dir (if that "
                 f"run is gone, delete {ckpt / 'run.lock'}) (found on rank 0)"], other.stderr[-3000:]
             jobs.append(run_sh(script, *args, cwd=tmp_path, wait=False, log=tmp_path / "back", NPROC_PER_NODE=2,
-                               **node))
+                               **joins))
             # torchrun sees the node waiting to join and stops the workers to restart them all: a SIGTERM they get
-            # once running again (they finish their step, save, exit 0; then all 4 processes start).
-            wait_for("the node coming back", lambda: all(signal_pending(pid, signal.SIGTERM) for pid in workers),
-                     first)
+            # once running again (they finish their step, save, exit 0; then all 4 processes start). A worker gone
+            # (torchrun's own kill) is waited for no more.
+            wait_for("the node coming back", lambda: all(signal_pending(pid, signal.SIGTERM) or not running(pid)
+                                                         for pid in workers), first)
             for pid in workers:
-                os.kill(pid, signal.SIGCONT)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
         for proc in [first, *jobs[2:]]:
             result = finish(proc)
             assert result.returncode == 0, errors(result.stderr)
