@@ -168,8 +168,7 @@ def save(checkpoint_dir: str, step: int, model, optimizer, meta: dict, rank: int
         if background is None:
             dcp.save(state, checkpoint_id=tmp)  # writes and fsyncs this rank's shard
         else:  # the copy is taken before async_save returns, so the next step may change the state
-            written = dcp.async_save(state, checkpoint_id=tmp, process_group=background[0],
-                                     async_stager=background[1])
+            written = dcp.async_save(state, checkpoint_id=tmp, process_group=background[0], async_stager=background[1])
     return _complete(tmp, meta, rank, keep, tokenizer_dir) if background is None else (written, tmp, meta)
 
 
@@ -310,15 +309,11 @@ def load_dcp(state: dict, path: str, flag: str, no_dist: bool = False) -> None:
 
 def source_config(source: str, args) -> tuple[LlamaConfig, str]:
     """The model of --init-from (Hugging Face, a checkpoint, or a run's newest) and the path read."""
-    path = source
-    if is_hf_dir(source):
-        config = read_hf_config(source)
-    elif os.path.isdir(source):
-        path = resolve(source, "--init-from")
-        config = LlamaConfig(**read_meta(path, "--init-from")["config"])
-    else:
+    if not os.path.isdir(source):
         raise UsageError(f"--init-from {source}: not a directory; give a Hugging Face model directory "
                          "(config.json + *.safetensors) or a checkpoint of this project")
+    path = source if is_hf_dir(source) else resolve(source, "--init-from")
+    config = read_hf_config(path) if is_hf_dir(source) else LlamaConfig(**read_meta(path, "--init-from")["config"])
     for flag, value in (("--model", args.model), ("--layers", args.layers)):
         if value is not None and (flag == "--model" or value != config.num_hidden_layers):
             raise UsageError(f"{flag} {value}: the model's shape comes from {path} "
@@ -391,12 +386,10 @@ def _hf_request(path: str, state: dict, config: LlamaConfig) -> dict[str, str]:
         key = hf_name(name)
         if key not in available and name == HEAD and config.tie_word_embeddings:
             key = hf_name(EMBED)
-        if key not in available:
-            raise UsageError(f"--init-from {path}: no tensor {key} in its safetensors files; is it the Llama "
-                             "checkpoint that config.json describes?")
-        if available[key] != list(state[name].shape):  # DCP would fail on every rank, in a traceback
-            raise UsageError(f"--init-from {path}: its tensor {key} is {available[key]}, config.json makes it "
-                             f"{list(state[name].shape)}; is it the Llama checkpoint that config.json describes?")
+        if available.get(key) != list(state[name].shape):  # else DCP would fail on every rank, in a traceback
+            found = (f"its tensor {key} is {available[key]}, config.json makes it {list(state[name].shape)}"
+                     if key in available else f"no tensor {key} in its safetensors files")
+            raise UsageError(f"--init-from {path}: {found}; is it the Llama checkpoint that config.json describes?")
         request[name] = key
     return request
 
@@ -578,8 +571,6 @@ def read_tokenizer(directory: str, flag: str) -> dict:
     return tokenizer
 
 
-# The restricted reader of DCP's index (.metadata), behind read_index
-
 def read_index(file: str) -> Metadata:
     """DCP's index, a pickle, read by pickle's pure-Python unpickler restricted to what DCP writes, its memo
     a dict (the C one allocates up to the slot a file names: 9 bytes took 2 GiB). Why: docs/checkpoints.md."""
@@ -604,12 +595,11 @@ def read_index(file: str) -> Metadata:
 
 def _enum_member(cls, name: str):
     # getattr(cls, name), as Python 3.11.2 pickles an enum member, for DCP's memory-format enum only.
-    if cls is _MEM_FORMAT and isinstance(name, str) and name in cls.__members__:
+    if cls is dcp_metadata._MEM_FORMAT_ENCODING and isinstance(name, str) and name in cls.__members__:
         return cls[name]
     raise pickle.UnpicklingError(f"it asks for getattr({cls!r}, {name!r}), which a checkpoint never contains")
 
 
-_MEM_FORMAT = dcp_metadata._MEM_FORMAT_ENCODING
 _INDEX_GLOBALS = {
     **{("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name) for name in (
         "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
@@ -621,8 +611,7 @@ _INDEX_GLOBALS = {
     # checkpoint_id, when DCP was given a path; Python 3.13 pickles it from pathlib._local.
     **{(module, name): getattr(pathlib, name) for module in ("pathlib", "pathlib._local")
        for name in ("PosixPath", "PurePosixPath")},
-    ("builtins", "getattr"): _enum_member,
-}
+    ("builtins", "getattr"): _enum_member}
 # BUILD's state for each dataclass: the names of its fields (TensorProperties: the 5-tuple of its __setstate__).
 _BUILDS = {cls: {f.name for f in dataclasses.fields(cls)} for cls in (
     Metadata, dcp_metadata.StorageMeta, dcp_metadata.MetadataIndex, dcp_metadata.TensorStorageMetadata,
@@ -646,10 +635,8 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python one: its opcodes
 
     def load_build(self):
         inst, state = self.stack[-2], self.stack[-1]
-        if type(inst) is dcp_metadata.TensorProperties:
-            ok = type(state) is tuple and len(state) == 5
-        else:
-            ok = type(state) is dict and all(type(k) is str and k in _BUILDS.get(type(inst), ()) for k in state)
+        ok = (type(state) is tuple and len(state) == 5) if type(inst) is dcp_metadata.TensorProperties else (
+            type(state) is dict and all(type(k) is str and k in _BUILDS.get(type(inst), ()) for k in state))
         if not ok:  # type(), not isinstance: a class is never an instance of the classes above
             target = f"the class {inst.__name__}" if isinstance(inst, type) else f"a {type(inst).__name__}"
             raise pickle.UnpicklingError(f"it sets {shown(state)} on {target}, which a checkpoint never does")
@@ -670,8 +657,7 @@ class _SafeReader(FileSystemReader):
     # No **kwargs: DCP would then fall back to a rank's own __N.metadata, which no checkpoint here holds.
     def read_metadata(self) -> Metadata:
         metadata = read_index(self._get_metadata_path())
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta = metadata.storage_meta or dcp_metadata.StorageMeta()  # read_index: one, or None
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -719,10 +705,9 @@ class Run:
 
     def preset_model(self) -> bool:
         """Whether the model's shape is --model's; False while a damaged checkpoint hides it (reported later)."""
-        try:
+        with contextlib.suppress(UsageError):
             return self.source() is None
-        except UsageError:
-            return False
+        return False
 
     def relayout(self, stages_per_rank: int) -> tuple[int, str]:
         """The --dp and --split this attempt runs at: the flags', or a layout of the same run that fits the processes
@@ -798,8 +783,7 @@ class Run:
         with collective_errors():
             meta = check_same_run(args, path, self.data["data_id"], self.saved(), config)
             verify_files(path, meta)
-            # The scripts' Batches hold (tokens - 1) // --seq-len windows a file; a position past them is no run's.
-            windows = sum((tokens - 1) // args.seq_len for tokens in self.data["train"]["tokens"])
+            windows = sum((tokens - 1) // args.seq_len for tokens in self.data["train"]["tokens"])  # as Batches counts
             if meta.get("data") is not None and meta["data"]["index"] > windows:
                 raise bad_checkpoint("--checkpoint-dir", path, f"its meta.json's data index {meta['data']['index']}"
                                                                f" is past the {windows} windows of --data")
@@ -824,9 +808,8 @@ class Run:
         return meta["step"], meta.get("data")
 
     def save_if_due(self, step: int, position: dict, stop: str | None) -> str | None:
-        """Save what resume took every --checkpoint-every steps, at the end and on a stop (the signal that asked),
-        with the data loader's position; what to say of the checkpoints completed. Collective.
-        --async-checkpoint: docs/checkpoints.md."""
+        """Save what resume took every --checkpoint-every steps, at the end and on a stop (the signal that asked), with
+        the data loader's position (--async-checkpoint: docs/checkpoints.md); what to say of those saved. Collective."""
         args, (model, optimizer, config) = self.args, self.trained
         last = step == args.steps or stop is not None
         due = last or (args.checkpoint_every and step % args.checkpoint_every == 0)
@@ -848,11 +831,9 @@ class Run:
 
     def finish_save(self, wait: bool) -> str | None:
         """Complete the save in flight once every rank wrote its files (not wait: only if they have). Collective."""
-        if self.in_flight is None:
+        if self.in_flight is None or (not wait and max_over_ranks(not self.in_flight[0].done())):
             return None
         written, tmp, meta = self.in_flight
-        if not wait and max_over_ranks(not written.done()):
-            return None
         self.in_flight = None
         with _saving(tmp, self.rank):
             written.result()  # DCP raises a rank's failure on every rank
@@ -894,10 +875,9 @@ def check_same_run(args, path: str, data_id: str, meta: dict, config: LlamaConfi
 def _set_aside(checkpoint_dir: str, job: list[str], say=print) -> None:
     """--fresh: move what checkpoint_dir holds to DIR.previous-TIME but the lock and this job's checkpoints."""
     def saved_by_this_job(name: str) -> bool:
-        try:
+        with contextlib.suppress(UsageError):  # damaged: nothing to resume
             return same_job(read_meta(os.path.join(checkpoint_dir, name)).get("job"), job)
-        except UsageError:
-            return False  # damaged: nothing to resume
+        return False
     complete = {os.path.basename(path) for path in complete_checkpoints(checkpoint_dir)}
     entries = [name for name in os.listdir(checkpoint_dir)
                if name != LOCK_NAME and not (name in complete and saved_by_this_job(name))]
@@ -1135,10 +1115,9 @@ def whole(minimum: int):  # argparse type: a whole number >= minimum
 
 def number(positive: bool, maximum: float = math.inf, unit: str = ""):  # argparse type: a finite number > 0
     def parse(text):  # (positive) or >= 0, up to maximum
-        try:
+        value = math.nan  # not a number: refused below
+        with contextlib.suppress(ValueError):
             value = float(text)
-        except ValueError:
-            value = math.nan
         if not math.isfinite(value) or value < 0 or (positive and value == 0) or value > maximum:
             raise argparse.ArgumentTypeError(f"must be a finite {'positive' if positive else 'non-negative'} "
                                              f"number{f' up to {maximum:g}{unit}' * (maximum < math.inf)}, got {text}")
@@ -1158,23 +1137,20 @@ def checkpointing(text):  # argparse type of --activation-checkpointing: a SPEC 
 
 
 class ScheduleChoices(list):
-    """--schedule's choices for argparse: the names listed, and any FILE.csv (an order: read_order) where FILE.csv is
-    listed. An order plan.py generates (GENERATED_ORDERS), or a FILE.csv where none is read, is refused in one line
-    that points to plan.py --write-schedule (argparse reports an ArgumentError that `in` raises as it is)."""
+    """--schedule's choices for argparse: those listed, and any FILE.csv (an order: read_order) where FILE.csv is; an
+    order plan.py generates (GENERATED_ORDERS), or a FILE.csv where none is read: one line pointing to plan.py."""
 
     def __contains__(self, value) -> bool:
-        is_file, files = str(value).lower().endswith(".csv"), super().__contains__("FILE.csv")
-        if super().__contains__(value) or (is_file and files):
+        name, files = str(value).lower(), super().__contains__("FILE.csv")
+        if super().__contains__(value) or (name.endswith(".csv") and files):
             return True
-        name, elsewhere = str(value).lower(), "" if files else " to train_pipeline_gpipe.py or train_pipeline_tracer.py"
-        if name in GENERATED_ORDERS:
-            raise argparse.ArgumentError(None, f"argument --schedule: {value} is an order plan.py generates: write it "
-                                               f"with plan.py --schedule {name} --write-schedule {name}.csv (and the "
-                                               f"run's flags), then give --schedule {name}.csv{elsewhere}")
-        if is_file:
-            raise argparse.ArgumentError(None, f"argument --schedule: {value}: this script runs {' or '.join(self)}; "
-                                               f"give an order from a file (plan.py --write-schedule){elsewhere}")
-        return False
+        if name not in GENERATED_ORDERS and not name.endswith(".csv"):
+            return False
+        why = (f"{value} is an order plan.py generates: write it with plan.py --schedule {name} --write-schedule "
+               f"{name}.csv (and the run's flags), then give --schedule {name}.csv" if name in GENERATED_ORDERS else
+               f"{value}: this script runs {' or '.join(self)}; give an order from a file (plan.py --write-schedule)")
+        elsewhere = "" if files else " to train_pipeline_gpipe.py or train_pipeline_tracer.py"
+        raise argparse.ArgumentError(None, f"argument --schedule: {why}{elsewhere}")  # argparse reports it as it is
 
 
 GENERATED_ORDERS = ("zbh2", "zb1p", "zb2p", "zbvauto")  # plan.GENERATED's names (a test keeps them the same)
@@ -1247,9 +1223,7 @@ def check_output(flag: str, path: str, directory: bool, lock_token: str | None =
 
 # The lock: one run per checkpoint directory; when a killed run's lock is taken over (its holder gone, an earlier
 # attempt of this job, or silent for STALE_SECONDS): docs/checkpoints.md#one-run-per-checkpoint-directory.
-LOCK_NAME = "run.lock"
-HEARTBEAT_SECONDS = 10
-STALE_SECONDS = 60
+LOCK_NAME, HEARTBEAT_SECONDS, STALE_SECONDS = "run.lock", 10, 60
 
 
 class RunLock:
