@@ -579,6 +579,18 @@ def recorded(directory: Path, script: str) -> list[str]:
     return ["nccl_rules.py", "record", str(directory), str(ROOT / script)]
 
 
+def replayed(directory: Path, processes: int, steps: int | None = None) -> None:
+    """A whole run's recording (recorded): a file per rank, each with calls, and given steps, the host's
+    synchronize at both ends of each training step (model.synchronize); replayed under NCCL's rules."""
+    recordings = nccl_rules.load(directory)
+    assert [r["rank"] for r in recordings] == list(range(processes)), directory
+    for recording in recordings:
+        assert any("op" in e for e in recording["events"]), (directory, recording["rank"])
+        synced = sum(e.get("sync") == "device" for e in recording["events"])
+        assert steps is None or synced == 2 * steps, (directory, recording["rank"], synced)
+    nccl_rules.check(recordings)
+
+
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, data_dir):
     """2 stages x 2 replicas, 16 steps, never interrupted; checkpoints after steps 4, 8, 12 written in the
@@ -1105,13 +1117,15 @@ LAYOUT_RUNS = {
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory, data_dir):
     """5 steps of every layout in LAYOUT_RUNS, at once, each under benchmark.py measure-memory (the bytes each rank
-    holds: activations at their peak, parameters, gradients, AdamW state): {name: (rows, summary, stdout,
-    memory, stderr)}, and the folder they ran in."""
+    holds: activations at their peak, parameters, gradients, AdamW state), those of several processes with their
+    calls recorded (NAME/calls: recorded): {name: (rows, summary, stdout, memory, stderr)}, and the folder they
+    ran in."""
     tmp_path, procs, runs = tmp_path_factory.mktemp("layouts"), {}, {}
     for name, (nproc, script, extra) in LAYOUT_RUNS.items():
         args = [*TRAIN_ARGS, *extra, "--data", data_dir, "--metrics", str(tmp_path / name / "m.jsonl"),
                 "--checkpoint-dir", str(tmp_path / name / "ckpt")]
-        procs[name] = run_script(nproc, "benchmark.py", "measure-memory", str(tmp_path / f"{name}.json"),
+        tool = recorded(tmp_path / name / "calls", "benchmark.py") if nproc else ["benchmark.py"]
+        procs[name] = run_script(nproc, *tool, "measure-memory", str(tmp_path / f"{name}.json"),
                                  str(ROOT / script), *args, cwd=tmp_path, wait=False)
     for name, proc in procs.items():
         result = finish(proc, timeout=400)
@@ -1139,11 +1153,13 @@ DOCUMENT_RUNS = {  # name: (processes (0: plain python), script, flags), on shor
 @pytest.fixture(scope="module")
 def document_runs(tmp_path_factory):
     """5 steps and an evaluation of every run in DOCUMENT_RUNS, at once, on documents of about 35 tokens (a window
-    of 33 holds one or two boundaries): {name: (rows, evaluations)}."""
+    of 33 holds one or two boundaries), those of several processes with their calls recorded (in NAME.calls):
+    {name: (rows, evaluations)}, and the folder they ran in."""
     tmp_path, procs, runs = tmp_path_factory.mktemp("documents"), {}, {}
     data = prepare_small(tmp_path / "data")
     for name, (nproc, script, extra) in DOCUMENT_RUNS.items():
-        procs[name] = run_script(nproc, script, *TRAIN_ARGS, *extra, "--eval-every", "5",
+        tool = recorded(tmp_path / f"{name}.calls", script) if nproc else [script]
+        procs[name] = run_script(nproc, *tool, *TRAIN_ARGS, *extra, "--eval-every", "5",
                                  "--eval-batches", "1", "--data", data, "--metrics", f"{name}.jsonl",
                                  "--checkpoint-dir", name, cwd=tmp_path, wait=False)
     for name, proc in procs.items():
@@ -1151,7 +1167,7 @@ def document_runs(tmp_path_factory):
         assert result.returncode == 0, (name, errors(result.stderr))
         lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         runs[name] = [r for r in lines if "loss" in r], [r["eval"] for r in lines if "eval" in r]
-    return runs
+    return runs, tmp_path
 
 
 def prepare_small(out: Path, documents: int = 600, tokenizer=None, seed: int = 0, vocab_size: int = 300) -> Path:
