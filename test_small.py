@@ -3689,8 +3689,10 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
     runs = {  # name: (processes, script, flags)
         "one": (0, "train_pipeline_gpipe.py", train),
         "gpipe3": (3, "train_pipeline_gpipe.py", train),
-        # 2 stages x tp 2: each tensor-parallel rank pairs its rows of the embedding with the head's
-        "manual2xtp2": (4, "train_pipeline_afab_manual.py", [*train, "--schedule", "1f1b", "--tp", "2"]),
+        # 2 stages x tp 2: each tensor-parallel rank pairs its rows of the embedding with the head's; each step
+        # in 2 schedule steps (--accumulate), the evaluations too
+        "manual2xtp2": (4, "train_pipeline_afab_manual.py", [*train, "--schedule", "1f1b", "--tp", "2",
+                                                             "--accumulate", "2"]),
         # 4 stages in a V: the evaluations run the script's own forward pass (torch's eval() fails there)
         "tracer2": (2, "train_pipeline_tracer.py", [*train, "--schedule", "zbvzerobubble"]),
         # one stage, dp 2 x tp 2: the head is the embedding's one tensor, built on meta, sharded by FSDP2 over tp
@@ -3698,14 +3700,17 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
         "eval_one": (0, "train_pipeline_gpipe.py", ["--steps", "0"]),
         "eval3": (3, "train_pipeline_afab_manual.py", ["--steps", "0"]),
     }
-    procs = {name: run_script(n, script, *common, *flags, "--metrics", f"{name}.jsonl", "--checkpoint-dir", name,
-                              cwd=tmp_path, wait=False) for name, (n, script, flags) in runs.items()}
+    procs = {name: run_script(n, *(recorded(tmp_path / f"{name}.calls", script) if n else [script]), *common, *flags,
+                              "--metrics", f"{name}.jsonl", "--checkpoint-dir", name, cwd=tmp_path, wait=False)
+             for name, (n, script, flags) in runs.items()}
     rows = {}
     for name, proc in procs.items():
         result = finish(proc)
         assert result.returncode == 0, (name, errors(result.stderr))
         lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         rows[name] = ([r for r in lines if "loss" in r], [r["eval"] for r in lines if "eval" in r])
+        if runs[name][0]:  # the tied copies' gradients summed at tp 2 and dp 2 x tp 2 too: under NCCL's rules
+            replayed(tmp_path / f"{name}.calls", runs[name][0], steps=0 if name == "eval3" else 4)
     assert [e["step"] for e in rows["one"][1]] == [2, 4] and [e["step"] for e in rows["eval_one"][1]] == [0]
     assert rows["eval3"][0] == [] and not (tmp_path / "eval3").exists()  # evaluated only, nothing written
     for name in ("gpipe3", "manual2xtp2", "tracer2", "one2x2", "eval3"):
