@@ -696,6 +696,56 @@ def startup_runs(tmp_path_factory):
     return runs
 
 
+class _StartedUp(Exception):
+    """Raised where a script's main makes its optimizer: its stages are built, sharded and allocated."""
+
+
+def main_start_up(module, argv: list[str]):
+    """A script's main, run on this worker's process group (RANK, WORLD_SIZE set) up to its optimizer's creation,
+    under the allocator's count: ((the rank's model, the bytes of the data's window orders), the most bytes
+    allocated at once from main's start, the bytes left allocated), by benchmark.allocated_bytes."""
+    args, built, open_data = module.build_parser().parse_args(argv), [], module.open_data
+
+    def made(model, _):
+        built.append(model)
+        raise _StartedUp
+
+    def start():
+        with unittest.mock.patch.object(module, "init_distributed", lambda *a: None), \
+                unittest.mock.patch.object(module, "open_data", lambda a: built.append(open_data(a)) or built[-1]), \
+                unittest.mock.patch.object(module, "make_optimizer", made), contextlib.suppress(_StartedUp):
+            module.main(args)
+        (_, *batches), model = built
+        return model, sum(b.order.nbytes for b in batches if isinstance(getattr(b, "order", None), torch.Tensor))
+    return benchmark.allocated_bytes(start)
+
+
+MAIN_STARTUPS = [(script, flags) for script in ("train_pipeline_gpipe.py", "train_pipeline_afab_manual.py")
+                 for flags in (["--dp", "2"], ["--tp", "2"])]  # one stage on 2 processes (the tracer: no --tp)
+
+
+def _main_startup_worker(rank, world_size, store_path, out_dir, data):
+    """Each of MAIN_STARTUPS' mains up to its optimizer (main_start_up), 8 layers of the tiny model: per run, the
+    peak, the rank's shards, the largest whole tensor, the whole stage, its longest side, the data's orders."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    try:
+        results = {}
+        for i, (script, flags) in enumerate(MAIN_STARTUPS):
+            argv = [*flags, "--layers", "8", "--seq-len", "16", "--batch-size", "4", "--microbatches", "2",
+                    "--data", data, "--checkpoint-dir", os.path.join(out_dir, f"ckpt{i}")]
+            (module, ordered), peak, _ = main_start_up(SCRIPT_MODULES[script], argv)
+            tensors = list({id(t): t for t in [*module.parameters(), *module.buffers()]}.values())
+            results[script, tuple(flags)] = {
+                "peak": peak, "data": ordered,
+                "shards": sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors),
+                "largest": max(t.numel() * t.element_size() for t in tensors),
+                "stage": sum(t.numel() * t.element_size() for t in tensors), "rows": max(max(t.shape) for t in tensors)}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
 # -- Data: the test corpus and a tokenizer trained on it
 
 WORDS = ("the pipeline stage sends activations forward and gradients backward while each microbatch waits for its "

@@ -67,13 +67,13 @@ import train_pipeline_afab_manual as manual
 import train_pipeline_gpipe as gpipe
 import train_pipeline_tracer as tracer
 from conftest import (  # the helpers; the fixtures pytest finds there itself
-    ACCUMULATED_MICROBATCHES, BOS, DOCUMENT_RUNS, LAYOUT_RUNS, LLAMA3_ROPE, RESUME_ARGS, ROOT, RTOL, RUN_SH, SCRIPTS, SCRIPT_MODULES,
-    STARTUP_CONFIG, TRAIN_ARGS, WORDS, assert_close_rel, assert_same_trajectory, checked_args, corpus, cpu_env,
+    ACCUMULATED_MICROBATCHES, BOS, DOCUMENT_RUNS, LAYOUT_RUNS, LLAMA3_ROPE, MAIN_STARTUPS, RESUME_ARGS, ROOT, RTOL,
+    RUN_SH, SCRIPTS, SCRIPT_MODULES, STARTUP_CONFIG, TRAIN_ARGS, WORDS, assert_close_rel, assert_same_trajectory, checked_args, corpus, cpu_env,
     cpu_stage, cpu_traced, descendants, documents_batch, error_lines, errors, finish, free_port, kill_job, launch,
     launch_ranks, launcher_env, layer_count, library_pipeline, mount_tmpfs, one_line_error, parity_config,
     parity_step, plain_loss, prepare_small, random_batch, read_metrics, recorded, recorder, refused, replayed,
     run_main, run_script, run_sh, run_workers, schedule_file, script_env, small_config, snapshot, split_layers,
-    start, start_group, traced_pipeline, worker_pids, _recompute_worker)
+    start, start_group, traced_pipeline, worker_pids, _main_startup_worker, _recompute_worker)
 from export import hf_config
 from model import MAX_LAYERS, LlamaConfig, LlamaForPretraining, config_from_hf, config_from_preset, even
 
@@ -149,6 +149,22 @@ def test_start_up_holds_at_most_the_shards_and_one_whole_tensor(startup_runs):
                 assert r["left"] == r["shards"], (layout, rank, kind, r["left"], r["shards"])
                 assert r["shards"] <= r["peak"] <= bound, (layout, rank, kind, r["peak"], bound)
                 assert r["stage"] > 1.5 * bound, (layout, kind)  # the whole stage: the bound is not loose
+
+
+def test_each_scripts_main_starts_up_holding_at_most_its_shards_and_one_whole_tensor(tmp_path, data_dir):
+    # The same bound on each script's own main, from its start to its optimizer's creation (everything it builds
+    # before the first step: the mesh, the data, the stage on meta, sharded, its shards allocated, the schedule), at
+    # dp 2 and at tp 2, one stage on 2 processes of the tiny model (8 layers; the head untied), plus what the data
+    # holds (the windows' orders, 8 bytes a window: 1.5 MB of the builtin corpus at --seq-len 16). A main that
+    # allocated its stage whole at any point before sharding it would peak at the whole stage and those orders,
+    # above the bound (measured at dp 2: a peak of 13.07 MB, the bound 13.29, a whole stage and the orders 16.18).
+    run_workers(_main_startup_worker, 2, args=(2, str(tmp_path / "store"), str(tmp_path), data_dir))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert sorted(ranks[0]) == sorted((script, tuple(flags)) for script, flags in MAIN_STARTUPS)
+    for rank, results in enumerate(ranks):
+        for run, r in results.items():
+            bound = r["shards"] + r["largest"] + 32 * r["rows"] + r["data"]  # (32: DTensor's indices, as above)
+            assert r["shards"] + r["data"] <= r["peak"] <= bound < r["stage"] + r["data"], (run, rank, r)
 
 
 def test_the_even_split_differs_by_at_most_one_layer():
