@@ -5467,6 +5467,53 @@ def test_the_one_gpu_check_says_in_one_line_that_it_needs_a_gpu(capsys, data_dir
         "error: --only: unknown nope; choose from compile, documents, hang,")
 
 
+# What a rank's stderr holds when NCCL's watchdog ends a hung all-reduce: the lines measured on an H100 (torch
+# 2.11, NCCL 2.28; docs/launching.md, "What a hang looks like on GPUs"), in the form c10's log gives each line
+# (a public log's: "[rank0]:[E1218 20:27:21.426415540 ProcessGroupNCCL.cpp:629] [Rank 0] Watchdog caught ...").
+WATCHDOG_STDERR = """\
+[rank0]:[E1129 05:31:02.118275104 ProcessGroupNCCL.cpp:688] [PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught \
+collective operation timeout: WorkNCCL(SeqNum=2, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=20000) ran \
+for 20092 milliseconds before timing out.
+[rank0]:[E1129 05:32:08.203311985 ProcessGroupNCCL.cpp:2073] [PG ID 0 PG GUID 0(default_pg) Rank 0] Some NCCL \
+operations have failed or timed out. Due to the asynchronous nature of CUDA kernels, subsequent GPU operations \
+might run on corrupted/incomplete data. To avoid data inconsistency, we are taking the entire process down.
+terminate called after throwing an instance of 'c10::DistBackendError'
+"""
+
+
+def test_the_gpu_checks_hang_verdict_wants_the_watchdogs_line_and_the_flight_recorders_dump(tmp_path):
+    # benchmark.py gpu-check's run whose all-reduce never completes passes only if it ended by itself with NCCL's
+    # watchdog line for that all-reduce and the flight recorder's dump holding it uncompleted (any non-zero exit
+    # passed before: a traceback, the scripts' own line). The dump: torch's flight recorder (the same one gloo's
+    # calls go to) after a gloo all-reduce, in a process of its own; its state as NCCL's reads for a call that
+    # never started (scheduled, docs/launching.md) and for one that went through (completed).
+    write = ("import os, torch, torch.distributed as dist; dist.init_process_group('gloo', store=dist.HashStore(), "
+             "rank=0, world_size=1); dist.all_reduce(torch.ones(1, dtype=torch.float64)); "
+             "open('dump', 'wb').write(torch._C._distributed_c10d._dump_fr_trace())")
+    result = start([sys.executable, "-c", write], cwd=tmp_path, env=dict(script_env(), TORCH_FR_BUFFER_SIZE="100"))
+    assert result.returncode == 0, result.stderr
+    dump = pickle.loads((tmp_path / "dump").read_bytes())
+    (entry,) = [e for e in dump["entries"] if e["profiling_name"] == "gloo:all_reduce"]
+    for state, name in (("scheduled", "pending"), ("completed", "completed")):
+        entry["state"] = state
+        (tmp_path / name).write_bytes(pickle.dumps(dump))
+    (tmp_path / "object").write_bytes(pickle.dumps({"entries": [Path("x")]}))
+    pending, verdict = str(tmp_path / "pending"), benchmark.hang_verdict
+    assert verdict(-6, WATCHDOG_STDERR, pending) is None  # SIGABRT, as measured
+    assert verdict(None, "", pending) == verdict(-9, WATCHDOG_STDERR, pending) == (
+        "did not end by itself (killed at gpu-check's deadline)")
+    assert verdict(0, "", pending) == "completed: the held call never waited"
+    lost = "error: lost contact with another rank (Connection closed by peer); if another rank printed an error above"
+    assert verdict(1, lost, pending) == "exited 1 without the watchdog's line for the all-reduce"
+    broadcast = WATCHDOG_STDERR.replace("OpType=ALLREDUCE", "OpType=BROADCAST")  # another call timed out
+    assert verdict(-6, broadcast, pending) == "exited -6 without the watchdog's line for the all-reduce"
+    for path, why in ((tmp_path / "nowhere", "No such file"), (tmp_path / "object", "not in a flight recorder's")):
+        assert verdict(-6, WATCHDOG_STDERR, str(path)).startswith(f"no flight recorder dump at {path} ("), path
+        assert why in verdict(-6, WATCHDOG_STDERR, str(path))
+    assert verdict(-6, WATCHDOG_STDERR, str(tmp_path / "completed")) == (
+        f"the flight recorder's dump ({len(dump['entries'])} calls) holds no all-reduce left uncompleted")
+
+
 def test_nccl_rules_says_what_it_cannot_check_in_one_line(tmp_path, capsys):
     assert refused(capsys, nccl_rules.main, "check", tmp_path) == (
         f"error: {tmp_path} holds no rankN.json; record a run into it first")
