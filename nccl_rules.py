@@ -385,16 +385,17 @@ def replay(recordings: list[dict], eager: bool = False) -> None:
             event = events[position[key]]
             waited[key] = [c for c in waited[key] if not c["done"]]
             if "sync" in event:  # rule 7: at its first visit, what the host waits for from then on
-                blocking = host.setdefault(key, (event, [c for c in issued[rank] if not c["done"] and not c["cpu"]]
-                                                 if event["sync"] == "device" else list(waited[key])))[1]
-                if any(not c["done"] for c in blocking):
+                if key not in host:
+                    host[key] = (event, [c for c in issued[rank] if not c["done"] and not c["cpu"]]
+                                 if event["sync"] == "device" else list(waited[key]))
+                if any(not c["done"] for c in host[key][1]):
                     return moved
             elif "wait" in event:
                 pending = [calls[rank, op] for op in event["wait"] if not calls[rank, op]["done"]]
-                barrier = any(c["name"] == "barrier" and not c["cpu"] for c in pending)  # then the stream's sync
-                blocking = host.setdefault(key, (event, pending + waited[key] if barrier else
-                                                 [c for c in pending if c["cpu"]]))[1]
-                if any(not c["done"] for c in blocking):
+                if key not in host:
+                    barrier = any(c["name"] == "barrier" and not c["cpu"] for c in pending)  # and a stream's sync
+                    host[key] = (event, pending + waited[key] if barrier else [c for c in pending if c["cpu"]])
+                if any(not c["done"] for c in host[key][1]):
                     return moved  # the CPU blocks here until they complete (rule 6)
                 waited[key] += pending
             else:
