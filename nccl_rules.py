@@ -10,8 +10,9 @@ process group, which of them form one batch_isend_irecv, collectives with their 
 wait(), and each point where the host would wait for the GPU), and writes DIR/rankN.json;
 `check` replays the ranks' calls under the rules below, twice: with the 2-rank communicators torch makes lazily
 for single sends and receives, and with them on the group's own communicator (eager initialization). A recording
-is checked for gaps against gloo's flight recorder, which sees every collective issued. Used by test_small.py on
-the scripts' runs; never imported by a training script.
+is checked for gaps against gloo's flight recorder, which sees every collective issued; one that shows nothing (no
+rank, a rank without a call, a rank its groups name without its file) is refused. Used by test_small.py on the
+scripts' runs; never imported by a training script.
 
 The rules, as the replay applies them (sources beside each in RULES).
 """
@@ -75,8 +76,9 @@ _PG_CALLS = {  # ProcessGroup methods torch.distributed's functions call -> what
     "_reduce_scatter_base": "reduce_scatter", "broadcast": "broadcast", "barrier": "barrier", "gather": "gather",
     "scatter": "scatter", "reduce": "reduce", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
     "all_to_all_single": "all_to_all", "recv_anysource": "recv"}
-_AGREED = {"gather": 1, "all_to_all": None}  # the argument whose bytes every member gives alike (rule 5): the first,
-# the inputs of a gather (its outputs are the root's alone); an all-to-all's may differ by rank
+# The argument whose bytes every member of a collective gives alike (rule 5): the first, but a gather's inputs (its
+# outputs are the root's alone); an all-to-all's may differ by rank.
+_AGREED = {"gather": 1, "all_to_all": None}
 _FUNCTIONAL = ("all_reduce", "all_reduce_coalesced", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
                "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast")
 _PROJECT = ("train_pipeline_", "model.py", "checkpoint.py")
