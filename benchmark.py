@@ -1214,11 +1214,11 @@ def gpu_check(argv: list[str]) -> None:
     runs += [start("trace", "train_pipeline_gpipe.py", *small, "--steps", "5", "--trace", "t")  # GPipe labels it
              ] if wanted("trace") else []
     hang_dump = os.path.join(out, "hang", "ckpt", "nccl-trace-rank")  # the flight recorder's, whatever the user set
+    recorder = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", **{name: "2000" for name in ("TORCH_FR_BUFFER_SIZE",
+                                                                              "TORCH_NCCL_TRACE_BUFFER_SIZE")},
+                **{name: hang_dump for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")}}
     runs += [start("hang", "train_pipeline_gpipe.py", *small, "--steps", "4", "--timeout", "30",
-                   probe=GPU_HANG_PROBE, timeout=400, environ={"TORCH_FR_BUFFER_SIZE": "2000",
-                                                              "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                                                              "TORCH_FR_DUMP_TEMP_FILE": hang_dump})
-             ] if wanted("hang") else []
+                   probe=GPU_HANG_PROBE, timeout=400, environ=recorder)] if wanted("hang") else []
     runs += [start("compile", "train_pipeline_gpipe.py", *small, "--steps", "4", "--compile")
              ] if wanted("compile") else []
     saves = ["--steps", "8", "--checkpoint-every", "2", *["--async-checkpoint"] * (torch.__version__ >= "2.13")]
