@@ -52,6 +52,7 @@ import importlib.util
 import inspect
 import json
 import os
+import pickle
 import re
 import shlex
 import shutil
@@ -1097,6 +1098,43 @@ dist.all_reduce = all_reduce
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+# What NCCL's watchdog writes when a call outlives the group's timeout (ProcessGroupNCCL's watchdog; the scripts'
+# --timeout), e.g. "[rank0]:[E1129 ... ProcessGroupNCCL.cpp:...] [Rank 0] Watchdog caught collective operation
+# timeout: WorkNCCL(SeqNum=2, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=20000) ran for 20092
+# milliseconds before timing out." (docs/launching.md, measured on an H100).
+WATCHDOG_LINE = re.compile(r"Watchdog caught collective operation timeout: WorkNCCL\((?P<work>.*?)\) ran for "
+                           r"\d+ milliseconds before timing out")
+
+
+class _PlainPickle(pickle.Unpickler):
+    """A flight recorder's dump holds dicts, lists, strings and numbers: anything else (a class) is refused."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"{module}.{name}: not in a flight recorder's dump")
+
+
+def hang_verdict(status: int | None, stderr: str, dump: str) -> str | None:
+    """None when gpu-check's hang run ended as a call that never completes ends under NCCL: by itself (not killed
+    at gpu-check's deadline, -9), with the watchdog's line for the probe's all-reduce (OpType=ALLREDUCE) in its
+    stderr and the flight recorder's dump of the rank (dump: CKPT/nccl-trace-rank0, checkpoint.flight_recorder)
+    holding that all-reduce not completed; else what is missing, in a few words. Any other failure (a traceback,
+    the scripts' own line) is no such end."""
+    if status in (None, -9):
+        return "did not end by itself (killed at gpu-check's deadline)"
+    if status == 0:
+        return "completed: the held call never waited"
+    line = next((m for m in WATCHDOG_LINE.finditer(stderr) if "OpType=ALLREDUCE" in m["work"]), None)
+    if line is None:
+        return f"exited {status} without the watchdog's line for the all-reduce"
+    try:
+        with open(dump, "rb") as f:
+            entries = _PlainPickle(f).load()["entries"]
+    except (OSError, EOFError, KeyError, TypeError, pickle.UnpicklingError) as e:
+        return f"no flight recorder dump at {dump} ({e})"
+    if not any(e.get("profiling_name", "").endswith(":all_reduce") and e.get("state") != "completed"
+               for e in entries):
+        return f"the flight recorder's dump ({len(entries)} calls) holds no all-reduce left uncompleted"
+    return None
 
 
 def gpu_check(argv: list[str]) -> None:
@@ -1126,16 +1164,17 @@ def gpu_check(argv: list[str]) -> None:
     small = ["--model", args.model, "--layers", "4", "--seq-len", "256", "--batch-size", "8", "--microbatches", "4",
              "--warmup-steps", "2", "--data", data]
 
-    def start(name, script, *flags, probe=None, timeout=300, again=False):
+    def start(name, script, *flags, probe=None, timeout=300, again=False, environ=None):
         """A run in OUT/NAME (again: where it ran before): python SCRIPT FLAGS, under a probe (GPU_PEAK_PROBE or
-        GPU_HANG_PROBE) or not."""
+        GPU_HANG_PROBE) or not; environ: variables of its own."""
         workdir = os.path.join(out, name)
         if not again:
             shutil.rmtree(workdir, ignore_errors=True)
             os.makedirs(workdir)
         cmd = [sys.executable, *(["-c", probe] if probe else []), os.path.join(ROOT, script), *flags,
                "--metrics", "m.jsonl", "--checkpoint-dir", "ckpt"]
-        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=open(os.path.join(workdir, "out"), "w"),
+        proc = subprocess.Popen(cmd, cwd=workdir, env=dict(env, **(environ or {})),
+                                stdout=open(os.path.join(workdir, "out"), "w"),
                                 stderr=open(os.path.join(workdir, "err"), "w"), start_new_session=True)
         proc.name, proc.workdir, proc.started, proc.deadline = name, workdir, time.monotonic(), timeout
         return proc
@@ -1174,8 +1213,12 @@ def gpu_check(argv: list[str]) -> None:
              ] if wanted("documents") else []
     runs += [start("trace", "train_pipeline_gpipe.py", *small, "--steps", "5", "--trace", "t")  # GPipe labels it
              ] if wanted("trace") else []
+    hang_dump = os.path.join(out, "hang", "ckpt", "nccl-trace-rank")  # the flight recorder's, whatever the user set
+    recorder = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", **{name: "2000" for name in ("TORCH_FR_BUFFER_SIZE",
+                                                                              "TORCH_NCCL_TRACE_BUFFER_SIZE")},
+                **{name: hang_dump for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")}}
     runs += [start("hang", "train_pipeline_gpipe.py", *small, "--steps", "4", "--timeout", "30",
-                   probe=GPU_HANG_PROBE, timeout=400)] if wanted("hang") else []
+                   probe=GPU_HANG_PROBE, timeout=400, environ=recorder)] if wanted("hang") else []
     runs += [start("compile", "train_pipeline_gpipe.py", *small, "--steps", "4", "--compile")
              ] if wanted("compile") else []
     saves = ["--steps", "8", "--checkpoint-every", "2", *["--async-checkpoint"] * (torch.__version__ >= "2.13")]
@@ -1199,8 +1242,10 @@ def gpu_check(argv: list[str]) -> None:
                                  capture_output=True, text=True, env=env)
         results["plan --trace"] = {"status": planned.returncode, "output": (planned.stdout + planned.stderr)[-2500:]}
         verdicts["plan.py --trace"] = planned.returncode == 0
-    if wanted("hang"):  # ends, not 0, and says so (NCCL's watchdog, or the scripts' line)
-        verdicts["a call that never completes ends"] = checks["hang"]["status"] not in (0, None, -9)
+    if wanted("hang"):  # ends as NCCL's watchdog ends it: its line, the flight recorder's dump (hang_verdict)
+        hang = checks["hang"]
+        hang["verdict"] = hang_verdict(hang["status"], open(os.path.join(out, "hang", "err")).read(), hang_dump + "0")
+        verdicts["a call that never completes ends"] = hang["verdict"] is None
     with open(os.path.join(out, "gpu-check.json"), "w") as f:  # so far: kept if what follows fails
         json.dump(results, f, indent=1)
     # 2. Timings, one run at a time: llama-1b as gpu-check.md's item 1, causal against --document-masking at
@@ -1231,7 +1276,8 @@ def gpu_check(argv: list[str]) -> None:
         lines.append(f"| {name} | {'ok' if ok else 'FAILED'} | {seconds} |")
     if (hang := checks.get("hang")):
         lines += ["", f"a call that never completes (--timeout 30): status {hang['status']} after {hang['seconds']} "
-                  "s; its last lines:", "", "```", *hang["stderr"].strip().splitlines()[-12:], "```"]
+                  f"s, {hang['verdict'] or 'the watchdog line and the dump'}; its last lines:", "", "```",
+                  *hang["stderr"].strip().splitlines()[-12:], "```"]
     for name in ("llama-1b", "llama-1b documents", "llama-1b 8192", "llama-1b 8192 documents"):
         if (row := (results.get(name) or {}).get("summary")):
             lines.append(f"- {name}: median step {row['median_step_time'] * 1e3:.0f} ms, "

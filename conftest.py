@@ -598,6 +598,18 @@ def recorded(directory: Path, script: str) -> list[str]:
     return ["nccl_rules.py", "record", str(directory), str(ROOT / script)]
 
 
+def replayed(directory: Path, processes: int, steps: int | None = None) -> None:
+    """A whole run's recording (recorded): a file per rank, each with calls, and given steps, the host's
+    synchronize at both ends of each training step (model.synchronize); replayed under NCCL's rules."""
+    recordings = nccl_rules.load(directory)
+    assert [r["rank"] for r in recordings] == list(range(processes)), directory
+    for recording in recordings:
+        assert any("op" in e for e in recording["events"]), (directory, recording["rank"])
+        synced = sum(e.get("sync") == "device" for e in recording["events"])
+        assert steps is None or synced == 2 * steps, (directory, recording["rank"], synced)
+    nccl_rules.check(recordings)
+
+
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, data_dir):
     """2 stages x 2 replicas, 16 steps, never interrupted; checkpoints after steps 4, 8, 12 written in the
@@ -703,6 +715,56 @@ def startup_runs(tmp_path_factory):
         run_workers(_startup_worker, dp * tp, args=(dp * tp, str(tmp_path / "store"), str(tmp_path), dp, tp))
         runs[dp, tp] = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(dp * tp)]
     return runs
+
+
+class _StartedUp(Exception):
+    """Raised where a script's main makes its optimizer: its stages are built, sharded and allocated."""
+
+
+def main_start_up(module, argv: list[str]):
+    """A script's main, run on this worker's process group (RANK, WORLD_SIZE set) up to its optimizer's creation,
+    under the allocator's count: ((the rank's model, the bytes of the data's window orders), the most bytes
+    allocated at once from main's start, the bytes left allocated), by benchmark.allocated_bytes."""
+    args, built, open_data = module.build_parser().parse_args(argv), [], module.open_data
+
+    def made(model, _):
+        built.append(model)
+        raise _StartedUp
+
+    def start():
+        with unittest.mock.patch.object(module, "init_distributed", lambda *a: None), \
+                unittest.mock.patch.object(module, "open_data", lambda a: built.append(open_data(a)) or built[-1]), \
+                unittest.mock.patch.object(module, "make_optimizer", made), contextlib.suppress(_StartedUp):
+            module.main(args)
+        (_, *batches), model = built
+        return model, sum(b.order.nbytes for b in batches if isinstance(getattr(b, "order", None), torch.Tensor))
+    return benchmark.allocated_bytes(start)
+
+
+MAIN_STARTUPS = [(script, flags) for script in ("train_pipeline_gpipe.py", "train_pipeline_afab_manual.py")
+                 for flags in (["--dp", "2"], ["--tp", "2"])]  # one stage on 2 processes (the tracer: no --tp)
+
+
+def _main_startup_worker(rank, world_size, store_path, out_dir, data):
+    """Each of MAIN_STARTUPS' mains up to its optimizer (main_start_up), 8 layers of the tiny model: per run, the
+    peak, the rank's shards, the largest whole tensor, the whole stage, its longest side, the data's orders."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    try:
+        results = {}
+        for i, (script, flags) in enumerate(MAIN_STARTUPS):
+            argv = [*flags, "--layers", "8", "--seq-len", "16", "--batch-size", "4", "--microbatches", "2",
+                    "--data", data, "--checkpoint-dir", os.path.join(out_dir, f"ckpt{i}")]
+            (module, ordered), peak, _ = main_start_up(SCRIPT_MODULES[script], argv)
+            tensors = list({id(t): t for t in [*module.parameters(), *module.buffers()]}.values())
+            results[script, tuple(flags)] = {
+                "peak": peak, "data": ordered,
+                "shards": sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors),
+                "largest": max(t.numel() * t.element_size() for t in tensors),
+                "stage": sum(t.numel() * t.element_size() for t in tensors), "rows": max(max(t.shape) for t in tensors)}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
 
 
 # -- Data: the test corpus and a tokenizer trained on it
@@ -1125,13 +1187,15 @@ LAYOUT_RUNS = {
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory, data_dir):
     """5 steps of every layout in LAYOUT_RUNS, at once, each under benchmark.py measure-memory (the bytes each rank
-    holds: activations at their peak, parameters, gradients, AdamW state): {name: (rows, summary, stdout,
-    memory, stderr)}, and the folder they ran in."""
+    holds: activations at their peak, parameters, gradients, AdamW state), those of several processes with their
+    calls recorded (NAME/calls: recorded): {name: (rows, summary, stdout, memory, stderr)}, and the folder they
+    ran in."""
     tmp_path, procs, runs = tmp_path_factory.mktemp("layouts"), {}, {}
     for name, (nproc, script, extra) in LAYOUT_RUNS.items():
         args = [*TRAIN_ARGS, *extra, "--data", data_dir, "--metrics", str(tmp_path / name / "m.jsonl"),
                 "--checkpoint-dir", str(tmp_path / name / "ckpt")]
-        procs[name] = run_script(nproc, "benchmark.py", "measure-memory", str(tmp_path / f"{name}.json"),
+        tool = recorded(tmp_path / name / "calls", "benchmark.py") if nproc else ["benchmark.py"]
+        procs[name] = run_script(nproc, *tool, "measure-memory", str(tmp_path / f"{name}.json"),
                                  str(ROOT / script), *args, cwd=tmp_path, wait=False)
     for name, proc in procs.items():
         result = finish(proc, timeout=900)  # a hang's limit; all these runs share the CPUs at once
@@ -1159,11 +1223,13 @@ DOCUMENT_RUNS = {  # name: (processes (0: plain python), script, flags), on shor
 @pytest.fixture(scope="module")
 def document_runs(tmp_path_factory):
     """5 steps and an evaluation of every run in DOCUMENT_RUNS, at once, on documents of about 35 tokens (a window
-    of 33 holds one or two boundaries): {name: (rows, evaluations)}."""
+    of 33 holds one or two boundaries), those of several processes with their calls recorded (in NAME.calls):
+    {name: (rows, evaluations)}, and the folder they ran in."""
     tmp_path, procs, runs = tmp_path_factory.mktemp("documents"), {}, {}
     data = prepare_small(tmp_path / "data")
     for name, (nproc, script, extra) in DOCUMENT_RUNS.items():
-        procs[name] = run_script(nproc, script, *TRAIN_ARGS, *extra, "--eval-every", "5",
+        tool = recorded(tmp_path / f"{name}.calls", script) if nproc else [script]
+        procs[name] = run_script(nproc, *tool, *TRAIN_ARGS, *extra, "--eval-every", "5",
                                  "--eval-batches", "1", "--data", data, "--metrics", f"{name}.jsonl",
                                  "--checkpoint-dir", name, cwd=tmp_path, wait=False)
     for name, proc in procs.items():
@@ -1171,7 +1237,7 @@ def document_runs(tmp_path_factory):
         assert result.returncode == 0, (name, errors(result.stderr))
         lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         runs[name] = [r for r in lines if "loss" in r], [r["eval"] for r in lines if "eval" in r]
-    return runs
+    return runs, tmp_path
 
 
 def prepare_small(out: Path, documents: int = 600, tokenizer=None, seed: int = 0, vocab_size: int = 300) -> Path:

@@ -1158,6 +1158,13 @@ def clip_grad_norm_(params, max_norm: float, copies=(), tp: int = 1) -> Tensor:
     return total
 
 
+def synchronize(device: torch.device) -> None:
+    """The host waits for the device's work, NCCL's calls included (cudaDeviceSynchronize); nothing on the CPU.
+    nccl_rules.py records each call, on the CPU too: the replay has the host wait there for every call issued."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # ==========================================================================================================
 # Extending torch's schedules: orders from a file, backwards merged where no gradient waits, gradient
 # accumulation, and evaluation where torch's eval() cannot run

@@ -6,11 +6,13 @@
 gloo buffers sends, NCCL does not, so an order of sends and receives that completes on gloo can hang on GPUs
 (a 2-stage 1F1B whose ranks each send before they receive: NVIDIA/nccl #479, #544). `record` runs a script with
 every call of torch.distributed recorded in each rank's issue order (point-to-point calls with their peer, bytes and
-process group, which of them form one batch_isend_irecv, collectives, and each wait()), and writes DIR/rankN.json;
+process group, which of them form one batch_isend_irecv, collectives with their bytes, reduce op and root, each
+wait(), and each point where the host would wait for the GPU), and writes DIR/rankN.json;
 `check` replays the ranks' calls under the rules below, twice: with the 2-rank communicators torch makes lazily
 for single sends and receives, and with them on the group's own communicator (eager initialization). A recording
-is checked for gaps against gloo's flight recorder, which sees every collective issued. Used by test_small.py on
-the scripts' runs; never imported by a training script.
+is checked for gaps against gloo's flight recorder, which sees every collective issued; one that shows nothing (no
+rank, a rank without a call, a rank its groups name without its file) is refused. Used by test_small.py on the
+scripts' runs; never imported by a training script.
 
 The rules, as the replay applies them (sources beside each in RULES).
 """
@@ -19,12 +21,14 @@ import argparse
 import collections
 import json
 import os
+import re
 import runpy
 import sys
 import threading
 
 import torch
 import torch.distributed as dist
+import torch.distributed.device_mesh
 
 RULES = """\
 1. No buffering: a send completes only together with its receive, however small (NCCL User Guide, "Point-to-point
@@ -44,11 +48,20 @@ RULES = """\
    "Group Calls": the operations of a group are launched together, so a send and a receive that need each other
    may both be in it): its calls start together and each completes when its peer's call is running; the batch is
    done when all are.
-5. A collective completes when every member of its group is running it, the k-th on that group at each.
+5. A collective completes when every member of its group is running it, the k-th on that group at each; they
+   must agree on what it is, its bytes, reduce op and root (NCCL pairs them by order alone: a mismatch reads or
+   writes past a buffer, or hangs). A receive from any source is refused: NCCL has none
+   (ProcessGroupNCCL::recvAnysource raises).
 6. wait() makes the current CUDA stream wait for the call, and every call issued afterwards waits for the
    current stream first (syncStream): it starts only after each call this thread waited for. The CPU does not
-   block in wait() (NCCL) except on a CPU backend's group (gloo, e.g. a background save's) or a new group
-   (ncclCommSplit is a blocking call over the parent group).
+   block in wait() (NCCL) except on a CPU backend's group (gloo, e.g. a background save's), a new group
+   (ncclCommSplit is a blocking call over the parent group: new_group, split_group, a DeviceMesh's groups) or a
+   barrier (WorkNCCL::synchronize blocks the host for a barrier, then syncs the current stream).
+7. The host waits for the GPU where the code reads it: torch.cuda.synchronize (and model.synchronize, the scripts'
+   step ends, recorded on the CPU too) waits for every call the rank has issued (cudaDeviceSynchronize: NCCL's
+   streams too), Tensor.item() and .tolist() for the current stream, so for the calls waited for before
+   (at::cuda::memcpy_and_sync: cudaStreamSynchronize). A send left unwaited across a synchronize completes only
+   with its receive: if that receive comes after a call the peer needs from this host, both wait for ever.
 """
 
 # ----------------------------------------------------------------------------------------------------------
@@ -62,7 +75,10 @@ _PG_CALLS = {  # ProcessGroup methods torch.distributed's functions call -> what
     "reduce_scatter_single_coalesced": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
     "_reduce_scatter_base": "reduce_scatter", "broadcast": "broadcast", "barrier": "barrier", "gather": "gather",
     "scatter": "scatter", "reduce": "reduce", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
-    "all_to_all_single": "all_to_all"}
+    "all_to_all_single": "all_to_all", "recv_anysource": "recv"}
+# The argument whose bytes every member of a collective gives alike (rule 5): the first, but a gather's inputs (its
+# outputs are the root's alone); an all-to-all's may differ by rank.
+_AGREED = {"gather": 1, "all_to_all": None}
 _FUNCTIONAL = ("all_reduce", "all_reduce_coalesced", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
                "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast")
 _PROJECT = ("train_pipeline_", "model.py", "checkpoint.py")
@@ -88,7 +104,8 @@ def _where() -> str:
 class Recorder:
     """Records each rank's calls while on (a context manager; on again after off starts a new recording).
     events: [{"op": id, "thread", "kind": send | recv | collective | split, "group", "peer", "bytes", "name",
-    "batch", "at"} or {"wait": [ids], "thread"}] in issue order; groups: name -> {"ranks", "backend"}."""
+    "reduce", "root", "batch", "at"}, {"wait": [ids], "thread"} or {"sync": "device" | "stream", "thread", "at"}]
+    in issue order; groups: name -> {"ranks", "backend"}."""
 
     _installed = None
 
@@ -127,13 +144,13 @@ class Recorder:
             self.groups[name] = {"ranks": ranks, "backend": self._backends.get(name, "nccl")}
         return name
 
-    def _op(self, kind: str, pg, work=None, peer=None, nbytes=0, name=None) -> int | None:
+    def _op(self, kind: str, pg, work=None, peer=None, nbytes=0, name=None, reduce=None, root=None) -> int | None:
         if not self.on:
             return None
         with self._lock:
             event = {"op": len(self.events), "thread": self._thread(), "kind": kind, "group": self._group(pg),
-                     "peer": peer, "bytes": nbytes, "name": name or kind, "batch": getattr(self._local, "batch", None),
-                     "at": _where()}
+                     "peer": peer, "bytes": nbytes, "name": name or kind, "reduce": reduce, "root": root,
+                     "batch": getattr(self._local, "batch", None), "at": _where()}
             self.events.append(event)
             if work is not None:
                 self._works[id(work)] = (work, event["op"])  # the work is kept: its id is not reused
@@ -144,25 +161,37 @@ class Recorder:
             with self._lock:
                 self.events.append({"wait": ops, "thread": self._thread()})
 
+    def _sync(self, kind: str) -> None:
+        """A point where the host waits for the GPU (rule 7); one right after another of the thread adds nothing."""
+        if self.on:
+            with self._lock:
+                thread, last = self._thread(), self.events[-1] if self.events else {}
+                if last.get("thread") != thread or last.get("sync") not in (kind, "device"):
+                    self.events.append({"sync": kind, "thread": thread, "at": _where()})
+
     def _install(self) -> None:
         recorder, pg_class, work_class = self, dist.ProcessGroup, torch._C._distributed_c10d.Work
         self._backends = {}  # group name -> a backend named at new_group (a CPU group beside NCCL: gloo)
 
-        def pg_call(method, kind):
+        def pg_call(method, kind, anysource=False):
             def call(pg, *args, **kwargs):
                 work = method(pg, *args, **kwargs)
-                tensors = args[0] if args else None
-                if kind in ("send", "recv"):
-                    peer = dist.get_global_rank(pg, args[1])
-                    recorder._op(kind, pg, work, peer, _nbytes(tensors))
-                else:
-                    recorder._op("collective", pg, work, nbytes=_nbytes(tensors), name=kind)
+                if kind in ("send", "recv"):  # a receive from any source has no peer: refused by the replay
+                    peer = None if anysource else dist.get_global_rank(pg, args[1])
+                    recorder._op(kind, pg, work, peer, _nbytes(args[0]))
+                    return work
+                agreed = _AGREED.get(kind, 0)
+                opts = next((a for a in (*args, *kwargs.values()) if hasattr(a, "reduceOp") or hasattr(a, "rootRank")),
+                            None)
+                reduce = str(opts.reduceOp.op).split(".")[-1].lower() if hasattr(opts, "reduceOp") else None
+                recorder._op("collective", pg, work, nbytes=None if agreed is None or len(args) <= agreed else
+                             _nbytes(args[agreed]), name=kind, reduce=reduce, root=getattr(opts, "rootRank", None))
                 return work
             return call
 
         for method, kind in _PG_CALLS.items():
             if hasattr(pg_class, method):
-                setattr(pg_class, method, pg_call(getattr(pg_class, method), kind))
+                setattr(pg_class, method, pg_call(getattr(pg_class, method), kind, method == "recv_anysource"))
 
         original_wait = work_class.wait
 
@@ -192,17 +221,54 @@ class Recorder:
         for module in (dist, dist.distributed_c10d):
             module.batch_isend_irecv = batch_isend_irecv
 
-        original_new_group = dist.distributed_c10d.new_group
+        # New groups: each a blocking call of every rank of its parent (ncclCommSplit), recorded on the parent.
+        # DeviceMesh imports new_group and split_group by name: its module's are replaced too.
+        original_new_group, original_split = dist.distributed_c10d.new_group, dist.distributed_c10d.split_group
+
+        def made(group, parent, backend=None):
+            member = group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
+            if member and backend:
+                recorder._backends[group.group_name] = str(backend).lower()
+            if parent is not None:
+                op = recorder._op("split", parent)
+                recorder._wait([op] if op is not None else [])
+            return group
 
         def new_group(*args, **kwargs):
             group = original_new_group(*args, **kwargs)
-            if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER and kwargs.get("backend"):
-                recorder._backends[group.group_name] = str(kwargs["backend"]).lower()
-            op = recorder._op("split", dist.distributed_c10d._get_default_group())
-            recorder._wait([op] if op is not None else [])  # ncclCommSplit blocks, on every rank of the parent
-            return group
-        for module in (dist, dist.distributed_c10d):
-            module.new_group = new_group
+            local = kwargs.get("use_local_synchronization") and group != dist.GroupMember.NON_GROUP_MEMBER
+            return made(group, group if local else dist.distributed_c10d._get_default_group(), kwargs.get("backend"))
+
+        def split_group(*args, **kwargs):
+            group = original_split(*args, **kwargs)
+            parent = kwargs.get("parent_pg", args[0] if args else None)
+            return made(group, parent or dist.distributed_c10d._get_default_group(), kwargs.get("backend"))
+        for module in (dist, dist.distributed_c10d, torch.distributed.device_mesh):
+            for name, function in (("new_group", new_group), ("split_group", split_group)):
+                if hasattr(module, name):
+                    setattr(module, name, function)
+
+        # Where the host waits for the GPU (rule 7). The scripts' step ends call model.synchronize, which on the
+        # CPU waits for nothing and is recorded all the same; a script imports it by name, so each module that
+        # holds it gets the recording one (import this after the script's folder is on sys.path: record_script).
+        def synced(function, kind):
+            def call(*args, **kwargs):
+                recorder._sync(kind)
+                return function(*args, **kwargs)
+            return call
+        torch.cuda.synchronize = synced(torch.cuda.synchronize, "device")
+        torch.Tensor.item, torch.Tensor.tolist = synced(torch.Tensor.item, "stream"), synced(torch.Tensor.tolist,
+                                                                                             "stream")
+        try:
+            import model
+        except ImportError:  # a script of another collection: its own synchronize, if any, is not seen
+            model = None
+        original_sync = getattr(model, "synchronize", None)
+        if original_sync is not None:
+            recording_sync = synced(original_sync, "device")
+            for module in list(sys.modules.values()):
+                if getattr(module, "synchronize", None) is original_sync:
+                    module.synchronize = recording_sync
 
         # DTensor's collectives (tensor parallelism, loss_parallel) go to C++ ops that never reach ProcessGroup's
         # Python methods: recorded at the op, as waited at once (DTensor waits before it uses the result).
@@ -228,7 +294,10 @@ class _Functional:
     def __call__(self, *args, **kwargs):
         group_name = args[-1] if isinstance(args[-1], str) else kwargs.get("group_name")
         pg = dist.distributed_c10d._resolve_process_group(group_name)
-        op = self._recorder._op("collective", pg, nbytes=_nbytes(args[0]), name=self._name.split("_into")[0])
+        reduce = args[1].lower() if "reduce" in self._name else None  # all_reduce(input, op, ...), reduce_scatter
+        root = args[1] if self._name == "broadcast" else None  # broadcast(input, src, ...)
+        op = self._recorder._op("collective", pg, nbytes=None if self._name == "all_to_all_single" else
+                                _nbytes(args[0]), name=self._name.split("_into")[0], reduce=reduce, root=root)
         result = self._op(*args, **kwargs)
         self._recorder._wait([op] if op is not None else [])
         return result
@@ -257,17 +326,21 @@ class Deadlock(Exception):
 
 def replay(recordings: list[dict], eager: bool = False) -> None:
     """Run the ranks' recorded calls under NCCL's rules (RULES); raise Deadlock naming each rank's stuck calls,
-    or ValueError for calls NCCL would pair that do not match (two collectives, a send and a receive of another
-    size). eager: single sends and receives on the group's own communicator, else on one made per pair."""
+    or ValueError for calls NCCL would pair that do not match (two collectives, or a send and a receive, of
+    another size, reduce op or root) and for a receive from any source. eager: single sends and receives on the
+    group's own communicator, else on one made per pair."""
     groups, calls, threads = {}, {}, collections.defaultdict(list)  # (rank, thread) -> its events, in order
     for recording in recordings:
         groups.update(recording["groups"])
     for recording in recordings:
         rank, made = recording["rank"], set()
         for event in recording["events"]:
-            if "wait" in event:
+            if "wait" in event or "sync" in event:
                 threads[rank, event["thread"]].append(event)
                 continue
+            if event["kind"] == "recv" and event["peer"] is None:
+                raise ValueError(f"rank {rank}: a receive from any source at {event['at']}: NCCL has none "
+                                 "(ProcessGroupNCCL::recvAnysource raises); name the peer")
             call = dict(event, rank=rank, done=False, members=groups[event["group"]]["ranks"])
             single = call["kind"] in ("send", "recv") and call["batch"] is None
             call["cpu"] = groups[call["group"]]["backend"] != "nccl" or call["kind"] == "split"  # rule 6
@@ -305,19 +378,33 @@ def replay(recordings: list[dict], eager: bool = False) -> None:
             queue.append([call])
     position = {key: 0 for key in threads}  # (rank, thread) -> the next event to issue
     waited = collections.defaultdict(list)  # (rank, thread) -> calls waited for, not known complete at the time
+    issued = collections.defaultdict(list)  # rank -> its calls issued so far, by any thread
+    host = {}  # (rank, thread) -> what its host waits for, where it blocks (rules 6, 7)
 
     def issue(key) -> bool:
         rank, events, moved = key[0], threads[key], False
         while position[key] < len(events):
             event = events[position[key]]
-            if "wait" in event:
+            waited[key] = [c for c in waited[key] if not c["done"]]
+            if "sync" in event:  # rule 7: at its first visit, what the host waits for from then on
+                if key not in host:
+                    host[key] = (event, [c for c in issued[rank] if not c["done"] and not c["cpu"]]
+                                 if event["sync"] == "device" else list(waited[key]))
+                if any(not c["done"] for c in host[key][1]):
+                    return moved
+            elif "wait" in event:
                 pending = [calls[rank, op] for op in event["wait"] if not calls[rank, op]["done"]]
-                if any(c["cpu"] for c in pending):
+                if key not in host:
+                    barrier = any(c["name"] == "barrier" and not c["cpu"] for c in pending)  # and a stream's sync
+                    host[key] = (event, pending + waited[key] if barrier else [c for c in pending if c["cpu"]])
+                if any(not c["done"] for c in host[key][1]):
                     return moved  # the CPU blocks here until they complete (rule 6)
-                waited[key] = [c for c in waited[key] if not c["done"]] + pending
+                waited[key] += pending
             else:
                 call = calls[rank, event["op"]]
-                call["after"] = waited[key] = [c for c in waited[key] if not c["done"]]
+                call["after"] = list(waited[key])
+                issued[rank].append(call)
+            host.pop(key, None)
             position[key] += 1
             moved = True
         return moved
@@ -344,7 +431,7 @@ def replay(recordings: list[dict], eager: bool = False) -> None:
             while queue and all(c["done"] for c in queue[0]):
                 queue.popleft()
     if any(not call["done"] for call in calls.values()) or any(position[k] < len(threads[k]) for k in threads):
-        raise Deadlock(describe(streams, eager))
+        raise Deadlock(describe(streams, eager, host))
 
 
 def _check_match(matched: list) -> None:
@@ -353,6 +440,10 @@ def _check_match(matched: list) -> None:
         raise ValueError(f"calls that NCCL would pair do not match: {_show(matched)}")
     if len(matched) == 2 and kinds == {"p2p"} and matched[0]["bytes"] != matched[1]["bytes"]:
         raise ValueError(f"a send and its receive differ in size: {_show(matched)}")
+    if kinds != {"p2p"}:  # rule 5: a collective's members agree on its size (where they must), reduce op and root
+        for what, key in (("size", "bytes"), ("reduce op", "reduce"), ("root", "root")):
+            if len({c.get(key) for c in matched if not (key == "bytes" and c.get(key) is None)}) > 1:
+                raise ValueError(f"members of a collective differ in {what}: {_show(matched)}")
 
 
 def _show(calls) -> str:
@@ -361,13 +452,21 @@ def _show(calls) -> str:
 
 def _name(call) -> str:
     what = {"send": f"send to {call['peer']}", "recv": f"recv from {call['peer']}"}.get(call["kind"], call["name"])
+    what += "".join(f" {label}{call[key]}" for label, key in (("", "reduce"), ("root ", "root"))
+                    if call.get(key) is not None)
     batch = " (in a batch)" if call["batch"] is not None else ""
-    return f"{what} of {call['bytes']} bytes on group {call['group']}{batch} at {call['at']}"
+    size = "" if call.get("bytes") is None else f" of {call['bytes']} bytes"
+    return f"{what}{size} on group {call['group']}{batch} at {call['at']}"
 
 
-def describe(streams: dict, eager: bool) -> str:
-    """Each rank's calls that cannot go on: the head of each of its streams."""
+def describe(streams: dict, eager: bool, host: dict | None = None) -> str:
+    """Each rank's calls that cannot go on: the head of each of its streams, and each host that waits."""
     lines = [f"deadlock under NCCL's rules ({'eager' if eager else 'lazy'} communicators for single sends):"]
+    for (rank, thread), (event, blocking) in sorted((host or {}).items()):
+        left = [c for c in blocking if not c["done"]]
+        where = f"a {event['sync']} synchronize at {event['at']}" if "sync" in event else "a blocking wait"
+        lines.append(f"  rank {rank}, host ({thread}): waits at {where} for " + "; ".join(map(_name, left[:3]))
+                     + (f" and {len(left) - 3} more" if len(left) > 3 else ""))
     for (rank, comm), queue in sorted(streams.items(), key=lambda item: str(item[0])):
         if queue:
             blocked = "" if all("after" in c and all(d["done"] for d in c["after"]) for c in queue[0]) else \
@@ -378,10 +477,19 @@ def describe(streams: dict, eager: bool) -> str:
 
 
 def check(recordings: list[dict]) -> None:
-    """Replay under both communicator choices (rule 3); a recording with gaps is refused."""
+    """Replay under both communicator choices (rule 3). Refused: a recording with gaps, none at all, a rank without
+    a call (nothing recorded there passes by itself), or one without the recording of every rank its groups name."""
+    if not recordings:
+        raise ValueError("no rank's recording to check")
     gaps = [f"rank {r['rank']}: {gap}" for r in recordings for gap in r.get("gaps", [])]
     if gaps:
         raise ValueError("the recording missed calls: " + "; ".join(gaps))
+    if empty := [r["rank"] for r in recordings if not any("op" in e for e in r["events"])]:
+        raise ValueError(f"rank {', '.join(map(str, empty))} recorded no call; record a run that communicates")
+    named = {rank for r in recordings for group in r["groups"].values() for rank in group["ranks"]}
+    if missing := sorted(named - {r["rank"] for r in recordings}):
+        raise ValueError(f"no recording of rank {', '.join(map(str, missing))}, which the groups hold; check the "
+                         "directory of a whole run")
     for eager in (False, True):
         replay(recordings, eager)
 
@@ -390,8 +498,9 @@ def check(recordings: list[dict]) -> None:
 # The command line
 
 def load(directory: str) -> list[dict]:
-    names = sorted(f for f in os.listdir(directory) if f.startswith("rank") and f.endswith(".json"))
-    return [json.load(open(os.path.join(directory, name))) for name in names]
+    """DIR/rankN.json, in the order of N."""
+    names = [f for f in os.listdir(directory) if re.fullmatch(r"rank\d+\.json", f)]
+    return [json.load(open(os.path.join(directory, name))) for name in sorted(names, key=lambda f: int(f[4:-5]))]
 
 
 def record_script(directory: str, script: str, argv: list[str]) -> None:
@@ -399,9 +508,8 @@ def record_script(directory: str, script: str, argv: list[str]) -> None:
     if not os.path.isfile(script):
         _fail(f"{script}: no such script; give the training script to run, then its flags")
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "1000000")  # gloo's flight recorder: the check for gaps
-    recorder = Recorder()
-
     sys.argv, sys.path[0] = [script, *argv], os.path.dirname(os.path.abspath(script))
+    recorder = Recorder()  # after: it takes the script's own model.py (its synchronize)
     try:
         with recorder:
             runpy.run_path(script, run_name="__main__")

@@ -53,6 +53,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, SplitPoint
+from torch.distributed.pipelining.schedules import _Action
 
 import benchmark
 import checkpoint
@@ -66,13 +67,13 @@ import train_pipeline_afab_manual as manual
 import train_pipeline_gpipe as gpipe
 import train_pipeline_tracer as tracer
 from conftest import (  # the helpers; the fixtures pytest finds there itself
-    ACCUMULATED_MICROBATCHES, BOS, DOCUMENT_RUNS, LAYOUT_RUNS, LLAMA3_ROPE, RESUME_ARGS, ROOT, RTOL, RUN_SH, SCRIPTS, SCRIPT_MODULES,
-    STARTUP_CONFIG, TRAIN_ARGS, WORDS, assert_close_rel, assert_same_trajectory, checked_args, corpus, cpu_env,
+    ACCUMULATED_MICROBATCHES, BOS, DOCUMENT_RUNS, LAYOUT_RUNS, LLAMA3_ROPE, MAIN_STARTUPS, RESUME_ARGS, ROOT, RTOL,
+    RUN_SH, SCRIPTS, SCRIPT_MODULES, STARTUP_CONFIG, TRAIN_ARGS, WORDS, assert_close_rel, assert_same_trajectory, checked_args, corpus, cpu_env,
     cpu_stage, cpu_traced, descendants, documents_batch, error_lines, errors, finish, free_port, kill_job, launch,
     launch_ranks, launcher_env, layer_count, library_pipeline, mount_tmpfs, one_line_error, parity_config,
-    parity_step, plain_loss, prepare_small, random_batch, read_metrics, recorded, recorder, refused, run_main,
-    run_script, run_sh, run_workers, schedule_file, script_env, small_config, snapshot, split_layers, start,
-    start_group, traced_pipeline, worker_pids, _recompute_worker)
+    parity_step, plain_loss, prepare_small, random_batch, read_metrics, recorded, recorder, refused, replayed,
+    run_main, run_script, run_sh, run_workers, schedule_file, script_env, small_config, snapshot, split_layers,
+    start, start_group, traced_pipeline, worker_pids, _main_startup_worker, _recompute_worker)
 from export import hf_config
 from model import MAX_LAYERS, LlamaConfig, LlamaForPretraining, config_from_hf, config_from_preset, even
 
@@ -148,6 +149,22 @@ def test_start_up_holds_at_most_the_shards_and_one_whole_tensor(startup_runs):
                 assert r["left"] == r["shards"], (layout, rank, kind, r["left"], r["shards"])
                 assert r["shards"] <= r["peak"] <= bound, (layout, rank, kind, r["peak"], bound)
                 assert r["stage"] > 1.5 * bound, (layout, kind)  # the whole stage: the bound is not loose
+
+
+def test_each_scripts_main_starts_up_holding_at_most_its_shards_and_one_whole_tensor(tmp_path, data_dir):
+    # The same bound on each script's own main, from its start to its optimizer's creation (everything it builds
+    # before the first step: the mesh, the data, the stage on meta, sharded, its shards allocated, the schedule), at
+    # dp 2 and at tp 2, one stage on 2 processes of the tiny model (8 layers; the head untied), plus what the data
+    # holds (the windows' orders, 8 bytes a window: 1.5 MB of the builtin corpus at --seq-len 16). A main that
+    # allocated its stage whole at any point before sharding it would peak at the whole stage and those orders,
+    # above the bound (measured at dp 2: a peak of 13.07 MB, the bound 13.29, a whole stage and the orders 16.18).
+    run_workers(_main_startup_worker, 2, args=(2, str(tmp_path / "store"), str(tmp_path), data_dir))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert sorted(ranks[0]) == sorted((script, tuple(flags)) for script, flags in MAIN_STARTUPS)
+    for rank, results in enumerate(ranks):
+        for run, r in results.items():
+            bound = r["shards"] + r["largest"] + 32 * r["rows"] + r["data"]  # (32: DTensor's indices, as above)
+            assert r["shards"] + r["data"] <= r["peak"] <= bound < r["stage"] + r["data"], (run, rank, r)
 
 
 def test_the_even_split_differs_by_at_most_one_layer():
@@ -1347,7 +1364,10 @@ def test_every_split_and_schedule_completes_under_nccls_rules(parity_run):
     for variant in variants:
         recordings = [result[variant]["calls"] for result in ranks]
         kinds = collections.Counter(e.get("kind") for recording in recordings for e in recording["events"])
-        assert kinds["send"] == kinds["recv"] and (kinds["send"] > 0) == (pp > 1), (variant, kinds)  # one process: none
+        assert kinds["send"] == kinds["recv"] and (kinds["send"] > 0) == (pp > 1), (variant, kinds)
+        if len(recordings) == 1:  # one process: no call at all, nothing to replay (check refuses an empty rank)
+            assert not any("op" in e for e in recordings[0]["events"]), variant
+            continue
         nccl_rules.check(recordings)
 
 
@@ -1421,9 +1441,61 @@ def _orders_worker(rank, world_size, store_path, out_dir):
                 manual.train_step_pipeline_afab(partition, inputs.chunk(16), targets.chunk(16), torch.device("cpu"),
                                                 torch.float32)
             results[name] = max(most, default=0)
+        # A send left unwaited across the host's synchronize (model.synchronize: the scripts' step ends), then a
+        # collective on another group that the peer needs before it receives; the same across an .item(). (In
+        # batches: on the group's own communicator, made at the start, as the hand-written pipeline sends.)
+        other, one = dist.new_group([0, 1]), torch.ones(1)
+        for name, sync in (("unwaited across a synchronize", lambda: model_module.synchronize(torch.device("cpu"))),
+                           ("unwaited across an item", lambda: one.item())):
+            with calls:
+                if rank == 0:
+                    work = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 1)])[0]
+                    sync()
+                    dist.all_reduce(one, group=other)
+                    work.wait()
+                else:
+                    dist.all_reduce(one, group=other)
+                    dist.batch_isend_irecv([dist.P2POp(dist.irecv, y, 0)])[0].wait()
+            results[name] = calls.recording()
+        with calls:  # what a collective's members must agree on: its size, reduce op, root
+            dist.all_reduce(torch.ones(1))
+            dist.all_reduce(torch.ones(1), op=dist.ReduceOp.MAX)
+            dist.broadcast(torch.ones(1024), src=1)
+        results["collectives"] = calls.recording()
+        with calls:  # a receive from any source (NCCL has none)
+            dist.send(x, 1) if rank == 0 else dist.recv(y)
+        results["any source"] = calls.recording()
+        with calls:  # a DeviceMesh's groups: a blocking call of every rank each (new_group, or NCCL's split_group)
+            init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp"))
+        results["mesh"] = calls.recording()
+        # pytorch #172668: torch's Interleaved1F1B at 2 ranks x 4 stages with each receive moved right before its
+        # computation (the order of pytorch PR #172833), run by torch's runtime: on two nodes it hung with rank 0
+        # at [... 0SEND_F1, 2RECV_F0, 2F0] and rank 1 at [... 1SEND_F0, 1RECV_F1, 1F1]. Beside it torch 2.13's own.
+        config, (inputs, targets) = parity_config(4), random_batch(parity_config(4))
+        for name, order in (("pytorch #172668", PR_172833_ORDER), ("torch's interleaved 1f1b", None)):
+            _, _, schedule, _ = library_pipeline(config, "interleaved1f1b", [rank, rank + 2], even(4, 4), mesh,
+                                                 (2, inputs.shape[1]), 4)
+            if order is not None:
+                schedule._prepare_schedule_with_comms({r: [_Action.from_str(a) for a in actions.split(", ")]
+                                                       for r, actions in order.items()}, format="compute_comms")
+            with calls:
+                gpipe.train_step(schedule, inputs if rank == 0 else None, targets if rank == 1 else None,
+                                 cpu_env(rank, world_size), 1)
+            results[name] = calls.recording()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+PR_172833_ORDER = {  # pytorch PR #172833's description: Interleaved1F1B, 2 ranks, 4 microbatches, with its messages
+    0: "0UNSHARD, 2UNSHARD, 0F0, 0SEND_F0, 0F1, 0SEND_F1, 2RECV_F0, 2F0, 2SEND_F0, 2RECV_F1, 2F1, 2SEND_F1, 0F2, "
+       "0SEND_F2, 2RECV_B0, 2B0, 2SEND_B0, 0F3, 0SEND_F3, 2RECV_B1, 2B1, 2SEND_B1, 2RECV_F2, 2F2, 2SEND_F2, 0RECV_B0, "
+       "0B0, 2RECV_F3, 2F3, 2SEND_F3, 0RECV_B1, 0B1, 2RECV_B2, 2B2, 2SEND_B2, 2RECV_B3, 2B3, 2SEND_B3, 2REDUCE_GRAD, "
+       "2RESHARD, 0RECV_B2, 0B2, 0RECV_B3, 0B3, 0REDUCE_GRAD, 0RESHARD",
+    1: "1UNSHARD, 3UNSHARD, 1RECV_F0, 1F0, 1SEND_F0, 1RECV_F1, 1F1, 1SEND_F1, 3RECV_F0, 3F0, 3B0, 3SEND_B0, 3RECV_F1, "
+       "3F1, 3B1, 3SEND_B1, 1RECV_F2, 1F2, 1SEND_F2, 1RECV_B0, 1B0, 1SEND_B0, 1RECV_F3, 1F3, 1SEND_F3, 1RECV_B1, 1B1, "
+       "1SEND_B1, 3RECV_F2, 3F2, 3B2, 3SEND_B2, 3RECV_F3, 3F3, 3B3, 3SEND_B3, 3REDUCE_GRAD, 3RESHARD, 1RECV_B2, 1B2, "
+       "1SEND_B2, 1RECV_B3, 1B3, 1SEND_B3, 1REDUCE_GRAD, 1RESHARD"}
 
 
 def test_a_file_of_torchs_own_order_runs_exactly_what_torchs_schedule_runs(tmp_path):
@@ -1496,8 +1568,42 @@ def test_the_nccl_rules_replay_finds_crossed_sends_and_passes_torchs_1f1b(tmp_pa
     with pytest.raises(nccl_rules.Deadlock, match="communicator's creation"):
         nccl_rules.replay(recorded["batch against single"], eager=False)
     nccl_rules.replay(recorded["batch against single"], eager=True)
-    for name in ("batched", "1f1b", "torch's 1f1b"):
+    for name in ("batched", "1f1b", "torch's 1f1b", "torch's interleaved 1f1b", "unwaited across an item", "mesh"):
         nccl_rules.check(recorded[name])
+    # pytorch #172668: each rank's send waits for a receive the other queued behind its own send.
+    for eager in (False, True):
+        with pytest.raises(nccl_rules.Deadlock) as stuck:
+            nccl_rules.replay(recorded["pytorch #172668"], eager)
+        assert re.search(r"rank 0, communicator .*: send to 1 of \d+ bytes", str(stuck.value)), str(stuck.value)
+        assert re.search(r"rank 1, communicator .*: send to 0 of \d+ bytes", str(stuck.value)), str(stuck.value)
+    # Rule 7: the host waits at a synchronize for every call issued. Rank 0's send, left unwaited across it, needs
+    # rank 1's receive, which rank 1 issues after an all-reduce that rank 0 issues after the synchronize. Without
+    # the synchronize (as the replay was before it knew of them) it completes; so it does across an .item(),
+    # which waits for the current stream alone (the send was not waited for).
+    unwaited = recorded["unwaited across a synchronize"]
+    assert [[e["sync"] for e in r["events"] if "sync" in e] for r in unwaited] == [["device"], []]
+    nccl_rules.check([dict(r, events=[e for e in r["events"] if "sync" not in e]) for r in unwaited])
+    for eager in (False, True):
+        with pytest.raises(nccl_rules.Deadlock) as stuck:
+            nccl_rules.replay(unwaited, eager)
+        assert "rank 0, host (main): waits at a device synchronize" in str(stuck.value), str(stuck.value)
+        assert "for send to 1 of 256 bytes on group 0 (in a batch)" in str(stuck.value), str(stuck.value)
+    assert [[e["sync"] for e in r["events"] if "sync" in e] for r in recorded["unwaited across an item"]] == [
+        ["stream"], []]
+    # Rule 5: the members of a collective agree on its bytes, reduce op and root, as recorded; any of them
+    # changed on one rank is refused, as a receive from any source is.
+    collectives = recorded["collectives"]
+    assert [(e["name"], e["bytes"], e["reduce"], e["root"]) for e in collectives[1]["events"] if "op" in e] == [
+        ("all_reduce", 4, "sum", None), ("all_reduce", 4, "max", None), ("broadcast", 4096, None, 1)]
+    for index, key, value, what in ((0, "bytes", 4096, "size"), (1, "reduce", "sum", "reduce op"),
+                                    (2, "root", 0, "root")):
+        changed = json.loads(json.dumps(collectives))
+        [e for e in changed[1]["events"] if "op" in e][index][key] = value
+        with pytest.raises(ValueError, match=f"members of a collective differ in {what}: rank 0: "):
+            nccl_rules.check(changed)
+    with pytest.raises(ValueError, match=r"rank 1: a receive from any source at .*: NCCL has none"):
+        nccl_rules.check(recorded["any source"])
+    assert [sum(e.get("kind") == "split" for e in r["events"]) for r in recorded["mesh"]] == [2, 2]  # pp's two
     # Rule 1 (no buffering) decides: on gloo every one of them completed, as the recordings show.
     assert all(r["events"] for rank in ranks for r in rank.values() if isinstance(r, dict))
     # A rank keeps its last batch of sends (waited for before the next sends go), not the step's 16 outputs (or
@@ -1612,6 +1718,17 @@ def test_loss_trajectory_is_the_same_at_any_layout_and_by_hand(layout_runs):
     assert len(benchmark.stage_times(str(tmp_path / "gpipe_trace"))) == 2
 
 
+def test_the_layout_runs_complete_under_nccls_rules(layout_runs):
+    # Each layout run of several processes, its script's whole main recorded (under measure-memory) and replayed
+    # under NCCL's rules, each step's two synchronizes with it: the tracer's (interleaved 1F1B, 4 stages, dp 2),
+    # the hand-written at dp 2 and at tp 2, without sequence parallelism, checkpointed at tp 2 (the recomputed
+    # forward issues its collectives again inside the backward), GPipe at dp 2 x tp 2, ...
+    _, tmp_path = layout_runs
+    for name, (processes, _, _) in LAYOUT_RUNS.items():
+        if processes:
+            replayed(tmp_path / name / "calls", processes, steps=5)
+
+
 # document_runs (conftest.py): 5 steps and an evaluation of every run in DOCUMENT_RUNS, on short documents.
 
 
@@ -1619,6 +1736,7 @@ def test_documents_kept_apart_train_and_evaluate_alike_at_any_layout(document_ru
     # --document-masking through the scripts: each rank finds its replica's documents in the batch it reads and
     # every stage of every microbatch gets them, through the zero-bubble schedules' split backward, with replicas,
     # tensor parallelism, activation checkpointing and the evaluation: one process's numbers.
+    document_runs, tmp_path = document_runs
     one, causal = document_runs["one"], document_runs["causal"]
     assert [e["step"] for e in one[1]] == [5]
     assert_close_rel(causal[0][0]["loss"], one[0][0]["loss"], 0.1)  # kept apart, the first step already differs:
@@ -1628,6 +1746,8 @@ def test_documents_kept_apart_train_and_evaluate_alike_at_any_layout(document_ru
         assert_same_trajectory(rows, one[0], name)
         assert_same_trajectory([{"step": 6, "loss": e["loss"]} for e in evaluations],  # step 6's weights
                                [{"step": 6, "loss": e["loss"]} for e in one[1]], f"{name} evaluation")
+        # Each run's whole main, its evaluation included, under NCCL's rules (traced, the V's own forward pass).
+        replayed(tmp_path / f"{name}.calls", DOCUMENT_RUNS[name][0], steps=5)
 
 
 BF16 = ["--precision", "bf16"]
@@ -2229,24 +2349,34 @@ def test_whole_runs_complete_under_nccls_rules(tmp_path, data_dir, reference_run
     # Every call of torch.distributed of whole runs, replayed under NCCL's rules (nccl_rules.py; each schedule's
     # step and evaluation: test_every_split_and_schedule_completes_under_nccls_rules). The reference run: 2 stages x
     # 2 replicas (FSDP2), 16 steps, saves written in the background on their own gloo group by another thread.
-    nccl_rules.check(nccl_rules.load(reference_run[0] / "calls"))
+    replayed(reference_run[0] / "calls", 4, steps=16)
     # The V-shaped zero bubble at 2 stages x tp 2 (sequence parallel) on packed documents, evaluated (the
-    # script's own forward pass), saved in the background; the hand-written 1F1B at 3 stages asked to stop as it
-    # starts (every rank agrees on the step to stop after, and saves it).
+    # script's own forward pass), saved in the background; the hand-written 1F1B at 4 stages asked to stop as it
+    # starts (every rank agrees on the step to stop after, and saves it); the hand-written 1F1B at 2 stages x 2
+    # replicas, each step in 2 schedule steps (--accumulate), evaluated.
     (tmp_path / "stop").write_text("SIGTERM")
     os.utime(tmp_path / "stop", (time.time() + 60,) * 2)  # newer than the ranks: made as they start (not a leftover)
     runs = {"zbv": run_script(4, *recorded(tmp_path / "zbv", "train_pipeline_gpipe.py"), *TRAIN_ARGS, "--steps", "2",
                               "--schedule", "zbvzerobubble", "--tp", "2", "--document-masking", "--eval-every", "2",
                               "--eval-batches", "1", "--async-checkpoint", "--checkpoint-every", "1", "--data",
-                              data_dir, "--checkpoint-dir", "zbv-checkpoints", cwd=tmp_path),
-            "stop": run_script(3, *recorded(tmp_path / "stop-calls", "train_pipeline_afab_manual.py"), *TRAIN_ARGS,
+                              data_dir, "--checkpoint-dir", "zbv-checkpoints", cwd=tmp_path, wait=False),
+            "stop": run_script(4, *recorded(tmp_path / "stop-calls", "train_pipeline_afab_manual.py"), *TRAIN_ARGS,
                                "--schedule", "1f1b", "--data", data_dir, "--checkpoint-dir", "stop-checkpoints",
-                               cwd=tmp_path, env=dict(script_env(), PIPELINE_STOP_FILE=str(tmp_path / "stop")))}
+                               cwd=tmp_path, wait=False, env=dict(script_env(),
+                                                                  PIPELINE_STOP_FILE=str(tmp_path / "stop"))),
+            "by hand x dp 2": run_script(4, *recorded(tmp_path / "dp-calls", "train_pipeline_afab_manual.py"),
+                                         *TRAIN_ARGS, "--steps", "2", "--schedule", "1f1b", "--dp", "2",
+                                         "--accumulate", "2", "--microbatches", "2", "--eval-every", "1",
+                                         "--eval-batches", "1", "--data", data_dir, "--checkpoint-dir",
+                                         "dp-checkpoints", "--metrics", "dp.jsonl", cwd=tmp_path, wait=False)}
+    runs = {name: finish(run) for name, run in runs.items()}  # all three at once
     for name, result in runs.items():
         assert result.returncode == 0, (name, errors(result.stderr))
     assert "stopped by SIGTERM after step 1" in runs["stop"].stdout, runs["stop"].stdout
-    for calls in ("zbv", "stop-calls"):
-        nccl_rules.check(nccl_rules.load(tmp_path / calls))
+    assert [r["eval"]["step"] for r in map(json.loads, (tmp_path / "dp.jsonl").read_text().splitlines())
+            if "eval" in r] == [1, 2]
+    for calls, processes, steps in (("zbv", 4, 2), ("stop-calls", 4, 1), ("dp-calls", 4, 2)):
+        replayed(tmp_path / calls, processes, steps)
 
 
 def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, reference_run):
@@ -3602,8 +3732,10 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
     runs = {  # name: (processes, script, flags)
         "one": (0, "train_pipeline_gpipe.py", train),
         "gpipe3": (3, "train_pipeline_gpipe.py", train),
-        # 2 stages x tp 2: each tensor-parallel rank pairs its rows of the embedding with the head's
-        "manual2xtp2": (4, "train_pipeline_afab_manual.py", [*train, "--schedule", "1f1b", "--tp", "2"]),
+        # 2 stages x tp 2: each tensor-parallel rank pairs its rows of the embedding with the head's; each step
+        # in 2 schedule steps (--accumulate), the evaluations too
+        "manual2xtp2": (4, "train_pipeline_afab_manual.py", [*train, "--schedule", "1f1b", "--tp", "2",
+                                                             "--accumulate", "2"]),
         # 4 stages in a V: the evaluations run the script's own forward pass (torch's eval() fails there)
         "tracer2": (2, "train_pipeline_tracer.py", [*train, "--schedule", "zbvzerobubble"]),
         # one stage, dp 2 x tp 2: the head is the embedding's one tensor, built on meta, sharded by FSDP2 over tp
@@ -3611,14 +3743,17 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
         "eval_one": (0, "train_pipeline_gpipe.py", ["--steps", "0"]),
         "eval3": (3, "train_pipeline_afab_manual.py", ["--steps", "0"]),
     }
-    procs = {name: run_script(n, script, *common, *flags, "--metrics", f"{name}.jsonl", "--checkpoint-dir", name,
-                              cwd=tmp_path, wait=False) for name, (n, script, flags) in runs.items()}
+    procs = {name: run_script(n, *(recorded(tmp_path / f"{name}.calls", script) if n else [script]), *common, *flags,
+                              "--metrics", f"{name}.jsonl", "--checkpoint-dir", name, cwd=tmp_path, wait=False)
+             for name, (n, script, flags) in runs.items()}
     rows = {}
     for name, proc in procs.items():
         result = finish(proc)
         assert result.returncode == 0, (name, errors(result.stderr))
         lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         rows[name] = ([r for r in lines if "loss" in r], [r["eval"] for r in lines if "eval" in r])
+        if runs[name][0]:  # the tied copies' gradients summed at tp 2 and dp 2 x tp 2 too: under NCCL's rules
+            replayed(tmp_path / f"{name}.calls", runs[name][0], steps=0 if name == "eval3" else 4)
     assert [e["step"] for e in rows["one"][1]] == [2, 4] and [e["step"] for e in rows["eval_one"][1]] == [0]
     assert rows["eval3"][0] == [] and not (tmp_path / "eval3").exists()  # evaluated only, nothing written
     for name in ("gpipe3", "manual2xtp2", "tracer2", "one2x2", "eval3"):
@@ -5381,6 +5516,53 @@ def test_the_one_gpu_check_says_in_one_line_that_it_needs_a_gpu(capsys, data_dir
         "error: --only: unknown nope; choose from compile, documents, hang,")
 
 
+# What a rank's stderr holds when NCCL's watchdog ends a hung all-reduce: the lines measured on an H100 (torch
+# 2.11, NCCL 2.28; docs/launching.md, "What a hang looks like on GPUs"), in the form c10's log gives each line
+# (a public log's: "[rank0]:[E1218 20:27:21.426415540 ProcessGroupNCCL.cpp:629] [Rank 0] Watchdog caught ...").
+WATCHDOG_STDERR = """\
+[rank0]:[E1129 05:31:02.118275104 ProcessGroupNCCL.cpp:688] [PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught \
+collective operation timeout: WorkNCCL(SeqNum=2, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=20000) ran \
+for 20092 milliseconds before timing out.
+[rank0]:[E1129 05:32:08.203311985 ProcessGroupNCCL.cpp:2073] [PG ID 0 PG GUID 0(default_pg) Rank 0] Some NCCL \
+operations have failed or timed out. Due to the asynchronous nature of CUDA kernels, subsequent GPU operations \
+might run on corrupted/incomplete data. To avoid data inconsistency, we are taking the entire process down.
+terminate called after throwing an instance of 'c10::DistBackendError'
+"""
+
+
+def test_the_gpu_checks_hang_verdict_wants_the_watchdogs_line_and_the_flight_recorders_dump(tmp_path):
+    # benchmark.py gpu-check's run whose all-reduce never completes passes only if it ended by itself with NCCL's
+    # watchdog line for that all-reduce and the flight recorder's dump holding it uncompleted (any non-zero exit
+    # passed before: a traceback, the scripts' own line). The dump: torch's flight recorder (the same one gloo's
+    # calls go to) after a gloo all-reduce, in a process of its own; its state as NCCL's reads for a call that
+    # never started (scheduled, docs/launching.md) and for one that went through (completed).
+    write = ("import os, torch, torch.distributed as dist; dist.init_process_group('gloo', store=dist.HashStore(), "
+             "rank=0, world_size=1); dist.all_reduce(torch.ones(1, dtype=torch.float64)); "
+             "open('dump', 'wb').write(torch._C._distributed_c10d._dump_fr_trace())")
+    result = start([sys.executable, "-c", write], cwd=tmp_path, env=dict(script_env(), TORCH_FR_BUFFER_SIZE="100"))
+    assert result.returncode == 0, result.stderr
+    dump = pickle.loads((tmp_path / "dump").read_bytes())
+    (entry,) = [e for e in dump["entries"] if e["profiling_name"] == "gloo:all_reduce"]
+    for state, name in (("scheduled", "pending"), ("completed", "completed")):
+        entry["state"] = state
+        (tmp_path / name).write_bytes(pickle.dumps(dump))
+    (tmp_path / "object").write_bytes(pickle.dumps({"entries": [Path("x")]}))
+    pending, verdict = str(tmp_path / "pending"), benchmark.hang_verdict
+    assert verdict(-6, WATCHDOG_STDERR, pending) is None  # SIGABRT, as measured
+    assert verdict(None, "", pending) == verdict(-9, WATCHDOG_STDERR, pending) == (
+        "did not end by itself (killed at gpu-check's deadline)")
+    assert verdict(0, "", pending) == "completed: the held call never waited"
+    lost = "error: lost contact with another rank (Connection closed by peer); if another rank printed an error above"
+    assert verdict(1, lost, pending) == "exited 1 without the watchdog's line for the all-reduce"
+    broadcast = WATCHDOG_STDERR.replace("OpType=ALLREDUCE", "OpType=BROADCAST")  # another call timed out
+    assert verdict(-6, broadcast, pending) == "exited -6 without the watchdog's line for the all-reduce"
+    for path, why in ((tmp_path / "nowhere", "No such file"), (tmp_path / "object", "not in a flight recorder's")):
+        assert verdict(-6, WATCHDOG_STDERR, str(path)).startswith(f"no flight recorder dump at {path} ("), path
+        assert why in verdict(-6, WATCHDOG_STDERR, str(path))
+    assert verdict(-6, WATCHDOG_STDERR, str(tmp_path / "completed")) == (
+        f"the flight recorder's dump ({len(dump['entries'])} calls) holds no all-reduce left uncompleted")
+
+
 def test_nccl_rules_says_what_it_cannot_check_in_one_line(tmp_path, capsys):
     assert refused(capsys, nccl_rules.main, "check", tmp_path) == (
         f"error: {tmp_path} holds no rankN.json; record a run into it first")
@@ -5390,6 +5572,19 @@ def test_nccl_rules_says_what_it_cannot_check_in_one_line(tmp_path, capsys):
     assert refused(capsys, nccl_rules.main, "check", tmp_path).startswith(f"error: {tmp_path}: not a recording")
     assert refused(capsys, nccl_rules.main, "record", tmp_path, "nope.py") == (
         "error: nope.py: no such script; give the training script to run, then its flags")
+    # A recording that shows nothing is no pass: a rank without a call, a rank its groups name without its file.
+    groups = {"0": {"ranks": [0, 1], "backend": "nccl"}}
+    call = {"op": 0, "thread": "main", "kind": "collective", "group": "0", "peer": None, "bytes": 4, "name": "barrier",
+            "reduce": None, "root": None, "batch": None, "at": "torch"}
+    (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "events": [call], "groups": groups, "gaps": []}))
+    (tmp_path / "rank1.json").write_text(json.dumps({"rank": 1, "events": [], "groups": {}, "gaps": []}))
+    assert refused(capsys, nccl_rules.main, "check", tmp_path) == (
+        "error: rank 1 recorded no call; record a run that communicates")
+    (tmp_path / "rank1.json").unlink()
+    assert refused(capsys, nccl_rules.main, "check", tmp_path) == (
+        "error: no recording of rank 1, which the groups hold; check the directory of a whole run")
+    (tmp_path / "rank1.json").write_text(json.dumps({"rank": 1, "events": [call], "groups": groups, "gaps": []}))
+    nccl_rules.main(["check", str(tmp_path)])  # both ranks' barrier: complete
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's checks")
@@ -6273,7 +6468,7 @@ def test_a_problem_one_rank_finds_ends_every_rank_with_the_same_line(tmp_path, d
     procs = launch_ranks(3, *recorded(tmp_path / "calls", "train_pipeline_gpipe.py"), "--layers", "3", "--steps",
                          "5", "--timeout", "60", cwd=[tmp_path / "good", tmp_path / "good", tmp_path / "bare"])
     results = [finish(proc, timeout=120) for proc in procs]
-    nccl_rules.check(nccl_rules.load(tmp_path / "calls"))  # the ranks' agreement on it, under NCCL's rules too
+    replayed(tmp_path / "calls", 3)  # the ranks' agreement on it, under NCCL's rules too (each rank has calls)
     assert [r.returncode for r in results] == [1, 1, 1], [r.stderr[-1500:] for r in results]
     errors = [line for r in results for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert errors == ["error: --data data: no data prepared there; run python prepare_data.py first (see its "

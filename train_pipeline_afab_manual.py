@@ -35,7 +35,7 @@ import checkpoint
 from checkpoint import Parser, ScheduleChoices, UsageError, collective_errors, number, whole
 from model import (PRESETS, LlamaForPretraining, TiedEmbedding, attention_mask, chunked_loss, clip_grad_norm_,
                    config_from_preset, describe_layout, document_mask, document_positions, estimated_costs, even,
-                   layout, loss_chunks, materialize, parallelize)
+                   layout, loss_chunks, materialize, parallelize, synchronize)
 
 # ----------------------------------------------------------------------------------------------------------
 # Flags: the same names and meanings in every script of the collection
@@ -189,8 +189,7 @@ def main(args):
             lr = lr_at(step, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            if env.device.type == "cuda":
-                torch.cuda.synchronize(env.device)  # time the step's work, not its launch
+            synchronize(env.device)  # time the step's work, not its launch
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             batch, k = batches.next(), args.accumulate  # an optimizer step's rows: k schedule steps, a part each
@@ -199,8 +198,7 @@ def main(args):
             tied.sync_grads()
             grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies, tp)
             optimizer.step()
-            if env.device.type == "cuda":
-                torch.cuda.synchronize(env.device)
+            synchronize(env.device)
             step_times.append(time.perf_counter() - started)
             if args.trace:
                 profiler.step()

@@ -37,7 +37,7 @@ from checkpoint import Parser, ScheduleChoices, UsageError, collective_errors, n
 from model import (PRESETS, LlamaForPretraining, TiedEmbedding, accumulate_into, chunked_loss,
                    clip_grad_norm_, config_from_preset, describe_layout, document_positions, estimated_costs,
                    forward_only, layout, loss_chunks, materialize, merge_backwards, merged_stages, parallelize,
-                   read_order)
+                   read_order, synchronize)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
              "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
@@ -211,8 +211,7 @@ def main(args):
             lr = lr_at(step, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            if env.device.type == "cuda":
-                torch.cuda.synchronize(env.device)  # time the step's work, not its launch
+            synchronize(env.device)  # time the step's work, not its launch
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             batch, k = batches.next(), args.accumulate  # an optimizer step's rows: k schedule steps, a part each
@@ -221,8 +220,7 @@ def main(args):
             tied.sync_grads()
             grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies, tp)
             optimizer.step()
-            if env.device.type == "cuda":
-                torch.cuda.synchronize(env.device)
+            synchronize(env.device)
             step_times.append(time.perf_counter() - started)
             if args.trace:
                 profiler.step()
