@@ -1,9 +1,10 @@
 """The Llama model the training scripts train, and what they and the tools use around it.
 
-First the model: its config, rotary embedding, decoder layers, the model classes, initial weights and the loss,
-in Hugging Face Llama's math and tensor names (``base_model.`` for its ``model.``: weights move between the two
-by renaming one prefix). Then, after a divider: presets and Hugging Face configs, the masks of packed documents,
-costs, pipeline layouts, how a stage is parallelized (tensor parallelism, activation checkpointing, compile,
+First the model: its config, rotary embedding, the masks of packed documents, sequence chunks' keys and values
+(Seq1F1B), decoder layers, the model classes, initial weights and the loss, in Hugging Face Llama's math and tensor
+names (``base_model.`` for its ``model.``: weights move between the two by renaming one prefix). Then, after a
+divider: presets and Hugging Face configs, costs, cutting sequences into chunks, pipeline layouts, how a stage
+is parallelized (tensor parallelism, activation checkpointing, compile,
 FSDP2), tied embeddings across stages, gradient clipping, a pipeline order read from a file (--schedule
 FILE.csv, run by torch's own runtime), gradient accumulation under torch's schedules, and a
 forward-only pass for evaluating where torch's eval() cannot.
@@ -107,6 +108,69 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x of shape [batch, heads, seq, head_dim] by position."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Packed documents kept apart (--document-masking)
+#
+# The token files hold documents one after another (bos, ids, eos) and a window cuts across them. Kept apart,
+# a token attends only to the earlier tokens of its own document and its rotary position counts from the
+# document's start: it computes what it computes alone. What carries the boundaries is each token's position in
+# its document, plain integers [batch, seq]: a pipeline schedule cuts them into microbatches with the tokens and
+# hands every stage its microbatch's. Each stage builds the mask from them once (attention_mask, in its forward)
+# and hands it to each of its layers. No mask object crosses a stage or goes through the schedules' autograd
+# (torchtitan #1723, #3584).
+
+def document_positions(input_ids: Tensor, bos_id: int) -> Tensor:
+    """Each token's position in its document [batch, seq]: 0 at every bos, then counting up; a window's tokens
+    before its first bos are the tail of a document, counted from 0 too."""
+    index = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+    return index - torch.where(input_ids == bos_id, index, 0).cummax(-1).values  # minus where the document began
+
+
+def document_mask_mod(positions: Tensor):
+    """FlexAttention's mask_mod of packed documents: query q sees key k when k is q or before it, and no earlier
+    than q's document's first token. Evaluated on index grids it is also the dense mask (document_mask)."""
+    starts = torch.arange(positions.shape[-1], device=positions.device) - positions  # each token's document start
+
+    def mask_mod(b, h, q, k):
+        return (k <= q) & (k >= starts[b, q])
+    return mask_mod
+
+
+def document_mask(positions: Tensor) -> Tensor:
+    """The dense mask [batch, 1, seq, seq] of document_mask_mod: True where a query (row) sees a key."""
+    index = torch.arange(positions.shape[-1], device=positions.device)
+    batches = torch.arange(positions.shape[0], device=positions.device)[:, None, None, None]
+    return document_mask_mod(positions)(batches, None, index[:, None], index)
+
+
+@functools.cache
+def _compiled_flex():  # compiled on first use (torch.compile costs seconds to set up, even unused)
+    return torch.compile(create_block_mask), torch.compile(flex_attention)
+
+
+def attention_mask(positions: Tensor) -> Tensor | BlockMask:
+    """What every attention layer of a stage takes of a microbatch's positions [batch, seq], built once by the stage
+    (LlamaModel.forward) for all its layers, and not again in a checkpointed layer's recompute: on a GPU,
+    FlexAttention's BlockMask (which blocks of keys each block of queries sees); elsewhere the dense mask."""
+    if positions.is_cuda:
+        (batch, seq), mask_mod = positions.shape, document_mask_mod(positions)
+        return _compiled_flex()[0](mask_mod, batch, None, seq, seq, device=positions.device)
+    return document_mask(positions)
+
+
+def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask) -> Tensor:
+    """Attention of q [batch, heads, seq, head_dim] within documents, mask attention_mask's. On a GPU, FlexAttention
+    compiled: one fused kernel that skips the blocks of keys no query of theirs may see (with several documents a
+    window, fewer FLOPs than causal). Elsewhere (torch 2.13's FlexAttention has no CPU backward) SDPA with the
+    dense mask [batch, 1, seq, seq] from the same mask_mod, whose masked scores weigh exactly 0."""
+    if isinstance(mask, BlockMask):  # a compiled layer takes it as an input: one graph for every microbatch's
+        return _compiled_flex()[1](q, k, v, block_mask=mask, enable_gqa=True)
+    if not q.is_cpu:  # traced on meta (the tracer), run on a GPU: CUDA's fused kernels take a mask, but with it
+        # not grouped K/V heads (torch 2.13 would fall back to its unfused math kernel), so the heads are copied
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.is_cpu)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -315,8 +379,8 @@ def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_sh
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Around the model, for the scripts and tools: presets and Hugging Face configs, the masks of packed
-# documents, costs, pipeline layouts, parallelizing a stage, tied embeddings across stages, clipping.
+# Around the model, for the scripts and tools: presets and Hugging Face configs, costs, cutting sequences into
+# chunks, pipeline layouts, parallelizing a stage, tied embeddings across stages, clipping.
 #
 # Named shapes for --model. `small` is LlamaConfig's defaults (the size of GPT-2 small); the llama-* entries use
 # the layer shapes of the Llama 3 family (plain RoPE, no long-context frequency scaling, untied head; a real
@@ -447,69 +511,6 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         wrong("tie_word_embeddings", rest["tie_word_embeddings"], "must be true or false")
     return LlamaConfig(**sizes, num_key_value_heads=kv_heads, head_dim=head_dim,
                        rope_theta=float(positive("rope_theta", theta)), rope_scaling=scaling, **rest)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Packed documents kept apart (--document-masking)
-#
-# The token files hold documents one after another (bos, ids, eos) and a window cuts across them. Kept apart,
-# a token attends only to the earlier tokens of its own document and its rotary position counts from the
-# document's start: it computes what it computes alone. What carries the boundaries is each token's position in
-# its document, plain integers [batch, seq]: a pipeline schedule cuts them into microbatches with the tokens and
-# hands every stage its microbatch's. Each stage builds the mask from them once (attention_mask, in its forward)
-# and hands it to each of its layers. No mask object crosses a stage or goes through the schedules' autograd
-# (torchtitan #1723, #3584).
-
-def document_positions(input_ids: Tensor, bos_id: int) -> Tensor:
-    """Each token's position in its document [batch, seq]: 0 at every bos, then counting up; a window's tokens
-    before its first bos are the tail of a document, counted from 0 too."""
-    index = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
-    return index - torch.where(input_ids == bos_id, index, 0).cummax(-1).values  # minus where the document began
-
-
-def document_mask_mod(positions: Tensor):
-    """FlexAttention's mask_mod of packed documents: query q sees key k when k is q or before it, and no earlier
-    than q's document's first token. Evaluated on index grids it is also the dense mask (document_mask)."""
-    starts = torch.arange(positions.shape[-1], device=positions.device) - positions  # each token's document start
-
-    def mask_mod(b, h, q, k):
-        return (k <= q) & (k >= starts[b, q])
-    return mask_mod
-
-
-def document_mask(positions: Tensor) -> Tensor:
-    """The dense mask [batch, 1, seq, seq] of document_mask_mod: True where a query (row) sees a key."""
-    index = torch.arange(positions.shape[-1], device=positions.device)
-    batches = torch.arange(positions.shape[0], device=positions.device)[:, None, None, None]
-    return document_mask_mod(positions)(batches, None, index[:, None], index)
-
-
-@functools.cache
-def _compiled_flex():  # compiled on first use (torch.compile costs seconds to set up, even unused)
-    return torch.compile(create_block_mask), torch.compile(flex_attention)
-
-
-def attention_mask(positions: Tensor) -> Tensor | BlockMask:
-    """What every attention layer of a stage takes of a microbatch's positions [batch, seq], built once by the stage
-    (LlamaModel.forward) for all its layers, and not again in a checkpointed layer's recompute: on a GPU,
-    FlexAttention's BlockMask (which blocks of keys each block of queries sees); elsewhere the dense mask."""
-    if positions.is_cuda:
-        (batch, seq), mask_mod = positions.shape, document_mask_mod(positions)
-        return _compiled_flex()[0](mask_mod, batch, None, seq, seq, device=positions.device)
-    return document_mask(positions)
-
-
-def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask) -> Tensor:
-    """Attention of q [batch, heads, seq, head_dim] within documents, mask attention_mask's. On a GPU, FlexAttention
-    compiled: one fused kernel that skips the blocks of keys no query of theirs may see (with several documents a
-    window, fewer FLOPs than causal). Elsewhere (torch 2.13's FlexAttention has no CPU backward) SDPA with the
-    dense mask [batch, 1, seq, seq] from the same mask_mod, whose masked scores weigh exactly 0."""
-    if isinstance(mask, BlockMask):  # a compiled layer takes it as an input: one graph for every microbatch's
-        return _compiled_flex()[1](q, k, v, block_mask=mask, enable_gqa=True)
-    if not q.is_cpu:  # traced on meta (the tracer), run on a GPU: CUDA's fused kernels take a mask, but with it
-        # not grouped K/V heads (torch 2.13 would fall back to its unfused math kernel), so the heads are copied
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.is_cpu)
 
 
 # ----------------------------------------------------------------------------------------------------------
