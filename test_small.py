@@ -6326,3 +6326,148 @@ def test_a_forked_rank_starts_as_a_torchrun_rank_does(tmp_path):
                 "TORCHELASTIC_USE_AGENT_STORE"} <= set(names), names
         assert second[:2] == [run_id, filters] and all(a != b for a, b in zip(seeds, second[2:])), ranks
     assert len({ranks[0][2] for ranks in launches}) == 3 and len({ranks[0][3] for ranks in launches}) == 1, launches
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 9. Sequence chunks (--seq-chunks, Seq1F1B): a sequence run as chunks computes what it computes whole
+
+# A middle stage's worth of layers (no embedding, no head: hidden states in and out), 32 tokens, and documents that
+# span chunks at S = 2 and 4: row 0 a tail (0-4), then documents at 5 (across 8), 13 (across 16 and 24) and 27;
+# row 1 documents at 0 and 20.
+CHUNK_DOCUMENTS = {0: [5, 13, 27], 1: [0, 20]}
+
+
+def chunk_stage(layers=3, how="none", seed=21):
+    stage = LlamaForPretraining(small_config(layers=layers)).keep_only(range(layers), embed=False, head=False)
+    stage.init_weights(seed)
+    model_module.checkpoint_layers([stage], how)
+    return stage
+
+
+def cached_chunks(module) -> int:
+    """The keys and values of chunks held in flight by a module's attention layers."""
+    return sum(len(m.kv_chunks) for m in module.modules() if isinstance(m, model_module.LlamaAttention))
+
+
+def run_chunked(stage, x, positions, lengths, grad, backward=None):
+    """Chunks of x through a stage as a pipeline runs them: forwards in order, each chunk's input a leaf of its own,
+    then backwards last chunk first, each started from the chunk's own output (backward(out, grad, x): the default,
+    torch.autograd.backward, which leaves the input's gradient in x.grad). The whole output and input gradient, and
+    the cached chunks after each forward and each backward."""
+    chunks = model_module.cut_sequences(x, torch.zeros(x.shape[:2], dtype=torch.long), positions, lengths)
+    ins, outs, cached = [], [], []
+    for c in chunks:
+        ins.append(c.inputs.detach().requires_grad_())
+        outs.append(stage(ins[-1], c.positions, chunk=c.chunk))
+        cached.append(cached_chunks(stage))
+    for j in reversed(range(len(chunks))):
+        (backward or (lambda out, g, x: torch.autograd.backward(out, g)))(outs[j], grad.split(lengths, 1)[j], ins[j])
+        cached.append(cached_chunks(stage))
+    return torch.cat([o.detach() for o in outs], 1), torch.cat([x.grad for x in ins], 1), cached
+
+
+def run_whole(stage, x, positions, grad):
+    x = x.detach().requires_grad_()
+    out = stage(x, positions)
+    out.backward(grad)
+    return out.detach(), x.grad
+
+
+def assert_same_run(got, want, stage, reference):
+    # 1e-5 relative (of each tensor's largest value): the chunks' attention sums a row's scores, and a key's gradient
+    # over the queries, in other pieces than the whole's kernel (fp32 rounding, ~1e-7); a wrong mask, position or
+    # a gradient stopped at a chunk boundary is off by the size of the values themselves (the test below).
+    for a, b in [*zip(got, want), *((p.grad, reference.get_parameter(n).grad) for n, p in stage.named_parameters())]:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_a_sequence_run_as_chunks_computes_what_it_computes_whole(documents, checkpointing):
+    # Outputs, the input's gradient (what a stage sends back) and every weight's, at S = 2 and 4, chunks even and
+    # of equal compute: each chunk's attention reads its sequence's earlier chunks' keys and values, its rotary
+    # positions start at its offset, its mask over them follows the documents, and the earlier chunks get their
+    # keys' and values' gradients from the later chunks' backwards. Checkpointed, a chunk's forward runs again in
+    # its backward and does not keep its keys and values a second time: the cache holds the (S - 1) chunks' of each
+    # of the 3 layers after the forwards, a chunk's fewer after each backward, none after the last.
+    gen = torch.Generator().manual_seed(2)
+    tokens = documents_batch(torch.randint(0, 97, (2, 32), generator=gen), CHUNK_DOCUMENTS)
+    positions = model_module.document_positions(tokens, BOS) if documents else None
+    x, grad = torch.randn(2, 32, 32, generator=gen), torch.randn(2, 32, 32, generator=gen)
+    reference = chunk_stage()
+    want = run_whole(reference, x, positions, grad)
+    for chunks, how in itertools.product((2, 4), ("even", "compute")):
+        lengths = model_module.chunk_lengths(32, chunks, reference.config, how)
+        assert (len(set(lengths)) == 1) == (how == "even"), lengths  # (the tiny model's: nearly even)
+        stage = chunk_stage(how=checkpointing)
+        *got, cached = run_chunked(stage, x, positions, lengths, grad)
+        assert_same_run(got, want, stage, reference)
+        assert cached == [3 * min(j, chunks - 1) for j in range(1, chunks + 1)] + [3 * j for j in
+                                                                                   reversed(range(chunks))], cached
+
+
+def test_the_chunks_keys_values_gradient_is_what_makes_them_exact(monkeypatch):
+    # Without the side channel (earlier chunks' keys and values read as constants: the gradient stops at a chunk
+    # boundary, as zwx119/Seq1F1B's variant does) the outputs stay the same and the gradients are wrong by far more
+    # than the tolerance above: the comparison would catch its loss.
+    gen = torch.Generator().manual_seed(3)
+    x, grad = torch.randn(2, 32, 32, generator=gen), torch.randn(2, 32, 32, generator=gen)
+    reference = chunk_stage()
+    want = run_whole(reference, x, None, grad)
+    monkeypatch.setattr(model_module._ChunkEntry, "add", lambda self, dk, dv: None)
+    stage = chunk_stage()
+    out, x_grad, cached = run_chunked(stage, x, None, [8] * 4, grad)
+    torch.testing.assert_close(out, want[0], rtol=1e-5, atol=1e-5)
+    def off(got, want):  # relative to the tensor's largest value, as the tolerance
+        return ((got - want).abs().max() / want.abs().max()).item()
+    assert off(x_grad, want[1]) > 1e-3  # (the residual stream's own gradient, untouched, is most of it)
+    for name, param in stage.named_parameters():
+        if "k_proj" in name or "v_proj" in name:
+            assert off(param.grad, reference.get_parameter(name).grad) > 0.1, name
+    assert cached[-1] == 0
+
+
+def test_one_chunk_is_todays_path_bit_for_bit():
+    # --seq-chunks 1: cut_sequences hands the microbatch over as it is, no chunk: the model runs today's code; and a
+    # chunk that is the whole sequence computes the same bits (its own keys and values, nothing kept).
+    gen = torch.Generator().manual_seed(4)
+    x, grad = torch.randn(2, 32, 32, generator=gen), torch.randn(2, 32, 32, generator=gen)
+    targets = torch.randint(0, 97, (2, 32), generator=gen)
+    (only,) = model_module.cut_sequences(x, targets, None, model_module.chunk_lengths(32, 1, small_config()))
+    assert only.inputs is x and only.targets is targets and only.chunk is None and only.tokens is None
+    reference, stage = chunk_stage(), chunk_stage()
+    want = run_whole(reference, x, None, grad)
+    got = run_chunked(stage, x, None, [32], grad)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and got[2] == [0, 0]
+    assert all(torch.equal(p.grad, reference.get_parameter(n).grad) for n, p in stage.named_parameters())
+
+
+def test_the_loss_over_chunks_weighs_every_token_as_the_whole_sequence():
+    # Each chunk's loss is its sum over its sequences' count of targets / S (cut_sequences' tokens): the mean over
+    # the chunks, as a schedule takes it over its microbatches, is the whole sequences' loss, and so are its
+    # gradients, with chunks of unequal lengths and ignored targets (-100) unevenly spread.
+    config, gen = small_config(layers=2), torch.Generator().manual_seed(5)
+    model = LlamaForPretraining(config)
+    model.init_weights(6)
+    model.head_in_loss = True
+    inputs, targets = torch.randint(0, 97, (2, 32), generator=gen), torch.randint(0, 97, (2, 32), generator=gen)
+    targets[0, 3:9] = -100
+    whole = model_module.chunked_loss(model.lm_head, model(inputs), targets, 1)
+    whole.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    lengths = model_module.chunk_lengths(32, 4, config, "compute")
+    losses = [model_module.chunked_loss(model.lm_head, model(c.inputs, c.positions, chunk=c.chunk), c.targets, 2,
+                                        tokens=c.tokens) for c in model_module.cut_sequences(inputs, targets, None,
+                                                                                             lengths)]
+    for loss in reversed(losses):
+        (loss / len(losses)).backward()
+    torch.testing.assert_close(sum(losses) / len(losses), whole, rtol=1e-6, atol=0)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want[name], rtol=1e-5, atol=1e-5 * want[name].abs().max().item())
+    with torch.no_grad():
+        plain = sum(model_module.chunked_loss(model.lm_head, model(c.inputs, c.positions, chunk=c.chunk), c.targets,
+                                              1) for c in model_module.cut_sequences(inputs, targets, None, lengths)) / 4
+    # Each chunk's own mean would divide chunk 0's sum by its 12 targets (6 of 18 ignored), not by 58 / 4 = 14.5: on
+    # this model every token's loss is about log(97), so the error is small, but far above the 1e-6 above.
+    assert abs(plain - whole) > 1e-5
