@@ -6471,3 +6471,84 @@ def test_the_loss_over_chunks_weighs_every_token_as_the_whole_sequence():
     # Each chunk's own mean would divide chunk 0's sum by its 12 targets (6 of 18 ignored), not by 58 / 4 = 14.5: on
     # this model every token's loss is about log(97), so the error is small, but far above the 1e-6 above.
     assert abs(plain - whole) > 1e-5
+
+
+def test_chunks_of_equal_compute_cost_the_same_and_bad_counts_say_so_in_one_line():
+    # --chunk-split compute: causal attention reads each token's whole prefix, so later chunks are cut shorter, to
+    # within a token (or a tp multiple) of equal FLOPs, counted as chunk_lengths counts them (a layer's matrices,
+    # 6 N a token; attention, 12 H Q a key read): llama-8b at 32k, S 4, is 10972 / 8427 / 7107 / 6262 tokens.
+    config = config_from_preset("llama-8b", 128256)
+    linear, attention = 6 * model_module.parameter_counts(config)["layer"], 6 * config.num_attention_heads * 128
+    for seq_len, chunks, multiple in ((32768, 4, 1), (32768, 4, 8), (131072, 8, 4), (64, 4, 2)):
+        lengths = model_module.chunk_lengths(seq_len, chunks, config, "compute", multiple)
+        assert sum(lengths) == seq_len and all(n % multiple == 0 for n in lengths) and lengths == sorted(lengths)[::-1]
+        ends = list(itertools.accumulate(lengths))
+        costs = [linear * (e - s) + attention * (e * (e + 1) - s * (s + 1)) for s, e in zip([0] + ends, ends)]
+        token = linear + 2 * attention * seq_len  # the dearest token's cost, the last one's
+        assert max(abs(c - sum(costs) / chunks) for c in costs) <= multiple * token, (lengths, costs)
+    assert model_module.chunk_lengths(32768, 4, config, "compute")[0] > 10900  # not nearly even: it shows at 32k
+    assert model_module.chunk_lengths(32, 4, config) == [8] * 4
+    for args, message in (((32, 3), "--seq-chunks 3 does not cut --seq-len 32 into even chunks; the nearest that "
+                                    "does: --seq-chunks 2"),
+                          ((30, 4), "the nearest that does: --seq-chunks 3"),
+                          ((32, 33), "--seq-chunks 33: give 1 to 32 chunks for --seq-len 32"),
+                          ((32, 0), "--seq-chunks 0: give 1 to 32"),
+                          ((32, 3, config, "even", 8), "of a multiple of 8 tokens (--tp); the nearest that does: "
+                                                       "--seq-chunks 2"),
+                          ((32, 2, config, "flops"), "--chunk-split flops: give even or compute")):
+        with pytest.raises(ValueError, match=re.escape(message)) as error:
+            model_module.chunk_lengths(*(args if len(args) > 2 else (*args, config)))
+        assert "\n" not in str(error.value)
+
+
+def test_chunks_of_sequences_in_flight_interleave_and_evaluation_keeps_nothing():
+    # Two sequences' chunks in flight at once, as 1F1B runs them on a first stage (slot 0's chunks forward, slot
+    # 1's, then backwards interleaved, each sequence's last chunk first): each reads its own sequence's keys and
+    # values. Forward-only (evaluation, no_grad) the same outputs, and a sequence's entries go with its last chunk.
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(2, 32, 32, generator=gen) for _ in range(2)]
+    grads = [torch.randn(2, 32, 32, generator=gen) for _ in range(2)]
+    reference, stage = chunk_stage(), chunk_stage(how="full")
+    wants = [run_whole(reference, x, None, g) for x, g in zip(xs, grads)]
+    zeros = torch.zeros(2, 32, dtype=torch.long)
+    chunks = [model_module.cut_sequences(x, zeros, None, [16, 8, 8], slot) for slot, x in enumerate(xs)]
+    ins = {(s, c.chunk.index): c.inputs.detach().requires_grad_() for s in (0, 1) for c in chunks[s]}
+    outs = {key: stage(x, chunk=chunks[key[0]][key[1]].chunk) for key, x in sorted(ins.items())}
+    assert cached_chunks(stage) == 3 * 2 * 2
+    for key in [(1, 2), (0, 2), (1, 1), (0, 1), (1, 0), (0, 0)]:
+        outs[key].backward(grads[key[0]].split([16, 8, 8], 1)[key[1]])
+    assert cached_chunks(stage) == 0
+    for slot in (0, 1):
+        got = [torch.cat([t[slot, j] for j in range(3)], 1) for t in (
+            {k: o.detach() for k, o in outs.items()}, {k: x.grad for k, x in ins.items()})]
+        for a, b in zip(got, wants[slot]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())  # as assert_same_run
+    with torch.no_grad():
+        out = [stage(c.inputs, chunk=c.chunk) for c in chunks[0]]
+    torch.testing.assert_close(torch.cat(out, 1), wants[0][0], rtol=1e-5, atol=1e-5)
+    assert cached_chunks(stage) == 0
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_chunks_compose_with_a_split_backward(checkpointing):
+    # The zero-bubble schedules' backward in two calls, as torch's PipelineStage makes them: I (the input's gradient,
+    # torch.autograd.grad) for each chunk, last first, then W (the weights') for each, later. The earlier chunks'
+    # keys and values get their gradient in I (its node lies on the way to the input), and a checkpointed layer,
+    # recomputed once for both (checkpoint_once), keeps its keys and values once.
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    gen = torch.Generator().manual_seed(8)
+    tokens = documents_batch(torch.randint(0, 97, (2, 32), generator=gen), CHUNK_DOCUMENTS)
+    positions = model_module.document_positions(tokens, BOS)
+    x, grad = torch.randn(2, 32, 32, generator=gen), torch.randn(2, 32, 32, generator=gen)
+    reference, stage = chunk_stage(), chunk_stage(how=checkpointing)
+    want = run_whole(reference, x, positions, grad)
+    groups = []
+
+    def backward_input(out, g, x):
+        (x.grad,), param_groups = stage_backward_input([out], [g], [x], iter(list(stage.parameters())))
+        groups.append(param_groups)
+    *got, cached = run_chunked(stage, x, positions, [8] * 4, grad, backward_input)
+    for param_groups in groups:
+        stage_backward_weight(iter(list(stage.parameters())), param_groups)
+    assert_same_run(got, want, stage, reference)
+    assert cached == [3, 6, 9, 9, 9, 6, 3, 0]
