@@ -247,7 +247,7 @@ def test_a_stage_builds_its_document_mask_once_a_microbatch_for_all_its_layers(m
     # layers (LlamaModel.forward; the hand-written forward_stage): not once a layer, and not again in a checkpointed
     # layer's recompute. Counted on the CPU's dense mask; the pipelines' runs count theirs (the parity tests).
     built, dense = [], model_module.document_mask
-    monkeypatch.setattr(model_module, "document_mask", lambda positions: built.append(1) or dense(positions))
+    monkeypatch.setattr(model_module, "document_mask", lambda *args: built.append(1) or dense(*args))
     config, gen = small_config(layers=3), torch.Generator().manual_seed(0)
     tokens = documents_batch(torch.randint(0, 97, (2, 16), generator=gen), {0: [5], 1: [0, 9]})
     positions = model_module.document_positions(tokens, BOS)
@@ -6529,7 +6529,7 @@ def test_chunks_of_sequences_in_flight_interleave_and_evaluation_keeps_nothing()
     assert cached_chunks(stage) == 0
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full"])
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
 def test_chunks_compose_with_a_split_backward(checkpointing):
     # The zero-bubble schedules' backward in two calls, as torch's PipelineStage makes them: I (the input's gradient,
     # torch.autograd.grad) for each chunk, last first, then W (the weights') for each, later. The earlier chunks'
