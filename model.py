@@ -214,10 +214,10 @@ def chunk_positions(chunk: SeqChunk, batch: int, device) -> Tensor:
 
 
 class _ChunkEntry:
-    """A chunk's keys and values (after RoPE), for its sequence's later chunks, and the gradient their backwards give
-    them, summed in fp32."""
+    """A chunk's keys and values (after RoPE), for its sequence's later chunks, the gradient their backwards give
+    them, summed in fp32, and how many of those backwards are still to come (readers)."""
     def __init__(self, k: Tensor, v: Tensor):
-        self.k, self.v, self.grads = k, v, None
+        self.k, self.v, self.grads, self.readers = k, v, None, 0
 
     def add(self, dk: Tensor, dv: Tensor) -> None:
         if self.grads is None:  # a copy: a view would hold the later chunk's whole gradient
@@ -234,11 +234,14 @@ class _ChunkKV(torch.autograd.Function):
     own what the later chunks gave, and frees its entry: its last reader is done."""
 
     @staticmethod
-    def forward(ctx, k, v, cache: dict, chunk: SeqChunk):
+    def forward(ctx, k, v, cache: dict, chunk: SeqChunk, tracked: bool):
         prefix = [cache[chunk.sequence, i] for i in range(chunk.index)]
         ctx.prefix, ctx.cache, ctx.key, ctx.own = prefix, cache, (chunk.sequence, chunk.index), None
-        if chunk.index < chunk.count - 1 and torch._C._current_graph_task_id() == -1:  # -1: not in a backward
-            ctx.own = cache[ctx.key] = _ChunkEntry(k.detach(), v.detach())
+        if torch._C._current_graph_task_id() == -1:  # -1: not in a backward (a recompute is)
+            for entry in prefix if tracked else ():
+                entry.readers += 1
+            if chunk.index < chunk.count - 1:
+                ctx.own = cache[ctx.key] = _ChunkEntry(k.detach(), v.detach())
         if not prefix:
             return k, v
         return torch.cat([e.k for e in prefix] + [k], 2), torch.cat([e.v for e in prefix] + [v], 2)
@@ -251,13 +254,17 @@ class _ChunkKV(torch.autograd.Function):
         *dvs, dv = dv.split(lengths, 2)
         for entry, dk_i, dv_i in zip(ctx.prefix, dks, dvs):
             entry.add(dk_i, dv_i)
+            entry.readers -= 1
         own, ctx.prefix = ctx.own, None
+        if own is not None and own.readers:  # else its gradient would miss what they give, silently
+            raise RuntimeError(f"chunk {ctx.key[1]} of sequence {ctx.key[0]}: its backward ran before its later "
+                               "chunks' backwards; run a sequence's chunks' backwards last chunk first")
         if own is not None:
             if own.grads is not None:
                 dk, dv = (own.grads[0] + dk).to(dk.dtype), (own.grads[1] + dv).to(dv.dtype)
             if ctx.cache.get(ctx.key) is own:
                 del ctx.cache[ctx.key]
-        return dk, dv, None, None
+        return dk, dv, None, None, None
 
 
 def chunk_keys_values(cache: dict, chunk: SeqChunk, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -266,7 +273,7 @@ def chunk_keys_values(cache: dict, chunk: SeqChunk, k: Tensor, v: Tensor) -> tup
     if missing := [i for i in range(chunk.index) if (chunk.sequence, i) not in cache]:
         raise RuntimeError(f"chunk {chunk.index} of sequence {chunk.sequence}: no keys and values of its chunk "
                            f"{missing[0]}; run a sequence's chunks forward in order")
-    k, v = _ChunkKV.apply(k, v, cache, chunk)
+    k, v = _ChunkKV.apply(k, v, cache, chunk, torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
     if not k.requires_grad and chunk.index == chunk.count - 1:
         for i in range(chunk.index):
             cache.pop((chunk.sequence, i), None)

@@ -6552,3 +6552,13 @@ def test_chunks_compose_with_a_split_backward(checkpointing):
         stage_backward_weight(iter(list(stage.parameters())), param_groups)
     assert_same_run(got, want, stage, reference)
     assert cached == [3, 6, 9, 9, 9, 6, 3, 0]
+
+
+def test_a_sequences_chunks_backward_out_of_order_is_refused():
+    # A first chunk's backward before its later chunks' (GPipe's order, microbatch 0's first) would miss the gradient
+    # they give its keys and values, silently: it is refused, naming the order to run.
+    stage, x = chunk_stage(layers=1), torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(9))
+    outs = [stage(c.inputs, chunk=c.chunk) for c in model_module.cut_sequences(x, x, None, [16, 16], 5)]
+    with pytest.raises(RuntimeError, match=re.escape("chunk 0 of sequence 5: its backward ran before its later "
+                                                     "chunks' backwards; run a sequence's chunks' backwards last")):
+        outs[0].sum().backward()
