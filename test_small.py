@@ -6562,3 +6562,46 @@ def test_a_sequences_chunks_backward_out_of_order_is_refused():
     with pytest.raises(RuntimeError, match=re.escape("chunk 0 of sequence 5: its backward ran before its later "
                                                      "chunks' backwards; run a sequence's chunks' backwards last")):
         outs[0].sum().backward()
+
+
+def test_torchs_pipeline_runtime_drives_chunks_by_keyword(one_process_group):
+    # torch's own PipelineStage and _PipelineScheduleRuntime, one stage holding the whole model: 2 sequences of 2
+    # chunks as 4 microbatches (microbatch 2 s + j: sequence s's chunk j), the chunk and its positions handed to the
+    # stage's forward as each microbatch's keyword arguments, the chunk's targets with their divisor to the loss,
+    # in an order that runs each sequence's chunks forward in order and backward last first, interleaved. The
+    # runtime's mean over its microbatches is then the 2 sequences' mean loss, and so are the gradients.
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
+    config, gen = small_config(layers=2), torch.Generator().manual_seed(10)
+    inputs = documents_batch(torch.randint(0, 97, (4, 32), generator=gen), {0: [5, 13, 27], 3: [20]})
+    targets, positions = torch.randint(0, 97, (4, 32), generator=gen), model_module.document_positions(inputs, BOS)
+    reference, model = LlamaForPretraining(config), LlamaForPretraining(config)
+    for m in (reference, model):
+        m.init_weights(12)
+        m.head_in_loss = True
+    model_module.checkpoint_layers([model], "full")
+    loss_fn = functools.partial(model_module.chunked_loss, reference.lm_head, chunks=1)
+    whole = sum(loss_fn(reference(x, p), targets=y) for x, y, p in zip(inputs.chunk(2), targets.chunk(2),
+                                                                      positions.chunk(2))) / 2
+    whole.backward()
+    chunks = [c for s, (x, y, p) in enumerate(zip(inputs.chunk(2), targets.chunk(2), positions.chunk(2)))
+              for c in model_module.cut_sequences(x, y, p, [16, 16], s)]
+    stage = PipelineStage(model, 0, 1, torch.device("cpu"), input_args=torch.empty(2, 16, dtype=torch.long,
+                                                                                    device="meta"),
+                          output_args=torch.empty(2, 16, 32, device="meta"))
+    schedule = _PipelineScheduleRuntime([stage], n_microbatches=4, loss_fn=lambda h, target: model_module.chunked_loss(
+        model.lm_head, h, target[0], 1, tokens=target[1]))
+    schedule.pipeline_order = {0: [_Action(0, _ComputationType(kind), mb) for kind, mb in (
+        ("F", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 3), ("B", 2))]}
+    schedule._prepare_schedule_with_comms(schedule.pipeline_order)
+    # Pre-cut microbatches (private in torch 2.13: step() would hand every microbatch the same chunk, a non-tensor
+    # keyword), so what step() sets first is set here.
+    stage.has_backward, losses = True, []
+    schedule._step_microbatches(arg_mbs=[(c.inputs,) for c in chunks], target_mbs=[(c.targets, c.tokens) for c in
+                                                                                   chunks], losses=losses,
+                                kwarg_mbs=[{"positions": c.positions, "chunk": c.chunk} for c in chunks])
+    torch.testing.assert_close(sum(losses) / 4, whole.detach(), rtol=1e-6, atol=0)
+    for name, param in model.named_parameters():
+        want = reference.get_parameter(name).grad
+        torch.testing.assert_close(param.grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert cached_chunks(model) == 0
