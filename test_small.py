@@ -72,7 +72,7 @@ from conftest import (  # the helpers; the fixtures pytest finds there itself
     launch_ranks, launcher_env, layer_count, library_pipeline, mount_tmpfs, one_line_error, parity_config,
     parity_step, plain_loss, prepare_small, random_batch, read_metrics, recorded, recorder, refused, run_main,
     run_script, run_sh, run_workers, schedule_file, script_env, small_config, snapshot, split_layers, start,
-    start_group, traced_pipeline, worker_pids, _recompute_worker)
+    start_group, traced_pipeline, worker_pids, _chunks_tp_worker, _recompute_worker)
 from export import hf_config
 from model import MAX_LAYERS, LlamaConfig, LlamaForPretraining, config_from_hf, config_from_preset, even
 
@@ -6605,3 +6605,23 @@ def test_torchs_pipeline_runtime_drives_chunks_by_keyword(one_process_group):
         want = reference.get_parameter(name).grad
         torch.testing.assert_close(param.grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert cached_chunks(model) == 0
+
+
+def test_chunks_under_tensor_and_sequence_parallelism_compute_the_whole_sequence(tmp_path):
+    # --tp 2 with sequence parallelism: each rank keeps its own heads' keys and values of a chunk (attention gathers
+    # the chunk's positions), the loss takes each rank's piece of a chunk. At S 2 and 4 (a tp multiple: 8 tokens
+    # each here), checkpointed or not, with documents across chunks: the whole sequences' loss and gradients.
+    gen = torch.Generator().manual_seed(11)
+    inputs = documents_batch(torch.randint(0, 97, (2, 32), generator=gen), CHUNK_DOCUMENTS)
+    targets = torch.randint(0, 97, (2, 32), generator=gen)
+    lengths = model_module.chunk_lengths(32, 4, small_config(layers=2), "compute", multiple=2)
+    variants = [(how, chunks) for how in ("none", "full") for chunks in ([16, 16], lengths)]
+    run_workers(_chunks_tp_worker, 2, args=(2, str(tmp_path / "store"), str(tmp_path), (inputs, targets), variants))
+    results = torch.load(tmp_path / "chunks.pt", weights_only=True)
+    loss, grads, _ = results["none", (32,)]
+    for how, chunks in variants:
+        got_loss, got, cached = results[how, tuple(chunks)]
+        torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=0)
+        for name, want in grads.items():  # 1e-5 of the largest: as assert_same_run
+            torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        assert cached == 0
