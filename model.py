@@ -188,13 +188,16 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask
 # is summed in their entry, and chunk i's backward adds it to its own keys' and values' before going on down the
 # layer (_ChunkKV): no gradient stops at a chunk boundary. That node lies on the path from the chunk's output to
 # its input, so a backward of the input alone (the zero-bubble schedules' I: torch.autograd.grad) runs it too.
+# Held: each entry is its chunk's own keys and values (no copy) until that chunk's backward; chunk j's attention
+# saves the keys and values of its whole prefix (a copy: SDPA takes them whole), unless its layer is checkpointed.
 #
 # Which chunk a forward computes travels as a keyword argument, chunk=SeqChunk(...), from LlamaForPretraining and
 # LlamaModel down to every layer's attention, as positions do: torch's PipelineStage hands each microbatch's
 # keyword arguments to the stage's forward (its shape inference too; a non-tensor passes as it is), the hand-written
 # schedule passes them itself, and activation checkpointing hands them to the recompute. A context set around the
-# stage's call would need a hook per microbatch that torch's runtime lacks. With tensor parallelism the entries are
-# the rank's own heads (the projections' local outputs) and a chunk's whole length (attention gathers it).
+# stage's call would need a hook per microbatch that torch's runtime lacks. (torch 2.13's step() hands a non-tensor
+# keyword to every microbatch alike: the chunks go in pre-cut, to _step_microbatches.) With tensor parallelism the
+# entries are the rank's own heads (the projections' local outputs) and a chunk's whole length (attention gathers it).
 
 @dataclasses.dataclass(frozen=True)
 class SeqChunk:

@@ -6466,8 +6466,8 @@ def test_the_loss_over_chunks_weighs_every_token_as_the_whole_sequence():
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, want[name], rtol=1e-5, atol=1e-5 * want[name].abs().max().item())
     with torch.no_grad():
-        plain = sum(model_module.chunked_loss(model.lm_head, model(c.inputs, c.positions, chunk=c.chunk), c.targets,
-                                              1) for c in model_module.cut_sequences(inputs, targets, None, lengths)) / 4
+        plain = sum(model_module.chunked_loss(model.lm_head, model(c.inputs, chunk=c.chunk), c.targets, 1)
+                    for c in model_module.cut_sequences(inputs, targets, None, lengths)) / 4
     # Each chunk's own mean would divide chunk 0's sum by its 12 targets (6 of 18 ignored), not by 58 / 4 = 14.5: on
     # this model every token's loss is about log(97), so the error is small, but far above the 1e-6 above.
     assert abs(plain - whole) > 1e-5
