@@ -270,6 +270,7 @@ class _ChunkKV(torch.autograd.Function):
         return dk, dv, None, None, None
 
 
+@torch.compiler.disable  # --compile: run as it is, between a compiled layer's graphs (it keeps state in a dict)
 def chunk_keys_values(cache: dict, chunk: SeqChunk, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """The keys and values chunk's queries attend to (_ChunkKV); without a backward to come (evaluation), its
     sequence's entries are dropped after its last chunk."""

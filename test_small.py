@@ -6625,3 +6625,18 @@ def test_chunks_under_tensor_and_sequence_parallelism_compute_the_whole_sequence
         for name, want in grads.items():  # 1e-5 of the largest: as assert_same_run
             torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
         assert cached == 0
+
+
+def test_chunks_through_compiled_layers():
+    # --compile (checkpointed too): a layer compiles around the chunks' keys and values (chunk_keys_values runs as it
+    # is, between its graphs) and computes the whole sequence's. Compiled without Inductor, as compile_layers does
+    # with it: the graphs, not the kernels, are at stake.
+    gen = torch.Generator().manual_seed(12)
+    x, grad = torch.randn(2, 32, 32, generator=gen), torch.randn(2, 32, 32, generator=gen)
+    reference, stage = chunk_stage(layers=2), chunk_stage(layers=2, how="full")
+    for layer in model_module.decoder_layers([stage]):
+        layer.compile(backend="eager")
+    want = run_whole(reference, x, None, grad)
+    *got, cached = run_chunked(stage, x, None, [16, 8, 8], grad)
+    assert_same_run(got, want, stage, reference)
+    assert cached == [2, 4, 4, 4, 2, 0]
