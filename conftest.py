@@ -1019,6 +1019,35 @@ def _recompute_worker(rank, world_size, store_path, out_dir, variants, batch, mi
         dist.destroy_process_group()
 
 
+def _chunks_tp_worker(rank, world_size, store_path, out_dir, batch, variants):
+    """One step of a whole model, tensor parallel over world_size ranks with sequence parallelism, documents kept
+    apart, its sequences whole (the reference) and then cut into each variant's chunk lengths, with each
+    --activation-checkpointing: each variant's loss, the parameters' whole gradients and the chunks left cached."""
+    from torch.distributed.tensor.parallel import loss_parallel
+    mesh, (inputs, targets) = start_group(rank, world_size, store_path, pp=1, tp=world_size), batch
+    positions, config, results = model_module.document_positions(inputs, BOS), small_config(layers=2), {}
+    for how, lengths in [("none", [inputs.shape[1]]), *variants]:
+        with torch.device("meta"):
+            model = LlamaForPretraining(config)
+        model.head_in_loss = True
+        model_module.tensor_parallel(model, mesh["tp"])
+        model_module.checkpoint_layers([model], how)
+        model_module.materialize([model], config, torch.device("cpu"), 5)
+        with loss_parallel():
+            chunks = model_module.cut_sequences(inputs, targets, positions, lengths)
+            losses = [model_module.chunked_loss(model.lm_head, model(c.inputs, c.positions, chunk=c.chunk),
+                                                c.targets, 1, world_size, tokens=c.tokens) for c in chunks]
+            for loss in reversed(losses):
+                (loss / len(losses)).backward()
+        results[how, tuple(lengths)] = (sum(loss.detach() for loss in losses) / len(losses),
+                                        {n: p.grad.full_tensor() for n, p in model.named_parameters()},
+                                        sum(len(m.kv_chunks) for m in model.modules()
+                                            if isinstance(m, model_module.LlamaAttention)))
+    if rank == 0:
+        torch.save(results, Path(out_dir) / "chunks.pt")
+    dist.destroy_process_group()
+
+
 EVERY_SPLIT_AND_SCHEDULE = [*(("library", s) for s in gpipe.SCHEDULES), *(("tracer", s) for s in tracer.SCHEDULES),
                             *(("manual", s) for s in manual.SCHEDULES)]
 # Per schedule, a split of 4 layers over 2 pipeline ranks whose end stages hold no decoder layer (the embedding

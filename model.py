@@ -1,9 +1,10 @@
 """The Llama model the training scripts train, and what they and the tools use around it.
 
-First the model: its config, rotary embedding, decoder layers, the model classes, initial weights and the loss,
-in Hugging Face Llama's math and tensor names (``base_model.`` for its ``model.``: weights move between the two
-by renaming one prefix). Then, after a divider: presets and Hugging Face configs, the masks of packed documents,
-costs, pipeline layouts, how a stage is parallelized (tensor parallelism, activation checkpointing, compile,
+First the model: its config, rotary embedding, the masks of packed documents, sequence chunks' keys and values
+(Seq1F1B), decoder layers, the model classes, initial weights and the loss, in Hugging Face Llama's math and tensor
+names (``base_model.`` for its ``model.``: weights move between the two by renaming one prefix). Then, after a
+divider: presets and Hugging Face configs, costs, cutting sequences into chunks, pipeline layouts, how a stage
+is parallelized (tensor parallelism, activation checkpointing, compile,
 FSDP2), tied embeddings across stages, gradient clipping, a pipeline order read from a file (--schedule
 FILE.csv, run by torch's own runtime), gradient accumulation under torch's schedules, and a
 forward-only pass for evaluating where torch's eval() cannot.
@@ -21,6 +22,7 @@ import hashlib
 import json
 import math
 import re
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -110,6 +112,179 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Packed documents kept apart (--document-masking)
+#
+# The token files hold documents one after another (bos, ids, eos) and a window cuts across them. Kept apart,
+# a token attends only to the earlier tokens of its own document and its rotary position counts from the
+# document's start: it computes what it computes alone. What carries the boundaries is each token's position in
+# its document, plain integers [batch, seq]: a pipeline schedule cuts them into microbatches with the tokens and
+# hands every stage its microbatch's. Each stage builds the mask from them once (attention_mask, in its forward)
+# and hands it to each of its layers. No mask object crosses a stage or goes through the schedules' autograd
+# (torchtitan #1723, #3584).
+
+def document_positions(input_ids: Tensor, bos_id: int) -> Tensor:
+    """Each token's position in its document [batch, seq]: 0 at every bos, then counting up; a window's tokens
+    before its first bos are the tail of a document, counted from 0 too."""
+    index = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+    return index - torch.where(input_ids == bos_id, index, 0).cummax(-1).values  # minus where the document began
+
+
+def document_mask_mod(positions: Tensor, offset: int = 0):
+    """FlexAttention's mask_mod of packed documents: query q sees key k when k is q or before it, and no earlier
+    than q's document's first token. Evaluated on index grids it is also the dense mask (document_mask).
+    offset: the queries are a sequence's chunk from token `offset` on (SeqChunk), the keys its tokens from 0 on:
+    query q is token offset + q, and its document may have begun in an earlier chunk (its position says where)."""
+    starts = offset + torch.arange(positions.shape[-1], device=positions.device) - positions  # each document start
+
+    def mask_mod(b, h, q, k):
+        return (k <= q + offset) & (k >= starts[b, q])
+    return mask_mod
+
+
+def document_mask(positions: Tensor, offset: int = 0) -> Tensor:
+    """The dense mask [batch, 1, seq, offset + seq] of document_mask_mod: True where a query (row) sees a key."""
+    index = torch.arange(offset + positions.shape[-1], device=positions.device)
+    batches = torch.arange(positions.shape[0], device=positions.device)[:, None, None, None]
+    return document_mask_mod(positions, offset)(batches, None, index[:positions.shape[-1], None], index)
+
+
+@functools.cache
+def _compiled_flex():  # compiled on first use (torch.compile costs seconds to set up, even unused)
+    return torch.compile(create_block_mask), torch.compile(flex_attention)
+
+
+def attention_mask(positions: Tensor, offset: int = 0) -> Tensor | BlockMask:
+    """What every attention layer of a stage takes of a microbatch's positions [batch, seq], built once by the stage
+    (LlamaModel.forward) for all its layers, and not again in a checkpointed layer's recompute: on a GPU,
+    FlexAttention's BlockMask (which blocks of keys each block of queries sees); elsewhere the dense mask. offset:
+    a chunk's, whose queries see the keys of the sequence's earlier chunks too (document_mask_mod)."""
+    if positions.is_cuda:
+        (batch, seq), mask_mod = positions.shape, document_mask_mod(positions, offset)
+        return _compiled_flex()[0](mask_mod, batch, None, seq, offset + seq, device=positions.device)
+    return document_mask(positions, offset)
+
+
+def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask) -> Tensor:
+    """Attention of q [batch, heads, seq, head_dim] within documents, mask attention_mask's. On a GPU, FlexAttention
+    compiled: one fused kernel that skips the blocks of keys no query of theirs may see (with several documents a
+    window, fewer FLOPs than causal). Elsewhere (torch 2.13's FlexAttention has no CPU backward) SDPA with the
+    dense mask [batch, 1, seq, seq] from the same mask_mod, whose masked scores weigh exactly 0."""
+    if isinstance(mask, BlockMask):  # a compiled layer takes it as an input: one graph for every microbatch's
+        return _compiled_flex()[1](q, k, v, block_mask=mask, enable_gqa=True)
+    if not q.is_cpu:  # traced on meta (the tracer), run on a GPU: CUDA's fused kernels take a mask, but with it
+        # not grouped K/V heads (torch 2.13 would fall back to its unfused math kernel), so the heads are copied
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.is_cpu)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sequence chunks (--seq-chunks, Seq1F1B): the keys and values of a sequence's earlier chunks
+#
+# A sequence cut into S consecutive chunks runs as S forward calls in order and S backward calls, last chunk first
+# (Seq1F1B, Sun et al., arXiv 2406.03488): a pipeline then holds chunks in flight, not whole sequences. Exact, as
+# one call on the whole sequence: chunk j's queries attend to the keys and values of its sequence's chunks 0..j,
+# which each attention layer keeps per (sequence, chunk) in its kv_chunks. They are kept outside autograd, so that
+# chunk j's backward does not run the earlier chunks' (their own calls do, later); the gradient chunk j gives them
+# is summed in their entry, and chunk i's backward adds it to its own keys' and values' before going on down the
+# layer (_ChunkKV): no gradient stops at a chunk boundary. That node lies on the path from the chunk's output to
+# its input, so a backward of the input alone (the zero-bubble schedules' I: torch.autograd.grad) runs it too.
+# Held: each entry is its chunk's own keys and values (no copy) until that chunk's backward; chunk j's attention
+# saves the keys and values of its whole prefix (a copy: SDPA takes them whole), unless its layer is checkpointed.
+#
+# Which chunk a forward computes travels as a keyword argument, chunk=SeqChunk(...), from LlamaForPretraining and
+# LlamaModel down to every layer's attention, as positions do: torch's PipelineStage hands each microbatch's
+# keyword arguments to the stage's forward (its shape inference too; a non-tensor passes as it is), the hand-written
+# schedule passes them itself, and activation checkpointing hands them to the recompute. A context set around the
+# stage's call would need a hook per microbatch that torch's runtime lacks. (torch 2.13's step() hands a non-tensor
+# keyword to every microbatch alike: the chunks go in pre-cut, to _step_microbatches.) With tensor parallelism the
+# entries are the rank's own heads (the projections' local outputs) and a chunk's whole length (attention gathers it).
+
+@dataclasses.dataclass(frozen=True)
+class SeqChunk:
+    """Chunk `index` of `count` of the sequences in slot `sequence` (those in flight: a step's microbatch index), its
+    `length` tokens from token `offset` on (the whole chunk's, whatever sequence parallelism shards)."""
+    sequence: int
+    index: int
+    count: int
+    offset: int
+    length: int
+
+
+def chunk_positions(chunk: SeqChunk, batch: int, device) -> Tensor:
+    """A chunk's rotary positions [batch, length] when the sequence is one stream: its tokens' places in the
+    sequence. With them its mask over the earlier chunks is that of one document (document_mask_mod)."""
+    return torch.arange(chunk.offset, chunk.offset + chunk.length, device=device).expand(batch, -1)
+
+
+class _ChunkEntry:
+    """A chunk's keys and values (after RoPE), for its sequence's later chunks, the gradient their backwards give
+    them, summed in fp32, and how many of those backwards are still to come (readers)."""
+    def __init__(self, k: Tensor, v: Tensor):
+        self.k, self.v, self.grads, self.readers = k, v, None, 0
+
+    def add(self, dk: Tensor, dv: Tensor) -> None:
+        if self.grads is None:  # a copy: a view would hold the later chunk's whole gradient
+            self.grads = [dk.to(torch.float32, copy=True), dv.to(torch.float32, copy=True)]
+        else:
+            self.grads[0] += dk
+            self.grads[1] += dv
+
+
+class _ChunkKV(torch.autograd.Function):
+    """A chunk's k, v [batch, kv_heads, length, head_dim] -> its sequence's up to it. Forward keeps them for the later
+    chunks (the last chunk's has no reader), not when a checkpointed layer recomputes it: inside a backward, where the
+    entry is there already or freed. Backward gives the earlier chunks' entries their gradient, adds to the chunk's
+    own what the later chunks gave, and frees its entry: its last reader is done."""
+
+    @staticmethod
+    def forward(ctx, k, v, cache: dict, chunk: SeqChunk, tracked: bool):
+        prefix = [cache[chunk.sequence, i] for i in range(chunk.index)]
+        ctx.prefix, ctx.cache, ctx.key, ctx.own = prefix, cache, (chunk.sequence, chunk.index), None
+        if torch._C._current_graph_task_id() == -1:  # -1: not in a backward (a recompute is)
+            for entry in prefix if tracked else ():
+                entry.readers += 1
+            if chunk.index < chunk.count - 1:
+                ctx.own = cache[ctx.key] = _ChunkEntry(k.detach(), v.detach())
+        if not prefix:
+            return k, v
+        return torch.cat([e.k for e in prefix] + [k], 2), torch.cat([e.v for e in prefix] + [v], 2)
+
+    @staticmethod
+    def backward(ctx, dk, dv):
+        lengths = [e.k.shape[2] for e in ctx.prefix]
+        lengths.append(dk.shape[2] - sum(lengths))
+        *dks, dk = dk.split(lengths, 2)
+        *dvs, dv = dv.split(lengths, 2)
+        for entry, dk_i, dv_i in zip(ctx.prefix, dks, dvs):
+            entry.add(dk_i, dv_i)
+            entry.readers -= 1
+        own, ctx.prefix = ctx.own, None
+        if own is not None and own.readers:  # else its gradient would miss what they give, silently
+            raise RuntimeError(f"chunk {ctx.key[1]} of sequence {ctx.key[0]}: its backward ran before its later "
+                               "chunks' backwards; run a sequence's chunks' backwards last chunk first")
+        if own is not None:
+            if own.grads is not None:
+                dk, dv = (own.grads[0] + dk).to(dk.dtype), (own.grads[1] + dv).to(dv.dtype)
+            if ctx.cache.get(ctx.key) is own:
+                del ctx.cache[ctx.key]
+        return dk, dv, None, None, None
+
+
+@torch.compiler.disable  # --compile: run as it is, between a compiled layer's graphs (it keeps state in a dict)
+def chunk_keys_values(cache: dict, chunk: SeqChunk, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """The keys and values chunk's queries attend to (_ChunkKV); without a backward to come (evaluation), its
+    sequence's entries are dropped after its last chunk."""
+    if missing := [i for i in range(chunk.index) if (chunk.sequence, i) not in cache]:
+        raise RuntimeError(f"chunk {chunk.index} of sequence {chunk.sequence}: no keys and values of its chunk "
+                           f"{missing[0]}; run a sequence's chunks forward in order")
+    k, v = _ChunkKV.apply(k, v, cache, chunk, torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
+    if not k.requires_grad and chunk.index == chunk.count - 1:
+        for i in range(chunk.index):
+            cache.pop((chunk.sequence, i), None)
+    return k, v
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Transformer blocks and the model
 
 class LlamaAttention(nn.Module):
@@ -125,19 +300,27 @@ class LlamaAttention(nn.Module):
         # Each layer keeps its own copy (head_dim / 2 floats) so that no module is shared across layers.
         # Not persistent: it is derived from the config, and HF does not save it either.
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.kv_chunks = {}  # (sequence, chunk) -> _ChunkEntry: the keys and values of chunks in flight
 
-    def forward(self, x: Tensor, positions: Tensor | None = None, mask: Tensor | BlockMask | None = None) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor | None = None, mask: Tensor | BlockMask | None = None,
+                chunk: SeqChunk | None = None) -> Tensor:
         """x [batch, seq, hidden]; positions: each token's place in its document [batch, seq] (None: the
-        window is one sequence, causal), mask: attention_mask(positions), which the stage built for all its layers."""
+        window is one sequence, causal), mask: attention_mask(positions), which the stage built for all its layers.
+        chunk: x is that chunk of its sequence, which attends to the earlier chunks' keys and values too."""
         batch, seq_len, _ = x.shape
+        if chunk is not None and chunk.index > 0 and positions is None:
+            positions = chunk_positions(chunk, batch, x.device)
         # -1 heads: all of them, or this rank's share when tensor parallelism splits the projections by head.
         q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope_tables(self.inv_freq, seq_len, q.dtype, positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if chunk is not None:
+            k, v = chunk_keys_values(self.kv_chunks, chunk, k, v)
         if positions is not None:  # (a caller that gives no mask gets one built here, for this layer alone)
-            out = document_attention(q, k, v, attention_mask(positions) if mask is None else mask)
+            offset = chunk.offset if chunk is not None else 0
+            out = document_attention(q, k, v, attention_mask(positions, offset) if mask is None else mask)
         else:  # the causal mask, which SDPA builds itself; enable_gqa: K/V heads serve several query heads uncopied
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
@@ -162,9 +345,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: Tensor, positions: Tensor | None = None, mask: Tensor | BlockMask | None = None) -> Tensor:
-        # positions and mask by keyword: tensor parallelism's input hooks take (and gather) x alone
-        x = x + self.self_attn(self.input_layernorm(x), positions=positions, mask=mask)
+    def forward(self, x: Tensor, positions: Tensor | None = None, mask: Tensor | BlockMask | None = None,
+                chunk: SeqChunk | None = None) -> Tensor:
+        # positions, mask and chunk by keyword: tensor parallelism's input hooks take (and gather) x alone
+        x = x + self.self_attn(self.input_layernorm(x), positions=positions, mask=mask, chunk=chunk)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -182,15 +366,19 @@ class LlamaModel(nn.Module):
         # ahead of the activations it receives, which torch 2.13 hands a later stage first (positions by keyword).
         self.mask_in_each_layer = False
 
-    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor | None = None, chunk: SeqChunk | None = None) -> Tensor:
         # The first stage gets token ids [batch, seq]; later stages get hidden states [batch, seq, hidden]. Every
         # stage gets the same positions (with --document-masking): the whole sequence's, whatever tp shards, and
         # builds their mask once for all its layers (the block mask on a GPU); a stage of no layer builds none.
+        # chunk: x is that chunk of its sequences (positions the chunk's); a later chunk of one stream takes its
+        # places in the sequence as positions, so that its mask over the earlier chunks is built once too.
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        if chunk is not None and chunk.index > 0 and positions is None:
+            positions = chunk_positions(chunk, x.shape[0], x.device)
         once = positions is not None and len(self.layers) > 0 and not self.mask_in_each_layer
-        mask = attention_mask(positions) if once else None
+        mask = attention_mask(positions, chunk.offset if chunk is not None else 0) if once else None
         for layer in self.layers.values():  # insertion order == global layer order
-            h = layer(h, positions=positions, mask=mask)
+            h = layer(h, positions=positions, mask=mask, chunk=chunk)
         return self.norm(h) if self.norm is not None else h
 
 
@@ -230,11 +418,12 @@ class LlamaForPretraining(nn.Module):
             self.lm_head = None
         return self
 
-    def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None, chunk: SeqChunk | None = None) -> Tensor:
         """Token ids [batch, seq] -> logits [batch, seq, vocab]; hidden states on a stage without the head, or
         with head_in_loss (then chunked_loss applies the head). positions: packed documents kept apart
-        (document_positions); None: each sequence is one causal stream."""
-        h = self.base_model(input_ids, positions)
+        (document_positions); None: each sequence is one causal stream. chunk: the input is that chunk of its
+        sequences (cut_sequences), run after their earlier chunks, its backward before theirs."""
+        h = self.base_model(input_ids, positions, chunk=chunk)
         return self.lm_head(h) if self.lm_head is not None and not self.head_in_loss else h
 
     def init_weights(self, seed: int) -> None:
@@ -286,7 +475,8 @@ def _module_generator(seed: int, name: str, device: torch.device) -> torch.Gener
 # ----------------------------------------------------------------------------------------------------------
 # The loss
 
-def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_shards: int = 1) -> Tensor:
+def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_shards: int = 1,
+                 tokens: Tensor | None = None) -> Tensor:
     """The mean cross-entropy of head(hidden) [batch, seq, vocab] against targets [batch, seq] (-100: ignored),
     without the whole logits: the sequence is cut into `chunks` pieces, each one's logits computed in fp32,
     turned into its summed loss and freed; backward computes them again, a piece at a time (activation
@@ -298,7 +488,9 @@ def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_sh
     sharded over the vocabulary (a DTensor), and the loss runs inside loss_parallel(), forward and backward.
     sequence_shards: with sequence parallelism, hidden is this rank's piece [batch, seq / n, hidden] of the
     sequence and the head gathers each chunk of it from the n ranks, in rank order: the targets of chunk i are
-    then every rank's chunk i."""
+    then every rank's chunk i. tokens: what the sum is divided by instead of the targets' own count: for a chunk of
+    sequences (--seq-chunks), their count over the chunks (cut_sequences' tokens), so that every token weighs as
+    in the whole sequences' loss, and the mean over the chunks, as a schedule takes it over microbatches, is theirs."""
     def piece(h, y):
         logits = head(h)
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="sum")
@@ -311,12 +503,12 @@ def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_sh
                     for h, y in zip(hidden.chunk(chunks, 1), ys))
     if isinstance(total, DTensor):  # loss_parallel's sum: replicated over the tensor-parallel ranks
         total = total.to_local()
-    return total / (targets != -100).sum().clamp(min=1)
+    return total / ((targets != -100).sum().clamp(min=1) if tokens is None else tokens)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Around the model, for the scripts and tools: presets and Hugging Face configs, the masks of packed
-# documents, costs, pipeline layouts, parallelizing a stage, tied embeddings across stages, clipping.
+# Around the model, for the scripts and tools: presets and Hugging Face configs, costs, cutting sequences into
+# chunks, pipeline layouts, parallelizing a stage, tied embeddings across stages, clipping.
 #
 # Named shapes for --model. `small` is LlamaConfig's defaults (the size of GPT-2 small); the llama-* entries use
 # the layer shapes of the Llama 3 family (plain RoPE, no long-context frequency scaling, untied head; a real
@@ -450,69 +642,6 @@ def config_from_hf(hf: dict) -> LlamaConfig:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Packed documents kept apart (--document-masking)
-#
-# The token files hold documents one after another (bos, ids, eos) and a window cuts across them. Kept apart,
-# a token attends only to the earlier tokens of its own document and its rotary position counts from the
-# document's start: it computes what it computes alone. What carries the boundaries is each token's position in
-# its document, plain integers [batch, seq]: a pipeline schedule cuts them into microbatches with the tokens and
-# hands every stage its microbatch's. Each stage builds the mask from them once (attention_mask, in its forward)
-# and hands it to each of its layers. No mask object crosses a stage or goes through the schedules' autograd
-# (torchtitan #1723, #3584).
-
-def document_positions(input_ids: Tensor, bos_id: int) -> Tensor:
-    """Each token's position in its document [batch, seq]: 0 at every bos, then counting up; a window's tokens
-    before its first bos are the tail of a document, counted from 0 too."""
-    index = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
-    return index - torch.where(input_ids == bos_id, index, 0).cummax(-1).values  # minus where the document began
-
-
-def document_mask_mod(positions: Tensor):
-    """FlexAttention's mask_mod of packed documents: query q sees key k when k is q or before it, and no earlier
-    than q's document's first token. Evaluated on index grids it is also the dense mask (document_mask)."""
-    starts = torch.arange(positions.shape[-1], device=positions.device) - positions  # each token's document start
-
-    def mask_mod(b, h, q, k):
-        return (k <= q) & (k >= starts[b, q])
-    return mask_mod
-
-
-def document_mask(positions: Tensor) -> Tensor:
-    """The dense mask [batch, 1, seq, seq] of document_mask_mod: True where a query (row) sees a key."""
-    index = torch.arange(positions.shape[-1], device=positions.device)
-    batches = torch.arange(positions.shape[0], device=positions.device)[:, None, None, None]
-    return document_mask_mod(positions)(batches, None, index[:, None], index)
-
-
-@functools.cache
-def _compiled_flex():  # compiled on first use (torch.compile costs seconds to set up, even unused)
-    return torch.compile(create_block_mask), torch.compile(flex_attention)
-
-
-def attention_mask(positions: Tensor) -> Tensor | BlockMask:
-    """What every attention layer of a stage takes of a microbatch's positions [batch, seq], built once by the stage
-    (LlamaModel.forward) for all its layers, and not again in a checkpointed layer's recompute: on a GPU,
-    FlexAttention's BlockMask (which blocks of keys each block of queries sees); elsewhere the dense mask."""
-    if positions.is_cuda:
-        (batch, seq), mask_mod = positions.shape, document_mask_mod(positions)
-        return _compiled_flex()[0](mask_mod, batch, None, seq, seq, device=positions.device)
-    return document_mask(positions)
-
-
-def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask) -> Tensor:
-    """Attention of q [batch, heads, seq, head_dim] within documents, mask attention_mask's. On a GPU, FlexAttention
-    compiled: one fused kernel that skips the blocks of keys no query of theirs may see (with several documents a
-    window, fewer FLOPs than causal). Elsewhere (torch 2.13's FlexAttention has no CPU backward) SDPA with the
-    dense mask [batch, 1, seq, seq] from the same mask_mod, whose masked scores weigh exactly 0."""
-    if isinstance(mask, BlockMask):  # a compiled layer takes it as an input: one graph for every microbatch's
-        return _compiled_flex()[1](q, k, v, block_mask=mask, enable_gqa=True)
-    if not q.is_cpu:  # traced on meta (the tracer), run on a GPU: CUDA's fused kernels take a mask, but with it
-        # not grouped K/V heads (torch 2.13 would fall back to its unfused math kernel), so the heads are copied
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.is_cpu)
-
-
-# ----------------------------------------------------------------------------------------------------------
 # What the model costs: parameters, FLOPs, MFU, and how many pieces the loss is cut into
 
 def parameter_counts(config: LlamaConfig, tp: int = 1) -> dict[str, float]:
@@ -569,6 +698,66 @@ def loss_chunks(requested: int, config: LlamaConfig, microbatch: tuple[int, int]
         return requested
     logits = microbatch[0] * microbatch[1] * config.vocab_size / tp * 4
     return max(1, min(microbatch[1], math.ceil(logits / LOSS_PIECE_BYTES)))
+
+# ----------------------------------------------------------------------------------------------------------
+# Cutting sequences into chunks (--seq-chunks S, --chunk-split): their lengths, and the chunks of a microbatch
+
+def chunk_lengths(seq_len: int, chunks: int, config: LlamaConfig, how: str = "even", multiple: int = 1) -> list[int]:
+    """The lengths of `chunks` consecutive chunks of a sequence of seq_len tokens, each a multiple of `multiple`
+    (sequence parallelism's tp): "even", all alike; "compute", of equal FLOPs (the authors' uniform_comp): causal
+    attention reads a token's whole prefix, so a later chunk costs more per token and is cut shorter. A decoder
+    layer's training FLOPs up to token x: 6 N x for its matrices plus 12 H Q per key read (PaLM's count, as
+    flops_per_token), 6 H Q x (x + 1) over the prefix; the boundaries solve that quadratic for equal shares, then
+    round to the multiple. ValueError, one line, naming the flag: chunks that do not fit."""
+    if not 1 <= chunks <= seq_len // multiple:
+        raise ValueError(f"--seq-chunks {chunks}: give 1 to {seq_len // multiple} chunks for --seq-len {seq_len}"
+                         + (f" ({multiple} tokens a chunk at least, one per tensor-parallel rank)" * (multiple > 1)))
+    if how == "even":
+        if seq_len % (chunks * multiple):
+            valid = [s for s in range(1, seq_len // multiple + 1) if seq_len % (s * multiple) == 0]
+            nearest = min(valid, key=lambda s: (abs(s - chunks), s))
+            raise ValueError(f"--seq-chunks {chunks} does not cut --seq-len {seq_len} into even chunks"
+                             + (f" of a multiple of {multiple} tokens (--tp)" if multiple > 1 else "")
+                             + f"; the nearest that does: --seq-chunks {nearest}")
+        return [seq_len // chunks] * chunks
+    if how != "compute":
+        raise ValueError(f"--chunk-split {how}: give even or compute")
+    linear, attention = 6 * parameter_counts(config)["layer"], 6 * config.num_attention_heads * config.head_dim
+    total = linear * seq_len + attention * seq_len * (seq_len + 1)
+    ends = []
+    for j in range(1, chunks):  # attention x^2 + (linear + attention) x = j/chunks of the total
+        b = linear + attention
+        x = (-b + math.sqrt(b * b + 4 * attention * total * j / chunks)) / (2 * attention)
+        x = round(x / multiple) * multiple
+        ends.append(min(max(x, (ends[-1] if ends else 0) + multiple), seq_len - (chunks - j) * multiple))
+    ends.append(seq_len)
+    return [end - start for start, end in zip([0] + ends, ends)]
+
+
+class Chunk(NamedTuple):
+    """One chunk of a microbatch's sequences, what a schedule runs as a microbatch: the model's input and keyword
+    arguments (positions, chunk) and the loss's targets and divisor (chunked_loss's tokens)."""
+    inputs: Tensor
+    targets: Tensor
+    positions: Tensor | None
+    chunk: SeqChunk | None
+    tokens: Tensor | None
+
+
+def cut_sequences(inputs: Tensor, targets: Tensor, positions: Tensor | None, lengths: list[int],
+                  sequence: int = 0) -> list[Chunk]:
+    """A microbatch's inputs, targets and positions ([batch, seq] each; positions: document_positions over the
+    whole sequences, None without documents) cut into chunks of `lengths` (chunk_lengths), in order, slot `sequence`
+    (which sequences in flight: they must differ between microbatches whose chunks interleave). A chunk's tokens: its
+    sequences' count of targets over the chunks, so that each chunk's loss is its sum over that and the chunks'
+    mean is the sequences' loss. One chunk: the microbatch as it is, no chunk (today's path, bit for bit)."""
+    if len(lengths) == 1:
+        return [Chunk(inputs, targets, positions, None, None)]
+    tokens = (targets != -100).sum().clamp(min=1) / len(lengths)
+    offsets = [sum(lengths[:j]) for j in range(len(lengths))]
+    pieces = [x.split(lengths, 1) if x is not None else [None] * len(lengths) for x in (inputs, targets, positions)]
+    return [Chunk(x, y, p, SeqChunk(sequence, j, len(lengths), offsets[j], lengths[j]), tokens)
+            for j, (x, y, p) in enumerate(zip(*pieces))]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ from conftest import (  # the helpers; the fixtures pytest finds there itself
     launch_ranks, launcher_env, layer_count, library_pipeline, mount_tmpfs, one_line_error, parity_config,
     parity_step, plain_loss, prepare_small, random_batch, read_metrics, recorded, recorder, refused, replayed,
     run_main, run_script, run_sh, run_workers, schedule_file, script_env, small_config, snapshot, split_layers,
-    start, start_group, traced_pipeline, worker_pids, _main_startup_worker, _recompute_worker)
+    start, start_group, traced_pipeline, worker_pids, _chunks_tp_worker, _main_startup_worker, _recompute_worker)
 from export import hf_config
 from model import MAX_LAYERS, LlamaConfig, LlamaForPretraining, config_from_hf, config_from_preset, even
 
@@ -264,7 +264,7 @@ def test_a_stage_builds_its_document_mask_once_a_microbatch_for_all_its_layers(m
     # layers (LlamaModel.forward; the hand-written forward_stage): not once a layer, and not again in a checkpointed
     # layer's recompute. Counted on the CPU's dense mask; the pipelines' runs count theirs (the parity tests).
     built, dense = [], model_module.document_mask
-    monkeypatch.setattr(model_module, "document_mask", lambda positions: built.append(1) or dense(positions))
+    monkeypatch.setattr(model_module, "document_mask", lambda *args: built.append(1) or dense(*args))
     config, gen = small_config(layers=3), torch.Generator().manual_seed(0)
     tokens = documents_batch(torch.randint(0, 97, (2, 16), generator=gen), {0: [5], 1: [0, 9]})
     positions = model_module.document_positions(tokens, BOS)
@@ -6644,3 +6644,317 @@ def test_a_forked_rank_starts_as_a_torchrun_rank_does(tmp_path):
                 "TORCHELASTIC_USE_AGENT_STORE"} <= set(names), names
         assert second[:2] == [run_id, filters] and all(a != b for a, b in zip(seeds, second[2:])), ranks
     assert len({ranks[0][2] for ranks in launches}) == 3 and len({ranks[0][3] for ranks in launches}) == 1, launches
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 9. Sequence chunks (--seq-chunks, Seq1F1B): a sequence run as chunks computes what it computes whole
+
+# A middle stage's worth of layers (no embedding, no head: hidden states in and out), 32 tokens, and documents that
+# span chunks at S = 2 and 4: row 0 a tail (0-4), then documents at 5 (across 8), 13 (across 16 and 24) and 27;
+# row 1 documents at 0 and 20.
+CHUNK_DOCUMENTS = {0: [5, 13, 27], 1: [0, 20]}
+
+
+def chunk_stage(layers=3, how="none", seed=21):
+    stage = LlamaForPretraining(small_config(layers=layers)).keep_only(range(layers), embed=False, head=False)
+    stage.init_weights(seed)
+    model_module.checkpoint_layers([stage], how)
+    return stage
+
+
+def cached_chunks(module) -> int:
+    """The keys and values of chunks held in flight by a module's attention layers."""
+    return sum(len(m.kv_chunks) for m in module.modules() if isinstance(m, model_module.LlamaAttention))
+
+
+def run_chunked(stage, x, positions, lengths, grad, backward=None):
+    """Chunks of x through a stage as a pipeline runs them: forwards in order, each chunk's input a leaf of its own,
+    then backwards last chunk first, each started from the chunk's own output (backward(out, grad, x): the default,
+    torch.autograd.backward, which leaves the input's gradient in x.grad). The whole output and input gradient, and
+    the cached chunks after each forward and each backward."""
+    chunks = model_module.cut_sequences(x, torch.zeros(x.shape[:2], dtype=torch.long), positions, lengths)
+    ins, outs, cached = [], [], []
+    for c in chunks:
+        ins.append(c.inputs.detach().requires_grad_())
+        outs.append(stage(ins[-1], c.positions, chunk=c.chunk))
+        cached.append(cached_chunks(stage))
+    for j in reversed(range(len(chunks))):
+        (backward or (lambda out, g, x: torch.autograd.backward(out, g)))(outs[j], grad.split(lengths, 1)[j], ins[j])
+        cached.append(cached_chunks(stage))
+    return torch.cat([o.detach() for o in outs], 1), torch.cat([x.grad for x in ins], 1), cached
+
+
+def run_whole(stage, x, positions, grad):
+    x = x.detach().requires_grad_()
+    out = stage(x, positions)
+    out.backward(grad)
+    return out.detach(), x.grad
+
+
+def assert_same_run(got, want, stage, reference):
+    # 1e-5 relative (of each tensor's largest value): the chunks' attention sums a row's scores, and a key's gradient
+    # over the queries, in other pieces than the whole's kernel (fp32 rounding, ~1e-7); a wrong mask, position or
+    # a gradient stopped at a chunk boundary is off by the size of the values themselves (the test below).
+    for a, b in [*zip(got, want), *((p.grad, reference.get_parameter(n).grad) for n, p in stage.named_parameters())]:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_a_sequence_run_as_chunks_computes_what_it_computes_whole(documents, checkpointing):
+    # Outputs, the input's gradient (what a stage sends back) and every weight's, at S = 2 and 4, chunks even and
+    # of equal compute: each chunk's attention reads its sequence's earlier chunks' keys and values, its rotary
+    # positions start at its offset, its mask over them follows the documents, and the earlier chunks get their
+    # keys' and values' gradients from the later chunks' backwards. Checkpointed, a chunk's forward runs again in
+    # its backward and does not keep its keys and values a second time: the cache holds the (S - 1) chunks' of each
+    # of the 3 layers after the forwards, a chunk's fewer after each backward, none after the last.
+    gen = torch.Generator().manual_seed(2)
+    tokens = documents_batch(torch.randint(0, 97, (2, 32), generator=gen), CHUNK_DOCUMENTS)
+    positions = model_module.document_positions(tokens, BOS) if documents else None
+    x, grad = torch.randn(2, 32, 32, generator=gen), torch.randn(2, 32, 32, generator=gen)
+    reference = chunk_stage()
+    want = run_whole(reference, x, positions, grad)
+    for chunks, how in itertools.product((2, 4), ("even", "compute")):
+        lengths = model_module.chunk_lengths(32, chunks, reference.config, how)
+        assert (len(set(lengths)) == 1) == (how == "even"), lengths  # (the tiny model's: nearly even)
+        stage = chunk_stage(how=checkpointing)
+        *got, cached = run_chunked(stage, x, positions, lengths, grad)
+        assert_same_run(got, want, stage, reference)
+        assert cached == [3 * min(j, chunks - 1) for j in range(1, chunks + 1)] + [3 * j for j in
+                                                                                   reversed(range(chunks))], cached
+
+
+def test_the_chunks_keys_values_gradient_is_what_makes_them_exact(monkeypatch):
+    # Without the side channel (earlier chunks' keys and values read as constants: the gradient stops at a chunk
+    # boundary, as zwx119/Seq1F1B's variant does) the outputs stay the same and the gradients are wrong by far more
+    # than the tolerance above: the comparison would catch its loss.
+    gen = torch.Generator().manual_seed(3)
+    x, grad = torch.randn(2, 32, 32, generator=gen), torch.randn(2, 32, 32, generator=gen)
+    reference = chunk_stage()
+    want = run_whole(reference, x, None, grad)
+    monkeypatch.setattr(model_module._ChunkEntry, "add", lambda self, dk, dv: None)
+    stage = chunk_stage()
+    out, x_grad, cached = run_chunked(stage, x, None, [8] * 4, grad)
+    torch.testing.assert_close(out, want[0], rtol=1e-5, atol=1e-5)
+    def off(got, want):  # relative to the tensor's largest value, as the tolerance
+        return ((got - want).abs().max() / want.abs().max()).item()
+    assert off(x_grad, want[1]) > 1e-3  # (the residual stream's own gradient, untouched, is most of it)
+    for name, param in stage.named_parameters():
+        if "k_proj" in name or "v_proj" in name:
+            assert off(param.grad, reference.get_parameter(name).grad) > 0.1, name
+    assert cached[-1] == 0
+
+
+def test_one_chunk_is_todays_path_bit_for_bit():
+    # --seq-chunks 1: cut_sequences hands the microbatch over as it is, no chunk: the model runs today's code; and a
+    # chunk that is the whole sequence computes the same bits (its own keys and values, nothing kept).
+    gen = torch.Generator().manual_seed(4)
+    x, grad = torch.randn(2, 32, 32, generator=gen), torch.randn(2, 32, 32, generator=gen)
+    targets = torch.randint(0, 97, (2, 32), generator=gen)
+    (only,) = model_module.cut_sequences(x, targets, None, model_module.chunk_lengths(32, 1, small_config()))
+    assert only.inputs is x and only.targets is targets and only.chunk is None and only.tokens is None
+    reference, stage = chunk_stage(), chunk_stage()
+    want = run_whole(reference, x, None, grad)
+    got = run_chunked(stage, x, None, [32], grad)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and got[2] == [0, 0]
+    assert all(torch.equal(p.grad, reference.get_parameter(n).grad) for n, p in stage.named_parameters())
+
+
+def test_the_loss_over_chunks_weighs_every_token_as_the_whole_sequence():
+    # Each chunk's loss is its sum over its sequences' count of targets / S (cut_sequences' tokens): the mean over
+    # the chunks, as a schedule takes it over its microbatches, is the whole sequences' loss, and so are its
+    # gradients, with chunks of unequal lengths and ignored targets (-100) unevenly spread.
+    config, gen = small_config(layers=2), torch.Generator().manual_seed(5)
+    model = LlamaForPretraining(config)
+    model.init_weights(6)
+    model.head_in_loss = True
+    inputs, targets = torch.randint(0, 97, (2, 32), generator=gen), torch.randint(0, 97, (2, 32), generator=gen)
+    targets[0, 3:9] = -100
+    whole = model_module.chunked_loss(model.lm_head, model(inputs), targets, 1)
+    whole.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    lengths = model_module.chunk_lengths(32, 4, config, "compute")
+    losses = [model_module.chunked_loss(model.lm_head, model(c.inputs, c.positions, chunk=c.chunk), c.targets, 2,
+                                        tokens=c.tokens) for c in model_module.cut_sequences(inputs, targets, None,
+                                                                                             lengths)]
+    for loss in reversed(losses):
+        (loss / len(losses)).backward()
+    torch.testing.assert_close(sum(losses) / len(losses), whole, rtol=1e-6, atol=0)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want[name], rtol=1e-5, atol=1e-5 * want[name].abs().max().item())
+    with torch.no_grad():
+        plain = sum(model_module.chunked_loss(model.lm_head, model(c.inputs, chunk=c.chunk), c.targets, 1)
+                    for c in model_module.cut_sequences(inputs, targets, None, lengths)) / 4
+    # Each chunk's own mean would divide chunk 0's sum by its 12 targets (6 of 18 ignored), not by 58 / 4 = 14.5: on
+    # this model every token's loss is about log(97), so the error is small, but far above the 1e-6 above.
+    assert abs(plain - whole) > 1e-5
+
+
+def test_chunks_of_equal_compute_cost_the_same_and_bad_counts_say_so_in_one_line():
+    # --chunk-split compute: causal attention reads each token's whole prefix, so later chunks are cut shorter, to
+    # within a token (or a tp multiple) of equal FLOPs, counted as chunk_lengths counts them (a layer's matrices,
+    # 6 N a token; attention, 12 H Q a key read): llama-8b at 32k, S 4, is 10972 / 8427 / 7107 / 6262 tokens.
+    config = config_from_preset("llama-8b", 128256)
+    linear, attention = 6 * model_module.parameter_counts(config)["layer"], 6 * config.num_attention_heads * 128
+    for seq_len, chunks, multiple in ((32768, 4, 1), (32768, 4, 8), (131072, 8, 4), (64, 4, 2)):
+        lengths = model_module.chunk_lengths(seq_len, chunks, config, "compute", multiple)
+        assert sum(lengths) == seq_len and all(n % multiple == 0 for n in lengths) and lengths == sorted(lengths)[::-1]
+        ends = list(itertools.accumulate(lengths))
+        costs = [linear * (e - s) + attention * (e * (e + 1) - s * (s + 1)) for s, e in zip([0] + ends, ends)]
+        token = linear + 2 * attention * seq_len  # the dearest token's cost, the last one's
+        assert max(abs(c - sum(costs) / chunks) for c in costs) <= multiple * token, (lengths, costs)
+    assert model_module.chunk_lengths(32768, 4, config, "compute")[0] > 10900  # not nearly even: it shows at 32k
+    assert model_module.chunk_lengths(32, 4, config) == [8] * 4
+    for args, message in (((32, 3), "--seq-chunks 3 does not cut --seq-len 32 into even chunks; the nearest that "
+                                    "does: --seq-chunks 2"),
+                          ((30, 4), "the nearest that does: --seq-chunks 3"),
+                          ((32, 33), "--seq-chunks 33: give 1 to 32 chunks for --seq-len 32"),
+                          ((32, 0), "--seq-chunks 0: give 1 to 32"),
+                          ((32, 3, config, "even", 8), "of a multiple of 8 tokens (--tp); the nearest that does: "
+                                                       "--seq-chunks 2"),
+                          ((32, 2, config, "flops"), "--chunk-split flops: give even or compute")):
+        with pytest.raises(ValueError, match=re.escape(message)) as error:
+            model_module.chunk_lengths(*(args if len(args) > 2 else (*args, config)))
+        assert "\n" not in str(error.value)
+
+
+def test_chunks_of_sequences_in_flight_interleave_and_evaluation_keeps_nothing():
+    # Two sequences' chunks in flight at once, as 1F1B runs them on a first stage (slot 0's chunks forward, slot
+    # 1's, then backwards interleaved, each sequence's last chunk first): each reads its own sequence's keys and
+    # values. Forward-only (evaluation, no_grad) the same outputs, and a sequence's entries go with its last chunk.
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(2, 32, 32, generator=gen) for _ in range(2)]
+    grads = [torch.randn(2, 32, 32, generator=gen) for _ in range(2)]
+    reference, stage = chunk_stage(), chunk_stage(how="full")
+    wants = [run_whole(reference, x, None, g) for x, g in zip(xs, grads)]
+    zeros = torch.zeros(2, 32, dtype=torch.long)
+    chunks = [model_module.cut_sequences(x, zeros, None, [16, 8, 8], slot) for slot, x in enumerate(xs)]
+    ins = {(s, c.chunk.index): c.inputs.detach().requires_grad_() for s in (0, 1) for c in chunks[s]}
+    outs = {key: stage(x, chunk=chunks[key[0]][key[1]].chunk) for key, x in sorted(ins.items())}
+    assert cached_chunks(stage) == 3 * 2 * 2
+    for key in [(1, 2), (0, 2), (1, 1), (0, 1), (1, 0), (0, 0)]:
+        outs[key].backward(grads[key[0]].split([16, 8, 8], 1)[key[1]])
+    assert cached_chunks(stage) == 0
+    for slot in (0, 1):
+        got = [torch.cat([t[slot, j] for j in range(3)], 1) for t in (
+            {k: o.detach() for k, o in outs.items()}, {k: x.grad for k, x in ins.items()})]
+        for a, b in zip(got, wants[slot]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())  # as assert_same_run
+    with torch.no_grad():
+        out = [stage(c.inputs, chunk=c.chunk) for c in chunks[0]]
+    torch.testing.assert_close(torch.cat(out, 1), wants[0][0], rtol=1e-5, atol=1e-5)
+    assert cached_chunks(stage) == 0
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+def test_chunks_compose_with_a_split_backward(checkpointing):
+    # The zero-bubble schedules' backward in two calls, as torch's PipelineStage makes them: I (the input's gradient,
+    # torch.autograd.grad) for each chunk, last first, then W (the weights') for each, later. The earlier chunks'
+    # keys and values get their gradient in I (its node lies on the way to the input), and a checkpointed layer,
+    # recomputed once for both (checkpoint_once), keeps its keys and values once.
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    gen = torch.Generator().manual_seed(8)
+    tokens = documents_batch(torch.randint(0, 97, (2, 32), generator=gen), CHUNK_DOCUMENTS)
+    positions = model_module.document_positions(tokens, BOS)
+    x, grad = torch.randn(2, 32, 32, generator=gen), torch.randn(2, 32, 32, generator=gen)
+    reference, stage = chunk_stage(), chunk_stage(how=checkpointing)
+    want = run_whole(reference, x, positions, grad)
+    groups = []
+
+    def backward_input(out, g, x):
+        (x.grad,), param_groups = stage_backward_input([out], [g], [x], iter(list(stage.parameters())))
+        groups.append(param_groups)
+    *got, cached = run_chunked(stage, x, positions, [8] * 4, grad, backward_input)
+    for param_groups in groups:
+        stage_backward_weight(iter(list(stage.parameters())), param_groups)
+    assert_same_run(got, want, stage, reference)
+    assert cached == [3, 6, 9, 9, 9, 6, 3, 0]
+
+
+def test_a_sequences_chunks_backward_out_of_order_is_refused():
+    # A first chunk's backward before its later chunks' (GPipe's order, microbatch 0's first) would miss the gradient
+    # they give its keys and values, silently: it is refused, naming the order to run.
+    stage, x = chunk_stage(layers=1), torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(9))
+    outs = [stage(c.inputs, chunk=c.chunk) for c in model_module.cut_sequences(x, x, None, [16, 16], 5)]
+    with pytest.raises(RuntimeError, match=re.escape("chunk 0 of sequence 5: its backward ran before its later "
+                                                     "chunks' backwards; run a sequence's chunks' backwards last")):
+        outs[0].sum().backward()
+
+
+def test_torchs_pipeline_runtime_drives_chunks_by_keyword(one_process_group):
+    # torch's own PipelineStage and _PipelineScheduleRuntime, one stage holding the whole model: 2 sequences of 2
+    # chunks as 4 microbatches (microbatch 2 s + j: sequence s's chunk j), the chunk and its positions handed to the
+    # stage's forward as each microbatch's keyword arguments, the chunk's targets with their divisor to the loss,
+    # in an order that runs each sequence's chunks forward in order and backward last first, interleaved. The
+    # runtime's mean over its microbatches is then the 2 sequences' mean loss, and so are the gradients.
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
+    config, gen = small_config(layers=2), torch.Generator().manual_seed(10)
+    inputs = documents_batch(torch.randint(0, 97, (4, 32), generator=gen), {0: [5, 13, 27], 3: [20]})
+    targets, positions = torch.randint(0, 97, (4, 32), generator=gen), model_module.document_positions(inputs, BOS)
+    reference, model = LlamaForPretraining(config), LlamaForPretraining(config)
+    for m in (reference, model):
+        m.init_weights(12)
+        m.head_in_loss = True
+    model_module.checkpoint_layers([model], "full")
+    loss_fn = functools.partial(model_module.chunked_loss, reference.lm_head, chunks=1)
+    whole = sum(loss_fn(reference(x, p), targets=y) for x, y, p in zip(inputs.chunk(2), targets.chunk(2),
+                                                                      positions.chunk(2))) / 2
+    whole.backward()
+    chunks = [c for s, (x, y, p) in enumerate(zip(inputs.chunk(2), targets.chunk(2), positions.chunk(2)))
+              for c in model_module.cut_sequences(x, y, p, [16, 16], s)]
+    stage = PipelineStage(model, 0, 1, torch.device("cpu"), input_args=torch.empty(2, 16, dtype=torch.long,
+                                                                                    device="meta"),
+                          output_args=torch.empty(2, 16, 32, device="meta"))
+    schedule = _PipelineScheduleRuntime([stage], n_microbatches=4, loss_fn=lambda h, target: model_module.chunked_loss(
+        model.lm_head, h, target[0], 1, tokens=target[1]))
+    schedule.pipeline_order = {0: [_Action(0, _ComputationType(kind), mb) for kind, mb in (
+        ("F", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 3), ("B", 2))]}
+    schedule._prepare_schedule_with_comms(schedule.pipeline_order)
+    # Pre-cut microbatches (private in torch 2.13: step() would hand every microbatch the same chunk, a non-tensor
+    # keyword), so what step() sets first is set here.
+    stage.has_backward, losses = True, []
+    schedule._step_microbatches(arg_mbs=[(c.inputs,) for c in chunks], target_mbs=[(c.targets, c.tokens) for c in
+                                                                                   chunks], losses=losses,
+                                kwarg_mbs=[{"positions": c.positions, "chunk": c.chunk} for c in chunks])
+    torch.testing.assert_close(sum(losses) / 4, whole.detach(), rtol=1e-6, atol=0)
+    for name, param in model.named_parameters():
+        want = reference.get_parameter(name).grad
+        torch.testing.assert_close(param.grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert cached_chunks(model) == 0
+
+
+def test_chunks_under_tensor_and_sequence_parallelism_compute_the_whole_sequence(tmp_path):
+    # --tp 2 with sequence parallelism: each rank keeps its own heads' keys and values of a chunk (attention gathers
+    # the chunk's positions), the loss takes each rank's piece of a chunk. At S 2 and 4 (a tp multiple: 8 tokens
+    # each here), checkpointed or not, with documents across chunks: the whole sequences' loss and gradients.
+    gen = torch.Generator().manual_seed(11)
+    inputs = documents_batch(torch.randint(0, 97, (2, 32), generator=gen), CHUNK_DOCUMENTS)
+    targets = torch.randint(0, 97, (2, 32), generator=gen)
+    lengths = model_module.chunk_lengths(32, 4, small_config(layers=2), "compute", multiple=2)
+    variants = [(how, chunks) for how in ("none", "full") for chunks in ([16, 16], lengths)]
+    run_workers(_chunks_tp_worker, 2, args=(2, str(tmp_path / "store"), str(tmp_path), (inputs, targets), variants))
+    results = torch.load(tmp_path / "chunks.pt", weights_only=True)
+    loss, grads, _ = results["none", (32,)]
+    for how, chunks in variants:
+        got_loss, got, cached = results[how, tuple(chunks)]
+        torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=0)
+        for name, want in grads.items():  # 1e-5 of the largest: as assert_same_run
+            torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        assert cached == 0
+
+
+def test_chunks_through_compiled_layers():
+    # --compile (checkpointed too): a layer compiles around the chunks' keys and values (chunk_keys_values runs as it
+    # is, between its graphs) and computes the whole sequence's. Compiled without Inductor, as compile_layers does
+    # with it: the graphs, not the kernels, are at stake.
+    gen = torch.Generator().manual_seed(12)
+    x, grad = torch.randn(2, 32, 32, generator=gen), torch.randn(2, 32, 32, generator=gen)
+    reference, stage = chunk_stage(layers=2), chunk_stage(layers=2, how="full")
+    for layer in model_module.decoder_layers([stage]):
+        layer.compile(backend="eager")
+    want = run_whole(reference, x, None, grad)
+    *got, cached = run_chunked(stage, x, None, [16, 8, 8], grad)
+    assert_same_run(got, want, stage, reference)
+    assert cached == [2, 4, 4, 4, 2, 0]
