@@ -69,7 +69,9 @@ microbatch (another model shape, --seq-len, rows, precision, device, --tp, seque
 checkpointing, --loss-chunks or --document-masking) is refused in one line; another layout of the same
 microbatch (another --layers, --processes, --dp, --schedule, --batch-size, --microbatches) takes its times,
 which it says in one line. With measured times, balanced is balanced on them: plan.py prints the --split counts
-and the step it replays, against the traced run's own.
+and the step it replays, against the traced run's own. --stage-times F1,...,Fn/B1,...,Bn gives each stage's
+whole forward and backward instead (a run's per-stage times, such as the Vocabulary Parallelism paper's artifact
+measures), for one stage count.
 """
 
 import argparse
@@ -1214,6 +1216,36 @@ def pass_times(layer: bool):
     return parse
 
 
+def stage_times(text: str) -> tuple[tuple[float, ...], ...]:
+    """argparse type of --stage-times: F1,...,Fn/B1,...,Bn or F1,...,Fn/I1,...,In/W1,...,Wn, each stage's forward
+    and backward (or input-gradient and weight-gradient) milliseconds of one microbatch, as many of each, from 0
+    to MOST_MS, not all 0 (then no step takes any time)."""
+    try:
+        groups = tuple(tuple(float(v) for v in group.split(",")) for group in text.split("/"))
+    except ValueError:
+        groups = ()
+    if len(groups) not in (2, 3) or len({len(g) for g in groups}) != 1 or not all(
+            0 <= v <= MOST_MS for g in groups for v in g) or not any(v for g in groups for v in g):
+        raise argparse.ArgumentTypeError(
+            "must be each stage's forward milliseconds, a slash, their backward (or input gradient, a slash, weight "
+            f"gradient), as many of each, numbers from 0 to an hour ({MOST_MS:,.0f}), not all 0, such as "
+            f"10.5,10.6,36.8/25.2,21.1,52.4; got {text}")
+    return groups
+
+
+def given_stage_times(times: tuple, num_stages: int) -> tuple[list, list, tuple]:
+    """--stage-times in seconds as measured_times gives them: each stage's forward, backward (I + W) and (I, W);
+    without I and W given, a backward's halves, and the first stage's all W (torch's, as measured_times). A count
+    other than the layout's stages is a UsageError."""
+    if len(times[0]) != num_stages:
+        raise UsageError(f"--stage-times: {len(times[0])} stages' times for a layout of {num_stages} stages; give "
+                         "one per stage")
+    forward, *backward = ([t / 1e3 for t in group] for group in times)
+    whole = [sum(parts) for parts in zip(*backward)]
+    grad, weight = backward if len(backward) == 2 else ([b / 2 for b in whole], [b / 2 for b in whole])
+    return forward, whole, ([0.0] + grad[1:], [whole[0]] + weight[1:])
+
+
 def given_passes(args, config: LlamaConfig) -> dict | None:
     """--layer-times, --embed-times and --head-times in seconds: {part: (F, B, W)}; an embedding's or head's not
     given is the layer's scaled by the FLOP estimate. None: not given."""
@@ -1492,6 +1524,8 @@ def plan(args) -> dict:
     else:
         costs = pass_costs(passes)
         timed = lambda lay: measured_times(lay, passes)  # noqa: E731
+    if args.stage_times:  # each stage's own, whatever its layers (a layout of another stage count: refused)
+        timed = lambda lay: given_stage_times(args.stage_times, len(lay))  # noqa: E731
     message = args.message_time / 1e3
 
     def balance(spec: str, lay: list[range]) -> list[range]:  # measured: balanced on the measured times
@@ -1585,9 +1619,9 @@ def plan(args) -> dict:
               "add up in place over the steps" + (", FSDP keeping each stage's gathered parameters and gradients "
                                                    "from the first step to the last one's reduce-scatter (the "
                                                    "gathered column, in the total)" if dp > 1 else ""))
-    share = stage_costs(layout, costs)
+    share = [f + b for f, b in zip(*timed(layout)[:2])] if args.stage_times else stage_costs(layout, costs)
     report["compute_share"] = [c / sum(share) for c in share]
-    print(f"{'compute' if passes is None else 'measured time'} per stage: "
+    print(f"{'compute' if passes is None and not args.stage_times else 'measured time'} per stage: "
           + ", ".join(f"{c:.0%}" for c in report["compute_share"]))
 
     # Every schedule, on the layout it would use (a --split of layer counts fits one stage count only: the
@@ -1595,7 +1629,8 @@ def plan(args) -> dict:
     print(f"\nschedules ({pp} ranks, {m} microbatches"
           + (f"; an optimizer step: {steps} schedule steps, each with its fill and drain" if steps > 1 else "")
           + "; step time "
-          + (f"at {ASSUMED_FLOPS / 1e12:.0f} TFLOP/s per GPU" if passes is None else "from the measured times")
+          + ("from --stage-times" if args.stage_times else f"at {ASSUMED_FLOPS / 1e12:.0f} TFLOP/s per GPU"
+             if passes is None else "from the measured times")
           + (f", {args.message_time:g} ms a message" if message else "")
           + f"{', tensor-parallel all-reduces not counted' if tp > 1 and passes is None else ''}"
           + ("" if passes else ", each layer recomputed in backward" if args.activation_checkpointing == "full" else
@@ -1609,6 +1644,7 @@ def plan(args) -> dict:
             each, lay = (ns, layout) if name == schedule else check(own, config, name, spec)
             lay = lay if name == schedule else balance(spec, lay)
             orders = chosen if name == schedule else orders_of(name, lay, each.stages_per_rank)
+            timed(lay)  # (--stage-times fit one stage count)
         except UsageError as e:
             print(f"  {name:22s} not possible here: {str(e).split(';')[0]}")
             continue
@@ -1996,6 +2032,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the embedding's (default: the layer's, scaled by the FLOP estimate)")
     g.add_argument("--head-times", type=pass_times(layer=False), metavar="F,B,W",
                    help="the final norm's, head's and loss's (default: the layer's, scaled by the FLOP estimate)")
+    g.add_argument("--stage-times", type=stage_times, metavar="F1,...,Fn/B1,...,Bn",
+                   help="each stage's forward and backward time (or F/I/W: its input and weight gradient), which "
+                        "replace the estimated or measured parts' in the replay: one per stage of the layout")
     g.add_argument("--message-time", type=within(0, MOST_MS, "ms"), default=0.0, metavar="MS",
                    help="one microbatch's hidden states, or their gradient, on their way to another rank, while "
                         "both compute on")
@@ -2017,11 +2056,15 @@ def check_measured(args) -> None:
         raise UsageError(f"--write-schedule {args.write_schedule}: " + (
             "is a directory" if os.path.isdir(args.write_schedule) else f"no directory {folder}")
             + "; give a file in an existing directory")
-    given = [flag for flag in ("layer_times", "embed_times", "head_times", "trace") if getattr(args, flag)]
+    given = [flag for flag in ("layer_times", "embed_times", "head_times", "trace", "stage_times")
+             if getattr(args, flag)]
     if args.gpus and (given or args.message_time):
         flag = "--" + (given or ["message_time"])[0].replace("_", "-")
         raise UsageError(f"{flag}: measured times plan one layout (--processes); --gpus searches by the FLOP "
                          "estimate")
+    if args.stage_times and len(given) > 1:
+        raise UsageError(f"--{given[0].replace('_', '-')}: --stage-times gives each stage's whole time; give one "
+                         "or the other")
     if args.trace and len(given) > 1:
         raise UsageError(f"--{given[0].replace('_', '-')}: --trace {args.trace} measures the times; give one or "
                          "the other")

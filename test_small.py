@@ -4191,6 +4191,61 @@ def test_the_generated_orders_are_chosen_by_the_step_torchs_runtime_takes(pp, ca
     assert re.search(r"^  zbvauto +step .*\(generated; [\d.]+% by the paper's measure\)$", out, re.M)
 
 
+# The Vocabulary Parallelism paper (Yeung et al., MLSys 2025, arXiv 2411.05288): its ~4B model (32 layers, hidden
+# 3072, FFN 12288, 24 heads) on 8 A100, PP 8, 1F1B, 128 microbatches of one sequence. Copied from its artifact's
+# measurements, sail-sg/VocabularyParallelism artifact/exp_one_host.csv (commit 6191c3b; the file is not part of
+# this project): per row, (method, vocabulary, seq) -> each stage's forward and backward µs per microbatch (its
+# columns 26 and 27), the measured bubble in % (column 34), and the layers per stage (base: even; redis: fewer on
+# the last stage, as the forward times show: 4 layers take 10.5 ms at 2k, 5 take 13.3).
+VOCAB_PARALLEL_4B = {"model_type": "llama", "vocab_size": 256000, "hidden_size": 3072, "intermediate_size": 12288,
+                     "num_hidden_layers": 32, "num_attention_heads": 24, "max_position_embeddings": 4096}
+VOCAB_PARALLEL_MEASURED = {
+    ("base", 256000, 2048): ("10572 10591 10475 10725 10360 10444 10381 36818",
+                             "25185 21108 20737 21143 20805 21030 20827 52363", 57.20, "4,4,4,4,4,4,4,4"),
+    ("redis", 256000, 2048): ("10627 10656 10606 13501 13327 13257 13200 26019",
+                              "25401 21220 20851 26906 26392 26589 26431 30535", 33.57, "4,4,4,5,5,5,5,0"),
+    ("base", 128000, 2048): ("10599 10616 10637 10612 10352 10540 10470 24152",
+                             "23338 20978 20968 21162 20785 21242 21067 37615", 44.38, "4,4,4,4,4,4,4,4"),
+    ("redis", 128000, 2048): ("10696 10629 10572 10612 10444 13674 13660 18708",
+                              "23417 21081 20955 21362 20975 27415 27328 26685", 24.90, "4,4,4,4,4,5,5,2"),
+    ("base", 256000, 4096): ("24223 23749 23346 23621 23470 23433 23650 76548",
+                             "50416 45615 45146 45292 45518 45198 45715 106804", 55.14, "4,4,4,4,4,4,4,4"),
+    ("redis", 256000, 4096): ("24391 23909 23369 30201 29923 30086 30028 52733",
+                              "50764 46045 45464 58007 57927 58110 58271 58574", 27.22, "4,4,4,5,5,5,5,0"),
+    ("base", 128000, 4096): ("24234 23606 23381 23389 23356 23545 23397 50855",
+                             "48131 45522 45045 45316 45557 45624 45351 77239", 42.02, "4,4,4,4,4,4,4,4"),
+    ("redis", 128000, 4096): ("24367 23848 23524 23500 23441 30108 30020 39031",
+                              "48636 46143 45525 45740 45928 59536 59052 53522", 20.33, "4,4,4,4,4,5,5,2"),
+}
+
+
+def vocab_parallel_4b(tmp_path, vocab: int) -> str:
+    path = tmp_path / f"config-{vocab}.json"
+    path.write_text(json.dumps({**VOCAB_PARALLEL_4B, "vocab_size": vocab}))
+    return str(path)
+
+
+def test_the_plan_replays_the_vocabulary_parallelism_papers_stage_times_to_its_measured_bubbles(tmp_path, capsys):
+    # Each run's own per-stage times through --stage-times: the 1F1B replay's bubble within 1.5 points of the
+    # measured one on all 8 rows (the replay counts no communication and no step-to-step jitter: 0.0-1.1 points
+    # below, the measured steps longer). Wrong by more: a stage's times in the wrong place, or B's halves
+    # counted twice (the base rows' bubbles are 44-57 %, the redistributed ones' 20-34 %).
+    for (method, vocab, seq), (forward, backward, bubble, split) in VOCAB_PARALLEL_MEASURED.items():
+        ms = lambda text: ",".join(f"{int(t) / 1e3:g}" for t in text.split())  # noqa: E731  (µs -> ms)
+        report = plan.main(["--processes", "8", "--model", vocab_parallel_4b(tmp_path, vocab), "--seq-len", str(seq),
+                            "--batch-size", "128", "--microbatches", "128", "--device", "cuda", "--schedule", "1f1b",
+                            "--split", split, "--stage-times", f"{ms(forward)}/{ms(backward)}"])
+        row = report["schedules"]["1f1b"]
+        assert row["split"] == split
+        assert row["bubble"] * 100 == pytest.approx(bubble, abs=1.5), (method, vocab, seq)
+        # The step itself: m (F + B) of the slowest stage, plus the others' once each (the fill and drain).
+        times = [[int(t) / 1e6 for t in text.split()] for text in (forward, backward)]
+        slowest = max(range(8), key=lambda s: times[0][s] + times[1][s])
+        assert row["step"] >= 128 * (times[0][slowest] + times[1][slowest])
+    out = capsys.readouterr().out
+    assert "step time from --stage-times" in out and "measured time per stage: " in out
+
+
 def _placeholder_runtime(name: str, pp: int, m: int):
     """torch's _PipelineScheduleRuntime for rank 0 of a schedule's placement, its stages placeholders (no process
     group: loading and lowering a CSV is pure Python)."""
@@ -4717,6 +4772,15 @@ def test_the_search_accumulates_steps_only_where_memory_forces_it_and_the_fewest
     (["--processes", "2", "--trace", "t", "--layer-times", "1,2,3"], 1, "error: --layer-times: --trace t measures "
                                                                         "the times; give one or the other"),
     (["--processes", "2", "--trace", "nowhere"], 1, "error: --trace nowhere: "),
+    (["--processes", "2", "--stage-times", "1,2/3"], 2, "error: argument --stage-times: must be each stage's "
+                                                        "forward milliseconds, a slash, their backward"),
+    (["--processes", "2", "--stage-times", "1,x/3,4"], 2, "error: argument --stage-times: must be each stage's"),
+    (["--processes", "2", "--stage-times", "0,0/0,0"], 2, "error: argument --stage-times: must be each stage's"),
+    (["--processes", "3", "--stage-times", "1,2/3,4"], 1, "error: --stage-times: 2 stages' times for a layout of "
+                                                          "3 stages; give one per stage"),
+    (["--processes", "2", "--stage-times", "1,2/3,4", "--layer-times", "1,2,3"], 1,
+     "error: --layer-times: --stage-times gives each stage's whole time; give one or the other"),
+    (["--gpus", "8", "--stage-times", "1,2/3,4"], 1, "error: --stage-times: measured times plan one layout"),
     (["--gpus", "8", "--message-time", "1"], 1, "error: --message-time: measured times plan one layout"),
     (["--processes", "2", "--write-schedule", "nowhere/s.csv"], 1, "error: --write-schedule nowhere/s.csv: no "
                                                                   "directory nowhere; give a file in an existing"),
