@@ -80,6 +80,7 @@ import collections
 import contextlib
 import copy
 import csv
+import dataclasses
 import functools
 import gc
 import itertools
@@ -191,10 +192,17 @@ def sent_bytes(per_rank: list[list[int]], num_stages: int, m: int, tokens: float
         for r, stages in enumerate(per_rank)]
 
 
-def stage_params(config: LlamaConfig, layout: list[range], tp: int = 1) -> list[float]:
+def stage_params(config: LlamaConfig, layout: list[range], tp: int = 1, vocab: int = 1) -> list[float]:
     """Parameters of each stage that one of its tensor-parallel ranks holds: its layers, the embedding on the
     first, the final norm and the head on the last (a tied head is a copy there, unless one stage holds both).
-    Tensor parallelism splits every matrix tp ways; the norms' gains are held whole by each rank."""
+    Tensor parallelism splits every matrix tp ways; the norms' gains are held whole by each rank. vocab > 1
+    (--vocab-parallel over that many stages): every stage holds its slice of the embedding's and of the head's rows
+    (vocab_rows; tied: one slice serves both), the last the final norm."""
+    if vocab > 1:
+        params = parameter_counts(dataclasses.replace(config, vocab_size=vocab_rows(config, vocab)), tp)
+        rows = params["embed"] + (0 if config.tie_word_embeddings else params["head"] - config.hidden_size)
+        return [len(layers) * params["layer"] + rows + (config.hidden_size if s == len(layout) - 1 else 0)
+                for s, layers in enumerate(layout)]
     params = parameter_counts(config, tp)
     layer, embed, last = params["layer"], params["embed"], params["head"]
     if len(layout) == 1 and config.tie_word_embeddings:
@@ -203,16 +211,18 @@ def stage_params(config: LlamaConfig, layout: list[range], tp: int = 1) -> list[
             for i, layers in enumerate(layout)]
 
 
-def startup_bytes(config: LlamaConfig, layout: list[range], stages: list[int], dp: int, tp: int) -> float:
+def startup_bytes(config: LlamaConfig, layout: list[range], stages: list[int], dp: int, tp: int,
+                  vocab: int = 1) -> float:
     """The most bytes a rank holds at start-up (model.materialize): it allocates its stages' shards one stage after
     the other and, when sharded, draws each tensor of the stage whole, one at a time, to keep its piece: the
-    shards so far and the largest whole tensor of the stage at hand."""
-    h, params = config.hidden_size, stage_params(config, layout, tp)
+    shards so far and the largest whole tensor of the stage at hand (vocab > 1: stage_params' slices)."""
+    h, params = config.hidden_size, stage_params(config, layout, tp, vocab)
+    rows = vocab_rows(config, vocab)
     held = peak = 0.0
     for s in stages:
         largest = max(h, *((config.num_attention_heads * config.head_dim * h, config.intermediate_size * h)
                            if len(layout[s]) else ()),  # q and o, gate, up and down (k and v are smaller)
-                      *((config.vocab_size * h,) if s in (0, len(layout) - 1) else ()))  # the embedding, the head
+                      *((rows * h,) if vocab > 1 or s in (0, len(layout) - 1) else ()))  # the embedding, the head
         held += 4 * params[s] / dp
         peak = max(peak, held + (4 * largest if dp * tp > 1 else 0))  # unsharded: each drawn in place
     return peak
@@ -1377,6 +1387,79 @@ def pass_costs(passes: dict) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Vocabulary parallelism (issue 54; Yeung et al., MLSys 2025, arXiv 2411.05288): the embedding and the head with its
+# loss split by vocabulary rows over all pipeline ranks, in the hand-written script's schedules
+
+VOCAB_SCHEDULES = {"afab": "gpipe", "1f1b": "1f1b"}  # the hand-written script's, and the order each replays
+
+
+def vocab_rows(config: LlamaConfig, pp: int) -> int:
+    """Rows of the embedding and of the head each pipeline rank holds: the vocabulary over pp, the last slice
+    padded to the others' size."""
+    return -(-config.vocab_size // pp)
+
+
+def without_vocab(parts: dict) -> dict:
+    """Per-token costs (estimated_costs) or measured passes (given_passes) with the embedding and the head taking
+    nothing: the layers alone, which a split balances under --vocab-parallel."""
+    return {k: (tuple(0.0 for _ in v) if isinstance(v, tuple) else 0.0) if k.startswith(("embed", "head")) else v
+            for k, v in parts.items()}
+
+
+def vocab_collectives(config: LlamaConfig, tokens: int, pp: int, dp: int, tp: int, half: bool, args) -> float:
+    """Seconds per microbatch of the collectives over the pipeline group, nothing overlapped: the last stage's
+    hidden states broadcast to every rank, their gradient summed back to it, the embedding's output slices summed
+    to stage 0 and their gradient broadcast back (each pipelined: its bytes once over a GPU's link), and three
+    all-reduces of one fp32 number per token (the softmax's maximum and sum, the target's logit; a ring: 2 (p - 1)
+    / p of the bytes); at --intra-node-bandwidth where the group is inside a node (tp, then dp, innermost), else
+    --inter-node-bandwidth."""
+    nodes = {r * dp * tp // args.gpus_per_node for r in range(pp)}
+    bandwidth = (args.intra_node_bandwidth if len(nodes) == 1 else args.inter_node_bandwidth) * 1e9
+    hidden = tokens * config.hidden_size * (2 if half else 4)
+    return (4 * hidden + 3 * 2 * (pp - 1) / pp * 4 * tokens) / bandwidth
+
+
+def with_vocab(times: tuple, added: float) -> tuple[list, list, tuple]:
+    """Stage times (flop_times, measured_times) of the layers alone, plus on every rank its share of the
+    vocabulary layers and their collectives (added, seconds), counted in its backward: where the paper's Vocab-1
+    runs its S and T passes between 1F1B's (the artifact's vocab-1 runs replay to their measured bubbles within 0.9
+    points so)."""
+    forward, backward, (grad, weight) = times
+    return (forward, [b + added for b in backward],
+            ([g + added / 2 for g in grad], [w + added / 2 for w in weight]))
+
+
+def vocab_held(layout: list[range], sizes: dict, sliced: dict, checkpointing, tokens: int, hidden: int,
+               shards: int) -> list[float]:
+    """stage_held under --vocab-parallel: each stage's layers, and on every stage the head's activations of its
+    vocabulary slice (sliced: activation_bytes of V / p rows; the final norm's on the last stage only) and the
+    token ids its lookup reads."""
+    last, norm = len(layout) - 1, tokens * 4 * (2 * hidden + 1) / shards
+    return [h + sliced["head"] - (0.0 if s == last else norm) + sizes["embed"]
+            for s, h in enumerate(stage_held(layout, without_vocab(sizes), checkpointing))]
+
+
+def vocab_peaks(result: dict, held: list[float], schedule: str) -> dict:
+    """A replay's peaks under --vocab-parallel: 1F1B's plus two microbatches' activations on each rank (the
+    paper's Vocab-1 holds p + 2 on the first rank, 1F1B p); AFAB holds every microbatch either way."""
+    extra = 2 if schedule == "1f1b" else 0
+    return {**result, "peak": {r: p + extra * held[r] for r, p in result["peak"].items()}}
+
+
+def check_vocab_parallel(args, pp: int) -> None:
+    """What --vocab-parallel needs (UsageError): a hand-written schedule, two or more pipeline ranks, no --tp."""
+    if args.schedule not in VOCAB_SCHEDULES:
+        raise UsageError(f"--vocab-parallel: the hand-written script's schedules only (--schedule afab or 1f1b), "
+                         f"not {args.schedule}")
+    if pp < 2:
+        raise UsageError("--vocab-parallel: splits the vocabulary over the pipeline ranks; give 2 or more "
+                         "(--processes / (--dp x --tp))")
+    if args.tp > 1:
+        raise UsageError(f"--tp {args.tp}: --vocab-parallel is planned over the pipeline group alone; leave --tp "
+                         "out")
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Checking the flags: the training script's own checks
 
 def script_args(args, schedule: str, split: str | None = None) -> argparse.Namespace:
@@ -1487,10 +1570,19 @@ def plan(args) -> dict:
     ns, layout = check(args, config, schedule)
     processes, dp, tp, m, per_rank = args.processes, args.dp, args.tp, args.microbatches, ns.stages_per_rank
     pp, steps = processes // (dp * tp), args.accumulate  # K schedule steps of m microbatches: one optimizer step
+    vp = args.vocab_parallel  # the memory table is its split's; the schedules show it beside the plain one
+    if vp:
+        check_vocab_parallel(args, pp)
+        if auto:
+            raise UsageError("--activation-checkpointing auto: not with --vocab-parallel yet; give none, selective, "
+                             "full or one per stage")
     half = bf16(args)
     tokens = args.batch_size // (dp * m * steps) * args.seq_len  # one microbatch of one replica
     chunks = loss_chunks(args.loss_chunks, config, (tokens // args.seq_len, args.seq_len), tp)
     sizes = activation_bytes(config, tokens, args.seq_len, half, tp, chunks, shards(args, tp), args.document_masking)
+    # Each rank's vocabulary slice's (--vocab-parallel): the head's activations and logits of V / p rows.
+    sliced = activation_bytes(dataclasses.replace(config, vocab_size=vocab_rows(config, pp)), tokens, args.seq_len,
+                              half, tp, chunks, shards(args, tp), args.document_masking)
     stages_of = {r: stage_ids(placement(schedule), r, pp, per_rank) for r in range(pp)}
     report = {"ranks": [], "schedules": {}}
     print(f"plan: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
@@ -1567,12 +1659,33 @@ def plan(args) -> dict:
     else:
         layout = balance(args.split, layout)
 
+    # --vocab-parallel: the split of the layers alone (balanced: on their costs), each rank's share of the
+    # vocabulary layers' work and their collectives in its backward (with_vocab), its slice's activations.
+    vocab_work = (costs["head"] + costs["embed"]) * (tokens / ASSUMED_FLOPS if passes is None else 1.0) / pp
+    vocab_spec = "balanced" if args.trace else args.split
+    layout_v = balanced(config.num_hidden_layers, len(layout), without_vocab(costs)) if vocab_spec == "balanced" \
+        else layout
+
+    def timed_vocab(lay: list[range]) -> tuple:
+        if args.stage_times:  # a vocabulary-parallel run's own times
+            return timed(lay)
+        plain = flop_times(lay, without_vocab(costs), tokens / ASSUMED_FLOPS, recomputed(lay)) if passes is None \
+            else measured_times(lay, without_vocab(passes))
+        return with_vocab(plain, vocab_work + vocab_collectives(config, tokens, pp, dp, tp, half, args))
+
+    def held_vocab(lay: list[range], checkpointing) -> tuple[list[float], list[float]]:
+        return (vocab_held(lay, sizes, sliced, checkpointing, tokens, config.hidden_size, shards(args, tp)),
+                stage_between(lay, sizes, checkpointing))
+
     def orders_of(name: str, lay: list[range], stages_per_rank: int) -> dict:  # torch's, or generated for lay
         if name in GENERATED:
             return generated_orders(name, pp, m, timed(lay), *held(lay, flagged(lay)), message)
         return schedule_orders(name, pp, m, stages_per_rank)
 
-    params = stage_params(config, layout, tp)
+    plain = layout, timed, held  # (the schedules' rows below; the memory table: --vocab-parallel's where given)
+    if vp:
+        layout, timed, held = layout_v, timed_vocab, held_vocab
+    params = stage_params(config, layout, tp, pp if vp else 1)
     if auto:  # the least recomputation that fits --gpu-memory, rank by rank
         torchs = None if schedule in GENERATED else orders_of(schedule, layout, per_rank)  # (a generated order
         # depends on what the stages hold: generated again for each SPEC tried)
@@ -1586,11 +1699,18 @@ def plan(args) -> dict:
     result = {ac: schedule_result(schedule, pp, m, per_rank, timed(layout), *held(layout, spec if ac == "flagged"
                                                                                     else ac), message, chosen)
               for ac in (False, True, "flagged")}  # none, full, and as flagged
+    if vp:  # Vocab-1's two more microbatches in flight
+        result = {ac: vocab_peaks(r, held(layout, spec if ac == "flagged" else ac)[0], schedule)
+                  for ac, r in result.items()}
     if args.trace:  # (as fast as the traced split: where the rest of the layout is the traced run's)
         print(f"balanced on these times: --split {report['split']}, step {result[False]['step'] * 1e3:.4g} ms "
               "replayed" + ("" if carried else f" ({traced['step'] / result[False]['step']:.2f} x as fast as the "
                                                "traced run's split)"))
-    print(f"layout (--split {report.get('split', args.split)}): {describe_layout(layout, costs)}")
+    print(f"layout (--split {report.get('split', counts(layout) if vp else args.split)}): "
+          + (f"{describe_layout(layout, without_vocab(costs)).replace('embed + ', '').replace(' + norm + head', '')}"
+             "; --vocab-parallel: the embedding and the head with "
+             f"its loss split by vocabulary over all {pp} ranks, {vocab_rows(config, pp)} rows each"
+             if vp else describe_layout(layout, costs)))
     unit, unit_name = (2 ** 30, "GiB") if 16 * sum(params) >= 2 ** 30 else (2 ** 20, "MiB")  # MiB for small models
     other = args.activation_checkpointing not in ("none", "full")  # selective, or per stage: a column of its own
     print(f"\nper pipeline rank, {unit_name} (each of its replicas and tensor-parallel ranks holds the same) | param "
@@ -1605,8 +1725,9 @@ def plan(args) -> dict:
                       half)
     for r in range(pp):
         row = rank_memory(sum(params[s] for s in stages_of[r]), dp, result[False]["peak"][r],
-                          result[True]["peak"][r], sizes["loss"] if r == last_rank else 0, sizes["layer"],
-                          False, half, startup_bytes(config, layout, stages_of[r], dp, tp),
+                          result[True]["peak"][r], sliced["loss"] if vp else sizes["loss"] if r == last_rank else 0,
+                          sizes["layer"], False, half, startup_bytes(config, layout, stages_of[r], dp, tp,
+                                                                     pp if vp else 1),
                           (result["flagged"]["peak"][r], recomputing(layout, sizes, spec, stages_of[r]))
                           ) | {"sent": sent[r]}
         if args.async_checkpoint:  # in CPU memory: the copy of the weights and AdamW state a save writes from
@@ -1619,10 +1740,12 @@ def plan(args) -> dict:
               "add up in place over the steps" + (", FSDP keeping each stage's gathered parameters and gradients "
                                                    "from the first step to the last one's reduce-scatter (the "
                                                    "gathered column, in the total)" if dp > 1 else ""))
-    share = [f + b for f, b in zip(*timed(layout)[:2])] if args.stage_times else stage_costs(layout, costs)
+    share = [f + b for f, b in zip(*timed(layout)[:2])] if args.stage_times or vp else stage_costs(layout, costs)
     report["compute_share"] = [c / sum(share) for c in share]
-    print(f"{'compute' if passes is None and not args.stage_times else 'measured time'} per stage: "
+    print(f"{'compute' if passes is None and not args.stage_times else 'measured time'} per stage"
+          + (" (with its vocabulary slice's and the collectives' time)" if vp else "") + ": "
           + ", ".join(f"{c:.0%}" for c in report["compute_share"]))
+    layout, timed, held = plain
 
     # Every schedule, on the layout it would use (a --split of layer counts fits one stage count only: the
     # others are shown balanced; --stages-per-rank is the looped schedules' alone).
@@ -1648,19 +1771,26 @@ def plan(args) -> dict:
         except UsageError as e:
             print(f"  {name:22s} not possible here: {str(e).split(';')[0]}")
             continue
-        out = [schedule_result(name, pp, m, each.stages_per_rank, timed(lay), *held(lay, ac), message, orders)
-               for ac in (False, True)]
-        seconds = steps * out[0]["step"]  # K schedule steps one after the other: K fills and drains
-        ideal = sum(f + b for f, b in zip(*timed(lay)[:2])) * m * steps / pp  # all work, no bubble
-        report["schedules"][name] = {"step": seconds, "bubble": out[0]["bubble"], "span_bubble": span_bubble(out[0]),
-                                     "activations": max(out[0]["peak"].values()),
-                                     "activations_checkpointed": max(out[1]["peak"].values()),
-                                     "split": counts(lay)}
-        print(f"  {name:22s} step {seconds * 1e3:10.4g} ms ({seconds / ideal:.2f} x no bubble)  bubble "
-              f"{out[0]['bubble']:6.1%}  activations {max(out[0]['peak'].values()) / unit:.2f} / "
-              f"{max(out[1]['peak'].values()) / unit:.2f}" + (
-                  f"  (generated; {span_bubble(out[0]):.1%} by the paper's measure)" if name in GENERATED
-                  else ""))
+        # The hand-written schedules' orders also with --vocab-parallel (its split; 2 or more ranks, no --tp).
+        vocab = [(f"{'afab' if name == 'gpipe' else name} --vocab-parallel", layout_v, timed_vocab, held_vocab)] \
+            if name in VOCAB_SCHEDULES.values() and pp > 1 and tp == 1 else []
+        for key, lay, times, holds in [(name, lay, timed, held), *vocab]:
+            out = [schedule_result(name, pp, m, each.stages_per_rank, times(lay), *holds(lay, ac), message, orders)
+                   for ac in (False, True)]
+            if key != name:
+                out = [vocab_peaks(o, holds(lay, ac)[0], name) for o, ac in zip(out, (False, True))]
+            seconds = steps * out[0]["step"]  # K schedule steps one after the other: K fills and drains
+            ideal = sum(f + b for f, b in zip(*times(lay)[:2])) * m * steps / pp  # all work, no bubble
+            report["schedules"][key] = {"step": seconds, "bubble": out[0]["bubble"],
+                                        "span_bubble": span_bubble(out[0]),
+                                        "activations": max(out[0]["peak"].values()),
+                                        "activations_checkpointed": max(out[1]["peak"].values()),
+                                        "split": counts(lay)}
+            print(f"  {key:22s} step {seconds * 1e3:10.4g} ms ({seconds / ideal:.2f} x no bubble)  bubble "
+                  f"{out[0]['bubble']:6.1%}  activations {max(out[0]['peak'].values()) / unit:.2f} / "
+                  f"{max(out[1]['peak'].values()) / unit:.2f}" + (
+                      f"  (generated; {span_bubble(out[0]):.1%} by the paper's measure)" if name in GENERATED
+                      else ""))
     if args.write_schedule:
         write_schedule(args.write_schedule, chosen)
         print(f"\nwrote {args.write_schedule}: {args.schedule}'s order on {pp} pipeline ranks, {m} microbatches, as "
@@ -2000,6 +2130,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "Bubble paper's orders generated here from the stage times: zbh2 (handcrafted, 2p "
                         "microbatches' activations), zb1p and zb2p (its heuristic, capped at p or 2p microbatches' "
                         "activations), zbvauto (its V, capped at 1F1B's); --write-schedule writes one out to run")
+    g.add_argument("--vocab-parallel", action="store_true",
+                   help="(issue 54, the hand-written script's afab and 1f1b; not in the scripts yet) the embedding and "
+                        "the head with its loss split by vocabulary over all pipeline ranks: plan the memory table "
+                        "for it (the schedules list it beside the plain split either way)")
     g.add_argument("--write-schedule", metavar="FILE.csv",
                    help="write --schedule's order for this layout (with --processes) as torch 2.13's "
                         "_PipelineScheduleRuntime._load_csv(FILE, format='compute_only') reads it: row r is "

@@ -4246,6 +4246,87 @@ def test_the_plan_replays_the_vocabulary_parallelism_papers_stage_times_to_its_m
     assert "step time from --stage-times" in out and "measured time per stage: " in out
 
 
+# The paper's speed-up of Vocab-1 over the base split (vocabulary layers on the end stages, layers even), as MFU
+# ratios: its artifact's re-run (artifact/example-results/full-exp.txt, commit 71f0727: 128k 33.70 -> 52.22 %, 256k
+# 17.29 -> 51.73 % at 2k; 128k 37.13 -> 57.87 %, 256k 27.63 -> 57.31 % at 4k) and the measured TFLOPS of
+# artifact/exp_one_host.csv (column 33: 105.94 -> 159.43, 80.72 -> 159.01 at 2k; 111.99 -> 161.81, 85.60 -> 161.28
+# at 4k).
+VOCAB_PARALLEL_RERUN = {(128000, 2048): 52.22 / 33.70, (256000, 2048): 51.73 / 17.29,
+                        (128000, 4096): 57.87 / 37.13, (256000, 4096): 57.31 / 27.63}
+VOCAB_PARALLEL_TFLOPS = {(128000, 2048): 159.43 / 105.94, (256000, 2048): 159.01 / 80.72,
+                         (128000, 4096): 161.81 / 111.99, (256000, 4096): 161.28 / 85.60}
+VOCAB_PARALLEL_BUBBLE = {(128000, 2048): 8.02, (256000, 2048): 6.52, (128000, 4096): 7.63, (256000, 4096): 6.66}
+
+
+def test_the_planned_vocabulary_parallel_speed_up_is_the_papers(tmp_path, capsys):
+    # The FLOP estimate (no measured time) on the paper's 4B shapes, 1F1B on 8 ranks, 128 microbatches: the step of
+    # the even split with the embedding and the head on the end stages over the step with --vocab-parallel, within
+    # 15 % of the paper's speed-up (the model of time is good to about that: docs/pipeline-by-hand.md) on every
+    # row of both sources but one: the re-run's 256k at 2k, 2.99, which the plan puts at 2.08 (30 % below). That
+    # baseline is off from three other measurements of the same run: the artifact's exp_one_host.csv (80.72 TFLOPS,
+    # 25.9 % of an A100's 312, a speed-up of 1.97), the paper's Table 5 (25.23 %) and the re-run's own 4k row
+    # (27.63 %); the artifact's measured stage times replay to 1.94 (replayed as the test above does).
+    for (vocab, seq), rerun in VOCAB_PARALLEL_RERUN.items():
+        report = plan.main(["--processes", "8", "--model", vocab_parallel_4b(tmp_path, vocab), "--seq-len", str(seq),
+                            "--batch-size", "128", "--microbatches", "128", "--device", "cuda", "--schedule", "1f1b",
+                            "--split", "even"])["schedules"]
+        plain, spread = report["1f1b"], report["1f1b --vocab-parallel"]
+        assert plain["split"] == spread["split"] == "4,4,4,4,4,4,4,4"
+        speed_up = plain["step"] / spread["step"]
+        assert speed_up == pytest.approx(VOCAB_PARALLEL_TFLOPS[vocab, seq], rel=0.15), (vocab, seq)
+        if (vocab, seq) != (256000, 2048):
+            assert speed_up == pytest.approx(rerun, rel=0.15), (vocab, seq)
+        # Vocab-1's bubble: the replay's within 3 points of the measured (it counts the collectives in the
+        # backward and no synchronization of the S and T passes: 5.2 % against 6.5-8.0 %).
+        assert spread["bubble"] * 100 == pytest.approx(VOCAB_PARALLEL_BUBBLE[vocab, seq], abs=3), (vocab, seq)
+    out = capsys.readouterr().out
+    assert re.search(r"^  afab --vocab-parallel +step .* bubble", out, re.M)
+    assert re.search(r"^  1f1b --vocab-parallel +step .* bubble", out, re.M)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_vocabulary_parallel_plan_holds_a_slice_of_the_vocabulary_on_every_rank(tied, tmp_path, capsys):
+    # The memory table under --vocab-parallel (8 ranks, the 4B shapes at 256k): every rank holds 1/8 of the
+    # embedding's and of the head's rows (tied: one slice for both), so the parameters over all ranks are the plain
+    # split's (tied: less the head's copy on the last stage); every rank computes a logits slice of 1/8 of the
+    # last rank's; 1F1B's first rank holds p + 2 microbatches' activations (the paper's Vocab-1), its slice's too.
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**VOCAB_PARALLEL_4B, "tie_word_embeddings": tied}))
+    argv = ["--processes", "8", "--model", str(path), "--seq-len", "2048", "--batch-size", "128", "--microbatches",
+            "128", "--device", "cuda", "--schedule", "1f1b", "--split", "even"]
+    plain, spread = (plan.main(argv + flag)["ranks"] for flag in ([], ["--vocab-parallel"]))
+    config = plan.plan_config(plan.build_parser().parse_args(argv))
+    vocab = config.vocab_size * config.hidden_size
+    assert sum(r["param"] for r in spread) == pytest.approx(sum(r["param"] for r in plain) - (4 * vocab if tied
+                                                                                               else 0))
+    assert len({r["param"] for r in spread[:-1]}) == 1 and spread[-1]["param"] == pytest.approx(
+        spread[0]["param"] + 4 * config.hidden_size)  # the final norm's gain, on the last stage
+    assert [r["loss"] for r in plain] == [0] * 7 + [pytest.approx(8 * spread[0]["loss"])]
+    assert all(r["loss"] == spread[0]["loss"] for r in spread)
+    sizes = plan.activation_bytes(config, 2048, 2048, True, chunks=8)
+    sliced = plan.activation_bytes(dataclasses.replace(config, vocab_size=32000), 2048, 2048, True, chunks=8)
+    held = plan.vocab_held(even(32, 8), sizes, sliced, False, 2048, config.hidden_size, 1)
+    assert spread[0]["activations"] == pytest.approx(10 * held[0])
+    assert max(r["total"] for r in spread) < max(r["total"] for r in plain)
+    out = capsys.readouterr().out
+    assert "--vocab-parallel: the embedding and the head with its loss split by vocabulary over all 8 ranks, 32000 " \
+           "rows each" in out
+
+
+def test_the_vocabulary_parallel_step_counts_its_collectives_at_the_node_bandwidth(tmp_path):
+    # Every rank's backward takes the collectives' time (nothing overlapped): per microbatch the hidden states
+    # (bf16) four times over a GPU's link (broadcast to all, their gradient summed back, the embedding's output
+    # summed to stage 0, its gradient broadcast back) and three fp32 all-reduces of a number per token. On equal
+    # stages a 1F1B step is m + p - 1 of them: at 1 GB/s inside the node the step grows by exactly that much.
+    argv = ["--processes", "8", "--model", vocab_parallel_4b(tmp_path, 256000), "--seq-len", "2048", "--batch-size",
+            "128", "--microbatches", "128", "--device", "cuda", "--schedule", "1f1b", "--split", "even"]
+    fast, slow = (plan.main(argv + ["--intra-node-bandwidth", bw])["schedules"] for bw in ("300", "1"))
+    per_microbatch = (4 * 2048 * 3072 * 2 + 3 * 2 * 7 / 8 * 4 * 2048) * (1 / 1e9 - 1 / 300e9)
+    assert slow["1f1b --vocab-parallel"]["step"] - fast["1f1b --vocab-parallel"]["step"] == pytest.approx(
+        (128 + 8 - 1) * per_microbatch)
+    assert slow["1f1b"] == fast["1f1b"]  # the plain split sends nothing the plan times here
+
+
 def _placeholder_runtime(name: str, pp: int, m: int):
     """torch's _PipelineScheduleRuntime for rank 0 of a schedule's placement, its stages placeholders (no process
     group: loading and lowering a CSV is pure Python)."""
@@ -4772,6 +4853,14 @@ def test_the_search_accumulates_steps_only_where_memory_forces_it_and_the_fewest
     (["--processes", "2", "--trace", "t", "--layer-times", "1,2,3"], 1, "error: --layer-times: --trace t measures "
                                                                         "the times; give one or the other"),
     (["--processes", "2", "--trace", "nowhere"], 1, "error: --trace nowhere: "),
+    (["--processes", "2", "--vocab-parallel"], 1, "error: --vocab-parallel: the hand-written script's schedules "
+                                                  "only (--schedule afab or 1f1b), not gpipe"),
+    (["--processes", "1", "--vocab-parallel", "--schedule", "afab"], 1, "error: --vocab-parallel: splits the "
+                                                                        "vocabulary over the pipeline ranks; give 2"),
+    (["--processes", "4", "--tp", "2", "--vocab-parallel", "--schedule", "1f1b"], 1,
+     "error: --tp 2: --vocab-parallel is planned over the pipeline group alone; leave --tp out"),
+    (["--processes", "2", "--vocab-parallel", "--schedule", "1f1b", "--activation-checkpointing", "auto"], 1,
+     "error: --activation-checkpointing auto: not with --vocab-parallel yet"),
     (["--processes", "2", "--stage-times", "1,2/3"], 2, "error: argument --stage-times: must be each stage's "
                                                         "forward milliseconds, a slash, their backward"),
     (["--processes", "2", "--stage-times", "1,x/3,4"], 2, "error: argument --stage-times: must be each stage's"),
