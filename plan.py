@@ -1851,7 +1851,11 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
              checkpointing: bool, budget: float | None = None, accumulate: int = 1) -> dict | None:
     """One layout's step time, bubble and memory per GPU, or None where the scripts would refuse it. Over a
     budget (bytes) by its parameters, gradients and AdamW state alone: that memory, no step time (no replay).
-    With accumulate K: an optimizer step of K schedule steps of m microbatches, each step a fill and a drain."""
+    With accumulate K: an optimizer step of K schedule steps of m microbatches, each step a fill and a drain.
+    schedule "afab --vocab-parallel" or "1f1b --vocab-parallel": the hand-written script's, the vocabulary split
+    over the pipeline ranks (the plan's --vocab-parallel; the row says "vocab_parallel")."""
+    vocab = schedule.endswith(" --vocab-parallel")
+    schedule = VOCAB_SCHEDULES[schedule.split()[0]] if vocab else schedule
     trial = argparse.Namespace(**{**vars(args), "processes": pp * dp * tp, "dp": dp, "tp": tp, "microbatches": m,
                                   "accumulate": accumulate, "activation_checkpointing": checkpointing,
                                   "split": "balanced", "device": "cuda"})
@@ -1864,9 +1868,12 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
     except UsageError:
         return None
     row = {"pp": pp, "dp": dp, "tp": tp, "schedule": schedule, "microbatches": m, "accumulate": accumulate,
-           "checkpointing": checkpointing, "stages_per_rank": ns.stages_per_rank}
+           "checkpointing": checkpointing, "stages_per_rank": ns.stages_per_rank} | (
+        {"vocab_parallel": True} if vocab else {})
     per_rank = [stage_ids(schedule, r, pp, ns.stages_per_rank) for r in range(pp)]
-    params = stage_params(config, layout, tp)
+    if vocab:  # the layers alone balanced (their costs: the same per layer whatever the microbatch)
+        layout = balanced(config.num_hidden_layers, pp, without_vocab(estimated_costs(config, args.seq_len)))
+    params = stage_params(config, layout, tp, pp if vocab else 1)
     held = [sum(params[s] for s in stages) for stages in per_rank]
     weights = rank_memory(max(held), dp, 0.0, 0.0, 0.0, 0.0, False)["total"]
     if budget is not None and weights > budget:
@@ -1876,13 +1883,25 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
     costs = {k: v / tp for k, v in estimated_costs(config, args.seq_len, checkpointing, chunks).items()}
     sizes = activation_bytes(config, tokens, args.seq_len, bf16(trial), tp, chunks, shards(args, tp),
                              args.document_masking)
-    forward, backward, split = stage_seconds(config, layout, costs, tokens, pp, dp, tp, checkpointing, per_rank,
-                                             trial)
+    times = stage_seconds(config, layout, without_vocab(costs) if vocab else costs, tokens, pp, dp, tp,
+                          checkpointing, per_rank, trial)
+    stages = stage_held(layout, sizes, checkpointing)
+    if vocab:  # each rank's share of the vocabulary layers and the collectives, its slice's activations
+        sliced = activation_bytes(dataclasses.replace(config, vocab_size=vocab_rows(config, pp)), tokens,
+                                  args.seq_len, bf16(trial), tp, chunks, shards(args, tp), args.document_masking)
+        rate = args.peak_tflops * 1e12 * args.efficiency
+        times = with_vocab(times, (costs["head"] + costs["embed"]) * tokens / rate / pp
+                           + vocab_collectives(config, tokens, pp, dp, tp, bf16(trial), trial))
+        stages = vocab_held(layout, sizes, sliced, checkpointing, tokens, config.hidden_size, shards(args, tp))
+    forward, backward, split = times
     result = replay(schedule_orders(schedule, pp, m, ns.stages_per_rank), forward, backward,
-                    stage_held(layout, sizes, checkpointing), stage_between(layout, sizes, checkpointing), split)
+                    stages, stage_between(layout, sizes, checkpointing), split)
+    if vocab:
+        result = vocab_peaks(result, stages, schedule)
     memory = max(rank_memory(held[r], dp, result["peak"][r], result["peak"][r],
-                             sizes["loss"] if len(layout) - 1 in per_rank[r] else 0, sizes["layer"],
-                             checkpointing, bf16(trial), startup_bytes(config, layout, per_rank[r], dp, tp)
+                             sliced["loss"] if vocab else sizes["loss"] if len(layout) - 1 in per_rank[r] else 0,
+                             sizes["layer"], checkpointing, bf16(trial),
+                             startup_bytes(config, layout, per_rank[r], dp, tp, pp if vocab else 1)
                              )["total"] for r in range(pp))
     # FSDP2 gathers each stage's parameters once per optimizer step (bf16) and reduce-scatters its gradients once
     # (fp32), over the node's links when a stage's replicas share a node, else across nodes: under --accumulate K
@@ -1963,7 +1982,10 @@ def candidates(args, config: LlamaConfig, schedules, checkpointing):
             # Every count the batch allows: check_args says which each schedule takes (GPipe's, fewer than
             # the stages too).
             counts = [m for m in range(1, MAX_MICROBATCHES + 1) if (args.batch_size // dp) % m == 0]
-            for schedule in schedules:
+            # The hand-written script's schedules with the vocabulary split over the pipeline ranks too (no --tp).
+            vocab = [f"{name} --vocab-parallel" for name, order in VOCAB_SCHEDULES.items()
+                     if order in schedules and pp > 1 and tp == 1]
+            for schedule in (*schedules, *vocab):
                 if pp == 1 and schedule != schedules[0]:
                     continue  # one stage: every schedule is the same loop over microbatches
                 for ac in checkpointing:
@@ -2010,6 +2032,15 @@ def show_gb(n: float) -> str:
     return f"{n / 1e9:.0f} GB" if n >= 1e9 else show_bytes(n)
 
 
+def paying(rows: list[dict]) -> list[dict]:
+    """The rows less the --vocab-parallel ones that do not pay: slower than, or as fast as, the same layout (pp,
+    dp, tp, schedule, microbatches, steps, checkpointing) with the vocabulary layers on the end stages."""
+    key = lambda row: tuple(row[k] for k in ("pp", "dp", "tp", "schedule", "microbatches", "accumulate",  # noqa: E731
+                                             "checkpointing"))
+    plain = {key(row): row["step"] for row in rows if not row.get("vocab_parallel")}
+    return [row for row in rows if not row.get("vocab_parallel") or row["step"] < plain.get(key(row), math.inf)]
+
+
 def search(args) -> list[dict]:
     """Print the best layouts for --gpus and return them, fastest first; a UsageError when none fits."""
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
@@ -2034,6 +2065,7 @@ def search(args) -> list[dict]:
     try:
         found = layouts(args, config, budget=budget)  # the layouts whose weights alone do not fit: not replayed
         fits = sorted((row for row in found if row["memory"] <= budget), key=lambda row: row["step"])
+        fits = paying(fits)
         if found and not fits:  # then the least memory any layout needs, replayed
             found = layouts(args, config)
     finally:
@@ -2068,13 +2100,20 @@ def search(args) -> list[dict]:
           "every schedule.")
     tokens = args.batch_size * args.seq_len
     for i, row in enumerate(fits[:args.top], 1):
-        print(f"\n{i}. pp {row['pp']} x dp {row['dp']} x tp {row['tp']}, {row['schedule']}, {row['microbatches']} "
+        vocab = row.get("vocab_parallel")
+        name = f"{'afab' if row['schedule'] == 'gpipe' else row['schedule']} --vocab-parallel" if vocab else \
+            row["schedule"]
+        print(f"\n{i}. pp {row['pp']} x dp {row['dp']} x tp {row['tp']}, {name}, {row['microbatches']} "
               f"microbatch{'es' if row['microbatches'] > 1 else ''}"
               + (f" x {row['accumulate']} schedule steps (--accumulate: each its fill and drain)"
                  if row["accumulate"] > 1 else "") +
               f"{', activation checkpointing' if row['checkpointing'] else ''}: step {show_seconds(row['step'])} "
               f"({tokens / row['step']:,.0f} tokens/s), bubble {row['bubble']:.0%}, {show_bytes(row['memory'])} "
               "per GPU")
+        if vocab:  # the hand-written script's flag (issue 54)
+            row["command"] = command(args, {**row, "schedule": name.split()[0], "by_hand": True}) + " --vocab-parallel"
+            print(f"   {row['command']}   (--vocab-parallel: issue 54, not in the script yet)")
+            continue
         row["command"] = command(args, row)
         print(f"   {row['command']}")
         if row["schedule"] in ("gpipe", "1f1b"):  # the hand-written script runs the same order
