@@ -58,6 +58,13 @@ longest rank's span (docs/plan-vs-the-zero-bubble-paper.md). No script runs them
 FILE.csv writes --schedule's order (any of the eleven) as torch's _PipelineScheduleRuntime loads a custom
 schedule (one row per pipeline rank: its compute actions in order, such as 0F1, 1I0, 1W0).
 
+--vocab-parallel (with --schedule afab or 1f1b; issue 54, not in the scripts yet) plans the embedding and the
+head with its loss split by vocabulary rows over all pipeline ranks (Vocabulary Parallelism, Yeung et al., MLSys
+2025): every rank 1/p of their work and rows, their collectives over the pipeline group at the node bandwidths,
+the layers alone balanced, 1F1B's activations plus two microbatches' (the paper's Vocab-1). The schedules list
+prints both hand-written schedules with it beside the plain ones either way; --gpus proposes it where it is
+faster (docs/layouts.md).
+
 Measured times instead of the estimate: --layer-times F,B,W (a decoder layer's forward, input-gradient and
 weight-gradient milliseconds), --embed-times, --head-times (the final norm, head and loss) and --message-time,
 as the Zero Bubble paper plans (fed its profiled times, the replay gives its bubbles:
@@ -1406,17 +1413,21 @@ def without_vocab(parts: dict) -> dict:
             for k, v in parts.items()}
 
 
+def vocab_bytes(config: LlamaConfig, tokens: int, pp: int, half: bool) -> float:
+    """Bytes each rank sends per microbatch in the collectives over the pipeline group: the last stage's hidden
+    states broadcast to every rank, their gradient summed back to it, the embedding's output slices summed to
+    stage 0 and their gradient broadcast back (each pipelined: its bytes once over a GPU's link; bf16, or fp32
+    under --precision fp32), and three all-reduces of one fp32 number per token (the softmax's maximum and sum,
+    the target's logit; a ring: 2 (p - 1) / p of the bytes)."""
+    return 4 * tokens * config.hidden_size * (2 if half else 4) + 3 * 2 * (pp - 1) / pp * 4 * tokens
+
+
 def vocab_collectives(config: LlamaConfig, tokens: int, pp: int, dp: int, tp: int, half: bool, args) -> float:
-    """Seconds per microbatch of the collectives over the pipeline group, nothing overlapped: the last stage's
-    hidden states broadcast to every rank, their gradient summed back to it, the embedding's output slices summed
-    to stage 0 and their gradient broadcast back (each pipelined: its bytes once over a GPU's link), and three
-    all-reduces of one fp32 number per token (the softmax's maximum and sum, the target's logit; a ring: 2 (p - 1)
-    / p of the bytes); at --intra-node-bandwidth where the group is inside a node (tp, then dp, innermost), else
-    --inter-node-bandwidth."""
+    """Seconds per microbatch of the collectives (vocab_bytes), nothing overlapped: at --intra-node-bandwidth
+    where the pipeline group is inside a node (tp, then dp, innermost), else --inter-node-bandwidth."""
     nodes = {r * dp * tp // args.gpus_per_node for r in range(pp)}
     bandwidth = (args.intra_node_bandwidth if len(nodes) == 1 else args.inter_node_bandwidth) * 1e9
-    hidden = tokens * config.hidden_size * (2 if half else 4)
-    return (4 * hidden + 3 * 2 * (pp - 1) / pp * 4 * tokens) / bandwidth
+    return vocab_bytes(config, tokens, pp, half) / bandwidth
 
 
 def with_vocab(times: tuple, added: float) -> tuple[list, list, tuple]:
@@ -1557,7 +1568,8 @@ def plan(args) -> dict:
     """Print the plan (see the module's docstring) and return it: {"ranks": [per pipeline rank {"param", "grad",
     "optimizer", "gathered", "activations", "activations_checkpointed", "total"}, bytes], "schedules": {name:
     {"step" (seconds), "bubble", "activations", "activations_checkpointed", "split"}}, "compute_share": [per
-    stage]; with --trace also "passes" ({part: (F, B, W) seconds}), "split" (the counts balanced on them) and
+    stage]; the hand-written schedules also as "afab --vocab-parallel" and "1f1b --vocab-parallel" (2 or more
+    pipeline ranks, no --tp); with --trace also "passes" ({part: (F, B, W) seconds}), "split" (the counts balanced on them) and
     "traced" ({"split", "step", "replayed"}: the traced run's). A flag the scripts would refuse is a UsageError."""
     # The hand-written script's afab is GPipe's order; its 1f1b is the library's.
     schedule = "gpipe" if args.schedule == "afab" else args.schedule
@@ -1723,6 +1735,8 @@ def plan(args) -> dict:
     last_rank = next(r for r in range(pp) if len(layout) - 1 in stages_of[r])
     sent = sent_bytes(list(stages_of.values()), len(layout), m * steps, tokens / shards(args, tp), config.hidden_size,
                       half)
+    if vp:  # and every microbatch's collectives over the pipeline group
+        sent = [s + m * steps * vocab_bytes(config, tokens, pp, half) for s in sent]
     for r in range(pp):
         row = rank_memory(sum(params[s] for s in stages_of[r]), dp, result[False]["peak"][r],
                           result[True]["peak"][r], sliced["loss"] if vp else sizes["loss"] if r == last_rank else 0,

@@ -4308,6 +4308,10 @@ def test_the_vocabulary_parallel_plan_holds_a_slice_of_the_vocabulary_on_every_r
     held = plan.vocab_held(even(32, 8), sizes, sliced, False, 2048, config.hidden_size, 1)
     assert spread[0]["activations"] == pytest.approx(10 * held[0])
     assert max(r["total"] for r in spread) < max(r["total"] for r in plain)
+    # Sent a step: the hidden states to the next stage, and each microbatch's collectives (four bf16 hidden states,
+    # three fp32 all-reduces of a number per token, 7/8 of it in a ring).
+    collectives = 4 * 2048 * 3072 * 2 + 3 * 2 * 7 / 8 * 4 * 2048
+    assert [r["sent"] for r in spread] == [pytest.approx(r["sent"] + 128 * collectives) for r in plain]
     out = capsys.readouterr().out
     assert "--vocab-parallel: the embedding and the head with its loss split by vocabulary over all 8 ranks, 32000 " \
            "rows each" in out
