@@ -1569,8 +1569,9 @@ def plan(args) -> dict:
     "optimizer", "gathered", "activations", "activations_checkpointed", "total"}, bytes], "schedules": {name:
     {"step" (seconds), "bubble", "activations", "activations_checkpointed", "split"}}, "compute_share": [per
     stage]; the hand-written schedules also as "afab --vocab-parallel" and "1f1b --vocab-parallel" (2 or more
-    pipeline ranks, no --tp); with --trace also "passes" ({part: (F, B, W) seconds}), "split" (the counts balanced on them) and
-    "traced" ({"split", "step", "replayed"}: the traced run's). A flag the scripts would refuse is a UsageError."""
+    pipeline ranks, no --tp); with --trace also "passes" ({part: (F, B, W) seconds}), "split" (the counts balanced
+    on them) and "traced" ({"split", "step", "replayed"}: the traced run's). A flag the scripts would refuse is a
+    UsageError."""
     # The hand-written script's afab is GPipe's order; its 1f1b is the library's.
     schedule = "gpipe" if args.schedule == "afab" else args.schedule
     auto = args.activation_checkpointing == "auto"  # chosen below, once the layout is known
