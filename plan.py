@@ -1681,7 +1681,7 @@ def plan(args) -> dict:
 
     def timed_vocab(lay: list[range]) -> tuple:
         if args.stage_times:  # a vocabulary-parallel run's own times
-            return timed(lay)
+            return given_stage_times(args.stage_times, len(lay))
         plain = flop_times(lay, without_vocab(costs), tokens / ASSUMED_FLOPS, recomputed(lay)) if passes is None \
             else measured_times(lay, without_vocab(passes))
         return with_vocab(plain, vocab_work + vocab_collectives(config, tokens, pp, dp, tp, half, args))
