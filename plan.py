@@ -2058,6 +2058,9 @@ def paying(rows: list[dict]) -> list[dict]:
 
 def search(args) -> list[dict]:
     """Print the best layouts for --gpus and return them, fastest first; a UsageError when none fits."""
+    if args.vocab_parallel:
+        raise UsageError("--vocab-parallel: plans one layout (--processes); --gpus tries it on every afab and 1f1b "
+                         "layout and proposes it where it is faster; leave it out")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         raise UsageError(f"--gpus {args.gpus}: not whole nodes of --gpus-per-node {args.gpus_per_node}; give a "
                          f"multiple of {args.gpus_per_node}")

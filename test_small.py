@@ -4921,6 +4921,8 @@ def test_the_search_accumulates_steps_only_where_memory_forces_it_and_the_fewest
     (["--processes", "2", "--trace", "nowhere"], 1, "error: --trace nowhere: "),
     (["--processes", "2", "--vocab-parallel"], 1, "error: --vocab-parallel: the hand-written script's schedules "
                                                   "only (--schedule afab or 1f1b), not gpipe"),
+    (["--gpus", "8", "--vocab-parallel"], 1, "error: --vocab-parallel: plans one layout (--processes); --gpus tries "
+                                             "it on every afab and 1f1b layout"),
     (["--processes", "1", "--vocab-parallel", "--schedule", "afab"], 1, "error: --vocab-parallel: splits the "
                                                                         "vocabulary over the pipeline ranks; give 2"),
     (["--processes", "4", "--tp", "2", "--vocab-parallel", "--schedule", "1f1b"], 1,
