@@ -2099,7 +2099,8 @@ def search(args) -> list[dict]:
             row["memory"] <= budget for row in layouts(argparse.Namespace(**{**vars(args), "gpus": g}), config,
                                                        ("1f1b",), (True,), budget))), None)
         flags = [*(["--activation-checkpointing"] if least["checkpointing"] else []),
-                 *([f"--accumulate {least['accumulate']}"] if least["accumulate"] > 1 else [])]
+                 *([f"--accumulate {least['accumulate']}"] if least["accumulate"] > 1 else []),
+                 *(["--vocab-parallel"] if least.get("vocab_parallel") else [])]
         raise UsageError(f"--gpu-memory {args.gpu_memory:g}: no layout fits; the smallest, pp {least['pp']} x dp "
                          f"{least['dp']} x tp {least['tp']}{' with ' + ' and '.join(flags) if flags else ''}, needs "
                          f"{show_gb(least['memory'] / (1 - HEADROOM))} per GPU"
