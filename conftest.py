@@ -816,7 +816,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
     calls = recorder()
     mesh = start_group(rank, world_size, store_path, pp, dp, tp)
     masks, dense = [], model_module.document_mask  # this process's: each mask a stage (or the tracer) builds
-    model_module.document_mask = lambda positions: masks.append(1) or dense(positions)
+    model_module.document_mask = lambda positions, offset=0: masks.append(1) or dense(positions, offset)
     try:
         env = cpu_env(rank, world_size)
         pp_rank, dp_rank, tp_rank = (mesh[dim].get_local_rank() for dim in ("pp", "dp", "tp"))

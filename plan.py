@@ -58,6 +58,13 @@ longest rank's span (docs/plan-vs-the-zero-bubble-paper.md). No script runs them
 FILE.csv writes --schedule's order (any of the eleven) as torch's _PipelineScheduleRuntime loads a custom
 schedule (one row per pipeline rank: its compute actions in order, such as 0F1, 1I0, 1W0).
 
+--vocab-parallel (with --schedule afab or 1f1b; issue 54, not in the scripts yet) plans the embedding and the
+head with its loss split by vocabulary rows over all pipeline ranks (Vocabulary Parallelism, Yeung et al., MLSys
+2025): every rank 1/p of their work and rows, their collectives over the pipeline group at the node bandwidths,
+the layers alone balanced, 1F1B's activations plus two microbatches' (the paper's Vocab-1). The schedules list
+prints both hand-written schedules with it beside the plain ones either way; --gpus proposes it where it is
+faster (docs/layouts.md).
+
 Measured times instead of the estimate: --layer-times F,B,W (a decoder layer's forward, input-gradient and
 weight-gradient milliseconds), --embed-times, --head-times (the final norm, head and loss) and --message-time,
 as the Zero Bubble paper plans (fed its profiled times, the replay gives its bubbles:
@@ -69,7 +76,9 @@ microbatch (another model shape, --seq-len, rows, precision, device, --tp, seque
 checkpointing, --loss-chunks or --document-masking) is refused in one line; another layout of the same
 microbatch (another --layers, --processes, --dp, --schedule, --batch-size, --microbatches) takes its times,
 which it says in one line. With measured times, balanced is balanced on them: plan.py prints the --split counts
-and the step it replays, against the traced run's own.
+and the step it replays, against the traced run's own. --stage-times F1,...,Fn/B1,...,Bn gives each stage's
+whole forward and backward instead (a run's per-stage times, such as the Vocabulary Parallelism paper's artifact
+measures), for one stage count.
 """
 
 import argparse
@@ -78,6 +87,7 @@ import collections
 import contextlib
 import copy
 import csv
+import dataclasses
 import functools
 import gc
 import itertools
@@ -189,10 +199,17 @@ def sent_bytes(per_rank: list[list[int]], num_stages: int, m: int, tokens: float
         for r, stages in enumerate(per_rank)]
 
 
-def stage_params(config: LlamaConfig, layout: list[range], tp: int = 1) -> list[float]:
+def stage_params(config: LlamaConfig, layout: list[range], tp: int = 1, vocab: int = 1) -> list[float]:
     """Parameters of each stage that one of its tensor-parallel ranks holds: its layers, the embedding on the
     first, the final norm and the head on the last (a tied head is a copy there, unless one stage holds both).
-    Tensor parallelism splits every matrix tp ways; the norms' gains are held whole by each rank."""
+    Tensor parallelism splits every matrix tp ways; the norms' gains are held whole by each rank. vocab > 1
+    (--vocab-parallel over that many stages): every stage holds its slice of the embedding's and of the head's rows
+    (vocab_rows; tied: one slice serves both), the last the final norm."""
+    if vocab > 1:
+        params = parameter_counts(dataclasses.replace(config, vocab_size=vocab_rows(config, vocab)), tp)
+        rows = params["embed"] + (0 if config.tie_word_embeddings else params["head"] - config.hidden_size)
+        return [len(layers) * params["layer"] + rows + (config.hidden_size if s == len(layout) - 1 else 0)
+                for s, layers in enumerate(layout)]
     params = parameter_counts(config, tp)
     layer, embed, last = params["layer"], params["embed"], params["head"]
     if len(layout) == 1 and config.tie_word_embeddings:
@@ -201,16 +218,18 @@ def stage_params(config: LlamaConfig, layout: list[range], tp: int = 1) -> list[
             for i, layers in enumerate(layout)]
 
 
-def startup_bytes(config: LlamaConfig, layout: list[range], stages: list[int], dp: int, tp: int) -> float:
+def startup_bytes(config: LlamaConfig, layout: list[range], stages: list[int], dp: int, tp: int,
+                  vocab: int = 1) -> float:
     """The most bytes a rank holds at start-up (model.materialize): it allocates its stages' shards one stage after
     the other and, when sharded, draws each tensor of the stage whole, one at a time, to keep its piece: the
-    shards so far and the largest whole tensor of the stage at hand."""
-    h, params = config.hidden_size, stage_params(config, layout, tp)
+    shards so far and the largest whole tensor of the stage at hand (vocab > 1: stage_params' slices)."""
+    h, params = config.hidden_size, stage_params(config, layout, tp, vocab)
+    rows = vocab_rows(config, vocab)
     held = peak = 0.0
     for s in stages:
         largest = max(h, *((config.num_attention_heads * config.head_dim * h, config.intermediate_size * h)
                            if len(layout[s]) else ()),  # q and o, gate, up and down (k and v are smaller)
-                      *((config.vocab_size * h,) if s in (0, len(layout) - 1) else ()))  # the embedding, the head
+                      *((rows * h,) if vocab > 1 or s in (0, len(layout) - 1) else ()))  # the embedding, the head
         held += 4 * params[s] / dp
         peak = max(peak, held + (4 * largest if dp * tp > 1 else 0))  # unsharded: each drawn in place
     return peak
@@ -1214,6 +1233,36 @@ def pass_times(layer: bool):
     return parse
 
 
+def stage_times(text: str) -> tuple[tuple[float, ...], ...]:
+    """argparse type of --stage-times: F1,...,Fn/B1,...,Bn or F1,...,Fn/I1,...,In/W1,...,Wn, each stage's forward
+    and backward (or input-gradient and weight-gradient) milliseconds of one microbatch, as many of each, from 0
+    to MOST_MS, not all 0 (then no step takes any time)."""
+    try:
+        groups = tuple(tuple(float(v) for v in group.split(",")) for group in text.split("/"))
+    except ValueError:
+        groups = ()
+    if len(groups) not in (2, 3) or len({len(g) for g in groups}) != 1 or not all(
+            0 <= v <= MOST_MS for g in groups for v in g) or not any(v for g in groups for v in g):
+        raise argparse.ArgumentTypeError(
+            "must be each stage's forward milliseconds, a slash, their backward (or input gradient, a slash, weight "
+            f"gradient), as many of each, numbers from 0 to an hour ({MOST_MS:,.0f}), not all 0, such as "
+            f"10.5,10.6,36.8/25.2,21.1,52.4; got {text}")
+    return groups
+
+
+def given_stage_times(times: tuple, num_stages: int) -> tuple[list, list, tuple]:
+    """--stage-times in seconds as measured_times gives them: each stage's forward, backward (I + W) and (I, W);
+    without I and W given, a backward's halves, and the first stage's all W (torch's, as measured_times). A count
+    other than the layout's stages is a UsageError."""
+    if len(times[0]) != num_stages:
+        raise UsageError(f"--stage-times: {len(times[0])} stages' times for a layout of {num_stages} stages; give "
+                         "one per stage")
+    forward, *backward = ([t / 1e3 for t in group] for group in times)
+    whole = [sum(parts) for parts in zip(*backward)]
+    grad, weight = backward if len(backward) == 2 else ([b / 2 for b in whole], [b / 2 for b in whole])
+    return forward, whole, ([0.0] + grad[1:], [whole[0]] + weight[1:])
+
+
 def given_passes(args, config: LlamaConfig) -> dict | None:
     """--layer-times, --embed-times and --head-times in seconds: {part: (F, B, W)}; an embedding's or head's not
     given is the layer's scaled by the FLOP estimate. None: not given."""
@@ -1345,6 +1394,83 @@ def pass_costs(passes: dict) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Vocabulary parallelism (issue 54; Yeung et al., MLSys 2025, arXiv 2411.05288): the embedding and the head with its
+# loss split by vocabulary rows over all pipeline ranks, in the hand-written script's schedules
+
+VOCAB_SCHEDULES = {"afab": "gpipe", "1f1b": "1f1b"}  # the hand-written script's, and the order each replays
+
+
+def vocab_rows(config: LlamaConfig, pp: int) -> int:
+    """Rows of the embedding and of the head each pipeline rank holds: the vocabulary over pp, the last slice
+    padded to the others' size."""
+    return -(-config.vocab_size // pp)
+
+
+def without_vocab(parts: dict) -> dict:
+    """Per-token costs (estimated_costs) or measured passes (given_passes) with the embedding and the head taking
+    nothing: the layers alone, which a split balances under --vocab-parallel."""
+    return {k: (tuple(0.0 for _ in v) if isinstance(v, tuple) else 0.0) if k.startswith(("embed", "head")) else v
+            for k, v in parts.items()}
+
+
+def vocab_bytes(config: LlamaConfig, tokens: int, pp: int, half: bool) -> float:
+    """Bytes each rank sends per microbatch in the collectives over the pipeline group: the last stage's hidden
+    states broadcast to every rank, their gradient summed back to it, the embedding's output slices summed to
+    stage 0 and their gradient broadcast back (each pipelined: its bytes once over a GPU's link; bf16, or fp32
+    under --precision fp32), and three all-reduces of one fp32 number per token (the softmax's maximum and sum,
+    the target's logit; a ring: 2 (p - 1) / p of the bytes)."""
+    return 4 * tokens * config.hidden_size * (2 if half else 4) + 3 * 2 * (pp - 1) / pp * 4 * tokens
+
+
+def vocab_collectives(config: LlamaConfig, tokens: int, pp: int, dp: int, tp: int, half: bool, args) -> float:
+    """Seconds per microbatch of the collectives (vocab_bytes), nothing overlapped: at --intra-node-bandwidth
+    where the pipeline group is inside a node (tp, then dp, innermost), else --inter-node-bandwidth."""
+    nodes = {r * dp * tp // args.gpus_per_node for r in range(pp)}
+    bandwidth = (args.intra_node_bandwidth if len(nodes) == 1 else args.inter_node_bandwidth) * 1e9
+    return vocab_bytes(config, tokens, pp, half) / bandwidth
+
+
+def with_vocab(times: tuple, added: float) -> tuple[list, list, tuple]:
+    """Stage times (flop_times, measured_times) of the layers alone, plus on every rank its share of the
+    vocabulary layers and their collectives (added, seconds), counted in its backward: where the paper's Vocab-1
+    runs its S and T passes between 1F1B's (the artifact's vocab-1 runs replay to their measured bubbles within 0.9
+    points so)."""
+    forward, backward, (grad, weight) = times
+    return (forward, [b + added for b in backward],
+            ([g + added / 2 for g in grad], [w + added / 2 for w in weight]))
+
+
+def vocab_held(layout: list[range], sizes: dict, sliced: dict, checkpointing, tokens: int, hidden: int,
+               shards: int) -> list[float]:
+    """stage_held under --vocab-parallel: each stage's layers, and on every stage the head's activations of its
+    vocabulary slice (sliced: activation_bytes of V / p rows; the final norm's on the last stage only) and the
+    token ids its lookup reads."""
+    last, norm = len(layout) - 1, tokens * 4 * (2 * hidden + 1) / shards
+    return [h + sliced["head"] - (0.0 if s == last else norm) + sizes["embed"]
+            for s, h in enumerate(stage_held(layout, without_vocab(sizes), checkpointing))]
+
+
+def vocab_peaks(result: dict, held: list[float], schedule: str) -> dict:
+    """A replay's peaks under --vocab-parallel: 1F1B's plus two microbatches' activations on each rank (the
+    paper's Vocab-1 holds p + 2 on the first rank, 1F1B p); AFAB holds every microbatch either way."""
+    extra = 2 if schedule == "1f1b" else 0
+    return {**result, "peak": {r: p + extra * held[r] for r, p in result["peak"].items()}}
+
+
+def check_vocab_parallel(args, pp: int) -> None:
+    """What --vocab-parallel needs (UsageError): a hand-written schedule, two or more pipeline ranks, no --tp."""
+    if args.schedule not in VOCAB_SCHEDULES:
+        raise UsageError(f"--vocab-parallel: the hand-written script's schedules only (--schedule afab or 1f1b), "
+                         f"not {args.schedule}")
+    if pp < 2:
+        raise UsageError("--vocab-parallel: splits the vocabulary over the pipeline ranks; give 2 or more "
+                         "(--processes / (--dp x --tp))")
+    if args.tp > 1:
+        raise UsageError(f"--tp {args.tp}: --vocab-parallel is planned over the pipeline group alone; leave --tp "
+                         "out")
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Checking the flags: the training script's own checks
 
 def script_args(args, schedule: str, split: str | None = None) -> argparse.Namespace:
@@ -1442,8 +1568,10 @@ def plan(args) -> dict:
     """Print the plan (see the module's docstring) and return it: {"ranks": [per pipeline rank {"param", "grad",
     "optimizer", "gathered", "activations", "activations_checkpointed", "total"}, bytes], "schedules": {name:
     {"step" (seconds), "bubble", "activations", "activations_checkpointed", "split"}}, "compute_share": [per
-    stage]; with --trace also "passes" ({part: (F, B, W) seconds}), "split" (the counts balanced on them) and
-    "traced" ({"split", "step", "replayed"}: the traced run's). A flag the scripts would refuse is a UsageError."""
+    stage]; the hand-written schedules also as "afab --vocab-parallel" and "1f1b --vocab-parallel" (2 or more
+    pipeline ranks, no --tp); with --trace also "passes" ({part: (F, B, W) seconds}), "split" (the counts balanced
+    on them) and "traced" ({"split", "step", "replayed"}: the traced run's). A flag the scripts would refuse is a
+    UsageError."""
     # The hand-written script's afab is GPipe's order; its 1f1b is the library's.
     schedule = "gpipe" if args.schedule == "afab" else args.schedule
     auto = args.activation_checkpointing == "auto"  # chosen below, once the layout is known
@@ -1455,10 +1583,19 @@ def plan(args) -> dict:
     ns, layout = check(args, config, schedule)
     processes, dp, tp, m, per_rank = args.processes, args.dp, args.tp, args.microbatches, ns.stages_per_rank
     pp, steps = processes // (dp * tp), args.accumulate  # K schedule steps of m microbatches: one optimizer step
+    vp = args.vocab_parallel  # the memory table is its split's; the schedules show it beside the plain one
+    if vp:
+        check_vocab_parallel(args, pp)
+        if auto:
+            raise UsageError("--activation-checkpointing auto: not with --vocab-parallel yet; give none, selective, "
+                             "full or one per stage")
     half = bf16(args)
     tokens = args.batch_size // (dp * m * steps) * args.seq_len  # one microbatch of one replica
     chunks = loss_chunks(args.loss_chunks, config, (tokens // args.seq_len, args.seq_len), tp)
     sizes = activation_bytes(config, tokens, args.seq_len, half, tp, chunks, shards(args, tp), args.document_masking)
+    # Each rank's vocabulary slice's (--vocab-parallel): the head's activations and logits of V / p rows.
+    sliced = activation_bytes(dataclasses.replace(config, vocab_size=vocab_rows(config, pp)), tokens, args.seq_len,
+                              half, tp, chunks, shards(args, tp), args.document_masking)
     stages_of = {r: stage_ids(placement(schedule), r, pp, per_rank) for r in range(pp)}
     report = {"ranks": [], "schedules": {}}
     print(f"plan: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
@@ -1492,6 +1629,8 @@ def plan(args) -> dict:
     else:
         costs = pass_costs(passes)
         timed = lambda lay: measured_times(lay, passes)  # noqa: E731
+    if args.stage_times:  # each stage's own, whatever its layers (a layout of another stage count: refused)
+        timed = lambda lay: given_stage_times(args.stage_times, len(lay))  # noqa: E731
     message = args.message_time / 1e3
 
     def balance(spec: str, lay: list[range]) -> list[range]:  # measured: balanced on the measured times
@@ -1533,6 +1672,24 @@ def plan(args) -> dict:
     else:
         layout = balance(args.split, layout)
 
+    # --vocab-parallel: the split of the layers alone (balanced: on their costs), each rank's share of the
+    # vocabulary layers' work and their collectives in its backward (with_vocab), its slice's activations.
+    vocab_work = (costs["head"] + costs["embed"]) * (tokens / ASSUMED_FLOPS if passes is None else 1.0) / pp
+    vocab_spec = "balanced" if args.trace else args.split
+    layout_v = balanced(config.num_hidden_layers, len(layout), without_vocab(costs)) if vocab_spec == "balanced" \
+        else layout
+
+    def timed_vocab(lay: list[range]) -> tuple:
+        if args.stage_times:  # a vocabulary-parallel run's own times
+            return given_stage_times(args.stage_times, len(lay))
+        plain = flop_times(lay, without_vocab(costs), tokens / ASSUMED_FLOPS, recomputed(lay)) if passes is None \
+            else measured_times(lay, without_vocab(passes))
+        return with_vocab(plain, vocab_work + vocab_collectives(config, tokens, pp, dp, tp, half, args))
+
+    def held_vocab(lay: list[range], checkpointing) -> tuple[list[float], list[float]]:
+        return (vocab_held(lay, sizes, sliced, checkpointing, tokens, config.hidden_size, shards(args, tp)),
+                stage_between(lay, sizes, checkpointing))
+
     def orders_of(name: str, lay: list[range], stages_per_rank: int) -> dict:  # torch's, or generated for lay
         if name in GENERATED:
             return generated_orders(name, pp, m, timed(lay), *held(lay, flagged(lay)), message)
@@ -1547,7 +1704,10 @@ def plan(args) -> dict:
                 name, pp, m, stages_per_rank, timed(lay), *held(lay, spec), message, torchs or generated_orders(
                     name, pp, m, timed(lay), *held(lay, spec), message))["peak"])
 
-    params = stage_params(config, layout, tp)
+    plain = layout, timed, held  # (the schedules' rows below; the memory table: --vocab-parallel's where given)
+    if vp:
+        layout, timed, held = layout_v, timed_vocab, held_vocab
+    params = stage_params(config, layout, tp, pp if vp else 1)
     if auto:
         args.activation_checkpointing = least(schedule, layout, per_rank)
     # Memory of the chosen schedule, per pipeline rank (each replica of a rank holds the same).
@@ -1556,11 +1716,18 @@ def plan(args) -> dict:
     result = {ac: schedule_result(schedule, pp, m, per_rank, timed(layout), *held(layout, spec if ac == "flagged"
                                                                                     else ac), message, chosen)
               for ac in (False, True, "flagged")}  # none, full, and as flagged
+    if vp:  # Vocab-1's two more microbatches in flight
+        result = {ac: vocab_peaks(r, held(layout, spec if ac == "flagged" else ac)[0], schedule)
+                  for ac, r in result.items()}
     if args.trace:  # (as fast as the traced split: where the rest of the layout is the traced run's)
         print(f"balanced on these times: --split {report['split']}, step {result[False]['step'] * 1e3:.4g} ms "
               "replayed" + ("" if carried else f" ({traced['step'] / result[False]['step']:.2f} x as fast as the "
                                                "traced run's split)"))
-    print(f"layout (--split {report.get('split', args.split)}): {describe_layout(layout, costs)}")
+    print(f"layout (--split {report.get('split', counts(layout) if vp else args.split)}): "
+          + (f"{describe_layout(layout, without_vocab(costs)).replace('embed + ', '').replace(' + norm + head', '')}"
+             "; --vocab-parallel: the embedding and the head with "
+             f"its loss split by vocabulary over all {pp} ranks, {vocab_rows(config, pp)} rows each"
+             if vp else describe_layout(layout, costs)))
     unit, unit_name = (2 ** 30, "GiB") if 16 * sum(params) >= 2 ** 30 else (2 ** 20, "MiB")  # MiB for small models
     other = args.activation_checkpointing not in ("none", "full")  # selective, or per stage: a column of its own
     print(f"\nper pipeline rank, {unit_name} (each of its replicas and tensor-parallel ranks holds the same) | param "
@@ -1573,10 +1740,13 @@ def plan(args) -> dict:
     last_rank = next(r for r in range(pp) if len(layout) - 1 in stages_of[r])
     sent = sent_bytes(list(stages_of.values()), len(layout), m * steps, tokens / shards(args, tp), config.hidden_size,
                       half)
+    if vp:  # and every microbatch's collectives over the pipeline group
+        sent = [s + m * steps * vocab_bytes(config, tokens, pp, half) for s in sent]
     for r in range(pp):
         row = rank_memory(sum(params[s] for s in stages_of[r]), dp, result[False]["peak"][r],
-                          result[True]["peak"][r], sizes["loss"] if r == last_rank else 0, sizes["layer"],
-                          False, half, startup_bytes(config, layout, stages_of[r], dp, tp),
+                          result[True]["peak"][r], sliced["loss"] if vp else sizes["loss"] if r == last_rank else 0,
+                          sizes["layer"], False, half, startup_bytes(config, layout, stages_of[r], dp, tp,
+                                                                     pp if vp else 1),
                           (result["flagged"]["peak"][r], recomputing(layout, sizes, spec, stages_of[r]))
                           ) | {"sent": sent[r]}
         if args.async_checkpoint:  # in CPU memory: the copy of the weights and AdamW state a save writes from
@@ -1589,17 +1759,20 @@ def plan(args) -> dict:
               "add up in place over the steps" + (", FSDP keeping each stage's gathered parameters and gradients "
                                                    "from the first step to the last one's reduce-scatter (the "
                                                    "gathered column, in the total)" if dp > 1 else ""))
-    share = stage_costs(layout, costs)
+    share = [f + b for f, b in zip(*timed(layout)[:2])] if args.stage_times or vp else stage_costs(layout, costs)
     report["compute_share"] = [c / sum(share) for c in share]
-    print(f"{'compute' if passes is None else 'measured time'} per stage: "
+    print(f"{'compute' if passes is None and not args.stage_times else 'measured time'} per stage"
+          + (" (with its vocabulary slice's and the collectives' time)" if vp else "") + ": "
           + ", ".join(f"{c:.0%}" for c in report["compute_share"]))
+    layout, timed, held = plain
 
     # Every schedule, on the layout it would use (a --split of layer counts fits one stage count only: the
     # others are shown balanced; --stages-per-rank is the looped schedules' alone).
     print(f"\nschedules ({pp} ranks, {m} microbatches"
           + (f"; an optimizer step: {steps} schedule steps, each with its fill and drain" if steps > 1 else "")
           + "; step time "
-          + (f"at {ASSUMED_FLOPS / 1e12:.0f} TFLOP/s per GPU" if passes is None else "from the measured times")
+          + ("from --stage-times" if args.stage_times else f"at {ASSUMED_FLOPS / 1e12:.0f} TFLOP/s per GPU"
+             if passes is None else "from the measured times")
           + (f", {args.message_time:g} ms a message" if message else "")
           + f"{', tensor-parallel all-reduces not counted' if tp > 1 and passes is None else ''}"
           + ("" if passes else ", each layer recomputed in backward" if args.activation_checkpointing == "full" else
@@ -1619,23 +1792,31 @@ def plan(args) -> dict:
                 with contextlib.redirect_stdout(None):  # (the line it prints: --schedule's alone)
                     args.activation_checkpointing = least(name, lay, each.stages_per_rank)
             orders = chosen if name == schedule else orders_of(name, lay, each.stages_per_rank)
+            timed(lay)  # (--stage-times fit one stage count)
         except UsageError as e:
             print(f"  {name:22s} not possible here: {str(e).split(';')[0]}")
             continue
-        out = [schedule_result(name, pp, m, each.stages_per_rank, timed(lay), *held(lay, ac), message, orders)
-               for ac in (False, True)]
-        seconds = steps * out[0]["step"]  # K schedule steps one after the other: K fills and drains
-        ideal = sum(f + b for f, b in zip(*timed(lay)[:2])) * m * steps / pp  # all work, no bubble
-        report["schedules"][name] = {"step": seconds, "bubble": out[0]["bubble"], "span_bubble": span_bubble(out[0]),
-                                     "activations": max(out[0]["peak"].values()),
-                                     "activations_checkpointed": max(out[1]["peak"].values()),
-                                     "split": counts(lay), "checkpointing": args.activation_checkpointing}
-        print(f"  {name:22s} step {seconds * 1e3:10.4g} ms ({seconds / ideal:.2f} x no bubble)  bubble "
-              f"{out[0]['bubble']:6.1%}  activations {max(out[0]['peak'].values()) / unit:.2f} / "
-              f"{max(out[1]['peak'].values()) / unit:.2f}" + (
-                  f"  (generated; {span_bubble(out[0]):.1%} by the paper's measure)" if name in GENERATED
-                  else "") + (f"  (auto: --activation-checkpointing {args.activation_checkpointing})"
-                              if auto and name != schedule else ""))
+        # The hand-written schedules' orders also with --vocab-parallel (its split; 2 or more ranks, no --tp).
+        vocab = [(f"{'afab' if name == 'gpipe' else name} --vocab-parallel", layout_v, timed_vocab, held_vocab)] \
+            if name in VOCAB_SCHEDULES.values() and pp > 1 and tp == 1 else []
+        for key, lay, times, holds in [(name, lay, timed, held), *vocab]:
+            out = [schedule_result(name, pp, m, each.stages_per_rank, times(lay), *holds(lay, ac), message, orders)
+                   for ac in (False, True)]
+            if key != name:
+                out = [vocab_peaks(o, holds(lay, ac)[0], name) for o, ac in zip(out, (False, True))]
+            seconds = steps * out[0]["step"]  # K schedule steps one after the other: K fills and drains
+            ideal = sum(f + b for f, b in zip(*times(lay)[:2])) * m * steps / pp  # all work, no bubble
+            report["schedules"][key] = {"step": seconds, "bubble": out[0]["bubble"],
+                                        "span_bubble": span_bubble(out[0]),
+                                        "activations": max(out[0]["peak"].values()),
+                                        "activations_checkpointed": max(out[1]["peak"].values()),
+                                        "split": counts(lay), "checkpointing": args.activation_checkpointing}
+            print(f"  {key:22s} step {seconds * 1e3:10.4g} ms ({seconds / ideal:.2f} x no bubble)  bubble "
+                  f"{out[0]['bubble']:6.1%}  activations {max(out[0]['peak'].values()) / unit:.2f} / "
+                  f"{max(out[1]['peak'].values()) / unit:.2f}" + (
+                      f"  (generated; {span_bubble(out[0]):.1%} by the paper's measure)" if name in GENERATED
+                      else "") + (f"  (auto: --activation-checkpointing {args.activation_checkpointing})"
+                                  if auto and name != schedule else ""))
     args.activation_checkpointing = flag
     if args.write_schedule:
         write_schedule(args.write_schedule, chosen)
@@ -1697,7 +1878,11 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
              checkpointing: bool, budget: float | None = None, accumulate: int = 1) -> dict | None:
     """One layout's step time, bubble and memory per GPU, or None where the scripts would refuse it. Over a
     budget (bytes) by its parameters, gradients and AdamW state alone: that memory, no step time (no replay).
-    With accumulate K: an optimizer step of K schedule steps of m microbatches, each step a fill and a drain."""
+    With accumulate K: an optimizer step of K schedule steps of m microbatches, each step a fill and a drain.
+    schedule "afab --vocab-parallel" or "1f1b --vocab-parallel": the hand-written script's, the vocabulary split
+    over the pipeline ranks (the plan's --vocab-parallel; the row says "vocab_parallel")."""
+    vocab = schedule.endswith(" --vocab-parallel")
+    schedule = VOCAB_SCHEDULES[schedule.split()[0]] if vocab else schedule
     trial = argparse.Namespace(**{**vars(args), "processes": pp * dp * tp, "dp": dp, "tp": tp, "microbatches": m,
                                   "accumulate": accumulate, "activation_checkpointing": checkpointing,
                                   "split": "balanced", "device": "cuda"})
@@ -1710,9 +1895,12 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
     except UsageError:
         return None
     row = {"pp": pp, "dp": dp, "tp": tp, "schedule": schedule, "microbatches": m, "accumulate": accumulate,
-           "checkpointing": checkpointing, "stages_per_rank": ns.stages_per_rank}
+           "checkpointing": checkpointing, "stages_per_rank": ns.stages_per_rank} | (
+        {"vocab_parallel": True} if vocab else {})
     per_rank = [stage_ids(schedule, r, pp, ns.stages_per_rank) for r in range(pp)]
-    params = stage_params(config, layout, tp)
+    if vocab:  # the layers alone balanced (their costs: the same per layer whatever the microbatch)
+        layout = balanced(config.num_hidden_layers, pp, without_vocab(estimated_costs(config, args.seq_len)))
+    params = stage_params(config, layout, tp, pp if vocab else 1)
     held = [sum(params[s] for s in stages) for stages in per_rank]
     weights = rank_memory(max(held), dp, 0.0, 0.0, 0.0, 0.0, False)["total"]
     if budget is not None and weights > budget:
@@ -1722,13 +1910,25 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
     costs = {k: v / tp for k, v in estimated_costs(config, args.seq_len, checkpointing, chunks).items()}
     sizes = activation_bytes(config, tokens, args.seq_len, bf16(trial), tp, chunks, shards(args, tp),
                              args.document_masking)
-    forward, backward, split = stage_seconds(config, layout, costs, tokens, pp, dp, tp, checkpointing, per_rank,
-                                             trial)
+    times = stage_seconds(config, layout, without_vocab(costs) if vocab else costs, tokens, pp, dp, tp,
+                          checkpointing, per_rank, trial)
+    stages = stage_held(layout, sizes, checkpointing)
+    if vocab:  # each rank's share of the vocabulary layers and the collectives, its slice's activations
+        sliced = activation_bytes(dataclasses.replace(config, vocab_size=vocab_rows(config, pp)), tokens,
+                                  args.seq_len, bf16(trial), tp, chunks, shards(args, tp), args.document_masking)
+        rate = args.peak_tflops * 1e12 * args.efficiency
+        times = with_vocab(times, (costs["head"] + costs["embed"]) * tokens / rate / pp
+                           + vocab_collectives(config, tokens, pp, dp, tp, bf16(trial), trial))
+        stages = vocab_held(layout, sizes, sliced, checkpointing, tokens, config.hidden_size, shards(args, tp))
+    forward, backward, split = times
     result = replay(schedule_orders(schedule, pp, m, ns.stages_per_rank), forward, backward,
-                    stage_held(layout, sizes, checkpointing), stage_between(layout, sizes, checkpointing), split)
+                    stages, stage_between(layout, sizes, checkpointing), split)
+    if vocab:
+        result = vocab_peaks(result, stages, schedule)
     memory = max(rank_memory(held[r], dp, result["peak"][r], result["peak"][r],
-                             sizes["loss"] if len(layout) - 1 in per_rank[r] else 0, sizes["layer"],
-                             checkpointing, bf16(trial), startup_bytes(config, layout, per_rank[r], dp, tp)
+                             sliced["loss"] if vocab else sizes["loss"] if len(layout) - 1 in per_rank[r] else 0,
+                             sizes["layer"], checkpointing, bf16(trial),
+                             startup_bytes(config, layout, per_rank[r], dp, tp, pp if vocab else 1)
                              )["total"] for r in range(pp))
     # FSDP2 gathers each stage's parameters once per optimizer step (bf16) and reduce-scatters its gradients once
     # (fp32), over the node's links when a stage's replicas share a node, else across nodes: under --accumulate K
@@ -1809,7 +2009,10 @@ def candidates(args, config: LlamaConfig, schedules, checkpointing):
             # Every count the batch allows: check_args says which each schedule takes (GPipe's, fewer than
             # the stages too).
             counts = [m for m in range(1, MAX_MICROBATCHES + 1) if (args.batch_size // dp) % m == 0]
-            for schedule in schedules:
+            # The hand-written script's schedules with the vocabulary split over the pipeline ranks too (no --tp).
+            vocab = [f"{name} --vocab-parallel" for name, order in VOCAB_SCHEDULES.items()
+                     if order in schedules and pp > 1 and tp == 1]
+            for schedule in (*schedules, *vocab):
                 if pp == 1 and schedule != schedules[0]:
                     continue  # one stage: every schedule is the same loop over microbatches
                 for ac in checkpointing:
@@ -1856,8 +2059,20 @@ def show_gb(n: float) -> str:
     return f"{n / 1e9:.0f} GB" if n >= 1e9 else show_bytes(n)
 
 
+def paying(rows: list[dict]) -> list[dict]:
+    """The rows less the --vocab-parallel ones that do not pay: slower than, or as fast as, the same layout (pp,
+    dp, tp, schedule, microbatches, steps, checkpointing) with the vocabulary layers on the end stages."""
+    key = lambda row: tuple(row[k] for k in ("pp", "dp", "tp", "schedule", "microbatches", "accumulate",  # noqa: E731
+                                             "checkpointing"))
+    plain = {key(row): row["step"] for row in rows if not row.get("vocab_parallel")}
+    return [row for row in rows if not row.get("vocab_parallel") or row["step"] < plain.get(key(row), math.inf)]
+
+
 def search(args) -> list[dict]:
     """Print the best layouts for --gpus and return them, fastest first; a UsageError when none fits."""
+    if args.vocab_parallel:
+        raise UsageError("--vocab-parallel: plans one layout (--processes); --gpus tries it on every afab and 1f1b "
+                         "layout and proposes it where it is faster; leave it out")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         raise UsageError(f"--gpus {args.gpus}: not whole nodes of --gpus-per-node {args.gpus_per_node}; give a "
                          f"multiple of {args.gpus_per_node}")
@@ -1884,6 +2099,7 @@ def search(args) -> list[dict]:
     try:
         found = layouts(args, config, budget=budget)  # the layouts whose weights alone do not fit: not replayed
         fits = sorted((row for row in found if row["memory"] <= budget), key=lambda row: row["step"])
+        fits = paying(fits)
         if found and not fits:  # then the least memory any layout needs, replayed
             found = layouts(args, config)
     finally:
@@ -1899,7 +2115,8 @@ def search(args) -> list[dict]:
             row["memory"] <= budget for row in layouts(argparse.Namespace(**{**vars(args), "gpus": g}), config,
                                                        ("1f1b",), (True,), budget))), None)
         flags = [*(["--activation-checkpointing"] if least["checkpointing"] else []),
-                 *([f"--accumulate {least['accumulate']}"] if least["accumulate"] > 1 else [])]
+                 *([f"--accumulate {least['accumulate']}"] if least["accumulate"] > 1 else []),
+                 *(["--vocab-parallel"] if least.get("vocab_parallel") else [])]
         raise UsageError(f"--gpu-memory {args.gpu_memory:g}: no layout fits; the smallest, pp {least['pp']} x dp "
                          f"{least['dp']} x tp {least['tp']}{' with ' + ' and '.join(flags) if flags else ''}, needs "
                          f"{show_gb(least['memory'] / (1 - HEADROOM))} per GPU"
@@ -1918,13 +2135,20 @@ def search(args) -> list[dict]:
           "every schedule.")
     tokens = args.batch_size * args.seq_len
     for i, row in enumerate(fits[:args.top], 1):
-        print(f"\n{i}. pp {row['pp']} x dp {row['dp']} x tp {row['tp']}, {row['schedule']}, {row['microbatches']} "
+        vocab = row.get("vocab_parallel")
+        name = f"{'afab' if row['schedule'] == 'gpipe' else row['schedule']} --vocab-parallel" if vocab else \
+            row["schedule"]
+        print(f"\n{i}. pp {row['pp']} x dp {row['dp']} x tp {row['tp']}, {name}, {row['microbatches']} "
               f"microbatch{'es' if row['microbatches'] > 1 else ''}"
               + (f" x {row['accumulate']} schedule steps (--accumulate: each its fill and drain)"
                  if row["accumulate"] > 1 else "") +
               f"{', activation checkpointing' if row['checkpointing'] else ''}: step {show_seconds(row['step'])} "
               f"({tokens / row['step']:,.0f} tokens/s), bubble {row['bubble']:.0%}, {show_bytes(row['memory'])} "
               "per GPU")
+        if vocab:  # the hand-written script's flag (issue 54)
+            row["command"] = command(args, {**row, "schedule": name.split()[0], "by_hand": True}) + " --vocab-parallel"
+            print(f"   {row['command']}   (--vocab-parallel: issue 54, not in the script yet)")
+            continue
         row["command"] = command(args, row)
         print(f"   {row['command']}")
         if row["schedule"] in ("gpipe", "1f1b"):  # the hand-written script runs the same order
@@ -1980,6 +2204,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "Bubble paper's orders generated here from the stage times: zbh2 (handcrafted, 2p "
                         "microbatches' activations), zb1p and zb2p (its heuristic, capped at p or 2p microbatches' "
                         "activations), zbvauto (its V, capped at 1F1B's); --write-schedule writes one out to run")
+    g.add_argument("--vocab-parallel", action="store_true",
+                   help="(issue 54, the hand-written script's afab and 1f1b; not in the scripts yet) the embedding and "
+                        "the head with its loss split by vocabulary over all pipeline ranks: plan the memory table "
+                        "for it (the schedules list it beside the plain split either way)")
     g.add_argument("--write-schedule", metavar="FILE.csv",
                    help="write --schedule's order for this layout (with --processes) as torch 2.13's "
                         "_PipelineScheduleRuntime._load_csv(FILE, format='compute_only') reads it: row r is "
@@ -2012,6 +2240,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the embedding's (default: the layer's, scaled by the FLOP estimate)")
     g.add_argument("--head-times", type=pass_times(layer=False), metavar="F,B,W",
                    help="the final norm's, head's and loss's (default: the layer's, scaled by the FLOP estimate)")
+    g.add_argument("--stage-times", type=stage_times, metavar="F1,...,Fn/B1,...,Bn",
+                   help="each stage's forward and backward time (or F/I/W: its input and weight gradient), which "
+                        "replace the estimated or measured parts' in the replay: one per stage of the layout")
     g.add_argument("--message-time", type=within(0, MOST_MS, "ms"), default=0.0, metavar="MS",
                    help="one microbatch's hidden states, or their gradient, on their way to another rank, while "
                         "both compute on")
@@ -2033,11 +2264,15 @@ def check_measured(args) -> None:
         raise UsageError(f"--write-schedule {args.write_schedule}: " + (
             "is a directory" if os.path.isdir(args.write_schedule) else f"no directory {folder}")
             + "; give a file in an existing directory")
-    given = [flag for flag in ("layer_times", "embed_times", "head_times", "trace") if getattr(args, flag)]
+    given = [flag for flag in ("layer_times", "embed_times", "head_times", "trace", "stage_times")
+             if getattr(args, flag)]
     if args.gpus and (given or args.message_time):
         flag = "--" + (given or ["message_time"])[0].replace("_", "-")
         raise UsageError(f"{flag}: measured times plan one layout (--processes); --gpus searches by the FLOP "
                          "estimate")
+    if args.stage_times and len(given) > 1:
+        raise UsageError(f"--{given[0].replace('_', '-')}: --stage-times gives each stage's whole time; give one "
+                         "or the other")
     if args.trace and len(given) > 1:
         raise UsageError(f"--{given[0].replace('_', '-')}: --trace {args.trace} measures the times; give one or "
                          "the other")
