@@ -68,12 +68,13 @@ import train_pipeline_gpipe as gpipe
 import train_pipeline_tracer as tracer
 from conftest import (  # the helpers; the fixtures pytest finds there itself
     ACCUMULATED_MICROBATCHES, BOS, DOCUMENT_RUNS, LAYOUT_RUNS, LLAMA3_ROPE, MAIN_STARTUPS, RESUME_ARGS, ROOT, RTOL,
-    RUN_SH, SCRIPTS, SCRIPT_MODULES, STARTUP_CONFIG, TRAIN_ARGS, WORDS, assert_close_rel, assert_same_trajectory, checked_args, corpus, cpu_env,
-    cpu_stage, cpu_traced, descendants, documents_batch, error_lines, errors, finish, free_port, kill_job, launch,
-    launch_ranks, launcher_env, layer_count, library_pipeline, mount_tmpfs, one_line_error, parity_config,
-    parity_step, plain_loss, prepare_small, random_batch, read_metrics, recorded, recorder, refused, replayed,
-    run_main, run_script, run_sh, run_workers, schedule_file, script_env, small_config, snapshot, split_layers,
-    start, start_group, traced_pipeline, worker_pids, _chunks_tp_worker, _main_startup_worker, _recompute_worker)
+    RUN_SH, SCRIPTS, SCRIPT_MODULES, STARTUP_CONFIG, TRAIN_ARGS, WORDS, assert_close_rel, assert_same_trajectory,
+    checked_args, corpus, cpu_env, cpu_stage, cpu_traced, descendants, documents_batch, error_lines, errors, finish,
+    free_port, kill_job, launch, launch_ranks, launcher_env, layer_count, library_pipeline, mount_tmpfs,
+    one_line_error, parity_config, parity_step, plain_loss, prepare_small, random_batch, read_metrics, recorded,
+    recorder, refused, replayed, run_main, run_script, run_sh, run_workers, schedule_file, script_env, small_config,
+    snapshot, split_layers, start, start_group, traced_pipeline, worker_pids, _chunks_tp_worker, _main_startup_worker,
+    _recompute_worker)
 from export import hf_config
 from model import MAX_LAYERS, LlamaConfig, LlamaForPretraining, config_from_hf, config_from_preset, even
 
