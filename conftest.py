@@ -1129,9 +1129,9 @@ PARITY_LAYOUTS[2, 1, 1] += [("library", "zb2p.csv", 4, False), ("tracer", "zbvau
 PARITY_LAYOUTS[3, 1, 1] += [("library", "zb1p.csv", 6, False), ("library", "zbvauto.csv", 6, False)]
 PARITY_LAYOUTS[2, 2, 1] += [("library", "zbh2.csv", 4, False)]
 # Sequence chunks by hand (--seq-chunks S; seq_chunks): each microbatch's sequences in S chunks that run as
-# microbatches, AFAB and Seq1F1B, on documents that span chunks; of equal compute (--chunk-split compute: 16 tokens in
-# 6, 5, 5, or 6, 4, 6 at tp 2): messages of varying shape, each rank knowing every chunk's from the lengths; at 3 stages,
-# with replicas (FSDP2 reduce-scatters after the last backward in order: the last sequence's chunk 0) and tp 2.
+# microbatches, AFAB and Seq1F1B, on documents that span chunks; of equal compute (--chunk-split compute: 16 tokens
+# in 6, 5, 5, or 6, 4, 6 at tp 2): messages of varying shape, each rank knowing every chunk's from the lengths; at 3
+# stages, with replicas (FSDP2 reduce-scatters after the last backward in order: the last sequence's chunk 0), tp 2.
 PARITY_LAYOUTS[2, 1, 1] += [("manual", f"{name}:{s}", 4, True) for name in manual.SCHEDULES for s in (2, 4)]
 PARITY_LAYOUTS[2, 1, 1] += [("manual", "1f1b:3:compute", 4, True)]
 PARITY_LAYOUTS[3, 1, 1] += [("manual", "1f1b:4", 6, True), ("manual", "afab:3:compute", (0, 4, 0), False)]
