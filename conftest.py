@@ -1149,7 +1149,8 @@ ACCUMULATED_LAYOUTS = {
                   ("tracer", "zbvzerobubble", 4, True)],
     (2, 2, 1): [("library", "gpipe", 4, False), ("library", "zbvzerobubble", (0, 2, 2, 0), False),
                 ("library", "interleavedzerobubble", 4, True), ("tracer", "dualpipev", 4, False),
-                ("manual", "afab", (0, 4), True), ("library", "zbh1.csv", 4, False)],
+                ("manual", "afab", (0, 4), True), ("library", "zbh1.csv", 4, False),
+                ("manual", "1f1b:2", 4, True)],  # Seq1F1B by hand: reduce-scattered after the last chunk 0
     (2, 1, 2): [("library", "1f1b", 4, False), ("library", "dualpipev", 4, True), ("manual", "afab", 4, False)],
 }
 ACCUMULATE, ACCUMULATED_MICROBATCHES = 2, 8  # schedule steps an optimizer step; microbatches a replica, in all
