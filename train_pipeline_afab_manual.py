@@ -533,7 +533,7 @@ def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, loss_chun
     warmup = min(step.partition.world_size - step.rank - 1 + n // len(inputs) - 1, n)  # chunks but its last
     for i in range(warmup):
         step.forward(i, hold=False)
-    for i in range(n - warmup):  # steady state: each forward followed by the oldest held one's backward. Rank r
+    for i in range(n - warmup):  # steady state: each forward followed by the next backward in order. Rank r
         step.forward(warmup + i, hold=True)  # sends activations to r + 1, then receives a gradient from it; r + 1
         step.backward(backwards[i], hold=warmup + i + 1 < n)  # sends that gradient, receives those: a batch a side
     for i in backwards[n - warmup:]:  # cooldown: drain what is still held
