@@ -816,7 +816,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
     calls = recorder()
     mesh = start_group(rank, world_size, store_path, pp, dp, tp)
     masks, dense = [], model_module.document_mask  # this process's: each mask a stage (or the tracer) builds
-    model_module.document_mask = lambda positions, offset=0: masks.append(1) or dense(positions, offset)
+    model_module.document_mask = lambda *args: masks.append(1) or dense(*args)
     try:
         env = cpu_env(rank, world_size)
         pp_rank, dp_rank, tp_rank = (mesh[dim].get_local_rank() for dim in ("pp", "dp", "tp"))
@@ -860,11 +860,12 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                     for i, (xi, yi, pi) in enumerate(parts):
                         if kind == "manual":
                             with manual.compute(env, tp):
-                                losses.append(manual.SCHEDULES[name](
+                                losses.append(manual.SCHEDULES[name.split(":")[0]](
                                     partition, xi.chunk(m) if first else [None] * m,
                                     yi.chunk(m) if last else [None] * m, env.device, torch.float32,
                                     loss_chunks=8,  # as the library's loss above
-                                    positions=pi.chunk(m) if documents else None, shape=shape, window=(i, k)))
+                                    positions=pi.chunk(m) if documents else None, shape=shape, window=(i, k),
+                                    **seq_chunks(name, shape[1], config, tp)))
                         else:
                             losses.append(script.train_step(schedule, xi if first else None, yi if last else None,
                                                             env, tp, window=(i, k),
@@ -883,7 +884,8 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                             evaluations.append(manual.eval_step_pipeline(
                                 partition, xi.chunk(m) if first else [None] * m, yi.chunk(m) if last else [None] * m,
                                 env.device, torch.float32, loss_chunks=8,
-                                positions=pi.chunk(m) if documents else None, shape=shape))
+                                positions=pi.chunk(m) if documents else None, shape=shape,
+                                **seq_chunks(name, shape[1], config, tp)))
                     else:
                         evaluations.append(script.eval_step(
                             schedule, built, xi if first else None, yi if last else None, env, tp, loss_fn, m,
@@ -904,6 +906,13 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def seq_chunks(name: str, seq_len: int, config, tp: int) -> dict:
+    """A hand-written variant's chunks, as its schedule takes them: "1f1b:4" cuts each sequence into 4 even chunks
+    (--seq-chunks 4), "afab:3:compute" into 3 of equal compute (--chunk-split compute); "1f1b": whole."""
+    _, *cut = name.split(":")
+    return {"lengths": model_module.chunk_lengths(seq_len, int(cut[0]), config, *cut[1:], multiple=tp)} if cut else {}
 
 
 def fsdp_groups(modules: list) -> int:
@@ -1119,6 +1128,15 @@ PARITY_LAYOUTS[2, 1, 2] += [("library", "zbh1.csv", 4, False)]  # the library sc
 PARITY_LAYOUTS[2, 1, 1] += [("library", "zb2p.csv", 4, False), ("tracer", "zbvauto.csv", (0, 2, 2, 0), False)]
 PARITY_LAYOUTS[3, 1, 1] += [("library", "zb1p.csv", 6, False), ("library", "zbvauto.csv", 6, False)]
 PARITY_LAYOUTS[2, 2, 1] += [("library", "zbh2.csv", 4, False)]
+# Sequence chunks by hand (--seq-chunks S; seq_chunks): each microbatch's sequences in S chunks that run as
+# microbatches, AFAB and Seq1F1B, on documents that span chunks; of equal compute (--chunk-split compute: 16 tokens
+# in 6, 5, 5, or 6, 4, 6 at tp 2): messages of varying shape, each rank knowing every chunk's from the lengths; at 3
+# stages, with replicas (FSDP2 reduce-scatters after the last backward in order: the last sequence's chunk 0), tp 2.
+PARITY_LAYOUTS[2, 1, 1] += [("manual", f"{name}:{s}", 4, True) for name in manual.SCHEDULES for s in (2, 4)]
+PARITY_LAYOUTS[2, 1, 1] += [("manual", "1f1b:3:compute", 4, True)]
+PARITY_LAYOUTS[3, 1, 1] += [("manual", "1f1b:4", 6, True), ("manual", "afab:3:compute", (0, 4, 0), False)]
+PARITY_LAYOUTS[2, 2, 1] += [("manual", "1f1b:2", (0, 4), True)]
+PARITY_LAYOUTS[2, 1, 2] += [("manual", "1f1b:3:compute", 4, True)]
 
 
 # --accumulate 2: each optimizer step's 8 microbatches a replica (a row each) in 2 schedule steps of 4 (DualPipeV's
@@ -1131,7 +1149,8 @@ ACCUMULATED_LAYOUTS = {
                   ("tracer", "zbvzerobubble", 4, True)],
     (2, 2, 1): [("library", "gpipe", 4, False), ("library", "zbvzerobubble", (0, 2, 2, 0), False),
                 ("library", "interleavedzerobubble", 4, True), ("tracer", "dualpipev", 4, False),
-                ("manual", "afab", (0, 4), True), ("library", "zbh1.csv", 4, False)],
+                ("manual", "afab", (0, 4), True), ("library", "zbh1.csv", 4, False),
+                ("manual", "1f1b:2", 4, True)],  # Seq1F1B by hand: reduce-scattered after the last chunk 0
     (2, 1, 2): [("library", "1f1b", 4, False), ("library", "dualpipev", 4, True), ("manual", "afab", 4, False)],
 }
 ACCUMULATE, ACCUMULATED_MICROBATCHES = 2, 8  # schedule steps an optimizer step; microbatches a replica, in all
@@ -1246,6 +1265,12 @@ DOCUMENT_RUNS = {  # name: (processes (0: plain python), script, flags), on shor
                                                                "--split", "0,2,2,0", "--activation-checkpointing"]),
     "by hand 1f1b, pp2 x tp2 without sequence parallelism": (4, "train_pipeline_afab_manual.py", [
         *DOCUMENTS, "--schedule", "1f1b", "--tp", "2", "--no-sequence-parallel"]),
+    # Seq1F1B by hand: each sequence in 3 chunks of equal compute (11, 10, 11 tokens), with replicas, checkpointed
+    # layers (a recomputed chunk keeps its keys and values once) and 2 schedule steps an optimizer step.
+    "by hand Seq1F1B, 3 chunks of equal compute, pp2 x dp2, checkpointed, accumulated": (
+        4, "train_pipeline_afab_manual.py", [*DOCUMENTS, "--schedule", "1f1b", "--seq-chunks", "3", "--chunk-split",
+                                             "compute", "--dp", "2", "--microbatches", "2", "--accumulate", "2",
+                                             "--activation-checkpointing"]),
 }
 
 

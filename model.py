@@ -750,10 +750,11 @@ def cut_sequences(inputs: Tensor, targets: Tensor, positions: Tensor | None, len
     whole sequences, None without documents) cut into chunks of `lengths` (chunk_lengths), in order, slot `sequence`
     (which sequences in flight: they must differ between microbatches whose chunks interleave). A chunk's tokens: its
     sequences' count of targets over the chunks, so that each chunk's loss is its sum over that and the chunks'
-    mean is the sequences' loss. One chunk: the microbatch as it is, no chunk (today's path, bit for bit)."""
+    mean is the sequences' loss. One chunk: the microbatch as it is, no chunk (today's path, bit for bit). None for
+    what a stage does not read (a pipeline's inputs after its first stage, targets before its last): None pieces."""
     if len(lengths) == 1:
         return [Chunk(inputs, targets, positions, None, None)]
-    tokens = (targets != -100).sum().clamp(min=1) / len(lengths)
+    tokens = (targets != -100).sum().clamp(min=1) / len(lengths) if targets is not None else None
     offsets = [sum(lengths[:j]) for j in range(len(lengths))]
     pieces = [x.split(lengths, 1) if x is not None else [None] * len(lengths) for x in (inputs, targets, positions)]
     return [Chunk(x, y, p, SeqChunk(sequence, j, len(lengths), offsets[j], lengths[j]), tokens)

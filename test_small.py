@@ -72,8 +72,9 @@ from conftest import (  # the helpers; the fixtures pytest finds there itself
     checked_args, corpus, cpu_env, cpu_stage, cpu_traced, descendants, documents_batch, error_lines, errors, finish,
     free_port, kill_job, launch, launch_ranks, launcher_env, layer_count, library_pipeline, mount_tmpfs,
     one_line_error, parity_config, parity_step, plain_loss, prepare_small, random_batch, read_metrics, recorded,
-    recorder, refused, replayed, run_main, run_script, run_sh, run_workers, schedule_file, script_env, small_config,
-    snapshot, split_layers, start, start_group, traced_pipeline, worker_pids, _chunks_tp_worker, _main_startup_worker,
+    recorder, refused, replayed, run_main, run_script, run_sh, run_workers, schedule_file, script_env, seq_chunks,
+    small_config, snapshot, split_layers, start, start_group, traced_pipeline, worker_pids, _chunks_tp_worker,
+    _main_startup_worker,
     _recompute_worker)
 from export import hf_config
 from model import MAX_LAYERS, LlamaConfig, LlamaForPretraining, config_from_hf, config_from_preset, even
@@ -1281,23 +1282,28 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
         # the step and in the evaluation (none without documents). The tracer's stages build theirs in their graphs,
         # in each layer (model.LlamaModel.mask_in_each_layer): each rank traces the whole model once, a mask a layer.
         kind, name, split, documents = variant
+        # With S chunks a sequence: each chunk's (a stream's later ones too: their mask over the earlier ones).
+        chunks = len(seq_chunks(name, inputs.shape[1], parity_config(4), tp).get("lengths", [0]))
         for r, result in enumerate(ranks):
             stages = result[variant]["stages"]  # the schedule's (stage_ids), or a file's order's
             layers = split_layers(split, pp * len(stages))
             built = layer_count(split) if kind == "tracer" else 2 * microbatches * len([s for s in stages if layers[s]])
-            assert result[variant]["masks"] == documents * built, (variant, r)
+            assert result[variant]["masks"] == built * (chunks - 1 + documents), (variant, r)
     # 1F1B holds the activations of (p - r) of the m = 4 microbatches on stage r, GPipe all of them: nothing
     # more (e.g. none left over from torch's own shape inference, which the declared stage_io avoids). Against the
     # same split's GPipe where it ran (traced with documents, attention holds copied K/V heads: document_attention).
+    # Seq1F1B by hand ("1f1b:4"): p - r + S - 1 of the S m chunks, against AFAB's of the same chunks (which holds
+    # their keys and values in flight alike: 0.31 and 0.25 at p 2, S 4; 1F1B's whole sequences: 0.66 and 1.07).
     for kind, name, split, documents in variants:
-        own = (kind, "afab" if kind == "manual" else "gpipe", split, documents)
-        gpipe_variant = own if own in variants else ("library", "gpipe", split, documents)
-        if name != "1f1b" or gpipe_variant not in variants:
+        schedule, *cut = name.split(":")
+        own = (kind, ":".join(["afab" if kind == "manual" else "gpipe", *cut]), split, documents)
+        gpipe_variant = own if own in variants or cut else ("library", "gpipe", split, documents)
+        if schedule != "1f1b" or gpipe_variant not in variants:
             continue
         ratios = [r[kind, name, split, documents]["activations"] / r[gpipe_variant]["activations"] for r in ranks]
-        assert ratios == pytest.approx([(pp - r // (dp * tp)) / microbatches for r in range(world_size)],
-                                       abs=0.01), \
-            (kind, name, ratios)
+        s = int(cut[0]) if cut else 1
+        assert ratios == pytest.approx([(pp - r // (dp * tp) + s - 1) / (s * microbatches) for r in range(world_size)],
+                                       abs=0.01), (kind, name, ratios)
 
 
 def test_accumulated_schedule_steps_give_the_unsplit_gradients_and_reduce_scatter_once(accumulated_run):
@@ -2388,6 +2394,8 @@ def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, refer
     # holding 2 stages each in a V, split by the library and by the tracer (the rank's stages share one set of
     # full-model names; rank 0 holds both the embedding and the head, the tracer's rank 0 nothing else).
     variants = {"manual2": (2, "train_pipeline_afab_manual.py", ["--split", "2,2"]),
+                # each sequence in 4 chunks (Seq1F1B): a checkpoint holds no chunk count, a run resumes with another
+                "manual2_seq1f1b": (2, "train_pipeline_afab_manual.py", ["--schedule", "1f1b", "--seq-chunks", "4"]),
                 "one": (0, "train_pipeline_gpipe.py", ["--precision", "fp32"]),  # auto is fp32 on a CPU too
                 "replicas2": (2, "train_pipeline_gpipe.py", ["--dp", "2"]),
                 "zbv2": (2, "train_pipeline_gpipe.py", ["--schedule", "zbvzerobubble"]),
@@ -3970,9 +3978,10 @@ def test_the_plan_counts_each_schedules_activations(parity_run):
     # attention copies K/V heads as a GPU's masked kernel needs, which plan.py, planning the GPipe script, omits.)
     (pp, dp, tp), variants, (inputs, targets), ranks = parity_run
     (microbatches, _), world_size = parity_step((pp, dp, tp)), pp * dp * tp
-    # (Not the orders from files: plan.py replays the schedules it names; a file's order is checked for parity.)
+    # (Not the orders from files: plan.py replays the schedules it names; a file's order is checked for parity. Not
+    # the hand-written pipeline's sequence chunks, "1f1b:4": checked for parity and NCCL's rules.)
     for kind, name, split, documents in ((k, n, s, d) for k, n, s, d in variants
-                                         if not (k == "tracer" and d) and not n.endswith(".csv")):
+                                         if not (k == "tracer" and d) and not n.endswith(".csv") and ":" not in n):
         sizes = plan.activation_bytes(parity_config(layer_count(split)),
                                       len(inputs) // (dp * microbatches) * inputs.shape[1], inputs.shape[1], False,
                                       tp, 8, tp, documents)
@@ -6415,6 +6424,14 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
               ("train_pipeline_gpipe.py", ("--tp", "2", "--seq-len", "101"), "--seq-len 101 is not divisible by "
                                                                              "--tp 2", 4),
               ("train_pipeline_afab_manual.py", ("--tp", "2", "--seq-len", "101"), "add --no-sequence-parallel", 4)]
+    # --seq-chunks: even chunks of --seq-len (128), of a multiple of --tp tokens with sequence parallelism; the
+    # nearest count that cuts it named.
+    cases += [("train_pipeline_afab_manual.py", given, named, world_size) for given, named, world_size in [
+        (("--seq-chunks", "3"), "--seq-chunks 3 does not cut --seq-len 128 into even chunks; the nearest that does: "
+                                "--seq-chunks 2", 1),
+        (("--seq-chunks", "200", "--chunk-split", "compute"), "--seq-chunks 200: give 1 to 128 chunks", 1),
+        (("--seq-chunks", "6", "--tp", "2"), "--seq-chunks 6 does not cut --seq-len 128 into even chunks of a "
+                                             "multiple of 2 tokens (--tp); the nearest that does: --seq-chunks 4", 2)]]
     for script, given, named, world_size in cases:
         monkeypatch.setenv("RANK", "0")
         monkeypatch.setenv("WORLD_SIZE", str(world_size))
@@ -6436,6 +6453,8 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
                                  ("train_pipeline_gpipe.py", ("--dp", "0"), "--dp"),
                                  ("train_pipeline_afab_manual.py", ("--microbatches", "0"), "--microbatches"),
                                  ("train_pipeline_gpipe.py", ("--accumulate", "0"), "--accumulate"),
+                                 ("train_pipeline_afab_manual.py", ("--seq-chunks", "0"), "--seq-chunks"),
+                                 ("train_pipeline_afab_manual.py", ("--chunk-split", "flops"), "--chunk-split"),
                                  ("train_pipeline_afab_manual.py", ("--schedule", "gpipe"), "--schedule"),
                                  # past a week: an OverflowError (1e300) or torch's stores failing at once (1e10)
                                  ("train_pipeline_gpipe.py", ("--timeout", "1e300"), "--timeout: must be a finite "

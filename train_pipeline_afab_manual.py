@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import functools
 import math
 import os
 import time
@@ -33,9 +32,10 @@ from torch.profiler import record_function
 
 import checkpoint
 from checkpoint import Parser, ScheduleChoices, UsageError, collective_errors, number, whole
-from model import (PRESETS, LlamaForPretraining, TiedEmbedding, attention_mask, chunked_loss, clip_grad_norm_,
-                   config_from_preset, describe_layout, document_mask, document_positions, estimated_costs, even,
-                   layout, loss_chunks, materialize, parallelize, synchronize)
+from model import (PRESETS, LlamaForPretraining, TiedEmbedding, attention_mask, chunk_lengths, chunked_loss,
+                   clip_grad_norm_, config_from_preset, cut_sequences, describe_layout, document_mask,
+                   document_positions, estimated_costs, even, layout, loss_chunks, materialize, parallelize,
+                   synchronize)
 
 # ----------------------------------------------------------------------------------------------------------
 # Flags: the same names and meanings in every script of the collection
@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", type=checkpoint.checkpointing,
                    help="full (the bare flag), selective (all but matmuls, attention), none, or per stage: 4,2,0,0")
     g.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    g.add_argument("--seq-chunks", type=whole(1), default=1, help="cut each sequence into this many chunks that flow "
+                   "through the pipeline as microbatches (Seq1F1B: the first stage holds p + S - 1 chunks instead of "
+                   "p sequences); 1: whole sequences")
+    g.add_argument("--chunk-split", choices=["even", "compute"], default="even", help="--seq-chunks' lengths: even, "
+                   "or of equal compute (later chunks shorter: attention reads each token's whole prefix)")
     g = p.add_argument_group("checkpoints and output")
     g.add_argument("--checkpoint-dir", default="checkpoints", help="saved to and resumed from")
     g.add_argument("--checkpoint-every", type=whole(0), default=0, help="save every N steps; 0: at the end only")
@@ -118,7 +123,7 @@ def main(args):
     num_stages, has_first, has_last = pp, pp_rank == 0, pp_rank == pp - 1
     with collective_errors():
         config, name = run.model_config(env.device.type)
-        layers = stage_layout(config, num_stages, args)
+        layers, lengths = stage_layout(config, num_stages, args)
     microbatch = (args.batch_size // (dp * args.microbatches * args.accumulate), args.seq_len)  # of a replica
     chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
 
@@ -132,9 +137,6 @@ def main(args):
     partition.sequence_shards = tp if args.sequence_parallel else 1  # each tp rank: seq_len / tp positions
 
     # --- the schedule: AFAB or 1F1B by hand, over send/recv between the pipeline ranks of this replica
-    pipe = functools.partial(run_batch, env=env, tp=tp, m=args.microbatches, chunks=chunks, shape=microbatch)
-    run_train, run_eval = (functools.partial(pipe, schedule, partition)
-                           for schedule in (SCHEDULES[args.schedule], eval_step_pipeline))
     window = f", {args.accumulate} x {args.microbatches} microbatches an optimizer step" if args.accumulate > 1 else ""
     say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
         f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
@@ -151,12 +153,16 @@ def main(args):
     # Resumed, --metrics drops the rows after the checkpoint; with nothing left to train it stays as it was.
     metrics = checkpoint.Metrics(args.metrics, step) if reports and (step < args.steps or not args.steps) else None
 
-    def through_pipeline(run_step, inputs, targets, part=0, parts=1):  # this replica's rows (their part-th of
-        share = args.batch_size // (dp * parts)  # parts) in; the mean loss over the replicas out
-        rows = slice((dp_rank * parts + part) * share, (dp_rank * parts + part + 1) * share)
-        inputs = inputs[rows].to(env.device) if has_first or args.document_masking else None  # copied where used
-        documents = {"positions": document_positions(inputs, meta["bos_id"])} if args.document_masking else {}
-        loss = run_step(inputs if has_first else None, targets[rows].to(env.device) if has_last else None, **documents)
+    def through_pipeline(schedule, inputs, targets, part=0, parts=1, **window):  # this replica's rows (their
+        share, m = args.batch_size // (dp * parts), args.microbatches  # part-th of parts) in, as m microbatches
+        rows = slice((dp_rank * parts + part) * share, (dp_rank * parts + part + 1) * share)  # each sequence in
+        inputs = inputs[rows].to(env.device) if has_first or args.document_masking else None  # chunks of lengths;
+        positions = document_positions(inputs, meta["bos_id"]) if args.document_masking else None  # the mean loss
+        targets = targets[rows].to(env.device) if has_last else None  # over the replicas out
+        mbs = [x.chunk(m) if x is not None else [None] * m for x in (inputs if has_first else None, targets, positions)]
+        with compute(env, tp):  # in the computation's dtype between stages (model.cast_between_stages casts to it)
+            loss = schedule(partition, *mbs[:2], env.device, env.dtype, loss_chunks=chunks, positions=mbs[2],
+                            shape=microbatch, lengths=lengths, **window)
         if has_last and dp > 1:
             dist.all_reduce(loss, group=mesh.get_group("dp"))
             loss /= dp
@@ -165,7 +171,7 @@ def main(args):
     def evaluate(at_step: int) -> None:
         held_out.load_state_dict({"epoch": 0, "index": 0})  # the same held-out batches every time
         evaluated = [held_out.next() for _ in range(args.eval_batches)]  # each in --accumulate parts, as in training:
-        losses = [through_pipeline(run_eval, *batch, part, args.accumulate)  # the microbatches the stages expect
+        losses = [through_pipeline(eval_step_pipeline, *batch, part, args.accumulate)  # the microbatches expected
                   for batch in evaluated for part in range(args.accumulate)]
         if metrics is not None:
             loss = torch.stack(losses).mean().item()
@@ -182,8 +188,7 @@ def main(args):
     profiler = checkpoint.profiler(args, env, step, config, layers, chunks)  # with what it measured: plan.py --trace
     tokens_per_step, step_times = args.batch_size * args.seq_len, []
     dist.barrier()
-    with tqdm.tqdm(total=args.steps, initial=step, disable=not reports, unit="step", mininterval=1.0) as bar, \
-            profiler:
+    with tqdm.tqdm(total=args.steps, initial=step, disable=not reports, unit="step", mininterval=1.0) as bar, profiler:
         while step < args.steps:
             step += 1
             lr = lr_at(step, args)
@@ -193,7 +198,7 @@ def main(args):
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             batch, k = batches.next(), args.accumulate  # an optimizer step's rows: k schedule steps, a part each
-            losses = [through_pipeline(functools.partial(run_train, window=(i, k)), *batch, i, k) for i in range(k)]
+            losses = [through_pipeline(SCHEDULES[args.schedule], *batch, i, k, window=(i, k)) for i in range(k)]
             loss = sum(losses) / k if has_last else None  # the mean over all k x m microbatches, as at k = 1
             tied.sync_grads()
             grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies, tp)
@@ -247,12 +252,14 @@ def check_args(args, world_size: int, device_type: str, preset: bool) -> None:
         stage_layout(preset, world_size // group, args)
 
 
-def stage_layout(config, num_stages: int, args) -> list[range]:
-    """The layers of each stage (--split), once the model's shape is known; model.layout says what it rules out."""
+def stage_layout(config, num_stages: int, args) -> tuple[list[range], list[int]]:
+    """The layers of each stage (--split) and the lengths of a sequence's chunks, once the model's shape is known."""
     microbatch = (args.batch_size // (args.dp * args.microbatches * args.accumulate), args.seq_len)
     try:
-        return layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing,
-                      loss_chunks(args.loss_chunks, config, microbatch, args.tp), args.tp)
+        return (layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing,
+                       loss_chunks(args.loss_chunks, config, microbatch, args.tp), args.tp),
+                chunk_lengths(args.seq_len, args.seq_chunks, config, args.chunk_split,
+                              args.tp if args.sequence_parallel else 1))  # a chunk's positions shard tp ways
     except ValueError as e:
         raise UsageError(str(e), on_every_rank=True) from None
 
@@ -396,12 +403,14 @@ def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.Pr
     return Partition(model, rank, world_size, layers, group, trim)
 
 
-def forward_stage(partition: Partition, hidden_states: torch.Tensor, positions: torch.Tensor | None = None):
+def forward_stage(partition: Partition, hidden_states: torch.Tensor, positions: torch.Tensor | None = None, chunk=None):
     """This rank's part on token ids (embedded on the first rank) or hidden states; hidden states out, the head left
     to the loss. Only hidden states travel: each stage rebuilds positions and rotary tables, or takes positions."""
     model, base, rank = partition.model, partition.model.base_model, partition.rank
-    if partition.trimmed:  # model.py's Llama cut down to the stage: its own forward runs FSDP2's hooks
-        return model(hidden_states, positions)
+    if partition.trimmed:  # model.py's Llama cut down to the stage: its own forward runs FSDP2's hooks and chunks
+        return model(hidden_states, positions, chunk=chunk)
+    if chunk is not None:
+        raise ValueError("forward_stage: sequence chunks run on a partition trimmed to its stage (trim=True)")
     h = base.embed_tokens(hidden_states) if rank == 0 and not hidden_states.is_floating_point() else hidden_states
     if isinstance(model, LlamaForPretraining):  # ours: positions and their mask, built once for all the layers
         kwargs = {"positions": positions, "mask": attention_mask(positions)} if positions is not None else {}
@@ -415,12 +424,12 @@ def forward_stage(partition: Partition, hidden_states: torch.Tensor, positions: 
     return base.norm(h) if rank == partition.world_size - 1 else h
 
 
-def loss_fn(partition: Partition, hidden: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
-    """The mean cross-entropy of the head's logits, chunks pieces of the sequence at a time."""
+def loss_fn(partition: Partition, hidden: torch.Tensor, targets: torch.Tensor, chunks: int, tokens=None):
+    """The mean cross-entropy of the head's logits, chunks pieces at a time (tokens: a chunk's divisor, Chunk's)."""
     model = partition.model
     if not isinstance(model, LlamaForPretraining) and getattr(model.config, "pad_token_id", None) is not None:
         targets = targets.masked_fill(targets == model.config.pad_token_id, -100)  # a Hugging Face model's padding
-    return chunked_loss(model.lm_head, hidden, targets, chunks, partition.sequence_shards)
+    return chunked_loss(model.lm_head, hidden, targets, chunks, partition.sequence_shards, tokens)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -429,15 +438,21 @@ def loss_fn(partition: Partition, hidden: torch.Tensor, targets: torch.Tensor, c
 class Step:
     """One step of AFAB or 1F1B on this rank, each forward, backward, send and receive labelled for --trace."""
 
-    def __init__(self, model, inputs, targets, device, dtype, loss_chunks=1, positions=None, shape=None, window=(0, 1)):
+    def __init__(self, model, inputs, targets, device, dtype, loss_chunks=1, positions=None, shape=None, window=(0, 1),
+                 lengths=None):
         part = model if isinstance(model, Partition) else partition_model(model, dist.get_rank(), dist.get_world_size())
-        self.partition, self.inputs, self.targets, self.device, self.dtype = part, inputs, targets, device, dtype
-        self.chunks, self.microbatches, self.positions, self.window = loss_chunks, len(inputs), positions, window
+        self.partition, self.device, self.dtype, self.chunks, self.window = part, device, dtype, loss_chunks, window
         self.rank, self.first, self.last = part.rank, part.rank == 0, part.rank == part.world_size - 1
         # saved: microbatch -> (input, output or loss); held: sends for the next receive; sends: the last ones alone
         self.saved, self.loss, self.held, self.sends = {}, torch.zeros((), device=device), [], []
-        shapes = [shape] * len(inputs) if shape else [x.shape for x in inputs]  # (batch, seq): no shape is sent
-        self.shapes = [(b, s // part.sequence_shards, part.model.config.hidden_size) for b, s in shapes]
+        # Sequence s of m in S chunks of lengths (model.cut_sequences) runs as microbatches s * S + j, forward in
+        # order, backward last chunk first (Seq1F1B: it gives the earlier chunks' K/V their gradient); shapes: lengths'.
+        m, S, sizes = len(inputs), len(lengths or [0]), [shape or x.shape for x in inputs]  # sizes: (batch, seq)
+        self.items = [c for s, (x, y, p) in enumerate(zip(inputs, targets, positions or [None] * m))
+                      for c in cut_sequences(x, y, p, lengths or [sizes[s][1]], s)]
+        self.shapes = [(b, n // part.sequence_shards, part.model.config.hidden_size)
+                       for b, seq in sizes for n in lengths or [seq]]
+        self.microbatches, self.backwards = len(self.items), [s * S + j for s in range(m) for j in reversed(range(S))]
 
     def message(self, op, tensor, stage: int, label, hold: bool = False) -> torch.Tensor:
         """Send (dist.isend) tensor to a stage, or receive (dist.irecv) one of that shape. NCCL does not buffer a send
@@ -460,12 +475,13 @@ class Step:
 
     def forward(self, i: int, hold: bool) -> None:
         # A received tensor, a leaf that requires grad: this stage's backward stops there, d(loss)/d(x) left in x.grad
-        x = self.inputs[i].to(self.device) if self.first else self.message(dist.irecv, self.shapes[i], self.rank - 1, i)
+        c = self.items[i]
+        x = c.inputs.to(self.device) if self.first else self.message(dist.irecv, self.shapes[i], self.rank - 1, i)
         x.requires_grad_(not self.first)
         with record_function(f"forward {i}"):
-            out = forward_stage(self.partition, x, self.positions[i] if self.positions else None)
+            out = forward_stage(self.partition, x, c.positions, c.chunk)
             if self.last:  # divided by the microbatches (and steps accumulated): the gradients add up to their mean's
-                out = loss_fn(self.partition, out, self.targets[i].to(self.device), self.chunks) / self.microbatches
+                out = loss_fn(self.partition, out, c.targets.to(self.device), self.chunks, c.tokens) / self.microbatches
                 self.loss += out.detach()
                 out = out / self.window[1] if self.window[1] > 1 else out  # (k = 1: nothing more, bit for bit)
         if not self.last:  # values only travel; the graph stays here in `out` for this stage's backward
@@ -477,9 +493,9 @@ class Step:
         grad = None if self.last else self.message(dist.irecv, self.shapes[i], self.rank + 1, i).to(out.dtype)
         if isinstance(model := self.partition.model, FSDPModule):
             # With replicas, every backward adds into the unsharded gradient and only the last one (microbatch
-            # m - 1, in AFAB and 1F1B alike, of the optimizer step's last schedule step) reduce-scatters the sum: once
-            # per optimizer step, not m (x --accumulate) times.
-            last = i == self.microbatches - 1 and self.window[0] == self.window[1] - 1
+            # m - 1, in AFAB and 1F1B alike, chunk 0 of it with chunks, of the optimizer step's last schedule step)
+            # reduce-scatters the sum: once per optimizer step, not m (x --accumulate) times.
+            last = i == self.backwards[-1] and self.window[0] == self.window[1] - 1
             model.set_requires_gradient_sync(last)
             model.set_reshard_after_backward(last)
             model.set_is_last_backward(last)
@@ -495,40 +511,41 @@ class Step:
 
 
 def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None, shape=None,
-                             window=(0, 1)):
-    """Every microbatch forward, then every one backward. model: the whole model, on every rank, or a Partition;
-    inputs, targets: lists of microbatches' token ids (None where unread; then shape: their (batch, seq)); dtype:
-    of what is sent; window: (k, K), schedule step k of the K of an optimizer step (--accumulate). The mean
-    microbatch loss on the last rank, else None; gradients only in this rank's part, added to what they hold."""
-    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape, window)
+                             window=(0, 1), lengths=None):
+    """All forwards, then all backwards. model: the whole model, on every rank, or a Partition; inputs, targets: lists
+    of microbatches' token ids (None where unread; then shape: their (batch, seq)); dtype: of what is sent; window:
+    (k, K), schedule step k of K of an optimizer step (--accumulate); lengths: of each sequence's chunks (None: whole).
+    The last rank's mean microbatch loss, else None; gradients only in this rank's part, added to what they hold."""
+    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape, window, lengths)
     for i in range(step.microbatches):
         step.forward(i, hold=False)
-    for i in range(step.microbatches):
+    for i in step.backwards:
         step.backward(i, hold=False)
     return step.finish()
 
 
 def train_step_pipeline_1f1b(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None, shape=None,
-                             window=(0, 1)):
-    """One training step with 1F1B (PipeDream-flush): AFAB's arguments, result and gradients, but a rank holds
-    the activations of at most world_size - rank microbatches."""
-    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape, window)
-    m = step.microbatches
-    warmup = min(step.partition.world_size - step.rank - 1, m)  # fill the pipeline below; the last rank needs none
+                             window=(0, 1), lengths=None):
+    """One training step with 1F1B (PipeDream-flush; with S chunks a sequence, Seq1F1B): AFAB's arguments, result
+    and gradients, but a rank holds the activations of at most world_size - rank + S - 1 (chunk) microbatches."""
+    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape, window, lengths)
+    n, backwards = step.microbatches, step.backwards  # fill the pipeline below; the last rank: a sequence's
+    warmup = min(step.partition.world_size - step.rank - 1 + n // len(inputs) - 1, n)  # chunks but its last
     for i in range(warmup):
         step.forward(i, hold=False)
-    for i in range(m - warmup):  # steady state: each forward followed by the oldest held one's backward. Rank r
+    for i in range(n - warmup):  # steady state: each forward followed by the next backward in order. Rank r
         step.forward(warmup + i, hold=True)  # sends activations to r + 1, then receives a gradient from it; r + 1
-        step.backward(i, hold=warmup + i + 1 < m)  # sends that gradient, then receives those: one batch each side
-    for i in range(m - warmup, m):  # cooldown: drain what is still held
+        step.backward(backwards[i], hold=warmup + i + 1 < n)  # sends that gradient, receives those: a batch a side
+    for i in backwards[n - warmup:]:  # cooldown: drain what is still held
         step.backward(i, hold=False)
     return step.finish()
 
 
 @torch.no_grad()
-def eval_step_pipeline(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None, shape=None):
+def eval_step_pipeline(model, inputs, targets, device, dtype, *, loss_chunks=1, positions=None, shape=None,
+                       lengths=None):
     """Forward only, AFAB's arguments: the mean loss on the last rank; no activation is kept."""
-    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape)
+    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape, lengths=lengths)
     for i in range(step.microbatches):
         step.forward(i, hold=False)
         step.saved.pop(i)
@@ -538,16 +555,6 @@ def eval_step_pipeline(model, inputs, targets, device, dtype, *, loss_chunks=1, 
 
 
 SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
-
-
-def run_batch(schedule, partition, inputs, targets, env: Env, tp: int, m: int, chunks: int, shape, positions=None,
-              **window):
-    """A batch, cut into m microbatches of shape (batch, seq), through a schedule (with a training step's window:
-    its place among --accumulate's): the last stage's mean loss."""
-    mbs = [x.chunk(m) if x is not None else [None] * m for x in (inputs, targets, positions)]
-    with compute(env, tp):  # in the computation's dtype between stages (model.cast_between_stages casts to it)
-        return schedule(partition, *mbs[:2], env.device, env.dtype, loss_chunks=chunks, positions=mbs[2], shape=shape,
-                        **window)
 
 
 # ----------------------------------------------------------------------------------------------------------
