@@ -74,8 +74,7 @@ from conftest import (  # the helpers; the fixtures pytest finds there itself
     one_line_error, parity_config, parity_step, plain_loss, prepare_small, random_batch, read_metrics, recorded,
     recorder, refused, replayed, run_main, run_script, run_sh, run_workers, schedule_file, script_env, seq_chunks,
     small_config, snapshot, split_layers, start, start_group, traced_pipeline, worker_pids, _chunks_tp_worker,
-    _main_startup_worker,
-    _recompute_worker)
+    _main_startup_worker, _recompute_worker)
 from export import hf_config
 from model import MAX_LAYERS, LlamaConfig, LlamaForPretraining, config_from_hf, config_from_preset, even
 
