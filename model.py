@@ -753,7 +753,7 @@ def cut_sequences(inputs: Tensor, targets: Tensor, positions: Tensor | None, len
     mean is the sequences' loss. One chunk: the microbatch as it is, no chunk (today's path, bit for bit)."""
     if len(lengths) == 1:
         return [Chunk(inputs, targets, positions, None, None)]
-    tokens = (targets != -100).sum().clamp(min=1) / len(lengths)
+    tokens = (targets != -100).sum().clamp(min=1) / len(lengths) if targets is not None else None
     offsets = [sum(lengths[:j]) for j in range(len(lengths))]
     pieces = [x.split(lengths, 1) if x is not None else [None] * len(lengths) for x in (inputs, targets, positions)]
     return [Chunk(x, y, p, SeqChunk(sequence, j, len(lengths), offsets[j], lengths[j]), tokens)
@@ -1388,6 +1388,7 @@ class PipelineOrder:
     stage_ranks: dict[int, int]  # stage -> the pipeline rank that holds it (torch's _validate_schedule infers it)
     microbatches: int
     per_rank: int  # stages per pipeline rank
+    seq_chunks: list | None = None  # chunk_order's: the lengths of a sequence's chunks (step_chunks cuts by them)
 
     def stages(self, rank: int) -> list[int]:
         return sorted(s for s, r in self.stage_ranks.items() if r == rank)
@@ -1399,6 +1400,7 @@ class PipelineOrder:
             raise ValueError(f"it is an order for {len(self.actions)} pipeline ranks, the job now has "
                              f"{pipeline_stages[0].group_size}; start as many processes as before")
         schedule = _PipelineScheduleRuntime(pipeline_stages, n_microbatches=self.microbatches, loss_fn=loss_fn)
+        schedule.seq_chunks = self.seq_chunks
         return merge_backwards(schedule, self.actions, self.stage_ranks)
 
 
@@ -1529,6 +1531,48 @@ def read_order(path: str, world_size: int, dp: int, tp: int, microbatches: int, 
                          "support on compiled stages (pytorch #161904); leave --compile out, or give an order of B "
                          "actions")
     return PipelineOrder(path, actions, stage_ranks, file_microbatches, per_rank)
+
+
+CHUNK_SCHEDULES = ("gpipe", "1f1b")  # chunk_order's; the others loop stages or split backwards (none made for chunks)
+
+
+def chunk_order(name: str, pp: int, microbatches: int, lengths: list[int]) -> PipelineOrder | None:
+    """--seq-chunks: each pipeline rank's compute-only order of `microbatches` sequences cut into len(lengths) chunks,
+    microbatch s S + j sequence s's chunk j, run by torch's runtime as a file's order is: forwards in order, each
+    sequence's backwards last chunk first; gpipe all forwards first, 1f1b Seq1F1B's (rank r warms up with
+    (p - 1 - r) + (S - 1) forwards, then one forward, one backward). None for whole sequences; a ValueError of one
+    line for a schedule that cannot order chunks."""
+    S, n = len(lengths), microbatches * len(lengths)
+    if S > 1 and name not in CHUNK_SCHEDULES:
+        raise ValueError(f"--seq-chunks {S}: --schedule {name} cannot order sequence chunks (a sequence's backwards "
+                         f"last chunk first); give --schedule {' or '.join(CHUNK_SCHEDULES)}, or --seq-chunks 1")
+    backwards = [s * S + S - 1 - j for s in range(microbatches) for j in range(S)]
+    warm = {r: n if name == "gpipe" else min(n, pp - 1 - r + S - 1) for r in range(pp)}
+    actions = {r: [_Action(r, _ComputationType(kind), i) for kind, i in [("F", i) for i in range(warm[r])] + [
+        a for i in range(n - warm[r]) for a in (("F", warm[r] + i), ("B", backwards[i]))] + [
+        ("B", b) for b in backwards[n - warm[r]:]]] for r in range(pp)}
+    return PipelineOrder(f"{name}, {S} chunks", actions, {r: r for r in range(pp)}, n, 1, lengths) if S > 1 else None
+
+
+def step_chunks(schedule, inputs, targets, positions, losses: list, train: bool = True) -> None:
+    """A schedule step of chunk_order's order: each microbatch's sequences (None where this rank takes none) cut into
+    chunks (cut_sequences, slot s for microbatch s) and run as pre-cut microbatches, the chunk a keyword argument
+    (torch 2.13's step() would hand every microbatch the same one); what step() and eval() set first is set here."""
+    m = schedule._n_microbatches // len(schedule.seq_chunks)
+    cut = lambda t: t.chunk(m) if t is not None else [None] * m
+    chunks = [c for s, mb in enumerate(zip(cut(inputs), cut(targets), cut(positions)))
+              for c in cut_sequences(*mb, schedule.seq_chunks, s)]
+    has_backward, schedule._has_backward = schedule._has_backward, train and schedule._has_backward
+    try:
+        for stage in schedule._stages:
+            stage.has_backward = schedule._has_backward
+            stage.clear_runtime_states()
+        schedule._step_microbatches(
+            [(c.inputs,) if c.inputs is not None else () for c in chunks],
+            [{"chunk": c.chunk} | ({"positions": c.positions} if c.positions is not None else {}) for c in chunks],
+            [(c.targets, c.tokens) for c in chunks] if targets is not None else None, losses, return_outputs=False)
+    finally:
+        schedule._has_backward = has_backward
 
 
 # ----------------------------------------------------------------------------------------------------------
