@@ -6168,6 +6168,14 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
         ("--stages-per-rank", "2"): "--stages-per-rank 2: gpipe holds 1 stage(s) per rank",
         ("--split", "3,2"): "--split 3,2: give 1 layer counts",
         ("--split", "fast"): "--split fast",
+        # --seq-chunks: even chunks of --seq-len (128), under a schedule that can order them (model.chunk_order)
+        ("--seq-chunks", "3"): "--seq-chunks 3 does not cut --seq-len 128 into even chunks; the nearest that does: "
+                               "--seq-chunks 2",
+        ("--seq-chunks", "129"): "--seq-chunks 129: give 1 to 128 chunks for --seq-len 128",
+        ("--seq-chunks", "2", "--schedule", "interleaved1f1b"): "--seq-chunks 2: --schedule interleaved1f1b cannot "
+                                                                "order sequence chunks (a sequence's backwards last "
+                                                                "chunk first); give --schedule gpipe or 1f1b",
+        ("--seq-chunks", "2", "--schedule", "zbvzerobubble"): "give --schedule gpipe or 1f1b, or --seq-chunks 1",
     }
     cases = [("train_pipeline_gpipe.py", given, named, 1) for given, named in gpipe_cases.items()]
     # The other scripts share the checks; their own choices are checked too.
@@ -6177,7 +6185,9 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
               ("train_pipeline_tracer.py", ("--schedule", "zbvzerobubble", "--stages-per-rank", "3"),
                "--stages-per-rank", 1),
               ("train_pipeline_tracer.py", ("--schedule", "1f1b", "--stages-per-rank", "2"),
-               "--stages-per-rank 2: 1f1b holds 1 stage(s) per rank", 1)]
+               "--stages-per-rank 2: 1f1b holds 1 stage(s) per rank", 1),
+              ("train_pipeline_tracer.py", ("--seq-chunks", "2"), "--seq-chunks 2: the traced stages run whole "
+                                                                  "sequences only", 1)]
     # --dp against the number of processes, as torchrun would set it (a group of one stands in for them here).
     cases += [("train_pipeline_gpipe.py", given, named, 4) for given, named in [
         (("--dp", "3"), "--dp 3 x --tp 1: 4 processes do not divide"),
@@ -6193,7 +6203,11 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
               # Sequence parallelism gives each tp rank seq_len / tp positions.
               ("train_pipeline_gpipe.py", ("--tp", "2", "--seq-len", "101"), "--seq-len 101 is not divisible by "
                                                                              "--tp 2", 4),
-              ("train_pipeline_afab_manual.py", ("--tp", "2", "--seq-len", "101"), "add --no-sequence-parallel", 4)]
+              ("train_pipeline_afab_manual.py", ("--tp", "2", "--seq-len", "101"), "add --no-sequence-parallel", 4),
+              # ... and each chunk seq_len / S / tp of them.
+              ("train_pipeline_gpipe.py", ("--tp", "2", "--seq-len", "12", "--seq-chunks", "4"), "--seq-chunks 4 "
+               "does not cut --seq-len 12 into even chunks of a multiple of 2 tokens (--tp); the nearest that does: "
+               "--seq-chunks 3", 4)]
     for script, given, named, world_size in cases:
         monkeypatch.setenv("RANK", "0")
         monkeypatch.setenv("WORLD_SIZE", str(world_size))
@@ -6215,6 +6229,7 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
                                  ("train_pipeline_gpipe.py", ("--dp", "0"), "--dp"),
                                  ("train_pipeline_afab_manual.py", ("--microbatches", "0"), "--microbatches"),
                                  ("train_pipeline_gpipe.py", ("--accumulate", "0"), "--accumulate"),
+                                 ("train_pipeline_gpipe.py", ("--seq-chunks", "0"), "--seq-chunks"),
                                  ("train_pipeline_afab_manual.py", ("--schedule", "gpipe"), "--schedule"),
                                  # past a week: an OverflowError (1e300) or torch's stores failing at once (1e10)
                                  ("train_pipeline_gpipe.py", ("--timeout", "1e300"), "--timeout: must be a finite "
