@@ -2472,6 +2472,30 @@ def test_every_layerless_layout_resumes_in_every_script(tmp_path, data_dir, refe
         assert_same_trajectory(rows, reference[8:], name, since=8)
 
 
+def test_a_run_in_sequence_chunks_resumes_without_them_and_continues_the_whole_sequences_run(tmp_path, data_dir,
+                                                                                              reference_run):
+    # Checkpoints hold no chunk count (--seq-chunks): the reference's step 8 (whole sequences, GPipe, 2 x 2) resumed
+    # with each sequence in 2 chunks under Seq1F1B's 1F1B order, checkpointed layers, in 2 accumulated schedule
+    # steps, evaluated in chunks every 4 steps; its step 12 resumed on one process without chunks. Both continue
+    # the uninterrupted run without chunks (the reference) within fp32 drift.
+    reference_dir, reference = reference_run
+    chunked = {"chunks2": (2, "train_pipeline_gpipe.py", ["--schedule", "1f1b", "--seq-chunks", "2", "--accumulate",
+                                                          "2", "--microbatches", "2", "--activation-checkpointing",
+                                                          "--checkpoint-every", "4", "--eval-every", "4"])}
+    ((result, rows),) = resumed_from_step_8(tmp_path, data_dir, reference_dir, chunked).values()
+    assert "1f1b, 2 x 2 microbatches an optimizer step, each sequence in 2 chunks" in result.stdout
+    assert "eval at step 12: loss" in result.stdout and "eval at step 16: loss" in result.stdout
+    assert_same_trajectory(rows, reference[8:], "in 2 chunks", since=8)
+    back = tmp_path / "back"
+    shutil.copytree(tmp_path / "chunks2" / "checkpoints" / "step-00000012", back / "checkpoints" / "step-00000012")
+    result = run_script(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--data", data_dir, "--metrics", "m.jsonl",
+                        cwd=back)
+    assert result.returncode == 0 and "resumed from checkpoints/step-00000012" in result.stdout, errors(result.stderr)
+    rows, _ = read_metrics(back / "m.jsonl")
+    assert [r["step"] for r in rows] == list(range(13, 17))
+    assert_same_trajectory(rows, reference[12:], "back to whole sequences", since=8)
+
+
 def test_tensor_parallel_resumes_exactly_on_any_layout_and_exports_the_whole_model(tmp_path, data_dir,
                                                                                    reference_run):
     reference_dir, reference = reference_run
