@@ -1142,7 +1142,8 @@ ACCUMULATED_LAYOUTS = {
                   ("tracer", "zbvzerobubble", 4, True)],
     (2, 2, 1): [("library", "gpipe", 4, False), ("library", "zbvzerobubble", (0, 2, 2, 0), False),
                 ("library", "interleavedzerobubble", 4, True), ("tracer", "dualpipev", 4, False),
-                ("manual", "afab", (0, 4), True), ("library", "zbh1.csv", 4, False)],
+                ("manual", "afab", (0, 4), True), ("library", "zbh1.csv", 4, False),
+                ("library", "1f1b:4", 4, True)],  # --seq-chunks 4: 16 chunks a replica, 8 a schedule step
     (2, 1, 2): [("library", "1f1b", 4, False), ("library", "dualpipev", 4, True), ("manual", "afab", 4, False)],
 }
 ACCUMULATE, ACCUMULATED_MICROBATCHES = 2, 8  # schedule steps an optimizer step; microbatches a replica, in all
