@@ -6965,6 +6965,27 @@ def test_torchs_pipeline_runtime_drives_chunks_by_keyword(one_process_group):
     assert cached_chunks(model) == 0
 
 
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_the_chunk_orders_keep_each_sequences_chunks_in_order_and_hold_p_plus_s_minus_1_under_1f1b(name):
+    # model.chunk_order (--seq-chunks): on every rank each sequence's chunks go forward in order and backward last
+    # chunk first, the sequences one after another; under 1F1B (Seq1F1B's order) rank r holds at most
+    # (p - r) + (S - 1) chunks in flight, the first rank p + S - 1 (GPipe: all S m); torch validates each order and
+    # lowers it with its sends and receives to the end (an order that cannot progress fails there).
+    from torch.distributed.pipelining.schedules import _add_send_recv, _validate_schedule
+    for pp, m, S in ((2, 4, 2), (4, 2, 4), (3, 3, 2), (4, 1, 8)):
+        order = model_module.chunk_order(name, pp, m, [16] * S)
+        assert (order.microbatches, order.seq_chunks, order.per_rank) == (S * m, [16] * S, 1)
+        assert _validate_schedule(order.actions, pp, pp, S * m) == order.stage_ranks == {r: r for r in range(pp)}
+        for r, actions in order.actions.items():
+            kinds = [(a.computation_type.value, a.microbatch_index) for a in actions]
+            assert [i for k, i in kinds if k == "F"] == list(range(S * m))
+            assert [i for k, i in kinds if k == "B"] == [s * S + j for s in range(m) for j in reversed(range(S))]
+            held = max(itertools.accumulate(1 if k == "F" else -1 for k, _ in kinds))
+            assert held == (S * m if name == "gpipe" else min(S * m, pp - r + S - 1)), (pp, m, S, r, held)
+        _add_send_recv({r: list(a) for r, a in order.actions.items()}, order.stage_ranks.__getitem__, pp)
+    assert model_module.chunk_order(name, 2, 4, [16]) is None  # one chunk: the schedule by name, as before
+
+
 def test_chunks_under_tensor_and_sequence_parallelism_compute_the_whole_sequence(tmp_path):
     # --tp 2 with sequence parallelism: each rank keeps its own heads' keys and values of a chunk (attention gathers
     # the chunk's positions), the loss takes each rank's piece of a chunk. At S 2 and 4 (a tp multiple: 8 tokens
