@@ -137,7 +137,7 @@ def main(args):
         config, name = run.model_config(env.device.type)
         layers = stage_layout(config, num_stages, args)
     microbatch = (args.batch_size // (dp * args.microbatches * args.accumulate), args.seq_len)  # of a replica
-    chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
+    chunks = loss_chunks(args.loss_chunks, config, (microbatch[0], args.seq_len // args.seq_chunks), tp)  # a chunk's
     shards = tp if args.sequence_parallel else 1  # sequence parallelism: each tp rank holds seq_len / tp positions
     lengths = chunk_lengths(args.seq_len, args.seq_chunks, config, multiple=shards)  # --seq-chunks: even, checked
 
