@@ -2476,18 +2476,25 @@ def test_a_run_in_sequence_chunks_resumes_without_them_and_continues_the_whole_s
                                                                                               reference_run):
     # Checkpoints hold no chunk count (--seq-chunks): the reference's step 8 (whole sequences, GPipe, 2 x 2) resumed
     # with each sequence in 2 chunks under Seq1F1B's 1F1B order, checkpointed layers, in 2 accumulated schedule
-    # steps, evaluated in chunks every 4 steps; its step 12 resumed on one process without chunks. Both continue
-    # the uninterrupted run without chunks (the reference) within fp32 drift.
+    # steps, evaluated in chunks every 4 steps, its calls recorded (replayed under NCCL's rules, the whole run); its
+    # step 12 resumed on one process without chunks. Both continue the uninterrupted run without chunks (the
+    # reference) within fp32 drift.
     reference_dir, reference = reference_run
-    chunked = {"chunks2": (2, "train_pipeline_gpipe.py", ["--schedule", "1f1b", "--seq-chunks", "2", "--accumulate",
-                                                          "2", "--microbatches", "2", "--activation-checkpointing",
-                                                          "--checkpoint-every", "4", "--eval-every", "4"])}
-    ((result, rows),) = resumed_from_step_8(tmp_path, data_dir, reference_dir, chunked).values()
+    chunked = tmp_path / "chunks2"
+    shutil.copytree(reference_dir / "checkpoints" / "step-00000008", chunked / "checkpoints" / "step-00000008")
+    result = run_script(2, *recorded(chunked / "calls", "train_pipeline_gpipe.py"), *RESUME_ARGS, "--schedule", "1f1b",
+                        "--seq-chunks", "2", "--accumulate", "2", "--microbatches", "2", "--activation-checkpointing",
+                        "--checkpoint-every", "4", "--eval-every", "4", "--data", data_dir, "--metrics", "m.jsonl",
+                        cwd=chunked)
+    assert result.returncode == 0, errors(result.stderr)
+    rows, _ = read_metrics(chunked / "m.jsonl")
+    assert [r["step"] for r in rows] == list(range(9, 17))
+    replayed(chunked / "calls", 2, steps=8)
     assert "1f1b, 2 x 2 microbatches an optimizer step, each sequence in 2 chunks" in result.stdout
     assert "eval at step 12: loss" in result.stdout and "eval at step 16: loss" in result.stdout
     assert_same_trajectory(rows, reference[8:], "in 2 chunks", since=8)
     back = tmp_path / "back"
-    shutil.copytree(tmp_path / "chunks2" / "checkpoints" / "step-00000012", back / "checkpoints" / "step-00000012")
+    shutil.copytree(chunked / "checkpoints" / "step-00000012", back / "checkpoints" / "step-00000012")
     result = run_script(0, "train_pipeline_gpipe.py", *RESUME_ARGS, "--data", data_dir, "--metrics", "m.jsonl",
                         cwd=back)
     assert result.returncode == 0 and "resumed from checkpoints/step-00000012" in result.stdout, errors(result.stderr)
