@@ -1289,15 +1289,22 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
     # 1F1B holds the activations of (p - r) of the m = 4 microbatches on stage r, GPipe all of them: nothing
     # more (e.g. none left over from torch's own shape inference, which the declared stage_io avoids). Against the
     # same split's GPipe where it ran (traced with documents, attention holds copied K/V heads: document_attention).
+    # In chunks (--seq-chunks S, "1f1b:2"), Seq1F1B's order holds (p - r) + (S - 1) chunks of 1/S a microbatch on
+    # stage r, and besides them the keys and values of its prefix that a chunk's attention saves (a copy): here
+    # up to 0.021 of GPipe's (at S 4; 16 tokens), bounded by 0.03.
     for kind, name, split, documents in variants:
         own = (kind, "afab" if kind == "manual" else "gpipe", split, documents)
         gpipe_variant = own if own in variants else ("library", "gpipe", split, documents)
-        if name != "1f1b" or gpipe_variant not in variants:
+        base, _, seq_chunks = name.partition(":")
+        if base != "1f1b" or gpipe_variant not in variants:
             continue
         ratios = [r[kind, name, split, documents]["activations"] / r[gpipe_variant]["activations"] for r in ranks]
-        assert ratios == pytest.approx([(pp - r // (dp * tp)) / microbatches for r in range(world_size)],
-                                       abs=0.01), \
-            (kind, name, ratios)
+        held = [(pp - r // (dp * tp) + int(seq_chunks or 1) - 1) / (int(seq_chunks or 1) * microbatches)
+                for r in range(world_size)]
+        if seq_chunks:
+            assert all(h <= ratio < h + 0.03 for h, ratio in zip(held, ratios)), (kind, name, ratios, held)
+        else:
+            assert ratios == pytest.approx(held, abs=0.01), (kind, name, ratios)
 
 
 def test_accumulated_schedule_steps_give_the_unsplit_gradients_and_reduce_scatter_once(accumulated_run):
