@@ -1126,10 +1126,11 @@ PARITY_LAYOUTS[3, 1, 1] += [("library", "zb1p.csv", 6, False), ("library", "zbva
 PARITY_LAYOUTS[2, 2, 1] += [("library", "zbh2.csv", 4, False)]
 # Sequences cut into chunks (--seq-chunks S; "1f1b:2": S 2), run by torch's runtime in an order made for them
 # (model.chunk_order): GPipe's and Seq1F1B's at S 2 and 4, with documents across the chunks (16 tokens: at S 4 the
-# documents at 5 and 11 span chunk boundaries); under FSDP2 and tensor (sequence) parallelism too.
+# documents at 5 and 11 span chunk boundaries); under FSDP2 and tensor (sequence) parallelism too; at 3 stages.
 PARITY_LAYOUTS[2, 1, 1] += [("library", f"{name}:{chunks}", 4, True) for name in ("gpipe", "1f1b") for chunks in (2, 4)]
 PARITY_LAYOUTS[2, 2, 1] += [("library", "1f1b:2", (0, 4), True)]
 PARITY_LAYOUTS[2, 1, 2] += [("library", "gpipe:4", 4, True)]
+PARITY_LAYOUTS[3, 1, 1] += [("library", "1f1b:4", 6, False)]  # a middle stage: no tokens, targets or positions
 
 
 # --accumulate 2: each optimizer step's 8 microbatches a replica (a row each) in 2 schedule steps of 4 (DualPipeV's

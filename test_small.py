@@ -1284,8 +1284,10 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
             stages = result[variant]["stages"]  # the schedule's (stage_ids), or a file's order's
             layers = split_layers(split, pp * len(stages))
             built = layer_count(split) if kind == "tracer" else 2 * microbatches * len([s for s in stages if layers[s]])
-            built *= int(name.partition(":")[2] or 1)  # "1f1b:2": --seq-chunks 2, a mask a chunk
-            assert result[variant]["masks"] == documents * built, (variant, r)
+            # In chunks ("1f1b:2": --seq-chunks 2) one a chunk; without documents one a chunk after the first (its
+            # causal mask over the earlier chunks, at its offset).
+            chunks = int(name.partition(":")[2] or 1)
+            assert result[variant]["masks"] == built * (chunks if documents else chunks - 1), (variant, r)
     # 1F1B holds the activations of (p - r) of the m = 4 microbatches on stage r, GPipe all of them: nothing
     # more (e.g. none left over from torch's own shape inference, which the declared stage_io avoids). Against the
     # same split's GPipe where it ran (traced with documents, attention holds copied K/V heads: document_attention).
