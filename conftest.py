@@ -507,18 +507,20 @@ def start_group(rank: int, world_size: int, store_path: str, pp: int | None = No
 
 def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape: tuple, microbatches: int,
                      documents: bool = False, chunks: int = 8, seed: int = 11, order=None,
-                     checkpointing: bool | str = False):
+                     checkpointing: bool | str = False, seq_chunks: int = 1):
     """The GPipe script's split and schedule of these stages, as its main builds them: (the rank's model, its
     PipelineStages, the schedule, the loss). documents: the same stages (positions are a keyword argument);
     order: a file's (model.read_order), run in place of the schedule by name; checkpointing:
-    --activation-checkpointing (True: full, or its SPEC)."""
+    --activation-checkpointing (True: full, or its SPEC); seq_chunks: --seq-chunks (its order: model.chunk_order)."""
     modules = [gpipe.stage_module(config, s, layers) for s in stages]
     model_module.parallelize(modules, mesh, torch.float32, activation_checkpointing=checkpointing, stages=stages)
     model_module.materialize(modules, config, torch.device("cpu"), seed)
     shards = mesh["tp"].size()  # sequence parallelism, as the scripts' default: each tp rank 1/tp of the positions
+    lengths = model_module.chunk_lengths(shape[1], seq_chunks, config, multiple=shards)
     built = [PipelineStage(module, s, len(layers), torch.device("cpu"), group=mesh.get_group("pp"),
-                           **gpipe.stage_io(config, s, len(layers), shape, shards, torch.float32))
+                           **gpipe.stage_io(config, s, len(layers), (shape[0], lengths[0]), shards, torch.float32))
              for module, s in zip(modules, stages)]
+    order = order or model_module.chunk_order(name, mesh["pp"].size(), microbatches, lengths)
     schedule, loss_fn = gpipe.make_schedule(name, built, microbatches, chunks, shards, order)
     return model_module.merged_stages(modules), built, schedule, loss_fn
 
@@ -826,20 +828,22 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
         shape, m, k = (share // microbatches, inputs.shape[1]), microbatches // accumulate, accumulate
         reports = dp_rank == tp_rank == 0  # the others hold the same (gathered) tensors and losses
         results = {}
-        for kind, name, split, documents in variants:
+        for variant in variants:
+            kind, name, split, documents = variant
+            base, _, cut = name.partition(":")  # "1f1b:2": --seq-chunks 2 ("afab:3:compute": of equal compute)
             positions = model_module.document_positions(x, BOS) if documents else None  # as the scripts do
             masks.clear()
-            order = variant_order(name, out_dir, world_size, dp, tp, m)  # "zbh1.csv": a file's (schedule_file)
+            order = variant_order(base, out_dir, world_size, dp, tp, m)  # "zbh1.csv": a file's (schedule_file)
             stages = [pp_rank] if kind == "manual" else order.stages(pp_rank) if order else \
-                gpipe.stage_ids(name, pp_rank, pp, 2)
+                gpipe.stage_ids(base, pp_rank, pp, 2)
             num_stages = pp * len(stages)
             first, last = 0 in stages, num_stages - 1 in stages
             layers = split_layers(split, num_stages)
             config = parity_config(layer_count(split))
             if kind in ("library", "tracer"):
                 build, script = (library_pipeline, gpipe) if kind == "library" else (traced_pipeline, tracer)
-                model, built, schedule, loss_fn = build(config, name, stages, layers, mesh, shape, m, documents,
-                                                        order=order)
+                model, built, schedule, loss_fn = build(config, base, stages, layers, mesh, shape, m, documents,
+                                                        order=order, **({"seq_chunks": int(cut)} if cut else {}))
                 modules = [stage.submod for stage in built]
             else:
                 with torch.device("meta"):
@@ -895,7 +899,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                 for value in (loss, evaluated):
                     dist.all_reduce(value, group=mesh.get_group("dp"))
                     value /= dp
-            results[kind, name, split, documents] = {
+            results[variant] = {
                 "grads": grads if reports else {}, "initial": initial if reports else {},
                 "state_keys": list(model.state_dict()) if reports else [],
                 "loss": loss if last and reports else None, "eval": evaluated if last and reports else None,
@@ -1137,6 +1141,13 @@ PARITY_LAYOUTS[2, 1, 1] += [("manual", "1f1b:3:compute", 4, True)]
 PARITY_LAYOUTS[3, 1, 1] += [("manual", "1f1b:4", 6, True), ("manual", "afab:3:compute", (0, 4, 0), False)]
 PARITY_LAYOUTS[2, 2, 1] += [("manual", "1f1b:2", (0, 4), True)]
 PARITY_LAYOUTS[2, 1, 2] += [("manual", "1f1b:3:compute", 4, True)]
+# Sequences cut into chunks (--seq-chunks S; "1f1b:2": S 2), run by torch's runtime in an order made for them
+# (model.chunk_order): GPipe's and Seq1F1B's at S 2 and 4, with documents across the chunks (16 tokens: at S 4 the
+# documents at 5 and 11 span chunk boundaries); under FSDP2 and tensor (sequence) parallelism too; at 3 stages.
+PARITY_LAYOUTS[2, 1, 1] += [("library", f"{name}:{chunks}", 4, True) for name in ("gpipe", "1f1b") for chunks in (2, 4)]
+PARITY_LAYOUTS[2, 2, 1] += [("library", "1f1b:2", (0, 4), True)]
+PARITY_LAYOUTS[2, 1, 2] += [("library", "gpipe:4", 4, True)]
+PARITY_LAYOUTS[3, 1, 1] += [("library", "1f1b:4", 6, False)]  # a middle stage: no tokens, targets or positions
 
 
 # --accumulate 2: each optimizer step's 8 microbatches a replica (a row each) in 2 schedule steps of 4 (DualPipeV's
@@ -1150,7 +1161,8 @@ ACCUMULATED_LAYOUTS = {
     (2, 2, 1): [("library", "gpipe", 4, False), ("library", "zbvzerobubble", (0, 2, 2, 0), False),
                 ("library", "interleavedzerobubble", 4, True), ("tracer", "dualpipev", 4, False),
                 ("manual", "afab", (0, 4), True), ("library", "zbh1.csv", 4, False),
-                ("manual", "1f1b:2", 4, True)],  # Seq1F1B by hand: reduce-scattered after the last chunk 0
+                ("manual", "1f1b:2", 4, True),  # Seq1F1B by hand: reduce-scattered after the last chunk 0
+                ("library", "1f1b:4", 4, True)],  # --seq-chunks 4: 16 chunks a replica, 8 a schedule step
     (2, 1, 2): [("library", "1f1b", 4, False), ("library", "dualpipev", 4, True), ("manual", "afab", 4, False)],
 }
 ACCUMULATE, ACCUMULATED_MICROBATCHES = 2, 8  # schedule steps an optimizer step; microbatches a replica, in all

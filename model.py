@@ -3,11 +3,10 @@
 First the model: its config, rotary embedding, the masks of packed documents, sequence chunks' keys and values
 (Seq1F1B), decoder layers, the model classes, initial weights and the loss, in Hugging Face Llama's math and tensor
 names (``base_model.`` for its ``model.``: weights move between the two by renaming one prefix). Then, after a
-divider: presets and Hugging Face configs, costs, cutting sequences into chunks, pipeline layouts, how a stage
-is parallelized (tensor parallelism, activation checkpointing, compile,
-FSDP2), tied embeddings across stages, gradient clipping, a pipeline order read from a file (--schedule
-FILE.csv, run by torch's own runtime), gradient accumulation under torch's schedules, and a
-forward-only pass for evaluating where torch's eval() cannot.
+divider: presets and Hugging Face configs, costs, cutting sequences into chunks, pipeline layouts, how a stage is
+parallelized (tensor parallelism, activation checkpointing, compile, FSDP2), tied embeddings across stages, gradient
+clipping, pipeline orders run by torch's own runtime (read from a file, --schedule FILE.csv, or made for sequence
+chunks), gradient accumulation under torch's schedules, and a forward-only pass where torch's eval() cannot run.
 
 A pipeline stage is the model trimmed (keep_only): layers in a ModuleDict keyed by global index, forward skips
 what a stage lacks, no module passed into another's forward (the tracer needs that), and every tensor's initial
@@ -191,13 +190,12 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask
 # Held: each entry is its chunk's own keys and values (no copy) until that chunk's backward; chunk j's attention
 # saves the keys and values of its whole prefix (a copy: SDPA takes them whole), unless its layer is checkpointed.
 #
-# Which chunk a forward computes travels as a keyword argument, chunk=SeqChunk(...), from LlamaForPretraining and
-# LlamaModel down to every layer's attention, as positions do: torch's PipelineStage hands each microbatch's
-# keyword arguments to the stage's forward (its shape inference too; a non-tensor passes as it is), the hand-written
-# schedule passes them itself, and activation checkpointing hands them to the recompute. A context set around the
-# stage's call would need a hook per microbatch that torch's runtime lacks. (torch 2.13's step() hands a non-tensor
-# keyword to every microbatch alike: the chunks go in pre-cut, to _step_microbatches.) With tensor parallelism the
-# entries are the rank's own heads (the projections' local outputs) and a chunk's whole length (attention gathers it).
+# Which chunk a forward computes travels as a keyword argument, chunk=SeqChunk(...), from LlamaForPretraining down
+# to every layer's attention, as positions do: torch's PipelineStage hands each microbatch's keyword arguments to the
+# stage's forward (its shape inference too; a non-tensor as it is), the hand-written schedule passes them itself,
+# activation checkpointing to the recompute (a context around the stage's call would need a hook per microbatch that
+# torch's runtime lacks). torch 2.13's step() hands a non-tensor keyword to every microbatch alike: the chunks go in
+# pre-cut (step_chunks). With tensor parallelism the entries are the rank's own heads and a chunk's whole length.
 
 @dataclasses.dataclass(frozen=True)
 class SeqChunk:
@@ -251,10 +249,8 @@ class _ChunkKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dk, dv):
-        lengths = [e.k.shape[2] for e in ctx.prefix]
-        lengths.append(dk.shape[2] - sum(lengths))
-        *dks, dk = dk.split(lengths, 2)
-        *dvs, dv = dv.split(lengths, 2)
+        lengths = [e.k.shape[2] for e in ctx.prefix] + [dk.shape[2] - sum(e.k.shape[2] for e in ctx.prefix)]
+        (*dks, dk), (*dvs, dv) = dk.split(lengths, 2), dv.split(lengths, 2)
         for entry, dk_i, dv_i in zip(ctx.prefix, dks, dvs):
             entry.add(dk_i, dv_i)
             entry.readers -= 1
@@ -262,11 +258,10 @@ class _ChunkKV(torch.autograd.Function):
         if own is not None and own.readers:  # else its gradient would miss what they give, silently
             raise RuntimeError(f"chunk {ctx.key[1]} of sequence {ctx.key[0]}: its backward ran before its later "
                                "chunks' backwards; run a sequence's chunks' backwards last chunk first")
-        if own is not None:
-            if own.grads is not None:
-                dk, dv = (own.grads[0] + dk).to(dk.dtype), (own.grads[1] + dv).to(dv.dtype)
-            if ctx.cache.get(ctx.key) is own:
-                del ctx.cache[ctx.key]
+        if own is not None and own.grads is not None:
+            dk, dv = (own.grads[0] + dk).to(dk.dtype), (own.grads[1] + dv).to(dv.dtype)
+        if own is not None and ctx.cache.get(ctx.key) is own:
+            del ctx.cache[ctx.key]
         return dk, dv, None, None, None
 
 
@@ -297,8 +292,7 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-        # Each layer keeps its own copy (head_dim / 2 floats) so that no module is shared across layers.
-        # Not persistent: it is derived from the config, and HF does not save it either.
+        # Each layer's own copy (head_dim / 2 floats): no module shared across layers. Not persistent (HF's neither).
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.kv_chunks = {}  # (sequence, chunk) -> _ChunkEntry: the keys and values of chunks in flight
 
@@ -395,11 +389,10 @@ class LlamaForPretraining(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """With tie_word_embeddings, make the head use the embedding's matrix, when this module holds both.
-
-        Only for a model whose embedding and head are in one stage: stages that hold just one of them keep
-        their own copy, which the training scripts keep equal (TiedEmbedding there). to_empty() allocates
-        shared parameters separately, so call this again after it."""
+        """With tie_word_embeddings, make the head use the embedding's matrix, when this module holds both. Only for a
+        model whose embedding and head are in one stage: stages that hold just one of them keep their own copy, which
+        the training scripts keep equal (TiedEmbedding there). to_empty() allocates shared parameters separately, so
+        call this again after it."""
         if self.config.tie_word_embeddings and self.base_model.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.base_model.embed_tokens.weight
 
@@ -427,25 +420,20 @@ class LlamaForPretraining(nn.Module):
         return self.lm_head(h) if self.lm_head is not None and not self.head_in_loss else h
 
     def init_weights(self, seed: int) -> None:
-        """Give every parameter and buffer its initial value, the same for a given seed on any stage layout.
-
-        Works on real devices only: call it after ``to_empty``. See ``init_tensor_``.
-        """
+        """Give every parameter and buffer its initial value, the same for a given seed on any stage layout (on real
+        devices only: call it after ``to_empty``; see ``init_tensor_``)."""
         for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
             init_tensor_(name, tensor, seed, self.config)
 
 
 @torch.no_grad()
 def init_tensor_(name: str, tensor: Tensor, seed: int, config: LlamaConfig) -> None:
-    """Initialize one parameter or buffer in place, from its name in the full model alone.
-
-    Linear and embedding weights ~ N(0, initializer_range) as in HF Llama, norm weights = 1, RoPE frequencies
-    recomputed. Each tensor draws from its own generator seeded by (seed, module name), so its value does not
-    depend on which other tensors exist in this process or in what order they are visited: any split of the
-    model, by hand or by a tracer, starts from the same weights as long as it knows the full-model names.
-    A DTensor (a shard of tensor parallelism, FSDP2 or both) gets its piece of those same values: the whole
-    tensor is drawn, this rank's block copied out of it, and the whole one freed.
-    """
+    """Initialize one parameter or buffer in place, from its name in the full model alone. Linear and embedding weights
+    ~ N(0, initializer_range) as in HF Llama, norm weights = 1, RoPE frequencies recomputed. Each tensor draws from its
+    own generator seeded by (seed, module name), so its value does not depend on which other tensors exist in this
+    process or in what order they are visited: any split of the model, by hand or by a tracer, starts from the same
+    weights as long as it knows the full-model names. A DTensor (a shard of tensor parallelism, FSDP2 or both) gets its
+    piece of those same values: the whole tensor is drawn, this rank's block copied out of it, the whole freed."""
     if isinstance(tensor, DTensor):
         whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
         init_tensor_(name, whole, seed, config)
@@ -1276,16 +1264,14 @@ def cast_between_stages(stage: nn.Module, dtype: torch.dtype) -> None:
 # Tied embeddings across stages
 
 class TiedEmbedding:
-    """tie_word_embeddings across pipeline stages: the head is the embedding matrix, but the embedding is on
-    the first stage and the head on the last.
-
-    Each of the two stages keeps a copy (one tensor when a rank holds both stages and is one stage). The
-    copies start equal, and every step, before clipping and AdamW, both get the sum of the two gradients, that
-    of the one shared matrix: the ranks holding the first and the last stage of each replica all-reduce it
-    between them (Megatron's embedding group); a rank holding both adds them up itself. Same gradient, same
-    AdamW state, same update: the copies stay equal bit for bit. Checkpoints store the matrix once. With
-    tensor parallelism both copies are split by vocabulary rows alike, so each tensor-parallel rank pairs with
-    its own counterpart. Create it on every rank: it makes process groups."""
+    """tie_word_embeddings across pipeline stages: the head is the embedding matrix, but the embedding is on the first
+    stage and the head on the last. Each of the two stages keeps a copy (one tensor when a rank holds both stages and is
+    one stage). The copies start equal, and every step, before clipping and AdamW, both get the sum of the two
+    gradients, that of the one shared matrix: the ranks holding the first and the last stage of each replica all-reduce
+    it between them (Megatron's embedding group); a rank holding both adds them up itself. Same gradient, same AdamW
+    state, same update: the copies stay equal bit for bit. Checkpoints store the matrix once. With tensor parallelism
+    both copies are split by vocabulary rows alike, so each tensor-parallel rank pairs with its own counterpart. Create
+    it on every rank: it makes process groups."""
 
     def __init__(self, model, config, mesh, has_first: bool, has_last: bool):
         params = dict(model.named_parameters(remove_duplicate=False))
@@ -1389,6 +1375,7 @@ class PipelineOrder:
     stage_ranks: dict[int, int]  # stage -> the pipeline rank that holds it (torch's _validate_schedule infers it)
     microbatches: int
     per_rank: int  # stages per pipeline rank
+    seq_chunks: list | None = None  # chunk_order's: the lengths of a sequence's chunks (step_chunks cuts by them)
 
     def stages(self, rank: int) -> list[int]:
         return sorted(s for s, r in self.stage_ranks.items() if r == rank)
@@ -1400,6 +1387,7 @@ class PipelineOrder:
             raise ValueError(f"it is an order for {len(self.actions)} pipeline ranks, the job now has "
                              f"{pipeline_stages[0].group_size}; start as many processes as before")
         schedule = _PipelineScheduleRuntime(pipeline_stages, n_microbatches=self.microbatches, loss_fn=loss_fn)
+        schedule.seq_chunks = self.seq_chunks
         return merge_backwards(schedule, self.actions, self.stage_ranks)
 
 
@@ -1530,6 +1518,34 @@ def read_order(path: str, world_size: int, dp: int, tp: int, microbatches: int, 
                          "support on compiled stages (pytorch #161904); leave --compile out, or give an order of B "
                          "actions")
     return PipelineOrder(path, actions, stage_ranks, file_microbatches, per_rank)
+
+
+def chunk_order(name: str, pp: int, microbatches: int, lengths: list[int]) -> PipelineOrder | None:
+    """--seq-chunks: each rank's compute-only order of `microbatches` sequences in len(lengths) chunks (microbatch
+    s S + j: sequence s's chunk j), forwards in order, each sequence's backwards last chunk first: gpipe's forwards
+    all first, 1f1b's Seq1F1B's ((p - 1 - r) + (S - 1) forwards on rank r, then one forward, one backward)."""
+    S, n = len(lengths), microbatches * len(lengths)
+    if S > 1 and name not in ("gpipe", "1f1b"):  # (the others loop stages or split backwards: no order made for them)
+        raise ValueError(f"--seq-chunks {S}: --schedule {name} cannot order sequence chunks (a sequence's backwards "
+                         "last chunk first); give --schedule gpipe or 1f1b, or --seq-chunks 1")
+    backwards = [s * S + S - 1 - j for s in range(microbatches) for j in range(S)]
+    warm = [n if name == "gpipe" else min(n, pp - 1 - r + S - 1) for r in range(pp)]
+    actions = {r: [_Action(r, _ComputationType(kind), i) for kind, i in [("F", i) for i in range(w)] + [a for i, b in
+               enumerate(backwards) for a in [("F", w + i)] * (w + i < n) + [("B", b)]]] for r, w in enumerate(warm)}
+    return PipelineOrder(f"{name}, {S} chunks", actions, {r: r for r in range(pp)}, n, 1, lengths) if S > 1 else None
+
+
+def step_chunks(schedule, inputs, targets, positions, losses: list, train: bool = True) -> None:
+    """A schedule step (train) or evaluation of chunk_order's order: the microbatches' sequences (None where this rank
+    takes none) cut into chunks (cut_sequences, slot s for microbatch s), pre-cut as the chunk comment above says."""
+    m, schedule._has_backward = schedule._n_microbatches // len(schedule.seq_chunks), train  # (step()'s, eval()'s)
+    chunks = [c for s, mb in enumerate(zip(*(t.chunk(m) if t is not None else [None] * m for t in (inputs, targets,
+              positions)))) for c in cut_sequences(*mb, schedule.seq_chunks, s)]
+    for stage in schedule._stages:  # (what step() and eval() set first)
+        stage.has_backward, _ = train, stage.clear_runtime_states()
+    schedule._step_microbatches([(c.inputs,) if c.inputs is not None else () for c in chunks], [
+        {"chunk": c.chunk} | ({"positions": c.positions} if c.positions is not None else {}) for c in chunks],
+        [(c.targets, c.tokens) for c in chunks] if targets is not None else None, losses, return_outputs=False)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -33,10 +33,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 import checkpoint
 from checkpoint import Parser, ScheduleChoices, UsageError, collective_errors, number, whole
-from model import (PRESETS, LlamaForPretraining, TiedEmbedding, accumulate_into, chunked_loss,
-                   clip_grad_norm_, config_from_preset, describe_layout, document_positions, estimated_costs,
-                   forward_only, layout, loss_chunks, materialize, merge_backwards, merged_stages, parallelize,
-                   read_order, synchronize)
+from model import (PRESETS, LlamaForPretraining, TiedEmbedding, accumulate_into, chunk_lengths, chunk_order,
+                   chunked_loss, clip_grad_norm_, config_from_preset, describe_layout, document_positions,
+                   estimated_costs, forward_only, layout, loss_chunks, materialize, merge_backwards, merged_stages,
+                   parallelize, read_order, step_chunks, synchronize)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
              "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--split", default="balanced", help="layers per stage: balanced (by estimated compute), even, "
                    "or counts such as 5,1 or 0,3,3,0 (a first or last 0: the embedding, or the head, alone)")
     g.add_argument("--dp", type=whole(1), default=1, help="data-parallel replicas of the pipeline (FSDP2)")
+    g.add_argument("--seq-chunks", type=whole(1), default=1, help="cut each sequence into this many chunks that flow through the pipeline as microbatches (Seq1F1B: the first stage holds p + S - 1 chunks instead of p sequences); 1: whole sequences")
     g.add_argument("--tp", type=whole(1), default=1, help="tensor-parallel ranks per stage (inside a node)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="with --tp: the residual stream, the norms and what crosses stages sharded by sequence")
@@ -136,8 +137,9 @@ def main(args):
         config, name = run.model_config(env.device.type)
         layers = stage_layout(config, num_stages, args)
     microbatch = (args.batch_size // (dp * args.microbatches * args.accumulate), args.seq_len)  # of a replica
-    chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
+    chunks = loss_chunks(args.loss_chunks, config, (microbatch[0], args.seq_len // args.seq_chunks), tp)  # a chunk's
     shards = tp if args.sequence_parallel else 1  # sequence parallelism: each tp rank holds seq_len / tp positions
+    lengths = chunk_lengths(args.seq_len, args.seq_chunks, config, multiple=shards)  # --seq-chunks: even, checked
 
     # --- the split: this rank's stages on meta, tensor parallelism, checkpointing, compile, FSDP2; then its shards
     modules = [stage_module(config, s, layers) for s in stages]
@@ -147,13 +149,15 @@ def main(args):
 
     # --- the schedule: a PipelineStage per stage, talking to the same tp rank of the other pipeline ranks
     pipeline_stages = [PipelineStage(module, s, num_stages, env.device, group=mesh.get_group("pp"), **stage_io(
-        config, s, num_stages, microbatch, shards, env.dtype)) for module, s in zip(modules, stages)]
-    schedule, loss_fn = make_schedule(args.schedule, pipeline_stages, args.microbatches, chunks, shards, order)
+        config, s, num_stages, (microbatch[0], lengths[0]), shards, env.dtype)) for module, s in zip(modules, stages)]
+    schedule, loss_fn = make_schedule(args.schedule, pipeline_stages, args.microbatches, chunks, shards,
+                                      order or chunk_order(args.schedule, pp, args.microbatches, lengths))
     run_train = functools.partial(train_step, schedule, env=env, tp=tp)
     run_eval = functools.partial(eval_step, schedule, pipeline_stages, env=env, tp=tp, loss_fn=loss_fn,
                                  microbatches=args.microbatches,
                                  hidden_shape=(microbatch[0], microbatch[1] // shards, config.hidden_size))
     window = f", {args.accumulate} x {args.microbatches} microbatches an optimizer step" if args.accumulate > 1 else ""
+    window += f", each sequence in {args.seq_chunks} chunks" if args.seq_chunks > 1 else ""
     say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
         f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
         f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks))}"
@@ -261,6 +265,11 @@ def check_args(args, world_size: int, device_type: str, preset: bool) -> None:
     if args.compile and args.tp > 1:  # tried
         raise UsageError("--compile with --tp: torch 2.13's compiled tensor-parallel layers fail in backward; "
                          "leave --compile out", on_every_rank=True)
+    try:  # --seq-chunks: even chunks (of a multiple of tp's shards), under a schedule that can order them
+        chunk_order(args.schedule, 1, args.microbatches, chunk_lengths(
+            args.seq_len, args.seq_chunks, None, multiple=args.tp if args.sequence_parallel else 1))
+    except ValueError as e:
+        raise UsageError(str(e), on_every_rank=True) from None
     if fixed and args.stages_per_rank != fixed:
         raise UsageError(f"--stages-per-rank {args.stages_per_rank}: {args.schedule} holds {fixed} stage(s) per "
                          "rank; leave the flag out", on_every_rank=True)
@@ -424,11 +433,12 @@ def make_schedule(name: str, pipeline_stages: list, microbatches: int, chunks: i
     the head applied a chunk at a time. The schedule divides gradients by the microbatches: the batch's mean loss's."""
     heads = [stage.submod.lm_head for stage in pipeline_stages if stage.is_last]
 
-    def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss_fn(hidden: torch.Tensor, targets) -> torch.Tensor:  # targets: a chunk's (targets, divisor) tuple too
+        targets, tokens = targets if isinstance(targets, tuple) else (targets, None)
         with torch.profiler.record_function("loss"):  # for --trace: the last stage's work, outside its forward
-            return chunked_loss(heads[0], hidden, targets, chunks, shards)
+            return chunked_loss(heads[0], hidden, targets, chunks, shards, tokens)
     try:
-        given = pipeline_stages[0] if name in SINGLE_STAGE else pipeline_stages  # one PipelineStage, or the list
+        given = pipeline_stages[0] if name in SINGLE_STAGE and not order else pipeline_stages  # one, or the list
         return (order.schedule(given, loss_fn) if order else  # (an I and its own W back to back run as one B)
                 merge_backwards(SCHEDULES[name](given, n_microbatches=microbatches, loss_fn=loss_fn))), loss_fn
     except ValueError as e:  # what the schedule needs of the microbatches: torch says it
@@ -442,7 +452,10 @@ def train_step(schedule, inputs, targets, env: Env, tp: int, window=(0, 1), **do
     losses, args = [], [inputs] if inputs is not None else []  # token ids: into the first stage, on its rank
     kwargs = {"target": targets, "losses": losses} if targets is not None else {}  # for the last stage's loss
     with compute(env, tp):  # return_outputs=False: the last stage's outputs are not kept after the loss
-        schedule.step(*args, return_outputs=False, **kwargs, **documents)  # positions: cut as the tokens
+        if getattr(schedule, "seq_chunks", None):  # --seq-chunks: the sequences cut into chunks (model.py)
+            step_chunks(schedule, inputs, targets, documents.get("positions"), losses)
+        else:
+            schedule.step(*args, return_outputs=False, **kwargs, **documents)  # positions: cut as the tokens
     return torch.stack(losses).mean().detach() if targets is not None else None
 
 
@@ -454,7 +467,9 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
     kwargs = {"target": targets, "losses": losses} if targets is not None else {}
     with compute(env, tp):
         ranks = pipeline_stages[0].stage_index_to_group_rank  # the whole pipeline's map: every rank decides alike
-        if any(ranks[s] == ranks[s + 1] for s in range(len(ranks) - 1)):  # a rank holds two stages in a row (a V,
+        if getattr(schedule, "seq_chunks", None):  # forward only, the chunks in the order's forward order
+            step_chunks(schedule, inputs, targets, documents.get("positions"), losses, train=False)
+        elif any(ranks[s] == ranks[s + 1] for s in range(len(ranks) - 1)):  # a rank holds two stages in a row (a V,
             # one process): torch 2.13's eval() asserts there ("can't steal_bwd_input if this stage doesn't have ...")
             forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, env.dtype, loss_fn, losses,
                          documents)

@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--split", default="balanced", help="layers per stage: balanced (by estimated compute), even, "
                    "or counts such as 5,1 or 0,3,3,0 (a first or last 0: the embedding, or the head, alone)")
     g.add_argument("--dp", type=whole(1), default=1, help="data-parallel replicas of the pipeline (FSDP2)")
+    g.add_argument("--seq-chunks", type=whole(1), default=1, help="cut each sequence into this many chunks that flow through the pipeline as microbatches (Seq1F1B: the first stage holds p + S - 1 chunks instead of p sequences); 1: whole sequences")
     g.add_argument("--tp", type=whole(1), default=1, help="tensor-parallel ranks per stage (inside a node)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="with --tp: the residual stream, the norms and what crosses stages sharded by sequence")
@@ -261,6 +262,9 @@ def check_args(args, world_size: int, device_type: str, preset: bool) -> None:
     if args.tp > 1:
         raise UsageError(f"--tp {args.tp}: the traced stages cannot be split by tensor parallelism (a flat graph of "
                          "ops, head counts in shapes); use train_pipeline_gpipe.py for --tp", on_every_rank=True)
+    if args.seq_chunks > 1:  # (its traced stages take no chunk yet: issue 53)
+        raise UsageError(f"--seq-chunks {args.seq_chunks}: the traced stages run whole sequences only, so far; use "
+                         "train_pipeline_gpipe.py for --seq-chunks", on_every_rank=True)
     if fixed and args.stages_per_rank != fixed:
         raise UsageError(f"--stages-per-rank {args.stages_per_rank}: {args.schedule} holds {fixed} stage(s) per "
                          "rank; leave the flag out", on_every_rank=True)
