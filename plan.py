@@ -2242,7 +2242,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the final norm's, head's and loss's (default: the layer's, scaled by the FLOP estimate)")
     g.add_argument("--stage-times", type=stage_times, metavar="F1,...,Fn/B1,...,Bn",
                    help="each stage's forward and backward time (or F/I/W: its input and weight gradient), which "
-                        "replace the estimated or measured parts' in the replay: one per stage of the layout")
+                        "replace the estimated or measured parts' in the replay: one per stage of the layout (default: "
+                        "the estimate, or --trace's times)")
     g.add_argument("--message-time", type=within(0, MOST_MS, "ms"), default=0.0, metavar="MS",
                    help="one microbatch's hidden states, or their gradient, on their way to another rank, while "
                         "both compute on")
