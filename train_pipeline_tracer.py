@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--split", default="balanced", help="layers per stage: balanced (by estimated compute), even, "
                    "or counts such as 5,1 or 0,3,3,0 (a first or last 0: the embedding, or the head, alone)")
     g.add_argument("--dp", type=whole(1), default=1, help="data-parallel replicas of the pipeline (FSDP2)")
-    g.add_argument("--seq-chunks", type=whole(1), default=1, help="cut each sequence into this many chunks that flow through the pipeline as microbatches (Seq1F1B: the first stage holds p + S - 1 chunks instead of p sequences); 1: whole sequences")
+    g.add_argument("--seq-chunks", type=whole(1), default=1, help="cut each sequence into this many chunks that flow "
+                   "through the pipeline as microbatches (Seq1F1B: the first stage holds p + S - 1 chunks instead of "
+                   "p sequences); 1: whole sequences")
     g.add_argument("--tp", type=whole(1), default=1, help="tensor-parallel ranks per stage (inside a node)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="with --tp: the residual stream, the norms and what crosses stages sharded by sequence")
