@@ -5181,11 +5181,77 @@ def test_the_search_accumulates_steps_only_where_memory_forces_it_and_the_fewest
                                                                         "per stage (2), or one for all"),
     (["--processes", "2", "--activation-checkpointing", "auto", "--gpu-memory", "0.01"], 1,
      "error: --gpu-memory 0.01: pipeline rank 0 needs"),
+    (["--processes", "2", "--seq-len", "30", "--seq-chunks", "4"], 1,
+     "error: --seq-chunks 4 does not cut --seq-len 30 into even chunks; the nearest that does: --seq-chunks 3"),
+    (["--processes", "2", "--seq-chunks", "200"], 1, "error: --seq-chunks 200: give 1 to 128 chunks for --seq-len 128"),
+    (["--processes", "2", "--schedule", "zb1p", "--seq-chunks", "2"], 1, "error: --seq-chunks 2: --schedule zb1p "
+                                                                         "cannot order sequence chunks"),
+    (["--processes", "2", "--schedule", "interleaved1f1b", "--seq-chunks", "2"], 1,
+     "error: --seq-chunks 2: --schedule interleaved1f1b cannot order sequence chunks"),
+    (["--gpus", "8", "--seq-chunks", "2"], 1, "error: --seq-chunks 2: plans one layout (--processes)"),
 ])
 def test_plan_refuses_what_the_script_refuses_in_one_line(argv, status, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     err = refused(capsys, plan.main, *argv, "--device", "cpu", status=status)
     assert err.startswith(message), err
+
+
+@pytest.mark.parametrize("pp, S", [(2, 2), (2, 4), (4, 2), (4, 4)])
+def test_plan_seq_chunks_of_equal_cost_bubble_as_s_times_the_microbatches(pp, S, capsys):
+    # --stage-times gives a stage's whole time and says nothing of attention's share: chunks then cost alike
+    # (their tokens' share), and Seq1F1B's order idles as 1F1B with S m microbatches, (p - 1) / (S m + p - 1),
+    # GPipe's chunk order as GPipe with S m.
+    m, times = pp, ",".join(["1"] * pp) + "/" + ",".join(["2"] * pp)
+    common = ["--processes", str(pp), "--seq-len", "64", "--batch-size", str(S * m), "--stage-times", times,
+              "--device", "cpu"]
+    for name in ("1f1b", "gpipe"):
+        chunked = plan.main([*common, "--schedule", name, "--microbatches", str(m), "--seq-chunks", str(S)])
+        whole = plan.main([*common, "--schedule", name, "--microbatches", str(S * m)])
+        row = chunked["schedules"][f"{name} --seq-chunks {S}"]
+        assert row["bubble"] == pytest.approx(whole["schedules"][name]["bubble"], abs=1e-12)
+        assert row["bubble"] == pytest.approx((pp - 1) / (S * m + pp - 1), abs=1e-12)
+        # (--stage-times are a microbatch's, whatever its tokens: S m of them, S times a chunk's work)
+        assert S * row["step"] == pytest.approx(whole["schedules"][name]["step"], rel=1e-12)
+    out = capsys.readouterr().out
+    assert re.search(rf"^  1f1b --seq-chunks {S} +step .* bubble .* activations ", out, re.M), out
+    assert f"interleaved1f1b        not possible here: --seq-chunks {S}: --schedule interleaved1f1b cannot " in out
+
+
+def test_plan_seq_chunks_cost_grows_with_the_prefix():
+    # A chunk's share of a stage's time: its matrices' FLOPs by its tokens, causal attention's by what its
+    # queries read, token x of the sequence its x + 1/2 keys (the mean of the triangle's row): counted token by
+    # token here. attention: the stage's attention share.
+    lengths, attention = [16, 16, 32], [0.0, 0.4]
+    _, share, _ = plan.chunk_costs([range(1), range(1)], lengths, attention, [0.0, 0.0], [["none"], ["none"]], 0.0)
+    starts = [0, 16, 32]
+    for a, row in zip(attention, share):
+        tokens = [(1 - a) * n / 64 + a * sum(x + 0.5 for x in range(o, o + n)) / (64 * 64 / 2)
+                  for o, n in zip(starts, lengths)]
+        assert row == pytest.approx(tokens, rel=1e-12) and sum(row) == pytest.approx(1.0, rel=1e-12)
+    assert share[1][0] < share[1][1]  # even chunks: the later one dearer
+    # FLOP-estimated: on the tiny model at 1024 tokens the 1F1B chunk row idles more than with equal chunk costs
+    # would ((p - 1) / (S m + p - 1) is its least, reached with equal costs on equal stages alone).
+    report = plan.main(["--processes", "2", "--seq-len", "1024", "--batch-size", "4", "--microbatches", "2",
+                        "--schedule", "1f1b", "--seq-chunks", "4", "--split", "3,3", "--device", "cpu"])
+    assert report["schedules"]["1f1b --seq-chunks 4"]["bubble"] > 1 / 9
+
+
+@pytest.mark.parametrize("S", [2, 4])
+def test_plan_seq_chunks_first_rank_holds_p_plus_s_minus_1_chunks_and_their_prefixes(S):
+    # 2 stages of 2 layers, 4 microbatches of 2 sequences of 64 tokens (fp32). 1F1B: rank 0 holds 2 microbatches
+    # (H each). Seq1F1B: at most p + S - 1 chunks, (p + S - 1) / (S p) of that, plus what each chunk's attention
+    # saves of its prefix: the keys and values, 2 x prefix x kv_heads x head_dim x 4 bytes per layer and sequence.
+    # At its fullest rank 0 holds sequence 0's S chunks and sequence 1's first (S = 2: prefixes 0 + 32 tokens;
+    # S = 4: 0 + 16 + 32 + 48).
+    common = ["--processes", "2", "--model", "tiny", "--layers", "4", "--split", "2,2", "--seq-len", "64",
+              "--batch-size", "8", "--microbatches", "4", "--schedule", "1f1b", "--device", "cpu"]
+    whole = plan.main(common)["ranks"][0]["activations"]
+    chunked = plan.main([*common, "--seq-chunks", str(S)])["ranks"][0]["activations"]
+    tiny = model_module.PRESETS["tiny"]
+    head_dim = tiny["hidden_size"] // tiny["num_attention_heads"]
+    prefixes = sum(64 // S * j for j in range(S))  # tokens, of sequence 0's chunks
+    kv = 2 * prefixes * tiny["num_key_value_heads"] * head_dim * 4 * 2 * 2  # x 2 layers x 2 sequences a chunk
+    assert chunked == pytest.approx((2 + S - 1) / (S * 2) * whole + kv, rel=1e-12)
 
 
 def test_plan_reads_the_model_from_a_hugging_face_directory(tmp_path, capsys):
