@@ -24,10 +24,16 @@ gather and reduce-scatter of each stage once per optimizer step; nothing overlap
 --processes N plans one layout. The flags are the training scripts' own (the same names, meanings and
 defaults: --model, --layers, --init-from, --seq-len, --document-masking, --batch-size, --microbatches,
 --accumulate, --schedule, --stages-per-rank, --split, --dp, --tp, --loss-chunks, --activation-checkpointing,
---device), and where the vocabulary comes from: --vocab-size (default 8192, prepare_data.py's default
+--device, --seq-chunks), and where the vocabulary comes from: --vocab-size (default 8192, prepare_data.py's default
 tokenizer) or --data DIR (a prepared dataset's meta.json); --init-from brings its own. A plan is refused, with
 the same one line, exactly when train_pipeline_gpipe.py would refuse the run (its check_args and stage_layout
 do the checking); the hand-written script's afab is accepted too (GPipe's order).
+
+--seq-chunks S plans each sequence cut into S chunks that run as microbatches (Seq1F1B), as the scripts run it
+under gpipe, afab and 1f1b (model.chunk_order's order; the other schedules' rows: not possible here, the scripts'
+reason): each chunk its own time (its FLOPs: the matrices' by its tokens, causal attention's by what it reads of
+its prefix, so a later chunk costs more) and bytes (its tokens' share, plus the prefix's keys and values its
+attention saves), a row beside GPipe's and 1F1B's (docs/long-sequences.md).
 
 --accumulate K plans an optimizer step of K schedule steps of --microbatches m each (microbatches of batch /
 (dp x m x K) rows): a step's activations, K times the replayed step's time (K fills and drains: 1F1B on 4 equal
