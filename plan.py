@@ -1915,6 +1915,9 @@ def plan(args) -> dict:
 # Which layout: every (pp, dp, tp, schedule, microbatches, checkpointing) for a cluster, ranked
 
 MAX_MICROBATCHES = 256
+SEARCHED_CHUNKS = (2, 4, 8)  # --seq-chunks the search tries beside whole sequences (gpipe and 1f1b),
+MIN_SEARCHED_CHUNK = 4096  # of chunks this long at least: "gains show when chunks are 4k or longer" (Seq1F1B's
+# authors, thunlp/Seq1F1B #4); shorter ones run below the GPU's rate, which the model of time does not know.
 MAX_ACCUMULATE = 256  # schedule steps per optimizer step the search tries (a replica: up to 65,536 microbatches)
 
 
@@ -1968,8 +1971,10 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
     schedule "afab --vocab-parallel" or "1f1b --vocab-parallel": the hand-written script's, the vocabulary split
     over the pipeline ranks (the plan's --vocab-parallel; the row says "vocab_parallel")."""
     vocab = schedule.endswith(" --vocab-parallel")
-    schedule = VOCAB_SCHEDULES[schedule.split()[0]] if vocab else schedule
+    S = int(schedule.split()[-1]) if " --seq-chunks " in schedule else 1  # each sequence in S chunks
+    schedule = VOCAB_SCHEDULES[schedule.split()[0]] if vocab else schedule.split()[0]
     trial = argparse.Namespace(**{**vars(args), "processes": pp * dp * tp, "dp": dp, "tp": tp, "microbatches": m,
+                                  "seq_chunks": S,
                                   "accumulate": accumulate, "activation_checkpointing": checkpointing,
                                   "split": "balanced", "device": "cuda"})
     try:
@@ -1982,7 +1987,7 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
         return None
     row = {"pp": pp, "dp": dp, "tp": tp, "schedule": schedule, "microbatches": m, "accumulate": accumulate,
            "checkpointing": checkpointing, "stages_per_rank": ns.stages_per_rank} | (
-        {"vocab_parallel": True} if vocab else {})
+        {"vocab_parallel": True} if vocab else {}) | ({"seq_chunks": S} if S > 1 else {})
     per_rank = [stage_ids(schedule, r, pp, ns.stages_per_rank) for r in range(pp)]
     if vocab:  # the layers alone balanced (their costs: the same per layer whatever the microbatch)
         layout = balanced(config.num_hidden_layers, pp, without_vocab(estimated_costs(config, args.seq_len)))
@@ -2007,8 +2012,19 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
                            + vocab_collectives(config, tokens, pp, dp, tp, bf16(trial), trial))
         stages = vocab_held(layout, sizes, sliced, checkpointing, tokens, config.hidden_size, shards(args, tp))
     forward, backward, split = times
-    result = replay(schedule_orders(schedule, pp, m, ns.stages_per_rank), forward, backward,
-                    stages, stage_between(layout, sizes, checkpointing), split)
+    if S > 1:  # the chunks' order, each chunk its own time and bytes (plan()'s --seq-chunks)
+        share = 12 * config.num_attention_heads * config.head_dim * args.seq_len / estimated_costs(
+            config, args.seq_len)["layer"]
+        attention = [len(layers) * costs["layer"] * share / c for layers, c in zip(layout, stage_costs(layout, costs))]
+        kv_bytes = 2 * config.num_key_value_heads * config.head_dim / tp * (2 if bf16(trial) else 4) * (
+            tokens // args.seq_len)
+        result = replay(chunk_orders(schedule, pp, m, S), forward, backward, stages,
+                        stage_between(layout, sizes, checkpointing), split, chunks=chunk_costs(
+                            layout, [args.seq_len // S] * S, attention, stages, layer_modes(layout, checkpointing),
+                            kv_bytes))
+    else:
+        result = replay(schedule_orders(schedule, pp, m, ns.stages_per_rank), forward, backward,
+                        stages, stage_between(layout, sizes, checkpointing), split)
     if vocab:
         result = vocab_peaks(result, stages, schedule)
     memory = max(rank_memory(held[r], dp, result["peak"][r], result["peak"][r],
@@ -2098,7 +2114,11 @@ def candidates(args, config: LlamaConfig, schedules, checkpointing):
             # The hand-written script's schedules with the vocabulary split over the pipeline ranks too (no --tp).
             vocab = [f"{name} --vocab-parallel" for name, order in VOCAB_SCHEDULES.items()
                      if order in schedules and pp > 1 and tp == 1]
-            for schedule in (*schedules, *vocab):
+            # Each sequence in S chunks (--seq-chunks), under the schedules that order them (the scripts' checks
+            # say which S cut --seq-len).
+            cut = [f"{name} --seq-chunks {S}" for name in ("gpipe", "1f1b") if name in schedules and pp > 1
+                   for S in SEARCHED_CHUNKS if args.seq_len % S == 0 and args.seq_len // S >= MIN_SEARCHED_CHUNK]
+            for schedule in (*schedules, *vocab, *cut):
                 if pp == 1 and schedule != schedules[0]:
                     continue  # one stage: every schedule is the same loop over microbatches
                 for ac in checkpointing:
@@ -2119,7 +2139,8 @@ def command(args, row: dict) -> str:
              + (" --no-sequence-parallel" if row["tp"] > 1 and not args.sequence_parallel else "")
              + (" --activation-checkpointing" if row["checkpointing"] else "")
              + (" --document-masking" if args.document_masking else "")
-             + (f" --loss-chunks {args.loss_chunks}" if args.loss_chunks else ""))
+             + (f" --loss-chunks {args.loss_chunks}" if args.loss_chunks else "")
+             + (f" --seq-chunks {row['seq_chunks']}" if row.get("seq_chunks") else ""))
     nodes = args.gpus // args.gpus_per_node if args.gpus > args.gpus_per_node else 1
     if nodes == 1:
         return f"torchrun --nproc_per_node {args.gpus} {script} {flags}"
@@ -2223,7 +2244,7 @@ def search(args) -> list[dict]:
     for i, row in enumerate(fits[:args.top], 1):
         vocab = row.get("vocab_parallel")
         name = f"{'afab' if row['schedule'] == 'gpipe' else row['schedule']} --vocab-parallel" if vocab else \
-            row["schedule"]
+            row["schedule"] + (f" --seq-chunks {row['seq_chunks']}" if row.get("seq_chunks") else "")
         print(f"\n{i}. pp {row['pp']} x dp {row['dp']} x tp {row['tp']}, {name}, {row['microbatches']} "
               f"microbatch{'es' if row['microbatches'] > 1 else ''}"
               + (f" x {row['accumulate']} schedule steps (--accumulate: each its fill and drain)"
@@ -2344,8 +2365,9 @@ def build_parser() -> argparse.ArgumentParser:
 def check_measured(args) -> None:
     """What the measured-time flags and --write-schedule rule out (UsageError), before any work."""
     if args.gpus and args.seq_chunks > 1:
-        raise UsageError(f"--seq-chunks {args.seq_chunks}: plans one layout (--processes); --gpus does not search "
-                         "chunks yet")
+        raise UsageError(f"--seq-chunks {args.seq_chunks}: --gpus searches it (whole sequences and "
+                         f"{', '.join(map(str, SEARCHED_CHUNKS))} chunks of {MIN_SEARCHED_CHUNK} tokens or more under "
+                         "gpipe and 1f1b); leave it out")
     if args.write_schedule and args.gpus:
         raise UsageError(f"--write-schedule {args.write_schedule}: writes one layout's order; give --processes "
                          "instead of --gpus")

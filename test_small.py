@@ -5188,7 +5188,9 @@ def test_the_search_accumulates_steps_only_where_memory_forces_it_and_the_fewest
                                                                          "cannot order sequence chunks"),
     (["--processes", "2", "--schedule", "interleaved1f1b", "--seq-chunks", "2"], 1,
      "error: --seq-chunks 2: --schedule interleaved1f1b cannot order sequence chunks"),
-    (["--gpus", "8", "--seq-chunks", "2"], 1, "error: --seq-chunks 2: plans one layout (--processes)"),
+    (["--gpus", "8", "--seq-chunks", "2"], 1, "error: --seq-chunks 2: --gpus searches it (whole sequences and 2, "
+                                              "4, 8 chunks of 4096 tokens or more under gpipe and 1f1b); leave it "
+                                              "out"),
 ])
 def test_plan_refuses_what_the_script_refuses_in_one_line(argv, status, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -5234,6 +5236,32 @@ def test_plan_seq_chunks_cost_grows_with_the_prefix():
     report = plan.main(["--processes", "2", "--seq-len", "1024", "--batch-size", "4", "--microbatches", "2",
                         "--schedule", "1f1b", "--seq-chunks", "4", "--split", "3,3", "--device", "cpu"])
     assert report["schedules"]["1f1b --seq-chunks 4"]["bubble"] > 1 / 9
+
+
+def test_plan_gpus_searches_seq_chunks_of_4k_tokens_or_more(tmp_path, capsys, monkeypatch):
+    # Llama 3.1 8B's shape at 32k tokens on 16 GPUs: the search tries 2, 4 and 8 chunks under gpipe and 1f1b
+    # (chunks of 4,096 tokens or more) beside whole sequences; a chunked layout ranks, its commands the scripts
+    # accept. At 8k tokens only 2 chunks are tried (4,096 tokens each).
+    monkeypatch.chdir(tmp_path)
+    llama = {**LLAMA_70B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+             "num_attention_heads": 32}
+    config = write_config(tmp_path / "config.json", llama)
+    best = plan.main(["--model", config, "--seq-len", "32768", "--gpus", "16", "--batch-size", "64", "--top", "5"])
+    chunked = [row for row in best if row.get("seq_chunks")]
+    assert chunked and all(row["schedule"] in ("gpipe", "1f1b") and 32768 // row["seq_chunks"] >= 4096
+                           for row in chunked)
+    out = capsys.readouterr().out
+    for row in chunked:
+        assert f"{row['schedule']} --seq-chunks {row['seq_chunks']}, " in out
+        for line in (row["command"], row["by_hand"]):
+            assert line.endswith(f" --seq-chunks {row['seq_chunks']}")
+            words = shlex.split(line.split("./run.sh ", 1)[1])
+            assert checked_args(SCRIPT_MODULES[words[0]], words[1:], 16).seq_chunks == row["seq_chunks"]
+    tried = {row.get("seq_chunks", 1) for row in plan.layouts(
+        plan.build_parser().parse_args(["--model", "llama-8b", "--vocab-size", "128256", "--seq-len", "8192",
+                                        "--gpus", "8", "--batch-size", "16", "--device", "cuda"]),
+        model_module.config_from_preset("llama-8b", 128256))}
+    assert tried == {1, 2}
 
 
 @pytest.mark.parametrize("S", [2, 4])
