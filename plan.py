@@ -12,7 +12,8 @@
 
 --gpus N searches the layouts of N GPUs: pp x dp x tp = N with tp inside a node and dividing the model's heads,
 every schedule torch ships (the hand-written script's afab and 1f1b are GPipe's and 1F1B's orders), the most
-microbatches the batch and schedule allow, with and without activation checkpointing, the balanced split; and
+microbatches the batch and schedule allow, with and without activation checkpointing, the balanced split, under
+gpipe and 1f1b each sequence whole or in 2, 4 or 8 chunks (--seq-chunks) of 4096 tokens or more; and
 --accumulate K > 1 only where memory forces it: for a pp x dp x tp and schedule that fits at no microbatch
 count, with or without checkpointing, the smallest K that fits. It drops what the scripts would refuse or what
 does not fit in --gpu-memory (less 10 % for CUDA itself), and prints the fastest few, each with its step time,

@@ -5238,6 +5238,29 @@ def test_plan_seq_chunks_cost_grows_with_the_prefix():
     assert report["schedules"]["1f1b --seq-chunks 4"]["bubble"] > 1 / 9
 
 
+def test_plan_seq_chunks_first_rank_as_the_parity_test_measured(tmp_path, capsys):
+    # docs/long-sequences.md gives what the parity test measured (the tensors autograd saves, its model: 2 stages
+    # of 2 layers, 4 microbatches of 16 tokens, documents): rank 0 under 1F1B in 2 and in 4 chunks, a share of
+    # GPipe's on whole sequences. plan.py on that shape gives the same, to the page's two decimals (0.005) and
+    # the rounding of what a chunk's attention saves of its prefix (the plan counts the prefix's keys and values
+    # alone, not the chunk's own copy): 0.01.
+    page = (ROOT / "docs" / "long-sequences.md").read_text()
+    measured = re.search(r"0\.50 of GPipe's activations under 1F1B, ([\d.]+) in 2 chunks and ([\d.]+) in 4", page)
+    config = write_config(tmp_path / "config.json", {
+        "model_type": "llama", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 98, "max_position_embeddings": 64})
+    common = ["--processes", "2", "--model", config, "--seq-len", "16", "--batch-size", "8", "--microbatches", "4",
+              "--document-masking", "--split", "2,2", "--device", "cpu"]
+
+    def rank_0(*argv):
+        return plan.main([*common, *argv])["ranks"][0]["activations"]
+    gpipe_whole = rank_0("--schedule", "gpipe")
+    assert rank_0("--schedule", "1f1b") / gpipe_whole == pytest.approx(0.5, abs=1e-12)
+    for S, figure in zip((2, 4), measured.groups()):
+        assert rank_0("--schedule", "1f1b", "--seq-chunks", str(S)) / gpipe_whole == pytest.approx(float(figure),
+                                                                                                  abs=0.01), S
+
+
 def test_plan_gpus_searches_seq_chunks_of_4k_tokens_or_more(tmp_path, capsys, monkeypatch):
     # Llama 3.1 8B's shape at 32k tokens on 16 GPUs: the search tries 2, 4 and 8 chunks under gpipe and 1f1b
     # (chunks of 4,096 tokens or more) beside whole sequences; a chunked layout ranks, its commands the scripts
