@@ -1907,8 +1907,10 @@ def plan(args) -> dict:
     args.activation_checkpointing = flag
     if args.write_schedule:
         write_schedule(args.write_schedule, written)
-        print(f"\nwrote {args.write_schedule}: {args.schedule}'s order on {pp} pipeline ranks, {m} microbatches, as "
-              "torch 2.13's _PipelineScheduleRuntime._load_csv reads it (row r: pipeline rank r's actions, in order)")
+        print(f"\nwrote {args.write_schedule}: {args.schedule}'s order on {pp} pipeline ranks, {m * S} microbatches, "
+              "as torch 2.13's _PipelineScheduleRuntime._load_csv reads it (row r: pipeline rank r's actions, in "
+              "order)" + (f"; with --seq-chunks {S}, microbatch s x {S} + j is sequence s's chunk j (the scripts make "
+                          "this order themselves from --seq-chunks)" if S > 1 else ""))
     return report
 
 

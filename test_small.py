@@ -5261,6 +5261,16 @@ def test_plan_seq_chunks_first_rank_as_the_parity_test_measured(tmp_path, capsys
                                                                                                   abs=0.01), S
 
 
+def test_plan_seq_chunks_writes_the_order_the_scripts_make(tmp_path, capsys):
+    # --write-schedule with --seq-chunks: the order model.chunk_order makes for the scripts, which plan.py replays.
+    path = tmp_path / "chunks.csv"
+    plan.main(["--processes", "3", "--schedule", "1f1b", "--seq-chunks", "4", "--microbatches", "3", "--batch-size",
+               "6", "--write-schedule", str(path), "--device", "cpu"])
+    assert "3 pipeline ranks, 12 microbatches" in capsys.readouterr().out
+    order = model_module.chunk_order("1f1b", 3, 3, [32] * 4)
+    assert path.read_text().splitlines() == [",".join(map(str, order.actions[r])) for r in range(3)]
+
+
 def test_plan_gpus_searches_seq_chunks_of_4k_tokens_or_more(tmp_path, capsys, monkeypatch):
     # Llama 3.1 8B's shape at 32k tokens on 16 GPUs: the search tries 2, 4 and 8 chunks under gpipe and 1f1b
     # (chunks of 4,096 tokens or more) beside whole sequences; a chunked layout ranks, its commands the scripts
