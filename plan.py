@@ -13,7 +13,7 @@
 --gpus N searches the layouts of N GPUs: pp x dp x tp = N with tp inside a node and dividing the model's heads,
 every schedule torch ships (the hand-written script's afab and 1f1b are GPipe's and 1F1B's orders), the most
 microbatches the batch and schedule allow, with and without activation checkpointing, the balanced split, under
-gpipe and 1f1b each sequence whole or in 2, 4 or 8 chunks (--seq-chunks) of 4096 tokens or more; and
+gpipe and 1f1b each sequence whole or in 2, 4, 8, 16 or 32 chunks (--seq-chunks) of 4096 tokens or more; and
 --accumulate K > 1 only where memory forces it: for a pp x dp x tp and schedule that fits at no microbatch
 count, with or without checkpointing, the smallest K that fits. It drops what the scripts would refuse or what
 does not fit in --gpu-memory (less 10 % for CUDA itself), and prints the fastest few, each with its step time,
@@ -1918,7 +1918,7 @@ def plan(args) -> dict:
 # Which layout: every (pp, dp, tp, schedule, microbatches, checkpointing) for a cluster, ranked
 
 MAX_MICROBATCHES = 256
-SEARCHED_CHUNKS = (2, 4, 8)  # --seq-chunks the search tries beside whole sequences (gpipe and 1f1b),
+SEARCHED_CHUNKS = (2, 4, 8, 16, 32)  # --seq-chunks the search tries beside whole sequences (gpipe and 1f1b),
 MIN_SEARCHED_CHUNK = 4096  # of chunks this long at least: "gains show when chunks are 4k or longer" (Seq1F1B's
 # authors, thunlp/Seq1F1B #4); shorter ones run below the GPU's rate, which the model of time does not know.
 MAX_ACCUMULATE = 256  # schedule steps per optimizer step the search tries (a replica: up to 65,536 microbatches)

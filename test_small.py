@@ -5189,8 +5189,8 @@ def test_the_search_accumulates_steps_only_where_memory_forces_it_and_the_fewest
     (["--processes", "2", "--schedule", "interleaved1f1b", "--seq-chunks", "2"], 1,
      "error: --seq-chunks 2: --schedule interleaved1f1b cannot order sequence chunks"),
     (["--gpus", "8", "--seq-chunks", "2"], 1, "error: --seq-chunks 2: --gpus searches it (whole sequences and 2, "
-                                              "4, 8 chunks of 4096 tokens or more under gpipe and 1f1b); leave it "
-                                              "out"),
+                                              "4, 8, 16, 32 chunks of 4096 tokens or more under gpipe and 1f1b); "
+                                              "leave it out"),
 ])
 def test_plan_refuses_what_the_script_refuses_in_one_line(argv, status, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
