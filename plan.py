@@ -12,7 +12,8 @@
 
 --gpus N searches the layouts of N GPUs: pp x dp x tp = N with tp inside a node and dividing the model's heads,
 every schedule torch ships (the hand-written script's afab and 1f1b are GPipe's and 1F1B's orders), the most
-microbatches the batch and schedule allow, with and without activation checkpointing, the balanced split; and
+microbatches the batch and schedule allow, with and without activation checkpointing, the balanced split, under
+gpipe and 1f1b each sequence whole or in 2, 4, 8, 16 or 32 chunks (--seq-chunks) of 4096 tokens or more; and
 --accumulate K > 1 only where memory forces it: for a pp x dp x tp and schedule that fits at no microbatch
 count, with or without checkpointing, the smallest K that fits. It drops what the scripts would refuse or what
 does not fit in --gpu-memory (less 10 % for CUDA itself), and prints the fastest few, each with its step time,
@@ -24,10 +25,16 @@ gather and reduce-scatter of each stage once per optimizer step; nothing overlap
 --processes N plans one layout. The flags are the training scripts' own (the same names, meanings and
 defaults: --model, --layers, --init-from, --seq-len, --document-masking, --batch-size, --microbatches,
 --accumulate, --schedule, --stages-per-rank, --split, --dp, --tp, --loss-chunks, --activation-checkpointing,
---device), and where the vocabulary comes from: --vocab-size (default 8192, prepare_data.py's default
+--device, --seq-chunks), and where the vocabulary comes from: --vocab-size (default 8192, prepare_data.py's default
 tokenizer) or --data DIR (a prepared dataset's meta.json); --init-from brings its own. A plan is refused, with
 the same one line, exactly when train_pipeline_gpipe.py would refuse the run (its check_args and stage_layout
 do the checking); the hand-written script's afab is accepted too (GPipe's order).
+
+--seq-chunks S plans each sequence cut into S chunks that run as microbatches (Seq1F1B), as the scripts run it
+under gpipe, afab and 1f1b (model.chunk_order's order; the other schedules' rows: not possible here, the scripts'
+reason): each chunk its own time (its FLOPs: the matrices' by its tokens, causal attention's by what it reads of
+its prefix, so a later chunk costs more) and bytes (its tokens' share, plus the prefix's keys and values its
+attention saves), a row beside GPipe's and 1F1B's (docs/long-sequences.md).
 
 --accumulate K plans an optimizer step of K schedule steps of --microbatches m each (microbatches of batch /
 (dp x m x K) rows): a step's activations, K times the replayed step's time (K fills and drains: 1F1B on 4 equal
@@ -107,9 +114,9 @@ import torch
 import checkpoint
 import train_pipeline_gpipe as gpipe
 from checkpoint import Parser, UsageError, whole
-from model import (PRESETS, LlamaConfig, balanced, check_positions, checkpointing_plan, config_from_hf,
-                   config_from_preset, describe_layout, estimated_costs, from_sizes, layer_checkpointing, loss_chunks,
-                   parameter_counts, stage_costs)
+from model import (PRESETS, LlamaConfig, balanced, check_positions, checkpointing_plan, chunk_order,
+                   config_from_hf, config_from_preset, describe_layout, estimated_costs, from_sizes,
+                   layer_checkpointing, loss_chunks, parameter_counts, stage_costs)
 from train_pipeline_gpipe import SCHEDULES, SINGLE_STAGE, V_SHAPED, stage_ids
 
 # The throughput the step times are given at: 40 % of an H100's dense bf16 peak, a typical sustained rate.
@@ -120,7 +127,7 @@ VOCAB_SIZE = 8192  # prepare_data.py's default tokenizer
 # names, types, defaults and help are the script's (--schedule is declared here: it also takes afab).
 SHARED = ("model", "layers", "init_from", "seq_len", "document_masking", "batch_size", "microbatches",
           "accumulate", "stages_per_rank", "split", "dp", "tp", "sequence_parallel", "loss_chunks",
-          "activation_checkpointing", "device", "precision", "async_checkpoint")
+          "activation_checkpointing", "device", "precision", "async_checkpoint", "seq_chunks")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -444,7 +451,7 @@ def merged(acts: list[list[tuple]], rank: int, rank_of: dict) -> list[list[tuple
 
 def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward: list[float],
            held: list[float], between: list[float] | None = None, split: tuple | None = None,
-           message: float = 0.0, merge: bool = True) -> dict:
+           message: float = 0.0, merge: bool = True, chunks: tuple | None = None) -> dict:
     """Run the orders against the dependencies: stage s's forward of microbatch i after stage s - 1's, its
     backward (B, or I for the input gradient alone) after its forward and after stage s + 1's backward, a
     weight gradient (W) after its I. forward/backward: each stage's times; split: each stage's I and W times
@@ -453,7 +460,9 @@ def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward:
     needs); message: the time an output or its gradient takes to reach a stage on another rank (in flight while
     both ranks compute other things: the Zero Bubble paper's model); merge: an I followed on its rank by its own
     W runs as one B where its gradient stays on the rank, as the gpipe and tracer scripts run every order
-    (merged, model.merge_backwards): a B's time, no gradients held between (with B = I + W the same times). Returns
+    (merged, model.merge_backwards): a B's time, no gradients held between (with B = I + W the same times);
+    chunks: --seq-chunks S's (S, share, bytes): microbatch i is chunk i % S of a sequence, its actions share[s][j]
+    of stage s's times and holding bytes[s][j] from its forward to its backward (chunk_costs). Returns
     the step time, each rank's busy time, its peak bytes held, and the bubble (the idle share of all ranks'
     time)."""
     last = len(forward) - 1
@@ -463,6 +472,15 @@ def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward:
     # Each kind of action: its time and what it changes in the bytes held, per stage.
     cost = {"F": forward, "B": backward, "I": input_grad, "W": weight_grad}
     change = {"F": held, "B": [-h for h in held], "I": between, "W": [-h - b for h, b in zip(held, between)]}
+    if chunks:  # per (stage, chunk): each kind's time and change as above, of the chunk's own share and bytes
+        S, share, kept = chunks
+        cost = {k: [[t * f for f in share[s]] for s, t in enumerate(v)] for k, v in cost.items()}
+        change = {"F": kept, "B": [[-h for h in row] for row in kept],
+                  "I": [[b * f for f in share[s]] for s, b in enumerate(between)],
+                  "W": [[-h - b * f for h, f in zip(kept[s], share[s])] for s, b in enumerate(between)]}
+
+    def duration(kind, s, i) -> float:
+        return cost[kind][s][i % S] if chunks else cost[kind][s]
 
     def needs(kind, s, i) -> tuple:
         if kind == "F":
@@ -516,13 +534,13 @@ def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward:
                 waiting.setdefault(missing, []).append(index)
                 break
             for kind, s, key in actions:  # an overlapped pair: one after the other here
-                took = cost[kind][s]
+                took = cost[kind][s] if not chunks else cost[kind][s][key[2] % S]
                 time += took
                 spent += took
                 finished[key] = time
                 if key in waiting:
                     awake += waiting.pop(key)
-                now_held += change[kind][s]
+                now_held += change[kind][s] if not chunks else change[kind][s][key[2] % S]
                 if now_held > most:
                     most = now_held
             at += 1
@@ -533,7 +551,7 @@ def replay(orders: dict[int, list[list[tuple]]], forward: list[float], backward:
     step = max(clock.values())
     # Each rank's span, from its first action's start to its last's end: where ranks start and end apart (the
     # zero-bubble orders), what a step would take if the next one's forwards could start as each rank ends.
-    span = {r: clock[r] - min(finished[key] - cost[kind][s] for kind, s, key in steps[index][0][1])
+    span = {r: clock[r] - min(finished[key] - duration(kind, s, key[2]) for kind, s, key in steps[index][0][1])
             for index, r in enumerate(ranks) if steps[index]}
     return {"step": step, "busy": busy, "peak": peak, "bubble": 1 - sum(busy.values()) / (len(busy) * step),
             "span": span}
@@ -567,6 +585,42 @@ def schedule_result(name, pp, m, stages_per_rank, times: tuple, held, between=No
     forward, backward, split = times
     orders = orders or schedule_orders(name, pp, m, stages_per_rank)
     return replay(orders, forward, backward, held, between, split, message)
+
+
+def chunk_refusal(name: str, chunks: int) -> str | None:
+    """--seq-chunks S under schedule `name`: the scripts' one line where no chunk order is made for it (all but
+    gpipe, afab and 1f1b: model.chunk_order's check), else None."""
+    try:
+        chunk_order("gpipe" if name == "afab" else name, 1, 1, [1] * chunks)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@functools.lru_cache
+def chunk_orders(name: str, pp: int, microbatches: int, chunks: int) -> dict[int, list[list[tuple]]]:
+    """The order the scripts run for --seq-chunks S (model.chunk_order: microbatch s S + j is sequence s's chunk
+    j; GPipe's forwards first, or Seq1F1B's), in schedule_orders' form."""
+    order = chunk_order("gpipe" if name == "afab" else name, pp, microbatches, [1] * chunks)
+    return {r: [acts for acts in map(_actions, filter(None, order.actions[r])) if acts] for r in range(pp)}
+
+
+def chunk_costs(layout: list[range], lengths: list[int], attention: list[float], held: list[float], modes,
+                kv_bytes: float) -> tuple[int, list[list[float]], list[list[float]]]:
+    """replay()'s chunks: each stage's share of a microbatch's time per chunk, and the bytes a chunk holds.
+    Time: a chunk's FLOPs, the matrices' (6N a token) by its length, causal attention's (attention: its share of
+    the stage's FLOPs) by length x (offset + length / 2), as each query reads its prefix: a later chunk costs more.
+    Bytes: its tokens' share of a microbatch's (held), plus per layer the keys and values its attention keeps of
+    other chunks (kv_bytes a token and layer): where the layer keeps its activations, the copy of the prefix's
+    that attention saves (the chunk's own are in its activations already); where it recomputes (full or
+    selective), its own in the layer's cache until its backward (model.py's kv_chunks; the last chunk's: none)."""
+    total, S = sum(lengths), len(lengths)
+    offsets = [sum(lengths[:j]) for j in range(S)]
+    share = [[(1 - a) * n / total + a * n * (o + n / 2) / (total * total / 2) for o, n in zip(offsets, lengths)]
+             for a in attention]
+    kept = [[h * n / total + kv_bytes * sum(o if mode == "none" else n * (j < S - 1) for mode in stage_modes)
+             for j, (o, n) in enumerate(zip(offsets, lengths))] for h, stage_modes in zip(held, modes)]
+    return S, share, kept
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1584,6 +1638,12 @@ def plan(args) -> dict:
     processes, dp, tp, m, per_rank = args.processes, args.dp, args.tp, args.microbatches, ns.stages_per_rank
     pp, steps = processes // (dp * tp), args.accumulate  # K schedule steps of m microbatches: one optimizer step
     vp = args.vocab_parallel  # the memory table is its split's; the schedules show it beside the plain one
+    S = args.seq_chunks  # --seq-chunks: each sequence in S chunks, the chunks run as microbatches
+    if S > 1 and (why := chunk_refusal(args.schedule, S)):  # (the generated orders: placed as 1f1b, refused too)
+        raise UsageError(why)
+    if S > 1 and (vp or auto):
+        other = "--vocab-parallel" if vp else "--activation-checkpointing auto"
+        raise UsageError(f"--seq-chunks {S}: not planned with {other} yet; leave one out")
     if vp:
         check_vocab_parallel(args, pp)
         if auto:
@@ -1601,6 +1661,7 @@ def plan(args) -> dict:
     print(f"plan: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
           f"{processes} processes = {pp} pipeline x {dp} data x {tp} tensor, --schedule {args.schedule}, "
           f"{m} microbatches of {tokens // args.seq_len} x {args.seq_len} tokens per replica"
+          f"{f', each sequence in {S} chunks of {args.seq_len // S} tokens (--seq-chunks)' if S > 1 else ''}"
           f"{f' in each of {steps} schedule steps per optimizer step (--accumulate)' if steps > 1 else ''}, "
           f"{'bf16 autocast' if half else 'fp32'}{', sequence parallel' if shards(args, tp) > 1 else ''}")
     passes = given_passes(args, config)
@@ -1704,6 +1765,23 @@ def plan(args) -> dict:
                 name, pp, m, stages_per_rank, timed(lay), *held(lay, spec), message, torchs or generated_orders(
                     name, pp, m, timed(lay), *held(lay, spec), message))["peak"])
 
+    lengths = [args.seq_len // S] * S  # (even: checked as the scripts check it)
+    kv_bytes = 2 * config.num_key_value_heads * config.head_dim / tp * (2 if half else 4) * (tokens // args.seq_len)
+
+    def attention(lay: list[range]) -> list[float]:  # each stage's causal attention share of its time
+        if args.stage_times:  # (a stage's whole time says nothing of it: chunks share it by their tokens)
+            return [0.0] * len(lay)
+        share = 12 * config.num_attention_heads * config.head_dim * args.seq_len / estimated_costs(
+            config, args.seq_len)["layer"]  # of a layer's FLOPs (its recomputation: alike)
+        return [len(layers) * costs["layer"] * share / c for layers, c in zip(lay, stage_costs(lay, costs))]
+
+    def chunk_result(name: str, lay: list[range], checkpointing) -> dict:  # --seq-chunks S's order and costs
+        forward, backward, split = timed(lay)
+        kept, between = held(lay, checkpointing)
+        return replay(chunk_orders(name, pp, m, S), forward, backward, kept, between, split, message,
+                      chunks=chunk_costs(lay, lengths, attention(lay), kept, layer_modes(lay, checkpointing),
+                                         kv_bytes))
+
     plain = layout, timed, held  # (the schedules' rows below; the memory table: --vocab-parallel's where given)
     if vp:
         layout, timed, held = layout_v, timed_vocab, held_vocab
@@ -1716,6 +1794,9 @@ def plan(args) -> dict:
     result = {ac: schedule_result(schedule, pp, m, per_rank, timed(layout), *held(layout, spec if ac == "flagged"
                                                                                     else ac), message, chosen)
               for ac in (False, True, "flagged")}  # none, full, and as flagged
+    written = chunk_orders(schedule, pp, m, S) if S > 1 else chosen  # (--write-schedule's)
+    if S > 1:  # the chunks' order, each chunk its own time and bytes
+        result = {ac: chunk_result(schedule, layout, spec if ac == "flagged" else ac) for ac in result}
     if vp:  # Vocab-1's two more microbatches in flight
         result = {ac: vocab_peaks(r, held(layout, spec if ac == "flagged" else ac)[0], schedule)
                   for ac, r in result.items()}
@@ -1781,6 +1862,9 @@ def plan(args) -> dict:
     spec, flag = args.split if args.split in ("even", "balanced") else "balanced", args.activation_checkpointing
     for name in [*SCHEDULES, *GENERATED]:
         args.activation_checkpointing = flag  # (auto: the schedule before's own choice undone)
+        if S > 1 and (why := chunk_refusal(name, S)):
+            print(f"  {name:22s} not possible here: {why.split(';')[0]}")
+            continue
         own = argparse.Namespace(**{**vars(args), "stages_per_rank": None}) if placement(name) in SINGLE_STAGE or \
             placement(name) in V_SHAPED else args
         own = argparse.Namespace(**{**vars(own), "activation_checkpointing": "none"}) if auto else own
@@ -1798,11 +1882,14 @@ def plan(args) -> dict:
             continue
         # The hand-written schedules' orders also with --vocab-parallel (its split; 2 or more ranks, no --tp).
         vocab = [(f"{'afab' if name == 'gpipe' else name} --vocab-parallel", layout_v, timed_vocab, held_vocab)] \
-            if name in VOCAB_SCHEDULES.values() and pp > 1 and tp == 1 else []
-        for key, lay, times, holds in [(name, lay, timed, held), *vocab]:
-            out = [schedule_result(name, pp, m, each.stages_per_rank, times(lay), *holds(lay, ac), message, orders)
+            if name in VOCAB_SCHEDULES.values() and pp > 1 and tp == 1 and S == 1 else []
+        # --seq-chunks S: its row beside the whole sequences' (with chunks: no row of another schedule).
+        cut = [(f"{name} --seq-chunks {S}", lay, timed, held)] if S > 1 else []
+        for key, lay, times, holds in [(name, lay, timed, held), *vocab, *cut]:
+            out = [chunk_result(name, lay, ac) if key.endswith(f"--seq-chunks {S}") else schedule_result(
+                name, pp, m, each.stages_per_rank, times(lay), *holds(lay, ac), message, orders)
                    for ac in (False, True)]
-            if key != name:
+            if key.endswith("--vocab-parallel"):
                 out = [vocab_peaks(o, holds(lay, ac)[0], name) for o, ac in zip(out, (False, True))]
             seconds = steps * out[0]["step"]  # K schedule steps one after the other: K fills and drains
             ideal = sum(f + b for f, b in zip(*times(lay)[:2])) * m * steps / pp  # all work, no bubble
@@ -1819,9 +1906,11 @@ def plan(args) -> dict:
                                   if auto and name != schedule else ""))
     args.activation_checkpointing = flag
     if args.write_schedule:
-        write_schedule(args.write_schedule, chosen)
-        print(f"\nwrote {args.write_schedule}: {args.schedule}'s order on {pp} pipeline ranks, {m} microbatches, as "
-              "torch 2.13's _PipelineScheduleRuntime._load_csv reads it (row r: pipeline rank r's actions, in order)")
+        write_schedule(args.write_schedule, written)
+        print(f"\nwrote {args.write_schedule}: {args.schedule}'s order on {pp} pipeline ranks, {m * S} microbatches, "
+              "as torch 2.13's _PipelineScheduleRuntime._load_csv reads it (row r: pipeline rank r's actions, in "
+              "order)" + (f"; with --seq-chunks {S}, microbatch s x {S} + j is sequence s's chunk j (the scripts make "
+                          "this order themselves from --seq-chunks)" if S > 1 else ""))
     return report
 
 
@@ -1829,6 +1918,9 @@ def plan(args) -> dict:
 # Which layout: every (pp, dp, tp, schedule, microbatches, checkpointing) for a cluster, ranked
 
 MAX_MICROBATCHES = 256
+SEARCHED_CHUNKS = (2, 4, 8, 16, 32)  # --seq-chunks the search tries beside whole sequences (gpipe and 1f1b),
+MIN_SEARCHED_CHUNK = 4096  # of chunks this long at least: "gains show when chunks are 4k or longer" (Seq1F1B's
+# authors, thunlp/Seq1F1B #4); shorter ones run below the GPU's rate, which the model of time does not know.
 MAX_ACCUMULATE = 256  # schedule steps per optimizer step the search tries (a replica: up to 65,536 microbatches)
 
 
@@ -1882,8 +1974,10 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
     schedule "afab --vocab-parallel" or "1f1b --vocab-parallel": the hand-written script's, the vocabulary split
     over the pipeline ranks (the plan's --vocab-parallel; the row says "vocab_parallel")."""
     vocab = schedule.endswith(" --vocab-parallel")
-    schedule = VOCAB_SCHEDULES[schedule.split()[0]] if vocab else schedule
+    S = int(schedule.split()[-1]) if " --seq-chunks " in schedule else 1  # each sequence in S chunks
+    schedule = VOCAB_SCHEDULES[schedule.split()[0]] if vocab else schedule.split()[0]
     trial = argparse.Namespace(**{**vars(args), "processes": pp * dp * tp, "dp": dp, "tp": tp, "microbatches": m,
+                                  "seq_chunks": S,
                                   "accumulate": accumulate, "activation_checkpointing": checkpointing,
                                   "split": "balanced", "device": "cuda"})
     try:
@@ -1896,7 +1990,7 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
         return None
     row = {"pp": pp, "dp": dp, "tp": tp, "schedule": schedule, "microbatches": m, "accumulate": accumulate,
            "checkpointing": checkpointing, "stages_per_rank": ns.stages_per_rank} | (
-        {"vocab_parallel": True} if vocab else {})
+        {"vocab_parallel": True} if vocab else {}) | ({"seq_chunks": S} if S > 1 else {})
     per_rank = [stage_ids(schedule, r, pp, ns.stages_per_rank) for r in range(pp)]
     if vocab:  # the layers alone balanced (their costs: the same per layer whatever the microbatch)
         layout = balanced(config.num_hidden_layers, pp, without_vocab(estimated_costs(config, args.seq_len)))
@@ -1921,8 +2015,19 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
                            + vocab_collectives(config, tokens, pp, dp, tp, bf16(trial), trial))
         stages = vocab_held(layout, sizes, sliced, checkpointing, tokens, config.hidden_size, shards(args, tp))
     forward, backward, split = times
-    result = replay(schedule_orders(schedule, pp, m, ns.stages_per_rank), forward, backward,
-                    stages, stage_between(layout, sizes, checkpointing), split)
+    if S > 1:  # the chunks' order, each chunk its own time and bytes (plan()'s --seq-chunks)
+        share = 12 * config.num_attention_heads * config.head_dim * args.seq_len / estimated_costs(
+            config, args.seq_len)["layer"]
+        attention = [len(layers) * costs["layer"] * share / c for layers, c in zip(layout, stage_costs(layout, costs))]
+        kv_bytes = 2 * config.num_key_value_heads * config.head_dim / tp * (2 if bf16(trial) else 4) * (
+            tokens // args.seq_len)
+        result = replay(chunk_orders(schedule, pp, m, S), forward, backward, stages,
+                        stage_between(layout, sizes, checkpointing), split, chunks=chunk_costs(
+                            layout, [args.seq_len // S] * S, attention, stages, layer_modes(layout, checkpointing),
+                            kv_bytes))
+    else:
+        result = replay(schedule_orders(schedule, pp, m, ns.stages_per_rank), forward, backward,
+                        stages, stage_between(layout, sizes, checkpointing), split)
     if vocab:
         result = vocab_peaks(result, stages, schedule)
     memory = max(rank_memory(held[r], dp, result["peak"][r], result["peak"][r],
@@ -2012,7 +2117,11 @@ def candidates(args, config: LlamaConfig, schedules, checkpointing):
             # The hand-written script's schedules with the vocabulary split over the pipeline ranks too (no --tp).
             vocab = [f"{name} --vocab-parallel" for name, order in VOCAB_SCHEDULES.items()
                      if order in schedules and pp > 1 and tp == 1]
-            for schedule in (*schedules, *vocab):
+            # Each sequence in S chunks (--seq-chunks), under the schedules that order them (the scripts' checks
+            # say which S cut --seq-len).
+            cut = [f"{name} --seq-chunks {S}" for name in ("gpipe", "1f1b") if name in schedules and pp > 1
+                   for S in SEARCHED_CHUNKS if args.seq_len % S == 0 and args.seq_len // S >= MIN_SEARCHED_CHUNK]
+            for schedule in (*schedules, *vocab, *cut):
                 if pp == 1 and schedule != schedules[0]:
                     continue  # one stage: every schedule is the same loop over microbatches
                 for ac in checkpointing:
@@ -2033,7 +2142,8 @@ def command(args, row: dict) -> str:
              + (" --no-sequence-parallel" if row["tp"] > 1 and not args.sequence_parallel else "")
              + (" --activation-checkpointing" if row["checkpointing"] else "")
              + (" --document-masking" if args.document_masking else "")
-             + (f" --loss-chunks {args.loss_chunks}" if args.loss_chunks else ""))
+             + (f" --loss-chunks {args.loss_chunks}" if args.loss_chunks else "")
+             + (f" --seq-chunks {row['seq_chunks']}" if row.get("seq_chunks") else ""))
     nodes = args.gpus // args.gpus_per_node if args.gpus > args.gpus_per_node else 1
     if nodes == 1:
         return f"torchrun --nproc_per_node {args.gpus} {script} {flags}"
@@ -2137,7 +2247,7 @@ def search(args) -> list[dict]:
     for i, row in enumerate(fits[:args.top], 1):
         vocab = row.get("vocab_parallel")
         name = f"{'afab' if row['schedule'] == 'gpipe' else row['schedule']} --vocab-parallel" if vocab else \
-            row["schedule"]
+            row["schedule"] + (f" --seq-chunks {row['seq_chunks']}" if row.get("seq_chunks") else "")
         print(f"\n{i}. pp {row['pp']} x dp {row['dp']} x tp {row['tp']}, {name}, {row['microbatches']} "
               f"microbatch{'es' if row['microbatches'] > 1 else ''}"
               + (f" x {row['accumulate']} schedule steps (--accumulate: each its fill and drain)"
@@ -2257,6 +2367,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_measured(args) -> None:
     """What the measured-time flags and --write-schedule rule out (UsageError), before any work."""
+    if args.gpus and args.seq_chunks > 1:
+        raise UsageError(f"--seq-chunks {args.seq_chunks}: --gpus searches it (whole sequences and "
+                         f"{', '.join(map(str, SEARCHED_CHUNKS))} chunks of {MIN_SEARCHED_CHUNK} tokens or more under "
+                         "gpipe and 1f1b); leave it out")
     if args.write_schedule and args.gpus:
         raise UsageError(f"--write-schedule {args.write_schedule}: writes one layout's order; give --processes "
                          "instead of --gpus")

@@ -5181,11 +5181,138 @@ def test_the_search_accumulates_steps_only_where_memory_forces_it_and_the_fewest
                                                                         "per stage (2), or one for all"),
     (["--processes", "2", "--activation-checkpointing", "auto", "--gpu-memory", "0.01"], 1,
      "error: --gpu-memory 0.01: pipeline rank 0 needs"),
+    (["--processes", "2", "--seq-len", "30", "--seq-chunks", "4"], 1,
+     "error: --seq-chunks 4 does not cut --seq-len 30 into even chunks; the nearest that does: --seq-chunks 3"),
+    (["--processes", "2", "--seq-chunks", "200"], 1, "error: --seq-chunks 200: give 1 to 128 chunks for --seq-len 128"),
+    (["--processes", "2", "--schedule", "zb1p", "--seq-chunks", "2"], 1, "error: --seq-chunks 2: --schedule zb1p "
+                                                                         "cannot order sequence chunks"),
+    (["--processes", "2", "--schedule", "interleaved1f1b", "--seq-chunks", "2"], 1,
+     "error: --seq-chunks 2: --schedule interleaved1f1b cannot order sequence chunks"),
+    (["--gpus", "8", "--seq-chunks", "2"], 1, "error: --seq-chunks 2: --gpus searches it (whole sequences and 2, "
+                                              "4, 8, 16, 32 chunks of 4096 tokens or more under gpipe and 1f1b); "
+                                              "leave it out"),
 ])
 def test_plan_refuses_what_the_script_refuses_in_one_line(argv, status, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     err = refused(capsys, plan.main, *argv, "--device", "cpu", status=status)
     assert err.startswith(message), err
+
+
+@pytest.mark.parametrize("pp, S", [(2, 2), (2, 4), (4, 2), (4, 4)])
+def test_plan_seq_chunks_of_equal_cost_bubble_as_s_times_the_microbatches(pp, S, capsys):
+    # --stage-times gives a stage's whole time and says nothing of attention's share: chunks then cost alike
+    # (their tokens' share), and Seq1F1B's order idles as 1F1B with S m microbatches, (p - 1) / (S m + p - 1),
+    # GPipe's chunk order as GPipe with S m.
+    m, times = pp, ",".join(["1"] * pp) + "/" + ",".join(["2"] * pp)
+    common = ["--processes", str(pp), "--seq-len", "64", "--batch-size", str(S * m), "--stage-times", times,
+              "--device", "cpu"]
+    for name in ("1f1b", "gpipe"):
+        chunked = plan.main([*common, "--schedule", name, "--microbatches", str(m), "--seq-chunks", str(S)])
+        whole = plan.main([*common, "--schedule", name, "--microbatches", str(S * m)])
+        row = chunked["schedules"][f"{name} --seq-chunks {S}"]
+        assert row["bubble"] == pytest.approx(whole["schedules"][name]["bubble"], abs=1e-12)
+        assert row["bubble"] == pytest.approx((pp - 1) / (S * m + pp - 1), abs=1e-12)
+        # (--stage-times are a microbatch's, whatever its tokens: S m of them, S times a chunk's work)
+        assert S * row["step"] == pytest.approx(whole["schedules"][name]["step"], rel=1e-12)
+    out = capsys.readouterr().out
+    assert re.search(rf"^  1f1b --seq-chunks {S} +step .* bubble .* activations ", out, re.M), out
+    assert f"interleaved1f1b        not possible here: --seq-chunks {S}: --schedule interleaved1f1b cannot " in out
+
+
+def test_plan_seq_chunks_cost_grows_with_the_prefix():
+    # A chunk's share of a stage's time: its matrices' FLOPs by its tokens, causal attention's by what its
+    # queries read, token x of the sequence its x + 1/2 keys (the mean of the triangle's row): counted token by
+    # token here. attention: the stage's attention share.
+    lengths, attention = [16, 16, 32], [0.0, 0.4]
+    _, share, _ = plan.chunk_costs([range(1), range(1)], lengths, attention, [0.0, 0.0], [["none"], ["none"]], 0.0)
+    starts = [0, 16, 32]
+    for a, row in zip(attention, share):
+        tokens = [(1 - a) * n / 64 + a * sum(x + 0.5 for x in range(o, o + n)) / (64 * 64 / 2)
+                  for o, n in zip(starts, lengths)]
+        assert row == pytest.approx(tokens, rel=1e-12) and sum(row) == pytest.approx(1.0, rel=1e-12)
+    assert share[1][0] < share[1][1]  # even chunks: the later one dearer
+    # FLOP-estimated: on the tiny model at 1024 tokens the 1F1B chunk row idles more than with equal chunk costs
+    # would ((p - 1) / (S m + p - 1) is its least, reached with equal costs on equal stages alone).
+    report = plan.main(["--processes", "2", "--seq-len", "1024", "--batch-size", "4", "--microbatches", "2",
+                        "--schedule", "1f1b", "--seq-chunks", "4", "--split", "3,3", "--device", "cpu"])
+    assert report["schedules"]["1f1b --seq-chunks 4"]["bubble"] > 1 / 9
+
+
+def test_plan_seq_chunks_first_rank_as_the_parity_test_measured(tmp_path, capsys):
+    # docs/long-sequences.md gives what the parity test measured (the tensors autograd saves, its model: 2 stages
+    # of 2 layers, 4 microbatches of 16 tokens, documents): rank 0 under 1F1B in 2 and in 4 chunks, a share of
+    # GPipe's on whole sequences. plan.py on that shape gives the same, to the page's two decimals (0.005) and
+    # the rounding of what a chunk's attention saves of its prefix (the plan counts the prefix's keys and values
+    # alone, not the chunk's own copy): 0.01.
+    page = (ROOT / "docs" / "long-sequences.md").read_text()
+    measured = re.search(r"0\.50 of GPipe's activations under 1F1B, ([\d.]+) in 2 chunks and ([\d.]+) in 4", page)
+    config = write_config(tmp_path / "config.json", {
+        "model_type": "llama", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 98, "max_position_embeddings": 64})
+    common = ["--processes", "2", "--model", config, "--seq-len", "16", "--batch-size", "8", "--microbatches", "4",
+              "--document-masking", "--split", "2,2", "--device", "cpu"]
+
+    def rank_0(*argv):
+        return plan.main([*common, *argv])["ranks"][0]["activations"]
+    gpipe_whole = rank_0("--schedule", "gpipe")
+    assert rank_0("--schedule", "1f1b") / gpipe_whole == pytest.approx(0.5, abs=1e-12)
+    for S, figure in zip((2, 4), measured.groups()):
+        assert rank_0("--schedule", "1f1b", "--seq-chunks", str(S)) / gpipe_whole == pytest.approx(float(figure),
+                                                                                                  abs=0.01), S
+
+
+def test_plan_seq_chunks_writes_the_order_the_scripts_make(tmp_path, capsys):
+    # --write-schedule with --seq-chunks: the order model.chunk_order makes for the scripts, which plan.py replays.
+    path = tmp_path / "chunks.csv"
+    plan.main(["--processes", "3", "--schedule", "1f1b", "--seq-chunks", "4", "--microbatches", "3", "--batch-size",
+               "6", "--write-schedule", str(path), "--device", "cpu"])
+    assert "3 pipeline ranks, 12 microbatches" in capsys.readouterr().out
+    order = model_module.chunk_order("1f1b", 3, 3, [32] * 4)
+    assert path.read_text().splitlines() == [",".join(map(str, order.actions[r])) for r in range(3)]
+
+
+def test_plan_gpus_searches_seq_chunks_of_4k_tokens_or_more(tmp_path, capsys, monkeypatch):
+    # Llama 3.1 8B's shape at 32k tokens on 16 GPUs: the search tries 2, 4 and 8 chunks under gpipe and 1f1b
+    # (chunks of 4,096 tokens or more) beside whole sequences; a chunked layout ranks, its commands the scripts
+    # accept. At 8k tokens only 2 chunks are tried (4,096 tokens each).
+    monkeypatch.chdir(tmp_path)
+    llama = {**LLAMA_70B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+             "num_attention_heads": 32}
+    config = write_config(tmp_path / "config.json", llama)
+    best = plan.main(["--model", config, "--seq-len", "32768", "--gpus", "16", "--batch-size", "64", "--top", "5"])
+    chunked = [row for row in best if row.get("seq_chunks")]
+    assert chunked and all(row["schedule"] in ("gpipe", "1f1b") and 32768 // row["seq_chunks"] >= 4096
+                           for row in chunked)
+    out = capsys.readouterr().out
+    for row in chunked:
+        assert f"{row['schedule']} --seq-chunks {row['seq_chunks']}, " in out
+        for line in (row["command"], row["by_hand"]):
+            assert line.endswith(f" --seq-chunks {row['seq_chunks']}")
+            words = shlex.split(line.split("./run.sh ", 1)[1])
+            assert checked_args(SCRIPT_MODULES[words[0]], words[1:], 16).seq_chunks == row["seq_chunks"]
+    tried = {row.get("seq_chunks", 1) for row in plan.layouts(
+        plan.build_parser().parse_args(["--model", "llama-8b", "--vocab-size", "128256", "--seq-len", "8192",
+                                        "--gpus", "8", "--batch-size", "16", "--device", "cuda"]),
+        model_module.config_from_preset("llama-8b", 128256))}
+    assert tried == {1, 2}
+
+
+@pytest.mark.parametrize("S", [2, 4])
+def test_plan_seq_chunks_first_rank_holds_p_plus_s_minus_1_chunks_and_their_prefixes(S):
+    # 2 stages of 2 layers, 4 microbatches of 2 sequences of 64 tokens (fp32). 1F1B: rank 0 holds 2 microbatches
+    # (H each). Seq1F1B: at most p + S - 1 chunks, (p + S - 1) / (S p) of that, plus what each chunk's attention
+    # saves of its prefix: the keys and values, 2 x prefix x kv_heads x head_dim x 4 bytes per layer and sequence.
+    # At its fullest rank 0 holds sequence 0's S chunks and sequence 1's first (S = 2: prefixes 0 + 32 tokens;
+    # S = 4: 0 + 16 + 32 + 48).
+    common = ["--processes", "2", "--model", "tiny", "--layers", "4", "--split", "2,2", "--seq-len", "64",
+              "--batch-size", "8", "--microbatches", "4", "--schedule", "1f1b", "--device", "cpu"]
+    whole = plan.main(common)["ranks"][0]["activations"]
+    chunked = plan.main([*common, "--seq-chunks", str(S)])["ranks"][0]["activations"]
+    tiny = model_module.PRESETS["tiny"]
+    head_dim = tiny["hidden_size"] // tiny["num_attention_heads"]
+    prefixes = sum(64 // S * j for j in range(S))  # tokens, of sequence 0's chunks
+    kv = 2 * prefixes * tiny["num_key_value_heads"] * head_dim * 4 * 2 * 2  # x 2 layers x 2 sequences a chunk
+    assert chunked == pytest.approx((2 + S - 1) / (S * 2) * whole + kv, rel=1e-12)
 
 
 def test_plan_reads_the_model_from_a_hugging_face_directory(tmp_path, capsys):
