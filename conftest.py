@@ -527,12 +527,14 @@ def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape:
 
 def traced_pipeline(config, name: str, stages: list, layers: list, mesh, shape: tuple, microbatches: int,
                     documents: bool = False, chunks: int = 8, seed: int = 11, order=None,
-                    checkpointing: bool | str = False):
+                    checkpointing: bool | str = False, seq_chunks: int = 1):
     """The same, as the tracer script builds it (documents: traced with --document-masking's positions)."""
-    modules, pipe = tracer.traced_modules(config, stages, layers, shape, documents)
+    modules, pipe = tracer.traced_modules(config, stages, layers, shape, documents, seq_chunks)
     model_module.parallelize(modules, mesh, torch.float32, activation_checkpointing=checkpointing, stages=stages)
     model_module.materialize(modules, config, torch.device("cpu"), seed)
     built = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), mesh.get_group("pp"), torch.float32) for s in stages]
+    order = order or model_module.chunk_order(name, mesh["pp"].size(), microbatches,
+                                              model_module.chunk_lengths(shape[1], seq_chunks, config))
     schedule, loss_fn = tracer.make_schedule(name, built, microbatches, chunks, 1, order)
     return model_module.merged_stages(modules), built, schedule, loss_fn
 

@@ -233,6 +233,7 @@ class _ChunkKV(torch.autograd.Function):
     chunks (the last chunk's has no reader), not when a checkpointed layer recomputes it: inside a backward, where the
     entry is there already or freed. Backward gives the earlier chunks' entries their gradient, adds to the chunk's
     own what the later chunks gave, and frees its entry: its last reader is done."""
+    pending = None  # traced_chunk_kv's ctx, for its setup_context
 
     @staticmethod
     def forward(ctx, k, v, cache: dict, chunk: SeqChunk, tracked: bool):
@@ -266,17 +267,40 @@ class _ChunkKV(torch.autograd.Function):
 
 
 @torch.compiler.disable  # --compile: run as it is, between a compiled layer's graphs (it keeps state in a dict)
-def chunk_keys_values(cache: dict, chunk: SeqChunk, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """The keys and values chunk's queries attend to (_ChunkKV); without a backward to come (evaluation), its
-    sequence's entries are dropped after its last chunk."""
+def chunk_keys_values(cache: dict, chunk: SeqChunk, k: Tensor, v: Tensor, ctx=None) -> tuple[Tensor, Tensor]:
+    """The keys and values chunk's queries attend to (_ChunkKV; ctx: its forward run on that, traced_chunk_kv's);
+    without a backward to come (evaluation), its sequence's entries are dropped after its last chunk."""
     if missing := [i for i in range(chunk.index) if (chunk.sequence, i) not in cache]:
         raise RuntimeError(f"chunk {chunk.index} of sequence {chunk.sequence}: no keys and values of its chunk "
                            f"{missing[0]}; run a sequence's chunks forward in order")
-    k, v = _ChunkKV.apply(k, v, cache, chunk, torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
-    if not k.requires_grad and chunk.index == chunk.count - 1:
+    tracked = (ctx is not None or torch.is_grad_enabled()) and (k.requires_grad or v.requires_grad)
+    k, v = _ChunkKV.forward(ctx, k, v, cache, chunk, tracked) if ctx else _ChunkKV.apply(k, v, cache, chunk, tracked)
+    if not tracked and chunk.index == chunk.count - 1:
         for i in range(chunk.index):
             cache.pop((chunk.sequence, i), None)
     return k, v
+
+
+KV_CACHES: list[dict] = []  # every attention layer's kv_chunks, at its kv_key: where traced_chunk_kv finds them
+
+
+@torch.library.custom_op("llama::chunk_kv", mutates_args=())
+def traced_chunk_kv(k: Tensor, v: Tensor, chunk: Tensor, layer: int, keys: int) -> tuple[Tensor, Tensor]:
+    """chunk_keys_values where no SeqChunk or dict can pass, in a traced graph (the tracer's stages): one op, which
+    torch.export keeps whole. chunk: a SeqChunk's fields as an int tensor; layer: the attention's kv_key. The keys
+    and values come padded with zeros to `keys`, the whole sequence's length: one shape for every chunk, the zeros
+    hidden by its mask. Its autograd is _ChunkKV's forward (here) and backward, on a ctx of their own."""
+    ctx = _ChunkKV.pending = torch.autograd.function.FunctionCtx()  # for setup_context, called next if tracked
+    k, v = chunk_keys_values(KV_CACHES[layer], SeqChunk(*chunk.tolist()), k, v, ctx)
+    ctx.length = k.shape[2]  # the prefix and the chunk: what its backward splits
+    return F.pad(k, (0, 0, 0, keys - k.shape[2])), F.pad(v, (0, 0, 0, keys - v.shape[2]))
+
+
+traced_chunk_kv.register_fake(lambda k, v, chunk, layer, keys: tuple(
+    t.new_empty(*t.shape[:2], keys, t.shape[3]) for t in (k, v)))
+traced_chunk_kv.register_autograd(lambda ctx, dk, dv: (*_ChunkKV.backward(
+    ctx.chunk, dk[:, :, :ctx.chunk.length], dv[:, :, :ctx.chunk.length])[:2], None, None, None),
+    setup_context=lambda ctx, inputs, output: setattr(ctx, "chunk", _ChunkKV.pending))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -294,15 +318,20 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         # Each layer's own copy (head_dim / 2 floats): no module shared across layers. Not persistent (HF's neither).
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        self.kv_chunks = {}  # (sequence, chunk) -> _ChunkEntry: the keys and values of chunks in flight
+        self.kv_key, self.kv_chunks = len(KV_CACHES), {}  # (sequence, chunk) -> _ChunkEntry: keys and values of
+        KV_CACHES.append(self.kv_chunks)  # chunks in flight; kv_key: where a traced graph finds them
 
     def forward(self, x: Tensor, positions: Tensor | None = None, mask: Tensor | BlockMask | None = None,
                 chunk: SeqChunk | None = None) -> Tensor:
         """x [batch, seq, hidden]; positions: each token's place in its document [batch, seq] (None: the
         window is one sequence, causal), mask: attention_mask(positions), which the stage built for all its layers.
-        chunk: x is that chunk of its sequence, which attends to the earlier chunks' keys and values too."""
+        chunk: x is that chunk of its sequence, which attends to the earlier chunks' keys and values too; traced (the
+        tracer), SeqChunk's fields as a tensor, and positions the whole sequence's (traced_chunk_kv)."""
         batch, seq_len, _ = x.shape
-        if chunk is not None and chunk.index > 0 and positions is None:
+        traced = isinstance(chunk, Tensor)
+        if traced:  # the chunk's positions, and the keys' count: the whole sequence's, for one shape every chunk
+            keys, positions = positions.shape[1], positions.index_select(1, chunk[3] + torch.arange(seq_len, device=x.device))
+        elif chunk is not None and chunk.index > 0 and positions is None:
             positions = chunk_positions(chunk, batch, x.device)
         # -1 heads: all of them, or this rank's share when tensor parallelism splits the projections by head.
         q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
@@ -310,10 +339,15 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope_tables(self.inv_freq, seq_len, q.dtype, positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if chunk is not None:
+        if traced:  # its document mask over every key: those past the chunk (zeros) hidden too
+            k, v = traced_chunk_kv(k, v, chunk, self.kv_key, keys)
+            index = torch.arange(keys, device=x.device)
+            batches = torch.arange(positions.shape[0], device=x.device)[:, None, None, None]
+            mask = document_mask_mod(positions, chunk[3])(batches, None, index[:seq_len, None], index)
+        elif chunk is not None:
             k, v = chunk_keys_values(self.kv_chunks, chunk, k, v)
         if positions is not None:  # (a caller that gives no mask gets one built here, for this layer alone)
-            offset = chunk.offset if chunk is not None else 0
+            offset = chunk.offset if chunk is not None and not traced else 0
             out = document_attention(q, k, v, attention_mask(positions, offset) if mask is None else mask)
         else:  # the causal mask, which SDPA builds itself; enable_gqa: K/V heads serve several query heads uncopied
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -367,7 +401,7 @@ class LlamaModel(nn.Module):
         # chunk: x is that chunk of its sequences (positions the chunk's); a later chunk of one stream takes its
         # places in the sequence as positions, so that its mask over the earlier chunks is built once too.
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        if chunk is not None and chunk.index > 0 and positions is None:
+        if positions is None and chunk is not None and chunk.index > 0:
             positions = chunk_positions(chunk, x.shape[0], x.device)
         once = positions is not None and len(self.layers) > 0 and not self.mask_in_each_layer
         mask = attention_mask(positions, chunk.offset if chunk is not None else 0) if once else None
@@ -1535,17 +1569,21 @@ def chunk_order(name: str, pp: int, microbatches: int, lengths: list[int]) -> Pi
     return PipelineOrder(f"{name}, {S} chunks", actions, {r: r for r in range(pp)}, n, 1, lengths) if S > 1 else None
 
 
-def step_chunks(schedule, inputs, targets, positions, losses: list, train: bool = True) -> None:
+def step_chunks(schedule, inputs, targets, positions, losses: list, train: bool = True, traced: bool = False) -> None:
     """A schedule step (train) or evaluation of chunk_order's order: the microbatches' sequences (None where this rank
-    takes none) cut into chunks (cut_sequences, slot s for microbatch s), pre-cut as the chunk comment above says."""
+    takes none) cut into chunks (cut_sequences, slot s for microbatch s), pre-cut as the chunk comment above says.
+    traced: stages traced whole (the tracer's), whose chunk is a tensor and positions the sequence's (traced_chunk_kv)."""
     m, schedule._has_backward = schedule._n_microbatches // len(schedule.seq_chunks), train  # (step()'s, eval()'s)
     chunks = [c for s, mb in enumerate(zip(*(t.chunk(m) if t is not None else [None] * m for t in (inputs, targets,
-              positions)))) for c in cut_sequences(*mb, schedule.seq_chunks, s)]
+              None if traced else positions)))) for c in cut_sequences(*mb, schedule.seq_chunks, s)]
     for stage in schedule._stages:  # (what step() and eval() set first)
         stage.has_backward, _ = train, stage.clear_runtime_states()
     schedule._step_microbatches([(c.inputs,) if c.inputs is not None else () for c in chunks], [
-        {"chunk": c.chunk} | ({"positions": c.positions} if c.positions is not None else {}) for c in chunks],
-        [(c.targets, c.tokens) for c in chunks] if targets is not None else None, losses, return_outputs=False)
+        {"chunk": torch.tensor(dataclasses.astuple(c.chunk)), "positions": positions.chunk(m)[c.chunk.sequence]
+         if positions is not None else torch.arange(sum(schedule.seq_chunks), device=schedule._stages[0].device)[None]}
+        if traced else {"chunk": c.chunk} | ({"positions": c.positions} if c.positions is not None else {})
+        for c in chunks], [(c.targets, c.tokens) for c in chunks] if targets is not None else None, losses,
+        return_outputs=False)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -34,10 +34,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 import checkpoint
 from checkpoint import Parser, ScheduleChoices, UsageError, collective_errors, number, whole
-from model import (PRESETS, LlamaForPretraining, TiedEmbedding, accumulate_into, chunked_loss,
-                   clip_grad_norm_, config_from_preset, describe_layout, document_positions, estimated_costs,
-                   forward_only, layout, loss_chunks, materialize, merge_backwards, merged_stages, parallelize,
-                   read_order, synchronize)
+from model import (PRESETS, LlamaForPretraining, TiedEmbedding, accumulate_into, chunk_lengths, chunk_order,
+                   chunked_loss, clip_grad_norm_, config_from_preset, describe_layout, document_positions,
+                   estimated_costs, forward_only, layout, loss_chunks, materialize, merge_backwards, merged_stages,
+                   parallelize, read_order, step_chunks, synchronize)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
              "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-chunks", type=whole(1), default=1, help="cut each sequence into this many chunks that flow "
                    "through the pipeline as microbatches (Seq1F1B: the first stage holds p + S - 1 chunks instead of "
                    "p sequences); 1: whole sequences")
+    g.add_argument("--chunk-split", choices=["even", "compute"], default="even", help="--seq-chunks' lengths: even, "
+                   "or of equal compute (later chunks shorter: attention reads each token's whole prefix)")
     g.add_argument("--tp", type=whole(1), default=1, help="tensor-parallel ranks per stage (inside a node)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="with --tp: the residual stream, the norms and what crosses stages sharded by sequence")
@@ -140,12 +142,13 @@ def main(args):
         config, name = run.model_config(env.device.type)
         layers = stage_layout(config, num_stages, args)
     microbatch = (args.batch_size // (dp * args.microbatches * args.accumulate), args.seq_len)  # of a replica
-    chunks = loss_chunks(args.loss_chunks, config, microbatch, tp)
+    chunks = loss_chunks(args.loss_chunks, config, (microbatch[0], args.seq_len // args.seq_chunks), tp)  # a chunk's
     shards = tp if args.sequence_parallel else 1  # sequence parallelism: each tp rank holds seq_len / tp positions
+    lengths = chunk_lengths(args.seq_len, args.seq_chunks, config)  # --seq-chunks: even, checked
 
     # --- the split: the whole model traced, this rank's stages on meta, checkpointing, compile, FSDP2; its shards
     started = time.perf_counter()
-    modules, pipe = traced_modules(config, stages, layers, microbatch, args.document_masking)
+    modules, pipe = traced_modules(config, stages, layers, microbatch, args.document_masking, args.seq_chunks)
     parallelize(modules, mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing, args.compile, stages)
     materialize(modules, config, env.device, args.seed)  # a shard at a time: the full model's weights, any layout
     model = merged_stages(modules)  # the rank's parameters, for the optimizer and checkpoints
@@ -154,12 +157,14 @@ def main(args):
     pipeline_stages = [pipeline_stage(pipe, s, env.device, mesh.get_group("pp"), env.dtype) for s in stages]
     trace_seconds = [None] * env.world_size  # the one-time cost of tracing and building, every rank's
     dist.all_gather_object(trace_seconds, time.perf_counter() - started)
-    schedule, loss_fn = make_schedule(args.schedule, pipeline_stages, args.microbatches, chunks, shards, order)
+    schedule, loss_fn = make_schedule(args.schedule, pipeline_stages, args.microbatches, chunks, shards,
+                                      order or chunk_order(args.schedule, pp, args.microbatches, lengths))
     run_train = functools.partial(train_step, schedule, env=env, tp=tp)
     run_eval = functools.partial(eval_step, schedule, pipeline_stages, env=env, tp=tp, loss_fn=loss_fn,
                                  microbatches=args.microbatches,
                                  hidden_shape=(microbatch[0], microbatch[1] // shards, config.hidden_size))
     window = f", {args.accumulate} x {args.microbatches} microbatches an optimizer step" if args.accumulate > 1 else ""
+    window += f", each sequence in {args.seq_chunks} chunks" if args.seq_chunks > 1 else ""
     say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
         f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
         f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks))}"
@@ -264,9 +269,13 @@ def check_args(args, world_size: int, device_type: str, preset: bool) -> None:
     if args.tp > 1:
         raise UsageError(f"--tp {args.tp}: the traced stages cannot be split by tensor parallelism (a flat graph of "
                          "ops, head counts in shapes); use train_pipeline_gpipe.py for --tp", on_every_rank=True)
-    if args.seq_chunks > 1:  # (its traced stages take no chunk yet: issue 53)
-        raise UsageError(f"--seq-chunks {args.seq_chunks}: the traced stages run whole sequences only, so far; use "
-                         "train_pipeline_gpipe.py for --seq-chunks", on_every_rank=True)
+    try:  # --seq-chunks: even chunks, under a schedule that can order them
+        chunk_order(args.schedule, 1, args.microbatches, chunk_lengths(args.seq_len, args.seq_chunks, None))
+    except ValueError as e:
+        raise UsageError(str(e), on_every_rank=True) from None
+    if args.chunk_split == "compute" and args.seq_chunks > 1:  # torch's PipelineStage: one shape per stage (#159942)
+        raise UsageError("--chunk-split compute: the traced stages receive one shape of message each; use "
+                         "train_pipeline_afab_manual.py for chunks of equal compute", on_every_rank=True)
     if fixed and args.stages_per_rank != fixed:
         raise UsageError(f"--stages-per-rank {args.stages_per_rank}: {args.schedule} holds {fixed} stage(s) per "
                          "rank; leave the flag out", on_every_rank=True)
@@ -402,9 +411,11 @@ def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> lis
     return [pp_rank + v * pp for v in range(stages_per_rank)]
 
 
-def traced_modules(config, stages: list[int], layers: list[range], microbatch: tuple[int, int], documents=False):
+def traced_modules(config, stages: list[int], layers: list[range], microbatch: tuple[int, int], documents=False,
+                   seq_chunks=1):
     """This rank's stage modules, traced from the full model, on meta under their full-model names (materialize
-    gives them the other scripts' weights); and the traced pipeline, to build their stages."""
+    gives them the other scripts' weights); and the traced pipeline, to build their stages. seq_chunks > 1: traced
+    on a chunk, which takes its sequence's positions and its SeqChunk as a tensor (model.traced_chunk_kv)."""
     with torch.device("meta"):  # shapes only: neither the model nor the trace allocates or computes anything
         # Traced untied (pipeline() would copy a tied embedding into the head's stage, and nothing would keep the
         # copies equal: TiedEmbedding does, as in the hand split), and without the head: the loss applies it.
@@ -412,8 +423,13 @@ def traced_modules(config, stages: list[int], layers: list[range], microbatch: t
         model.lm_head = None
         model.base_model.mask_in_each_layer = True  # --document-masking: not once a stage, see model.py
         example = torch.zeros(microbatch, dtype=torch.long)  # positions: a clone (export merges one passed twice)
+        kwargs = {"positions": example.clone()} if documents else None
+        if seq_chunks > 1:
+            example = torch.zeros(microbatch[0], microbatch[1] // seq_chunks, dtype=torch.long)
+            kwargs = {"chunk": torch.zeros(5, dtype=torch.long),  # in step_chunks' order (the first stage's call)
+                      "positions": torch.zeros(microbatch if documents else (1, microbatch[1]), dtype=torch.long)}
     not_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())
-    pipe = traced_pipeline(model, example, split_spec(layers), {"positions": example.clone()} if documents else None)
+    pipe = traced_pipeline(model, example, split_spec(layers), kwargs)
     modules = [pipe.get_stage_module(stage) for stage in stages]
     for stage, module in zip(stages, modules):
         # The tracer makes every buffer persistent; inv_freq is derived from the config and the other scripts
@@ -492,11 +508,12 @@ def make_schedule(name: str, pipeline_stages: list, microbatches: int, chunks: i
     the head applied a chunk at a time. The schedule divides gradients by the microbatches: the batch's mean loss's."""
     heads = [stage.submod.lm_head for stage in pipeline_stages if stage.is_last]
 
-    def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss_fn(hidden: torch.Tensor, targets) -> torch.Tensor:  # targets: a chunk's (targets, divisor) tuple too
+        targets, tokens = targets if isinstance(targets, tuple) else (targets, None)
         with torch.profiler.record_function("loss"):  # for --trace: the last stage's work, outside its forward
-            return chunked_loss(heads[0], hidden, targets, chunks, shards)
+            return chunked_loss(heads[0], hidden, targets, chunks, shards, tokens)
     try:
-        given = pipeline_stages[0] if name in SINGLE_STAGE else pipeline_stages  # one PipelineStage, or the list
+        given = pipeline_stages[0] if name in SINGLE_STAGE and not order else pipeline_stages  # one, or the list
         return (order.schedule(given, loss_fn) if order else  # (an I and its own W back to back run as one B)
                 merge_backwards(SCHEDULES[name](given, n_microbatches=microbatches, loss_fn=loss_fn))), loss_fn
     except ValueError as e:  # what the schedule needs of the microbatches: torch says it
@@ -510,7 +527,10 @@ def train_step(schedule, inputs, targets, env: Env, tp: int, window=(0, 1), **do
     losses, args = [], [inputs] if inputs is not None else []  # token ids: into the first stage, on its rank
     kwargs = {"target": targets, "losses": losses} if targets is not None else {}  # for the last stage's loss
     with compute(env, tp):  # return_outputs=False: the last stage's outputs are not kept after the loss
-        schedule.step(*args, return_outputs=False, **kwargs, **documents)  # positions: cut as the tokens
+        if getattr(schedule, "seq_chunks", None):  # --seq-chunks: the sequences cut into chunks (model.py)
+            step_chunks(schedule, inputs, targets, documents.get("positions"), losses, traced=True)
+        else:
+            schedule.step(*args, return_outputs=False, **kwargs, **documents)  # positions: cut as the tokens
     return torch.stack(losses).mean().detach() if targets is not None else None
 
 
@@ -522,7 +542,9 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
     kwargs = {"target": targets, "losses": losses} if targets is not None else {}
     with compute(env, tp):
         ranks = pipeline_stages[0].stage_index_to_group_rank  # the whole pipeline's map: every rank decides alike
-        if any(ranks[s] == ranks[s + 1] for s in range(len(ranks) - 1)):  # a rank holds two stages in a row (a V,
+        if getattr(schedule, "seq_chunks", None):  # forward only, the chunks in the order's forward order
+            step_chunks(schedule, inputs, targets, documents.get("positions"), losses, train=False, traced=True)
+        elif any(ranks[s] == ranks[s + 1] for s in range(len(ranks) - 1)):  # a rank holds two stages in a row (a V,
             # one process): torch 2.13's eval() asserts there ("can't steal_bwd_input if this stage doesn't have ...")
             forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, env.dtype, loss_fn, losses,
                          documents)
