@@ -1150,6 +1150,12 @@ PARITY_LAYOUTS[2, 1, 1] += [("library", f"{name}:{chunks}", 4, True) for name in
 PARITY_LAYOUTS[2, 2, 1] += [("library", "1f1b:2", (0, 4), True)]
 PARITY_LAYOUTS[2, 1, 2] += [("library", "gpipe:4", 4, True)]
 PARITY_LAYOUTS[3, 1, 1] += [("library", "1f1b:4", 6, False)]  # a middle stage: no tokens, targets or positions
+# The same through traced stages (the tracer: model.traced_chunk_kv), each chunk's keys and values padded to the
+# sequence's: both orders at S 2 and 4, with documents and as one stream, at 3 stages, with replicas.
+PARITY_LAYOUTS[2, 1, 1] += [("tracer", "gpipe:2", 4, True), ("tracer", "1f1b:4", (4, 0), True),
+                            ("tracer", "1f1b:2", 4, False)]
+PARITY_LAYOUTS[2, 2, 1] += [("tracer", "1f1b:2", (0, 4), True), ("tracer", "gpipe:4", 4, False)]
+PARITY_LAYOUTS[3, 1, 1] += [("tracer", "1f1b:4", 6, True)]
 
 
 # --accumulate 2: each optimizer step's 8 microbatches a replica (a row each) in 2 schedule steps of 4 (DualPipeV's

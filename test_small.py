@@ -1287,6 +1287,7 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
             stages = result[variant]["stages"]  # the schedule's (stage_ids), or a file's order's
             layers = split_layers(split, pp * len(stages))
             built = layer_count(split) if kind == "tracer" else 2 * microbatches * len([s for s in stages if layers[s]])
+            built *= not (kind == "tracer" and chunks > 1)  # (a traced chunk's: from document_mask_mod, in its graph)
             assert result[variant]["masks"] == built * (chunks - 1 + documents), (variant, r)
     # 1F1B holds the activations of (p - r) of the m = 4 microbatches on stage r, GPipe all of them: nothing
     # more (e.g. none left over from torch's own shape inference, which the declared stage_io avoids). Against the
@@ -6580,8 +6581,12 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
                "--stages-per-rank", 1),
               ("train_pipeline_tracer.py", ("--schedule", "1f1b", "--stages-per-rank", "2"),
                "--stages-per-rank 2: 1f1b holds 1 stage(s) per rank", 1),
-              ("train_pipeline_tracer.py", ("--seq-chunks", "2"), "--seq-chunks 2: the traced stages run whole "
-                                                                  "sequences only", 1)]
+              # --seq-chunks through traced stages: gpipe's and 1f1b's orders, even chunks (one shape a stage).
+              ("train_pipeline_tracer.py", ("--seq-chunks", "2", "--schedule", "dualpipev"), "--seq-chunks 2: "
+               "--schedule dualpipev cannot order sequence chunks", 1),
+              ("train_pipeline_tracer.py", ("--seq-chunks", "3"), "--seq-chunks 3 does not cut --seq-len 128", 1),
+              ("train_pipeline_tracer.py", ("--seq-chunks", "2", "--chunk-split", "compute"), "--chunk-split compute: "
+               "the traced stages receive one shape of message each; use train_pipeline_afab_manual.py", 1)]
     # --dp against the number of processes, as torchrun would set it (a group of one stands in for them here).
     cases += [("train_pipeline_gpipe.py", given, named, 4) for given, named in [
         (("--dp", "3"), "--dp 3 x --tp 1: 4 processes do not divide"),
@@ -6633,6 +6638,7 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
                                  ("train_pipeline_gpipe.py", ("--accumulate", "0"), "--accumulate"),
                                  ("train_pipeline_afab_manual.py", ("--seq-chunks", "0"), "--seq-chunks"),
                                  ("train_pipeline_afab_manual.py", ("--chunk-split", "flops"), "--chunk-split"),
+                                 ("train_pipeline_tracer.py", ("--chunk-split", "flops"), "--chunk-split"),
                                  ("train_pipeline_gpipe.py", ("--seq-chunks", "0"), "--seq-chunks"),
                                  ("train_pipeline_afab_manual.py", ("--schedule", "gpipe"), "--schedule"),
                                  # past a week: an OverflowError (1e300) or torch's stores failing at once (1e10)
