@@ -874,8 +874,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                                     **seq_chunks(name, shape[1], config, tp)))
                         else:
                             losses.append(script.train_step(schedule, xi if first else None, yi if last else None,
-                                                            env, tp, window=(i, k),
-                                                            **({"positions": pi} if documents else {})))
+                                                            env, tp, window=(i, k), **stream(kind, name, pi, xi)))
                     loss = sum(losses) / k if last else None
                 # Copied: a replicated DTensor's full_tensor() is its local tensor, and torch 2.13's eval() below
                 # divides the gradients it finds by the microbatches once more.
@@ -895,7 +894,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                     else:
                         evaluations.append(script.eval_step(
                             schedule, built, xi if first else None, yi if last else None, env, tp, loss_fn, m,
-                            (shape[0], shape[1] // tp, config.hidden_size), **({"positions": pi} if documents else {})))
+                            (shape[0], shape[1] // tp, config.hidden_size), **stream(kind, name, pi, xi)))
                 evaluated = sum(evaluations) / k if last else None
             if last and dp > 1:
                 for value in (loss, evaluated):
@@ -912,6 +911,14 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def stream(kind: str, name: str, positions, inputs) -> dict:
+    """The documents' positions a variant's step takes, if any; a traced chunk (the tracer's "1f1b:2") takes its
+    sequence's, of one stream without documents (0, 1, ... each row), as the tracer script gives them."""
+    if positions is None and kind == "tracer" and ":" in name:
+        positions = torch.arange(inputs.shape[1]).expand(len(inputs), -1)
+    return {"positions": positions} if positions is not None else {}
 
 
 def seq_chunks(name: str, seq_len: int, config, tp: int) -> dict:

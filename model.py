@@ -180,22 +180,23 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask
 # Sequence chunks (--seq-chunks, Seq1F1B): the keys and values of a sequence's earlier chunks
 #
 # A sequence cut into S consecutive chunks runs as S forward calls in order and S backward calls, last chunk first
-# (Seq1F1B, Sun et al., arXiv 2406.03488): a pipeline then holds chunks in flight, not whole sequences. Exact, as
-# one call on the whole sequence: chunk j's queries attend to the keys and values of its sequence's chunks 0..j,
-# which each attention layer keeps per (sequence, chunk) in its kv_chunks. They are kept outside autograd, so that
-# chunk j's backward does not run the earlier chunks' (their own calls do, later); the gradient chunk j gives them
-# is summed in their entry, and chunk i's backward adds it to its own keys' and values' before going on down the
-# layer (_ChunkKV): no gradient stops at a chunk boundary. That node lies on the path from the chunk's output to
-# its input, so a backward of the input alone (the zero-bubble schedules' I: torch.autograd.grad) runs it too.
-# Held: each entry is its chunk's own keys and values (no copy) until that chunk's backward; chunk j's attention
-# saves the keys and values of its whole prefix (a copy: SDPA takes them whole), unless its layer is checkpointed.
+# (Seq1F1B, Sun et al., arXiv 2406.03488): a pipeline then holds chunks in flight, not whole sequences. Exact:
+# chunk j's queries attend to the keys and values of its sequence's chunks 0..j, which each attention layer keeps
+# per (sequence, chunk) in its kv_chunks, outside autograd, so that chunk j's backward does not run the earlier
+# chunks' (their own calls do, later); the gradient it gives them is summed in their entry, and chunk i's backward
+# adds it to its own keys' and values' (_ChunkKV): no gradient stops at a chunk boundary. That node lies on the
+# path from the chunk's output to its input, so a backward of the input alone (zero-bubble's I) runs it too. Held:
+# each entry is its chunk's own keys and values until that chunk's backward; chunk j's attention saves its whole
+# prefix's (a copy: SDPA takes them whole), unless its layer is checkpointed. A later chunk of one stream takes its
+# places in the sequence as positions: its mask over the earlier chunks is one document's (document_mask_mod).
 #
-# Which chunk a forward computes travels as a keyword argument, chunk=SeqChunk(...), from LlamaForPretraining down
-# to every layer's attention, as positions do: torch's PipelineStage hands each microbatch's keyword arguments to the
-# stage's forward (its shape inference too; a non-tensor as it is), the hand-written schedule passes them itself,
-# activation checkpointing to the recompute (a context around the stage's call would need a hook per microbatch that
-# torch's runtime lacks). torch 2.13's step() hands a non-tensor keyword to every microbatch alike: the chunks go in
-# pre-cut (step_chunks). With tensor parallelism the entries are the rank's own heads and a chunk's whole length.
+# The chunk travels as a keyword argument, chunk=SeqChunk(...), down to every layer's attention, as positions do:
+# torch's PipelineStage hands each microbatch's keyword arguments to the stage's forward (a non-tensor as it is),
+# the hand-written schedule passes them itself, activation checkpointing to the recompute (a context around the
+# stage's call would need a hook per microbatch that torch's runtime lacks). torch 2.13's step() hands a non-tensor
+# keyword to every microbatch alike: the chunks go in pre-cut (step_chunks). With tensor parallelism the entries are
+# the rank's own heads and a chunk's whole length. A graph traced whole (the tracer's, by torch.export) takes no
+# SeqChunk: there it is its fields as a tensor, positions the whole sequence's, and one opaque op (traced_chunk_kv).
 
 @dataclasses.dataclass(frozen=True)
 class SeqChunk:
@@ -208,24 +209,15 @@ class SeqChunk:
     length: int
 
 
-def chunk_positions(chunk: SeqChunk, batch: int, device) -> Tensor:
-    """A chunk's rotary positions [batch, length] when the sequence is one stream: its tokens' places in the
-    sequence. With them its mask over the earlier chunks is that of one document (document_mask_mod)."""
-    return torch.arange(chunk.offset, chunk.offset + chunk.length, device=device).expand(batch, -1)
-
-
 class _ChunkEntry:
     """A chunk's keys and values (after RoPE), for its sequence's later chunks, the gradient their backwards give
     them, summed in fp32, and how many of those backwards are still to come (readers)."""
     def __init__(self, k: Tensor, v: Tensor):
         self.k, self.v, self.grads, self.readers = k, v, None, 0
 
-    def add(self, dk: Tensor, dv: Tensor) -> None:
-        if self.grads is None:  # a copy: a view would hold the later chunk's whole gradient
-            self.grads = [dk.to(torch.float32, copy=True), dv.to(torch.float32, copy=True)]
-        else:
-            self.grads[0] += dk
-            self.grads[1] += dv
+    def add(self, dk: Tensor, dv: Tensor) -> None:  # the first a copy: a view would hold the later chunk's whole
+        self.grads = ([d.to(torch.float32, copy=True) for d in (dk, dv)] if self.grads is None  # gradient
+                      else [g.add_(d) for g, d in zip(self.grads, (dk, dv))])
 
 
 class _ChunkKV(torch.autograd.Function):
@@ -233,7 +225,6 @@ class _ChunkKV(torch.autograd.Function):
     chunks (the last chunk's has no reader), not when a checkpointed layer recomputes it: inside a backward, where the
     entry is there already or freed. Backward gives the earlier chunks' entries their gradient, adds to the chunk's
     own what the later chunks gave, and frees its entry: its last reader is done."""
-    pending = None  # traced_chunk_kv's ctx, for its setup_context
 
     @staticmethod
     def forward(ctx, k, v, cache: dict, chunk: SeqChunk, tracked: bool):
@@ -268,8 +259,8 @@ class _ChunkKV(torch.autograd.Function):
 
 @torch.compiler.disable  # --compile: run as it is, between a compiled layer's graphs (it keeps state in a dict)
 def chunk_keys_values(cache: dict, chunk: SeqChunk, k: Tensor, v: Tensor, ctx=None) -> tuple[Tensor, Tensor]:
-    """The keys and values chunk's queries attend to (_ChunkKV; ctx: its forward run on that, traced_chunk_kv's);
-    without a backward to come (evaluation), its sequence's entries are dropped after its last chunk."""
+    """The keys and values chunk's queries attend to (_ChunkKV; ctx: its forward alone, run on ctx); without a
+    backward to come (evaluation), its sequence's entries are dropped after its last chunk."""
     if missing := [i for i in range(chunk.index) if (chunk.sequence, i) not in cache]:
         raise RuntimeError(f"chunk {chunk.index} of sequence {chunk.sequence}: no keys and values of its chunk "
                            f"{missing[0]}; run a sequence's chunks forward in order")
@@ -281,32 +272,28 @@ def chunk_keys_values(cache: dict, chunk: SeqChunk, k: Tensor, v: Tensor, ctx=No
     return k, v
 
 
-KV_CACHES: list[dict] = []  # every attention layer's kv_chunks, at its kv_key: where traced_chunk_kv finds them
-
-
 @torch.library.custom_op("llama::chunk_kv", mutates_args=())
 def traced_chunk_kv(k: Tensor, v: Tensor, chunk: Tensor, layer: int, keys: int) -> tuple[Tensor, Tensor]:
-    """chunk_keys_values where no SeqChunk or dict can pass, in a traced graph (the tracer's stages): one op, which
-    torch.export keeps whole. chunk: a SeqChunk's fields as an int tensor; layer: the attention's kv_key. The keys
-    and values come padded with zeros to `keys`, the whole sequence's length: one shape for every chunk, the zeros
-    hidden by its mask. Its autograd is _ChunkKV's forward (here) and backward, on a ctx of their own."""
-    ctx = _ChunkKV.pending = torch.autograd.function.FunctionCtx()  # for setup_context, called next if tracked
-    k, v = chunk_keys_values(KV_CACHES[layer], SeqChunk(*chunk.tolist()), k, v, ctx)
-    ctx.length = k.shape[2]  # the prefix and the chunk: what its backward splits
+    """chunk_keys_values as one op, which torch.export keeps whole; chunk: a SeqChunk's fields, layer: a kv_key. Out:
+    padded with zeros to `keys` (the sequence's length: one shape for every chunk; its mask hides them). Autograd:
+    _ChunkKV's forward (run here; in training setup_context takes its ctx next) and backward."""
+    ctx = traced_chunk_kv.pending = torch.autograd.function.FunctionCtx()
+    k, v = chunk_keys_values(LlamaAttention.kv_caches[layer], SeqChunk(*chunk.tolist()), k, v, ctx)
+    ctx.length = k.shape[2]  # the prefix's and the chunk's keys: what the backward splits
     return F.pad(k, (0, 0, 0, keys - k.shape[2])), F.pad(v, (0, 0, 0, keys - v.shape[2]))
 
 
-traced_chunk_kv.register_fake(lambda k, v, chunk, layer, keys: tuple(
-    t.new_empty(*t.shape[:2], keys, t.shape[3]) for t in (k, v)))
-traced_chunk_kv.register_autograd(lambda ctx, dk, dv: (*_ChunkKV.backward(
-    ctx.chunk, dk[:, :, :ctx.chunk.length], dv[:, :, :ctx.chunk.length])[:2], None, None, None),
-    setup_context=lambda ctx, inputs, output: setattr(ctx, "chunk", _ChunkKV.pending))
+traced_chunk_kv.register_fake(lambda k, v, c, l, n: tuple(t.new_empty(*t.shape[:2], n, t.shape[3]) for t in (k, v)))
+traced_chunk_kv.register_autograd(lambda ctx, dk, dv: (*_ChunkKV.backward(ctx.kv, dk[:, :, :ctx.kv.length], dv[
+    :, :, :ctx.kv.length])[:2], None, None, None), setup_context=lambda ctx, inputs, output: setattr(
+    ctx, "kv", getattr(traced_chunk_kv, "pending", None)))  # (None: torch.export's fake run)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Transformer blocks and the model
 
 class LlamaAttention(nn.Module):
+    kv_caches: list[dict] = []  # every attention layer's kv_chunks, at its kv_key: where traced_chunk_kv finds them
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -318,37 +305,33 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         # Each layer's own copy (head_dim / 2 floats): no module shared across layers. Not persistent (HF's neither).
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        self.kv_key, self.kv_chunks = len(KV_CACHES), {}  # (sequence, chunk) -> _ChunkEntry: keys and values of
-        KV_CACHES.append(self.kv_chunks)  # chunks in flight; kv_key: where a traced graph finds them
+        self.kv_key, self.kv_chunks = len(self.kv_caches), {}  # (sequence, chunk) -> _ChunkEntry: keys and values
+        self.kv_caches.append(self.kv_chunks)  # of the chunks in flight
 
     def forward(self, x: Tensor, positions: Tensor | None = None, mask: Tensor | BlockMask | None = None,
-                chunk: SeqChunk | None = None) -> Tensor:
+                chunk: SeqChunk | Tensor | None = None) -> Tensor:
         """x [batch, seq, hidden]; positions: each token's place in its document [batch, seq] (None: the
         window is one sequence, causal), mask: attention_mask(positions), which the stage built for all its layers.
-        chunk: x is that chunk of its sequence, which attends to the earlier chunks' keys and values too; traced (the
-        tracer), SeqChunk's fields as a tensor, and positions the whole sequence's (traced_chunk_kv)."""
+        chunk: x is that chunk of its sequence, which attends to the earlier chunks' keys and values too."""
         batch, seq_len, _ = x.shape
-        traced = isinstance(chunk, Tensor)
-        if traced:  # the chunk's positions, and the keys' count: the whole sequence's, for one shape every chunk
-            keys, positions = positions.shape[1], positions.index_select(1, chunk[3] + torch.arange(seq_len, device=x.device))
-        elif chunk is not None and chunk.index > 0 and positions is None:
-            positions = chunk_positions(chunk, batch, x.device)
+        if traced := isinstance(chunk, Tensor):  # traced_chunk_kv's: positions the whole sequence's [batch or 1, seq]
+            keys = torch.arange(positions.shape[1], device=x.device)  # every key: one shape for every chunk
+            positions = positions.index_select(1, chunk[3] + keys[:seq_len])  # the chunk's own, from its offset
         # -1 heads: all of them, or this rank's share when tensor parallelism splits the projections by head.
         q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope_tables(self.inv_freq, seq_len, q.dtype, positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if traced:  # its document mask over every key: those past the chunk (zeros) hidden too
-            k, v = traced_chunk_kv(k, v, chunk, self.kv_key, keys)
-            index = torch.arange(keys, device=x.device)
-            batches = torch.arange(positions.shape[0], device=x.device)[:, None, None, None]
-            mask = document_mask_mod(positions, chunk[3])(batches, None, index[:seq_len, None], index)
+        if traced:  # its mask (document_mask's, by a tensor offset) hides the keys past the chunk, zeros, too
+            k, v = traced_chunk_kv(k, v, chunk, self.kv_key, len(keys))
+            rows = torch.arange(positions.shape[0], device=x.device)[:, None, None, None]
+            mask = document_mask_mod(positions, chunk[3])(rows, None, keys[:seq_len, None], keys)
         elif chunk is not None:
             k, v = chunk_keys_values(self.kv_chunks, chunk, k, v)
         if positions is not None:  # (a caller that gives no mask gets one built here, for this layer alone)
-            offset = chunk.offset if chunk is not None and not traced else 0
-            out = document_attention(q, k, v, attention_mask(positions, offset) if mask is None else mask)
+            out = document_attention(q, k, v, mask if mask is not None else attention_mask(positions, chunk.offset
+                                                                                        if chunk else 0))
         else:  # the causal mask, which SDPA builds itself; enable_gqa: K/V heads serve several query heads uncopied
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
@@ -398,11 +381,10 @@ class LlamaModel(nn.Module):
         # The first stage gets token ids [batch, seq]; later stages get hidden states [batch, seq, hidden]. Every
         # stage gets the same positions (with --document-masking): the whole sequence's, whatever tp shards, and
         # builds their mask once for all its layers (the block mask on a GPU); a stage of no layer builds none.
-        # chunk: x is that chunk of its sequences (positions the chunk's); a later chunk of one stream takes its
-        # places in the sequence as positions, so that its mask over the earlier chunks is built once too.
+        # chunk: x is that chunk of its sequences (positions the chunk's; one stream's: its places, the mask once).
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         if positions is None and chunk is not None and chunk.index > 0:
-            positions = chunk_positions(chunk, x.shape[0], x.device)
+            positions = torch.arange(chunk.offset, chunk.offset + chunk.length, device=x.device).expand(len(x), -1)
         once = positions is not None and len(self.layers) > 0 and not self.mask_in_each_layer
         mask = attention_mask(positions, chunk.offset if chunk is not None else 0) if once else None
         for layer in self.layers.values():  # insertion order == global layer order
@@ -446,10 +428,10 @@ class LlamaForPretraining(nn.Module):
         return self
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, chunk: SeqChunk | None = None) -> Tensor:
-        """Token ids [batch, seq] -> logits [batch, seq, vocab]; hidden states on a stage without the head, or
-        with head_in_loss (then chunked_loss applies the head). positions: packed documents kept apart
-        (document_positions); None: each sequence is one causal stream. chunk: the input is that chunk of its
-        sequences (cut_sequences), run after their earlier chunks, its backward before theirs."""
+        """Token ids [batch, seq] -> logits [batch, seq, vocab]; hidden states on a stage without the head, or with
+        head_in_loss (then chunked_loss applies the head). positions: packed documents kept apart (document_positions);
+        None: one causal stream. chunk: the input is that chunk of its sequences (cut_sequences), run after their
+        earlier chunks, its backward before theirs."""
         h = self.base_model(input_ids, positions, chunk=chunk)
         return self.lm_head(h) if self.lm_head is not None and not self.head_in_loss else h
 
@@ -1571,19 +1553,17 @@ def chunk_order(name: str, pp: int, microbatches: int, lengths: list[int]) -> Pi
 
 def step_chunks(schedule, inputs, targets, positions, losses: list, train: bool = True, traced: bool = False) -> None:
     """A schedule step (train) or evaluation of chunk_order's order: the microbatches' sequences (None where this rank
-    takes none) cut into chunks (cut_sequences, slot s for microbatch s), pre-cut as the chunk comment above says.
-    traced: stages traced whole (the tracer's), whose chunk is a tensor and positions the sequence's (traced_chunk_kv)."""
+    takes none) cut into chunks (cut_sequences, slot s for microbatch s), pre-cut as the chunk comment above says."""
     m, schedule._has_backward = schedule._n_microbatches // len(schedule.seq_chunks), train  # (step()'s, eval()'s)
     chunks = [c for s, mb in enumerate(zip(*(t.chunk(m) if t is not None else [None] * m for t in (inputs, targets,
-              None if traced else positions)))) for c in cut_sequences(*mb, schedule.seq_chunks, s)]
+              positions)))) for c in cut_sequences(*mb, schedule.seq_chunks, s)]
     for stage in schedule._stages:  # (what step() and eval() set first)
         stage.has_backward, _ = train, stage.clear_runtime_states()
-    schedule._step_microbatches([(c.inputs,) if c.inputs is not None else () for c in chunks], [
-        {"chunk": torch.tensor(dataclasses.astuple(c.chunk)), "positions": positions.chunk(m)[c.chunk.sequence]
-         if positions is not None else torch.arange(sum(schedule.seq_chunks), device=schedule._stages[0].device)[None]}
+    schedule._step_microbatches([(c.inputs,) if c.inputs is not None else () for c in chunks], [  # traced: as a
+        {"chunk": torch.tensor(dataclasses.astuple(c.chunk)), "positions": positions.chunk(m)[c.chunk.sequence]}
         if traced else {"chunk": c.chunk} | ({"positions": c.positions} if c.positions is not None else {})
         for c in chunks], [(c.targets, c.tokens) for c in chunks] if targets is not None else None, losses,
-        return_outputs=False)
+        return_outputs=False)  # traced graph takes them: the chunk a tensor, positions its sequence's (see above)
 
 
 # ----------------------------------------------------------------------------------------------------------

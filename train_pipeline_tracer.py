@@ -186,6 +186,8 @@ def main(args):
         rows = slice((dp_rank * parts + part) * share, (dp_rank * parts + part + 1) * share)
         inputs = inputs[rows].to(env.device) if has_first or args.document_masking else None  # copied where used
         documents = {"positions": document_positions(inputs, meta["bos_id"])} if args.document_masking else {}
+        if args.seq_chunks > 1 and not documents:  # a traced chunk takes its sequence's positions: one stream's
+            documents = {"positions": torch.arange(args.seq_len, device=env.device).expand(share, -1)}
         loss = run_step(inputs if has_first else None, targets[rows].to(env.device) if has_last else None, **documents)
         if has_last and dp > 1:
             dist.all_reduce(loss, group=mesh.get_group("dp"))
@@ -414,8 +416,7 @@ def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> lis
 def traced_modules(config, stages: list[int], layers: list[range], microbatch: tuple[int, int], documents=False,
                    seq_chunks=1):
     """This rank's stage modules, traced from the full model, on meta under their full-model names (materialize
-    gives them the other scripts' weights); and the traced pipeline, to build their stages. seq_chunks > 1: traced
-    on a chunk, which takes its sequence's positions and its SeqChunk as a tensor (model.traced_chunk_kv)."""
+    gives them the other scripts' weights); and the traced pipeline, to build their stages."""
     with torch.device("meta"):  # shapes only: neither the model nor the trace allocates or computes anything
         # Traced untied (pipeline() would copy a tied embedding into the head's stage, and nothing would keep the
         # copies equal: TiedEmbedding does, as in the hand split), and without the head: the loss applies it.
@@ -424,10 +425,10 @@ def traced_modules(config, stages: list[int], layers: list[range], microbatch: t
         model.base_model.mask_in_each_layer = True  # --document-masking: not once a stage, see model.py
         example = torch.zeros(microbatch, dtype=torch.long)  # positions: a clone (export merges one passed twice)
         kwargs = {"positions": example.clone()} if documents else None
-        if seq_chunks > 1:
-            example = torch.zeros(microbatch[0], microbatch[1] // seq_chunks, dtype=torch.long)
-            kwargs = {"chunk": torch.zeros(5, dtype=torch.long),  # in step_chunks' order (the first stage's call)
-                      "positions": torch.zeros(microbatch if documents else (1, microbatch[1]), dtype=torch.long)}
+        if seq_chunks > 1:  # traced on a chunk's tokens, with its SeqChunk's fields and its sequence's positions,
+            kwargs = {"chunk": torch.zeros(5, dtype=torch.long), "positions": example.clone()}  # in step_chunks'
+            example = torch.zeros(microbatch[0], microbatch[1] // seq_chunks, dtype=torch.long)  # order: torch 2.13's
+            # first stage flattens keywords in the order they come, not by name (model.traced_chunk_kv)
     not_persistent = {name for name, _ in model.named_buffers()} - set(model.state_dict())
     pipe = traced_pipeline(model, example, split_spec(layers), kwargs)
     modules = [pipe.get_stage_module(stage) for stage in stages]
