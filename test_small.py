@@ -2400,7 +2400,8 @@ def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, refer
     # hand-written script (checkpoints are shared by all scripts); 1 process; 1 stage x 2 replicas; 2 processes
     # holding 2 stages each in a V, split by the library and by the tracer (the rank's stages share one set of
     # full-model names; rank 0 holds both the embedding and the head, the tracer's rank 0 nothing else); the
-    # tracer's stages running each sequence in 2 chunks (Seq1F1B), from a checkpoint of whole sequences.
+    # tracer's stages running each sequence in 2 chunks (Seq1F1B), from a checkpoint of whole sequences, its layers
+    # checkpointed (a recomputed chunk keeps no keys twice), in 2 accumulated schedule steps, evaluated in chunks.
     variants = {"manual2": (2, "train_pipeline_afab_manual.py", ["--split", "2,2"]),
                 # each sequence in 4 chunks (Seq1F1B): a checkpoint holds no chunk count, a run resumes with another
                 "manual2_seq1f1b": (2, "train_pipeline_afab_manual.py", ["--schedule", "1f1b", "--seq-chunks", "4"]),
@@ -2408,11 +2409,17 @@ def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, refer
                 "replicas2": (2, "train_pipeline_gpipe.py", ["--dp", "2"]),
                 "zbv2": (2, "train_pipeline_gpipe.py", ["--schedule", "zbvzerobubble"]),
                 "traced_dualpipev2": (2, "train_pipeline_tracer.py", ["--schedule", "dualpipev", "--split", "0,2,2,0"]),
-                "traced_seq1f1b2": (2, "train_pipeline_tracer.py", ["--schedule", "1f1b", "--seq-chunks", "2"])}
-    for name, (result, rows) in resumed_from_step_8(tmp_path, data_dir, reference_dir, variants).items():
+                "traced_seq1f1b2": (2, "train_pipeline_tracer.py", ["--schedule", "1f1b", "--seq-chunks", "2",
+                                                                    "--activation-checkpointing", "--accumulate", "2",
+                                                                    "--microbatches", "2", "--eval-every", "4"])}
+    resumed = resumed_from_step_8(tmp_path, data_dir, reference_dir, variants)
+    for name, (result, rows) in resumed.items():
         assert "(saved by 4 process(es))" in result.stdout
         assert ("; --precision auto → fp32 (free to change" in result.stdout) == (name == "one"), result.stdout
         assert_same_trajectory(rows, reference[8:], name, since=8)
+    chunked = resumed["traced_seq1f1b2"][0].stdout  # evaluated in chunks too
+    assert "1f1b, 2 x 2 microbatches an optimizer step, each sequence in 2 chunks" in chunked
+    assert "eval at step 12: loss" in chunked and "eval at step 16: loss" in chunked
 
 
 def resumed_from_step_8(tmp_path, data_dir, reference_dir, variants: dict) -> dict:
