@@ -191,12 +191,11 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask
 # places in the sequence as positions: its mask over the earlier chunks is one document's (document_mask_mod).
 #
 # The chunk travels as a keyword argument, chunk=SeqChunk(...), down to every layer's attention, as positions do:
-# torch's PipelineStage hands each microbatch's keyword arguments to the stage's forward (a non-tensor as it is),
-# the hand-written schedule passes them itself, activation checkpointing to the recompute (a context around the
-# stage's call would need a hook per microbatch that torch's runtime lacks). torch 2.13's step() hands a non-tensor
-# keyword to every microbatch alike: the chunks go in pre-cut (step_chunks). With tensor parallelism the entries are
-# the rank's own heads and a chunk's whole length. A graph traced whole (the tracer's, by torch.export) takes no
-# SeqChunk: there it is its fields as a tensor, positions the whole sequence's, and one opaque op (traced_chunk_kv).
+# torch's PipelineStage hands each microbatch's keywords to the stage's forward (a non-tensor as it is), the
+# hand-written schedule passes them itself, activation checkpointing to the recompute (a context around the stage's
+# call would need a hook per microbatch that torch's runtime lacks). torch 2.13's step() hands a non-tensor keyword
+# to every microbatch alike: the chunks go in pre-cut (step_chunks). With tensor parallelism the entries are the
+# rank's own heads and a chunk's whole length. A graph traced whole takes no SeqChunk: see traced_chunk_kv.
 
 @dataclasses.dataclass(frozen=True)
 class SeqChunk:
@@ -222,9 +221,8 @@ class _ChunkEntry:
 
 class _ChunkKV(torch.autograd.Function):
     """A chunk's k, v [batch, kv_heads, length, head_dim] -> its sequence's up to it. Forward keeps them for the later
-    chunks (the last chunk's has no reader), not when a checkpointed layer recomputes it: inside a backward, where the
-    entry is there already or freed. Backward gives the earlier chunks' entries their gradient, adds to the chunk's
-    own what the later chunks gave, and frees its entry: its last reader is done."""
+    chunks (the last chunk's has no reader), not in a checkpointed layer's recompute (in a backward: the entry is there
+    or freed). Backward gives the earlier chunks' entries their gradient, adds the later ones' to its own, frees it."""
 
     @staticmethod
     def forward(ctx, k, v, cache: dict, chunk: SeqChunk, tracked: bool):
@@ -266,17 +264,17 @@ def chunk_keys_values(cache: dict, chunk: SeqChunk, k: Tensor, v: Tensor, ctx=No
                            f"{missing[0]}; run a sequence's chunks forward in order")
     tracked = (ctx is not None or torch.is_grad_enabled()) and (k.requires_grad or v.requires_grad)
     k, v = _ChunkKV.forward(ctx, k, v, cache, chunk, tracked) if ctx else _ChunkKV.apply(k, v, cache, chunk, tracked)
-    if not tracked and chunk.index == chunk.count - 1:
-        for i in range(chunk.index):
-            cache.pop((chunk.sequence, i), None)
+    for i in range(chunk.index) if not tracked and chunk.index == chunk.count - 1 else ():
+        cache.pop((chunk.sequence, i), None)
     return k, v
 
 
 @torch.library.custom_op("llama::chunk_kv", mutates_args=())
 def traced_chunk_kv(k: Tensor, v: Tensor, chunk: Tensor, layer: int, keys: int) -> tuple[Tensor, Tensor]:
-    """chunk_keys_values as one op, which torch.export keeps whole; chunk: a SeqChunk's fields, layer: a kv_key. Out:
-    padded with zeros to `keys` (the sequence's length: one shape for every chunk; its mask hides them). Autograd:
-    _ChunkKV's forward (run here; in training setup_context takes its ctx next) and backward."""
+    """chunk_keys_values in a graph traced whole (the tracer's: torch.export keeps this op whole, and no SeqChunk or
+    dict passes): chunk, a SeqChunk's fields; layer, a kv_key. The keys and values come padded with zeros to `keys`,
+    the sequence's length: one shape for every chunk (the mask hides them). Autograd: _ChunkKV's forward (run here;
+    training's setup_context takes its ctx next) and backward."""
     ctx = traced_chunk_kv.pending = torch.autograd.function.FunctionCtx()
     k, v = chunk_keys_values(LlamaAttention.kv_caches[layer], SeqChunk(*chunk.tolist()), k, v, ctx)
     ctx.length = k.shape[2]  # the prefix's and the chunk's keys: what the backward splits
@@ -378,10 +376,10 @@ class LlamaModel(nn.Module):
         self.mask_in_each_layer = False
 
     def forward(self, x: Tensor, positions: Tensor | None = None, chunk: SeqChunk | None = None) -> Tensor:
-        # The first stage gets token ids [batch, seq]; later stages get hidden states [batch, seq, hidden]. Every
-        # stage gets the same positions (with --document-masking): the whole sequence's, whatever tp shards, and
-        # builds their mask once for all its layers (the block mask on a GPU); a stage of no layer builds none.
-        # chunk: x is that chunk of its sequences (positions the chunk's; one stream's: its places, the mask once).
+        # The first stage gets token ids [batch, seq], later ones hidden states [batch, seq, hidden]. Every stage gets
+        # the same positions (--document-masking), the whole sequence's whatever tp shards, and builds their mask once
+        # for all its layers (a block mask on a GPU; none on a stage of no layer). chunk: x is that chunk of its
+        # sequences (positions the chunk's; a later chunk of one stream's, its places, so its mask is built once too).
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         if positions is None and chunk is not None and chunk.index > 0:
             positions = torch.arange(chunk.offset, chunk.offset + chunk.length, device=x.device).expand(len(x), -1)
@@ -429,9 +427,8 @@ class LlamaForPretraining(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, chunk: SeqChunk | None = None) -> Tensor:
         """Token ids [batch, seq] -> logits [batch, seq, vocab]; hidden states on a stage without the head, or with
-        head_in_loss (then chunked_loss applies the head). positions: packed documents kept apart (document_positions);
-        None: one causal stream. chunk: the input is that chunk of its sequences (cut_sequences), run after their
-        earlier chunks, its backward before theirs."""
+        head_in_loss (chunked_loss applies it). positions: packed documents kept apart (document_positions); None: one
+        causal stream. chunk: the input is that chunk of its sequences (cut_sequences), after their earlier chunks."""
         h = self.base_model(input_ids, positions, chunk=chunk)
         return self.lm_head(h) if self.lm_head is not None and not self.head_in_loss else h
 
@@ -1563,7 +1560,7 @@ def step_chunks(schedule, inputs, targets, positions, losses: list, train: bool 
         {"chunk": torch.tensor(dataclasses.astuple(c.chunk)), "positions": positions.chunk(m)[c.chunk.sequence]}
         if traced else {"chunk": c.chunk} | ({"positions": c.positions} if c.positions is not None else {})
         for c in chunks], [(c.targets, c.tokens) for c in chunks] if targets is not None else None, losses,
-        return_outputs=False)  # traced graph takes them: the chunk a tensor, positions its sequence's (see above)
+        return_outputs=False)  # traced graph takes them: the chunk a tensor, positions its sequence's (traced_chunk_kv)
 
 
 # ----------------------------------------------------------------------------------------------------------
