@@ -312,7 +312,7 @@ class LlamaAttention(nn.Module):
         window is one sequence, causal), mask: attention_mask(positions), which the stage built for all its layers.
         chunk: x is that chunk of its sequence, which attends to the earlier chunks' keys and values too."""
         batch, seq_len, _ = x.shape
-        if traced := isinstance(chunk, Tensor):  # traced_chunk_kv's: positions the whole sequence's [batch or 1, seq]
+        if traced := isinstance(chunk, Tensor):  # traced_chunk_kv's: positions the whole sequence's [batch, seq]
             keys = torch.arange(positions.shape[1], device=x.device)  # every key: one shape for every chunk
             positions = positions.index_select(1, chunk[3] + keys[:seq_len])  # the chunk's own, from its offset
         # -1 heads: all of them, or this rank's share when tensor parallelism splits the projections by head.
