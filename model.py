@@ -294,9 +294,8 @@ class LlamaAttention(nn.Module):
     kv_caches: list[dict] = []  # every attention layer's kv_chunks, at its kv_key: where traced_chunk_kv finds them
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                            config.head_dim)
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
@@ -316,9 +315,8 @@ class LlamaAttention(nn.Module):
             keys = torch.arange(positions.shape[1], device=x.device)  # every key: one shape for every chunk
             positions = positions.index_select(1, chunk[3] + keys[:seq_len])  # the chunk's own, from its offset
         # -1 heads: all of them, or this rank's share when tensor parallelism splits the projections by head.
-        q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
         cos, sin = rope_tables(self.inv_freq, seq_len, q.dtype, positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if traced:  # its mask (document_mask's, by a tensor offset) hides the keys past the chunk, zeros, too
