@@ -190,12 +190,11 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask
 # prefix's (a copy: SDPA takes them whole), unless its layer is checkpointed. A later chunk of one stream takes its
 # places in the sequence as positions: its mask over the earlier chunks is one document's (document_mask_mod).
 #
-# The chunk travels as a keyword argument, chunk=SeqChunk(...), down to every layer's attention, as positions do:
-# torch's PipelineStage hands each microbatch's keywords to the stage's forward (a non-tensor as it is), the
-# hand-written schedule passes them itself, activation checkpointing to the recompute (a context around the stage's
-# call would need a hook per microbatch that torch's runtime lacks). torch 2.13's step() hands a non-tensor keyword
-# to every microbatch alike: the chunks go in pre-cut (step_chunks). With tensor parallelism the entries are the
-# rank's own heads and a chunk's whole length. A graph traced whole takes no SeqChunk: see traced_chunk_kv.
+# The chunk travels as a keyword argument, chunk=SeqChunk(...), to every layer's attention, as positions do: torch's
+# PipelineStage hands each microbatch's keywords to the stage's forward, the hand-written schedule passes them
+# itself, activation checkpointing to the recompute (a context around the stage's call would need a hook per
+# microbatch that torch's runtime lacks). torch 2.13's step() hands a non-tensor keyword to every microbatch alike:
+# the chunks go in pre-cut (step_chunks). With tp the entries hold the rank's heads, a chunk's whole length.
 
 @dataclasses.dataclass(frozen=True)
 class SeqChunk:
