@@ -79,9 +79,8 @@ def rope_inv_freq(config: LlamaConfig, device=None) -> Tensor:
     # Llama 3.1's long-context adjustment (as transformers computes it): wavelengths shorter than
     # original_max / high_freq_factor stay, those longer than original_max / low_freq_factor are slowed down
     # by `factor`, and the ones between are interpolated smoothly.
-    scaling = config.rope_scaling
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    context = scaling["original_max_position_embeddings"]
+    factor, low, high, context = (config.rope_scaling[key] for key in (
+        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))
     wavelength = 2 * math.pi / inv_freq
     scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
     smooth = (context / wavelength - low) / (high - low)
@@ -113,13 +112,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------------------------------------
 # Packed documents kept apart (--document-masking)
 #
-# The token files hold documents one after another (bos, ids, eos) and a window cuts across them. Kept apart,
-# a token attends only to the earlier tokens of its own document and its rotary position counts from the
-# document's start: it computes what it computes alone. What carries the boundaries is each token's position in
-# its document, plain integers [batch, seq]: a pipeline schedule cuts them into microbatches with the tokens and
-# hands every stage its microbatch's. Each stage builds the mask from them once (attention_mask, in its forward)
-# and hands it to each of its layers. No mask object crosses a stage or goes through the schedules' autograd
-# (torchtitan #1723, #3584).
+# The token files hold documents one after another (bos, ids, eos) and a window cuts across them. Kept apart, a token
+# attends only to the earlier tokens of its own document and its rotary position counts from the document's start: it
+# computes what it computes alone. What carries the boundaries is each token's position in its document, plain integers
+# [batch, seq]: a pipeline schedule cuts them into microbatches with the tokens and hands every stage its microbatch's.
+# Each stage builds the mask from them once (attention_mask, in its forward) and hands it to each of its layers. No mask
+# object crosses a stage or goes through the schedules' autograd (torchtitan #1723, #3584).
 
 def document_positions(input_ids: Tensor, bos_id: int) -> Tensor:
     """Each token's position in its document [batch, seq]: 0 at every bos, then counting up; a window's tokens
@@ -648,8 +646,7 @@ def parameter_counts(config: LlamaConfig, tp: int = 1) -> dict[str, float]:
     norms' gains whole. The one count that FLOPs, the layouts' costs and plan.py's memory are computed from."""
     h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads
     matrices = h * (2 * q + 2 * kv * config.head_dim) + 3 * h * config.intermediate_size  # q, o, k, v; the MLP's 3
-    return {"layer": matrices / tp + 2 * h, "embed": config.vocab_size * h / tp,
-            "head": config.vocab_size * h / tp + h}
+    return {"layer": matrices / tp + 2 * h, "embed": config.vocab_size * h / tp, "head": config.vocab_size * h / tp + h}
 
 
 def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
@@ -945,17 +942,14 @@ def merged_stages(modules: list[nn.Module]) -> nn.Module:
         for name, param in module.named_parameters():
             *path, leaf = name.split(".")
             node = root
-            for part in path:
-                if part not in node._modules:
-                    node.add_module(part, nn.Module())
-                node = node._modules[part]
+            for part in path:  # (setdefault: a ModuleDict of no entries is falsy)
+                node = node._modules.setdefault(part, nn.Module())
             node.register_parameter(leaf, param)
     return root
 
 
 def decoder_layers(modules) -> list[nn.Module]:
-    """The decoder layers (base_model.layers.K) of some stage modules, each once, in layer order (K); traced stages
-    keep the names."""
+    """The decoder layers (base_model.layers.K) of stage modules, each once, in layer order (K; traced: the same)."""
     layers = {id(m): (int(name.rsplit(".", 1)[-1]), m) for module in modules for name, m in module.named_modules()
               if name.rsplit(".", 1)[0].endswith("layers") and name.rsplit(".", 1)[-1].isdigit()}
     return [m for _, m in sorted(layers.values(), key=lambda pair: pair[0])]
@@ -1011,10 +1005,9 @@ def checkpoint_layers(modules, how: str | int | list = "full") -> None:
 
 
 def _checkpointed(forward, selective: bool = False):
-    def run(*args, **kwargs):
-        if not torch.is_grad_enabled():  # forward only (evaluation): nothing to keep either way
-            return forward(*args, **kwargs)
-        return checkpoint_once(forward, *args, context_fn=_selective_contexts if selective else None, **kwargs)
+    def run(*args, **kwargs):  # forward only (evaluation, no grad): nothing to keep either way
+        return (checkpoint_once(forward, *args, context_fn=_selective_contexts if selective else None, **kwargs)
+                if torch.is_grad_enabled() else forward(*args, **kwargs))
     return run
 
 
@@ -1060,17 +1053,16 @@ def _selective_contexts():
 
 
 def checkpoint_once(function, *args, context_fn=None, **kwargs):
-    """torch.utils.checkpoint (non-reentrant) of function(*args, **kwargs), recomputed once however many backward
-    calls read it. torch recomputes a region once per autograd call (graph task), and the zero-bubble schedules'
-    split backward makes several per microbatch: I (the input gradient) one, W (the weight gradients) one per
-    group of weights, and W runs again the nodes of I where a weight's gradient branches off (retain_graph), so
-    it reads their saved tensors a second time. torch.utils.checkpoint.GraphExecGroup lets several calls share one
-    recompute but refuses a tensor read twice. So: one group per region, every read made under it, and a tensor
-    that W reads again kept from its first read until its node is freed (after W; after the node's own run in a
-    plain backward, as torch frees it). The rest is freed once read, as torch does: a split backward holds from
-    I to W the inputs of the weights' ops, not the whole layer. Should W read a freed one after all, the region
-    is recomputed once more under a new group: slower, never wrong. context_fn: torch.utils.checkpoint's (a
-    selective checkpoint's modes: _selective_contexts)."""
+    """torch.utils.checkpoint (non-reentrant) of function(*args, **kwargs), recomputed once however many backward calls
+    read it. torch recomputes a region once per autograd call (graph task), and the zero-bubble schedules' split
+    backward makes several per microbatch: I (the input gradient) one, W (the weight gradients) one per group of
+    weights, and W runs again the nodes of I where a weight's gradient branches off (retain_graph), so it reads their
+    saved tensors a second time. torch.utils.checkpoint.GraphExecGroup lets several calls share one recompute but
+    refuses a tensor read twice. So: one group per region, every read made under it, and a tensor that W reads again
+    kept from its first read until its node is freed (after W; after the node's own run in a plain backward, as torch
+    frees it). The rest is freed once read, as torch does: a split backward holds from I to W the inputs of the weights'
+    ops, not the whole layer. Should W read a freed one after all, the region is recomputed once more under a new group:
+    slower, never wrong. context_fn: torch.utils.checkpoint's (a selective checkpoint's modes: _selective_contexts)."""
     context = {"context_fn": context_fn} if context_fn else {}
     # Traced by torch.compile, or a torch before 2.13 (no GraphExecGroup): torch's own, a recompute per call.
     if torch.compiler.is_compiling() or not hasattr(torch.utils.checkpoint, "GraphExecGroup"):
@@ -1105,11 +1097,9 @@ def _weights_only(fn, budget: int = 8) -> bool:
     runs again (torch's stage_backward_input calls it an intermediate of a parameter group)."""
     stack, found = [fn], False
     while stack:
-        fn = stack.pop()
-        if fn is None:
+        if (fn := stack.pop()) is None:
             continue
-        budget -= 1
-        if budget < 0:
+        if (budget := budget - 1) < 0:
             return False
         if hasattr(fn, "variable"):  # AccumulateGrad: a leaf
             if not isinstance(fn.variable, nn.Parameter):
@@ -1286,8 +1276,7 @@ class TiedEmbedding:
     def __init__(self, model, config, mesh, has_first: bool, has_last: bool):
         params = dict(model.named_parameters(remove_duplicate=False))
         self.embed, self.head = params.get("base_model.embed_tokens.weight"), params.get("lm_head.weight")
-        self.active = config.tie_word_embeddings and self.embed is not self.head
-        self.group = None
+        self.active, self.group = config.tie_word_embeddings and self.embed is not self.head, None
         if not config.tie_word_embeddings or dist.get_world_size() == 1:
             return
         # Who holds the first or last stage of each replica's tensor-parallel slice; new_group is collective,
@@ -1402,18 +1391,17 @@ class PipelineOrder:
 
 
 def merge_backwards(schedule, order: dict | None = None, stage_ranks: dict | None = None):
-    """Run an input gradient (I) that its own weight gradient (W: the same stage and microbatch) follows next on
-    the rank as one backward (B), where the gradient goes to no other rank: one autograd call instead of I's one
-    and W's one per group of weights, which walks the graph again from what I kept (measured on small, one
-    stage: I + W 1.07-1.16 x a B, with and without checkpointing; docs/faster-and-smaller.md). Where the input
-    gradient goes to another rank, a B would send it only after the weights' part: that rank would wait W's
-    time longer, so there they stay apart (torch's own _merge_bw merges every such pair, and is never called).
-    Stage 0 sends no gradient; on a rank whose next stage down is its own (the V's turn), the next backward
-    there comes after W anyway. The rest is as the order says (W's put off, DualPipeV's overlapped cells).
-    order: the compute-only order to run (a file's), stage_ranks its stage -> rank map; None: the schedule's own
-    (torch's classes). Lowered again as torch lowers a compute-only order (sends and receives, FSDP, gradient
-    reduction), unless it is the schedule's own and nothing merged. A schedule without an order (GPipe, 1F1B)
-    is returned as it is."""
+    """Run an input gradient (I) that its own weight gradient (W: the same stage and microbatch) follows next on the
+    rank as one backward (B), where the gradient goes to no other rank: one autograd call instead of I's one and W's one
+    per group of weights, which walks the graph again from what I kept (measured on small, one stage: I + W 1.07-1.16 x
+    a B, with and without checkpointing; docs/faster-and-smaller.md). Where the input gradient goes to another rank, a B
+    would send it only after the weights' part: that rank would wait W's time longer, so there they stay apart (torch's
+    own _merge_bw merges every such pair, and is never called). Stage 0 sends no gradient; on a rank whose next stage
+    down is its own (the V's turn), the next backward there comes after W anyway. The rest is as the order says (W's put
+    off, DualPipeV's overlapped cells). order: the compute-only order to run (a file's), stage_ranks its stage -> rank
+    map; None: the schedule's own (torch's classes). Lowered again as torch lowers a compute-only order (sends and
+    receives, FSDP, gradient reduction), unless it is the schedule's own and nothing merged. A schedule without an order
+    (GPipe, 1F1B) is returned as it is."""
     own, order = order is None, order or getattr(schedule, "pipeline_order", None)
     if order is None or not isinstance(schedule, _PipelineScheduleRuntime):
         return schedule
