@@ -5238,6 +5238,35 @@ def test_plan_seq_chunks_cost_grows_with_the_prefix():
     assert report["schedules"]["1f1b --seq-chunks 4"]["bubble"] > 1 / 9
 
 
+def test_plan_seq_chunks_padded_to_the_longest_cost_more_than_even():
+    # docs/long-sequences.md's replay of why train_pipeline_gpipe.py refuses --chunk-split compute: chunks of equal
+    # FLOPs padded to the longest (each its length at its own offset) against even chunks and unpadded ones, equal
+    # stages (F 1, B 2), each chunk its share as plan.chunk_costs counts it; the page's figures to its 3 decimals.
+    page = (ROOT / "docs" / "long-sequences.md").read_text()
+    cell = r" \| ([\d.]+) \((?:bubble )?([\d.]+)\)"
+    rows = re.findall(rf"^\| (\d+), (\d+), (\d+), ([\d.]+)([^|]*){cell * 4} \|$", page, re.M)
+    assert len(rows) == 5, rows
+    for row in rows:
+        (p, m, S), a, figures = map(int, row[:3]), float(row[3]), [float(x) for x in row[5:]]
+        name = "gpipe" if "GPipe's chunk order" in row[4] else "1f1b"
+        ends = [(-(1 - a) + math.sqrt((1 - a) ** 2 + 4 * a * j / S)) / (2 * a) for j in range(1, S)] + [1.0]
+        compute = [e - s for s, e in zip([0.0] + ends, ends)]  # (1 - a) x + a x^2 = j / S: equal FLOPs
+
+        def replayed(lengths, padded=None):
+            share = plan.chunk_costs([range(1)] * p, lengths, [a] * p, [0.0] * p, [["none"]] * p, 0.0)[1]
+            if padded:  # each chunk the longest's length at its own offset: the formula of chunk_costs
+                offsets = [sum(lengths[:j]) for j in range(S)]
+                share = [[(1 - a) * padded + a * padded * (o + padded / 2) * 2 for o in offsets]] * p
+            r = plan.replay(plan.chunk_orders(name, p, m, S), [1.0] * p, [2.0] * p, [0.0] * p,
+                            chunks=(S, share, [[0.0] * S] * p))
+            return [r["step"] / (3 * m), r["bubble"]]
+        whole = plan.replay(plan.schedule_orders(name, p, m, 1), [1.0] * p, [2.0] * p, [0.0] * p)
+        got = [whole["step"] / (3 * m), whole["bubble"], *replayed([1 / S] * S), *replayed(compute),
+               *replayed(compute, max(compute))]
+        assert got == pytest.approx(figures, abs=0.0005 + 1e-9), row
+        assert got[6] > got[2] > got[4]  # padded dearer than even, even than equal compute
+
+
 def test_plan_seq_chunks_first_rank_as_the_parity_test_measured(tmp_path, capsys):
     # docs/long-sequences.md gives what the parity test measured (the tensors autograd saves, its model: 2 stages
     # of 2 layers, 4 microbatches of 16 tokens, documents): rank 0 under 1F1B in 2 and in 4 chunks, a share of
@@ -6570,6 +6599,12 @@ def test_flag_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch, capsy
                                                                 "order sequence chunks (a sequence's backwards last "
                                                                 "chunk first); give --schedule gpipe or 1f1b",
         ("--seq-chunks", "2", "--schedule", "zbvzerobubble"): "give --schedule gpipe or 1f1b, or --seq-chunks 1",
+        # chunks of equal compute: torch's stages receive one shape; padded to the longest they cost more
+        ("--seq-chunks", "2", "--chunk-split", "compute"): "--chunk-split compute: torch's PipelineStage takes one "
+                                                           "message shape per stage, and chunks padded to the longest "
+                                                           "cost more than even chunks save (docs/long-sequences.md); "
+                                                           "run it with train_pipeline_afab_manual.py, or give "
+                                                           "--chunk-split even",
     }
     cases = [("train_pipeline_gpipe.py", given, named, 1) for given, named in gpipe_cases.items()]
     # The other scripts share the checks; their own choices are checked too.
