@@ -5332,7 +5332,8 @@ def test_plan_seq_chunks_first_rank_holds_p_plus_s_minus_1_chunks_and_their_pref
     # (H each). Seq1F1B: at most p + S - 1 chunks, (p + S - 1) / (S p) of that, plus what each chunk's attention
     # saves of its prefix: the keys and values, 2 x prefix x kv_heads x head_dim x 4 bytes per layer and sequence.
     # At its fullest rank 0 holds sequence 0's S chunks and sequence 1's first (S = 2: prefixes 0 + 32 tokens;
-    # S = 4: 0 + 16 + 32 + 48).
+    # S = 4: 0 + 16 + 32 + 48). On the CPU a chunk after the first attends with a dense mask, of which SDPA keeps a
+    # float copy per layer: length x (prefix + length) x 4 bytes a sequence (a GPU's FlexAttention: none).
     common = ["--processes", "2", "--model", "tiny", "--layers", "4", "--split", "2,2", "--seq-len", "64",
               "--batch-size", "8", "--microbatches", "4", "--schedule", "1f1b", "--device", "cpu"]
     whole = plan.main(common)["ranks"][0]["activations"]
@@ -5341,7 +5342,10 @@ def test_plan_seq_chunks_first_rank_holds_p_plus_s_minus_1_chunks_and_their_pref
     head_dim = tiny["hidden_size"] // tiny["num_attention_heads"]
     prefixes = sum(64 // S * j for j in range(S))  # tokens, of sequence 0's chunks
     kv = 2 * prefixes * tiny["num_key_value_heads"] * head_dim * 4 * 2 * 2  # x 2 layers x 2 sequences a chunk
-    assert chunked == pytest.approx((2 + S - 1) / (S * 2) * whole + kv, rel=1e-12)
+    masks = sum(64 // S * (64 // S * j + 64 // S) for j in range(1, S)) * 4 * 2 * 2
+    assert chunked == pytest.approx((2 + S - 1) / (S * 2) * whole + kv + masks, rel=1e-12)
+    on_gpu = plan.main([*common[:-1], "cuda", "--precision", "fp32", "--seq-chunks", str(S)])["ranks"][0]
+    assert on_gpu["activations"] == pytest.approx((2 + S - 1) / (S * 2) * whole + kv, rel=1e-12)
 
 
 def test_plan_reads_the_model_from_a_hugging_face_directory(tmp_path, capsys):
@@ -6026,6 +6030,12 @@ def test_the_one_gpu_check_passes(tmp_path, data_dir):
     (["--steps", "1"], "error: --repeats, --dp and --tp must be at least 1 and --steps at least 2"),
     (["--data", "nowhere"], "error: --data nowhere: no data prepared there; run python prepare_data.py --out "
                             "nowhere first"),
+    # --seq-chunks' mode: its own variants; chunks the scripts would refuse, before the runs; --budget with it alone
+    (["--seq-chunks", "2", "--variants", "1f1b,gpipe"], "error: --variants: unknown gpipe; choose from 1f1b, 1f1b "
+                                                        "--seq-chunks 2, 1f1b (by hand), "),
+    (["--seq-chunks", "3"], "error: --seq-chunks 3 does not cut --seq-len 128 into even chunks; the nearest that "
+                            "does: --seq-chunks 2"),
+    (["--budget", "100"], "error: --budget 100: give --seq-chunks S too"),
 ])
 def test_benchmark_refuses_bad_flags_in_one_line(argv, message, data_dir, capsys):
     err = refused(capsys, benchmark.parse_args, "--data", data_dir, *argv, status=1 if "--data" in argv else 2)
@@ -6123,6 +6133,37 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypat
                      r"\| \d+ \|", table), table
 
 
+@pytest.mark.parametrize("factor", [1.0, 1.25, 0.5])
+def test_benchmark_budget_search_starts_at_plans_longest_and_walks(factor, data_dir, tmp_path, monkeypatch):
+    # --seq-chunks --budget: the longest --seq-len (a multiple of 64 S, up to the model's positions: tiny's 1024)
+    # within the budget, measured; each measurement here plan.py's count x factor (plan right, short, over), so the
+    # answer is known from the plan alone: the search must find it, starting where the plan says (2 runs if right).
+    argv = ["--seq-chunks", "2", "--batch-size", "2", "--microbatches", "2", "--data", data_dir, "--out",
+            str(tmp_path / "out"), "--", "--model", "tiny", "--layers", "2"]
+    args = benchmark.parse_args(argv)
+    args.budget = 1.01 * max(r["activations"] for r in benchmark.planned(args, 512, 1)["ranks"]) / 2**20
+    runs = []
+
+    def memory(args, script, schedule, workdir, extra=(), **kwargs):  # measure-memory's answer: the plan's x factor
+        seq_len, chunks = int(extra[-1]), int(extra[1]) if "--seq-chunks" in extra else 1
+        runs.append(seq_len)
+        return {"activation_bytes_per_rank": [factor * r["activations"] for r in benchmark.planned(
+            args, seq_len, chunks)["ranks"]]}, ""
+    monkeypatch.setattr(benchmark, "memory", memory)
+    for name, extra, chunks in (("1f1b", [], 1), ("1f1b --seq-chunks 2", ["--seq-chunks", "2"], 2)):
+        results, runs[:] = {name: {}}, []
+        benchmark.longest(args, str(tmp_path), name, "train_pipeline_gpipe.py", extra, results)
+        plans = {n: max(r["activations"] for r in benchmark.planned(args, n, chunks)["ranks"])
+                 for n in range(128, 1025, 128)}
+        fitting = [n for n in plans if factor * plans[n] <= args.budget * 2**20]
+        found = results[name]["longest"]
+        assert (found["seq_len"], found["positions"]) == (max(fitting, default=None), 1024), (name, found)
+        assert runs[0] == found["planned_seq_len"] == max(n for n in plans if plans[n] <= args.budget * 2**20)
+        assert sorted(found["measured"]) == sorted(runs)
+        if factor == 1:  # the plan's longest fits, the next length does not (unless it is the top)
+            assert runs == [found["seq_len"]] + [found["seq_len"] + 128] * (found["seq_len"] < 1024), runs
+
+
 # -- benchmark.py: its numbers and its --out
 
 @pytest.mark.parametrize("argv, message", [
@@ -6164,7 +6205,7 @@ def earlier_run(fake_data: str, out: Path, *argv) -> list[str]:
     return benchmark.outputs(args)
 
 
-@pytest.mark.parametrize("mode", [[], ["--sweep"], ["--dp", "2"], ["--splits"]])
+@pytest.mark.parametrize("mode", [[], ["--sweep"], ["--dp", "2"], ["--splits"], ["--seq-chunks", "4"]])
 def test_benchmark_replaces_an_earlier_runs_results_only_with_force(mode, tmp_path, fake_data, capsys, monkeypatch):
     out = tmp_path / "bench"
     written = earlier_run(fake_data, out, *mode)
