@@ -1023,7 +1023,8 @@ def seq_chunks(args, workdir):
     lines = [f"1F1B, {p} ranks, {m} microbatches, batch {args.batch_size} x {args.seq_len} tokens, each sequence "
              f"whole or in {S} chunks (--seq-chunks), {args.repeats} alternating runs of {args.steps} steps per "
              f"variant (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}); flags for every run: "
-             f"{' '.join(args.script_args) or '-'}; the step times of untraced runs. Bubble with equal chunk costs: whole (p-1)/(m+p-1) = "
+             f"{' '.join(args.script_args) or '-'}; the step times of untraced runs. Bubble with equal chunk costs: "
+             f"whole (p-1)/(m+p-1) = "
              f"{(p - 1) / (m + p - 1):.1%}, in chunks (p-1)/(S m+p-1) = {(p - 1) / (S * m + p - 1):.1%}; plan.py's "
              "bubble and step with each chunk's own cost (attention grows with the prefix); traced: a run more per "
              "variant, its last 3 steps.", "",
@@ -1047,9 +1048,9 @@ def seq_chunks(args, workdir):
     searched = {name: r["longest"] for name, r in results.items() if "longest" in r}
     if searched:
         quantum = next(iter(searched.values()))["quantum"]
-        lines += ["", f"The longest --seq-len (a multiple of {quantum}, up to the model's positions) whose fullest rank "
-                      f"holds at most {args.budget:g} MiB of activations (--budget; measure-memory runs, started at "
-                      "plan.py's longest):", "",
+        lines += ["", f"The longest --seq-len (a multiple of {quantum}, up to the model's positions) whose fullest "
+                      f"rank holds at most {args.budget:g} MiB of activations (--budget; measure-memory runs, "
+                      "started at plan.py's longest):", "",
                   "| variant | longest --seq-len | plan.py's longest | runs | --seq-len: measured / planned (MiB) |",
                   "|---|---|---|---|---|"]
         for name, found in searched.items():
