@@ -935,9 +935,10 @@ def planned(args, seq_len: int, chunks: int) -> dict:
     argv, rest = [], list(args.script_args)
     while rest:
         flag, _, value = rest.pop(0).partition("=")
-        if flag in PLAN_FLAGS:
-            argv += [flag, *([value] if value else rest[:1] if PLAN_FLAGS[flag] else [])]
-            rest = rest[PLAN_FLAGS[flag] and not value:]
+        if flag in PLAN_FLAGS:  # (a value, unless the next word is a flag: --activation-checkpointing alone is full)
+            if not value and PLAN_FLAGS[flag] and rest and not rest[0].startswith("--"):
+                value = rest.pop(0)
+            argv += [flag, *([value] if value else [])]
     if "--device" not in argv:
         argv += ["--device", "cuda" if torch.cuda.is_available() else "cpu"]
     plan_args = plan.build_parser().parse_args(
@@ -956,7 +957,7 @@ def longest(args, workdir, name: str, script: str, extra: list, results: dict) -
     plans = {}
     for n in itertools.count(1):
         try:
-            plans[n * quantum] = max(r["activations"] for r in planned(args, n * quantum, chunks)["ranks"])
+            plans[n * quantum] = max(r["activations_flagged"] for r in planned(args, n * quantum, chunks)["ranks"])
         except UsageError as e:
             if not plans:
                 fail(f"--budget: plan.py cannot plan --seq-len {quantum} with these flags: {e}")
@@ -994,6 +995,13 @@ def seq_chunks(args, workdir):
     S, p, m = args.seq_chunks, args.ranks, args.microbatches
     variants = chosen(seq_chunk_variants(S), "1f1b", args.variants)
     results = {name: {"step_times": []} for name in variants}
+    note = ""
+    try:  # before the runs: the search needs the plan
+        plans = {chunks: planned(args, args.seq_len, chunks) for chunks in (1, S)}
+    except UsageError as e:
+        if args.budget:
+            fail(f"--budget: plan.py cannot plan these flags, where the search starts: {e}")
+        plans, note = {}, f"plan.py: {e}"
     for repeat in range(args.repeats):  # untraced: the profiler's cost grows with the microbatches, S times more
         for name, (script, extra) in variants.items():
             summary, _ = run(args, script, "1f1b", args.steps, workdir, extra=extra)
@@ -1004,14 +1012,13 @@ def seq_chunks(args, workdir):
         trace = trace_dir(args, name)
         run(args, script, "1f1b", max(args.steps, 3), workdir, extra=[*extra, "--trace", trace])
         traced(results[name], trace)
-    plans = {chunks: planned(args, args.seq_len, chunks) for chunks in (1, S)}
     for name, (script, extra) in variants.items():  # untimed: the saved-tensor hooks slow a step down
         r = results[name]
         r["activation_bytes_per_rank"] = memory(args, script, "1f1b", workdir, extra=extra)[0][
             "activation_bytes_per_rank"]
-        if "compute" not in extra:  # (plan.py plans even chunks)
+        if "compute" not in extra and plans:  # (plan.py plans even chunks)
             plan_report = plans[S if extra else 1]
-            r["planned_activation_bytes_per_rank"] = [rank["activations"] for rank in plan_report["ranks"]]
+            r["planned_activation_bytes_per_rank"] = [rank["activations_flagged"] for rank in plan_report["ranks"]]
             r["planned"] = plan_report["schedules"][f"1f1b --seq-chunks {S}" if extra else "1f1b"]
     if args.budget:
         for name, (script, extra) in variants.items():
@@ -1059,7 +1066,7 @@ def seq_chunks(args, workdir):
             top = " (the model's positions)" * (found["seq_len"] == found["positions"])
             lines.append(f"| {name} | {found['seq_len'] or 'none'}{top} | {found['planned_seq_len'] or 'none'} | "
                          f"{len(found['measured'])} | {each} |")
-    finish(args, "\n".join(lines), results, name="seq_chunks")
+    finish(args, "\n".join([*lines, *(["", note] if note else [])]), results, name="seq_chunks")
 
 
 def chosen(variants: dict, reference: str, asked: str | None) -> dict:

@@ -6159,19 +6159,19 @@ def test_benchmark_budget_search_starts_at_plans_longest_and_walks(factor, data_
     argv = ["--seq-chunks", "2", "--batch-size", "2", "--microbatches", "2", "--data", data_dir, "--out",
             str(tmp_path / "out"), "--", "--model", "tiny", "--layers", "2"]
     args = benchmark.parse_args(argv)
-    args.budget = 1.01 * max(r["activations"] for r in benchmark.planned(args, 512, 1)["ranks"]) / 2**20
+    args.budget = 1.01 * max(r["activations_flagged"] for r in benchmark.planned(args, 512, 1)["ranks"]) / 2**20
     runs = []
 
     def memory(args, script, schedule, workdir, extra=(), **kwargs):  # measure-memory's answer: the plan's x factor
         seq_len, chunks = int(extra[-1]), int(extra[1]) if "--seq-chunks" in extra else 1
         runs.append(seq_len)
-        return {"activation_bytes_per_rank": [factor * r["activations"] for r in benchmark.planned(
+        return {"activation_bytes_per_rank": [factor * r["activations_flagged"] for r in benchmark.planned(
             args, seq_len, chunks)["ranks"]]}, ""
     monkeypatch.setattr(benchmark, "memory", memory)
     for name, extra, chunks in (("1f1b", [], 1), ("1f1b --seq-chunks 2", ["--seq-chunks", "2"], 2)):
         results, runs[:] = {name: {}}, []
         benchmark.longest(args, str(tmp_path), name, "train_pipeline_gpipe.py", extra, results)
-        plans = {n: max(r["activations"] for r in benchmark.planned(args, n, chunks)["ranks"])
+        plans = {n: max(r["activations_flagged"] for r in benchmark.planned(args, n, chunks)["ranks"])
                  for n in range(128, 1025, 128)}
         fitting = [n for n in plans if factor * plans[n] <= args.budget * 2**20]
         found = results[name]["longest"]
