@@ -8,7 +8,7 @@
     python benchmark.py --tp 2                                # 2 stages x tp 2, sequence parallel or not
     python benchmark.py --splits                              # split by layers vs by cost; checkpointing, compile
     python benchmark.py --documents --ranks 1 --seq-len 1024  # --document-masking vs causal attention
-    python benchmark.py --seq-chunks 4 --budget 700 --batch-size 2 --microbatches 2 --seq-len 1024 -- --model small
+    python benchmark.py --seq-chunks 4 --budget 900 --batch-size 2 --microbatches 2 --seq-len 1024 -- --model small
                                                               # 1F1B whole vs in 4 chunks; the longest --seq-len
     python benchmark.py --variants 1f1b -- --layers 2         # flags after -- go to every run
     python benchmark.py --variants 1f1b,zbvzerobubble,gen.csv # an order of plan.py --write-schedule gen.csv too
@@ -954,13 +954,16 @@ def longest(args, workdir, name: str, script: str, extra: list, results: dict) -
     (measure-memory): started at plan.py's longest, then a length up while the run fits, or down until it does.
     Each length measured and its plan go into results (the rank's bytes, measured and planned)."""
     quantum, budget, chunks = 64 * args.seq_chunks, args.budget * 2**20, args.seq_chunks if extra else 1
-    plans = {}
+    plans, positions = {}, False  # (the lengths planned end at the model's positions, or at twice the budget)
     for n in itertools.count(1):
         try:
             plans[n * quantum] = max(r["activations_flagged"] for r in planned(args, n * quantum, chunks)["ranks"])
         except UsageError as e:
             if not plans:
                 fail(f"--budget: plan.py cannot plan --seq-len {quantum} with these flags: {e}")
+            positions = True
+            break
+        if plans[n * quantum] > 2 * budget:  # far past it (the plan counts within a few %: the page's table)
             break
     lengths = sorted(plans)
     start = max([i for i, length in enumerate(lengths) if plans[length] <= budget] or [0])
@@ -984,7 +987,7 @@ def longest(args, workdir, name: str, script: str, extra: list, results: dict) -
         best = lengths[i - 1] if i > 0 else None
     results[name]["longest"] = {"seq_len": best, "planned_seq_len": lengths[start] if plans[lengths[start]] <= budget
                                 else None, "measured": measured, "planned": {n: plans[n] for n in measured},
-                                "quantum": quantum, "positions": lengths[-1]}
+                                "quantum": quantum, "positions": lengths[-1] if positions else None}
 
 
 def seq_chunks(args, workdir):
