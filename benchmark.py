@@ -8,6 +8,8 @@
     python benchmark.py --tp 2                                # 2 stages x tp 2, sequence parallel or not
     python benchmark.py --splits                              # split by layers vs by cost; checkpointing, compile
     python benchmark.py --documents --ranks 1 --seq-len 1024  # --document-masking vs causal attention
+    python benchmark.py --seq-chunks 4 --budget 900 --batch-size 2 --microbatches 2 --seq-len 1024 -- --model small
+                                                              # 1F1B whole vs in 4 chunks; the longest --seq-len
     python benchmark.py --variants 1f1b -- --layers 2         # flags after -- go to every run
     python benchmark.py --variants 1f1b,zbvzerobubble,gen.csv # an order of plan.py --write-schedule gen.csv too
     torchrun --nproc_per_node 2 benchmark.py measure-memory OUT.json train_pipeline_gpipe.py --steps 2 ...
@@ -50,6 +52,8 @@ import argparse
 import contextlib
 import importlib.util
 import inspect
+import io
+import itertools
 import json
 import os
 import pickle
@@ -76,7 +80,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import checkpoint
 import model
 import plan
-from checkpoint import Parser, UsageError, whole
+from checkpoint import Parser, UsageError, number, whole
 from plan import compute_actions, read_rank, read_trace, traced_step_time  # noqa: F401 (the tests ask them here)
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -92,6 +96,17 @@ VARIANTS = {  # name: (script, schedule)
     "1f1b (by hand)": ("train_pipeline_afab_manual.py", "1f1b"),
     "gpipe (tracer)": ("train_pipeline_tracer.py", "gpipe"),
 }
+# --seq-chunks S: 1F1B on whole sequences (the reference) against each sequence in S chunks (Seq1F1B), even in both
+# scripts that run them, and of equal compute in the hand-written one (torch's stages take one message shape).
+def seq_chunk_variants(S: int) -> dict:  # name: (script, flags)
+    cut = ["--seq-chunks", str(S)]
+    return {"1f1b": ("train_pipeline_gpipe.py", []), f"1f1b --seq-chunks {S}": ("train_pipeline_gpipe.py", cut),
+            "1f1b (by hand)": ("train_pipeline_afab_manual.py", []),
+            f"1f1b (by hand) --seq-chunks {S}": ("train_pipeline_afab_manual.py", cut),
+            f"1f1b (by hand) --seq-chunks {S} --chunk-split compute": ("train_pipeline_afab_manual.py",
+                                                                      [*cut, "--chunk-split", "compute"])}
+
+
 SPLITS = {"one process": (1, []), "even": (None, ["--split", "even"]), "balanced": (None, ["--split", "balanced"]),
           "balanced + activation checkpointing": (None, ["--activation-checkpointing"]),
           "balanced + compile": (None, ["--compile"])}  # name: (processes, None: --ranks; flags)
@@ -575,6 +590,10 @@ def planned_runs(args) -> int:
         return (args.repeats + 1) * len(chosen(SPLITS, "one process", args.variants))
     if args.documents:
         return args.repeats * 2
+    if args.seq_chunks > 1:  # the search: 2 runs per variant of the gpipe script if plan.py's estimate is right
+        chunked = chosen(seq_chunk_variants(args.seq_chunks), "1f1b", args.variants)
+        return (args.repeats + 2) * len(chunked) + 2 * sum(
+            script == "train_pipeline_gpipe.py" for script, _ in chunked.values()) * bool(args.budget)
     return (args.repeats + 1) * len(timed_variants(args))
 
 
@@ -648,7 +667,9 @@ def main(args):
         fail(f"--out {args.out}: cannot create it ({e.strerror}); give another --out")
     runs = planned_runs(args)
     print(f"benchmark: {runs} training runs, one at a time (each starts its processes, then trains); the bar's "
-          "time left is estimated from the runs done", file=sys.stderr, flush=True)
+          "time left is estimated from the runs done" + ("; the --budget search's 2 a variant may become more or "
+                                                         "fewer" if args.seq_chunks > 1 and args.budget else ""),
+          file=sys.stderr, flush=True)
     with tqdm.tqdm(total=runs, unit="run", file=sys.stderr) as bar:
         PROGRESS["bar"] = bar
         try:
@@ -673,6 +694,8 @@ def compare(args):
             return splits(args, workdir)
         if args.documents:
             return documents(args, workdir)
+        if args.seq_chunks > 1:
+            return seq_chunks(args, workdir)
         variants = timed_variants(args)
         results = {name: {"step_times": []} for name in variants}
         for repeat in range(args.repeats):
@@ -901,6 +924,154 @@ def documents(args, workdir):
     finish(args, "\n".join(lines), results, name="documents")
 
 
+PLAN_FLAGS = {"--model": 1, "--layers": 1, "--init-from": 1, "--document-masking": 0, "--device": 1, "--precision": 1,
+              "--split": 1, "--activation-checkpointing": 1, "--loss-chunks": 1, "--tp": 1, "--dp": 1}
+
+
+def planned(args, seq_len: int, chunks: int) -> dict:
+    """plan.py's plan of a 1F1B run of these flags at seq_len tokens in `chunks` chunks (its report, what it prints
+    left out); given the flags after -- that plan.py shares with the scripts. A UsageError where plan.py (or the
+    scripts) refuses them, such as a --seq-len beyond the model's positions."""
+    argv, rest = [], list(args.script_args)
+    while rest:
+        flag, _, value = rest.pop(0).partition("=")
+        if flag in PLAN_FLAGS:  # (a value, unless the next word is a flag: --activation-checkpointing alone is full)
+            if not value and PLAN_FLAGS[flag] and rest and not rest[0].startswith("--"):
+                value = rest.pop(0)
+            argv += [flag, *([value] if value else [])]
+    if "--device" not in argv:
+        argv += ["--device", "cuda" if torch.cuda.is_available() else "cpu"]
+    plan_args = plan.build_parser().parse_args(
+        ["--processes", str(args.ranks), "--seq-len", str(seq_len), "--batch-size", str(args.batch_size),
+         "--microbatches", str(args.microbatches), "--schedule", "1f1b", "--seq-chunks", str(chunks),
+         "--data", args.data, *argv])
+    with contextlib.redirect_stdout(io.StringIO()):
+        return plan.plan(plan_args)
+
+
+def longest(args, workdir, name: str, script: str, extra: list, results: dict) -> None:
+    """The longest --seq-len, a multiple of 64 S, whose fullest rank holds at most --budget MiB of activations
+    (measure-memory): started at plan.py's longest, then a length up while the run fits, or down until it does.
+    Each length measured and its plan go into results (the rank's bytes, measured and planned)."""
+    quantum, budget, chunks = 64 * args.seq_chunks, args.budget * 2**20, args.seq_chunks if extra else 1
+    plans, positions = {}, False  # (the lengths planned end at the model's positions, or at twice the budget)
+    for n in itertools.count(1):
+        try:
+            plans[n * quantum] = max(r["activations_flagged"] for r in planned(args, n * quantum, chunks)["ranks"])
+        except UsageError as e:
+            if not plans:
+                fail(f"--budget: plan.py cannot plan --seq-len {quantum} with these flags: {e}")
+            positions = True
+            break
+        if plans[n * quantum] > 2 * budget:  # far past it (the plan counts within a few %: the page's table)
+            break
+    lengths = sorted(plans)
+    start = max([i for i, length in enumerate(lengths) if plans[length] <= budget] or [0])
+    measured = {}
+
+    def fits(i: int) -> bool:
+        if lengths[i] not in measured:
+            if len(measured) >= 2 and PROGRESS["bar"] is not None:  # a run more than planned_runs counted
+                PROGRESS["bar"].total += 1
+            held = memory(args, script, "1f1b", workdir, extra=[*extra, "--seq-len", str(lengths[i])])[0]
+            measured[lengths[i]] = max(held["activation_bytes_per_rank"])
+        return measured[lengths[i]] <= budget
+    i = start
+    if fits(i):
+        while i + 1 < len(lengths) and fits(i + 1):
+            i += 1
+        best = lengths[i]
+    else:
+        while i > 0 and not fits(i - 1):
+            i -= 1
+        best = lengths[i - 1] if i > 0 else None
+    results[name]["longest"] = {"seq_len": best, "planned_seq_len": lengths[start] if plans[lengths[start]] <= budget
+                                else None, "measured": measured, "planned": {n: plans[n] for n in measured},
+                                "quantum": quantum, "positions": lengths[-1] if positions else None}
+
+
+def seq_chunks(args, workdir):
+    """1F1B on whole sequences against each sequence in --seq-chunks S chunks (Seq1F1B), in the gpipe script and
+    by hand (even, and of equal compute), alternating: step time, the bubble traced and planned, the activations
+    measured (measure-memory) and planned (plan.py); with --budget, the longest --seq-len within it, whole and in
+    chunks (the gpipe script's). The timed runs are not traced; a run more per variant is, for its bubble."""
+    S, p, m = args.seq_chunks, args.ranks, args.microbatches
+    variants = chosen(seq_chunk_variants(S), "1f1b", args.variants)
+    results = {name: {"step_times": []} for name in variants}
+    note = ""
+    try:  # before the runs: the search needs the plan
+        plans = {chunks: planned(args, args.seq_len, chunks) for chunks in (1, S)}
+    except UsageError as e:
+        if args.budget:
+            fail(f"--budget: plan.py cannot plan these flags, where the search starts: {e}")
+        plans, note = {}, f"plan.py: {e}"
+    for repeat in range(args.repeats):  # untraced: the profiler's cost grows with the microbatches, S times more
+        for name, (script, extra) in variants.items():
+            summary, _ = run(args, script, "1f1b", args.steps, workdir, extra=extra)
+            results[name]["step_times"].append(summary["median_step_time"])
+            results[name]["tokens_per_s"] = summary["tokens_per_s"]
+            timed(args, repeat, name, summary)
+    for name, (script, extra) in variants.items():  # untimed: the bubble, from a trace
+        trace = trace_dir(args, name)
+        run(args, script, "1f1b", max(args.steps, 3), workdir, extra=[*extra, "--trace", trace])
+        traced(results[name], trace)
+    for name, (script, extra) in variants.items():  # untimed: the saved-tensor hooks slow a step down
+        r = results[name]
+        r["activation_bytes_per_rank"] = memory(args, script, "1f1b", workdir, extra=extra)[0][
+            "activation_bytes_per_rank"]
+        if "compute" not in extra and plans:  # (plan.py plans even chunks)
+            plan_report = plans[S if extra else 1]
+            r["planned_activation_bytes_per_rank"] = [rank["activations_flagged"] for rank in plan_report["ranks"]]
+            r["planned"] = plan_report["schedules"][f"1f1b --seq-chunks {S}" if extra else "1f1b"]
+    if args.budget:
+        for name, (script, extra) in variants.items():
+            if script == "train_pipeline_gpipe.py":
+                longest(args, workdir, name, script, extra, results)
+        if PROGRESS["bar"] is not None:  # the search took as many runs as it took: the bar ends at them
+            PROGRESS["bar"].total = PROGRESS["bar"].n
+            PROGRESS["bar"].refresh()
+    lines = [f"1F1B, {p} ranks, {m} microbatches, batch {args.batch_size} x {args.seq_len} tokens, each sequence "
+             f"whole or in {S} chunks (--seq-chunks), {args.repeats} alternating runs of {args.steps} steps per "
+             f"variant (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}); flags for every run: "
+             f"{' '.join(args.script_args) or '-'}; the step times of untraced runs. Bubble with equal chunk costs: "
+             f"whole (p-1)/(m+p-1) = "
+             f"{(p - 1) / (m + p - 1):.1%}, in chunks (p-1)/(S m+p-1) = {(p - 1) / (S * m + p - 1):.1%}; plan.py's "
+             "bubble and step with each chunk's own cost (attention grows with the prefix); traced: a run more per "
+             "variant, its last 3 steps.", "",
+             "| variant | median step (ms) | vs whole (its script's, else 1f1b) | plan.py's step vs whole | tokens/s "
+             "| bubble (traced) | bubble (plan.py) | activations per rank (MiB), measured | planned (plan.py) "
+             "| rank 0 vs whole |", "|---|---|---|---|---|---|---|---|---|---|"]
+    whole = {script: results[name] for name, (script, extra) in variants.items() if not extra}
+    for name, (script, extra) in variants.items():
+        r = results[name]
+        r["median_step_time"] = median = statistics.median(r["step_times"])
+        base = whole.get(script, results["1f1b"])
+        ratio = f"{median / statistics.median(base['step_times']):.2f}"
+        mib = ", ".join(f"{b / 2**20:.1f}" for b in r["activation_bytes_per_rank"])
+        plan_mib = ", ".join(f"{b / 2**20:.1f}" for b in r.get("planned_activation_bytes_per_rank", [])) or "-"
+        plan_ratio = (f"{r['planned']['step'] / results['1f1b']['planned']['step']:.2f}" if "planned" in r
+                      and "planned" in results["1f1b"] else "-")
+        held = f"{r['activation_bytes_per_rank'][0] / base['activation_bytes_per_rank'][0]:.2f}"
+        plan_bubble = f"{r['planned']['bubble']:.1%}" if "planned" in r else "-"
+        lines.append(f"| {name} | {median * 1e3:.1f} | {ratio} | {plan_ratio} | {r['tokens_per_s']:.0f} | "
+                     f"{r['bubble']:.1%} | {plan_bubble} | {mib} | {plan_mib} | {held} |")
+    searched = {name: r["longest"] for name, r in results.items() if "longest" in r}
+    if searched:
+        quantum = next(iter(searched.values()))["quantum"]
+        lines += ["", f"The longest --seq-len (a multiple of {quantum}, up to the model's positions) whose fullest "
+                      f"rank holds at most {args.budget:g} MiB of activations (--budget; measure-memory runs, "
+                      "started at plan.py's longest):", "",
+                  "| variant | longest --seq-len | plan.py's longest | runs | --seq-len: measured / planned (MiB) |",
+                  "|---|---|---|---|---|"]
+        for name, found in searched.items():
+            each = "; ".join(f"{n}: {found['measured'][n] / 2**20:.1f} / {found['planned'][n] / 2**20:.1f}"
+                             for n in sorted(found["measured"]))
+            top = " (the model's positions)" * (found["seq_len"] == found["positions"])
+            lines.append(f"| {name} | {found['seq_len'] or 'none'}{top} | {found['planned_seq_len'] or 'none'} | "
+                         f"{len(found['measured'])} | {each} |")
+    finish(args, "\n".join([*lines, *(["", note] if note else [])]), results, name="seq_chunks")
+
+
 def chosen(variants: dict, reference: str, asked: str | None) -> dict:
     """The variants --variants names, and the reference every ratio is taken against (it always runs)."""
     if not asked:
@@ -941,6 +1112,8 @@ def outputs(args) -> list[str]:
                                         if (ranks or args.ranks) > 1]
     elif args.documents:
         name, traced_names = "documents", []
+    elif args.seq_chunks > 1:
+        name, traced_names = "seq_chunks", list(chosen(seq_chunk_variants(args.seq_chunks), "1f1b", args.variants))
     else:
         name, traced_names = "results", list(timed_variants(args))
     traces = [trace_dir(args, variant) for variant in traced_names]
@@ -1011,7 +1184,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--variants", default=None,
                         help="comma-separated subset of (gpipe always runs): " + ", ".join(VARIANTS) + ", and any "
                              "FILE.csv (an order run by train_pipeline_gpipe.py --schedule FILE.csv); with "
-                             "--splits (one process always runs): " + ", ".join(SPLITS) + " (default: all)")
+                             "--splits (one process always runs): " + ", ".join(SPLITS) + "; with --seq-chunks S "
+                             "(1f1b always runs): " + ", ".join(seq_chunk_variants(0)).replace("0", "S") +
+                             " (default: all)")
     parser.add_argument("--sweep", action="store_true", help="time GPipe against the microbatch count instead")
     parser.add_argument("--sweep-microbatches", default="1,2,4,8,16",
                         help="the microbatch counts --sweep runs (default: %(default)s)")
@@ -1027,6 +1202,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=1,
                         help="compare --ranks stages x TP tensor-parallel ranks with and without sequence "
                              "parallelism instead")
+    parser.add_argument("--seq-chunks", type=whole(1), default=1,
+                        help="compare 1F1B on whole sequences with each sequence in this many chunks (Seq1F1B: even, "
+                             "and of equal compute by hand) instead; 1: not this mode (default: %(default)s)")
+    parser.add_argument("--budget", type=number(positive=False), default=0, metavar="MIB",
+                        help="with --seq-chunks: also the longest --seq-len whose fullest rank holds at most MIB of "
+                             "activations, whole and in chunks (measure-memory runs); 0: none (default: %(default)s)")
     parser.add_argument("--out", default="bench", help="output folder (default: %(default)s)")
     parser.add_argument("--force", action="store_true",
                         help="replace the results of an earlier run in --out (only what benchmark.py wrote)")
@@ -1047,12 +1228,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     if min(args.sweep_microbatches) < 1:
         parser.error(f"--sweep-microbatches {','.join(map(str, args.sweep_microbatches))}: each count must be at "
                      "least 1")
-    known = SPLITS if args.splits else VARIANTS
+    if args.budget and args.seq_chunks == 1:
+        parser.error(f"--budget {args.budget:g}: give --seq-chunks S too (the search compares whole sequences with "
+                     "chunks)")
+    if args.seq_chunks > 1:
+        try:  # the scripts' own check, before the runs: even chunks
+            model.chunk_lengths(args.seq_len, args.seq_chunks, None)
+        except ValueError as e:
+            parser.error(str(e))
+    chunked = args.seq_chunks > 1 and not args.splits
+    known = SPLITS if args.splits else seq_chunk_variants(args.seq_chunks) if chunked else VARIANTS
     asked = set(args.variants.split(",")) if args.variants else set()
-    files = set() if args.splits else {v for v in asked if v.endswith(".csv")}
+    files = set() if args.splits or chunked else {v for v in asked if v.endswith(".csv")}
     if unknown := asked - files - set(known):
         parser.error(f"--variants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(known)}"
-                     f"{'' if args.splits else ', or a FILE.csv'}")
+                     f"{'' if args.splits or chunked else ', or a FILE.csv'}")
     if missing := sorted(v for v in files if not os.path.isfile(v)):
         parser.error(f"--variants {missing[0]}: no such file; write an order there with plan.py --write-schedule "
                      f"{missing[0]}, or give the path of one")

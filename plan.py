@@ -243,7 +243,8 @@ def startup_bytes(config: LlamaConfig, layout: list[range], stages: list[int], d
 
 
 def activation_bytes(config: LlamaConfig, tokens: int, seq_len: int, bf16: bool, tp: int = 1,
-                     chunks: int = 1, shards: int = 1, documents: bool = False) -> dict[str, float]:
+                     chunks: int = 1, shards: int = 1, documents: bool = False, mask_bytes: float = 0.0
+                     ) -> dict[str, float]:
     """Bytes one microbatch of `tokens` tokens leaves saved for backward on one tensor-parallel rank: per
     decoder layer (all of it, and only its input with activation checkpointing), for the head and loss, and
     for the embedding; and "loss", what the loss holds for a moment (fp32 logits and their softmax and
@@ -251,7 +252,8 @@ def activation_bytes(config: LlamaConfig, tokens: int, seq_len: int, bf16: bool,
     benchmark.py's ActivationMeter counts on this model); under bf16 autocast the projections' inputs and
     attention run in bf16, norms, residuals and the loss in fp32. Tensor parallelism splits what is per head
     or per MLP channel, and the logits; sequence parallelism (shards = tp) the norms' and residuals' values,
-    which are whole on every rank without it; the projections' inputs are whole (gathered) either way."""
+    which are whole on every rank without it; the projections' inputs are whole (gathered) either way.
+    mask_bytes: the CPU's (chunk_costs), with documents the float copy of the dense mask each layer keeps."""
     h, heads, kv, d, inter = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                               config.head_dim, config.intermediate_size)
     e, vocab = 2 if bf16 else 4, config.vocab_size / tp
@@ -261,7 +263,7 @@ def activation_bytes(config: LlamaConfig, tokens: int, seq_len: int, bf16: bool,
                                                                       + 4 * inter / tp))
     # The rotary cos/sin tables: one for all sequences (positions 0 .. seq - 1), or with --document-masking one
     # per sequence (positions per document). Its mask: a GPU's FlexAttention keeps a few bytes per 128 x 128 block.
-    layer += 2 * (tokens if documents else seq_len) * d * e
+    layer += 2 * (tokens if documents else seq_len) * d * e + (mask_bytes * tokens * seq_len if documents else 0)
     # The final norm's input, normalized values and rstd, and the targets; then the chunked loss keeps the fp32
     # hidden states it starts each piece from, the plain loss the head's input (compute dtype) and the fp32
     # log-softmax of the whole logits.
@@ -606,20 +608,27 @@ def chunk_orders(name: str, pp: int, microbatches: int, chunks: int) -> dict[int
 
 
 def chunk_costs(layout: list[range], lengths: list[int], attention: list[float], held: list[float], modes,
-                kv_bytes: float) -> tuple[int, list[list[float]], list[list[float]]]:
+                kv_bytes: float, mask_bytes: float = 0.0, documents: bool = False
+                ) -> tuple[int, list[list[float]], list[list[float]]]:
     """replay()'s chunks: each stage's share of a microbatch's time per chunk, and the bytes a chunk holds.
     Time: a chunk's FLOPs, the matrices' (6N a token) by its length, causal attention's (attention: its share of
     the stage's FLOPs) by length x (offset + length / 2), as each query reads its prefix: a later chunk costs more.
     Bytes: its tokens' share of a microbatch's (held), plus per layer the keys and values its attention keeps of
     other chunks (kv_bytes a token and layer): where the layer keeps its activations, the copy of the prefix's
     that attention saves (the chunk's own are in its activations already); where it recomputes (full or
-    selective), its own in the layer's cache until its backward (model.py's kv_chunks; the last chunk's: none)."""
+    selective), its own in the layer's cache until its backward (model.py's kv_chunks; the last chunk's: none).
+    mask_bytes (the CPU's: 4 a query and key and sequence; a GPU's FlexAttention keeps a few bytes a block): a chunk
+    that attends with a mask (all but the first, every one with documents) keeps, per layer that keeps its
+    activations, the float copy [length, offset + length] SDPA makes of the dense boolean mask (in place of the
+    whole sequence's, which held counts with documents: activation_bytes)."""
     total, S = sum(lengths), len(lengths)
     offsets = [sum(lengths[:j]) for j in range(S)]
     share = [[(1 - a) * n / total + a * n * (o + n / 2) / (total * total / 2) for o, n in zip(offsets, lengths)]
              for a in attention]
-    kept = [[h * n / total + kv_bytes * sum(o if mode == "none" else n * (j < S - 1) for mode in stage_modes)
-             for j, (o, n) in enumerate(zip(offsets, lengths))] for h, stage_modes in zip(held, modes)]
+    whole = [mask_bytes * total * total * documents * stage_modes.count("none") for stage_modes in modes]
+    kept = [[(h - w) * n / total + kv_bytes * sum(o if mode == "none" else n * (j < S - 1) for mode in stage_modes)
+             + mask_bytes * n * (o + n) * (j > 0 or documents) * stage_modes.count("none")
+             for j, (o, n) in enumerate(zip(offsets, lengths))] for h, w, stage_modes in zip(held, whole, modes)]
     return S, share, kept
 
 
@@ -1651,11 +1660,13 @@ def plan(args) -> dict:
                              "full or one per stage")
     half = bf16(args)
     tokens = args.batch_size // (dp * m * steps) * args.seq_len  # one microbatch of one replica
+    mask_bytes = (2 if half else 4) if device_type(args) == "cpu" else 0.0  # SDPA's copy of a dense mask, a pair
     chunks = loss_chunks(args.loss_chunks, config, (tokens // args.seq_len, args.seq_len), tp)
-    sizes = activation_bytes(config, tokens, args.seq_len, half, tp, chunks, shards(args, tp), args.document_masking)
+    sizes = activation_bytes(config, tokens, args.seq_len, half, tp, chunks, shards(args, tp), args.document_masking,
+                             mask_bytes)
     # Each rank's vocabulary slice's (--vocab-parallel): the head's activations and logits of V / p rows.
     sliced = activation_bytes(dataclasses.replace(config, vocab_size=vocab_rows(config, pp)), tokens, args.seq_len,
-                              half, tp, chunks, shards(args, tp), args.document_masking)
+                              half, tp, chunks, shards(args, tp), args.document_masking, mask_bytes)
     stages_of = {r: stage_ids(placement(schedule), r, pp, per_rank) for r in range(pp)}
     report = {"ranks": [], "schedules": {}}
     print(f"plan: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
@@ -1780,7 +1791,7 @@ def plan(args) -> dict:
         kept, between = held(lay, checkpointing)
         return replay(chunk_orders(name, pp, m, S), forward, backward, kept, between, split, message,
                       chunks=chunk_costs(lay, lengths, attention(lay), kept, layer_modes(lay, checkpointing),
-                                         kv_bytes))
+                                         kv_bytes, mask_bytes * (tokens // args.seq_len), args.document_masking))
 
     plain = layout, timed, held  # (the schedules' rows below; the memory table: --vocab-parallel's where given)
     if vp:

@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-chunks", type=whole(1), default=1, help="cut each sequence into this many chunks that flow "
                    "through the pipeline as microbatches (Seq1F1B: the first stage holds p + S - 1 chunks instead of "
                    "p sequences); 1: whole sequences")
+    g.add_argument("--chunk-split", choices=["even", "compute"], default="even", help="--seq-chunks' lengths: even, "
+                   "or of equal compute (later chunks shorter: attention reads each token's whole prefix)")
     g.add_argument("--tp", type=whole(1), default=1, help="tensor-parallel ranks per stage (inside a node)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="with --tp: the residual stream, the norms and what crosses stages sharded by sequence")
@@ -267,6 +269,10 @@ def check_args(args, world_size: int, device_type: str, preset: bool) -> None:
     if args.compile and args.tp > 1:  # tried
         raise UsageError("--compile with --tp: torch 2.13's compiled tensor-parallel layers fail in backward; "
                          "leave --compile out", on_every_rank=True)
+    if args.chunk_split == "compute":  # PipelineStage's buffers: one shape (pytorch #159942); padding costs more
+        raise UsageError("--chunk-split compute: torch's PipelineStage takes one message shape per stage, and chunks "
+                         "padded to the longest cost more than even chunks save (docs/long-sequences.md); run it with "
+                         "train_pipeline_afab_manual.py, or give --chunk-split even", on_every_rank=True)
     try:  # --seq-chunks: even chunks (of a multiple of tp's shards), under a schedule that can order them
         chunk_order(args.schedule, 1, args.microbatches, chunk_lengths(
             args.seq_len, args.seq_chunks, None, multiple=args.tp if args.sequence_parallel else 1))
