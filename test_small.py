@@ -1770,10 +1770,11 @@ BF16_RUNS = {  # name: (processes (0: plain python), script, extra flags, the fp
     # 2 ranks x 2 stages in a V: the zero-bubble split backward, a stage's output passed on the same rank, and the
     # forward-only evaluation (torch's eval() cannot run it) receiving bf16 too.
     "bf16 pp2 zbv": (2, "train_pipeline_gpipe.py", [*BF16, "--schedule", "zbvzerobubble", "--eval-every", "5"], None),
-    "bf16 pp2 x dp2": (4, "train_pipeline_gpipe.py", [*BF16, "--dp", "2"], "gpipe2x2"),  # FSDP: bf16 gathers
+    "bf16 pp2 x dp2": (4, "train_pipeline_gpipe.py", [*BF16, "--dp", "2", "--seq-chunks", "2"], "gpipe2x2"),  # FSDP:
+    # bf16 gathers; each sequence in 2 chunks (the same bytes sent, in twice the messages)
     "bf16 pp2 x tp2": (4, "train_pipeline_gpipe.py", [*BF16, "--tp", "2"], "afab2xtp2"),  # sequence parallel
-    "bf16 by hand pp2 x tp2": (4, "train_pipeline_afab_manual.py", [*BF16, "--tp", "2", "--schedule", "1f1b"],
-                               "afab2xtp2"),
+    "bf16 by hand pp2 x tp2": (4, "train_pipeline_afab_manual.py", [*BF16, "--tp", "2", "--schedule", "1f1b",
+                                                                   "--seq-chunks", "2"], "afab2xtp2"),
     "bf16 traced pp2": (2, "train_pipeline_tracer.py", [*BF16, "--eval-every", "5"], "gpipe2"),
 }
 
