@@ -1419,7 +1419,7 @@ def traced_run(args, env, config: LlamaConfig, layers: list[range], chunks: int)
             "device": env.device.type, "dtype": str(env.dtype).removeprefix("torch."),
             "processes": env.world_size, "sequence_parallel": args.sequence_parallel and args.tp > 1,
             "activation_checkpointing": args.activation_checkpointing, "loss_chunks": chunks,
-            "document_masking": args.document_masking}
+            "document_masking": args.document_masking, "seq_chunks": args.seq_chunks}
 
 
 def profiler(args, env, step: int, config: LlamaConfig, layers: list[range], chunks: int):

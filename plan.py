@@ -1382,6 +1382,9 @@ def traced_run(args, ranks: dict[int, dict], planned: dict) -> dict:
             planned["model"]) <= set(run["model"]):
         raise UsageError(f"--trace {args.trace}: rank{first}.json does not say what run it measured (traced before "
                          "the scripts wrote that into the trace); trace the run again with the scripts' --trace")
+    if run["seq_chunks"] > 1:  # its microbatches were chunks: a part's time there is a chunk's, not a sequence's
+        raise UsageError(f"--trace {args.trace}: traced with --seq-chunks {run['seq_chunks']}, whose microbatches are "
+                         "chunks of a sequence; trace a run of whole sequences (--seq-chunks 1)")
     other = next((r for r in ranks if ranks[r]["run"] != run), None)
     if other is not None or sorted(ranks) != list(range(run["processes"])):
         raise UsageError(f"--trace {args.trace}: holds {len(ranks)} rank files, not the {run['processes']} of one "

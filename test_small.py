@@ -2394,7 +2394,7 @@ def test_whole_runs_complete_under_nccls_rules(tmp_path, data_dir, reference_run
         replayed(tmp_path / calls, processes, steps)
 
 
-def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, reference_run):
+def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, reference_run, capsys):
     reference_dir, reference = reference_run
     # The reference ran 2 stages x 2 replicas, its tensors sharded by FSDP, the head on a stage of its own
     # (balanced: [embed + layers 0-3] [norm + head]). Resumed: 2 stages of 2 layers, no replicas, in the
@@ -2412,7 +2412,8 @@ def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, refer
                 "traced_dualpipev2": (2, "train_pipeline_tracer.py", ["--schedule", "dualpipev", "--split", "0,2,2,0"]),
                 "traced_seq1f1b2": (2, "train_pipeline_tracer.py", ["--schedule", "1f1b", "--seq-chunks", "2",
                                                                     "--activation-checkpointing", "--accumulate", "2",
-                                                                    "--microbatches", "2", "--eval-every", "4"])}
+                                                                    "--microbatches", "2", "--eval-every", "4",
+                                                                    "--trace", "trace"])}
     resumed = resumed_from_step_8(tmp_path, data_dir, reference_dir, variants)
     for name, (result, rows) in resumed.items():
         assert "(saved by 4 process(es))" in result.stdout
@@ -2421,6 +2422,11 @@ def test_resume_on_fewer_stages_continues_the_same_run(tmp_path, data_dir, refer
     chunked = resumed["traced_seq1f1b2"][0].stdout  # evaluated in chunks too
     assert "1f1b, 2 x 2 microbatches an optimizer step, each sequence in 2 chunks" in chunked
     assert "eval at step 12: loss" in chunked and "eval at step 16: loss" in chunked
+    for rank in (0, 1):  # --trace in chunks: each rank's profile of the last steps, its run described
+        trace = json.loads((tmp_path / "traced_seq1f1b2" / "trace" / f"rank{rank}.json").read_text())
+        assert trace["run"]["seq_chunks"] == 2 and any(e.get("ph") == "X" for e in trace["traceEvents"]), rank
+    assert "traced with --seq-chunks 2, whose microbatches are chunks" in refused(  # a time there is a chunk's
+        capsys, plan.main, "--processes", "2", "--layers", "4", "--trace", str(tmp_path / "traced_seq1f1b2" / "trace"))
 
 
 def resumed_from_step_8(tmp_path, data_dir, reference_dir, variants: dict) -> dict:
