@@ -1776,6 +1776,9 @@ BF16_RUNS = {  # name: (processes (0: plain python), script, extra flags, the fp
     "bf16 by hand pp2 x tp2": (4, "train_pipeline_afab_manual.py", [*BF16, "--tp", "2", "--schedule", "1f1b",
                                                                    "--seq-chunks", "2"], "afab2xtp2"),
     "bf16 traced pp2": (2, "train_pipeline_tracer.py", [*BF16, "--eval-every", "5"], "gpipe2"),
+    # in 2 chunks a sequence (model.traced_chunk_kv in bf16); its positions and chunk fields travel too, in full
+    "bf16 traced pp2 chunks": (2, "train_pipeline_tracer.py", [*BF16, "--schedule", "1f1b", "--seq-chunks", "2"],
+                               None),
 }
 
 
