@@ -1072,6 +1072,8 @@ def stop_requested() -> str | None:
     """Collective, once a step: the signal that asked any rank to stop, or None, the same on every rank."""
     _launcher_request()
     signum = max_over_ranks(signal.Signals[_STOP["signal"]] if _STOP["signal"] else 0)
+    if signum == signal.SIGHUP:  # heard first by another rank (this one's watcher may not have run): same terminal
+        _quiet_if_hung_up()
     return signal.Signals(signum).name if signum else None
 
 

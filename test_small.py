@@ -2752,6 +2752,23 @@ def test_a_closed_terminal_stops_the_job_after_its_step_and_saves_it(tmp_path, d
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [f"step-{len(rows):08d}"]
 
 
+def _hung_up_worker(rank, world_size, store_path):
+    start_group(rank, world_size, store_path)
+    if rank == 0:  # heard the SIGHUP
+        checkpoint._STOP.update(signal="SIGHUP", at=time.time())
+    else:  # its output a closed terminal, and its own watcher has not run yet (it is starved, under load)
+        master, terminal = os.openpty()
+        os.dup2(terminal, 1)
+        os.close(master)
+    assert checkpoint.stop_requested() == "SIGHUP"
+    print("saved step 2", flush=True)  # what the last stage writes after the stop's save
+
+
+def test_a_rank_that_hears_of_a_sighup_from_another_no_longer_writes_to_its_closed_terminal(tmp_path):
+    # Seen in CI: the test above ended with status 1, a rank dead writing "saved" to the closed terminal.
+    run_workers(_hung_up_worker, 2, args=(2, str(tmp_path / "store")))
+
+
 def local_rank(pid: int) -> int:
     """A torchrun process's LOCAL_RANK, read from /proc."""
     variables = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
