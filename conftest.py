@@ -836,7 +836,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
             positions = model_module.document_positions(x, BOS) if documents else None  # as the scripts do
             masks.clear()
             order = variant_order(base, out_dir, world_size, dp, tp, m)  # "zbh1.csv": a file's (schedule_file)
-            stages = [pp_rank] if kind == "manual" else order.stages(pp_rank) if order else \
+            stages = [pp_rank] if kind in BY_HAND else order.stages(pp_rank) if order else \
                 gpipe.stage_ids(base, pp_rank, pp, 2)
             num_stages = pp * len(stages)
             first, last = 0 in stages, num_stages - 1 in stages
@@ -850,10 +850,12 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
             else:
                 with torch.device("meta"):
                     model = LlamaForPretraining(config)
-                partition = manual.partition_model(model, pp_rank, pp, mesh.get_group("pp"), layers, trim=True)
+                partition = manual.partition_model(model, pp_rank, pp, mesh.get_group("pp"), layers, trim=True,
+                                                   vocab=mesh["pp"] if kind == "vocab" else None)
                 model_module.parallelize([model], mesh, torch.float32)
                 model_module.materialize([model], config, env.device, 11)
                 partition.sequence_shards = tp  # sequence parallelism with tp > 1, as the scripts' default
+                partition.vocab = model_module.VocabParallel(model, mesh) if kind == "vocab" else None
                 modules = [model]
             initial = {n: t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
                        for module in modules for n, t in [*module.named_parameters(), *module.named_buffers()]}
@@ -864,11 +866,11 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                     parts = [[t.chunk(k)[i] if t is not None else None for t in (x, y, positions)] for i in range(k)]
                     losses = []  # of each schedule step: their mean is the optimizer step's
                     for i, (xi, yi, pi) in enumerate(parts):
-                        if kind == "manual":
+                        if kind in BY_HAND:  # --vocab-parallel: every rank reads the tokens and the targets
                             with manual.compute(env, tp):
                                 losses.append(manual.SCHEDULES[name.split(":")[0]](
-                                    partition, xi.chunk(m) if first else [None] * m,
-                                    yi.chunk(m) if last else [None] * m, env.device, torch.float32,
+                                    partition, xi.chunk(m) if first or kind == "vocab" else [None] * m,
+                                    yi.chunk(m) if last or kind == "vocab" else [None] * m, env.device, torch.float32,
                                     loss_chunks=8,  # as the library's loss above
                                     positions=pi.chunk(m) if documents else None, shape=shape, window=(i, k),
                                     **seq_chunks(name, shape[1], config, tp)))
@@ -884,10 +886,11 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                 # schedule's eval(), or the script's own forward pass where torch's cannot serve (V-shaped).
                 evaluations = []  # a schedule step's microbatches at a time, as the scripts evaluate
                 for xi, yi, pi in parts:
-                    if kind == "manual":
+                    if kind in BY_HAND:
                         with manual.compute(env, tp):
                             evaluations.append(manual.eval_step_pipeline(
-                                partition, xi.chunk(m) if first else [None] * m, yi.chunk(m) if last else [None] * m,
+                                partition, xi.chunk(m) if first or kind == "vocab" else [None] * m,
+                                yi.chunk(m) if last or kind == "vocab" else [None] * m,
                                 env.device, torch.float32, loss_chunks=8,
                                 positions=pi.chunk(m) if documents else None, shape=shape,
                                 **seq_chunks(name, shape[1], config, tp)))
@@ -1070,6 +1073,7 @@ def _chunks_tp_worker(rank, world_size, store_path, out_dir, batch, variants):
     dist.destroy_process_group()
 
 
+BY_HAND = ("manual", "vocab")  # the hand-written script's pipeline; "vocab": with --vocab-parallel
 EVERY_SPLIT_AND_SCHEDULE = [*(("library", s) for s in gpipe.SCHEDULES), *(("tracer", s) for s in tracer.SCHEDULES),
                             *(("manual", s) for s in manual.SCHEDULES)]
 # Per schedule, a split of 4 layers over 2 pipeline ranks whose end stages hold no decoder layer (the embedding

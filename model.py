@@ -32,11 +32,12 @@ from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining.schedules import (_Action, _add_send_recv, _ComputationType,
                                                     _PipelineScheduleRuntime, _validate_schedule)
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.profiler import record_function
 
 
 @dataclasses.dataclass
@@ -375,7 +376,8 @@ class LlamaModel(nn.Module):
         # the same positions (--document-masking), the whole sequence's whatever tp shards, and builds their mask once
         # for all its layers (a block mask on a GPU; none on a stage of no layer). chunk: x is that chunk of its
         # sequences (positions the chunk's; a later chunk of one stream's, its places, so its mask is built once too).
-        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        # Floats on the first stage: embedded already (VocabParallel.embed, from every rank's rows).
+        h = self.embed_tokens(x) if self.embed_tokens is not None and not x.is_floating_point() else x
         if positions is None and chunk is not None and chunk.index > 0:
             positions = torch.arange(chunk.offset, chunk.offset + chunk.length, device=x.device).expand(len(x), -1)
         once = positions is not None and len(self.layers) > 0 and not self.mask_in_each_layer
@@ -405,19 +407,23 @@ class LlamaForPretraining(nn.Module):
         if self.config.tie_word_embeddings and self.base_model.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.base_model.embed_tokens.weight
 
-    def keep_only(self, layers, embed: bool, head: bool) -> "LlamaForPretraining":
+    def keep_only(self, layers, embed: bool, head: bool, vocab=None) -> "LlamaForPretraining":
         """Trim the model in place to one pipeline stage: the decoder layers given (by global index), the
         embedding if embed, the final norm and the head if head. Names stay the full model's ("layers.4" is
         layer 4 on any stage), so checkpoints line up whatever the split. Called on the meta device, before
-        anything is allocated."""
+        anything is allocated. vocab: the pipeline's 1-D DeviceMesh (--vocab-parallel): every stage keeps its rows
+        of the embedding and of the head (tied: one slice), DTensors Shard(0) over it (VocabParallel)."""
         for key in list(self.base_model.layers.keys()):
             if int(key) not in layers:
                 del self.base_model.layers[key]
-        if not embed:
+        if not embed and vocab is None:
             self.base_model.embed_tokens = None
         if not head:
             self.base_model.norm = None
-            self.lm_head = None
+            self.lm_head = None if vocab is None else self.lm_head
+        for module in (self.base_model.embed_tokens, self.lm_head) if vocab is not None else ():
+            module.weight = nn.Parameter(distribute_tensor(module.weight, vocab, [Shard(0)], src_data_rank=None))
+        self.tie_weights()
         return self
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, chunk: SeqChunk | None = None) -> Tensor:
@@ -793,10 +799,12 @@ def estimated_costs(config: LlamaConfig, seq_len: int, recompute: bool | str = F
             "embed": 6 * config.hidden_size}
 
 
-def stage_costs(layout: list[range], costs: dict[str, float]) -> list[float]:
-    """Each stage's cost: its layers (maybe none), the embedding on the first, the head on the last."""
-    return [len(layers) * costs["layer"] + (costs["embed"] if i == 0 else 0)
-            + (costs["head"] if i == len(layout) - 1 else 0) for i, layers in enumerate(layout)]
+def stage_costs(layout: list[range], costs: dict[str, float], vocab: bool = False) -> list[float]:
+    """Each stage's cost: its layers (maybe none), the embedding on the first, the head on the last; vocab
+    (--vocab-parallel): the embedding and the head spread over all stages alike."""
+    spread = (costs["embed"] + costs["head"]) / len(layout) if vocab else 0.0
+    return [len(layers) * costs["layer"] + spread + (costs["embed"] if i == 0 and not vocab else 0)
+            + (costs["head"] if i == len(layout) - 1 and not vocab else 0) for i, layers in enumerate(layout)]
 
 
 def even(num_layers: int, num_stages: int) -> list[range]:
@@ -855,10 +863,15 @@ def max_stages(num_layers: int) -> int:
 
 
 def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recompute: bool | str = False,
-           loss_chunks: int = 1, tp: int = 1) -> list[range]:
-    """The layers of each stage: spec "balanced" (by estimated_costs), "even", or layers per stage ("5,1"; the
-    first and the last may be 0). What the model's shape rules out (more stages than it has layers but for two
-    layerless ends, --seq-len, --tp, --split, --activation-checkpointing's entries) is a ValueError."""
+           loss_chunks: int = 1, tp: int = 1, vocab: bool = False) -> list[range]:
+    """The layers of each stage: spec "balanced" (by estimated_costs; vocab, --vocab-parallel: the layers alone),
+    "even", or layers per stage ("5,1"; the first and the last may be 0). What the model's shape rules out (more
+    stages than it has layers but for two layerless ends, --seq-len, --tp, --split, --activation-checkpointing's
+    entries, a vocabulary that leaves a stage no rows with vocab) is a ValueError."""
+    if vocab and (num_stages - 1) * -(-config.vocab_size // num_stages) >= config.vocab_size:
+        raise ValueError(f"--vocab-parallel: a vocabulary of {config.vocab_size} leaves pipeline rank "
+                         f"{num_stages - 1} of {num_stages} no rows (torch.chunk's split); leave --vocab-parallel "
+                         "out, or use fewer pipeline ranks")
     if num_stages > max_stages(config.num_hidden_layers):
         raise ValueError(f"{num_stages} pipeline stages but the model has {config.num_hidden_layers} layers: each "
                          "stage needs one, but for a first stage of the embedding alone and a last one of the head "
@@ -874,8 +887,8 @@ def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recomp
     if spec == "even":
         stages = even(config.num_hidden_layers, num_stages)
     elif spec == "balanced":
-        stages = balanced(config.num_hidden_layers, num_stages,
-                          estimated_costs(config, seq_len, recompute, loss_chunks))
+        costs = estimated_costs(config, seq_len, recompute, loss_chunks) | ({"embed": 0, "head": 0} if vocab else {})
+        stages = balanced(config.num_hidden_layers, num_stages, costs)
     else:
         stages = from_sizes([int(size) for size in spec.split(",")])
     one, most = isinstance(recompute, str) and "," not in recompute, max(map(len, stages))  # one: every stage's
@@ -916,14 +929,18 @@ def check_layout(spec: str, num_layers: int | None = None, num_stages: int | Non
                          "balanced, even)")
 
 
-def describe_layout(layout: list[range], costs: dict[str, float]) -> str:
-    """[embed + layers 0-3 (41%)] [layers 4-5 (30%)] [norm + head (29%)]: each stage and its share of the cost."""
-    shares = stage_costs(layout, costs)
-    total, parts = sum(shares), []
+def describe_layout(layout: list[range], costs: dict[str, float], vocab: int = 0) -> str:
+    """[embed + layers 0-3 (41%)] [layers 4-5 (30%)] [norm + head (29%)]: each stage and its share of the cost.
+    vocab (--vocab-parallel: the vocabulary's size): each stage's rows of the embedding and the head instead."""
+    shares = stage_costs(layout, costs, bool(vocab))
+    total, parts, rows = sum(shares), [], -(-vocab // len(layout))
     for stage, layers in enumerate(layout):
-        pieces = (["embed"] if stage == 0 else []) + (
-            [f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"]
-            if len(layers) else []) + (["norm + head"] if stage == len(layout) - 1 else [])
+        ends = (["embed"] if stage == 0 else [], ["norm + head"] if stage == len(layout) - 1 else [])
+        if vocab:
+            ends = ([], (["norm"] if stage == len(layout) - 1 else [])
+                    + [f"vocab {stage * rows}-{min(vocab, stage * rows + rows) - 1}"])
+        pieces = ends[0] + ([f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else
+                             f"layer {layers.start}"] if len(layers) else []) + ends[1]
         parts.append(f"[{' + '.join(pieces)} ({shares[stage] / total:.0%})]")
     return " ".join(parts)
 
@@ -1210,9 +1227,12 @@ def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_par
         # reshard_after_forward=False: a stage runs forward once per microbatch, and gathering its parameters
         # again for each would multiply the all-gathers by the microbatches (torchtitan's choice too). bf16:
         # parameters gathered in bf16, gradients reduced in fp32; a stage's root gives out fp32 (as with dp 1).
+        # --vocab-parallel's slices (DTensors over the pipeline ranks) left alone: VocabParallel.reduce_grads.
+        vocab = {p for module in modules for p in module.parameters() if isinstance(p, DTensor)
+                 and "pp" in (p.device_mesh.mesh_dim_names or ())}
         for module in decoder_layers(modules) + modules:
             fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=MixedPrecisionPolicy(
-                dtype, torch.float32, torch.float32 if module in modules else None))
+                dtype, torch.float32, torch.float32 if module in modules else None), ignored_params=vocab)
     if dtype != torch.float32:  # after FSDP2's hooks: its output cast comes first
         for module in modules:
             cast_between_stages(module, dtype)
@@ -1338,6 +1358,116 @@ def synchronize(device: torch.device) -> None:
     nccl_rules.py records each call, on the CPU too: the replay has the host wait there for every call issued."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Vocabulary parallelism over the pipeline ranks (--vocab-parallel, the hand-written pipeline)
+#
+# Vocabulary Parallelism (Yeung et al., MLSys 2025): every pipeline rank holds its rows of the embedding and of the
+# head (keep_only's vocab: DTensors Shard(0) over the pipeline's mesh, torch.chunk's rows; tied, one slice serves
+# both), so checkpoints hold the whole matrices and any layout loads them. The input layer: at a schedule step's
+# start every rank looks up its own rows for all the step's microbatches (0 for the other ids) and one reduce sums
+# them onto the first stage; at the step's end the first stage broadcasts their gradients and each rank adds its
+# rows'. The output layer, a microbatch at a time: the last stage's final (normed) hidden states broadcast; each
+# rank its logits slice, a piece of the sequence at a time (chunked_loss's pieces, weighed as it weighs them); the
+# softmax's maximum (all-reduce MAX) and the pair (sum of exponentials, target's logit) (all-reduce SUM) combined
+# into the loss on every rank; the slice's weight gradient at once in closed form (softmax - one-hot: no logits
+# kept for a backward) and the hidden states' gradient summed (reduce) onto the last stage, which continues its
+# backward from it. No rank holds a whole row of logits. Every rank calls these in the same order (the schedule's),
+# so the group's collectives are issued alike. The slices' gradients are added by hand, as autograd would add
+# them; FSDP2 leaves the slices alone (parallelize) and reduce_grads averages them over the replicas.
+
+class VocabParallel:
+    """One rank's rows of the vocabulary layers (a model trimmed by keep_only(..., vocab=mesh["pp"])) and their
+    collectives over the pipeline's group: mesh is the run's ("pp", "dp", ...) DeviceMesh."""
+
+    def __init__(self, model: LlamaForPretraining, mesh):
+        self.embed, self.head = model.base_model.embed_tokens.weight, model.lm_head.weight
+        self.group, self.replicas = mesh.get_group("pp"), mesh.get_group("dp")
+        self.last = dist.get_world_size(self.group) - 1
+        (self.rows, _), (self.start, _) = compute_local_shape_and_global_offset(
+            self.embed.shape, self.embed.device_mesh, self.embed.placements)  # this rank's rows, from start on
+        self.params = [self.embed] + ([self.head] if self.head is not self.embed else [])
+
+    def _own(self, ids: Tensor) -> tuple[Tensor, Tensor]:  # indices into this rank's rows, and which ids are its
+        local = ids.to(self.embed.device) - self.start
+        return local.clamp(0, self.rows - 1), (local >= 0) & (local < self.rows)
+
+    @torch.no_grad()
+    @record_function("vocab embed")
+    def embed_all(self, ids: list[Tensor], first: bool) -> list[Tensor] | None:
+        """Every microbatch's embeddings, each rank its rows', summed onto the first stage: there its list."""
+        out = [torch.where(own[..., None], self.embed.to_local()[local], 0.0) for local, own in map(self._own, ids)]
+        flat = torch.cat([e.flatten() for e in out])
+        dist.reduce(flat, group_dst=0, group=self.group)
+        return [f.view_as(e) for f, e in zip(flat.split([e.numel() for e in out]), out)] if first else None
+
+    @torch.no_grad()
+    @record_function("vocab embed backward")
+    def embed_backward(self, ids: list[Tensor], grads: list[Tensor] | None) -> None:
+        """The gradients of the first stage's inputs (grads, there) broadcast; each rank adds its rows'."""
+        h = self.embed.shape[1]
+        flat = torch.cat([g.flatten() for g in grads]) if grads is not None else torch.empty(
+            sum(x.numel() for x in ids) * h, device=self.embed.device)
+        dist.broadcast(flat, group_src=0, group=self.group)
+        total = torch.zeros_like(self.embed.to_local())
+        for (local, own), g in zip(map(self._own, ids), flat.split([x.numel() * h for x in ids])):
+            total.index_add_(0, local[own], g.view(*own.shape, h)[own])
+        _add_grad(self.embed, total)
+
+    def output(self, hidden: Tensor | None, targets: Tensor, shape: tuple, dtype: torch.dtype, chunks: int = 1,
+               tokens: Tensor | None = None, scale: float = 1.0) -> tuple[Tensor, Tensor | None]:
+        """One microbatch's loss, chunked_loss's (the mean over targets not -100, or over tokens), on every rank,
+        from the last stage's hidden states (hidden there, of shape elsewhere; sent in dtype). With grad enabled
+        the slice's head gradient of scale x the loss is added, and the last stage gets its hidden's (else None)."""
+        h = hidden.detach().to(dtype) if hidden is not None else torch.empty(shape, dtype=dtype,
+                                                                            device=self.head.device)
+        dist.broadcast(h, group_src=self.last, group=self.group)
+        weight, train, counted = self.head.to_local(), torch.is_grad_enabled(), targets != -100
+        per_token = counted * (scale / (counted.sum().clamp(min=1) if tokens is None else tokens))
+        total, grads, head = torch.zeros((), device=h.device), [], torch.zeros_like(weight) if train else None
+        with torch.no_grad():
+            for hp, y, w in zip(h.chunk(chunks, 1), targets.chunk(chunks, 1), per_token.chunk(chunks, 1)):
+                logits = F.linear(hp, weight).float()  # [batch, piece, rows]
+                top = logits.amax(-1)
+                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
+                exps = (logits - top[..., None]).exp_()
+                local, own = self._own(y)
+                pair = torch.stack([exps.sum(-1), torch.where(own, logits.gather(-1, local[..., None])[..., 0], 0.0)])
+                dist.all_reduce(pair, group=self.group)
+                total += torch.where(y != -100, pair[0].log() + top - pair[1], 0.0).sum()
+                if train:  # d loss / d logits = (softmax - one-hot) x the token's weight
+                    g = exps.div_(pair[0][..., None]).scatter_add_(-1, local[..., None], -own[..., None].float())
+                    g = (g * w[..., None]).to(hp.dtype)
+                    grads.append((g @ weight.to(g.dtype)).float())
+                    head += (g.flatten(0, 1).T @ hp.flatten(0, 1)).float()
+        loss = total / (counted.sum().clamp(min=1) if tokens is None else tokens)
+        if not train:
+            return loss, None
+        _add_grad(self.head, head)
+        grad = torch.cat(grads, 1)
+        dist.reduce(grad, group_dst=self.last, group=self.group)
+        return loss, grad if hidden is not None else None
+
+    def reduce_grads(self) -> list:
+        """The slices' gradients averaged over the replicas (FSDP2 leaves them alone: once an optimizer step,
+        before clipping); returns those clip_grad_norm_ counts elsewhere (every replica but the first holds a copy)."""
+        size = dist.get_world_size(self.replicas)
+        if size > 1:
+            grads = [p.grad.to_local() for p in self.params]
+            flat = torch.cat([g.flatten() for g in grads])
+            dist.all_reduce(flat, group=self.replicas)
+            for g, f in zip(grads, flat.div_(size).split([g.numel() for g in grads])):
+                g.copy_(f.view_as(g))
+        return self.params if dist.get_rank(self.replicas) > 0 else []
+
+
+def _add_grad(param: nn.Parameter, grad: Tensor) -> None:  # into a DTensor parameter's .grad, as autograd adds
+    if param.grad is None:
+        param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, shape=param.shape,
+                                        stride=param.stride())
+    else:
+        param.grad.to_local().add_(grad)
 
 
 # ==========================================================================================================

@@ -35,7 +35,7 @@ from checkpoint import Parser, ScheduleChoices, UsageError, collective_errors, n
 from model import (PRESETS, LlamaForPretraining, TiedEmbedding, attention_mask, chunk_lengths, chunked_loss,
                    clip_grad_norm_, config_from_preset, cut_sequences, describe_layout, document_mask,
                    document_positions, estimated_costs, even, layout, loss_chunks, materialize, parallelize,
-                   synchronize)
+                   synchronize, VocabParallel)
 
 # ----------------------------------------------------------------------------------------------------------
 # Flags: the same names and meanings in every script of the collection
@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-chunks", type=whole(1), default=1, help="cut each sequence into this many chunks that flow "
                    "through the pipeline as microbatches (Seq1F1B: the first stage holds p + S - 1 chunks instead of "
                    "p sequences); 1: whole sequences")
+    g.add_argument("--vocab-parallel", action="store_true", help="the embedding, the head and the loss split by "
+                   "vocabulary rows over all pipeline ranks (Vocabulary Parallelism): --split balances the layers")
     g.add_argument("--chunk-split", choices=["even", "compute"], default="even", help="--seq-chunks' lengths: even, "
                    "or of equal compute (later chunks shorter: attention reads each token's whole prefix)")
     g = p.add_argument_group("checkpoints and output")
@@ -130,17 +132,20 @@ def main(args):
     # --- the split: this rank's slice trimmed on meta; tensor parallelism, checkpointing, compile, FSDP2; its shards
     with torch.device("meta"):
         model = LlamaForPretraining(config)  # with one stage, a tied head is the embedding's (else TiedEmbedding)
-    partition = partition_model(model, pp_rank, pp, group=mesh.get_group("pp"), layout=layers, trim=True)
+    partition = partition_model(model, pp_rank, pp, group=mesh.get_group("pp"), layout=layers, trim=True,
+                                vocab=mesh["pp"] if args.vocab_parallel else None)
     parallelize([model], mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing, args.compile,
                 [pp_rank])  # its stage: checkpointed as --activation-checkpointing's entry for it says
     materialize([model], config, env.device, args.seed)  # a shard at a time: the full model's weights, any layout
     partition.sequence_shards = tp if args.sequence_parallel else 1  # each tp rank: seq_len / tp positions
+    partition.vocab = vocab = VocabParallel(model, mesh) if args.vocab_parallel else None
 
     # --- the schedule: AFAB or 1F1B by hand, over send/recv between the pipeline ranks of this replica
     window = f", {args.accumulate} x {args.microbatches} microbatches an optimizer step" if args.accumulate > 1 else ""
+    costs = estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks)
     say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
         f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
-        f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks))}"
+        f"{describe_layout(layers, costs, config.vocab_size * args.vocab_parallel)}"
         f" | {args.schedule}{window} by hand | {env.device.type} {str(env.dtype).removeprefix('torch.')}", flush=True)
 
     # --- optimizer, tied embedding, resume: from here on the same in every script
@@ -156,10 +161,11 @@ def main(args):
     def through_pipeline(schedule, inputs, targets, part=0, parts=1, **window):  # this replica's rows (their
         share, m = args.batch_size // (dp * parts), args.microbatches  # part-th of parts) in, as m microbatches
         rows = slice((dp_rank * parts + part) * share, (dp_rank * parts + part + 1) * share)  # each sequence in
-        inputs = inputs[rows].to(env.device) if has_first or args.document_masking else None  # chunks of lengths;
-        positions = document_positions(inputs, meta["bos_id"]) if args.document_masking else None  # the mean loss
-        targets = targets[rows].to(env.device) if has_last else None  # over the replicas out
-        mbs = [x.chunk(m) if x is not None else [None] * m for x in (inputs if has_first else None, targets, positions)]
+        inputs = inputs[rows].to(env.device) if has_first or vocab or args.document_masking else None  # chunks of
+        positions = document_positions(inputs, meta["bos_id"]) if args.document_masking else None  # lengths; the
+        targets = targets[rows].to(env.device) if has_last or vocab else None  # mean loss over the replicas out
+        mbs = [x.chunk(m) if x is not None else [None] * m for x in (inputs if has_first or vocab else None, targets,
+                                                                      positions)]
         with compute(env, tp):  # in the computation's dtype between stages (model.cast_between_stages casts to it)
             loss = schedule(partition, *mbs[:2], env.device, env.dtype, loss_chunks=chunks, positions=mbs[2],
                             shape=microbatch, lengths=lengths, **window)
@@ -200,8 +206,9 @@ def main(args):
             batch, k = batches.next(), args.accumulate  # an optimizer step's rows: k schedule steps, a part each
             losses = [through_pipeline(SCHEDULES[args.schedule], *batch, i, k, window=(i, k)) for i in range(k)]
             loss = sum(losses) / k if has_last else None  # the mean over all k x m microbatches, as at k = 1
-            tied.sync_grads()
-            grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies, tp)
+            tied.sync_grads()  # --vocab-parallel's slices: averaged over the replicas, each counted once in the norm
+            grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies + (
+                vocab.reduce_grads() if vocab else []), tp)
             optimizer.step()
             synchronize(env.device)
             step_times.append(time.perf_counter() - started)
@@ -244,6 +251,9 @@ def check_args(args, world_size: int, device_type: str, preset: bool) -> None:
         raise UsageError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp}: with sequence parallelism each "
                          f"tensor-parallel rank holds seq_len / tp positions; use a multiple of {args.tp}, or add "
                          "--no-sequence-parallel", on_every_rank=True)
+    if args.vocab_parallel and args.tp > 1:
+        raise UsageError("--vocab-parallel with --tp: the vocabulary is split over the pipeline ranks alone; leave "
+                         "out one of --vocab-parallel and --tp", on_every_rank=True)
     if args.compile and args.tp > 1:  # tried
         raise UsageError("--compile with --tp: torch 2.13's compiled tensor-parallel layers fail in backward; "
                          "leave --compile out", on_every_rank=True)
@@ -257,7 +267,7 @@ def stage_layout(config, num_stages: int, args) -> tuple[list[range], list[int]]
     microbatch = (args.batch_size // (args.dp * args.microbatches * args.accumulate), args.seq_len)
     try:
         return (layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing,
-                       loss_chunks(args.loss_chunks, config, microbatch, args.tp), args.tp),
+                       loss_chunks(args.loss_chunks, config, microbatch, args.tp), args.tp, args.vocab_parallel),
                 chunk_lengths(args.seq_len, args.seq_chunks, config, args.chunk_split,
                               args.tp if args.sequence_parallel else 1))  # a chunk's positions shard tp ways
     except ValueError as e:
@@ -382,10 +392,11 @@ class Partition:
     group: dist.ProcessGroup | None = None  # the pipeline's ranks; None: the default group is the pipeline
     trimmed: bool = False  # the model holds this part alone: its own forward runs it
     sequence_shards: int = 1  # sequence parallelism: the stage holds 1/shards of the positions (tensor_parallel)
+    vocab: VocabParallel | None = None  # --vocab-parallel: the embedding, head and loss over all the pipeline ranks
 
 
 def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.ProcessGroup | None = None,
-                    layout: list[range] | None = None, trim: bool = False) -> Partition:
+                    layout: list[range] | None = None, trim: bool = False, vocab=None) -> Partition:
     """This pipeline rank's part of model.py's LlamaForPretraining or a Hugging Face LlamaForCausalLM: its layers
     (layout's, default even), the embedding on the first rank, the final norm and head on the last. The model stays
     whole, any rank's part may be taken of it, unless trim (model.py's): then it is cut down to the part in place."""
@@ -398,7 +409,7 @@ def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.Pr
     if len(layers) != len(keep):
         raise ValueError("partition_model: the model was already trimmed to another part")
     if trim:  # main's, on the meta device: only the stage is allocated, the optimizer and checkpoints take it so
-        model.keep_only(keep, rank == 0, rank == world_size - 1)
+        model.keep_only(keep, rank == 0, rank == world_size - 1, vocab)  # vocab: every rank its rows of both
         model.head_in_loss = True  # its forward stops at the final norm, the loss applies the head (loss_fn)
     return Partition(model, rank, world_size, layers, group, trim)
 
@@ -453,6 +464,10 @@ class Step:
         self.shapes = [(b, n // part.sequence_shards, part.model.config.hidden_size)
                        for b, seq in sizes for n in lengths or [seq]]
         self.microbatches, self.backwards = len(self.items), [s * S + j for s in range(m) for j in reversed(range(S))]
+        # --vocab-parallel: the step's embeddings (on the first stage; every rank looks up its rows), each
+        # microbatch's output pass once (passed: how many), their gradients to the last stage's hidden states
+        self.vocab, self.S, self.passed, self.grads = part.vocab, S, 0, {}
+        self.embedded = self.vocab and self.vocab.embed_all([c.inputs for c in self.items], self.first)
 
     def message(self, op, tensor, stage: int, label, hold: bool = False) -> torch.Tensor:
         """Send (dist.isend) tensor to a stage, or receive (dist.irecv) one of that shape. NCCL does not buffer a send
@@ -477,10 +492,11 @@ class Step:
         # A received tensor, a leaf that requires grad: this stage's backward stops there, d(loss)/d(x) left in x.grad
         c = self.items[i]
         x = c.inputs.to(self.device) if self.first else self.message(dist.irecv, self.shapes[i], self.rank - 1, i)
-        x.requires_grad_(not self.first)
+        x = self.embedded[i] if self.vocab and self.first else x
+        x.requires_grad_(not self.first or self.vocab is not None)
         with record_function(f"forward {i}"):
             out = forward_stage(self.partition, x, c.positions, c.chunk)
-            if self.last:  # divided by the microbatches (and steps accumulated): the gradients add up to their mean's
+            if self.last and not self.vocab:  # divided by the microbatches (and --accumulate): gradients of their mean
                 out = loss_fn(self.partition, out, c.targets.to(self.device), self.chunks, c.tokens) / self.microbatches
                 self.loss += out.detach()
                 out = out / self.window[1] if self.window[1] > 1 else out  # (k = 1: nothing more, bit for bit)
@@ -488,9 +504,22 @@ class Step:
             self.message(dist.isend, out.detach().to(self.dtype), self.rank + 1, i, hold)
         self.saved[i] = (x, out)
 
+    def outputs(self, upto: int) -> None:
+        """--vocab-parallel: the output passes of microbatches up to upto, in forward order alike on every rank."""
+        for j in range(self.passed, upto) if self.vocab else ():
+            c = self.items[j]
+            with record_function(f"vocab output {j}"):
+                loss, self.grads[j] = self.vocab.output(self.saved[j][1] if self.last else None, c.targets,
+                                                        self.shapes[j], self.dtype, self.chunks, c.tokens,
+                                                        1 / (self.microbatches * self.window[1]))
+            self.loss += loss / self.microbatches
+            self.passed = j + 1
+
     def backward(self, i: int, hold: bool) -> None:
+        self.outputs((i // self.S + 1) * self.S)  # --vocab-parallel: its sequence's, before the receive
         x, out = self.saved.pop(i)  # dropping it frees this microbatch's activations after the backward
-        grad = None if self.last else self.message(dist.irecv, self.shapes[i], self.rank + 1, i).to(out.dtype)
+        grad = self.grads.pop(i, None) if self.last else self.message(dist.irecv, self.shapes[i], self.rank + 1, i)
+        grad = grad.to(out.dtype) if grad is not None else None
         if isinstance(model := self.partition.model, FSDPModule):
             # With replicas, every backward adds into the unsharded gradient and only the last one (microbatch
             # m - 1, in AFAB and 1F1B alike, chunk 0 of it with chunks, of the optimizer step's last schedule step)
@@ -503,10 +532,15 @@ class Step:
             out.backward(grad)  # the last stage from its scaled loss, the others from the received gradient
         if not self.first:
             self.message(dist.isend, x.grad.to(self.dtype), self.rank - 1, i, hold)
+        if self.first and self.vocab:
+            self.grads[i] = x.grad
 
     def finish(self) -> torch.Tensor | None:
         for work, _ in self.sends:  # none is held: a send is held only for a receive that follows
             work.wait()
+        if self.vocab and torch.is_grad_enabled():  # the embeddings' gradients, from the first stage to every rank
+            self.vocab.embed_backward([c.inputs for c in self.items],
+                                      [self.grads[i] for i in range(self.microbatches)] if self.first else None)
         return self.loss if self.last else None
 
 
@@ -548,6 +582,7 @@ def eval_step_pipeline(model, inputs, targets, device, dtype, *, loss_chunks=1, 
     step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape, lengths=lengths)
     for i in range(step.microbatches):
         step.forward(i, hold=False)
+        step.outputs(i + 1)  # --vocab-parallel
         step.saved.pop(i)
     for module in (m for m in step.partition.model.modules() if isinstance(m, FSDPModule)):
         module.reshard()  # gathered for the forwards; no backward frees them
@@ -562,10 +597,13 @@ SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 
 def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     # Decay matrices only, not norm gains (the same on any split); no empty group (an embedding-only stage has no
-    # gains, and torch cannot load an empty group's state on resume); fused: one kernel per group, CUDA or CPU.
-    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    # gains, and torch cannot load an empty group's state on resume); fused: one kernel per group, CUDA or CPU, of
+    # one kind of tensor (plain, or DTensors of one mesh: --vocab-parallel's slices apart).
+    groups = {}
+    for p in model.parameters():
+        groups.setdefault((p.ndim < 2, getattr(p, "device_mesh", None)), []).append(p)
+    return torch.optim.AdamW([{"params": ps, "weight_decay": 0.0 if gain else args.weight_decay} for (gain, _), ps
+                              in groups.items()], lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def lr_at(step: int, args) -> float:
