@@ -851,11 +851,10 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                 with torch.device("meta"):
                     model = LlamaForPretraining(config)
                 partition = manual.partition_model(model, pp_rank, pp, mesh.get_group("pp"), layers, trim=True,
-                                                   vocab=mesh["pp"] if kind == "vocab" else None)
+                                                   vocab=mesh if kind == "vocab" else None)
                 model_module.parallelize([model], mesh, torch.float32)
                 model_module.materialize([model], config, env.device, 11)
                 partition.sequence_shards = tp  # sequence parallelism with tp > 1, as the scripts' default
-                partition.vocab = model_module.VocabParallel(model, mesh) if kind == "vocab" else None
                 modules = [model]
             initial = {n: t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
                        for module in modules for n, t in [*module.named_parameters(), *module.named_buffers()]}
@@ -878,6 +877,8 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                             losses.append(script.train_step(schedule, xi if first else None, yi if last else None,
                                                             env, tp, window=(i, k), **stream(kind, name, pi, xi)))
                     loss = sum(losses) / k if last else None
+                if kind == "vocab":  # the slices' gradients averaged over the replicas, as the script does
+                    model_module.TiedEmbedding(model, config, mesh, first, last).sync_grads()
                 # Copied: a replicated DTensor's full_tensor() is its local tensor, and torch 2.13's eval() below
                 # divides the gradients it finds by the microbatches once more.
                 grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
@@ -1154,6 +1155,14 @@ PARITY_LAYOUTS[2, 1, 1] += [("manual", "1f1b:3:compute", 4, True)]
 PARITY_LAYOUTS[3, 1, 1] += [("manual", "1f1b:4", 6, True), ("manual", "afab:3:compute", (0, 4, 0), False)]
 PARITY_LAYOUTS[2, 2, 1] += [("manual", "1f1b:2", (0, 4), True)]
 PARITY_LAYOUTS[2, 1, 2] += [("manual", "1f1b:3:compute", 4, True)]
+# --vocab-parallel by hand ("vocab"): the embedding, the head and the loss over every pipeline rank by vocabulary
+# rows (98: 49 each at 2 ranks; 33, 33, 32 at 3), AFAB and 1F1B, with documents, layerless ends, sequence chunks
+# (their output passes in forward order), with replicas (the slices outside FSDP2).
+PARITY_LAYOUTS[2, 1, 1] += [("vocab", "afab", 4, False), ("vocab", "1f1b", (4, 0), True), ("vocab", "afab:2", 4, True),
+                            ("vocab", "1f1b:2", (0, 4), False)]
+PARITY_LAYOUTS[3, 1, 1] += [("vocab", "afab", (0, 4, 0), False), ("vocab", "1f1b", 6, False),
+                            ("vocab", "1f1b:2", 4, True)]
+PARITY_LAYOUTS[2, 2, 1] += [("vocab", "1f1b", 4, True), ("vocab", "afab:2", (0, 4), False)]
 # Sequences cut into chunks (--seq-chunks S; "1f1b:2": S 2), run by torch's runtime in an order made for them
 # (model.chunk_order): GPipe's and Seq1F1B's at S 2 and 4, with documents across the chunks (16 tokens: at S 4 the
 # documents at 5 and 11 span chunk boundaries); under FSDP2 and tensor (sequence) parallelism too; at 3 stages.

@@ -868,6 +868,9 @@ def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recomp
     "even", or layers per stage ("5,1"; the first and the last may be 0). What the model's shape rules out (more
     stages than it has layers but for two layerless ends, --seq-len, --tp, --split, --activation-checkpointing's
     entries, a vocabulary that leaves a stage no rows with vocab) is a ValueError."""
+    if vocab and tp > 1:
+        raise ValueError("--vocab-parallel with --tp: the vocabulary is split over the pipeline ranks alone; leave "
+                         "out one of --vocab-parallel and --tp")
     if vocab and (num_stages - 1) * -(-config.vocab_size // num_stages) >= config.vocab_size:
         raise ValueError(f"--vocab-parallel: a vocabulary of {config.vocab_size} leaves pipeline rank "
                          f"{num_stages - 1} of {num_stages} no rows (torch.chunk's split); leave --vocab-parallel "
@@ -1291,12 +1294,16 @@ class TiedEmbedding:
     it between them (Megatron's embedding group); a rank holding both adds them up itself. Same gradient, same AdamW
     state, same update: the copies stay equal bit for bit. Checkpoints store the matrix once. With tensor parallelism
     both copies are split by vocabulary rows alike, so each tensor-parallel rank pairs with its own counterpart. Create
-    it on every rank: it makes process groups."""
+    it on every rank: it makes process groups. --vocab-parallel's slices (one tensor, tied) are no copies, but FSDP2
+    leaves them alone: with replicas sync_grads averages them over the replicas, and all but the first's are copies."""
 
     def __init__(self, model, config, mesh, has_first: bool, has_last: bool):
         params = dict(model.named_parameters(remove_duplicate=False))
         self.embed, self.head = params.get("base_model.embed_tokens.weight"), params.get("lm_head.weight")
         self.active, self.group = config.tie_word_embeddings and self.embed is not self.head, None
+        self.slices = list({id(p): p for p in (self.embed, self.head) if isinstance(p, DTensor)
+                            and "pp" in (p.device_mesh.mesh_dim_names or ())}.values()) if mesh["dp"].size() > 1 else []
+        self.replicas = mesh.get_group("dp")
         if not config.tie_word_embeddings or dist.get_world_size() == 1:
             return
         # Who holds the first or last stage of each replica's tensor-parallel slice; new_group is collective,
@@ -1311,6 +1318,12 @@ class TiedEmbedding:
                 self.group = group if dist.get_rank() in ranks else self.group
 
     def sync_grads(self) -> None:
+        if self.slices:  # once an optimizer step, before clipping
+            grads = [p.grad.to_local() for p in self.slices]
+            flat = torch.cat([g.flatten() for g in grads])
+            dist.all_reduce(flat, group=self.replicas)
+            for g, f in zip(grads, flat.div_(dist.get_world_size(self.replicas)).split([g.numel() for g in grads])):
+                g.copy_(f.view_as(g))
         if not self.active:
             return
         local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
@@ -1323,7 +1336,8 @@ class TiedEmbedding:
 
     @property
     def copies(self) -> list:
-        return [self.head] if self.active and self.head is not None else []
+        copied = dist.get_rank(self.replicas) > 0  # a slice's copy on every replica but the first
+        return [self.head] if self.active and self.head is not None else self.slices * copied
 
 
 def clip_grad_norm_(params, max_norm: float, copies=(), tp: int = 1) -> Tensor:
@@ -1375,7 +1389,7 @@ def synchronize(device: torch.device) -> None:
 # kept for a backward) and the hidden states' gradient summed (reduce) onto the last stage, which continues its
 # backward from it. No rank holds a whole row of logits. Every rank calls these in the same order (the schedule's),
 # so the group's collectives are issued alike. The slices' gradients are added by hand, as autograd would add
-# them; FSDP2 leaves the slices alone (parallelize) and reduce_grads averages them over the replicas.
+# them; FSDP2 leaves the slices alone (parallelize) and TiedEmbedding.sync_grads averages them over the replicas.
 
 class VocabParallel:
     """One rank's rows of the vocabulary layers (a model trimmed by keep_only(..., vocab=mesh["pp"])) and their
@@ -1383,7 +1397,7 @@ class VocabParallel:
 
     def __init__(self, model: LlamaForPretraining, mesh):
         self.embed, self.head = model.base_model.embed_tokens.weight, model.lm_head.weight
-        self.group, self.replicas = mesh.get_group("pp"), mesh.get_group("dp")
+        self.group = mesh.get_group("pp")
         self.last = dist.get_world_size(self.group) - 1
         (self.rows, _), (self.start, _) = compute_local_shape_and_global_offset(
             self.embed.shape, self.embed.device_mesh, self.embed.placements)  # this rank's rows, from start on
@@ -1395,18 +1409,20 @@ class VocabParallel:
 
     @torch.no_grad()
     @record_function("vocab embed")
-    def embed_all(self, ids: list[Tensor], first: bool) -> list[Tensor] | None:
+    def embed_all(self, ids: list[Tensor]) -> list[Tensor] | None:
         """Every microbatch's embeddings, each rank its rows', summed onto the first stage: there its list."""
         out = [torch.where(own[..., None], self.embed.to_local()[local], 0.0) for local, own in map(self._own, ids)]
         flat = torch.cat([e.flatten() for e in out])
         dist.reduce(flat, group_dst=0, group=self.group)
+        first = dist.get_rank(self.group) == 0
         return [f.view_as(e) for f, e in zip(flat.split([e.numel() for e in out]), out)] if first else None
 
     @torch.no_grad()
     @record_function("vocab embed backward")
-    def embed_backward(self, ids: list[Tensor], grads: list[Tensor] | None) -> None:
-        """The gradients of the first stage's inputs (grads, there) broadcast; each rank adds its rows'."""
-        h = self.embed.shape[1]
+    def embed_backward(self, chunks: list[Chunk], inputs: list[Tensor] | None) -> None:
+        """The gradients of the first stage's inputs (there: embed_all's, after backward) broadcast over the
+        pipeline ranks; each adds its rows'. chunks: the step's microbatches (cut_sequences'), their ids."""
+        h, ids, grads = self.embed.shape[1], [c.inputs for c in chunks], inputs and [x.grad for x in inputs]
         flat = torch.cat([g.flatten() for g in grads]) if grads is not None else torch.empty(
             sum(x.numel() for x in ids) * h, device=self.embed.device)
         dist.broadcast(flat, group_src=0, group=self.group)
@@ -1415,16 +1431,20 @@ class VocabParallel:
             total.index_add_(0, local[own], g.view(*own.shape, h)[own])
         _add_grad(self.embed, total)
 
-    def output(self, hidden: Tensor | None, targets: Tensor, shape: tuple, dtype: torch.dtype, chunks: int = 1,
-               tokens: Tensor | None = None, scale: float = 1.0) -> tuple[Tensor, Tensor | None]:
-        """One microbatch's loss, chunked_loss's (the mean over targets not -100, or over tokens), on every rank,
-        from the last stage's hidden states (hidden there, of shape elsewhere; sent in dtype). With grad enabled
-        the slice's head gradient of scale x the loss is added, and the last stage gets its hidden's (else None)."""
-        h = hidden.detach().to(dtype) if hidden is not None else torch.empty(shape, dtype=dtype,
-                                                                            device=self.head.device)
+    @record_function("vocab output")
+    def output(self, out: Tensor, chunk: Chunk, shape: tuple, dtype: torch.dtype, chunks: int = 1,
+               scale: float = 1.0) -> tuple[Tensor, Tensor]:
+        """A microbatch's (cut_sequences' chunk's) loss, chunked_loss's, on every rank, from the last stage's final
+        hidden states (out there: its stage's output; sent in dtype, of shape). With grad enabled the slice's head
+        gradient of scale x the loss is added, and the last stage's out is returned as a scalar whose backward
+        gives out that loss's gradient (out x its gradient, summed); out itself elsewhere."""
+        last = dist.get_rank(self.group) == self.last
+        h = out.detach().to(dtype) if last else torch.empty(shape, dtype=dtype, device=self.head.device)
         dist.broadcast(h, group_src=self.last, group=self.group)
-        weight, train, counted = self.head.to_local(), torch.is_grad_enabled(), targets != -100
-        per_token = counted * (scale / (counted.sum().clamp(min=1) if tokens is None else tokens))
+        weight, train, targets = self.head.to_local(), torch.is_grad_enabled(), chunk.targets.to(h.device)
+        counted = targets != -100
+        divisor = counted.sum().clamp(min=1) if chunk.tokens is None else chunk.tokens
+        per_token = counted * (scale / divisor)
         total, grads, head = torch.zeros((), device=h.device), [], torch.zeros_like(weight) if train else None
         with torch.no_grad():
             for hp, y, w in zip(h.chunk(chunks, 1), targets.chunk(chunks, 1), per_token.chunk(chunks, 1)):
@@ -1441,25 +1461,12 @@ class VocabParallel:
                     g = (g * w[..., None]).to(hp.dtype)
                     grads.append((g @ weight.to(g.dtype)).float())
                     head += (g.flatten(0, 1).T @ hp.flatten(0, 1)).float()
-        loss = total / (counted.sum().clamp(min=1) if tokens is None else tokens)
         if not train:
-            return loss, None
+            return total / divisor, out
         _add_grad(self.head, head)
         grad = torch.cat(grads, 1)
         dist.reduce(grad, group_dst=self.last, group=self.group)
-        return loss, grad if hidden is not None else None
-
-    def reduce_grads(self) -> list:
-        """The slices' gradients averaged over the replicas (FSDP2 leaves them alone: once an optimizer step,
-        before clipping); returns those clip_grad_norm_ counts elsewhere (every replica but the first holds a copy)."""
-        size = dist.get_world_size(self.replicas)
-        if size > 1:
-            grads = [p.grad.to_local() for p in self.params]
-            flat = torch.cat([g.flatten() for g in grads])
-            dist.all_reduce(flat, group=self.replicas)
-            for g, f in zip(grads, flat.div_(size).split([g.numel() for g in grads])):
-                g.copy_(f.view_as(g))
-        return self.params if dist.get_rank(self.replicas) > 0 else []
+        return total / divisor, (out * grad).sum() if last else out
 
 
 def _add_grad(param: nn.Parameter, grad: Tensor) -> None:  # into a DTensor parameter's .grad, as autograd adds

@@ -133,12 +133,11 @@ def main(args):
     with torch.device("meta"):
         model = LlamaForPretraining(config)  # with one stage, a tied head is the embedding's (else TiedEmbedding)
     partition = partition_model(model, pp_rank, pp, group=mesh.get_group("pp"), layout=layers, trim=True,
-                                vocab=mesh["pp"] if args.vocab_parallel else None)
+                                vocab=mesh if args.vocab_parallel else None)
     parallelize([model], mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing, args.compile,
                 [pp_rank])  # its stage: checkpointed as --activation-checkpointing's entry for it says
     materialize([model], config, env.device, args.seed)  # a shard at a time: the full model's weights, any layout
     partition.sequence_shards = tp if args.sequence_parallel else 1  # each tp rank: seq_len / tp positions
-    partition.vocab = vocab = VocabParallel(model, mesh) if args.vocab_parallel else None
 
     # --- the schedule: AFAB or 1F1B by hand, over send/recv between the pipeline ranks of this replica
     window = f", {args.accumulate} x {args.microbatches} microbatches an optimizer step" if args.accumulate > 1 else ""
@@ -161,11 +160,10 @@ def main(args):
     def through_pipeline(schedule, inputs, targets, part=0, parts=1, **window):  # this replica's rows (their
         share, m = args.batch_size // (dp * parts), args.microbatches  # part-th of parts) in, as m microbatches
         rows = slice((dp_rank * parts + part) * share, (dp_rank * parts + part + 1) * share)  # each sequence in
-        inputs = inputs[rows].to(env.device) if has_first or vocab or args.document_masking else None  # chunks of
-        positions = document_positions(inputs, meta["bos_id"]) if args.document_masking else None  # lengths; the
-        targets = targets[rows].to(env.device) if has_last or vocab else None  # mean loss over the replicas out
-        mbs = [x.chunk(m) if x is not None else [None] * m for x in (inputs if has_first or vocab else None, targets,
-                                                                      positions)]
+        inputs = inputs[rows].to(env.device) if has_first or partition.vocab or args.document_masking else None
+        positions = document_positions(inputs, meta["bos_id"]) if args.document_masking else None  # chunks of
+        targets = targets[rows].to(env.device) if has_last or partition.vocab else None  # lengths; the loss, the
+        mbs = [x.chunk(m) if x is not None else [None] * m for x in (inputs, targets, positions)]  # replicas' mean, out
         with compute(env, tp):  # in the computation's dtype between stages (model.cast_between_stages casts to it)
             loss = schedule(partition, *mbs[:2], env.device, env.dtype, loss_chunks=chunks, positions=mbs[2],
                             shape=microbatch, lengths=lengths, **window)
@@ -206,9 +204,8 @@ def main(args):
             batch, k = batches.next(), args.accumulate  # an optimizer step's rows: k schedule steps, a part each
             losses = [through_pipeline(SCHEDULES[args.schedule], *batch, i, k, window=(i, k)) for i in range(k)]
             loss = sum(losses) / k if has_last else None  # the mean over all k x m microbatches, as at k = 1
-            tied.sync_grads()  # --vocab-parallel's slices: averaged over the replicas, each counted once in the norm
-            grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies + (
-                vocab.reduce_grads() if vocab else []), tp)
+            tied.sync_grads()
+            grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, tied.copies, tp)
             optimizer.step()
             synchronize(env.device)
             step_times.append(time.perf_counter() - started)
@@ -251,9 +248,6 @@ def check_args(args, world_size: int, device_type: str, preset: bool) -> None:
         raise UsageError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp}: with sequence parallelism each "
                          f"tensor-parallel rank holds seq_len / tp positions; use a multiple of {args.tp}, or add "
                          "--no-sequence-parallel", on_every_rank=True)
-    if args.vocab_parallel and args.tp > 1:
-        raise UsageError("--vocab-parallel with --tp: the vocabulary is split over the pipeline ranks alone; leave "
-                         "out one of --vocab-parallel and --tp", on_every_rank=True)
     if args.compile and args.tp > 1:  # tried
         raise UsageError("--compile with --tp: torch 2.13's compiled tensor-parallel layers fail in backward; "
                          "leave --compile out", on_every_rank=True)
@@ -409,9 +403,9 @@ def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.Pr
     if len(layers) != len(keep):
         raise ValueError("partition_model: the model was already trimmed to another part")
     if trim:  # main's, on the meta device: only the stage is allocated, the optimizer and checkpoints take it so
-        model.keep_only(keep, rank == 0, rank == world_size - 1, vocab)  # vocab: every rank its rows of both
+        model.keep_only(keep, rank == 0, rank == world_size - 1, vocab and vocab["pp"])  # vocab: the run's mesh
         model.head_in_loss = True  # its forward stops at the final norm, the loss applies the head (loss_fn)
-    return Partition(model, rank, world_size, layers, group, trim)
+    return Partition(model, rank, world_size, layers, group, trim, vocab=vocab and VocabParallel(model, vocab))
 
 
 def forward_stage(partition: Partition, hidden_states: torch.Tensor, positions: torch.Tensor | None = None, chunk=None):
@@ -455,7 +449,7 @@ class Step:
         self.partition, self.device, self.dtype, self.chunks, self.window = part, device, dtype, loss_chunks, window
         self.rank, self.first, self.last = part.rank, part.rank == 0, part.rank == part.world_size - 1
         # saved: microbatch -> (input, output or loss); held: sends for the next receive; sends: the last ones alone
-        self.saved, self.loss, self.held, self.sends = {}, torch.zeros((), device=device), [], []
+        self.saved, self.loss, self.held, self.sends, self.passed = {}, torch.zeros((), device=device), [], [], 0
         # Sequence s of m in S chunks of lengths (model.cut_sequences) runs as microbatches s * S + j, forward in
         # order, backward last chunk first (Seq1F1B: it gives the earlier chunks' K/V their gradient); shapes: lengths'.
         m, S, sizes = len(inputs), len(lengths or [0]), [shape or x.shape for x in inputs]  # sizes: (batch, seq)
@@ -464,10 +458,8 @@ class Step:
         self.shapes = [(b, n // part.sequence_shards, part.model.config.hidden_size)
                        for b, seq in sizes for n in lengths or [seq]]
         self.microbatches, self.backwards = len(self.items), [s * S + j for s in range(m) for j in reversed(range(S))]
-        # --vocab-parallel: the step's embeddings (on the first stage; every rank looks up its rows), each
-        # microbatch's output pass once (passed: how many), their gradients to the last stage's hidden states
-        self.vocab, self.S, self.passed, self.grads = part.vocab, S, 0, {}
-        self.embedded = self.vocab and self.vocab.embed_all([c.inputs for c in self.items], self.first)
+        # --vocab-parallel: the first stage's inputs embedded (every rank its rows'); passed: output passes done
+        self.vocab, self.embedded = part.vocab, part.vocab and part.vocab.embed_all([c.inputs for c in self.items])
 
     def message(self, op, tensor, stage: int, label, hold: bool = False) -> torch.Tensor:
         """Send (dist.isend) tensor to a stage, or receive (dist.irecv) one of that shape. NCCL does not buffer a send
@@ -492,8 +484,7 @@ class Step:
         # A received tensor, a leaf that requires grad: this stage's backward stops there, d(loss)/d(x) left in x.grad
         c = self.items[i]
         x = c.inputs.to(self.device) if self.first else self.message(dist.irecv, self.shapes[i], self.rank - 1, i)
-        x = self.embedded[i] if self.vocab and self.first else x
-        x.requires_grad_(not self.first or self.vocab is not None)
+        x = (self.embedded[i] if self.embedded else x).requires_grad_(not self.first or bool(self.embedded))
         with record_function(f"forward {i}"):
             out = forward_stage(self.partition, x, c.positions, c.chunk)
             if self.last and not self.vocab:  # divided by the microbatches (and --accumulate): gradients of their mean
@@ -504,22 +495,16 @@ class Step:
             self.message(dist.isend, out.detach().to(self.dtype), self.rank + 1, i, hold)
         self.saved[i] = (x, out)
 
-    def outputs(self, upto: int) -> None:
-        """--vocab-parallel: the output passes of microbatches up to upto, in forward order alike on every rank."""
-        for j in range(self.passed, upto) if self.vocab else ():
-            c = self.items[j]
-            with record_function(f"vocab output {j}"):
-                loss, self.grads[j] = self.vocab.output(self.saved[j][1] if self.last else None, c.targets,
-                                                        self.shapes[j], self.dtype, self.chunks, c.tokens,
-                                                        1 / (self.microbatches * self.window[1]))
-            self.loss += loss / self.microbatches
-            self.passed = j + 1
+    def outputs(self, upto: int) -> None:  # --vocab-parallel: the output passes up to upto, alike on every rank
+        for j in range(self.passed, upto) if self.vocab else ():  # the last stage's out: a scalar to backward from
+            loss, out = self.vocab.output(self.saved[j][1], self.items[j], self.shapes[j], self.dtype, self.chunks,
+                                          1 / (self.microbatches * self.window[1]))
+            self.saved[j], self.loss, self.passed = (self.saved[j][0], out), self.loss + loss / self.microbatches, j + 1
 
     def backward(self, i: int, hold: bool) -> None:
-        self.outputs((i // self.S + 1) * self.S)  # --vocab-parallel: its sequence's, before the receive
+        self.outputs(i + 1)  # --vocab-parallel: before the receive; a sequence's first backward (its last chunk's)
         x, out = self.saved.pop(i)  # dropping it frees this microbatch's activations after the backward
-        grad = self.grads.pop(i, None) if self.last else self.message(dist.irecv, self.shapes[i], self.rank + 1, i)
-        grad = grad.to(out.dtype) if grad is not None else None
+        grad = None if self.last else self.message(dist.irecv, self.shapes[i], self.rank + 1, i).to(out.dtype)
         if isinstance(model := self.partition.model, FSDPModule):
             # With replicas, every backward adds into the unsharded gradient and only the last one (microbatch
             # m - 1, in AFAB and 1F1B alike, chunk 0 of it with chunks, of the optimizer step's last schedule step)
@@ -532,15 +517,12 @@ class Step:
             out.backward(grad)  # the last stage from its scaled loss, the others from the received gradient
         if not self.first:
             self.message(dist.isend, x.grad.to(self.dtype), self.rank - 1, i, hold)
-        if self.first and self.vocab:
-            self.grads[i] = x.grad
 
     def finish(self) -> torch.Tensor | None:
         for work, _ in self.sends:  # none is held: a send is held only for a receive that follows
             work.wait()
         if self.vocab and torch.is_grad_enabled():  # the embeddings' gradients, from the first stage to every rank
-            self.vocab.embed_backward([c.inputs for c in self.items],
-                                      [self.grads[i] for i in range(self.microbatches)] if self.first else None)
+            self.vocab.embed_backward(self.items, self.embedded)
         return self.loss if self.last else None
 
 
@@ -599,11 +581,10 @@ def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     # Decay matrices only, not norm gains (the same on any split); no empty group (an embedding-only stage has no
     # gains, and torch cannot load an empty group's state on resume); fused: one kernel per group, CUDA or CPU, of
     # one kind of tensor (plain, or DTensors of one mesh: --vocab-parallel's slices apart).
-    groups = {}
-    for p in model.parameters():
-        groups.setdefault((p.ndim < 2, getattr(p, "device_mesh", None)), []).append(p)
-    return torch.optim.AdamW([{"params": ps, "weight_decay": 0.0 if gain else args.weight_decay} for (gain, _), ps
-                              in groups.items()], lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    kind = lambda p: (p.ndim >= 2, getattr(p, "device_mesh", None))  # noqa: E731
+    groups = [{"params": [p for p in model.parameters() if kind(p) == k], "weight_decay": args.weight_decay * k[0]}
+              for k in dict.fromkeys(map(kind, model.parameters()))]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def lr_at(step: int, args) -> float:
