@@ -1409,9 +1409,11 @@ class VocabParallel:
 
     @torch.no_grad()
     @record_function("vocab embed")
-    def embed_all(self, ids: list[Tensor]) -> list[Tensor] | None:
-        """Every microbatch's embeddings, each rank its rows', summed onto the first stage: there its list."""
-        out = [torch.where(own[..., None], self.embed.to_local()[local], 0.0) for local, own in map(self._own, ids)]
+    def embed_all(self, chunks: list[Chunk]) -> list[Tensor] | None:
+        """The embeddings of a step's microbatches (cut_sequences' chunks), each rank its rows' (0 for the other
+        ids), summed onto the first stage: its list, the inputs of its forwards (None elsewhere)."""
+        out = [torch.where(own[..., None], self.embed.to_local()[local], 0.0)
+               for local, own in (self._own(c.inputs) for c in chunks)]
         flat = torch.cat([e.flatten() for e in out])
         dist.reduce(flat, group_dst=0, group=self.group)
         first = dist.get_rank(self.group) == 0
@@ -1432,19 +1434,20 @@ class VocabParallel:
         _add_grad(self.embed, total)
 
     @record_function("vocab output")
-    def output(self, out: Tensor, chunk: Chunk, shape: tuple, dtype: torch.dtype, chunks: int = 1,
-               scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    def output(self, out: Tensor, chunk: Chunk, chunks: int = 1, divisor: int = 1) -> tuple[Tensor, Tensor]:
         """A microbatch's (cut_sequences' chunk's) loss, chunked_loss's, on every rank, from the last stage's final
-        hidden states (out there: its stage's output; sent in dtype, of shape). With grad enabled the slice's head
-        gradient of scale x the loss is added, and the last stage's out is returned as a scalar whose backward
-        gives out that loss's gradient (out x its gradient, summed); out itself elsewhere."""
-        last = dist.get_rank(self.group) == self.last
-        h = out.detach().to(dtype) if last else torch.empty(shape, dtype=dtype, device=self.head.device)
+        hidden states (out there: its stage's output; sent in autocast's dtype, what the head's matmul takes). With
+        grad enabled the slice's head gradient of the loss / divisor is added, and the last stage's out returned as
+        a scalar whose backward gives out that loss's gradient (out x its gradient, summed); out itself elsewhere."""
+        last, device = dist.get_rank(self.group) == self.last, self.head.device
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
+        shape = (*chunk.targets.shape, self.head.shape[1])
+        h = out.detach().to(dtype) if last else torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(h, group_src=self.last, group=self.group)
         weight, train, targets = self.head.to_local(), torch.is_grad_enabled(), chunk.targets.to(h.device)
         counted = targets != -100
-        divisor = counted.sum().clamp(min=1) if chunk.tokens is None else chunk.tokens
-        per_token = counted * (scale / divisor)
+        tokens = counted.sum().clamp(min=1) if chunk.tokens is None else chunk.tokens
+        per_token = counted / (divisor * tokens)
         total, grads, head = torch.zeros((), device=h.device), [], torch.zeros_like(weight) if train else None
         with torch.no_grad():
             for hp, y, w in zip(h.chunk(chunks, 1), targets.chunk(chunks, 1), per_token.chunk(chunks, 1)):
@@ -1462,11 +1465,11 @@ class VocabParallel:
                     grads.append((g @ weight.to(g.dtype)).float())
                     head += (g.flatten(0, 1).T @ hp.flatten(0, 1)).float()
         if not train:
-            return total / divisor, out
+            return total / tokens, out
         _add_grad(self.head, head)
         grad = torch.cat(grads, 1)
         dist.reduce(grad, group_dst=self.last, group=self.group)
-        return total / divisor, (out * grad).sum() if last else out
+        return total / tokens, (out * grad).sum() if last else out
 
 
 def _add_grad(param: nn.Parameter, grad: Tensor) -> None:  # into a DTensor parameter's .grad, as autograd adds

@@ -81,8 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-chunks", type=whole(1), default=1, help="cut each sequence into this many chunks that flow "
                    "through the pipeline as microbatches (Seq1F1B: the first stage holds p + S - 1 chunks instead of "
                    "p sequences); 1: whole sequences")
-    g.add_argument("--vocab-parallel", action="store_true", help="the embedding, the head and the loss split by "
-                   "vocabulary rows over all pipeline ranks (Vocabulary Parallelism): --split balances the layers")
+    g.add_argument("--vocab-parallel", action="store_true", help="embedding, head, loss by vocabulary on all stages")
     g.add_argument("--chunk-split", choices=["even", "compute"], default="even", help="--seq-chunks' lengths: even, "
                    "or of equal compute (later chunks shorter: attention reads each token's whole prefix)")
     g = p.add_argument_group("checkpoints and output")
@@ -132,8 +131,7 @@ def main(args):
     # --- the split: this rank's slice trimmed on meta; tensor parallelism, checkpointing, compile, FSDP2; its shards
     with torch.device("meta"):
         model = LlamaForPretraining(config)  # with one stage, a tied head is the embedding's (else TiedEmbedding)
-    partition = partition_model(model, pp_rank, pp, group=mesh.get_group("pp"), layout=layers, trim=True,
-                                vocab=mesh if args.vocab_parallel else None)
+    partition = partition_model(model, pp_rank, pp, mesh.get_group("pp"), layers, True, args.vocab_parallel and mesh)
     parallelize([model], mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing, args.compile,
                 [pp_rank])  # its stage: checkpointed as --activation-checkpointing's entry for it says
     materialize([model], config, env.device, args.seed)  # a shard at a time: the full model's weights, any layout
@@ -404,7 +402,7 @@ def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.Pr
         raise ValueError("partition_model: the model was already trimmed to another part")
     if trim:  # main's, on the meta device: only the stage is allocated, the optimizer and checkpoints take it so
         model.keep_only(keep, rank == 0, rank == world_size - 1, vocab and vocab["pp"])  # vocab: the run's mesh
-        model.head_in_loss = True  # its forward stops at the final norm, the loss applies the head (loss_fn)
+        model.head_in_loss = True  # its forward stops at the final norm, the loss applies the head (Step.forward)
     return Partition(model, rank, world_size, layers, group, trim, vocab=vocab and VocabParallel(model, vocab))
 
 
@@ -429,14 +427,6 @@ def forward_stage(partition: Partition, hidden_states: torch.Tensor, positions: 
     return base.norm(h) if rank == partition.world_size - 1 else h
 
 
-def loss_fn(partition: Partition, hidden: torch.Tensor, targets: torch.Tensor, chunks: int, tokens=None):
-    """The mean cross-entropy of the head's logits, chunks pieces at a time (tokens: a chunk's divisor, Chunk's)."""
-    model = partition.model
-    if not isinstance(model, LlamaForPretraining) and getattr(model.config, "pad_token_id", None) is not None:
-        targets = targets.masked_fill(targets == model.config.pad_token_id, -100)  # a Hugging Face model's padding
-    return chunked_loss(model.lm_head, hidden, targets, chunks, partition.sequence_shards, tokens)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # The schedule: point-to-point messages, and AFAB and 1F1B over them
 
@@ -458,8 +448,7 @@ class Step:
         self.shapes = [(b, n // part.sequence_shards, part.model.config.hidden_size)
                        for b, seq in sizes for n in lengths or [seq]]
         self.microbatches, self.backwards = len(self.items), [s * S + j for s in range(m) for j in reversed(range(S))]
-        # --vocab-parallel: the first stage's inputs embedded (every rank its rows'); passed: output passes done
-        self.vocab, self.embedded = part.vocab, part.vocab and part.vocab.embed_all([c.inputs for c in self.items])
+        self.vocab, self.embedded = part.vocab, part.vocab and part.vocab.embed_all(self.items)  # --vocab-parallel
 
     def message(self, op, tensor, stage: int, label, hold: bool = False) -> torch.Tensor:
         """Send (dist.isend) tensor to a stage, or receive (dist.irecv) one of that shape. NCCL does not buffer a send
@@ -480,16 +469,17 @@ class Step:
         self.sends = [(work, ops) for work in works] if alone else self.sends
         return tensor
 
-    def forward(self, i: int, hold: bool) -> None:
-        # A received tensor, a leaf that requires grad: this stage's backward stops there, d(loss)/d(x) left in x.grad
-        c = self.items[i]
+    def forward(self, i: int, hold: bool) -> None:  # x: a leaf that requires grad, d(loss)/d(x) left in x.grad
+        c, part = self.items[i], self.partition
         x = c.inputs.to(self.device) if self.first else self.message(dist.irecv, self.shapes[i], self.rank - 1, i)
         x = (self.embedded[i] if self.embedded else x).requires_grad_(not self.first or bool(self.embedded))
         with record_function(f"forward {i}"):
-            out = forward_stage(self.partition, x, c.positions, c.chunk)
-            if self.last and not self.vocab:  # divided by the microbatches (and --accumulate): gradients of their mean
-                out = loss_fn(self.partition, out, c.targets.to(self.device), self.chunks, c.tokens) / self.microbatches
-                self.loss += out.detach()
+            out = forward_stage(part, x, c.positions, c.chunk)
+            if self.last and not self.vocab:  # the mean cross-entropy, chunks pieces at a time (tokens: a chunk's
+                y, pad = c.targets.to(self.device), getattr(part.model.config, "pad_token_id", None)  # divisor)
+                y = y.masked_fill(y == pad, -100) if pad is not None else y  # a Hugging Face model's padding ignored
+                out = chunked_loss(part.model.lm_head, out, y, self.chunks, part.sequence_shards, c.tokens)
+                self.loss += (out := out / self.microbatches).detach()  # (and --accumulate): gradients of their mean
                 out = out / self.window[1] if self.window[1] > 1 else out  # (k = 1: nothing more, bit for bit)
         if not self.last:  # values only travel; the graph stays here in `out` for this stage's backward
             self.message(dist.isend, out.detach().to(self.dtype), self.rank + 1, i, hold)
@@ -497,18 +487,17 @@ class Step:
 
     def outputs(self, upto: int) -> None:  # --vocab-parallel: the output passes up to upto, alike on every rank
         for j in range(self.passed, upto) if self.vocab else ():  # the last stage's out: a scalar to backward from
-            loss, out = self.vocab.output(self.saved[j][1], self.items[j], self.shapes[j], self.dtype, self.chunks,
-                                          1 / (self.microbatches * self.window[1]))
-            self.saved[j], self.loss, self.passed = (self.saved[j][0], out), self.loss + loss / self.microbatches, j + 1
+            (x, out), steps = self.saved[j], self.window[1]  # its loss / microbatches / steps: the mean's gradient
+            loss, out = self.vocab.output(out, self.items[j], self.chunks, self.microbatches * steps)
+            self.saved[j], self.loss, self.passed = (x, out), self.loss + loss / self.microbatches, j + 1
 
     def backward(self, i: int, hold: bool) -> None:
         self.outputs(i + 1)  # --vocab-parallel: before the receive; a sequence's first backward (its last chunk's)
         x, out = self.saved.pop(i)  # dropping it frees this microbatch's activations after the backward
         grad = None if self.last else self.message(dist.irecv, self.shapes[i], self.rank + 1, i).to(out.dtype)
         if isinstance(model := self.partition.model, FSDPModule):
-            # With replicas, every backward adds into the unsharded gradient and only the last one (microbatch
-            # m - 1, in AFAB and 1F1B alike, chunk 0 of it with chunks, of the optimizer step's last schedule step)
-            # reduce-scatters the sum: once per optimizer step, not m (x --accumulate) times.
+            # With replicas each backward adds into the unsharded gradient; the optimizer step's last (microbatch
+            # m - 1's, chunk 0 with chunks, AFAB and 1F1B alike) alone reduce-scatters: not m (x --accumulate) times.
             last = i == self.backwards[-1] and self.window[0] == self.window[1] - 1
             model.set_requires_gradient_sync(last)
             model.set_reshard_after_backward(last)
@@ -578,9 +567,8 @@ SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 # Training: the optimizer and its learning rate (the run's summary: checkpoint.summary)
 
 def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
-    # Decay matrices only, not norm gains (the same on any split); no empty group (an embedding-only stage has no
-    # gains, and torch cannot load an empty group's state on resume); fused: one kernel per group, CUDA or CPU, of
-    # one kind of tensor (plain, or DTensors of one mesh: --vocab-parallel's slices apart).
+    # Decay matrices only, not norm gains (the same on any split); no empty group (torch cannot load its state on
+    # resume); fused: one kernel a group, CUDA or CPU, of one kind of tensor (--vocab-parallel's DTensors apart).
     kind = lambda p: (p.ndim >= 2, getattr(p, "device_mesh", None))  # noqa: E731
     groups = [{"params": [p for p in model.parameters() if kind(p) == k], "weight_decay": args.weight_decay * k[0]}
               for k in dict.fromkeys(map(kind, model.parameters()))]
