@@ -877,8 +877,6 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                             losses.append(script.train_step(schedule, xi if first else None, yi if last else None,
                                                             env, tp, window=(i, k), **stream(kind, name, pi, xi)))
                     loss = sum(losses) / k if last else None
-                if kind == "vocab":  # the slices' gradients averaged over the replicas, as the script does
-                    model_module.TiedEmbedding(model, config, mesh, first, last).sync_grads()
                 # Copied: a replicated DTensor's full_tensor() is its local tensor, and torch 2.13's eval() below
                 # divides the gradients it finds by the microbatches once more.
                 grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()

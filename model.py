@@ -37,7 +37,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-from torch.profiler import record_function
 
 
 @dataclasses.dataclass
@@ -376,8 +375,7 @@ class LlamaModel(nn.Module):
         # the same positions (--document-masking), the whole sequence's whatever tp shards, and builds their mask once
         # for all its layers (a block mask on a GPU; none on a stage of no layer). chunk: x is that chunk of its
         # sequences (positions the chunk's; a later chunk of one stream's, its places, so its mask is built once too).
-        # Floats on the first stage: embedded already (VocabParallel.embed, from every rank's rows).
-        h = self.embed_tokens(x) if self.embed_tokens is not None and not x.is_floating_point() else x
+        h = self.embed_tokens(x) if self.embed_tokens is not None and not x.is_floating_point() else x  # embed_all's
         if positions is None and chunk is not None and chunk.index > 0:
             positions = torch.arange(chunk.offset, chunk.offset + chunk.length, device=x.device).expand(len(x), -1)
         once = positions is not None and len(self.layers) > 0 and not self.mask_in_each_layer
@@ -409,10 +407,10 @@ class LlamaForPretraining(nn.Module):
 
     def keep_only(self, layers, embed: bool, head: bool, vocab=None) -> "LlamaForPretraining":
         """Trim the model in place to one pipeline stage: the decoder layers given (by global index), the
-        embedding if embed, the final norm and the head if head. Names stay the full model's ("layers.4" is
-        layer 4 on any stage), so checkpoints line up whatever the split. Called on the meta device, before
-        anything is allocated. vocab: the pipeline's 1-D DeviceMesh (--vocab-parallel): every stage keeps its rows
-        of the embedding and of the head (tied: one slice), DTensors Shard(0) over it (VocabParallel)."""
+        embedding if embed, the final norm and the head if head; vocab (a 1-D mesh of the pipeline's ranks,
+        --vocab-parallel): every stage's rows of both (split_vocabulary). Names stay the full model's ("layers.4"
+        is layer 4 on any stage), so checkpoints line up whatever the split. On the meta device, before anything
+        is allocated."""
         for key in list(self.base_model.layers.keys()):
             if int(key) not in layers:
                 del self.base_model.layers[key]
@@ -421,10 +419,7 @@ class LlamaForPretraining(nn.Module):
         if not head:
             self.base_model.norm = None
             self.lm_head = None if vocab is None else self.lm_head
-        for module in (self.base_model.embed_tokens, self.lm_head) if vocab is not None else ():
-            module.weight = nn.Parameter(distribute_tensor(module.weight, vocab, [Shard(0)], src_data_rank=None))
-        self.tie_weights()
-        return self
+        return self if vocab is None else split_vocabulary(self, vocab)
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, chunk: SeqChunk | None = None) -> Tensor:
         """Token ids [batch, seq] -> logits [batch, seq, vocab]; hidden states on a stage without the head, or with
@@ -799,12 +794,10 @@ def estimated_costs(config: LlamaConfig, seq_len: int, recompute: bool | str = F
             "embed": 6 * config.hidden_size}
 
 
-def stage_costs(layout: list[range], costs: dict[str, float], vocab: bool = False) -> list[float]:
-    """Each stage's cost: its layers (maybe none), the embedding on the first, the head on the last; vocab
-    (--vocab-parallel): the embedding and the head spread over all stages alike."""
-    spread = (costs["embed"] + costs["head"]) / len(layout) if vocab else 0.0
-    return [len(layers) * costs["layer"] + spread + (costs["embed"] if i == 0 and not vocab else 0)
-            + (costs["head"] if i == len(layout) - 1 and not vocab else 0) for i, layers in enumerate(layout)]
+def stage_costs(layout: list[range], costs: dict[str, float]) -> list[float]:
+    """Each stage's cost: its layers (maybe none), the embedding on the first, the head on the last."""
+    return [len(layers) * costs["layer"] + (costs["embed"] if i == 0 else 0)
+            + (costs["head"] if i == len(layout) - 1 else 0) for i, layers in enumerate(layout)]
 
 
 def even(num_layers: int, num_stages: int) -> list[range]:
@@ -864,17 +857,12 @@ def max_stages(num_layers: int) -> int:
 
 def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recompute: bool | str = False,
            loss_chunks: int = 1, tp: int = 1, vocab: bool = False) -> list[range]:
-    """The layers of each stage: spec "balanced" (by estimated_costs; vocab, --vocab-parallel: the layers alone),
-    "even", or layers per stage ("5,1"; the first and the last may be 0). What the model's shape rules out (more
-    stages than it has layers but for two layerless ends, --seq-len, --tp, --split, --activation-checkpointing's
-    entries, a vocabulary that leaves a stage no rows with vocab) is a ValueError."""
-    if vocab and tp > 1:
-        raise ValueError("--vocab-parallel with --tp: the vocabulary is split over the pipeline ranks alone; leave "
-                         "out one of --vocab-parallel and --tp")
-    if vocab and (num_stages - 1) * -(-config.vocab_size // num_stages) >= config.vocab_size:
-        raise ValueError(f"--vocab-parallel: a vocabulary of {config.vocab_size} leaves pipeline rank "
-                         f"{num_stages - 1} of {num_stages} no rows (torch.chunk's split); leave --vocab-parallel "
-                         "out, or use fewer pipeline ranks")
+    """The layers of each stage: spec "balanced" (by estimated_costs; vocab, --vocab-parallel: of the layers
+    alone), "even", or layers per stage ("5,1"; the first and the last may be 0). What the model's shape rules
+    out (more stages than it has layers but for two layerless ends, --seq-len, --tp, --split,
+    --activation-checkpointing's entries, check_vocab_parallel's) is a ValueError."""
+    if vocab:
+        check_vocab_parallel(config, num_stages, tp)
     if num_stages > max_stages(config.num_hidden_layers):
         raise ValueError(f"{num_stages} pipeline stages but the model has {config.num_hidden_layers} layers: each "
                          "stage needs one, but for a first stage of the embedding alone and a last one of the head "
@@ -934,16 +922,15 @@ def check_layout(spec: str, num_layers: int | None = None, num_stages: int | Non
 
 def describe_layout(layout: list[range], costs: dict[str, float], vocab: int = 0) -> str:
     """[embed + layers 0-3 (41%)] [layers 4-5 (30%)] [norm + head (29%)]: each stage and its share of the cost.
-    vocab (--vocab-parallel: the vocabulary's size): each stage's rows of the embedding and the head instead."""
-    shares = stage_costs(layout, costs, bool(vocab))
-    total, parts, rows = sum(shares), [], -(-vocab // len(layout))
+    vocab: --vocab-parallel's vocabulary size (describe_vocab_layout)."""
+    if vocab:
+        return describe_vocab_layout(layout, costs, vocab)
+    shares = stage_costs(layout, costs)
+    total, parts = sum(shares), []
     for stage, layers in enumerate(layout):
-        ends = (["embed"] if stage == 0 else [], ["norm + head"] if stage == len(layout) - 1 else [])
-        if vocab:
-            ends = ([], (["norm"] if stage == len(layout) - 1 else [])
-                    + [f"vocab {stage * rows}-{min(vocab, stage * rows + rows) - 1}"])
-        pieces = ends[0] + ([f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else
-                             f"layer {layers.start}"] if len(layers) else []) + ends[1]
+        pieces = (["embed"] if stage == 0 else []) + (
+            [f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"]
+            if len(layers) else []) + (["norm + head"] if stage == len(layout) - 1 else [])
         parts.append(f"[{' + '.join(pieces)} ({shares[stage] / total:.0%})]")
     return " ".join(parts)
 
@@ -1230,12 +1217,10 @@ def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_par
         # reshard_after_forward=False: a stage runs forward once per microbatch, and gathering its parameters
         # again for each would multiply the all-gathers by the microbatches (torchtitan's choice too). bf16:
         # parameters gathered in bf16, gradients reduced in fp32; a stage's root gives out fp32 (as with dp 1).
-        # --vocab-parallel's slices (DTensors over the pipeline ranks) left alone: VocabParallel.reduce_grads.
-        vocab = {p for module in modules for p in module.parameters() if isinstance(p, DTensor)
-                 and "pp" in (p.device_mesh.mesh_dim_names or ())}
         for module in decoder_layers(modules) + modules:
             fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=MixedPrecisionPolicy(
-                dtype, torch.float32, torch.float32 if module in modules else None), ignored_params=vocab)
+                dtype, torch.float32, torch.float32 if module in modules else None),
+                ignored_params=vocab_slices(module))  # --vocab-parallel's slices: VocabParallel's own
     if dtype != torch.float32:  # after FSDP2's hooks: its output cast comes first
         for module in modules:
             cast_between_stages(module, dtype)
@@ -1294,16 +1279,12 @@ class TiedEmbedding:
     it between them (Megatron's embedding group); a rank holding both adds them up itself. Same gradient, same AdamW
     state, same update: the copies stay equal bit for bit. Checkpoints store the matrix once. With tensor parallelism
     both copies are split by vocabulary rows alike, so each tensor-parallel rank pairs with its own counterpart. Create
-    it on every rank: it makes process groups. --vocab-parallel's slices (one tensor, tied) are no copies, but FSDP2
-    leaves them alone: with replicas sync_grads averages them over the replicas, and all but the first's are copies."""
+    it on every rank: it makes process groups."""
 
     def __init__(self, model, config, mesh, has_first: bool, has_last: bool):
         params = dict(model.named_parameters(remove_duplicate=False))
         self.embed, self.head = params.get("base_model.embed_tokens.weight"), params.get("lm_head.weight")
         self.active, self.group = config.tie_word_embeddings and self.embed is not self.head, None
-        self.slices = list({id(p): p for p in (self.embed, self.head) if isinstance(p, DTensor)
-                            and "pp" in (p.device_mesh.mesh_dim_names or ())}.values()) if mesh["dp"].size() > 1 else []
-        self.replicas = mesh.get_group("dp")
         if not config.tie_word_embeddings or dist.get_world_size() == 1:
             return
         # Who holds the first or last stage of each replica's tensor-parallel slice; new_group is collective,
@@ -1318,12 +1299,6 @@ class TiedEmbedding:
                 self.group = group if dist.get_rank() in ranks else self.group
 
     def sync_grads(self) -> None:
-        if self.slices:  # once an optimizer step, before clipping
-            grads = [p.grad.to_local() for p in self.slices]
-            flat = torch.cat([g.flatten() for g in grads])
-            dist.all_reduce(flat, group=self.replicas)
-            for g, f in zip(grads, flat.div_(dist.get_world_size(self.replicas)).split([g.numel() for g in grads])):
-                g.copy_(f.view_as(g))
         if not self.active:
             return
         local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
@@ -1336,8 +1311,7 @@ class TiedEmbedding:
 
     @property
     def copies(self) -> list:
-        copied = dist.get_rank(self.replicas) > 0  # a slice's copy on every replica but the first
-        return [self.head] if self.active and self.head is not None else self.slices * copied
+        return [self.head] if self.active and self.head is not None else []
 
 
 def clip_grad_norm_(params, max_norm: float, copies=(), tp: int = 1) -> Tensor:
@@ -1346,6 +1320,8 @@ def clip_grad_norm_(params, max_norm: float, copies=(), tp: int = 1) -> Tensor:
     clipped but counted once. Sums the partial gradients first (sum_partial_grads). Collective."""
     def tp_copies(p) -> int:  # a tensor every tensor-parallel rank holds whole (a norm's gain) is counted once
         names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+        if names == ("pp",):  # --vocab-parallel's slice: every replica (and tp rank) holds its copy
+            return dist.get_world_size() // p.device_mesh.size()
         return tp if "tp" not in names or p.placements[names.index("tp")].is_replicate() else 1
 
     params, skip, squares = [p for p in params if p.grad is not None], {id(p) for p in copies}, []
@@ -1377,99 +1353,105 @@ def synchronize(device: torch.device) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # Vocabulary parallelism over the pipeline ranks (--vocab-parallel, the hand-written pipeline)
 #
-# Vocabulary Parallelism (Yeung et al., MLSys 2025): every pipeline rank holds its rows of the embedding and of the
-# head (keep_only's vocab: DTensors Shard(0) over the pipeline's mesh, torch.chunk's rows; tied, one slice serves
-# both), so checkpoints hold the whole matrices and any layout loads them. The input layer: at a schedule step's
-# start every rank looks up its own rows for all the step's microbatches (0 for the other ids) and one reduce sums
-# them onto the first stage; at the step's end the first stage broadcasts their gradients and each rank adds its
-# rows'. The output layer, a microbatch at a time: the last stage's final (normed) hidden states broadcast; each
-# rank its logits slice, a piece of the sequence at a time (chunked_loss's pieces, weighed as it weighs them); the
-# softmax's maximum (all-reduce MAX) and the pair (sum of exponentials, target's logit) (all-reduce SUM) combined
-# into the loss on every rank; the slice's weight gradient at once in closed form (softmax - one-hot: no logits
-# kept for a backward) and the hidden states' gradient summed (reduce) onto the last stage, which continues its
-# backward from it. No rank holds a whole row of logits. Every rank calls these in the same order (the schedule's),
-# so the group's collectives are issued alike. The slices' gradients are added by hand, as autograd would add
-# them; FSDP2 leaves the slices alone (parallelize) and TiedEmbedding.sync_grads averages them over the replicas.
+# Yeung et al., MLSys 2025: each pipeline rank holds its rows (torch.chunk's) of the embedding and of the head (one
+# slice if tied), DTensors: checkpoints hold whole matrices. Input layer, a schedule step's: each rank looks up its
+# rows (0 for other ids), a reduce sums them onto the first stage; its gradients broadcast back at the end. Output
+# layer, per microbatch: the last stage's final hidden states broadcast, each rank's logits slice (chunked_loss's
+# pieces and weights), the softmax's maximum (all-reduce MAX), (sum of exponentials, target's logit) (all-reduce
+# SUM); the slice's head gradient in closed form (softmax - one-hot: no logits kept), the hidden states' summed
+# (reduce) onto the last stage. Every rank calls these in one order; gradients are added by hand (not FSDP2's).
+
+def split_vocabulary(model: LlamaForPretraining, mesh) -> LlamaForPretraining:  # keep_only's vocab, on meta
+    for module in (model.base_model.embed_tokens, model.lm_head):
+        module.weight = nn.Parameter(distribute_tensor(module.weight, mesh, [Shard(0)], src_data_rank=None))
+    model.tie_weights()
+    return model
+
+
+def vocab_slices(module: nn.Module) -> set:  # split_vocabulary's DTensors, over the pipeline ranks alone
+    return {p for p in module.parameters() if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("pp",)}
+
+
+def check_vocab_parallel(config: LlamaConfig, num_stages: int, tp: int) -> None:  # layout's ValueErrors
+    if tp > 1:
+        raise ValueError("--vocab-parallel with --tp: the vocabulary is split over the pipeline ranks alone; leave "
+                         "out one of --vocab-parallel and --tp")
+    if (num_stages - 1) * -(-config.vocab_size // num_stages) >= config.vocab_size:
+        raise ValueError(f"--vocab-parallel: a vocabulary of {config.vocab_size} leaves pipeline rank {num_stages - 1}"
+                         f" of {num_stages} no rows (torch.chunk's); leave --vocab-parallel out or use fewer ranks")
+
 
 class VocabParallel:
-    """One rank's rows of the vocabulary layers (a model trimmed by keep_only(..., vocab=mesh["pp"])) and their
-    collectives over the pipeline's group: mesh is the run's ("pp", "dp", ...) DeviceMesh."""
+    """This rank's rows of the vocabulary layers (keep_only's vocab) and their passes; mesh: the run's (pp, dp)."""
 
     def __init__(self, model: LlamaForPretraining, mesh):
-        self.embed, self.head = model.base_model.embed_tokens.weight, model.lm_head.weight
-        self.group = mesh.get_group("pp")
-        self.last = dist.get_world_size(self.group) - 1
+        self.embed, self.head, self.group, self.replicas = (model.base_model.embed_tokens.weight, model.lm_head.weight,
+                                                            mesh.get_group("pp"), mesh.get_group("dp"))
+        self.rank, self.last = dist.get_rank(self.group), dist.get_world_size(self.group) - 1
         (self.rows, _), (self.start, _) = compute_local_shape_and_global_offset(
             self.embed.shape, self.embed.device_mesh, self.embed.placements)  # this rank's rows, from start on
-        self.params = [self.embed] + ([self.head] if self.head is not self.embed else [])
 
     def _own(self, ids: Tensor) -> tuple[Tensor, Tensor]:  # indices into this rank's rows, and which ids are its
         local = ids.to(self.embed.device) - self.start
         return local.clamp(0, self.rows - 1), (local >= 0) & (local < self.rows)
 
     @torch.no_grad()
-    @record_function("vocab embed")
-    def embed_all(self, chunks: list[Chunk]) -> list[Tensor] | None:
-        """The embeddings of a step's microbatches (cut_sequences' chunks), each rank its rows' (0 for the other
-        ids), summed onto the first stage: its list, the inputs of its forwards (None elsewhere)."""
-        out = [torch.where(own[..., None], self.embed.to_local()[local], 0.0)
-               for local, own in (self._own(c.inputs) for c in chunks)]
-        flat = torch.cat([e.flatten() for e in out])
-        dist.reduce(flat, group_dst=0, group=self.group)
-        first = dist.get_rank(self.group) == 0
-        return [f.view_as(e) for f, e in zip(flat.split([e.numel() for e in out]), out)] if first else None
+    @torch.profiler.record_function("vocab embed")
+    def embed_all(self, chunks: list[Chunk]) -> list[Tensor] | None:  # a step's microbatches: the first stage's
+        out = [torch.where(own[..., None], self.embed.to_local()[i], 0.0) for i, own in map(self._own, (c.inputs
+                                                                                                    for c in chunks))]
+        dist.reduce(flat := torch.cat([e.flatten() for e in out]), group_dst=0, group=self.group)
+        return [f.view_as(e) for f, e in zip(flat.split([e.numel() for e in out]), out)] if self.rank == 0 else None
 
     @torch.no_grad()
-    @record_function("vocab embed backward")
-    def embed_backward(self, chunks: list[Chunk], inputs: list[Tensor] | None) -> None:
-        """The gradients of the first stage's inputs (there: embed_all's, after backward) broadcast over the
-        pipeline ranks; each adds its rows'. chunks: the step's microbatches (cut_sequences'), their ids."""
-        h, ids, grads = self.embed.shape[1], [c.inputs for c in chunks], inputs and [x.grad for x in inputs]
-        flat = torch.cat([g.flatten() for g in grads]) if grads is not None else torch.empty(
+    @torch.profiler.record_function("vocab embed backward")
+    def embed_backward(self, chunks: list[Chunk], inputs: list[Tensor] | None, last: bool = True) -> None:
+        """embed_all's inputs' gradients broadcast, each rank adds its rows'; last: averaged over the replicas."""
+        h, ids = self.embed.shape[1], [c.inputs for c in chunks]
+        flat = torch.cat([x.grad.flatten() for x in inputs]) if inputs else torch.empty(
             sum(x.numel() for x in ids) * h, device=self.embed.device)
         dist.broadcast(flat, group_src=0, group=self.group)
         total = torch.zeros_like(self.embed.to_local())
-        for (local, own), g in zip(map(self._own, ids), flat.split([x.numel() * h for x in ids])):
-            total.index_add_(0, local[own], g.view(*own.shape, h)[own])
+        for (i, own), g in zip(map(self._own, ids), flat.split([x.numel() * h for x in ids])):
+            total.index_add_(0, i[own], g.view(*own.shape, h)[own])
         _add_grad(self.embed, total)
+        grads = [p.grad.to_local() for p in {id(p): p for p in (self.embed, self.head)}.values()]
+        if last and (replicas := dist.get_world_size(self.replicas)) > 1:
+            dist.all_reduce(flat := torch.cat([g.flatten() for g in grads]), group=self.replicas)
+            for g, f in zip(grads, flat.div_(replicas).split([g.numel() for g in grads])):
+                g.copy_(f.view_as(g))
 
-    @record_function("vocab output")
+    @torch.profiler.record_function("vocab output")
     def output(self, out: Tensor, chunk: Chunk, chunks: int = 1, divisor: int = 1) -> tuple[Tensor, Tensor]:
-        """A microbatch's (cut_sequences' chunk's) loss, chunked_loss's, on every rank, from the last stage's final
-        hidden states (out there: its stage's output; sent in autocast's dtype, what the head's matmul takes). With
-        grad enabled the slice's head gradient of the loss / divisor is added, and the last stage's out returned as
-        a scalar whose backward gives out that loss's gradient (out x its gradient, summed); out itself elsewhere."""
-        last, device = dist.get_rank(self.group) == self.last, self.head.device
+        """A microbatch's (chunk's) loss, chunked_loss's, on every rank, of the last stage's out (its final hidden
+        states, sent in autocast's dtype: the head's matmul takes it). With grad, the slice's head gradient of loss
+        / divisor is added and the last stage's out becomes a scalar whose backward gives out its gradient."""
+        device, y = self.head.device, chunk.targets.to(self.head.device)
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
-        shape = (*chunk.targets.shape, self.head.shape[1])
-        h = out.detach().to(dtype) if last else torch.empty(shape, dtype=dtype, device=device)
+        h = out.detach().to(dtype) if self.rank == self.last else torch.empty((*y.shape, self.head.shape[1]),
+                                                                              dtype=dtype, device=device)
         dist.broadcast(h, group_src=self.last, group=self.group)
-        weight, train, targets = self.head.to_local(), torch.is_grad_enabled(), chunk.targets.to(h.device)
-        counted = targets != -100
+        weight, train, counted = self.head.to_local(), torch.is_grad_enabled(), y != -100
         tokens = counted.sum().clamp(min=1) if chunk.tokens is None else chunk.tokens
-        per_token = counted / (divisor * tokens)
-        total, grads, head = torch.zeros((), device=h.device), [], torch.zeros_like(weight) if train else None
+        total, grads, head, weights = torch.zeros((), device=device), [], torch.zeros_like(weight), counted / tokens
         with torch.no_grad():
-            for hp, y, w in zip(h.chunk(chunks, 1), targets.chunk(chunks, 1), per_token.chunk(chunks, 1)):
+            for hp, yp, w in zip(h.chunk(chunks, 1), y.chunk(chunks, 1), (weights / divisor).chunk(chunks, 1)):
                 logits = F.linear(hp, weight).float()  # [batch, piece, rows]
-                top = logits.amax(-1)
-                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
-                exps = (logits - top[..., None]).exp_()
-                local, own = self._own(y)
-                pair = torch.stack([exps.sum(-1), torch.where(own, logits.gather(-1, local[..., None])[..., 0], 0.0)])
+                dist.all_reduce(top := logits.amax(-1), op=dist.ReduceOp.MAX, group=self.group)
+                exps, (i, own) = (logits - top[..., None]).exp_(), self._own(yp)
+                pair = torch.stack([exps.sum(-1), torch.where(own, logits.gather(-1, i[..., None])[..., 0], 0.0)])
                 dist.all_reduce(pair, group=self.group)
-                total += torch.where(y != -100, pair[0].log() + top - pair[1], 0.0).sum()
-                if train:  # d loss / d logits = (softmax - one-hot) x the token's weight
-                    g = exps.div_(pair[0][..., None]).scatter_add_(-1, local[..., None], -own[..., None].float())
+                total += torch.where(yp != -100, pair[0].log() + top - pair[1], 0.0).sum()
+                if train:  # d loss / d logits: (softmax - one-hot) x the token's weight
+                    g = exps.div_(pair[0][..., None]).scatter_add_(-1, i[..., None], -own[..., None].float())
                     g = (g * w[..., None]).to(hp.dtype)
                     grads.append((g @ weight.to(g.dtype)).float())
                     head += (g.flatten(0, 1).T @ hp.flatten(0, 1)).float()
         if not train:
             return total / tokens, out
         _add_grad(self.head, head)
-        grad = torch.cat(grads, 1)
-        dist.reduce(grad, group_dst=self.last, group=self.group)
-        return total / tokens, (out * grad).sum() if last else out
+        dist.reduce(grad := torch.cat(grads, 1), group_dst=self.last, group=self.group)
+        return total / tokens, (out * grad).sum() if self.rank == self.last else out
 
 
 def _add_grad(param: nn.Parameter, grad: Tensor) -> None:  # into a DTensor parameter's .grad, as autograd adds
@@ -1478,6 +1460,15 @@ def _add_grad(param: nn.Parameter, grad: Tensor) -> None:  # into a DTensor para
                                         stride=param.stride())
     else:
         param.grad.to_local().add_(grad)
+
+
+def describe_vocab_layout(layout: list[range], costs: dict[str, float], vocab: int) -> str:
+    """describe_layout's under --vocab-parallel: the embedding's and the head's cost spread over the stages."""
+    n, rows = len(layout), -(-vocab // len(layout))
+    shares = [len(r) * costs["layer"] + (costs["embed"] + costs["head"]) / n for r in layout]
+    names = [([f"layers {r.start}-{r.stop - 1}" if len(r) > 1 else f"layer {r.start}"] if r else []) + ["norm"] *
+             (s == n - 1) + [f"vocab {s * rows}-{min(vocab, s * rows + rows) - 1}"] for s, r in enumerate(layout)]
+    return " ".join(f"[{' + '.join(names[s])} ({shares[s] / sum(shares):.0%})]" for s in range(n))
 
 
 # ==========================================================================================================

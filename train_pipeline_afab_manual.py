@@ -510,8 +510,8 @@ class Step:
     def finish(self) -> torch.Tensor | None:
         for work, _ in self.sends:  # none is held: a send is held only for a receive that follows
             work.wait()
-        if self.vocab and torch.is_grad_enabled():  # the embeddings' gradients, from the first stage to every rank
-            self.vocab.embed_backward(self.items, self.embedded)
+        if self.vocab and torch.is_grad_enabled():  # the embeddings' gradients; at an optimizer step's end, averaged
+            self.vocab.embed_backward(self.items, self.embedded, self.window[0] == self.window[1] - 1)  # over replicas
         return self.loss if self.last else None
 
 
