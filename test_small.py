@@ -1272,8 +1272,12 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
         assert sorted(initial) == sorted(tensors), variant
         for name, tensor in initial.items():
             assert torch.equal(tensor, tensors[name]), (variant, name)
-        # ... and what a checkpoint saves is the full model's state_dict keys, split across the stages, nothing more.
-        assert sorted(k for result in ranks for k in result[variant]["state_keys"]) == sorted(reference.state_dict())
+        # ... and what a checkpoint saves is the full model's state_dict keys, split across the stages, nothing more
+        # (--vocab-parallel: the embedding and the head on every stage, each its rows).
+        keys = [k for result in ranks for k in result[variant]["state_keys"]]
+        vocab = {"base_model.embed_tokens.weight", "lm_head.weight"} if variant[0] == "vocab" else set()
+        assert [k for k in keys if k in vocab] == sorted(vocab) * pp, variant
+        assert sorted([k for k in keys if k not in vocab] + [*vocab]) == sorted(reference.state_dict()), variant
         # No stage gives out a view (tensor parallelism's to_local(), of the final norm or of the embedding alone):
         # FSDP2 warns of one, since an in-place op on it would drop its backward hook.
         assert not [r[variant]["views"] for r in ranks if r[variant]["views"]], variant
@@ -2535,6 +2539,50 @@ def test_a_run_in_sequence_chunks_resumes_without_them_and_continues_the_whole_s
     rows, _ = read_metrics(back / "m.jsonl")
     assert [r["step"] for r in rows] == list(range(13, 17))
     assert_same_trajectory(rows, reference[12:], "back to whole sequences", since=8)
+
+
+def test_vocab_parallel_resumes_without_it_on_other_layouts_and_back_and_exports_the_whole_matrices(tmp_path,
+                                                                                                   data_dir,
+                                                                                                   reference_run):
+    # --vocab-parallel's checkpoints hold the whole embedding and head (each rank saves its rows of a DTensor): the
+    # reference's step 4 (GPipe, 2 x 2, no vocabulary split) resumed by hand with it on 3 ranks (1F1B, evaluated
+    # every 4 steps, its calls recorded: the whole run under NCCL's rules); its step 8 on 2 ranks without it; its
+    # step 12 with it on 2 stages x 2 replicas (the slices' gradients averaged over them), in 2 accumulated
+    # schedule steps. Each continues the reference within fp32 drift; exported, the matrices are whole.
+    reference_dir, reference = reference_run
+    runs = [("vocab3", 3, reference_dir, 4, ["--vocab-parallel", "--schedule", "1f1b", "--eval-every", "4"]),
+            ("plain2", 2, tmp_path / "vocab3", 8, []),
+            ("vocab2x2", 4, tmp_path / "vocab3", 12, ["--vocab-parallel", "--dp", "2", "--accumulate", "2",
+                                                      "--microbatches", "2"])]
+    for name, nproc, source, step, flags in runs:
+        start = f"step-{step:08d}"
+        shutil.copytree(source / "checkpoints" / start, tmp_path / name / "checkpoints" / start)
+        result = run_script(nproc, *recorded(tmp_path / name / "calls", "train_pipeline_afab_manual.py"),
+                            *RESUME_ARGS, *flags, "--checkpoint-every", "4", "--keep-checkpoints", "4", "--data",
+                            data_dir, "--metrics", "m.jsonl", cwd=tmp_path / name)
+        assert result.returncode == 0, (name, errors(result.stderr))
+        assert f"resumed from checkpoints/{start}" in result.stdout, (name, result.stdout)
+        rows, _ = read_metrics(tmp_path / name / "m.jsonl")
+        assert [r["step"] for r in rows] == list(range(step + 1, 17)), name
+        assert_same_trajectory(rows, reference[step:], name, since=step)
+        replayed(tmp_path / name / "calls", nproc, steps=16 - step)
+        if flags:  # the layout line says where the vocabulary went: 8192 rows in 2731, 2731, 2730 (or halves)
+            assert ("vocab 2731-5461 (" if nproc == 3 else "vocab 4096-8191 (") in result.stdout, result.stdout
+        if name == "vocab3":
+            assert "eval at step 8: loss" in result.stdout and "eval at step 16: loss" in result.stdout
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    result = run_script(0, "export.py", tmp_path / "vocab3" / "checkpoints", tmp_path / "vocab.pt", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    exported = torch.load(tmp_path / "vocab.pt", weights_only=True)
+    dcp_to_torch_save(str(tmp_path / "vocab3" / "checkpoints" / "step-00000016"), str(tmp_path / "all.pt"))
+    everything = torch.load(tmp_path / "all.pt", weights_only=False)["model"]  # our own file, written just above
+    dcp_to_torch_save(str(reference_dir / "checkpoints" / "step-00000016"), str(tmp_path / "reference.pt"))
+    expected = torch.load(tmp_path / "reference.pt", weights_only=False)["model"]
+    assert sorted(exported) == sorted(everything) == sorted(expected)
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, everything[name]) and tensor.shape == expected[name].shape, name
+    LlamaForPretraining(LlamaConfig(**json.loads((tmp_path / "vocab.pt.config.json").read_text()))).load_state_dict(
+        exported, strict=True)
 
 
 def test_tensor_parallel_resumes_exactly_on_any_layout_and_exports_the_whole_model(tmp_path, data_dir,
