@@ -473,16 +473,15 @@ def _module_generator(seed: int, name: str, device: torch.device) -> torch.Gener
 # The loss
 
 def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_shards: int = 1,
-                 tokens: Tensor | None = None) -> Tensor:
-    """The mean cross-entropy of head(hidden) [batch, seq, vocab] against targets [batch, seq] (-100: ignored),
-    without the whole logits: the sequence is cut into `chunks` pieces, each one's logits computed in fp32,
-    turned into its summed loss and freed; backward computes them again, a piece at a time (activation
-    checkpointing of the head and the loss). So the loss holds at most one piece's logits and their gradient,
-    1/chunks of the plain loss's, for one more forward of the head. chunks 1: the plain loss, nothing
-    recomputed. Gradients equal the plain loss's to rounding (tested to 1e-6).
-
-    head: a callable (the head module): with tensor parallelism a vocabulary-parallel head returns logits
-    sharded over the vocabulary (a DTensor), and the loss runs inside loss_parallel(), forward and backward.
+                 tokens: Tensor | None = None, pad: int | None = None) -> Tensor:
+    """The mean cross-entropy of head(hidden) [batch, seq, vocab] against targets [batch, seq] (-100, and pad: a
+    Hugging Face model's padding, ignored), without the whole logits: the sequence is cut into `chunks` pieces,
+    each one's logits computed in fp32, turned into its summed loss and freed; backward computes them again, a
+    piece at a time (activation checkpointing of the head and the loss). So the loss holds at most one piece's
+    logits and their gradient, 1/chunks of the plain loss's, for one more forward of the head. chunks 1: the plain
+    loss, nothing recomputed. Gradients equal the plain loss's to rounding (tested to 1e-6). head: a callable (the
+    head module): with tensor parallelism a vocabulary-parallel head returns logits sharded over the vocabulary (a
+    DTensor), and the loss runs inside loss_parallel(), forward and backward.
     sequence_shards: with sequence parallelism, hidden is this rank's piece [batch, seq / n, hidden] of the
     sequence and the head gathers each chunk of it from the n ranks, in rank order: the targets of chunk i are
     then every rank's chunk i. tokens: what the sum is divided by instead of the targets' own count: for a chunk of
@@ -492,6 +491,7 @@ def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_sh
         logits = head(h)
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="sum")
 
+    targets = targets.masked_fill(targets == pad, -100) if pad is not None else targets
     ys = targets.view(targets.shape[0], sequence_shards, -1).chunk(chunks, -1)  # [batch, ranks, positions]
     if chunks == 1 or not torch.is_grad_enabled():
         total = sum(piece(h, y) for h, y in zip(hidden.chunk(chunks, 1), ys))
@@ -1376,7 +1376,7 @@ def check_vocab_parallel(config: LlamaConfig, num_stages: int, tp: int) -> None:
     if tp > 1:
         raise ValueError("--vocab-parallel with --tp: the vocabulary is split over the pipeline ranks alone; leave "
                          "out one of --vocab-parallel and --tp")
-    if (num_stages - 1) * -(-config.vocab_size // num_stages) >= config.vocab_size:
+    if 0 < config.vocab_size <= (num_stages - 1) * -(-config.vocab_size // num_stages):  # (0: not known yet)
         raise ValueError(f"--vocab-parallel: a vocabulary of {config.vocab_size} leaves pipeline rank {num_stages - 1}"
                          f" of {num_stages} no rows (torch.chunk's); leave --vocab-parallel out or use fewer ranks")
 
@@ -1397,18 +1397,20 @@ class VocabParallel:
 
     @torch.no_grad()
     @torch.profiler.record_function("vocab embed")
-    def embed_all(self, chunks: list[Chunk]) -> list[Tensor] | None:  # a step's microbatches: the first stage's
-        out = [torch.where(own[..., None], self.embed.to_local()[i], 0.0) for i, own in map(self._own, (c.inputs
-                                                                                                    for c in chunks))]
+    def embed_all(self, chunks: list[Chunk]) -> list[Chunk]:
+        """A step's microbatches (cut_sequences' chunks), their inputs embedded on the first stage (its inputs)."""
+        self.ids = [c.inputs for c in chunks]  # for embed_backward
+        out = [torch.where(own[..., None], self.embed.to_local()[i], 0.0) for i, own in map(self._own, self.ids)]
         dist.reduce(flat := torch.cat([e.flatten() for e in out]), group_dst=0, group=self.group)
-        return [f.view_as(e) for f, e in zip(flat.split([e.numel() for e in out]), out)] if self.rank == 0 else None
+        return [c._replace(inputs=f.view_as(e)) for c, f, e in zip(chunks, flat.split([e.numel() for e in out]), out)
+                ] if self.rank == 0 else chunks
 
     @torch.no_grad()
     @torch.profiler.record_function("vocab embed backward")
-    def embed_backward(self, chunks: list[Chunk], inputs: list[Tensor] | None, last: bool = True) -> None:
-        """embed_all's inputs' gradients broadcast, each rank adds its rows'; last: averaged over the replicas."""
-        h, ids = self.embed.shape[1], [c.inputs for c in chunks]
-        flat = torch.cat([x.grad.flatten() for x in inputs]) if inputs else torch.empty(
+    def embed_backward(self, chunks: list[Chunk], last: bool = True) -> None:
+        """embed_all's (chunks) gradients broadcast, each rank adds its rows'; last: averaged over the replicas."""
+        h, ids = self.embed.shape[1], self.ids
+        flat = torch.cat([c.inputs.grad.flatten() for c in chunks]) if self.rank == 0 else torch.empty(
             sum(x.numel() for x in ids) * h, device=self.embed.device)
         dist.broadcast(flat, group_src=0, group=self.group)
         total = torch.zeros_like(self.embed.to_local())
@@ -1460,6 +1462,14 @@ def _add_grad(param: nn.Parameter, grad: Tensor) -> None:  # into a DTensor para
                                         stride=param.stride())
     else:
         param.grad.to_local().add_(grad)
+
+
+def groups_of(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's: matrices decayed, gains not; no group empty (torch cannot load one's state on resume); one kind of
+    tensor a group for fused AdamW (plain, or DTensors of one mesh: split_vocabulary's apart)."""
+    kind = lambda p: (p.ndim >= 2, getattr(p, "device_mesh", None))  # noqa: E731
+    return [{"params": [p for p in model.parameters() if kind(p) == k], "weight_decay": weight_decay * k[0]}
+            for k in dict.fromkeys(map(kind, model.parameters()))]
 
 
 def describe_vocab_layout(layout: list[range], costs: dict[str, float], vocab: int) -> str:

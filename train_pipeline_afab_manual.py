@@ -9,8 +9,7 @@
 What torch.distributed.pipelining does, by hand: each rank keeps a slice of the layers and passes activations
 forward, gradients back. Needs model.py, checkpoint.py. The functions keep the calls of the torch-pipeline-
 parallelism guide (users test them): partition_model(model, rank, world_size) with .layers, forward_stage(partition,
-hidden_states), train_step_pipeline_afab, _1f1b, eval_step_pipeline(model, inputs, targets, device, dtype).
-"""
+hidden_states), train_step_pipeline_afab, _1f1b, eval_step_pipeline(model, inputs, targets, device, dtype)."""
 
 import argparse
 import contextlib
@@ -32,10 +31,10 @@ from torch.profiler import record_function
 
 import checkpoint
 from checkpoint import Parser, ScheduleChoices, UsageError, collective_errors, number, whole
-from model import (PRESETS, LlamaForPretraining, TiedEmbedding, attention_mask, chunk_lengths, chunked_loss,
-                   clip_grad_norm_, config_from_preset, cut_sequences, describe_layout, document_mask,
-                   document_positions, estimated_costs, even, layout, loss_chunks, materialize, parallelize,
-                   synchronize, VocabParallel)
+from model import (PRESETS, LlamaForPretraining, TiedEmbedding, VocabParallel, attention_mask, chunk_lengths,
+                   chunked_loss, clip_grad_norm_, config_from_preset, cut_sequences, describe_layout, document_mask,
+                   document_positions, estimated_costs, even, groups_of, layout, loss_chunks, materialize, parallelize,
+                   synchronize)
 
 # ----------------------------------------------------------------------------------------------------------
 # Flags: the same names and meanings in every script of the collection
@@ -401,9 +400,9 @@ def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.Pr
     if len(layers) != len(keep):
         raise ValueError("partition_model: the model was already trimmed to another part")
     if trim:  # main's, on the meta device: only the stage is allocated, the optimizer and checkpoints take it so
-        model.keep_only(keep, rank == 0, rank == world_size - 1, vocab and vocab["pp"])  # vocab: the run's mesh
+        model.keep_only(keep, rank == 0, rank == world_size - 1, vocab["pp"] if vocab else None)  # vocab: the mesh
         model.head_in_loss = True  # its forward stops at the final norm, the loss applies the head (Step.forward)
-    return Partition(model, rank, world_size, layers, group, trim, vocab=vocab and VocabParallel(model, vocab))
+    return Partition(model, rank, world_size, layers, group, trim, vocab=VocabParallel(model, vocab) if vocab else None)
 
 
 def forward_stage(partition: Partition, hidden_states: torch.Tensor, positions: torch.Tensor | None = None, chunk=None):
@@ -448,7 +447,7 @@ class Step:
         self.shapes = [(b, n // part.sequence_shards, part.model.config.hidden_size)
                        for b, seq in sizes for n in lengths or [seq]]
         self.microbatches, self.backwards = len(self.items), [s * S + j for s in range(m) for j in reversed(range(S))]
-        self.vocab, self.embedded = part.vocab, part.vocab and part.vocab.embed_all(self.items)  # --vocab-parallel
+        self.vocab, self.items = part.vocab, part.vocab.embed_all(self.items) if part.vocab else self.items
 
     def message(self, op, tensor, stage: int, label, hold: bool = False) -> torch.Tensor:
         """Send (dist.isend) tensor to a stage, or receive (dist.irecv) one of that shape. NCCL does not buffer a send
@@ -472,24 +471,22 @@ class Step:
     def forward(self, i: int, hold: bool) -> None:  # x: a leaf that requires grad, d(loss)/d(x) left in x.grad
         c, part = self.items[i], self.partition
         x = c.inputs.to(self.device) if self.first else self.message(dist.irecv, self.shapes[i], self.rank - 1, i)
-        x = (self.embedded[i] if self.embedded else x).requires_grad_(not self.first or bool(self.embedded))
+        x.requires_grad_(x.is_floating_point())  # (--vocab-parallel: the first stage's inputs embedded already)
         with record_function(f"forward {i}"):
             out = forward_stage(part, x, c.positions, c.chunk)
             if self.last and not self.vocab:  # the mean cross-entropy, chunks pieces at a time (tokens: a chunk's
-                y, pad = c.targets.to(self.device), getattr(part.model.config, "pad_token_id", None)  # divisor)
-                y = y.masked_fill(y == pad, -100) if pad is not None else y  # a Hugging Face model's padding ignored
-                out = chunked_loss(part.model.lm_head, out, y, self.chunks, part.sequence_shards, c.tokens)
-                self.loss += (out := out / self.microbatches).detach()  # (and --accumulate): gradients of their mean
+                out = chunked_loss(part.model.lm_head, out, c.targets.to(self.device), self.chunks,  # divisor; pad:
+                                   part.sequence_shards, c.tokens, getattr(part.model.config, "pad_token_id", None))
+                self.loss += (out := out / self.microbatches).detach()  # HF's); over microbatches x steps: the mean's
                 out = out / self.window[1] if self.window[1] > 1 else out  # (k = 1: nothing more, bit for bit)
         if not self.last:  # values only travel; the graph stays here in `out` for this stage's backward
             self.message(dist.isend, out.detach().to(self.dtype), self.rank + 1, i, hold)
         self.saved[i] = (x, out)
 
-    def outputs(self, upto: int) -> None:  # --vocab-parallel: the output passes up to upto, alike on every rank
-        for j in range(self.passed, upto) if self.vocab else ():  # the last stage's out: a scalar to backward from
-            (x, out), steps = self.saved[j], self.window[1]  # its loss / microbatches / steps: the mean's gradient
-            loss, out = self.vocab.output(out, self.items[j], self.chunks, self.microbatches * steps)
-            self.saved[j], self.loss, self.passed = (x, out), self.loss + loss / self.microbatches, j + 1
+    def outputs(self, upto: int) -> None:  # --vocab-parallel: the output passes up to upto, alike on every rank;
+        for j in range(self.passed, upto if self.vocab else 0):  # the last stage's out: a scalar to backward from
+            ce, out = self.vocab.output(self.saved[j][1], self.items[j], self.chunks, len(self.items) * self.window[1])
+            self.saved[j], self.loss, self.passed = (self.saved[j][0], out), self.loss + ce / self.microbatches, j + 1
 
     def backward(self, i: int, hold: bool) -> None:
         self.outputs(i + 1)  # --vocab-parallel: before the receive; a sequence's first backward (its last chunk's)
@@ -511,7 +508,7 @@ class Step:
         for work, _ in self.sends:  # none is held: a send is held only for a receive that follows
             work.wait()
         if self.vocab and torch.is_grad_enabled():  # the embeddings' gradients; at an optimizer step's end, averaged
-            self.vocab.embed_backward(self.items, self.embedded, self.window[0] == self.window[1] - 1)  # over replicas
+            self.vocab.embed_backward(self.items, self.window[0] == self.window[1] - 1)  # over the replicas
         return self.loss if self.last else None
 
 
@@ -567,12 +564,8 @@ SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 # Training: the optimizer and its learning rate (the run's summary: checkpoint.summary)
 
 def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
-    # Decay matrices only, not norm gains (the same on any split); no empty group (torch cannot load its state on
-    # resume); fused: one kernel a group, CUDA or CPU, of one kind of tensor (--vocab-parallel's DTensors apart).
-    kind = lambda p: (p.ndim >= 2, getattr(p, "device_mesh", None))  # noqa: E731
-    groups = [{"params": [p for p in model.parameters() if kind(p) == k], "weight_decay": args.weight_decay * k[0]}
-              for k in dict.fromkeys(map(kind, model.parameters()))]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    # Decay matrices only, not norm gains (the same on any split); fused: one kernel per group, CUDA or CPU.
+    return torch.optim.AdamW(groups_of(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def lr_at(step: int, args) -> float:
