@@ -446,6 +446,35 @@ def test_the_balanced_split_is_the_optimum_of_every_contiguous_split():
     assert again["layer"] == pytest.approx(plain["layer"] * 4 / 3) and again["head"] == plain["head"]
 
 
+def test_vocab_parallel_balances_the_layers_alone_and_refuses_what_it_cannot_split_in_one_line(capsys):
+    # --vocab-parallel spreads the embedding and the head over every stage: balanced splits the layers alone, and
+    # the default job (3 ranks, tiny, 8192 tokens) goes from [28%] [28%] [43%] to a third each; the layout line
+    # says each stage's rows (torch.chunk's: 2731, 2731, 2730).
+    tiny = config_from_preset("tiny", 8192, 6)
+    costs = model_module.estimated_costs(tiny, 128)
+    layout = model_module.layout("balanced", tiny, 3, 128, vocab=True)
+    assert model_module.describe_layout(layout, costs, 8192) == ("[layers 0-1 + vocab 0-2730 (33%)] [layers 2-3 + "
+                                                                 "vocab 2731-5461 (33%)] [layers 4-5 + norm + vocab "
+                                                                 "5462-8191 (33%)]")
+    assert [len(r) for r in model_module.layout("balanced", tiny, 2, 128, vocab=True)] == [3, 3]
+    # Refused in one line, before any work: --tp with it (the vocabulary is split over the pipeline ranks alone);
+    # a vocabulary that leaves a rank no rows (5 over 4 ranks: 2, 2, 1, 0), once the model is known; the flag on
+    # a script that lacks it: argparse's own line, exit status 2.
+    with pytest.raises(checkpoint.UsageError, match=r"^--vocab-parallel with --tp: the vocabulary is split over the "
+                                                    r"pipeline ranks alone; leave out one of --vocab-parallel and "
+                                                    r"--tp$"):
+        checked_args(manual, ["--vocab-parallel", "--tp", "2"], 4, "cpu")
+    args = checked_args(manual, ["--vocab-parallel"], 4, "cpu")
+    with pytest.raises(checkpoint.UsageError, match=r"^--vocab-parallel: a vocabulary of 5 leaves pipeline rank 3 "
+                                                    r"of 4 no rows \(torch.chunk's\); leave --vocab-parallel out or "
+                                                    r"use fewer ranks$"):
+        manual.stage_layout(config_from_preset("tiny", 5, 6), 4, args)
+    assert manual.stage_layout(config_from_preset("tiny", 7, 6), 4, args)  # 2, 2, 2, 1 rows
+    for script in ("train_pipeline_gpipe.py", "train_pipeline_tracer.py"):
+        err = refused(capsys, SCRIPT_MODULES[script].build_parser().parse_args, "--vocab-parallel", status=2)
+        assert err == "error: unrecognized arguments: --vocab-parallel (see --help)", err
+
+
 def test_split_counts_may_leave_the_first_or_the_last_stage_without_layers():
     # --split: a 0 first (the embedding alone) or last (the norm and the head alone); a 0 between them, a negative
     # count, counts that do not fit, or more stages than layers and two layerless ends: one line naming --split
@@ -1783,6 +1812,10 @@ BF16_RUNS = {  # name: (processes (0: plain python), script, extra flags, the fp
     # in 2 chunks a sequence (model.traced_chunk_kv in bf16); its positions and chunk fields travel too, in full
     "bf16 traced pp2 chunks": (2, "train_pipeline_tracer.py", [*BF16, "--schedule", "1f1b", "--seq-chunks", "2"],
                                None),
+    # --vocab-parallel: the last stage's hidden states broadcast in bf16 (what the head's matmul takes), the
+    # softmax's sums and the gradients summed in fp32
+    "bf16 vocab pp3": (3, "train_pipeline_afab_manual.py", [*BF16, "--vocab-parallel", "--schedule", "1f1b",
+                                                            "--eval-every", "5"], None),
 }
 
 
@@ -3873,6 +3906,11 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
         "one2x2": (4, "train_pipeline_gpipe.py", [*train, "--dp", "2", "--tp", "2"]),
         "eval_one": (0, "train_pipeline_gpipe.py", ["--steps", "0"]),
         "eval3": (3, "train_pipeline_afab_manual.py", ["--steps", "0"]),
+        # --vocab-parallel: each rank reads its rows of the tied matrix (one slice serves the embedding and the
+        # head), in 2 accumulated schedule steps; and an evaluation alone
+        "vocab3": (3, "train_pipeline_afab_manual.py", [*train, "--vocab-parallel", "--schedule", "1f1b",
+                                                        "--accumulate", "2"]),
+        "vocab_eval2": (2, "train_pipeline_afab_manual.py", ["--steps", "0", "--vocab-parallel"]),
     }
     procs = {name: run_script(n, *(recorded(tmp_path / f"{name}.calls", script) if n else [script]), *common, *flags,
                               "--metrics", f"{name}.jsonl", "--checkpoint-dir", name, cwd=tmp_path, wait=False)
@@ -3884,11 +3922,12 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
         lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         rows[name] = ([r for r in lines if "loss" in r], [r["eval"] for r in lines if "eval" in r])
         if runs[name][0]:  # the tied copies' gradients summed at tp 2 and dp 2 x tp 2 too: under NCCL's rules
-            replayed(tmp_path / f"{name}.calls", runs[name][0], steps=0 if name == "eval3" else 4)
+            replayed(tmp_path / f"{name}.calls", runs[name][0], steps=0 if name.startswith(("eval", "vocab_eval"))
+                     else 4)
     assert [e["step"] for e in rows["one"][1]] == [2, 4] and [e["step"] for e in rows["eval_one"][1]] == [0]
     assert rows["eval3"][0] == [] and not (tmp_path / "eval3").exists()  # evaluated only, nothing written
-    for name in ("gpipe3", "manual2xtp2", "tracer2", "one2x2", "eval3"):
-        reference = rows["eval_one" if name == "eval3" else "one"]
+    for name in ("gpipe3", "manual2xtp2", "tracer2", "one2x2", "eval3", "vocab3", "vocab_eval2"):
+        reference = rows["eval_one" if "eval" in name else "one"]
         assert_same_trajectory(rows[name][0], reference[0], name)
         # An evaluation after step s sees the weights that step s + 1 starts from.
         evaluations = [[{"step": e["step"] + 1, "loss": e["loss"]} for e in run[1]] for run in (rows[name], reference)]
