@@ -406,11 +406,10 @@ class LlamaForPretraining(nn.Module):
             self.lm_head.weight = self.base_model.embed_tokens.weight
 
     def keep_only(self, layers, embed: bool, head: bool, vocab=None) -> "LlamaForPretraining":
-        """Trim the model in place to one pipeline stage: the decoder layers given (by global index), the
-        embedding if embed, the final norm and the head if head; vocab (a 1-D mesh of the pipeline's ranks,
-        --vocab-parallel): every stage's rows of both (split_vocabulary). Names stay the full model's ("layers.4"
-        is layer 4 on any stage), so checkpoints line up whatever the split. On the meta device, before anything
-        is allocated."""
+        """Trim the model in place to one pipeline stage: the decoder layers given (by global index), the embedding
+        if embed, the final norm and the head if head; with vocab (the pipeline ranks' 1-D mesh, --vocab-parallel)
+        this rank's rows of both, DTensors (VocabParallel). Names stay the full model's ("layers.4" is layer 4 on
+        any stage): checkpoints line up whatever the split. On the meta device, before anything is allocated."""
         for key in list(self.base_model.layers.keys()):
             if int(key) not in layers:
                 del self.base_model.layers[key]
@@ -419,7 +418,10 @@ class LlamaForPretraining(nn.Module):
         if not head:
             self.base_model.norm = None
             self.lm_head = None if vocab is None else self.lm_head
-        return self if vocab is None else split_vocabulary(self, vocab)
+        for module in (self.base_model.embed_tokens, self.lm_head) if vocab is not None else ():
+            module.weight = nn.Parameter(distribute_tensor(module.weight, vocab, [Shard(0)], src_data_rank=None))
+        self.tie_weights()
+        return self
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, chunk: SeqChunk | None = None) -> Tensor:
         """Token ids [batch, seq] -> logits [batch, seq, vocab]; hidden states on a stage without the head, or with
@@ -474,19 +476,19 @@ def _module_generator(seed: int, name: str, device: torch.device) -> torch.Gener
 
 def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_shards: int = 1,
                  tokens: Tensor | None = None, pad: int | None = None) -> Tensor:
-    """The mean cross-entropy of head(hidden) [batch, seq, vocab] against targets [batch, seq] (-100, and pad: a
-    Hugging Face model's padding, ignored), without the whole logits: the sequence is cut into `chunks` pieces,
-    each one's logits computed in fp32, turned into its summed loss and freed; backward computes them again, a
-    piece at a time (activation checkpointing of the head and the loss). So the loss holds at most one piece's
-    logits and their gradient, 1/chunks of the plain loss's, for one more forward of the head. chunks 1: the plain
-    loss, nothing recomputed. Gradients equal the plain loss's to rounding (tested to 1e-6). head: a callable (the
-    head module): with tensor parallelism a vocabulary-parallel head returns logits sharded over the vocabulary (a
-    DTensor), and the loss runs inside loss_parallel(), forward and backward.
-    sequence_shards: with sequence parallelism, hidden is this rank's piece [batch, seq / n, hidden] of the
-    sequence and the head gathers each chunk of it from the n ranks, in rank order: the targets of chunk i are
-    then every rank's chunk i. tokens: what the sum is divided by instead of the targets' own count: for a chunk of
-    sequences (--seq-chunks), their count over the chunks (cut_sequences' tokens), so that every token weighs as
-    in the whole sequences' loss, and the mean over the chunks, as a schedule takes it over microbatches, is theirs."""
+    """The mean cross-entropy of head(hidden) [batch, seq, vocab] against targets [batch, seq] (-100, and pad: a Hugging
+    Face model's padding, ignored), without the whole logits: the sequence is cut into `chunks` pieces, each one's
+    logits computed in fp32, turned into its summed loss and freed; backward computes them again, a piece at a time
+    (activation checkpointing of the head and the loss). So the loss holds at most one piece's logits and their
+    gradient, 1/chunks of the plain loss's, for one more forward of the head. chunks 1: the plain loss, nothing
+    recomputed. Gradients equal the plain loss's to rounding (tested to 1e-6). head: a callable (the head module): with
+    tensor parallelism a vocabulary-parallel head returns logits sharded over the vocabulary (a DTensor), and the loss
+    runs inside loss_parallel(), forward and backward. sequence_shards: with sequence parallelism, hidden is this rank's
+    piece [batch, seq / n, hidden] of the sequence and the head gathers each chunk of it from the n ranks, in rank
+    order: the targets of chunk i are then every rank's chunk i. tokens: what the sum is divided by instead of the
+    targets' own count: for a chunk of sequences (--seq-chunks), their count over the chunks (cut_sequences' tokens), so
+    that every token weighs as in the whole sequences' loss, and the mean over the chunks, as a schedule takes it over
+    microbatches, is theirs."""
     def piece(h, y):
         logits = head(h)
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="sum")
@@ -860,9 +862,13 @@ def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recomp
     """The layers of each stage: spec "balanced" (by estimated_costs; vocab, --vocab-parallel: of the layers
     alone), "even", or layers per stage ("5,1"; the first and the last may be 0). What the model's shape rules
     out (more stages than it has layers but for two layerless ends, --seq-len, --tp, --split,
-    --activation-checkpointing's entries, check_vocab_parallel's) is a ValueError."""
-    if vocab:
-        check_vocab_parallel(config, num_stages, tp)
+    --activation-checkpointing's entries, --vocab-parallel's) is a ValueError."""
+    if vocab and tp > 1:
+        raise ValueError("--vocab-parallel with --tp: the vocabulary is split over the pipeline ranks alone; leave "
+                         "out one of --vocab-parallel and --tp")
+    if vocab and 0 < config.vocab_size <= (num_stages - 1) * -(-config.vocab_size // num_stages):  # 0: unknown
+        raise ValueError(f"--vocab-parallel: a vocabulary of {config.vocab_size} leaves pipeline rank {num_stages - 1}"
+                         f" of {num_stages} no rows (torch.chunk's); leave --vocab-parallel out or use fewer ranks")
     if num_stages > max_stages(config.num_hidden_layers):
         raise ValueError(f"{num_stages} pipeline stages but the model has {config.num_hidden_layers} layers: each "
                          "stage needs one, but for a first stage of the embedding alone and a last one of the head "
@@ -922,15 +928,15 @@ def check_layout(spec: str, num_layers: int | None = None, num_stages: int | Non
 
 def describe_layout(layout: list[range], costs: dict[str, float], vocab: int = 0) -> str:
     """[embed + layers 0-3 (41%)] [layers 4-5 (30%)] [norm + head (29%)]: each stage and its share of the cost.
-    vocab: --vocab-parallel's vocabulary size (describe_vocab_layout)."""
-    if vocab:
-        return describe_vocab_layout(layout, costs, vocab)
-    shares = stage_costs(layout, costs)
+    vocab (--vocab-parallel, the vocabulary's size): each stage's rows of both, their cost spread alike."""
+    n, rows, spread = len(layout), -(-vocab // len(layout)), (costs["embed"] + costs["head"]) / len(layout)
+    shares = [len(r) * costs["layer"] + spread for r in layout] if vocab else stage_costs(layout, costs)
     total, parts = sum(shares), []
     for stage, layers in enumerate(layout):
-        pieces = (["embed"] if stage == 0 else []) + (
+        pieces = (["embed"] if stage == 0 and not vocab else []) + (
             [f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"]
-            if len(layers) else []) + (["norm + head"] if stage == len(layout) - 1 else [])
+            if len(layers) else []) + ([["norm + head"], ["norm"]][bool(vocab)] if stage == n - 1 else []) + (
+            [f"vocab {stage * rows}-{min(vocab, stage * rows + rows) - 1}"] if vocab else [])
         parts.append(f"[{' + '.join(pieces)} ({shares[stage] / total:.0%})]")
     return " ".join(parts)
 
@@ -1217,10 +1223,10 @@ def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_par
         # reshard_after_forward=False: a stage runs forward once per microbatch, and gathering its parameters
         # again for each would multiply the all-gathers by the microbatches (torchtitan's choice too). bf16:
         # parameters gathered in bf16, gradients reduced in fp32; a stage's root gives out fp32 (as with dp 1).
-        for module in decoder_layers(modules) + modules:
+        for module in decoder_layers(modules) + modules:  # (--vocab-parallel's slices, over "pp": VocabParallel's)
+            pp = {p for p in module.parameters() if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("pp",)}
             fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=MixedPrecisionPolicy(
-                dtype, torch.float32, torch.float32 if module in modules else None),
-                ignored_params=vocab_slices(module))  # --vocab-parallel's slices: VocabParallel's own
+                dtype, torch.float32, torch.float32 if module in modules else None), ignored_params=pp)
     if dtype != torch.float32:  # after FSDP2's hooks: its output cast comes first
         for module in modules:
             cast_between_stages(module, dtype)
@@ -1320,7 +1326,7 @@ def clip_grad_norm_(params, max_norm: float, copies=(), tp: int = 1) -> Tensor:
     clipped but counted once. Sums the partial gradients first (sum_partial_grads). Collective."""
     def tp_copies(p) -> int:  # a tensor every tensor-parallel rank holds whole (a norm's gain) is counted once
         names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-        if names == ("pp",):  # --vocab-parallel's slice: every replica (and tp rank) holds its copy
+        if names == ("pp",):  # --vocab-parallel's slice (VocabParallel): every replica holds a copy
             return dist.get_world_size() // p.device_mesh.size()
         return tp if "tp" not in names or p.placements[names.index("tp")].is_replicate() else 1
 
@@ -1353,33 +1359,12 @@ def synchronize(device: torch.device) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # Vocabulary parallelism over the pipeline ranks (--vocab-parallel, the hand-written pipeline)
 #
-# Yeung et al., MLSys 2025: each pipeline rank holds its rows (torch.chunk's) of the embedding and of the head (one
-# slice if tied), DTensors: checkpoints hold whole matrices. Input layer, a schedule step's: each rank looks up its
-# rows (0 for other ids), a reduce sums them onto the first stage; its gradients broadcast back at the end. Output
-# layer, per microbatch: the last stage's final hidden states broadcast, each rank's logits slice (chunked_loss's
-# pieces and weights), the softmax's maximum (all-reduce MAX), (sum of exponentials, target's logit) (all-reduce
-# SUM); the slice's head gradient in closed form (softmax - one-hot: no logits kept), the hidden states' summed
-# (reduce) onto the last stage. Every rank calls these in one order; gradients are added by hand (not FSDP2's).
-
-def split_vocabulary(model: LlamaForPretraining, mesh) -> LlamaForPretraining:  # keep_only's vocab, on meta
-    for module in (model.base_model.embed_tokens, model.lm_head):
-        module.weight = nn.Parameter(distribute_tensor(module.weight, mesh, [Shard(0)], src_data_rank=None))
-    model.tie_weights()
-    return model
-
-
-def vocab_slices(module: nn.Module) -> set:  # split_vocabulary's DTensors, over the pipeline ranks alone
-    return {p for p in module.parameters() if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("pp",)}
-
-
-def check_vocab_parallel(config: LlamaConfig, num_stages: int, tp: int) -> None:  # layout's ValueErrors
-    if tp > 1:
-        raise ValueError("--vocab-parallel with --tp: the vocabulary is split over the pipeline ranks alone; leave "
-                         "out one of --vocab-parallel and --tp")
-    if 0 < config.vocab_size <= (num_stages - 1) * -(-config.vocab_size // num_stages):  # (0: not known yet)
-        raise ValueError(f"--vocab-parallel: a vocabulary of {config.vocab_size} leaves pipeline rank {num_stages - 1}"
-                         f" of {num_stages} no rows (torch.chunk's); leave --vocab-parallel out or use fewer ranks")
-
+# Yeung et al., MLSys 2025: each pipeline rank holds its rows (torch.chunk's) of the embedding and of the head (tied:
+# one slice), DTensors: checkpoints hold whole matrices. Input layer, a step's: each rank looks up its rows (0 for
+# other ids), a reduce sums them onto the first stage; their gradients are broadcast back. Output layer, each
+# microbatch's: the final hidden states broadcast, each rank's logits slice (chunked_loss's pieces and weights),
+# all-reduces of the softmax's maximum and of (sum of exponentials, target's logit); the slice's head gradient in
+# closed form (softmax - one-hot), the hidden states' reduced onto the last stage. One order on every rank.
 
 class VocabParallel:
     """This rank's rows of the vocabulary layers (keep_only's vocab) and their passes; mesh: the run's (pp, dp)."""
@@ -1425,9 +1410,8 @@ class VocabParallel:
 
     @torch.profiler.record_function("vocab output")
     def output(self, out: Tensor, chunk: Chunk, chunks: int = 1, divisor: int = 1) -> tuple[Tensor, Tensor]:
-        """A microbatch's (chunk's) loss, chunked_loss's, on every rank, of the last stage's out (its final hidden
-        states, sent in autocast's dtype: the head's matmul takes it). With grad, the slice's head gradient of loss
-        / divisor is added and the last stage's out becomes a scalar whose backward gives out its gradient."""
+        """A microbatch's (chunk's) loss, chunked_loss's, on every rank, of the last stage's out (sent in autocast's
+        dtype); with grad the head's of loss / divisor added, the last stage's out a scalar to backward from."""
         device, y = self.head.device, chunk.targets.to(self.head.device)
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
         h = out.detach().to(dtype) if self.rank == self.last else torch.empty((*y.shape, self.head.shape[1]),
@@ -1458,27 +1442,16 @@ class VocabParallel:
 
 def _add_grad(param: nn.Parameter, grad: Tensor) -> None:  # into a DTensor parameter's .grad, as autograd adds
     if param.grad is None:
-        param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, shape=param.shape,
-                                        stride=param.stride())
-    else:
-        param.grad.to_local().add_(grad)
+        param.grad = torch.zeros_like(param)
+    param.grad.to_local().add_(grad)
 
 
 def groups_of(model: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW's: matrices decayed, gains not; no group empty (torch cannot load one's state on resume); one kind of
-    tensor a group for fused AdamW (plain, or DTensors of one mesh: split_vocabulary's apart)."""
+    tensor a group for fused AdamW (plain, or DTensors of one mesh: --vocab-parallel's slices apart)."""
     kind = lambda p: (p.ndim >= 2, getattr(p, "device_mesh", None))  # noqa: E731
     return [{"params": [p for p in model.parameters() if kind(p) == k], "weight_decay": weight_decay * k[0]}
             for k in dict.fromkeys(map(kind, model.parameters()))]
-
-
-def describe_vocab_layout(layout: list[range], costs: dict[str, float], vocab: int) -> str:
-    """describe_layout's under --vocab-parallel: the embedding's and the head's cost spread over the stages."""
-    n, rows = len(layout), -(-vocab // len(layout))
-    shares = [len(r) * costs["layer"] + (costs["embed"] + costs["head"]) / n for r in layout]
-    names = [([f"layers {r.start}-{r.stop - 1}" if len(r) > 1 else f"layer {r.start}"] if r else []) + ["norm"] *
-             (s == n - 1) + [f"vocab {s * rows}-{min(vocab, s * rows + rows) - 1}"] for s, r in enumerate(layout)]
-    return " ".join(f"[{' + '.join(names[s])} ({shares[s] / sum(shares):.0%})]" for s in range(n))
 
 
 # ==========================================================================================================
