@@ -1387,8 +1387,8 @@ class VocabParallel:
         self.ids = [c.inputs for c in chunks]  # for embed_backward
         out = [torch.where(own[..., None], self.embed.to_local()[i], 0.0) for i, own in map(self._own, self.ids)]
         dist.reduce(flat := torch.cat([e.flatten() for e in out]), group_dst=0, group=self.group)
-        return [c._replace(inputs=f.view_as(e)) for c, f, e in zip(chunks, flat.split([e.numel() for e in out]), out)
-                ] if self.rank == 0 else chunks
+        out = [e.copy_(f.view_as(e)) for e, f in zip(out, flat.split([e.numel() for e in out]))]  # not views (FSDP2)
+        return [c._replace(inputs=e) for c, e in zip(chunks, out)] if self.rank == 0 else chunks
 
     @torch.no_grad()
     @torch.profiler.record_function("vocab embed backward")

@@ -1270,7 +1270,12 @@ def assert_unsplit(variant, ranks: list[dict], loss, expected: dict) -> None:
     got = {name: g for result in ranks for name, g in result[variant]["grads"].items()}
     assert sorted(got) == sorted(expected), variant
     for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=1e-8, msg=f"{variant} {name}")
+        # --vocab-parallel ("vocab") sums the hidden states' gradient over the ranks' vocabulary slices, in another
+        # order than one matmul over the whole vocabulary: that round-off reaches every layer, where an entry near
+        # 0 is 1e-8 off (measured: 1.3e-8 on a v_proj entry at 3 stages, 4e-7 of the tensor's largest): atol 1e-5
+        # of the tensor's largest entry. (A microbatch lost or weighed wrong is off by far more.)
+        atol = 1e-5 * expected[name].abs().max().item() if variant[0] == "vocab" else 1e-8
+        torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=atol, msg=f"{variant} {name}")
     for kind in ("loss", "eval"):
         value = next(result[variant][kind] for result in ranks if result[variant][kind] is not None)
         assert_close_rel(value.item(), loss.item(), what=f"{variant} {kind}")
