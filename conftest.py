@@ -1191,6 +1191,10 @@ ACCUMULATED_LAYOUTS = {
                 ("library", "1f1b:4", 4, True)],  # --seq-chunks 4: 16 chunks a replica, 8 a schedule step
     (2, 1, 2): [("library", "1f1b", 4, False), ("library", "dualpipev", 4, True), ("manual", "afab", 4, False)],
 }
+# --vocab-parallel: the embeddings' gradients each schedule step, the slices' averaged over the replicas once an
+# optimizer step (after its last schedule step's)
+ACCUMULATED_LAYOUTS[2, 1, 1] += [("vocab", "afab", 4, True)]
+ACCUMULATED_LAYOUTS[2, 2, 1] += [("vocab", "1f1b:2", (0, 4), False)]
 ACCUMULATE, ACCUMULATED_MICROBATCHES = 2, 8  # schedule steps an optimizer step; microbatches a replica, in all
 
 
