@@ -932,9 +932,11 @@ def seq_chunks(name: str, seq_len: int, config, tp: int) -> dict:
 
 def fsdp_groups(modules: list) -> int:
     """The FSDP2 units among modules that hold parameters of their own (a stage's root over its layers alone holds
-    none): each reduce-scatters its gradients once a step."""
+    none; --vocab-parallel's slices, DTensors over the pipeline ranks, are not FSDP2's): each reduce-scatters its
+    gradients once a step."""
     units = [m for module in modules for m in module.modules() if isinstance(m, FSDPModule)]
     inner = {u: {p for v in u.modules() if v is not u and isinstance(v, FSDPModule) for p in v.parameters()}
+             | {p for p in u.parameters() if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("pp",)}
              for u in units}
     return sum(bool(set(u.parameters()) - inner[u]) for u in units)
 
