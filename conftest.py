@@ -1163,6 +1163,7 @@ PARITY_LAYOUTS[2, 1, 1] += [("vocab", "afab", 4, False), ("vocab", "1f1b", (4, 0
 PARITY_LAYOUTS[3, 1, 1] += [("vocab", "afab", (0, 4, 0), False), ("vocab", "1f1b", 6, False),
                             ("vocab", "1f1b:2", 4, True)]
 PARITY_LAYOUTS[2, 2, 1] += [("vocab", "1f1b", 4, True), ("vocab", "afab:2", (0, 4), False)]
+PARITY_LAYOUTS[4, 1, 1] = [("vocab", "1f1b", 4, True), ("vocab", "afab", (0, 2, 2, 0), False)]  # 25, 25, 25, 23 rows
 # Sequences cut into chunks (--seq-chunks S; "1f1b:2": S 2), run by torch's runtime in an order made for them
 # (model.chunk_order): GPipe's and Seq1F1B's at S 2 and 4, with documents across the chunks (16 tokens: at S 4 the
 # documents at 5 and 11 span chunk boundaries); under FSDP2 and tensor (sequence) parallelism too; at 3 stages.
