@@ -794,9 +794,12 @@ def tokenizer_file(tmp_path_factory) -> Path:
 
 # -- Parity: one step of every split and schedule at each layout, on real gloo ranks
 
-def parity_config(layers: int) -> LlamaConfig:
-    """The parity tests' model: a vocabulary of 98, which 2 tensor-parallel ranks take in halves."""
-    return small_config(vocab=98, layers=layers)
+def parity_config(layers: int, tied: bool = False) -> LlamaConfig:
+    """The parity tests' model: a vocabulary of 98, which 2 tensor-parallel ranks take in halves; tied: its head the
+    embedding's matrix (the "tied" variants: --vocab-parallel's one slice of it serves both)."""
+    config = small_config(vocab=98, layers=layers)
+    config.tie_word_embeddings = tied
+    return config
 
 
 def split_layers(split: int | tuple, num_stages: int) -> list[range]:
@@ -841,7 +844,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
             num_stages = pp * len(stages)
             first, last = 0 in stages, num_stages - 1 in stages
             layers = split_layers(split, num_stages)
-            config = parity_config(layer_count(split))
+            config, vocab = parity_config(layer_count(split), kind == "tied"), kind in ("vocab", "tied")
             if kind in ("library", "tracer"):
                 build, script = (library_pipeline, gpipe) if kind == "library" else (traced_pipeline, tracer)
                 model, built, schedule, loss_fn = build(config, base, stages, layers, mesh, shape, m, documents,
@@ -851,7 +854,7 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                 with torch.device("meta"):
                     model = LlamaForPretraining(config)
                 partition = manual.partition_model(model, pp_rank, pp, mesh.get_group("pp"), layers, trim=True,
-                                                   vocab=mesh if kind == "vocab" else None)
+                                                   vocab=mesh if vocab else None)
                 model_module.parallelize([model], mesh, torch.float32)
                 model_module.materialize([model], config, env.device, 11)
                 partition.sequence_shards = tp  # sequence parallelism with tp > 1, as the scripts' default
@@ -868,8 +871,8 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                         if kind in BY_HAND:  # --vocab-parallel: every rank reads the tokens and the targets
                             with manual.compute(env, tp):
                                 losses.append(manual.SCHEDULES[name.split(":")[0]](
-                                    partition, xi.chunk(m) if first or kind == "vocab" else [None] * m,
-                                    yi.chunk(m) if last or kind == "vocab" else [None] * m, env.device, torch.float32,
+                                    partition, xi.chunk(m) if first or vocab else [None] * m,
+                                    yi.chunk(m) if last or vocab else [None] * m, env.device, torch.float32,
                                     loss_chunks=8,  # as the library's loss above
                                     positions=pi.chunk(m) if documents else None, shape=shape, window=(i, k),
                                     **seq_chunks(name, shape[1], config, tp)))
@@ -888,8 +891,8 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                     if kind in BY_HAND:
                         with manual.compute(env, tp):
                             evaluations.append(manual.eval_step_pipeline(
-                                partition, xi.chunk(m) if first or kind == "vocab" else [None] * m,
-                                yi.chunk(m) if last or kind == "vocab" else [None] * m,
+                                partition, xi.chunk(m) if first or vocab else [None] * m,
+                                yi.chunk(m) if last or vocab else [None] * m,
                                 env.device, torch.float32, loss_chunks=8,
                                 positions=pi.chunk(m) if documents else None, shape=shape,
                                 **seq_chunks(name, shape[1], config, tp)))
@@ -1074,7 +1077,7 @@ def _chunks_tp_worker(rank, world_size, store_path, out_dir, batch, variants):
     dist.destroy_process_group()
 
 
-BY_HAND = ("manual", "vocab")  # the hand-written script's pipeline; "vocab": with --vocab-parallel
+BY_HAND = ("manual", "vocab", "tied")  # the hand-written script's pipeline; "vocab", "tied": with --vocab-parallel
 EVERY_SPLIT_AND_SCHEDULE = [*(("library", s) for s in gpipe.SCHEDULES), *(("tracer", s) for s in tracer.SCHEDULES),
                             *(("manual", s) for s in manual.SCHEDULES)]
 # Per schedule, a split of 4 layers over 2 pipeline ranks whose end stages hold no decoder layer (the embedding
@@ -1163,6 +1166,10 @@ PARITY_LAYOUTS[2, 1, 1] += [("vocab", "afab", 4, False), ("vocab", "1f1b", (4, 0
 PARITY_LAYOUTS[3, 1, 1] += [("vocab", "afab", (0, 4, 0), False), ("vocab", "1f1b", 6, False),
                             ("vocab", "1f1b:2", 4, True)]
 PARITY_LAYOUTS[2, 2, 1] += [("vocab", "1f1b", 4, True), ("vocab", "afab:2", (0, 4), False)]
+# Tied ("tied"): one slice of the matrix on each rank serves the embedding and the head, its gradients added there.
+PARITY_LAYOUTS[2, 1, 1] += [("tied", "1f1b:2", 4, True)]
+PARITY_LAYOUTS[3, 1, 1] += [("tied", "afab", 6, False)]
+PARITY_LAYOUTS[2, 2, 1] += [("tied", "1f1b", (0, 4), False)]
 PARITY_LAYOUTS[4, 1, 1] = [("vocab", "1f1b", 4, True), ("vocab", "afab", (0, 2, 2, 0), False)]  # 25, 25, 25, 23 rows
 # Sequences cut into chunks (--seq-chunks S; "1f1b:2": S 2), run by torch's runtime in an order made for them
 # (model.chunk_order): GPipe's and Seq1F1B's at S 2 and 4, with documents across the chunks (16 tokens: at S 4 the

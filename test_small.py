@@ -1270,11 +1270,11 @@ def assert_unsplit(variant, ranks: list[dict], loss, expected: dict) -> None:
     got = {name: g for result in ranks for name, g in result[variant]["grads"].items()}
     assert sorted(got) == sorted(expected), variant
     for name in expected:
-        # --vocab-parallel ("vocab") sums the hidden states' gradient over the ranks' vocabulary slices, in another
-        # order than one matmul over the whole vocabulary: that round-off reaches every layer, where an entry near
-        # 0 is 1e-8 off (measured: 1.3e-8 on a v_proj entry at 3 stages, 4e-7 of the tensor's largest): atol 1e-5
-        # of the tensor's largest entry. (A microbatch lost or weighed wrong is off by far more.)
-        atol = 1e-5 * expected[name].abs().max().item() if variant[0] == "vocab" else 1e-8
+        # --vocab-parallel ("vocab", "tied") sums the hidden states' gradient over the ranks' vocabulary slices, in
+        # another order than one matmul over the whole vocabulary: that round-off reaches every layer, where an
+        # entry near 0 is 1e-8 off (measured: 1.3e-8 on a v_proj entry at 3 stages, 4e-7 of the tensor's largest):
+        # atol 1e-5 of the tensor's largest entry. (A microbatch lost or weighed wrong is off by far more.)
+        atol = 1e-5 * expected[name].abs().max().item() if variant[0] in ("vocab", "tied") else 1e-8
         torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=atol, msg=f"{variant} {name}")
     for kind in ("loss", "eval"):
         value = next(result[variant][kind] for result in ranks if result[variant][kind] is not None)
@@ -1289,15 +1289,15 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
     (pp, dp, tp), variants, (inputs, targets), ranks = parity_run
     (microbatches, _), world_size = parity_step((pp, dp, tp)), pp * dp * tp
     # The unsplit model on this process, fed every replica's microbatches one after another.
-    references = {(layer_count(split), documents): unsplit_step(parity_config(layer_count(split)), inputs, targets,
-                                                                dp * microbatches, documents)
-                  for _, _, split, documents in variants}
-    if (4, True) in references:  # kept apart, the documents compute otherwise: the comparison can fail
-        assert not torch.equal(references[4, True][1]["lm_head.weight"], unsplit_step(
+    references = {(layer_count(split), documents, kind == "tied"): unsplit_step(  # "tied": its head the embedding
+        parity_config(layer_count(split), kind == "tied"), inputs, targets, dp * microbatches, documents)
+        for kind, _, split, documents in variants}
+    if (4, True, False) in references:  # kept apart, the documents compute otherwise: the comparison can fail
+        assert not torch.equal(references[4, True, False][1]["lm_head.weight"], unsplit_step(
             parity_config(4), inputs, targets, dp * microbatches)[1]["lm_head.weight"])
     assert sorted(ranks[0], key=str) == sorted(variants, key=str)
     for variant in variants:
-        loss, expected, reference = references[layer_count(variant[2]), variant[3]]
+        loss, expected, reference = references[layer_count(variant[2]), variant[3], variant[0] == "tied"]
         assert_unsplit(variant, ranks, loss, expected)  # the evaluation under every schedule too (forward only)
         # Every stage started from exactly the full model's weights and RoPE buffers for the seed (nothing
         # trained them: no optimizer step) ...
@@ -1309,7 +1309,7 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
         # ... and what a checkpoint saves is the full model's state_dict keys, split across the stages, nothing more
         # (--vocab-parallel: the embedding and the head on every stage, each its rows).
         keys = [k for result in ranks for k in result[variant]["state_keys"]]
-        vocab = {"base_model.embed_tokens.weight", "lm_head.weight"} if variant[0] == "vocab" else set()
+        vocab = {"base_model.embed_tokens.weight", "lm_head.weight"} if variant[0] in ("vocab", "tied") else set()
         assert [k for k in keys if k in vocab] == sorted(vocab) * pp, variant
         assert sorted([k for k in keys if k not in vocab] + [*vocab]) == sorted(reference.state_dict()), variant
         # No stage gives out a view (tensor parallelism's to_local(), of the final norm or of the embedding alone):
@@ -1334,7 +1334,7 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
     # chunks (which hold their prefix's keys and values alike: 0.31 and 0.25 at p 2, S 4); against GPipe's whole
     # sequences, the keys and values of its prefix that a chunk's attention saves (a copy) besides: here up to
     # 0.021 of GPipe's (at S 4; 16 tokens), bounded by 0.03.
-    for kind, name, split, documents in (v for v in variants if v[0] != "vocab"):  # (--vocab-parallel's: below)
+    for kind, name, split, documents in (v for v in variants if v[0] not in ("vocab", "tied")):  # (--vocab-parallel)
         schedule, *cut = name.split(":")
         s = int(cut[0]) if cut else 1
         held = [(pp - r // (dp * tp) + s - 1) / (s * microbatches) for r in range(world_size)]
@@ -4148,7 +4148,7 @@ def test_the_plan_counts_each_schedules_activations(parity_run):
     # the hand-written pipeline's sequence chunks, "1f1b:4": checked for parity and NCCL's rules.)
     for kind, name, split, documents in ((k, n, s, d) for k, n, s, d in variants
                                          if not (k == "tracer" and d) and not n.endswith(".csv") and ":" not in n
-                                         and k != "vocab"):  # (plan.py's --vocab-parallel rows: not replayed here)
+                                         and k not in ("vocab", "tied")):  # (plan.py's --vocab-parallel: not here)
         sizes = plan.activation_bytes(parity_config(layer_count(split)),
                                       len(inputs) // (dp * microbatches) * inputs.shape[1], inputs.shape[1], False,
                                       tp, 8, tp, documents)
