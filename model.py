@@ -2,16 +2,15 @@
 
 First the model: its config, rotary embedding, the masks of packed documents, sequence chunks' keys and values
 (Seq1F1B), decoder layers, the model classes, initial weights and the loss, in Hugging Face Llama's math and tensor
-names (``base_model.`` for its ``model.``: weights move between the two by renaming one prefix). Then, after a
-divider: presets and Hugging Face configs, costs, cutting sequences into chunks, pipeline layouts, how a stage is
-parallelized (tensor parallelism, activation checkpointing, compile, FSDP2), tied embeddings across stages, gradient
-clipping, pipeline orders run by torch's own runtime (read from a file, --schedule FILE.csv, or made for sequence
-chunks), gradient accumulation under torch's schedules, and a forward-only pass where torch's eval() cannot run.
+names (``base_model.`` for its ``model.``: weights move between the two by renaming one prefix). Then, after a divider:
+presets and Hugging Face configs, costs, cutting sequences into chunks, pipeline layouts, parallelizing a stage (tensor
+parallelism, activation checkpointing, compile, FSDP2), tied embeddings across stages, gradient clipping, pipeline
+orders run by torch's own runtime (from a file, --schedule FILE.csv, or made for sequence chunks), gradient accumulation
+under torch's schedules, and a forward-only pass where torch's eval() cannot run.
 
-A pipeline stage is the model trimmed (keep_only): layers in a ModuleDict keyed by global index, forward skips
-what a stage lacks, no module passed into another's forward (the tracer needs that), and every tensor's initial
-value drawn from its full-model name alone (init_tensor_), so that any split starts from the same weights.
-"""
+A pipeline stage is the model trimmed (keep_only): layers in a ModuleDict keyed by global index, forward skips what a
+stage lacks, no module passed into another's forward (the tracer needs that), and every tensor's initial value drawn
+from its full-model name alone (init_tensor_), so that any split starts from the same weights."""
 
 import collections
 import csv
@@ -76,9 +75,8 @@ def rope_inv_freq(config: LlamaConfig, device=None) -> Tensor:
     inv_freq = 1.0 / (config.rope_theta ** exponents)
     if config.rope_scaling is None:
         return inv_freq
-    # Llama 3.1's long-context adjustment (as transformers computes it): wavelengths shorter than
-    # original_max / high_freq_factor stay, those longer than original_max / low_freq_factor are slowed down
-    # by `factor`, and the ones between are interpolated smoothly.
+    # Llama 3.1's long-context scaling (as transformers computes it): wavelengths under original_max / high_freq_factor
+    # stay, those over original_max / low_freq_factor slow by `factor`, those between are interpolated smoothly.
     factor, low, high, context = (config.rope_scaling[key] for key in (
         "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))
     wavelength = 2 * math.pi / inv_freq
@@ -91,10 +89,9 @@ def rope_inv_freq(config: LlamaConfig, device=None) -> Tensor:
 
 def rope_tables(inv_freq: Tensor, seq_len: int, dtype: torch.dtype,
                 positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    # Positions start at 0: every stage sees whole sequences, so each one can rebuild the same tables from the
-    # sequence length alone and nothing but hidden states has to travel between stages. With packed documents,
-    # positions [batch, seq] (document_positions) restart with each document: tables [batch, 1, seq, head_dim].
-    # The tables are computed in fp32 and only then cast, as in HF, so bf16 runs rotate by the same angles.
+    # Positions from 0: every stage sees whole sequences, so each rebuilds the same tables from the length alone and
+    # only hidden states travel between stages. Packed documents' positions (document_positions) restart each document:
+    # tables [batch, 1, seq, head_dim]. Computed in fp32, then cast (as HF): bf16 rotates by the same angles.
     if positions is None:
         angles = torch.outer(torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32), inv_freq.float())
     else:  # the same products, a row per sequence
@@ -113,24 +110,22 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # Packed documents kept apart (--document-masking)
 #
 # The token files hold documents one after another (bos, ids, eos) and a window cuts across them. Kept apart, a token
-# attends only to the earlier tokens of its own document and its rotary position counts from the document's start: it
-# computes what it computes alone. What carries the boundaries is each token's position in its document, plain integers
-# [batch, seq]: a pipeline schedule cuts them into microbatches with the tokens and hands every stage its microbatch's.
-# Each stage builds the mask from them once (attention_mask, in its forward) and hands it to each of its layers. No mask
+# attends only to its own document's earlier tokens, its rotary position counted from the document's start: it computes
+# what it computes alone. The boundaries travel as each token's position in its document, integers [batch, seq] that a
+# schedule cuts into microbatches with the tokens. Each stage builds the mask from them once (attention_mask): no mask
 # object crosses a stage or goes through the schedules' autograd (torchtitan #1723, #3584).
 
 def document_positions(input_ids: Tensor, bos_id: int) -> Tensor:
-    """Each token's position in its document [batch, seq]: 0 at every bos, then counting up; a window's tokens
-    before its first bos are the tail of a document, counted from 0 too."""
+    """Each token's position in its document [batch, seq]: 0 at every bos, then counting up; a window's tokens before
+    its first bos (a document's tail) count from 0 too."""
     index = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
     return index - torch.where(input_ids == bos_id, index, 0).cummax(-1).values  # minus where the document began
 
 
 def document_mask_mod(positions: Tensor, offset: int = 0):
-    """FlexAttention's mask_mod of packed documents: query q sees key k when k is q or before it, and no earlier
-    than q's document's first token. Evaluated on index grids it is also the dense mask (document_mask).
-    offset: the queries are a sequence's chunk from token `offset` on (SeqChunk), the keys its tokens from 0 on:
-    query q is token offset + q, and its document may have begun in an earlier chunk (its position says where)."""
+    """FlexAttention's mask_mod of packed documents: query q sees key k at or before it, not before its document's
+    start; on index grids, document_mask. offset: the queries are a chunk from token `offset` on (SeqChunk), the keys
+    the sequence's from 0: query q is token offset + q, its document maybe begun in an earlier chunk."""
     starts = offset + torch.arange(positions.shape[-1], device=positions.device) - positions  # each document start
 
     def mask_mod(b, h, q, k):
@@ -151,10 +146,9 @@ def _compiled_flex():  # compiled on first use (torch.compile costs seconds to s
 
 
 def attention_mask(positions: Tensor, offset: int = 0) -> Tensor | BlockMask:
-    """What every attention layer of a stage takes of a microbatch's positions [batch, seq], built once by the stage
-    (LlamaModel.forward) for all its layers, and not again in a checkpointed layer's recompute: on a GPU,
-    FlexAttention's BlockMask (which blocks of keys each block of queries sees); elsewhere the dense mask. offset:
-    a chunk's, whose queries see the keys of the sequence's earlier chunks too (document_mask_mod)."""
+    """A stage's mask for all its layers from a microbatch's positions [batch, seq], built once (LlamaModel.forward),
+    not again in a checkpointed layer's recompute: on a GPU, FlexAttention's BlockMask (which key blocks each query
+    block sees), else the dense mask. offset: a chunk's, whose queries also see earlier chunks."""
     if positions.is_cuda:
         (batch, seq), mask_mod = positions.shape, document_mask_mod(positions, offset)
         return _compiled_flex()[0](mask_mod, batch, None, seq, offset + seq, device=positions.device)
@@ -162,10 +156,9 @@ def attention_mask(positions: Tensor, offset: int = 0) -> Tensor | BlockMask:
 
 
 def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask) -> Tensor:
-    """Attention of q [batch, heads, seq, head_dim] within documents, mask attention_mask's. On a GPU, FlexAttention
-    compiled: one fused kernel that skips the blocks of keys no query of theirs may see (with several documents a
-    window, fewer FLOPs than causal). Elsewhere (torch 2.13's FlexAttention has no CPU backward) SDPA with the
-    dense mask [batch, 1, seq, seq] from the same mask_mod, whose masked scores weigh exactly 0."""
+    """Attention of q [batch, heads, seq, head_dim] within documents (mask: attention_mask's). On a GPU, compiled
+    FlexAttention: one fused kernel skipping key blocks no query there may see (several documents a window: fewer FLOPs
+    than causal). Elsewhere (torch 2.13's FlexAttention has no CPU backward) SDPA, dense mask: masked scores weigh 0."""
     if isinstance(mask, BlockMask):  # a compiled layer takes it as an input: one graph for every microbatch's
         return _compiled_flex()[1](q, k, v, block_mask=mask, enable_gqa=True)
     if not q.is_cpu:  # traced on meta (the tracer), run on a GPU: CUDA's fused kernels take a mask, but with it
@@ -177,22 +170,21 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask
 # ----------------------------------------------------------------------------------------------------------
 # Sequence chunks (--seq-chunks, Seq1F1B): the keys and values of a sequence's earlier chunks
 #
-# A sequence cut into S consecutive chunks runs as S forward calls in order and S backward calls, last chunk first
-# (Seq1F1B, Sun et al., arXiv 2406.03488): a pipeline then holds chunks in flight, not whole sequences. Exact:
-# chunk j's queries attend to the keys and values of its sequence's chunks 0..j, which each attention layer keeps
-# per (sequence, chunk) in its kv_chunks, outside autograd, so that chunk j's backward does not run the earlier
-# chunks' (their own calls do, later); the gradient it gives them is summed in their entry, and chunk i's backward
-# adds it to its own keys' and values' (_ChunkKV): no gradient stops at a chunk boundary. That node lies on the
-# path from the chunk's output to its input, so a backward of the input alone (zero-bubble's I) runs it too. Held:
-# each entry is its chunk's own keys and values until that chunk's backward; chunk j's attention saves its whole
-# prefix's (a copy: SDPA takes them whole), unless its layer is checkpointed. A later chunk of one stream takes its
-# places in the sequence as positions: its mask over the earlier chunks is one document's (document_mask_mod).
+# A sequence cut into S chunks runs as S forward calls in order and S backward calls, last chunk first (Seq1F1B, Sun et
+# al., arXiv 2406.03488): a pipeline holds chunks in flight, not whole sequences. Exact: chunk j's queries attend to the
+# keys and values of its sequence's chunks 0..j, which each attention layer keeps per (sequence, chunk) in kv_chunks,
+# outside autograd, so chunk j's backward does not run the earlier chunks' (their own calls do, later): the gradient it
+# gives them is summed in their entry, and chunk i's backward adds it to its own keys' and values' (_ChunkKV): no
+# gradient stops at a chunk boundary. That node lies between the chunk's output and its input, so a backward of the
+# input alone (zero-bubble's I) runs it too. Held: each entry until its chunk's backward; chunk j's attention saves its
+# whole prefix (a copy: SDPA takes it whole) unless its layer is checkpointed. A later chunk of one stream gets its
+# places in the sequence as positions: its mask over earlier chunks is one document's.
 #
 # The chunk travels as a keyword argument, chunk=SeqChunk(...), to every layer's attention, as positions do: torch's
-# PipelineStage hands each microbatch's keywords to the stage's forward, the hand-written schedule passes them
-# itself, activation checkpointing to the recompute (a context around the stage's call would need a hook per
-# microbatch that torch's runtime lacks). torch 2.13's step() hands a non-tensor keyword to every microbatch alike:
-# the chunks go in pre-cut (step_chunks). With tp the entries hold the rank's heads, a chunk's whole length.
+# PipelineStage hands each microbatch's keywords to the stage's forward, the hand-written schedule passes them itself,
+# activation checkpointing to the recompute (a context around the stage's call would need a per-microbatch hook that
+# torch's runtime lacks). torch 2.13's step() hands a non-tensor keyword to every microbatch alike: the chunks go in
+# pre-cut (step_chunks). With tp the entries hold the rank's heads, a chunk's whole length.
 
 @dataclasses.dataclass(frozen=True)
 class SeqChunk:
@@ -217,9 +209,9 @@ class _ChunkEntry:
 
 
 class _ChunkKV(torch.autograd.Function):
-    """A chunk's k, v [batch, kv_heads, length, head_dim] -> its sequence's up to it. Forward keeps them for the later
-    chunks (the last chunk's has no reader), not in a checkpointed layer's recompute (in a backward: the entry is there
-    or freed). Backward gives the earlier chunks' entries their gradient, adds the later ones' to its own, frees it."""
+    """A chunk's k, v [batch, kv_heads, length, head_dim] -> its sequence's up to it. Forward keeps them for later
+    chunks (the last chunk has no reader), not in a checkpointed layer's recompute (in a backward the entry is there or
+    freed). Backward gives earlier chunks' entries their gradient, adds later ones' to its own, frees it."""
 
     @staticmethod
     def forward(ctx, k, v, cache: dict, chunk: SeqChunk, tracked: bool):
@@ -268,10 +260,9 @@ def chunk_keys_values(cache: dict, chunk: SeqChunk, k: Tensor, v: Tensor, ctx=No
 
 @torch.library.custom_op("llama::chunk_kv", mutates_args=())
 def traced_chunk_kv(k: Tensor, v: Tensor, chunk: Tensor, layer: int, keys: int) -> tuple[Tensor, Tensor]:
-    """chunk_keys_values in a graph traced whole (the tracer's: torch.export keeps this op whole, and no SeqChunk or
-    dict passes): chunk, a SeqChunk's fields; layer, a kv_key. The keys and values come padded with zeros to `keys`,
-    the sequence's length: one shape for every chunk (the mask hides them). Autograd: _ChunkKV's forward (run here;
-    training's setup_context takes its ctx next) and backward."""
+    """chunk_keys_values in a graph traced whole (the tracer's: torch.export keeps the op whole, passes no SeqChunk
+    or dict): chunk, a SeqChunk's fields; layer, a kv_key. k, v come zero-padded to `keys`, the sequence's length:
+    one shape for all chunks (the mask hides the pad). Autograd: _ChunkKV's (forward here; setup_context takes ctx)."""
     ctx = traced_chunk_kv.pending = torch.autograd.function.FunctionCtx()
     k, v = chunk_keys_values(LlamaAttention.kv_caches[layer], SeqChunk(*chunk.tolist()), k, v, ctx)
     ctx.length = k.shape[2]  # the prefix's and the chunk's keys: what the backward splits
@@ -304,9 +295,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor | None = None, mask: Tensor | BlockMask | None = None,
                 chunk: SeqChunk | Tensor | None = None) -> Tensor:
-        """x [batch, seq, hidden]; positions: each token's place in its document [batch, seq] (None: the
-        window is one sequence, causal), mask: attention_mask(positions), which the stage built for all its layers.
-        chunk: x is that chunk of its sequence, which attends to the earlier chunks' keys and values too."""
+        """x [batch, seq, hidden]; positions: each token's place in its document [batch, seq] (None: one causal
+        sequence), mask: attention_mask(positions), built by the stage for all its layers. chunk: x is that chunk of its
+        sequence, which also attends to the earlier chunks' keys and values."""
         batch, seq_len, _ = x.shape
         if traced := isinstance(chunk, Tensor):  # traced_chunk_kv's: positions the whole sequence's [batch, seq]
             keys = torch.arange(positions.shape[1], device=x.device)  # every key: one shape for every chunk
@@ -365,16 +356,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config) for i in range(config.num_hidden_layers)})
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # True: each layer builds its own document mask, as when traced whole, then split into stages (the tracer).
-        # Built once before a stage's first layer, the mask would fall in the stage before (pipeline() cuts before
-        # the layer) and cross to it; cut after the module before instead, the stage's graph would take positions
-        # ahead of the activations it receives, which torch 2.13 hands a later stage first (positions by keyword).
+        # Built once before a stage's first layer, the mask would fall in the stage before (pipeline() cuts before the
+        # layer) and cross to it; cut after the module before instead, the stage's graph would take positions ahead of
+        # the activations it receives, which torch 2.13 hands a later stage first (positions by keyword).
         self.mask_in_each_layer = False
 
     def forward(self, x: Tensor, positions: Tensor | None = None, chunk: SeqChunk | None = None) -> Tensor:
         # The first stage gets token ids [batch, seq], later ones hidden states [batch, seq, hidden]. Every stage gets
-        # the same positions (--document-masking), the whole sequence's whatever tp shards, and builds their mask once
-        # for all its layers (a block mask on a GPU; none on a stage of no layer). chunk: x is that chunk of its
-        # sequences (positions the chunk's; a later chunk of one stream's, its places, so its mask is built once too).
+        # the same positions, the whole sequence's whatever tp shards, and builds their mask once for all its layers
+        # (none on a stage of no layer). chunk: x is that chunk of its sequences (positions the chunk's; a later chunk
+        # of one stream's, its places, so its mask is built once too).
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         if positions is None and chunk is not None and chunk.index > 0:
             positions = torch.arange(chunk.offset, chunk.offset + chunk.length, device=x.device).expand(len(x), -1)
@@ -391,17 +382,15 @@ class LlamaForPretraining(nn.Module):
         self.config = config
         self.base_model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # True: forward stops at the final norm and the loss applies the head, a piece of the sequence at a time
-        # (chunked_loss), so that the whole [batch, seq, vocab] logits never exist. The head stays a part of
-        # this module all the same: its weight is trained, sharded and saved with the rest.
+        # True: forward stops at the final norm; the loss applies the head a piece of the sequence at a time
+        # (chunked_loss), never making the whole [batch, seq, vocab] logits. The head is trained, sharded, saved as ever.
         self.head_in_loss = False
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """With tie_word_embeddings, make the head use the embedding's matrix, when this module holds both. Only for a
-        model whose embedding and head are in one stage: stages that hold just one of them keep their own copy, which
-        the training scripts keep equal (TiedEmbedding there). to_empty() allocates shared parameters separately, so
-        call this again after it."""
+        """With tie_word_embeddings, the head uses the embedding's matrix where this module holds both; stages holding
+        one of them keep their own copy, which the scripts keep equal (TiedEmbedding). to_empty() allocates shared
+        parameters apart: call this again after it."""
         if self.config.tie_word_embeddings and self.base_model.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.base_model.embed_tokens.weight
 
@@ -422,26 +411,25 @@ class LlamaForPretraining(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, chunk: SeqChunk | None = None) -> Tensor:
         """Token ids [batch, seq] -> logits [batch, seq, vocab]; hidden states on a stage without the head, or with
-        head_in_loss (chunked_loss applies it). positions: packed documents kept apart (document_positions); None: one
-        causal stream. chunk: the input is that chunk of its sequences (cut_sequences), after their earlier chunks."""
+        head_in_loss. positions: packed documents kept apart (document_positions); None: one causal stream. chunk: the
+        input is that chunk of its sequences (cut_sequences), after their earlier chunks."""
         h = self.base_model(input_ids, positions, chunk=chunk)
         return self.lm_head(h) if self.lm_head is not None and not self.head_in_loss else h
 
     def init_weights(self, seed: int) -> None:
-        """Give every parameter and buffer its initial value, the same for a given seed on any stage layout (on real
-        devices only: call it after ``to_empty``; see ``init_tensor_``)."""
+        """Give each parameter and buffer its initial value, the same for a seed at any layout (init_tensor_; after
+        to_empty)."""
         for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
             init_tensor_(name, tensor, seed, self.config)
 
 
 @torch.no_grad()
 def init_tensor_(name: str, tensor: Tensor, seed: int, config: LlamaConfig) -> None:
-    """Initialize one parameter or buffer in place, from its name in the full model alone. Linear and embedding weights
-    ~ N(0, initializer_range) as in HF Llama, norm weights = 1, RoPE frequencies recomputed. Each tensor draws from its
-    own generator seeded by (seed, module name), so its value does not depend on which other tensors exist in this
-    process or in what order they are visited: any split of the model, by hand or by a tracer, starts from the same
-    weights as long as it knows the full-model names. A DTensor (a shard of tensor parallelism, FSDP2 or both) gets its
-    piece of those same values: the whole tensor is drawn, this rank's block copied out of it, the whole freed."""
+    """Initialize one parameter or buffer in place from its full-model name alone: Linear and embedding weights ~ N(0,
+    initializer_range) as in HF Llama, norm weights 1, RoPE frequencies recomputed. Each tensor draws from its own
+    generator seeded by (seed, module name), so its value depends neither on which other tensors this process holds nor
+    on their order: any split, by hand or by a tracer, starts from the same weights. A DTensor (a tp and/or FSDP2 shard)
+    gets its piece of those values: the whole tensor drawn, this rank's block copied out, the whole freed."""
     if isinstance(tensor, DTensor):
         whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
         init_tensor_(name, whole, seed, config)
