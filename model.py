@@ -52,9 +52,7 @@ class LlamaConfig:
     initializer_range: float = 0.02
     head_dim: int | None = None  # size of each attention head; None: hidden_size / num_attention_heads
     tie_word_embeddings: bool = False  # the head is the embedding matrix (Llama 3.2 1B and 3B, SmolLM)
-    # Llama 3.1+ long-context RoPE: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"}; None: plain RoPE.
-    rope_scaling: dict | None = None
+    rope_scaling: dict | None = None  # Llama 3.1+ long-context RoPE (config_from_hf's llama3 keys); None: plain RoPE
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -116,8 +114,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # object crosses a stage or goes through the schedules' autograd (torchtitan #1723, #3584).
 
 def document_positions(input_ids: Tensor, bos_id: int) -> Tensor:
-    """Each token's position in its document [batch, seq]: 0 at every bos, then counting up; a window's tokens before
-    its first bos (a document's tail) count from 0 too."""
+    """Each token's position in its document [batch, seq]: 0 at every bos and (a document's tail) the window's start."""
     index = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
     return index - torch.where(input_ids == bos_id, index, 0).cummax(-1).values  # minus where the document began
 
@@ -388,9 +385,8 @@ class LlamaForPretraining(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """With tie_word_embeddings, the head uses the embedding's matrix where this module holds both; stages holding
-        one of them keep their own copy, which the scripts keep equal (TiedEmbedding). to_empty() allocates shared
-        parameters apart: call this again after it."""
+        """With tie_word_embeddings, the head uses the embedding's matrix where this module holds both (a stage of one
+        keeps its copy, kept equal by TiedEmbedding). to_empty() parts shared parameters: call this again after it."""
         if self.config.tie_word_embeddings and self.base_model.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.base_model.embed_tokens.weight
 
@@ -417,8 +413,7 @@ class LlamaForPretraining(nn.Module):
         return self.lm_head(h) if self.lm_head is not None and not self.head_in_loss else h
 
     def init_weights(self, seed: int) -> None:
-        """Give each parameter and buffer its initial value, the same for a seed at any layout (init_tensor_; after
-        to_empty)."""
+        """Initialize every parameter and buffer, the same for a seed at any layout (init_tensor_; after to_empty)."""
         for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
             init_tensor_(name, tensor, seed, self.config)
 
@@ -491,12 +486,11 @@ def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_sh
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Around the model, for the scripts and tools: presets and Hugging Face configs, costs, cutting sequences into
-# chunks, pipeline layouts, parallelizing a stage, tied embeddings across stages, clipping.
+# Around the model, for the scripts and tools (the opening docstring lists what)
 #
-# Named shapes for --model. `small` is LlamaConfig's defaults (the size of GPT-2 small); the llama-* entries use
-# the layer shapes of the Llama 3 family (plain RoPE, no long-context frequency scaling, untied head; a real
-# checkpoint brings its own config with --init-from). The vocabulary comes from the tokenizer, not a preset.
+# Named shapes for --model. `small` is LlamaConfig's defaults (GPT-2 small's size); the llama-* entries use the layer
+# shapes of the Llama 3 family (plain RoPE, no long-context scaling, untied head; a real checkpoint brings its own
+# config with --init-from). The vocabulary comes from the tokenizer, not a preset.
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=1024),
@@ -523,8 +517,8 @@ def config_from_preset(name: str, vocab_size: int, num_layers: int | None = None
 # ----------------------------------------------------------------------------------------------------------
 # Hugging Face Llama: config.json -> LlamaConfig (export.hf_config writes one), and tensor names
 #
-# model.py computes what transformers' LlamaForCausalLM computes, with the same tensor names but for one prefix
-# and the same RoPE layout (rotate-half), so weights need no permutation, only renaming.
+# model.py computes what transformers' LlamaForCausalLM computes, with its tensor names but for one prefix and its
+# RoPE layout (rotate-half): weights need no permutation, only renaming.
 
 OURS, THEIRS = "base_model.", "model."
 # transformers' LlamaConfig defaults, for fields a config.json leaves out (configuration_llama.py).
@@ -537,15 +531,14 @@ def hf_name(name: str) -> str:
     return THEIRS + name[len(OURS):] if name.startswith(OURS) else name
 
 
-# The largest sizes config_from_hf takes: every tensor dimension within torch's 32-bit indexing, so plan.py's
-# sums of bytes and FLOPs stay finite; twice the deepest Llama's 126 layers, as the balanced split tries
-# layers^2 layouts (256 layers: 0.14 s for each stage count and cost that plan.py --gpus searches).
+# config_from_hf's largest sizes: every dimension within torch's 32-bit indexing, so plan.py's sums of bytes and FLOPs
+# stay finite; twice the deepest Llama's 126 layers, as the balanced split tries layers^2 layouts (256 layers: 0.14 s
+# for each stage count and cost that plan.py --gpus searches).
 MAX_SIZE, MAX_LAYERS = 2 ** 31 - 1, 256
 
 
 def config_from_hf(hf: dict) -> LlamaConfig:
-    """The LlamaConfig of a Hugging Face config.json. What model.py does not compute, and a size or number that
-    no model has, is refused with a ValueError that names the field."""
+    """A config.json's LlamaConfig; what model.py does not compute, or a size no model has: ValueError, the field."""
     if not isinstance(hf, dict):
         shown = json.dumps(hf)
         raise ValueError(f"config.json is {shown if len(shown) <= 40 else shown[:37] + '...'}, not an object of "
@@ -582,8 +575,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     if not isinstance(hf.get(field) or {}, dict):
         wrong(field, hf[field], "must be an object of RoPE settings (or null)")
     rope = dict(hf.get(field) or {})
-    theta = hf.get("rope_theta", rope.pop("rope_theta", HF_DEFAULTS["rope_theta"]))
-    rope.pop("rope_theta", None)
+    theta = hf.get("rope_theta", rope.pop("rope_theta", HF_DEFAULTS["rope_theta"]))  # (popped either way)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         refuse(field, "partial rotary embeddings are not implemented")
@@ -629,32 +621,30 @@ def config_from_hf(hf: dict) -> LlamaConfig:
 # What the model costs: parameters, FLOPs, MFU, and how many pieces the loss is cut into
 
 def parameter_counts(config: LlamaConfig, tp: int = 1) -> dict[str, float]:
-    """The parameters of one decoder layer ("layer"), of the embedding and of the head with the final norm, that
-    one of tp tensor-parallel ranks holds: tensor parallelism splits every matrix tp ways, each rank holds the
-    norms' gains whole. The one count that FLOPs, the layouts' costs and plan.py's memory are computed from."""
+    """Parameters of a decoder layer ("layer"), the embedding, and the head with the final norm on one of tp ranks
+    (matrices split tp ways, norms' gains whole): the one count FLOPs, layout costs and plan.py's memory come from."""
     h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads
     matrices = h * (2 * q + 2 * kv * config.head_dim) + 3 * h * config.intermediate_size  # q, o, k, v; the MLP's 3
     return {"layer": matrices / tp + 2 * h, "embed": config.vocab_size * h / tp, "head": config.vocab_size * h / tp + h}
 
 
 def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
-    """Training FLOPs per token, 6N + 12·L·H·Q·T (PaLM, appendix B): N the parameters outside the embedding
-    lookup (it does no multiply), L layers, H query heads, Q head size, T sequence length (attention)."""
+    """Training FLOPs per token, 6N + 12·L·H·Q·T (PaLM, appendix B): N the parameters but the embedding lookup's (no
+    multiply), L layers, H query heads, Q head size, T sequence length (attention)."""
     params, q = parameter_counts(config), config.num_attention_heads * config.head_dim
     n = config.num_hidden_layers * params["layer"] + params["head"]
     return 6 * n + 12 * config.num_hidden_layers * q * seq_len
 
 
-# NVIDIA's data sheets, dense (without sparsity), FLOP/s per GPU: (bf16 on tensor cores, fp32). The scripts leave
-# TF32 off (torch's default for matmuls), so an fp32 run's matmuls run at the fp32 peak, not TF32's.
+# NVIDIA's data sheets, dense FLOP/s per GPU: (bf16 on tensor cores, fp32; TF32 is off, torch's default for matmuls).
 PEAK_FLOPS = {"H100": (989.5e12, 67e12), "H100 PCIe": (756.5e12, 51e12), "H100 NVL": (835.5e12, 60e12),
               "H200": (989.5e12, 67e12), "H200 NVL": (835.5e12, 60e12), "GH200": (989.5e12, 67e12),
               "A100": (312e12, 19.5e12), "L40S": (362e12, 91.6e12), "L4": (121e12, 30.3e12)}  # H100, H200: SXM
 
 
 def peak_flops(gpu: str, dtype: torch.dtype) -> float | None:
-    """The dense peak of a GPU named as torch.cuda.get_device_name names it ("NVIDIA H100 80GB HBM3": an SXM,
-    "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB") for dtype; None for a GPU not in PEAK_FLOPS."""
+    """The dense peak for dtype of a GPU named as torch.cuda.get_device_name does ("NVIDIA H100 80GB HBM3": an SXM,
+    "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB"); None for one not in PEAK_FLOPS."""
     words = set(gpu.replace("-", " ").split())
     found = [name for name in PEAK_FLOPS if set(name.split()) <= words]  # all its words: "H100 NVL", not "L4"
     return PEAK_FLOPS[max(found, key=len)][dtype == torch.float32] if found else None  # the most specific
@@ -662,8 +652,8 @@ def peak_flops(gpu: str, dtype: torch.dtype) -> float | None:
 
 def mfu(tokens_per_s: float, config: LlamaConfig, seq_len: int, device: torch.device, dtype: torch.dtype,
         gpus: int) -> float | None:
-    """Model FLOPs utilization: the model's FLOPs per second over the GPUs' dense peak for the computation's
-    dtype (bf16 autocast, or fp32); None where the peak is not known (the CPU, other GPUs)."""
+    """Model FLOPs utilization: FLOP/s over the GPUs' dense peak for the computation's dtype (bf16 autocast, or fp32);
+    None where the peak is not known (the CPU, other GPUs)."""
     peak = peak_flops(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
     return tokens_per_s * flops_per_token(config, seq_len) / (peak * gpus) if peak else None
 
@@ -686,12 +676,11 @@ def loss_chunks(requested: int, config: LlamaConfig, microbatch: tuple[int, int]
 # Cutting sequences into chunks (--seq-chunks S, --chunk-split): their lengths, and the chunks of a microbatch
 
 def chunk_lengths(seq_len: int, chunks: int, config: LlamaConfig, how: str = "even", multiple: int = 1) -> list[int]:
-    """The lengths of `chunks` consecutive chunks of a sequence of seq_len tokens, each a multiple of `multiple`
-    (sequence parallelism's tp): "even", all alike; "compute", of equal FLOPs (the authors' uniform_comp): causal
-    attention reads a token's whole prefix, so a later chunk costs more per token and is cut shorter. A decoder
-    layer's training FLOPs up to token x: 6 N x for its matrices plus 12 H Q per key read (PaLM's count, as
-    flops_per_token), 6 H Q x (x + 1) over the prefix; the boundaries solve that quadratic for equal shares, then
-    round to the multiple. ValueError, one line, naming the flag: chunks that do not fit."""
+    """The lengths of `chunks` consecutive chunks of seq_len tokens, each a multiple of `multiple` (sequence
+    parallelism's tp): "even", all alike; "compute", of equal FLOPs (the authors' uniform_comp): causal attention reads
+    a token's whole prefix, so later chunks cost more per token and are cut shorter. A layer's training FLOPs up to
+    token x: 6 N x for its matrices plus 12 H Q per key read (flops_per_token's count), 6 H Q x (x + 1) over the
+    prefix; boundaries solve the quadratic for equal shares, rounded. Misfits: a one-line ValueError naming the flag."""
     if not 1 <= chunks <= seq_len // multiple:
         raise ValueError(f"--seq-chunks {chunks}: give 1 to {seq_len // multiple} chunks for --seq-len {seq_len}"
                          + (f" ({multiple} tokens a chunk at least, one per tensor-parallel rank)" * (multiple > 1)))
@@ -718,8 +707,8 @@ def chunk_lengths(seq_len: int, chunks: int, config: LlamaConfig, how: str = "ev
 
 
 class Chunk(NamedTuple):
-    """One chunk of a microbatch's sequences, what a schedule runs as a microbatch: the model's input and keyword
-    arguments (positions, chunk) and the loss's targets and divisor (chunked_loss's tokens)."""
+    """A chunk of a microbatch's sequences, run by a schedule as a microbatch: the model's input and keywords
+    (positions, chunk), the loss's targets and divisor (chunked_loss's tokens)."""
     inputs: Tensor
     targets: Tensor
     positions: Tensor | None
@@ -729,12 +718,11 @@ class Chunk(NamedTuple):
 
 def cut_sequences(inputs: Tensor, targets: Tensor, positions: Tensor | None, lengths: list[int],
                   sequence: int = 0) -> list[Chunk]:
-    """A microbatch's inputs, targets and positions ([batch, seq] each; positions: document_positions over the
-    whole sequences, None without documents) cut into chunks of `lengths` (chunk_lengths), in order, slot `sequence`
-    (which sequences in flight: they must differ between microbatches whose chunks interleave). A chunk's tokens: its
-    sequences' count of targets over the chunks, so that each chunk's loss is its sum over that and the chunks'
-    mean is the sequences' loss. One chunk: the microbatch as it is, no chunk (today's path, bit for bit). None for
-    what a stage does not read (a pipeline's inputs after its first stage, targets before its last): None pieces."""
+    """A microbatch's inputs, targets and positions ([batch, seq] each; positions: document_positions of the whole
+    sequences, or None) cut into chunks of `lengths` (chunk_lengths), in order, in slot `sequence` (must differ between
+    microbatches whose chunks interleave). A chunk's tokens: the sequences' targets over the chunk count, so each
+    chunk's loss is its sum over that and their mean the sequences' loss. One chunk: the microbatch as it is, bit for
+    bit. None (what a stage does not read: inputs after the first, targets before the last): None pieces."""
     if len(lengths) == 1:
         return [Chunk(inputs, targets, positions, None, None)]
     tokens = (targets != -100).sum().clamp(min=1) / len(lengths) if targets is not None else None
@@ -837,8 +825,7 @@ def _balanced_sizes(num_layers: int, num_stages: int, layer: float, first: float
 
 
 def max_stages(num_layers: int) -> int:
-    """The most pipeline stages a model of num_layers can make: one a layer, and a first stage of the embedding
-    alone and a last one of the head alone."""
+    """The most pipeline stages num_layers make: one a layer, and the embedding alone first, the head alone last."""
     return num_layers + 2
 
 
@@ -917,8 +904,7 @@ def describe_layout(layout: list[range], costs: dict[str, float]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Per decoder layer: activation checkpointing and compilation (on hand-split, traced and FSDP-wrapped stages),
-# and tensor parallelism
+# Per decoder layer: activation checkpointing and compile (hand-split, traced or FSDP stages); tensor parallelism
 
 def merged_stages(modules: list[nn.Module]) -> nn.Module:
     """One module holding the parameters of a rank's stage modules under their full-model names (shared, not
@@ -972,8 +958,7 @@ def checkpointing_plan(spec: str | bool, num_stages: int | None = None, stages=N
 
 
 def layer_checkpointing(entry: str | int, layers: int) -> list[str]:
-    """What each of a stage's `layers` decoder layers does under its checkpointing_plan entry: none, selective or
-    full (a count: the first that many full)."""
+    """Each of a stage's `layers` layers' mode by its checkpointing_plan entry (a count: the first that many full)."""
     return [("full" if i < entry else "none") if isinstance(entry, int) else entry for i in range(layers)]
 
 
@@ -1110,11 +1095,9 @@ def _grad_as_weight(weight: DTensor) -> None:
 
 
 def sum_partial_grads(params) -> None:
-    """Sum the gradients left as partial sums over the tensor-parallel ranks (Partial DTensors: the norms' gains
-    under sequence parallelism), all of them in one all-reduce. They add up over a step's microbatches as partial
-    sums, so one reduction a step is enough (clip_grad_norm_ does it): reduced after each microbatch's backward, it
-    was 2 x layers + 1 all-reduces a microbatch. With FSDP2 (--dp) none is left: its once-a-step reduction sums
-    them."""
+    """Sum the gradients left as partial sums over the tensor-parallel ranks (Partial DTensors: the norms' gains under
+    sequence parallelism) in one all-reduce. Partial sums add up over a step's microbatches: one reduction a step
+    (clip_grad_norm_'s), not 2 x layers + 1 all-reduces a microbatch. With FSDP2 (--dp) its own reduction sums them."""
     partial = [p for p in params if isinstance(p.grad, DTensor) and p.grad.placements != p.placements]
     if not partial:
         return
@@ -1129,17 +1112,14 @@ SHARD_OUT = {"output_layouts": Shard(1)}  # a row-wise layer's partial sums redu
 
 
 def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool = True) -> None:
-    """Tensor parallelism of a model or stage over tp_mesh (a 1-D DeviceMesh): Megatron-LM's plan (Shoeybi et al.
-    2019) as PyTorch's tensor-parallel tutorial and torchtitan apply it. Applied to the stage on the meta device
-    (materialize allocates it after), before activation checkpointing, compile and FSDP2.
-
-    In each decoder layer q/k/v and gate/up are split by output (each rank its own attention heads and its
-    slice of the MLP), o and down by input (each rank a partial sum); the embedding by vocabulary rows, the head
-    by vocabulary columns, its logits left sharded for loss_parallel. Without sequence parallelism the partial
-    sums are all-reduced and every layer's output is whole on every rank. With it (Korthikanti et al. 2022; local
-    heads for RoPE and GQA) they are reduce-scattered by sequence instead: the residual stream, the norms and what
-    crosses to the next stage are each rank's [batch, seq / tp, hidden] piece, all-gathered only where attention
-    and the MLP need every position."""
+    """Tensor parallelism of a model or stage over tp_mesh (a 1-D DeviceMesh): Megatron-LM's plan (Shoeybi et al. 2019)
+    as PyTorch's tutorial and torchtitan apply it, on the meta device (materialize allocates after), before activation
+    checkpointing, compile and FSDP2. Each layer's q/k/v and gate/up are split by output (each rank its own heads and
+    MLP slice), o and down by input (each rank a partial sum); the embedding by vocabulary rows, the head by vocabulary
+    columns, its logits left sharded for loss_parallel. Without sequence parallelism the partial sums are all-reduced:
+    each layer's output whole on every rank. With it (Korthikanti et al. 2022; local heads for RoPE and GQA) they are
+    reduce-scattered by sequence: the residual stream, the norms and what crosses to the next stage are each rank's
+    [batch, seq / tp, hidden] piece, all-gathered only where attention and the MLP need every position."""
     if tp_mesh.size() == 1:
         return
     sp = sequence_parallel
@@ -1207,13 +1187,12 @@ def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_par
 
 
 def materialize(modules: list[nn.Module], config: LlamaConfig, device: torch.device, seed: int) -> None:
-    """Allocate a rank's stage modules, built on the meta device (and parallelized there, as torchtitan does), and
-    give every parameter and buffer its initial value by its full-model name (init_tensor_): the full model's
-    weights, bit for bit, at any layout. to_empty allocates only this rank's shards; then one whole tensor at a
-    time is drawn and this rank's piece copied out of it. So a rank holds at most its shards and the largest
-    whole tensor of its stages (plan.py's start-up peak): llama-70b at pp 4 x dp 2 x tp 8 (2 stages a rank),
-    8.2 GiB on rank 0 (4.3 of shards, 3.9 of the head drawn whole), where allocating its stages whole before
-    tensor parallelism and FSDP2 split them took 68 GiB."""
+    """Allocate a rank's stage modules, built (and parallelized, as torchtitan does) on the meta device, and initialize
+    every tensor by its full-model name (init_tensor_): the full model's weights, bit for bit, at any layout. to_empty
+    allocates only this rank's shards, then each whole tensor is drawn in turn and this rank's piece copied out: a rank
+    holds at most its shards and its stages' largest whole tensor (plan.py's start-up peak). llama-70b at pp 4 x dp 2 x
+    tp 8 (2 stages a rank): 8.2 GiB on rank 0 (4.3 of shards, 3.9 of the head drawn whole), not the 68 GiB of stages
+    allocated whole before tensor parallelism and FSDP2 split them."""
     for module in modules:
         holders = {}  # each parameter's places (module, name): a tied one has two
         for owner in module.modules():
@@ -1340,8 +1319,7 @@ MAX_ORDER_MICROBATCHES = 1000  # torch 2.13 lowers an order in time that grows w
 
 
 def _action(cell: str):
-    """A cell's _Action: 0F1, or torch's (0F3;3B1)OVERLAP_F_B (DualPipeV's: one forward's and another backward's,
-    run one after the other); None if it is neither."""
+    """A cell's _Action: 0F1, or torch's (0F3;3B1)OVERLAP_F_B (DualPipeV's: a forward, another's backward); or None."""
     if cell.startswith("(") and cell.endswith(")OVERLAP_F_B"):
         parts = [_action(part) for part in cell[1:-len(")OVERLAP_F_B")].split(";")]
         return None if None in parts else _Action(-1, _ComputationType.OVERLAP_F_B, None, tuple(parts))
@@ -1402,8 +1380,7 @@ def merge_backwards(schedule, order: dict | None = None, stage_ranks: dict | Non
 
 
 def _merged(order: dict, rank_of: dict) -> tuple[dict, bool]:
-    """merge_backwards' order (idle steps dropped: a rank waits for its inputs without one), and whether a pair
-    merged."""
+    """merge_backwards' order (idle steps dropped: a rank waits for inputs without them), and whether it merged."""
     merged, changed = {}, False
     for rank, acts in order.items():
         merged[rank] = []
