@@ -735,31 +735,28 @@ def cut_sequences(inputs: Tensor, targets: Tensor, positions: Tensor | None, len
 # ----------------------------------------------------------------------------------------------------------
 # Cutting the layers into pipeline stages
 #
-# A pipeline runs at the pace of its slowest stage: every other stage waits for it, each microbatch. Cutting the
-# layers evenly ignores that the last stage also computes the head and the loss over the whole vocabulary (on
-# the tiny model about 4.6 decoder layers of work; on llama-8b with a 128k vocabulary about 1.8) and the first
-# stage the embedding. The balanced layout chooses the contiguous boundaries that minimize the slowest stage's
-# forward + backward cost, estimated per token:
+# A pipeline runs at the pace of its slowest stage, which every other stage waits for each microbatch. An even cut
+# ignores that the last stage also computes the head and the loss over the whole vocabulary (about 4.6 decoder layers
+# of work on the tiny model, 1.8 on llama-8b with its 128k vocabulary) and the first the embedding. The balanced
+# layout takes the contiguous boundaries that minimize the slowest stage's forward + backward cost per token:
 #
-#     layer  6 N_layer + 12 H Q T   every weight multiplies twice in backward, once in forward (N_layer: the
-#                                   layer's parameters), plus attention over T positions (PaLM)
+#     layer  6 N_layer + 12 H Q T   N_layer weights, 3 multiplies each (2 in backward), attention over T (PaLM)
 #     head   6 h V                  the projection to the vocabulary (the loss itself is a few ops per logit)
 #     embed  6 h                    a lookup forward, a scatter-add backward
 #
-# With activation checkpointing a layer runs its forward again in backward: 4/3 of its cost (the head is not
-# checkpointed, so the balance moves a little towards fewer layers on the last stage). A head heavier than a
-# layer cannot be balanced by whole layers alone: the first and the last stage may then hold no decoder layer
-# (the embedding alone; the final norm, the head and the loss alone), as Megatron's and torchtitan's layouts
-# allow. On the tiny model with 3 stages that takes the slowest stage from 53 % of the work to 43 %. (plan.py
-# --trace balances on times measured on the machine instead.)
+# Activation checkpointing runs a layer's forward again in backward: 4/3 of its cost (not the head's: the balance moves
+# a little towards fewer layers on the last stage). A head heavier than a layer cannot be balanced by whole layers: the
+# first and the last stage may then hold no layer (the embedding alone; the norm, head and loss alone), as Megatron's
+# and torchtitan's layouts allow: on the tiny model at 3 stages the slowest stage goes from 53 % of the work to 43 %.
+# (plan.py --trace balances on measured times instead.)
 
 def estimated_costs(config: LlamaConfig, seq_len: int, recompute: bool | str = False,
                     loss_chunks: int = 1) -> dict[str, float]:
-    """Forward + backward FLOPs per token of one decoder layer (with its recomputed forward, when activation
-    checkpointing: "recompute" says how much of "layer" that is), the head with the loss (its forward twice with
-    a chunked loss: "head_recompute"), and the embedding. recompute: True or "full" (--activation-checkpointing's
-    SPEC) for every layer; selective recomputes no matmul (no FLOPs counted), and a SPEC per stage is balanced as
-    none (its counts are of the layers the split gives a stage)."""
+    """Forward + backward FLOPs per token of a decoder layer (with its recomputed forward under activation
+    checkpointing: "recompute" says how much of "layer"), the head with the loss (its forward twice with a chunked
+    loss: "head_recompute"), and the embedding. recompute: True or "full" (--activation-checkpointing's SPEC) for every
+    layer; selective recomputes no matmul (no FLOPs counted); a SPEC per stage is balanced as none (its counts are of
+    the layers the split gives a stage)."""
     params, q = parameter_counts(config), config.num_attention_heads * config.head_dim
     layer = 6 * params["layer"] + 12 * q * seq_len
     again = layer / 3 if recompute in (True, "full") else 0.0  # the forward is a third of forward + backward
@@ -782,9 +779,7 @@ def even(num_layers: int, num_stages: int) -> list[range]:
 
 
 def from_sizes(sizes: list[int]) -> list[range]:
-    bounds = [0]
-    for size in sizes:
-        bounds.append(bounds[-1] + size)
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     return [range(bounds[i], bounds[i + 1]) for i in range(len(sizes))]
 
 
@@ -799,9 +794,8 @@ def balanced(num_layers: int, num_stages: int, costs: dict[str, float]) -> list[
 def _balanced_sizes(num_layers: int, num_stages: int, layer: float, first: float, last: float) -> tuple[int, ...]:
     if num_stages == 1:
         return (num_layers,)
-    # Every decoder layer costs the same, so a layout is the layer counts a and b of its first and last stage: the
-    # stages between share the rest as evenly as whole layers allow (the later ones taking the extra ones), which
-    # makes the slowest of them, and each of them, as cheap as it can be. So every (a, b) is tried: O(layers^2).
+    # Layers cost alike: a layout is its end stages' layer counts a, b, the stages between sharing the rest as evenly
+    # as whole layers allow (later ones the extras), each as cheap as can be. Every (a, b) is tried: O(layers^2).
     inner, best, found = num_stages - 2, None, None
     for a in range(num_layers + 1):
         for b in range(num_layers - a + 1):
@@ -933,12 +927,11 @@ CHECKPOINTING = ("none", "selective", "full")
 
 
 def checkpointing_plan(spec: str | bool, num_stages: int | None = None, stages=None) -> list[str | int]:
-    """--activation-checkpointing SPEC, one entry per stage: "none"; "selective" (each layer keeps the outputs of
-    SELECTIVE_SAVE's ops, its matmuls and attention, and recomputes the rest); "full" (each layer keeps its input
-    alone and runs its forward again); or a count N (the stage's first N layers full, the rest none; layout()
-    refuses an N beyond the stage's layers, or, given once for all, beyond the largest stage's). One entry is
-    every stage's; else one per stage, separated by commas (num_stages; None: not checked); of `stages` alone
-    where given (a rank's). True is "full", False "none" (the flag before it took a SPEC). ValueError, one line."""
+    """--activation-checkpointing SPEC, one entry per stage: "none"; "selective" (a layer keeps SELECTIVE_SAVE's
+    outputs, recomputes the rest); "full" (it keeps its input, runs its forward again); or a count N (the stage's first
+    N layers full, the rest none; layout() refuses N beyond the stage's layers or, given once, the largest stage's). One
+    entry: every stage's; else one per stage, comma-separated (num_stages; None: unchecked); of `stages` alone if given
+    (a rank's). True/False: full/none (the old flag). ValueError, one line."""
     if isinstance(spec, bool):
         spec = "full" if spec else "none"
     entries = [int(e) if e.isdigit() else e for e in spec.split(",")]
@@ -963,11 +956,9 @@ def layer_checkpointing(entry: str | int, layers: int) -> list[str]:
 
 
 def checkpoint_layers(modules, how: str | int | list = "full") -> None:
-    """Activation checkpointing of each decoder layer, as `how` says (a checkpointing_plan entry for every module,
-    or a list of one per module): "full" keeps only the layer's input for backward and runs its forward again there
-    (non-reentrant torch.utils.checkpoint: FSDP's hooks and autocast work inside; the same ops, so the same
-    numbers, bit for bit); "selective" keeps what SELECTIVE_SAVE's ops give out besides and recomputes only the
-    rest. Done on the layer modules, so it works on traced stages too."""
+    """Activation checkpointing of each decoder layer as `how` says (a checkpointing_plan entry for every module, or a
+    list of one per module), on the layer modules, so on traced stages too. Non-reentrant torch.utils.checkpoint:
+    FSDP's hooks and autocast work inside; the same ops, so the same numbers, bit for bit."""
     seen = set()
     for module, entry in zip(modules, how if isinstance(how, list) else [how] * len(modules)):
         layers = [layer for layer in decoder_layers([module]) if id(layer) not in seen]
@@ -985,13 +976,12 @@ def _checkpointed(forward, selective: bool = False):
 
 
 def _saved_ops() -> frozenset:
-    """SELECTIVE_SAVE: torchtitan's selective policy (op level). Kept: the matmuls' outputs (a layer's seven
-    projections: aten.mm under F.linear); attention's (CPU: the flash kernel for the CPU; CUDA: flash, efficient,
-    cuDNN; under --document-masking on a GPU FlexAttention's higher-order op, which torchtitan keeps too: not run
-    here, its backward has no CPU kernel); and with --tp the reduce-scatters of sequence parallelism (torchtitan's
-    choice: not redone in backward). Recomputed: the norms, RoPE, SiLU and the product, the residual adds, casts,
-    views, and the all-gathers and all-reduces (as full checkpointing redoes them). torchtitan's policy recomputes
-    every second mm; this keeps all, the issue's policy: less recomputation, more memory (plan.py counts it)."""
+    """SELECTIVE_SAVE: torchtitan's selective policy (op level). Kept: matmul outputs (a layer's seven projections:
+    aten.mm under F.linear); attention's (CPU's flash kernel; CUDA's flash, efficient, cuDNN; on a GPU under
+    --document-masking FlexAttention's op, as torchtitan: not run here, no CPU backward); with --tp sequence
+    parallelism's reduce-scatters (torchtitan's choice). Recomputed: norms, RoPE, SiLU and product, residual adds,
+    casts, views, all-gathers and all-reduces (as full checkpointing). torchtitan recomputes every second mm; this keeps
+    all (the issue's policy): less recomputation, more memory (plan.py counts it)."""
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     names = [(aten, "mm"), (aten, "addmm"), (aten, "bmm"), (aten, "_scaled_dot_product_flash_attention_for_cpu"),
              (aten, "_scaled_dot_product_flash_attention"), (aten, "_scaled_dot_product_efficient_attention"),
@@ -1009,9 +999,8 @@ def _selective_policy(ctx, op, *args, **kwargs):
 
 
 class _Reusable(dict):
-    """A selective checkpoint's store of one op's outputs: torch marks an output consumed once the recomputation
-    took it, and refuses a second recomputation. checkpoint_once may recompute a region once more (a read it did
-    not keep): there that op runs again instead, the same op on the same inputs."""
+    """A selective checkpoint's store of an op's outputs. torch marks an output consumed once recomputed and refuses a
+    second recomputation, which checkpoint_once may need (a read it did not keep): the op then runs again."""
     def __setitem__(self, key, value):
         super().__setitem__(key, torch.utils.checkpoint._RECOMPUTE if value is torch.utils.checkpoint._CONSUMED
                             else value)
@@ -1027,15 +1016,14 @@ def _selective_contexts():
 
 def checkpoint_once(function, *args, context_fn=None, **kwargs):
     """torch.utils.checkpoint (non-reentrant) of function(*args, **kwargs), recomputed once however many backward calls
-    read it. torch recomputes a region once per autograd call (graph task), and the zero-bubble schedules' split
-    backward makes several per microbatch: I (the input gradient) one, W (the weight gradients) one per group of
-    weights, and W runs again the nodes of I where a weight's gradient branches off (retain_graph), so it reads their
-    saved tensors a second time. torch.utils.checkpoint.GraphExecGroup lets several calls share one recompute but
-    refuses a tensor read twice. So: one group per region, every read made under it, and a tensor that W reads again
-    kept from its first read until its node is freed (after W; after the node's own run in a plain backward, as torch
-    frees it). The rest is freed once read, as torch does: a split backward holds from I to W the inputs of the weights'
-    ops, not the whole layer. Should W read a freed one after all, the region is recomputed once more under a new group:
-    slower, never wrong. context_fn: torch.utils.checkpoint's (a selective checkpoint's modes: _selective_contexts)."""
+    read it. torch recomputes once per autograd call (graph task); a zero-bubble split backward makes several a
+    microbatch: I (input gradient) one, W (weight gradients) one per weight group, W rerunning I's nodes where a
+    weight's gradient branches off (retain_graph), reading their saved tensors again. torch's GraphExecGroup shares one
+    recompute among calls but refuses a tensor read twice. So: one group per region, every read under it, and a tensor W
+    reads again kept from its first read until its node is freed (after W; in a plain backward after its run, as torch
+    frees it). The rest is freed once read, as torch does: from I to W a split backward holds the weights' ops' inputs,
+    not the whole layer. Should W read a freed one, the region is recomputed once more under a new group: slower, never
+    wrong. context_fn: torch's (selective: _selective_contexts)."""
     context = {"context_fn": context_fn} if context_fn else {}
     # Traced by torch.compile, or a torch before 2.13 (no GraphExecGroup): torch's own, a recompute per call.
     if torch.compiler.is_compiling() or not hasattr(torch.utils.checkpoint, "GraphExecGroup"):
