@@ -1129,23 +1129,20 @@ def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool
             model.base_model.embed_tokens.register_forward_hook(lambda module, args, output: output.clone())
     if model.base_model.norm is not None and sp:  # its output, the stage's, stays a plain [batch, seq/tp, hidden]
         parallelize_module(model.base_model.norm, tp_mesh, SequenceParallel(use_local_output=True))
-        # to_local() returns a view of the rank's piece. FSDP2 (--dp) hooks its backward onto a stage's output, and
-        # an in-place op on a view would drop that hook (its all-gather: wrong gradients), so it warns of any view.
-        # Nothing here writes to a stage's output in place; a copy (a microbatch's piece) makes that hold for sure.
+        # to_local() gives a view of the rank's piece; FSDP2 (--dp) warns of any: an in-place op on a view drops its
+        # backward hook on a stage's output (its all-gather: wrong gradients). None here; a copy makes sure.
         model.base_model.norm.register_forward_hook(lambda module, args, output: output.clone())
     if model.lm_head is not None:  # the loss gathers each piece of the sequence it takes (chunked_loss)
         parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(
             input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False))
-    # A gradient laid out otherwise than its weight: DTensor has no row-wise rule for the embedding's backward
-    # (the whole [vocab, hidden] gradient on each rank), and a norm's gain over sequence pieces gets each rank's
-    # partial sum. Once accumulated, the embedding's takes its weight's layout (a slice, no message), so the tied
-    # copy's sum sees it; the norms' partial sums add up over the microbatches and are summed once a step
-    # (sum_partial_grads, from clip_grad_norm_), so clipping and AdamW see the weight's layout.
+    # Gradients laid out otherwise than their weights: DTensor has no row-wise rule for the embedding's backward (the
+    # whole [vocab, hidden] gradient on each rank), and a norm's gain over sequence pieces gets each rank's partial sum.
+    # Once accumulated, the embedding's takes its weight's layout (a slice, no message) for the tied copy's sum; the
+    # norms' partial sums wait for sum_partial_grads, so clipping and AdamW see the weights' layouts.
     for param in model.parameters():
         if isinstance(param, DTensor):
             param.register_post_accumulate_grad_hook(_grad_as_weight)
     model.tie_weights()  # one stage, tied: the head takes the embedding's (sharded alike) matrix again
-
 
 
 def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_parallel: bool = True,
@@ -1204,11 +1201,10 @@ def materialize(modules: list[nn.Module], config: LlamaConfig, device: torch.dev
 
 
 def cast_between_stages(stage: nn.Module, dtype: torch.dtype) -> None:
-    """What a stage module gives out to the next stage in dtype (bf16: half the bytes of fp32, as Megatron-LM and
-    torchtitan send), its floating input taken back to fp32: the stage computes as on one process (the residual
-    stream fp32 under autocast), and the gradient sent back is rounded to dtype once, on its way. The last stage
-    (it holds the head) gives its hidden states to the loss in fp32: with tensor parallelism the head sums their
-    gradient over the tp ranks, in fp32 as every gradient sum here."""
+    """What a stage module gives out to the next stage in dtype (bf16: half fp32's bytes, as Megatron-LM and torchtitan
+    send), its floating input taken back to fp32: the stage computes as on one process (residual stream fp32 under
+    autocast), the gradient sent back rounded to dtype once, on its way. The last stage (the head's) gives the loss
+    fp32: under tp the head sums their gradient over the ranks, in fp32 as every gradient sum here."""
     stage.register_forward_pre_hook(lambda module, args: tuple(
         a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args))  # positions: int
     if getattr(stage, "lm_head", None) is None:
@@ -1345,17 +1341,15 @@ class PipelineOrder:
 
 
 def merge_backwards(schedule, order: dict | None = None, stage_ranks: dict | None = None):
-    """Run an input gradient (I) that its own weight gradient (W: the same stage and microbatch) follows next on the
-    rank as one backward (B), where the gradient goes to no other rank: one autograd call instead of I's one and W's one
-    per group of weights, which walks the graph again from what I kept (measured on small, one stage: I + W 1.07-1.16 x
-    a B, with and without checkpointing; docs/faster-and-smaller.md). Where the input gradient goes to another rank, a B
-    would send it only after the weights' part: that rank would wait W's time longer, so there they stay apart (torch's
-    own _merge_bw merges every such pair, and is never called). Stage 0 sends no gradient; on a rank whose next stage
-    down is its own (the V's turn), the next backward there comes after W anyway. The rest is as the order says (W's put
-    off, DualPipeV's overlapped cells). order: the compute-only order to run (a file's), stage_ranks its stage -> rank
-    map; None: the schedule's own (torch's classes). Lowered again as torch lowers a compute-only order (sends and
-    receives, FSDP, gradient reduction), unless it is the schedule's own and nothing merged. A schedule without an order
-    (GPipe, 1F1B) is returned as it is."""
+    """Run an input gradient (I) and its own weight gradient (W: same stage and microbatch) next after it on the rank as
+    one backward (B) where the gradient goes to no other rank: one autograd call, not I's and W's one per weight group,
+    which walks the graph again from what I kept (on small, one stage, I + W took 1.07-1.16 x a B with or without
+    checkpointing: docs/faster-and-smaller.md). Where it goes to another rank, a B would send it after the weights'
+    part, that rank waiting W's time longer: there they stay apart (torch's _merge_bw, never called, merges every pair).
+    Stage 0 sends no gradient; where the next stage down is the rank's own (the V's turn) its backward comes after W
+    anyway. The rest as the order says (W's put off, DualPipeV's overlapped cells). order: a file's compute-only order,
+    stage_ranks its stage -> rank map; None: the schedule's own (torch's classes). Lowered again unless it is the
+    schedule's own, unmerged. A schedule without an order (GPipe, 1F1B) stays."""
     own, order = order is None, order or getattr(schedule, "pipeline_order", None)
     if order is None or not isinstance(schedule, _PipelineScheduleRuntime):
         return schedule
@@ -1386,13 +1380,12 @@ def _merged(order: dict, rank_of: dict) -> tuple[dict, bool]:
 
 def read_order(path: str, world_size: int, dp: int, tp: int, microbatches: int, stages_per_rank: int | None,
                compile: bool) -> PipelineOrder | None:
-    """--schedule FILE.csv: the order in torch's compute-only CSV form, a row per pipeline rank, a cell per step
-    (0F1: stage 0's forward of microbatch 1; I, W: a backward's input and weight halves; B: both; empty: idle),
-    read and checked before anything runs: each stage's F, and I and W or B, of each microbatch once; as torch
-    checks an order (_validate_schedule; _add_send_recv, which finds an order that cannot progress), as given and
-    as merge_backwards runs it; stages placed looped or V-shaped as the scripts place them; and against the flags
-    (--dp, --tp, --microbatches, --stages-per-rank: None where not given, --compile) and the processes. None for
-    a schedule by name. A mistake is a ValueError of one line that names --schedule and the flag."""
+    """--schedule FILE.csv: torch's compute-only CSV form, a row per pipeline rank, a cell per step (0F1: stage 0's
+    forward of microbatch 1; I, W: a backward's input and weight halves; B: both; empty: idle), checked before anything
+    runs: each stage's F, and I and W or B, of each microbatch once; torch's checks (_validate_schedule; _add_send_recv
+    finds an order that cannot progress), as given and as merge_backwards runs it; stages looped or V-shaped as the
+    scripts place them; the flags (--dp, --tp, --microbatches, --stages-per-rank: None if not given, --compile) and the
+    processes. None for a schedule by name. A mistake: a one-line ValueError naming --schedule and the flag."""
     if not path.lower().endswith(".csv"):
         return None
     try:
@@ -1462,9 +1455,8 @@ def read_order(path: str, world_size: int, dp: int, tp: int, microbatches: int, 
                          "rank; leave the flag out")
     if compile and any(sub.computation_type in ("I", "W") for acts in actions.values() for a in filter(None, acts)
                        for sub in a.sub_actions or [a]):
-        # torch 2.13 refuses stages compiled by torch.compile(module) for its own zero-bubble schedules, whose weight
-        # half failed on them (pytorch #161904, open; _check_torch_compile_compatibility), and checks no order its
-        # runtime is given. (It misses the scripts' in-place layer.compile(), no OptimizedModule: not tested here.)
+        # torch 2.13 refuses torch.compile(module)'d stages for its zero-bubble schedules (weight halves failed: pytorch
+        # #161904, open), but not an order for its runtime, nor in-place layer.compile() (untested).
         raise ValueError(f"--compile: --schedule {path} splits backwards into I and W, which torch 2.13 does not "
                          "support on compiled stages (pytorch #161904); leave --compile out, or give an order of B "
                          "actions")
@@ -1505,13 +1497,12 @@ def step_chunks(schedule, inputs, targets, positions, losses: list, train: bool 
 # Gradient accumulation (--accumulate K) under torch's schedules
 
 def accumulate_into(schedule, step: int, steps: int) -> None:
-    """Before schedule step `step` (from 0) of the `steps` an optimizer step takes. torch ends every schedule step
-    in each stage's perform_reduce_grad: FSDP2's reduce-scatter of the step's gradients, then their division by the
-    microbatches (scale_grads). Run K times, that would reduce-scatter K times and divide the first steps' sums
-    again at each later step (torchtitan #1733's moving average). So the first K - 1 steps skip it: their
-    backwards already run with FSDP's gradient sync off and its parameters kept unsharded (torch's stage sets both
-    for every backward but a step's last), so the gradients add up, unsharded, across the steps; the last step
-    reduce-scatters the sum once and divides it by all K x m microbatches. K = 1: torch's own path, untouched."""
+    """Before schedule step `step` (from 0) of the `steps` an optimizer step takes. torch ends each schedule step in
+    every stage's perform_reduce_grad: FSDP2's reduce-scatter of its gradients, then their division by the microbatches
+    (scale_grads). Run K times, that would reduce-scatter K times and divide the first steps' sums again at each later
+    step (torchtitan #1733's moving average). So the first K - 1 steps skip it: their backwards run with FSDP's gradient
+    sync off and parameters unsharded (torch's stage sets both for all but a step's last backward), so gradients add up;
+    the last reduce-scatters the sum once, divided by all K x m microbatches. K = 1: torch's own path."""
     for stage in getattr(schedule, "_stages", None) or [schedule._stage]:  # a multi-stage schedule's, or the one
         vars(stage).pop("perform_reduce_grad", None)  # the previous step's choice undone: torch's method again
         if step < steps - 1:
@@ -1528,9 +1519,8 @@ def _reduce_all_steps(stage, steps: int, scale: int) -> None:
 # Evaluation where torch's eval() cannot run: a forward-only pass through this rank's stages
 
 def forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, dtype, loss_fn, losses, documents):
-    """Every microbatch forward through this rank's stages, in the order of their index: stage s only ever
-    waits for stage s - 1, which every rank runs earlier, and sends do not wait, so no rank waits on itself. Each
-    message is a batch of one in the pipeline's group, on both sides: NCCL runs it on the group's communicator."""
+    """Each microbatch forward through this rank's stages by index: stage s waits only for s - 1, run earlier on every
+    rank; sends do not wait. Messages: one-op batches in the pipeline's group on both sides."""
     first, held, sends = pipeline_stages[0], {}, []  # held: (stage, microbatch) -> an output for a stage here
     peer = first.stage_index_to_group_rank  # group ranks; a lone send or receive would make a pair's communicator
     message = lambda op, t, s: dist.batch_isend_irecv([dist.P2POp(op, t, group=first.group, group_peer=peer[s])])
