@@ -1520,7 +1520,7 @@ def _reduce_all_steps(stage, steps: int, scale: int) -> None:
 
 def forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, dtype, loss_fn, losses, documents):
     """Each microbatch forward through this rank's stages by index: stage s waits only for s - 1, run earlier on every
-    rank; sends do not wait. Messages: one-op batches in the pipeline's group on both sides."""
+    rank; sends do not wait (no rank waits on itself). Messages: one-op batches in the pipeline's group, both sides."""
     first, held, sends = pipeline_stages[0], {}, []  # held: (stage, microbatch) -> an output for a stage here
     peer = first.stage_index_to_group_rank  # group ranks; a lone send or receive would make a pair's communicator
     message = lambda op, t, s: dist.batch_isend_irecv([dist.P2POp(op, t, group=first.group, group_peer=peer[s])])
