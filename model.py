@@ -167,15 +167,14 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask
 # ----------------------------------------------------------------------------------------------------------
 # Sequence chunks (--seq-chunks, Seq1F1B): the keys and values of a sequence's earlier chunks
 #
-# A sequence cut into S chunks runs as S forward calls in order and S backward calls, last chunk first (Seq1F1B, Sun et
-# al., arXiv 2406.03488): a pipeline holds chunks in flight, not whole sequences. Exact: chunk j's queries attend to the
-# keys and values of its sequence's chunks 0..j, which each attention layer keeps per (sequence, chunk) in kv_chunks,
-# outside autograd, so chunk j's backward does not run the earlier chunks' (their own calls do, later): the gradient it
-# gives them is summed in their entry, and chunk i's backward adds it to its own keys' and values' (_ChunkKV): no
-# gradient stops at a chunk boundary. That node lies between the chunk's output and its input, so a backward of the
-# input alone (zero-bubble's I) runs it too. Held: each entry until its chunk's backward; chunk j's attention saves its
-# whole prefix (a copy: SDPA takes it whole) unless its layer is checkpointed. A later chunk of one stream gets its
-# places in the sequence as positions: its mask over earlier chunks is one document's.
+# A sequence cut into S chunks runs as S forward calls in order and S backward calls last chunk first (Seq1F1B, Sun et
+# al., arXiv 2406.03488): a pipeline holds chunks in flight, not sequences. Exact: chunk j's queries attend to the keys
+# and values of chunks 0..j, which each attention layer keeps per (sequence, chunk) in kv_chunks, outside autograd, so
+# chunk j's backward does not run the earlier chunks' (their own calls do, later): the gradient it gives them is summed
+# in their entry, which chunk i's backward adds to its own (_ChunkKV): no gradient stops at a chunk boundary. That node
+# lies between the chunk's output and input, so a backward of the input alone (zero-bubble's I) runs it too. Held: each
+# entry until its chunk's backward; chunk j's attention saves its whole prefix (a copy: SDPA takes it whole) unless its
+# layer is checkpointed. A later chunk of one stream takes its places as positions (one document's mask).
 #
 # The chunk travels as a keyword argument, chunk=SeqChunk(...), to every layer's attention, as positions do: torch's
 # PipelineStage hands each microbatch's keywords to the stage's forward, the hand-written schedule passes them itself,
@@ -292,9 +291,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor | None = None, mask: Tensor | BlockMask | None = None,
                 chunk: SeqChunk | Tensor | None = None) -> Tensor:
-        """x [batch, seq, hidden]; positions: each token's place in its document [batch, seq] (None: one causal
-        sequence), mask: attention_mask(positions), built by the stage for all its layers. chunk: x is that chunk of its
-        sequence, which also attends to the earlier chunks' keys and values."""
+        """x [batch, seq, hidden]; positions [batch, seq]: token places in their documents (None: causal), mask: the
+        stage's attention_mask(positions). chunk: x is that chunk, attending to its sequence's earlier chunks too."""
         batch, seq_len, _ = x.shape
         if traced := isinstance(chunk, Tensor):  # traced_chunk_kv's: positions the whole sequence's [batch, seq]
             keys = torch.arange(positions.shape[1], device=x.device)  # every key: one shape for every chunk
@@ -488,9 +486,8 @@ def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_sh
 # ----------------------------------------------------------------------------------------------------------
 # Around the model, for the scripts and tools (the opening docstring lists what)
 #
-# Named shapes for --model. `small` is LlamaConfig's defaults (GPT-2 small's size); the llama-* entries use the layer
-# shapes of the Llama 3 family (plain RoPE, no long-context scaling, untied head; a real checkpoint brings its own
-# config with --init-from). The vocabulary comes from the tokenizer, not a preset.
+# --model's shapes: `small`: LlamaConfig's defaults (GPT-2 small); llama-* the Llama 3 family's layers (plain RoPE, no
+# long-context scaling, untied head; real checkpoints bring theirs: --init-from). The vocabulary: the tokenizer's.
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=1024),
@@ -517,8 +514,7 @@ def config_from_preset(name: str, vocab_size: int, num_layers: int | None = None
 # ----------------------------------------------------------------------------------------------------------
 # Hugging Face Llama: config.json -> LlamaConfig (export.hf_config writes one), and tensor names
 #
-# model.py computes what transformers' LlamaForCausalLM computes, with its tensor names but for one prefix and its
-# RoPE layout (rotate-half): weights need no permutation, only renaming.
+# Same math, names (but one prefix) and RoPE layout (rotate-half) as transformers' LlamaForCausalLM: no permutation.
 
 OURS, THEIRS = "base_model.", "model."
 # transformers' LlamaConfig defaults, for fields a config.json leaves out (configuration_llama.py).
@@ -531,9 +527,9 @@ def hf_name(name: str) -> str:
     return THEIRS + name[len(OURS):] if name.startswith(OURS) else name
 
 
-# config_from_hf's largest sizes: every dimension within torch's 32-bit indexing, so plan.py's sums of bytes and FLOPs
-# stay finite; twice the deepest Llama's 126 layers, as the balanced split tries layers^2 layouts (256 layers: 0.14 s
-# for each stage count and cost that plan.py --gpus searches).
+# config_from_hf's limits: sizes within torch's 32-bit indexing (plan.py's sums of bytes and FLOPs stay finite); layers,
+# twice the deepest Llama's 126 (a balanced split tries layers^2 layouts: 0.14 s a stage count and cost plan.py --gpus
+# tries).
 MAX_SIZE, MAX_LAYERS = 2 ** 31 - 1, 256
 
 
@@ -744,19 +740,17 @@ def cut_sequences(inputs: Tensor, targets: Tensor, positions: Tensor | None, len
 #     head   6 h V                  the projection to the vocabulary (the loss itself is a few ops per logit)
 #     embed  6 h                    a lookup forward, a scatter-add backward
 #
-# Activation checkpointing runs a layer's forward again in backward: 4/3 of its cost (not the head's: the balance moves
-# a little towards fewer layers on the last stage). A head heavier than a layer cannot be balanced by whole layers: the
-# first and the last stage may then hold no layer (the embedding alone; the norm, head and loss alone), as Megatron's
-# and torchtitan's layouts allow: on the tiny model at 3 stages the slowest stage goes from 53 % of the work to 43 %.
-# (plan.py --trace balances on measured times instead.)
+# Checkpointing runs a layer's forward again in backward: 4/3 of its cost (not the head's: a little fewer layers go to
+# the last stage). A head heavier than a layer cannot be balanced by whole layers: the first and the last stage may then
+# hold no layer (the embedding alone; the norm, head and loss alone), as Megatron's and torchtitan's layouts allow (tiny
+# model, 3 stages: the slowest stage from 53 % of the work to 43 %). (plan.py --trace: on measured times.)
 
 def estimated_costs(config: LlamaConfig, seq_len: int, recompute: bool | str = False,
                     loss_chunks: int = 1) -> dict[str, float]:
-    """Forward + backward FLOPs per token of a decoder layer (with its recomputed forward under activation
-    checkpointing: "recompute" says how much of "layer"), the head with the loss (its forward twice with a chunked
-    loss: "head_recompute"), and the embedding. recompute: True or "full" (--activation-checkpointing's SPEC) for every
-    layer; selective recomputes no matmul (no FLOPs counted); a SPEC per stage is balanced as none (its counts are of
-    the layers the split gives a stage)."""
+    """Forward + backward FLOPs per token of a decoder layer (with its recomputed forward under checkpointing:
+    "recompute", that part of "layer"), the head with the loss (its forward twice with a chunked loss:
+    "head_recompute"), and the embedding. recompute: True or "full" (the SPEC) for every layer; selective recomputes no
+    matmul (no FLOPs counted); a SPEC per stage is balanced as none (its counts depend on the split)."""
     params, q = parameter_counts(config), config.num_attention_heads * config.head_dim
     layer = 6 * params["layer"] + 12 * q * seq_len
     again = layer / 3 if recompute in (True, "full") else 0.0  # the forward is a third of forward + backward
@@ -1172,12 +1166,11 @@ def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_par
 
 
 def materialize(modules: list[nn.Module], config: LlamaConfig, device: torch.device, seed: int) -> None:
-    """Allocate a rank's stage modules, built (and parallelized, as torchtitan does) on the meta device, and initialize
-    every tensor by its full-model name (init_tensor_): the full model's weights, bit for bit, at any layout. to_empty
-    allocates only this rank's shards, then each whole tensor is drawn in turn and this rank's piece copied out: a rank
-    holds at most its shards and its stages' largest whole tensor (plan.py's start-up peak). llama-70b at pp 4 x dp 2 x
-    tp 8 (2 stages a rank): 8.2 GiB on rank 0 (4.3 of shards, 3.9 of the head drawn whole), not the 68 GiB of stages
-    allocated whole before tensor parallelism and FSDP2 split them."""
+    """Allocate a rank's stage modules, built and parallelized on meta (as torchtitan), and initialize each tensor by
+    full-model name (init_tensor_): the same weights, bit for bit, at any layout. to_empty allocates the rank's shards,
+    then each tensor is drawn whole in turn, this rank's piece copied out: a rank holds at most its shards and largest
+    whole tensor (plan.py's start-up peak). llama-70b at pp 4 x dp 2 x tp 8 (2 stages a rank): 8.2 GiB on rank 0 (4.3 of
+    shards, 3.9 of the head drawn whole), not 68 GiB as when allocated whole before tp and FSDP2."""
     for module in modules:
         holders = {}  # each parameter's places (module, name): a tied one has two
         for owner in module.modules():
@@ -1292,8 +1285,7 @@ def synchronize(device: torch.device) -> None:
 
 
 # ==========================================================================================================
-# Extending torch's schedules: orders from a file, backwards merged where no gradient waits, gradient
-# accumulation, and evaluation where torch's eval() cannot run
+# Extending torch's schedules: file orders, backwards merged where no gradient waits, accumulation, forward-only eval
 
 # ----------------------------------------------------------------------------------------------------------
 # A pipeline order from a file (--schedule FILE.csv), in torch's compute-only CSV form, run by torch's runtime
