@@ -1,12 +1,11 @@
 """The Llama model the training scripts train, and what they and the tools use around it.
 
-First the model: its config, rotary embedding, the masks of packed documents, sequence chunks' keys and values
-(Seq1F1B), decoder layers, the model classes, initial weights and the loss, in Hugging Face Llama's math and tensor
-names (``base_model.`` for its ``model.``: weights move between the two by renaming one prefix). Then, after a divider:
-presets and Hugging Face configs, costs, cutting sequences into chunks, pipeline layouts, parallelizing a stage (tensor
-parallelism, activation checkpointing, compile, FSDP2), tied embeddings across stages, gradient clipping, pipeline
-orders run by torch's own runtime (from a file, --schedule FILE.csv, or made for sequence chunks), gradient accumulation
-under torch's schedules, and a forward-only pass where torch's eval() cannot run.
+First the model (config, rotary embedding, packed documents' masks, sequence chunks' keys and values, decoder layers,
+initial weights, the loss) in Hugging Face Llama's math and tensor names (``base_model.`` for its ``model.``: weights
+move between the two by renaming one prefix). After a divider: presets and Hugging Face configs, costs, sequence chunks,
+pipeline layouts, parallelizing a stage (tensor parallelism, activation checkpointing, compile, FSDP2), tied embeddings
+across stages, clipping, pipeline orders run by torch's runtime (--schedule FILE.csv, or made for sequence chunks),
+gradient accumulation under torch's schedules, and a forward-only pass where torch's eval() cannot run.
 
 A pipeline stage is the model trimmed (keep_only): layers in a ModuleDict keyed by global index, forward skips what a
 stage lacks, no module passed into another's forward (the tracer needs that), and every tensor's initial value drawn
@@ -404,9 +403,8 @@ class LlamaForPretraining(nn.Module):
         return self
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, chunk: SeqChunk | None = None) -> Tensor:
-        """Token ids [batch, seq] -> logits [batch, seq, vocab]; hidden states on a stage without the head, or with
-        head_in_loss. positions: packed documents kept apart (document_positions); None: one causal stream. chunk: the
-        input is that chunk of its sequences (cut_sequences), after their earlier chunks."""
+        """Token ids [batch, seq] -> logits [batch, seq, vocab] (hidden states without the head, or with head_in_loss);
+        positions (document_positions; None: one causal stream) and chunk (cut_sequences) go to LlamaModel."""
         h = self.base_model(input_ids, positions, chunk=chunk)
         return self.lm_head(h) if self.lm_head is not None and not self.head_in_loss else h
 
@@ -527,9 +525,8 @@ def hf_name(name: str) -> str:
     return THEIRS + name[len(OURS):] if name.startswith(OURS) else name
 
 
-# config_from_hf's limits: sizes within torch's 32-bit indexing (plan.py's sums of bytes and FLOPs stay finite); layers,
-# twice the deepest Llama's 126 (a balanced split tries layers^2 layouts: 0.14 s a stage count and cost plan.py --gpus
-# tries).
+# config_from_hf's limits: sizes within torch's 32-bit indexing (plan.py's sums of bytes and FLOPs stay finite);
+# layers: twice the deepest Llama's 126 (a balanced split tries layers^2 layouts: 0.14 s a stage count and cost).
 MAX_SIZE, MAX_LAYERS = 2 ** 31 - 1, 256
 
 
@@ -575,9 +572,8 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         refuse(field, "partial rotary embeddings are not implemented")
-    if rope_type == "default":
-        scaling = None
-    elif rope_type == "llama3":
+    scaling = None  # rope_type default: plain RoPE
+    if rope_type == "llama3":
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         if any(key not in rope for key in keys):
             refuse(field, f"llama3 scaling needs {', '.join(keys)}")
@@ -587,13 +583,12 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         size(f"{field} original_max_position_embeddings", rope["original_max_position_embeddings"])
         if rope["high_freq_factor"] <= rope["low_freq_factor"]:  # the smooth band divides by their difference
             wrong(f"{field} high_freq_factor", rope["high_freq_factor"], "must exceed low_freq_factor")
-    else:
+    elif rope_type != "default":
         refuse(field, f"rope_type {rope_type} is not implemented (only default and llama3)")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        if key not in hf:
-            raise ValueError(f"config.json has no {key}")
-    sizes = {key: size(key, hf[key], MAX_LAYERS if key == "num_hidden_layers" else MAX_SIZE)
-             for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    if missing := [key for key in required if key not in hf]:
+        raise ValueError(f"config.json has no {missing[0]}")
+    sizes = {key: size(key, hf[key], MAX_LAYERS if key == "num_hidden_layers" else MAX_SIZE) for key in required}
     heads = sizes["num_attention_heads"]
     # Absent or null: transformers' defaults (as many KV heads as heads; hidden_size / heads per head).
     kv_heads = heads if hf.get("num_key_value_heads") is None else size("num_key_value_heads",
@@ -1374,10 +1369,8 @@ def read_order(path: str, world_size: int, dp: int, tp: int, microbatches: int, 
                compile: bool) -> PipelineOrder | None:
     """--schedule FILE.csv: torch's compute-only CSV form, a row per pipeline rank, a cell per step (0F1: stage 0's
     forward of microbatch 1; I, W: a backward's input and weight halves; B: both; empty: idle), checked before anything
-    runs: each stage's F, and I and W or B, of each microbatch once; torch's checks (_validate_schedule; _add_send_recv
-    finds an order that cannot progress), as given and as merge_backwards runs it; stages looped or V-shaped as the
-    scripts place them; the flags (--dp, --tp, --microbatches, --stages-per-rank: None if not given, --compile) and the
-    processes. None for a schedule by name. A mistake: a one-line ValueError naming --schedule and the flag."""
+    runs (as given and as merged): torch's checks, then the scripts' stage placements, the flags and the processes.
+    Mistakes: one-line ValueErrors naming --schedule and the flag; None for a schedule's name."""
     if not path.lower().endswith(".csv"):
         return None
     try:
