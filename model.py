@@ -486,18 +486,15 @@ def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_sh
 #
 # --model's shapes: `small`: LlamaConfig's defaults (GPT-2 small); llama-* the Llama 3 family's layers (plain RoPE, no
 # long-context scaling, untied head; real checkpoints bring theirs: --init-from). The vocabulary: the tokenizer's.
+_LLAMA3 = dict(num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)  # every llama-* preset's
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=1024),
     "small": dict(),
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
-    "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-                     num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
-    "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                      num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
+    "llama-1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32),
+    "llama-3b": dict(_LLAMA3, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24),
+    "llama-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
+    "llama-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64),
 }
 
 
