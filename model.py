@@ -86,9 +86,8 @@ def rope_inv_freq(config: LlamaConfig, device=None) -> Tensor:
 
 def rope_tables(inv_freq: Tensor, seq_len: int, dtype: torch.dtype,
                 positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    # Positions from 0: every stage sees whole sequences, so each rebuilds the same tables from the length alone and
-    # only hidden states travel between stages. Packed documents' positions (document_positions) restart each document:
-    # tables [batch, 1, seq, head_dim]. Computed in fp32, then cast (as HF): bf16 rotates by the same angles.
+    # Positions from 0: each stage (whole sequences) rebuilds the tables from the length alone, so only hidden states
+    # travel. Document positions: tables [batch, 1, seq, head_dim]. fp32, then cast (as HF): bf16 rotates alike.
     if positions is None:
         angles = torch.outer(torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32), inv_freq.float())
     else:  # the same products, a row per sequence
@@ -142,9 +141,8 @@ def _compiled_flex():  # compiled on first use (torch.compile costs seconds to s
 
 
 def attention_mask(positions: Tensor, offset: int = 0) -> Tensor | BlockMask:
-    """A stage's mask for all its layers from a microbatch's positions [batch, seq], built once (LlamaModel.forward),
-    not again in a checkpointed layer's recompute: on a GPU, FlexAttention's BlockMask (which key blocks each query
-    block sees), else the dense mask. offset: a chunk's, whose queries also see earlier chunks."""
+    """A stage's mask for all its layers (built once by LlamaModel.forward, not in recomputes) from positions: on a GPU
+    FlexAttention's BlockMask (which key blocks each query block sees), else the dense mask. offset: a chunk's."""
     if positions.is_cuda:
         (batch, seq), mask_mod = positions.shape, document_mask_mod(positions, offset)
         return _compiled_flex()[0](mask_mod, batch, None, seq, offset + seq, device=positions.device)
@@ -1039,9 +1037,8 @@ def checkpoint_once(function, *args, context_fn=None, **kwargs):
 
 
 def _weights_only(fn, budget: int = 8) -> bool:
-    """Whether autograd node fn leads to parameters and nothing else, within a few nodes (a weight's transpose,
-    cast or view): where a node of the input gradient branches off to a weight, which the weight gradient (W)
-    runs again (torch's stage_backward_input calls it an intermediate of a parameter group)."""
+    """Whether autograd node fn leads to parameters alone within few nodes (transpose, cast, view): where the input
+    gradient branches to a weight, which W runs again (stage_backward_input's intermediate of a parameter group)."""
     stack, found = [fn], False
     while stack:
         if (fn := stack.pop()) is None:
@@ -1121,10 +1118,10 @@ def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool
     if model.lm_head is not None:  # the loss gathers each piece of the sequence it takes (chunked_loss)
         parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(
             input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False))
-    # Gradients laid out otherwise than their weights: DTensor has no row-wise rule for the embedding's backward (the
-    # whole [vocab, hidden] gradient on each rank), and a norm's gain over sequence pieces gets each rank's partial sum.
-    # Once accumulated, the embedding's takes its weight's layout (a slice, no message) for the tied copy's sum; the
-    # norms' partial sums wait for sum_partial_grads, so clipping and AdamW see the weights' layouts.
+    # Gradients laid out otherwise than their weights: the embedding's (DTensor has no row-wise rule for its backward:
+    # the whole [vocab, hidden] gradient on each rank) takes its weight's layout once accumulated (a slice, no message)
+    # for the tied copy's sum; a norm's gain over sequence pieces gets partial sums, left for sum_partial_grads:
+    # clipping and AdamW see the weights' layouts.
     for param in model.parameters():
         if isinstance(param, DTensor):
             param.register_post_accumulate_grad_hook(_grad_as_weight)
