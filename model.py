@@ -347,10 +347,10 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config) for i in range(config.num_hidden_layers)})
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # True: each layer builds its own document mask, as when traced whole, then split into stages (the tracer).
-        # Built once before a stage's first layer, the mask would fall in the stage before (pipeline() cuts before the
-        # layer) and cross to it; cut after the module before instead, the stage's graph would take positions ahead of
-        # the activations it receives, which torch 2.13 hands a later stage first (positions by keyword).
+        # True (the tracer: traced whole, then split): each layer builds its own document mask. Built before a stage's
+        # first layer, it would fall in the stage before (pipeline() cuts before the layer) and cross; cut after the
+        # module before, the graph would take positions before the activations, which torch 2.13 hands a later stage
+        # first (positions by keyword).
         self.mask_in_each_layer = False
 
     def forward(self, x: Tensor, positions: Tensor | None = None, chunk: SeqChunk | None = None) -> Tensor:
@@ -416,9 +416,9 @@ class LlamaForPretraining(nn.Module):
 def init_tensor_(name: str, tensor: Tensor, seed: int, config: LlamaConfig) -> None:
     """Initialize one parameter or buffer in place from its full-model name alone: Linear and embedding weights ~ N(0,
     initializer_range) as in HF Llama, norm weights 1, RoPE frequencies recomputed. Each tensor draws from its own
-    generator seeded by (seed, module name), so its value depends neither on which other tensors this process holds nor
-    on their order: any split, by hand or by a tracer, starts from the same weights. A DTensor (a tp and/or FSDP2 shard)
-    gets its piece of those values: the whole tensor drawn, this rank's block copied out, the whole freed."""
+    generator seeded by (seed, module name), independent of which other tensors this process holds and their order (any
+    split, by hand or traced, starts alike). A DTensor (a tp and/or FSDP2 shard) gets its piece of those values: the
+    whole tensor drawn, this rank's block copied out, the whole freed."""
     if isinstance(tensor, DTensor):
         whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
         init_tensor_(name, whole, seed, config)
@@ -638,8 +638,7 @@ def peak_flops(gpu: str, dtype: torch.dtype) -> float | None:
 
 def mfu(tokens_per_s: float, config: LlamaConfig, seq_len: int, device: torch.device, dtype: torch.dtype,
         gpus: int) -> float | None:
-    """Model FLOPs utilization: FLOP/s over the GPUs' dense peak for the computation's dtype (bf16 autocast, or fp32);
-    None where the peak is not known (the CPU, other GPUs)."""
+    """Model FLOPs utilization over the GPUs' dense peak in dtype; None if unknown (CPU, other GPUs)."""
     peak = peak_flops(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
     return tokens_per_s * flops_per_token(config, seq_len) / (peak * gpus) if peak else None
 
@@ -1083,14 +1082,14 @@ SHARD_OUT = {"output_layouts": Shard(1)}  # a row-wise layer's partial sums redu
 
 
 def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool = True) -> None:
-    """Tensor parallelism of a model or stage over tp_mesh (a 1-D DeviceMesh): Megatron-LM's plan (Shoeybi et al. 2019)
-    as PyTorch's tutorial and torchtitan apply it, on the meta device (materialize allocates after), before activation
-    checkpointing, compile and FSDP2. Each layer's q/k/v and gate/up are split by output (each rank its own heads and
-    MLP slice), o and down by input (each rank a partial sum); the embedding by vocabulary rows, the head by vocabulary
-    columns, its logits left sharded for loss_parallel. Without sequence parallelism the partial sums are all-reduced:
-    each layer's output whole on every rank. With it (Korthikanti et al. 2022; local heads for RoPE and GQA) they are
-    reduce-scattered by sequence: the residual stream, the norms and what crosses to the next stage are each rank's
-    [batch, seq / tp, hidden] piece, all-gathered only where attention and the MLP need every position."""
+    """Tensor parallelism of a model or stage over tp_mesh (a 1-D DeviceMesh), on the meta device before activation
+    checkpointing, compile and FSDP2 (materialize allocates after): Megatron-LM's plan (Shoeybi et al. 2019), as
+    PyTorch's tutorial and torchtitan. Each layer's q/k/v and gate/up split by output (each rank its heads and MLP
+    slice), o and down by input (each rank a partial sum); the embedding by vocabulary rows, the head by columns, logits
+    left sharded for loss_parallel. Without sequence parallelism partial sums are all-reduced (every layer's output
+    whole on every rank); with it (Korthikanti et al. 2022; local heads for RoPE and GQA) they are reduce-scattered by
+    sequence: the residual stream, norms and what crosses to the next stage are each rank's [batch, seq / tp, hidden]
+    piece, all-gathered only where attention and the MLP need every position."""
     if tp_mesh.size() == 1:
         return
     sp = sequence_parallel
@@ -1486,12 +1485,8 @@ def accumulate_into(schedule, step: int, steps: int) -> None:
         vars(stage).pop("perform_reduce_grad", None)  # the previous step's choice undone: torch's method again
         if step < steps - 1:
             stage.perform_reduce_grad = lambda scale: None
-        elif steps > 1:
-            stage.perform_reduce_grad = functools.partial(_reduce_all_steps, stage, steps)
-
-
-def _reduce_all_steps(stage, steps: int, scale: int) -> None:
-    type(stage).perform_reduce_grad(stage, scale * steps)  # scale: torch's microbatch count (scale_grads)
+        elif steps > 1:  # scale: torch's microbatch count (scale_grads)
+            stage.perform_reduce_grad = lambda scale, stage=stage: type(stage).perform_reduce_grad(stage, scale * steps)
 
 
 # ----------------------------------------------------------------------------------------------------------
