@@ -105,11 +105,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------------------------------------
 # Packed documents kept apart (--document-masking)
 #
-# The token files hold documents one after another (bos, ids, eos) and a window cuts across them. Kept apart, a token
-# attends only to its own document's earlier tokens, its rotary position counted from the document's start: it computes
-# what it computes alone. The boundaries travel as each token's position in its document, integers [batch, seq] that a
-# schedule cuts into microbatches with the tokens. Each stage builds the mask from them once (attention_mask): no mask
-# object crosses a stage or goes through the schedules' autograd (torchtitan #1723, #3584).
+# Token files hold documents back to back (bos, ids, eos); a window cuts across them. Kept apart, a token attends only
+# to its document's earlier tokens, its rotary position from the document's start: as if alone. Boundaries travel as
+# positions in documents, [batch, seq] integers a schedule cuts with the tokens; each stage builds the mask once
+# (attention_mask): no mask object crosses a stage or goes through the schedules' autograd (torchtitan #1723, #3584).
 
 def document_positions(input_ids: Tensor, bos_id: int) -> Tensor:
     """Each token's position in its document [batch, seq]: 0 at every bos and (a document's tail) the window's start."""
@@ -705,9 +704,8 @@ def cut_sequences(inputs: Tensor, targets: Tensor, positions: Tensor | None, len
                   sequence: int = 0) -> list[Chunk]:
     """A microbatch's inputs, targets and positions ([batch, seq] each; positions: document_positions of the whole
     sequences, or None) cut into chunks of `lengths` (chunk_lengths), in order, in slot `sequence` (must differ between
-    microbatches whose chunks interleave). A chunk's tokens: the sequences' targets over the chunk count, so each
-    chunk's loss is its sum over that and their mean the sequences' loss. One chunk: the microbatch as it is, bit for
-    bit. None (what a stage does not read: inputs after the first, targets before the last): None pieces."""
+    microbatches whose chunks interleave), with chunked_loss's tokens. One chunk: the microbatch as it is, bit for bit.
+    None (what a stage does not read: inputs after the first, targets before the last): None pieces."""
     if len(lengths) == 1:
         return [Chunk(inputs, targets, positions, None, None)]
     tokens = (targets != -100).sum().clamp(min=1) / len(lengths) if targets is not None else None
@@ -1082,14 +1080,13 @@ SHARD_OUT = {"output_layouts": Shard(1)}  # a row-wise layer's partial sums redu
 
 
 def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool = True) -> None:
-    """Tensor parallelism of a model or stage over tp_mesh (a 1-D DeviceMesh), on the meta device before activation
-    checkpointing, compile and FSDP2 (materialize allocates after): Megatron-LM's plan (Shoeybi et al. 2019), as
-    PyTorch's tutorial and torchtitan. Each layer's q/k/v and gate/up split by output (each rank its heads and MLP
-    slice), o and down by input (each rank a partial sum); the embedding by vocabulary rows, the head by columns, logits
-    left sharded for loss_parallel. Without sequence parallelism partial sums are all-reduced (every layer's output
-    whole on every rank); with it (Korthikanti et al. 2022; local heads for RoPE and GQA) they are reduce-scattered by
-    sequence: the residual stream, norms and what crosses to the next stage are each rank's [batch, seq / tp, hidden]
-    piece, all-gathered only where attention and the MLP need every position."""
+    """Tensor parallelism of a model or stage over tp_mesh (a 1-D DeviceMesh; the order: parallelize): Megatron-LM's
+    plan (Shoeybi et al. 2019), as PyTorch's tutorial and torchtitan. Each layer's q/k/v and gate/up split by output
+    (each rank its heads and MLP slice), o and down by input (each rank a partial sum); the embedding by vocabulary
+    rows, the head by columns, logits left sharded for loss_parallel. Without sequence parallelism partial sums are
+    all-reduced (every layer's output whole on every rank); with it (Korthikanti et al. 2022; local heads for RoPE and
+    GQA) they are reduce-scattered by sequence: the residual stream, norms and what crosses to the next stage are each
+    rank's [batch, seq / tp, hidden] piece, all-gathered only where attention and the MLP need every position."""
     if tp_mesh.size() == 1:
         return
     sp = sequence_parallel
