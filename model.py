@@ -414,10 +414,9 @@ class LlamaForPretraining(nn.Module):
 @torch.no_grad()
 def init_tensor_(name: str, tensor: Tensor, seed: int, config: LlamaConfig) -> None:
     """Initialize one parameter or buffer in place from its full-model name alone: Linear and embedding weights ~ N(0,
-    initializer_range) as in HF Llama, norm weights 1, RoPE frequencies recomputed. Each tensor draws from its own
-    generator seeded by (seed, module name), independent of which other tensors this process holds and their order (any
-    split, by hand or traced, starts alike). A DTensor (a tp and/or FSDP2 shard) gets its piece of those values: the
-    whole tensor drawn, this rank's block copied out, the whole freed."""
+    initializer_range) as in HF Llama, norm weights 1, RoPE's recomputed. Each draws from its own generator, seeded by
+    (seed, module name), whatever other tensors this process holds, in any order: any split, by hand or traced, starts
+    alike. A DTensor (a tp and/or FSDP2 shard) gets its block of the whole tensor, drawn then freed."""
     if isinstance(tensor, DTensor):
         whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
         init_tensor_(name, whole, seed, config)
@@ -997,14 +996,13 @@ def _selective_contexts():
 
 def checkpoint_once(function, *args, context_fn=None, **kwargs):
     """torch.utils.checkpoint (non-reentrant) of function(*args, **kwargs), recomputed once however many backward calls
-    read it. torch recomputes once per autograd call (graph task); a zero-bubble split backward makes several a
-    microbatch: I (input gradient) one, W (weight gradients) one per weight group, W rerunning I's nodes where a
-    weight's gradient branches off (retain_graph), reading their saved tensors again. torch's GraphExecGroup shares one
-    recompute among calls but refuses a tensor read twice. So: one group per region, every read under it, and a tensor W
-    reads again kept from its first read until its node is freed (after W; in a plain backward after its run, as torch
-    frees it). The rest is freed once read, as torch does: from I to W a split backward holds the weights' ops' inputs,
-    not the whole layer. Should W read a freed one, the region is recomputed once more under a new group: slower, never
-    wrong. context_fn: torch's (selective: _selective_contexts)."""
+    read it. torch recomputes once per autograd call (graph task); a zero-bubble split backward makes several: I (input
+    gradient) one, W (weight gradients) one per weight group, W rerunning I's nodes where a weight's gradient branches
+    off (retain_graph), rereading their saved tensors. torch's GraphExecGroup shares one recompute among calls but
+    refuses a tensor read twice. So: one group per region, every read under it, and a tensor W reads again kept from its
+    first read until its node is freed (after W; in a plain backward after its run, as torch frees it). The rest is
+    freed once read, as torch does: from I to W a split backward holds the weights' ops' inputs, not the whole layer.
+    Should W read a freed one, the region reruns under a new group: slower, never wrong. context_fn: torch's."""
     context = {"context_fn": context_fn} if context_fn else {}
     # Traced by torch.compile, or a torch before 2.13 (no GraphExecGroup): torch's own, a recompute per call.
     if torch.compiler.is_compiling() or not hasattr(torch.utils.checkpoint, "GraphExecGroup"):
@@ -1114,10 +1112,9 @@ def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool
     if model.lm_head is not None:  # the loss gathers each piece of the sequence it takes (chunked_loss)
         parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(
             input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False))
-    # Gradients laid out otherwise than their weights: the embedding's (DTensor has no row-wise rule for its backward:
-    # the whole [vocab, hidden] gradient on each rank) takes its weight's layout once accumulated (a slice, no message)
-    # for the tied copy's sum; a norm's gain over sequence pieces gets partial sums, left for sum_partial_grads:
-    # clipping and AdamW see the weights' layouts.
+    # A gradient laid out unlike its weight: the embedding's (no DTensor row-wise rule for its backward: the whole
+    # [vocab, hidden] on each rank) takes its weight's layout once accumulated (a slice) for the tied copy's sum, and
+    # norms' partial sums (sequence pieces) wait for sum_partial_grads: clipping and AdamW see weight layouts.
     for param in model.parameters():
         if isinstance(param, DTensor):
             param.register_post_accumulate_grad_hook(_grad_as_weight)
