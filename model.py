@@ -172,11 +172,10 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask
 # entry until its chunk's backward; chunk j's attention saves its whole prefix (a copy: SDPA takes it whole) unless its
 # layer is checkpointed. A later chunk of one stream takes its places as positions (one document's mask).
 #
-# The chunk travels as a keyword argument, chunk=SeqChunk(...), to every layer's attention, as positions do: torch's
-# PipelineStage hands each microbatch's keywords to the stage's forward, the hand-written schedule passes them itself,
-# activation checkpointing to the recompute (a context around the stage's call would need a per-microbatch hook that
-# torch's runtime lacks). torch 2.13's step() hands a non-tensor keyword to every microbatch alike: the chunks go in
-# pre-cut (step_chunks). With tp the entries hold the rank's heads, a chunk's whole length.
+# The chunk travels as a keyword, chunk=SeqChunk(...), to every layer's attention, as positions do (through torch's
+# PipelineStage, the hand-written schedule and activation checkpointing's recompute; a context around the stage's call
+# would need a per-microbatch hook torch's runtime lacks). torch 2.13's step() hands a non-tensor keyword to every
+# microbatch alike: chunks go in pre-cut (step_chunks). Under tp entries hold the rank's heads, the whole chunk.
 
 @dataclasses.dataclass(frozen=True)
 class SeqChunk:
@@ -1148,11 +1147,11 @@ def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_par
 
 
 def materialize(modules: list[nn.Module], config: LlamaConfig, device: torch.device, seed: int) -> None:
-    """Allocate a rank's stage modules, built and parallelized on meta (as torchtitan), and initialize each tensor by
-    full-model name (init_tensor_): the same weights, bit for bit, at any layout. to_empty allocates the rank's shards,
-    then each tensor is drawn whole in turn, this rank's piece copied out: a rank holds at most its shards and largest
-    whole tensor (plan.py's start-up peak). llama-70b at pp 4 x dp 2 x tp 8 (2 stages a rank): 8.2 GiB on rank 0 (4.3 of
-    shards, 3.9 of the head drawn whole), not 68 GiB as when allocated whole before tp and FSDP2."""
+    """Allocate a rank's stage modules, built and parallelized on meta (as torchtitan), and initialize each tensor
+    (init_tensor_): the same weights, bit for bit, at any layout. to_empty allocates the rank's shards, then
+    init_tensor_ draws a whole tensor at a time: a rank holds at most its shards and largest whole tensor (plan.py's
+    start-up peak). llama-70b at pp 4 x dp 2 x tp 8 (2 stages a rank): 8.2 GiB on rank 0 (4.3 of shards, 3.9 of the head
+    drawn whole), not 68 GiB as when allocated whole before tp and FSDP2."""
     for module in modules:
         holders = {}  # each parameter's places (module, name): a tied one has two
         for owner in module.modules():
