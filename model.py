@@ -526,8 +526,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     """A config.json's LlamaConfig; what model.py does not compute, or a size no model has: ValueError, the field."""
     if not isinstance(hf, dict):
         shown = json.dumps(hf)
-        raise ValueError(f"config.json is {shown if len(shown) <= 40 else shown[:37] + '...'}, not an object of "
-                         "fields")
+        raise ValueError(f"config.json is {shown if len(shown) <= 40 else shown[:37] + '...'}, not an object of fields")
 
     def refuse(field, why):
         raise ValueError(f"config.json {field} = {json.dumps(hf.get(field))}: {why}; this project trains Llama "
@@ -677,12 +676,10 @@ def chunk_lengths(seq_len: int, chunks: int, config: LlamaConfig, how: str = "ev
     if how != "compute":
         raise ValueError(f"--chunk-split {how}: give even or compute")
     linear, attention = 6 * parameter_counts(config)["layer"], 6 * config.num_attention_heads * config.head_dim
-    total = linear * seq_len + attention * seq_len * (seq_len + 1)
-    ends = []
+    total, ends = linear * seq_len + attention * seq_len * (seq_len + 1), []
     for j in range(1, chunks):  # attention x^2 + (linear + attention) x = j/chunks of the total
         b = linear + attention
-        x = (-b + math.sqrt(b * b + 4 * attention * total * j / chunks)) / (2 * attention)
-        x = round(x / multiple) * multiple
+        x = round((-b + math.sqrt(b * b + 4 * attention * total * j / chunks)) / (2 * attention) / multiple) * multiple
         ends.append(min(max(x, (ends[-1] if ends else 0) + multiple), seq_len - (chunks - j) * multiple))
     ends.append(seq_len)
     return [end - start for start, end in zip([0] + ends, ends)]
