@@ -760,9 +760,8 @@ def from_sizes(sizes: list[int]) -> list[range]:
 
 
 def balanced(num_layers: int, num_stages: int, costs: dict[str, float]) -> list[range]:
-    """The contiguous layout whose slowest stage costs least (stage_costs). Every stage between the first and the
-    last holds at least one layer; those two may hold none, but only where that makes the slowest stage faster.
-    Of the layouts as fast, the most even: the second slowest stage the cheapest, then the third, and so on."""
+    """The contiguous layout whose slowest stage costs least (stage_costs): inner stages hold layers, the ends none only
+    where that is faster. Of those as fast, the most even: the second slowest cheapest, then the third..."""
     return from_sizes(_balanced_sizes(num_layers, num_stages, costs["layer"], costs["embed"], costs["head"]))
 
 
@@ -903,11 +902,10 @@ CHECKPOINTING = ("none", "selective", "full")
 
 
 def checkpointing_plan(spec: str | bool, num_stages: int | None = None, stages=None) -> list[str | int]:
-    """--activation-checkpointing SPEC, one entry per stage: "none"; "selective" (a layer keeps SELECTIVE_SAVE's
-    outputs, recomputes the rest); "full" (it keeps its input, runs its forward again); or a count N (the stage's first
-    N layers full, the rest none; layout() refuses N beyond the stage's layers or, given once, the largest stage's). One
-    entry: every stage's; else one per stage, comma-separated (num_stages; None: unchecked); of `stages` alone if given
-    (a rank's). True/False: full/none (the old flag). ValueError, one line."""
+    """--activation-checkpointing SPEC, an entry per stage: "none"; "selective" (SELECTIVE_SAVE's outputs kept, the rest
+    recomputed); "full" (its input kept, its forward rerun); or a count N (its first N layers full, the rest none; at
+    most its layers: layout()). One entry for all stages, or one per stage, comma-separated (num_stages; None:
+    unchecked); of `stages` alone if given (a rank's). True/False: full/none (the old flag). ValueError, one line."""
     if isinstance(spec, bool):
         spec = "full" if spec else "none"
     entries = [int(e) if e.isdigit() else e for e in spec.split(",")]
@@ -1311,15 +1309,14 @@ class PipelineOrder:
 
 
 def merge_backwards(schedule, order: dict | None = None, stage_ranks: dict | None = None):
-    """Run an input gradient (I) and its own weight gradient (W: same stage and microbatch) next after it on the rank as
-    one backward (B) where the gradient goes to no other rank: one autograd call, not I's and W's one per weight group,
-    which walks the graph again from what I kept (on small, one stage, I + W took 1.07-1.16 x a B with or without
-    checkpointing: docs/faster-and-smaller.md). Where it goes to another rank, a B would send it after the weights'
-    part, that rank waiting W's time longer: there they stay apart (torch's _merge_bw, never called, merges every pair).
-    Stage 0 sends no gradient; where the next stage down is the rank's own (the V's turn) its backward comes after W
-    anyway. The rest as the order says (W's put off, DualPipeV's overlapped cells). order: a file's compute-only order,
-    stage_ranks its stage -> rank map; None: the schedule's own (torch's classes). Lowered again unless it is the
-    schedule's own, unmerged. A schedule without an order (GPipe, 1F1B) stays."""
+    """Run an input gradient (I) and its own weight gradient (W: same stage, microbatch) next on the rank as one
+    backward (B) where the gradient goes to no other rank: one autograd call, not I's and W's one per weight group,
+    which walks the graph again from what I kept (small, one stage: I + W 1.07-1.16 x a B, checkpointed or not;
+    docs/faster-and-smaller.md). Where it goes to another rank, a B would send it after the weights' part, that rank
+    waiting W's time longer: there they stay apart (torch's unused _merge_bw merges every pair). Stage 0 sends no
+    gradient; where the next stage down is the rank's own (the V's turn) its backward comes after W anyway. The rest as
+    the order says (W's put off, DualPipeV's overlapped cells). order: a file's order, stage_ranks its stage -> rank
+    map; None: the schedule's own (torch's classes), lowered again only if merged. No order (GPipe, 1F1B): as is."""
     own, order = order is None, order or getattr(schedule, "pipeline_order", None)
     if order is None or not isinstance(schedule, _PipelineScheduleRuntime):
         return schedule
