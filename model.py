@@ -3,9 +3,8 @@
 First the model (config, rotary embedding, packed documents' masks, sequence chunks' keys and values, decoder layers,
 initial weights, the loss) in Hugging Face Llama's math and tensor names (``base_model.`` for its ``model.``: weights
 move between the two by renaming one prefix). After a divider: presets and Hugging Face configs, costs, sequence chunks,
-pipeline layouts, parallelizing a stage (tensor parallelism, activation checkpointing, compile, FSDP2), tied embeddings
-across stages, clipping, pipeline orders run by torch's runtime (--schedule FILE.csv, or made for sequence chunks),
-gradient accumulation under torch's schedules, and a forward-only pass where torch's eval() cannot run.
+pipeline layouts, parallelizing a stage, tied embeddings across stages, clipping; after another, torch's schedules
+extended (orders from a file or for sequence chunks, gradient accumulation, forward-only evaluation).
 
 A pipeline stage is the model trimmed (keep_only): layers in a ModuleDict keyed by global index, forward skips what a
 stage lacks, no module passed into another's forward (the tracer needs that), and every tensor's initial value drawn
@@ -950,12 +949,11 @@ def _checkpointed(forward, selective: bool = False):
 
 
 def _saved_ops() -> frozenset:
-    """SELECTIVE_SAVE: torchtitan's selective policy (op level). Kept: matmul outputs (a layer's seven projections:
-    aten.mm under F.linear); attention's (CPU's flash kernel; CUDA's flash, efficient, cuDNN; on a GPU under
-    --document-masking FlexAttention's op, as torchtitan: not run here, no CPU backward); with --tp sequence
-    parallelism's reduce-scatters (torchtitan's choice). Recomputed: norms, RoPE, SiLU and product, residual adds,
-    casts, views, all-gathers and all-reduces (as full checkpointing). torchtitan recomputes every second mm; this keeps
-    all (the issue's policy): less recomputation, more memory (plan.py counts it)."""
+    """SELECTIVE_SAVE: torchtitan's selective policy (op level). Kept: matmul outputs (a layer's seven projections'
+    aten.mm), attention's (the SDPA kernels below; FlexAttention's op on a GPU, as torchtitan: not run here, no CPU
+    backward), and with --tp sequence parallelism's reduce-scatters (torchtitan's choice). Recomputed: norms, RoPE, SiLU
+    and product, residual adds, casts, views, all-gathers and all-reduces (as full checkpointing). torchtitan recomputes
+    every second mm; this keeps all (the issue's policy): less recomputation, more memory (plan.py counts it)."""
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     names = [(aten, "mm"), (aten, "addmm"), (aten, "bmm"), (aten, "_scaled_dot_product_flash_attention_for_cpu"),
              (aten, "_scaled_dot_product_flash_attention"), (aten, "_scaled_dot_product_efficient_attention"),
