@@ -163,13 +163,12 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask
 # Sequence chunks (--seq-chunks, Seq1F1B): the keys and values of a sequence's earlier chunks
 #
 # A sequence cut into S chunks runs as S forward calls in order and S backward calls last chunk first (Seq1F1B, Sun et
-# al., arXiv 2406.03488): a pipeline holds chunks in flight, not sequences. Exact: chunk j's queries attend to the keys
-# and values of chunks 0..j, which each attention layer keeps per (sequence, chunk) in kv_chunks, outside autograd, so
-# chunk j's backward does not run the earlier chunks' (their own calls do, later): the gradient it gives them is summed
-# in their entry, which chunk i's backward adds to its own (_ChunkKV): no gradient stops at a chunk boundary. That node
-# lies between the chunk's output and input, so a backward of the input alone (zero-bubble's I) runs it too. Held: each
-# entry until its chunk's backward; chunk j's attention saves its whole prefix (a copy: SDPA takes it whole) unless its
-# layer is checkpointed. A later chunk of one stream takes its places as positions (one document's mask).
+# al., arXiv 2406.03488): a pipeline holds chunks in flight, not sequences. Exact: chunk j's queries attend to chunks
+# 0..j's keys and values, kept per (sequence, chunk) in each attention layer's kv_chunks, outside autograd, so chunk j's
+# backward runs no earlier chunk's (their own calls do, later): the gradient it gives them is summed in their entry,
+# which chunk i's backward adds to its own (_ChunkKV): no gradient stops at a chunk boundary. On the output-to-input
+# path, that node runs in an input-only backward (zero-bubble's I) too. Held: each entry until its chunk's backward;
+# chunk j's attention saves its whole prefix (a copy: SDPA takes it whole) unless its layer is checkpointed.
 #
 # The chunk travels as a keyword, chunk=SeqChunk(...), to every layer's attention, as positions do (through torch's
 # PipelineStage, the hand-written schedule and activation checkpointing's recompute; a context around the stage's call
@@ -411,10 +410,9 @@ class LlamaForPretraining(nn.Module):
 
 @torch.no_grad()
 def init_tensor_(name: str, tensor: Tensor, seed: int, config: LlamaConfig) -> None:
-    """Initialize one parameter or buffer in place from its full-model name alone: Linear and embedding weights ~ N(0,
-    initializer_range) as in HF Llama, norm weights 1, RoPE's recomputed. Each draws from its own generator, seeded by
-    (seed, module name), whatever other tensors this process holds, in any order: any split, by hand or traced, starts
-    alike. A DTensor (a tp and/or FSDP2 shard) gets its block of the whole tensor, drawn then freed."""
+    """Initialize one parameter or buffer in place from its full-model name alone, as HF Llama does. Each draws from its
+    own generator, seeded by (seed, module name), whatever else this process holds, in any order: any split, by hand or
+    traced, starts alike. A DTensor (a tp and/or FSDP2 shard) gets its block of the whole tensor, drawn then freed."""
     if isinstance(tensor, DTensor):
         whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
         init_tensor_(name, whole, seed, config)
