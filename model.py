@@ -351,9 +351,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor | None = None, chunk: SeqChunk | None = None) -> Tensor:
         # The first stage gets token ids [batch, seq], later ones hidden states [batch, seq, hidden]. Every stage gets
-        # the same positions, the whole sequence's whatever tp shards, and builds their mask once for all its layers
-        # (none on a stage of no layer). chunk: x is that chunk of its sequences (positions the chunk's; a later chunk
-        # of one stream's, its places, so its mask is built once too).
+        # the same positions (--document-masking), the whole sequence's whatever tp shards, and builds their mask once
+        # for all its layers (a block mask on a GPU; none on a stage of no layer). chunk: x is that chunk of its
+        # sequences (positions the chunk's; a later chunk of one stream's, its places, so its mask is built once too).
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         if positions is None and chunk is not None and chunk.index > 0:
             positions = torch.arange(chunk.offset, chunk.offset + chunk.length, device=x.device).expand(len(x), -1)
