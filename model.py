@@ -710,10 +710,9 @@ def cut_sequences(inputs: Tensor, targets: Tensor, positions: Tensor | None, len
 # ----------------------------------------------------------------------------------------------------------
 # Cutting the layers into pipeline stages
 #
-# A pipeline runs at the pace of its slowest stage, which every other stage waits for each microbatch. An even cut
-# ignores that the last stage also computes the head and the loss over the whole vocabulary (about 4.6 decoder layers
-# of work on the tiny model, 1.8 on llama-8b with its 128k vocabulary) and the first the embedding. The balanced
-# layout takes the contiguous boundaries that minimize the slowest stage's forward + backward cost per token:
+# A pipeline runs at its slowest stage's pace: the others wait for it each microbatch. Even cuts ignore the last stage's
+# head and loss over the whole vocabulary (4.6 layers' work on tiny, 1.8 on llama-8b's 128k vocabulary) and the first's
+# embedding. The balanced layout's contiguous boundaries minimize the slowest stage's forward + backward cost per token:
 #
 #     layer  6 N_layer + 12 H Q T   N_layer weights, 3 multiplies each (2 in backward), attention over T (PaLM)
 #     head   6 h V                  the projection to the vocabulary (the loss itself is a few ops per logit)
