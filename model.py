@@ -343,10 +343,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config) for i in range(config.num_hidden_layers)})
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # True (the tracer: traced whole, then split): each layer builds its own document mask. Built before a stage's
-        # first layer, it would fall in the stage before (pipeline() cuts before the layer) and cross; cut after the
-        # module before, the graph would take positions before the activations, which torch 2.13 hands a later stage
-        # first (positions by keyword).
+        # True (the tracer, traced whole then split): each layer builds its own mask. Built before a stage's first
+        # layer, it would fall in the stage before (pipeline() cuts there) and cross; cut after the one before, the
+        # graph would take positions first, yet torch 2.13 hands a later stage activations first (positions by keyword).
         self.mask_in_each_layer = False
 
     def forward(self, x: Tensor, positions: Tensor | None = None, chunk: SeqChunk | None = None) -> Tensor:
