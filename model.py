@@ -925,9 +925,8 @@ def layer_checkpointing(entry: str | int, layers: int) -> list[str]:
 
 
 def checkpoint_layers(modules, how: str | int | list = "full") -> None:
-    """Activation checkpointing of each decoder layer as `how` says (a checkpointing_plan entry for every module, or a
-    list of one per module), on the layer modules, so on traced stages too. Non-reentrant torch.utils.checkpoint:
-    FSDP's hooks and autocast work inside; the same ops, so the same numbers, bit for bit."""
+    """Checkpoint each decoder layer as `how` says (a checkpointing_plan entry for all modules, or a list of one each)
+    with checkpoint_once: FSDP's hooks and autocast work inside; same ops, same numbers, bit for bit."""
     seen = set()
     for module, entry in zip(modules, how if isinstance(how, list) else [how] * len(modules)):
         layers = [layer for layer in decoder_layers([module]) if id(layer) not in seen]
