@@ -1135,11 +1135,10 @@ def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_par
 
 
 def materialize(modules: list[nn.Module], config: LlamaConfig, device: torch.device, seed: int) -> None:
-    """Allocate a rank's stage modules, built and parallelized on meta (as torchtitan), and initialize each tensor
-    (init_tensor_): the same weights, bit for bit, at any layout. to_empty allocates the rank's shards, then
-    init_tensor_ draws a whole tensor at a time: a rank holds at most its shards and largest whole tensor (plan.py's
-    start-up peak). llama-70b at pp 4 x dp 2 x tp 8 (2 stages a rank): 8.2 GiB on rank 0 (4.3 of shards, 3.9 of the head
-    drawn whole), not 68 GiB as when allocated whole before tp and FSDP2."""
+    """Allocate a rank's stage modules (built, parallelized on meta as torchtitan) and initialize each tensor
+    (init_tensor_: the same weights, bit for bit, at any layout). A rank holds at most its shards (to_empty) and largest
+    whole tensor (drawn one at a time): plan.py's start-up peak. llama-70b at pp 4 x dp 2 x tp 8 (2 stages a rank):
+    8.2 GiB on rank 0 (4.3 of shards, 3.9 of the head drawn whole), not 68 GiB as whole stages before tp and FSDP2."""
     for module in modules:
         holders = {}  # each parameter's places (module, name): a tied one has two
         for owner in module.modules():
