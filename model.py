@@ -162,13 +162,13 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask
 # ----------------------------------------------------------------------------------------------------------
 # Sequence chunks (--seq-chunks, Seq1F1B): the keys and values of a sequence's earlier chunks
 #
-# A sequence cut into S chunks runs as S forward calls in order and S backward calls last chunk first (Seq1F1B, Sun et
-# al., arXiv 2406.03488): a pipeline holds chunks in flight, not sequences. Exact: chunk j's queries attend to chunks
-# 0..j's keys and values, kept per (sequence, chunk) in each attention layer's kv_chunks, outside autograd, so chunk j's
-# backward runs no earlier chunk's (their own calls do, later): the gradient it gives them is summed in their entry,
-# which chunk i's backward adds to its own (_ChunkKV): no gradient stops at a chunk boundary. On the output-to-input
-# path, that node runs in an input-only backward (zero-bubble's I) too. Held: each entry until its chunk's backward;
-# chunk j's attention saves its whole prefix (a copy: SDPA takes it whole) unless its layer is checkpointed.
+# A sequence cut into S chunks runs as S forward calls in order, S backward calls last chunk first (Seq1F1B, Sun et al.,
+# arXiv 2406.03488): a pipeline holds chunks in flight, not sequences. Exact: chunk j's queries attend to chunks 0..j's
+# keys and values, kept per (sequence, chunk) in each attention layer's kv_chunks, outside autograd, so chunk j's
+# backward runs no earlier chunk's (their own calls do, later): its gradient for them is summed in their entry, which
+# chunk i's backward adds to its own (_ChunkKV): no gradient stops at a chunk boundary. On the output-to-input path,
+# that node runs in an input-only backward (zero-bubble's I) too. Held: an entry until its chunk's backward; chunk j's
+# attention saves its whole prefix (a copy: SDPA takes it whole) unless its layer is checkpointed.
 #
 # The chunk travels as a keyword, chunk=SeqChunk(...), to every layer's attention, as positions do (through torch's
 # PipelineStage, the hand-written schedule and activation checkpointing's recompute; a context around the stage's call
