@@ -501,7 +501,6 @@ def config_from_preset(name: str, vocab_size: int, num_layers: int | None = None
 # Hugging Face Llama: config.json -> LlamaConfig (export.hf_config writes one), and tensor names
 #
 # Same math, names (but one prefix) and RoPE layout (rotate-half) as transformers' LlamaForCausalLM: no permutation.
-
 OURS, THEIRS = "base_model.", "model."
 # transformers' LlamaConfig defaults, for fields a config.json leaves out (configuration_llama.py).
 HF_DEFAULTS = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
@@ -1454,12 +1453,12 @@ def step_chunks(schedule, inputs, targets, positions, losses: list, train: bool 
 # Gradient accumulation (--accumulate K) under torch's schedules
 
 def accumulate_into(schedule, step: int, steps: int) -> None:
-    """Before schedule step `step` (from 0) of the `steps` an optimizer step takes. torch ends each schedule step in
-    every stage's perform_reduce_grad: FSDP2's reduce-scatter of its gradients, then their division by the microbatches
-    (scale_grads). Run K times, that would reduce-scatter K times and divide the first steps' sums again at each later
-    step (torchtitan #1733's moving average). So the first K - 1 steps skip it: their backwards run with FSDP's gradient
-    sync off and parameters unsharded (torch's stage sets both for all but a step's last backward), so gradients add up;
-    the last reduce-scatters the sum once, divided by all K x m microbatches. K = 1: torch's own path."""
+    """Before schedule step `step` (from 0) of an optimizer step's `steps`. torch ends each in every stage's
+    perform_reduce_grad: FSDP2's reduce-scatter, then division by the microbatches (scale_grads); K times, that would
+    reduce-scatter K times and divide the first steps' sums again at each later step (torchtitan #1733's moving
+    average). So the first K - 1 skip it: their backwards already run with FSDP's gradient sync off, parameters
+    unsharded (torch's stage sets both for all but a step's last backward), so gradients add up; the last
+    reduce-scatters the sum once, divided by all K x m microbatches. K = 1: torch's own path."""
     for stage in getattr(schedule, "_stages", None) or [schedule._stage]:  # a multi-stage schedule's, or the one
         vars(stage).pop("perform_reduce_grad", None)  # the previous step's choice undone: torch's method again
         if step < steps - 1:
