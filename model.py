@@ -110,7 +110,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # (attention_mask): no mask object crosses a stage or goes through the schedules' autograd (torchtitan #1723, #3584).
 
 def document_positions(input_ids: Tensor, bos_id: int) -> Tensor:
-    """Each token's position in its document [batch, seq]: 0 at every bos and (a document's tail) the window's start."""
+    """Each token's position in its document [batch, seq], from 0 at every bos and at the window's start (a tail)."""
     index = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
     return index - torch.where(input_ids == bos_id, index, 0).cummax(-1).values  # minus where the document began
 
@@ -376,7 +376,7 @@ class LlamaForPretraining(nn.Module):
 
     def tie_weights(self) -> None:
         """With tie_word_embeddings, the head uses the embedding's matrix where this module holds both (a stage of one
-        keeps its copy, kept equal by TiedEmbedding). to_empty() parts shared parameters: call this again after it."""
+        keeps its copy, kept equal by TiedEmbedding). to_empty() unties shared parameters: call this again after it."""
         if self.config.tie_word_embeddings and self.base_model.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.base_model.embed_tokens.weight
 
@@ -518,7 +518,7 @@ MAX_SIZE, MAX_LAYERS = 2 ** 31 - 1, 256
 
 
 def config_from_hf(hf: dict) -> LlamaConfig:
-    """A config.json's LlamaConfig; what model.py does not compute, or a size no model has: ValueError, the field."""
+    """A config.json's LlamaConfig; ValueError, naming the field, for what model.py does not compute or no model has."""
     if not isinstance(hf, dict):
         shown = json.dumps(hf)
         raise ValueError(f"config.json is {shown if len(shown) <= 40 else shown[:37] + '...'}, not an object of fields")
@@ -897,8 +897,8 @@ CHECKPOINTING = ("none", "selective", "full")
 
 def checkpointing_plan(spec: str | bool, num_stages: int | None = None, stages=None) -> list[str | int]:
     """--activation-checkpointing SPEC, an entry per stage: "none"; "selective" (SELECTIVE_SAVE's outputs kept, the rest
-    recomputed); "full" (its input kept, its forward rerun); or a count N (its first N layers full, the rest none; at
-    most its layers: layout()). One entry for all stages, or one per stage, comma-separated (num_stages; None:
+    recomputed); "full" (a layer's input kept, its forward rerun); or a count N (a stage's first N layers full, the rest
+    none; at most its layers: layout()). One entry for all stages, or one per stage, comma-separated (num_stages; None:
     unchecked); of `stages` alone if given (a rank's). True/False: full/none (the old flag). ValueError, one line."""
     if isinstance(spec, bool):
         spec = "full" if spec else "none"
@@ -1098,9 +1098,9 @@ def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool
     if model.lm_head is not None:  # the loss gathers each piece of the sequence it takes (chunked_loss)
         parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(
             input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False))
-    # A gradient laid out unlike its weight: the embedding's (no DTensor row-wise rule for its backward: the whole
-    # [vocab, hidden] on each rank) takes its weight's layout once accumulated (a slice) for the tied copy's sum, and
-    # norms' partial sums (sequence pieces) wait for sum_partial_grads: clipping and AdamW see weight layouts.
+    # A gradient laid out unlike its weight: the embedding's (no DTensor row-wise rule for its backward: each rank the
+    # whole [vocab, hidden]) takes its weight's layout once accumulated (a slice, no message) for the tied copy's sum,
+    # and norms' partial sums (sequence pieces) wait for sum_partial_grads: clipping and AdamW see weight layouts.
     for param in model.parameters():
         if isinstance(param, DTensor):
             param.register_post_accumulate_grad_hook(_grad_as_weight)
