@@ -428,14 +428,11 @@ def init_tensor_(name: str, tensor: Tensor, seed: int, config: LlamaConfig) -> N
         module_name = name.removesuffix(".weight")
         if config.tie_word_embeddings and module_name == "lm_head":  # one matrix: the embedding's values
             module_name = "base_model.embed_tokens"
-        tensor.normal_(0.0, config.initializer_range, generator=_module_generator(seed, module_name, tensor.device))
+        digest = hashlib.sha256(f"{seed}:{module_name}".encode()).digest()  # the tensor's own generator
+        generator = torch.Generator(device=tensor.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        tensor.normal_(0.0, config.initializer_range, generator=generator)
     else:
         raise ValueError(f"no initializer for {name!r}")
-
-
-def _module_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 # ----------------------------------------------------------------------------------------------------------
