@@ -889,9 +889,6 @@ def decoder_layers(modules) -> list[nn.Module]:
     return [m for _, m in sorted(layers.values(), key=lambda pair: pair[0])]
 
 
-CHECKPOINTING = ("none", "selective", "full")
-
-
 def checkpointing_plan(spec: str | bool, num_stages: int | None = None, stages=None) -> list[str | int]:
     """--activation-checkpointing SPEC, an entry per stage: "none"; "selective" (SELECTIVE_SAVE's outputs kept, the rest
     recomputed); "full" (a layer's input kept, its forward rerun); or a count N (a stage's first N layers full, the rest
@@ -954,6 +951,7 @@ def _saved_ops() -> frozenset:
 
 
 SELECTIVE_SAVE = _saved_ops()
+CHECKPOINTING = ("none", "selective", "full")  # checkpointing_plan's modes
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
