@@ -370,7 +370,7 @@ class LlamaForPretraining(nn.Module):
         self.base_model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # True: forward stops at the final norm; the loss applies the head a piece of the sequence at a time
-        # (chunked_loss), never making the whole [batch, seq, vocab] logits. The head is trained, sharded, saved as ever.
+        # (chunked_loss), never making the whole [batch, seq, vocab] logits. The head is still trained, sharded, saved.
         self.head_in_loss = False
         self.tie_weights()
 
