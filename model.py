@@ -1486,4 +1486,3 @@ def forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, d
                 sends += message(dist.isend, out.contiguous(), s + 1)  # waited for at the end
     for work in sends:
         work.wait()
-
