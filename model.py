@@ -201,7 +201,6 @@ class _ChunkKV(torch.autograd.Function):
     """A chunk's k, v [batch, kv_heads, length, head_dim] -> its sequence's up to it. Forward keeps them for later
     chunks (the last chunk has no reader), not in a checkpointed layer's recompute (in a backward the entry is there or
     freed). Backward gives earlier chunks' entries their gradient, adds later ones' to its own, frees it."""
-
     @staticmethod
     def forward(ctx, k, v, cache: dict, chunk: SeqChunk, tracked: bool):
         prefix = [cache[chunk.sequence, i] for i in range(chunk.index)]
@@ -337,7 +336,6 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm; any of them may be missing on a pipeline stage."""
-
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
