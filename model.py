@@ -1,17 +1,14 @@
 """The Llama model the training scripts train, and what they and the tools use around it.
 
-First the model: its config, rotary embedding, the masks of packed documents, sequence chunks' keys and values
-(Seq1F1B), decoder layers, the model classes, initial weights and the loss, in Hugging Face Llama's math and tensor
-names (``base_model.`` for its ``model.``: weights move between the two by renaming one prefix). Then, after a
-divider: presets and Hugging Face configs, costs, cutting sequences into chunks, pipeline layouts, how a stage is
-parallelized (tensor parallelism, activation checkpointing, compile, FSDP2), tied embeddings across stages, gradient
-clipping, pipeline orders run by torch's own runtime (read from a file, --schedule FILE.csv, or made for sequence
-chunks), gradient accumulation under torch's schedules, and a forward-only pass where torch's eval() cannot run.
+First the model (config, rotary embedding, packed documents' masks, sequence chunks' keys and values, decoder layers,
+initial weights, the loss) in Hugging Face Llama's math and tensor names (``base_model.`` for its ``model.``: weights
+move between the two by renaming one prefix). After a divider: presets and Hugging Face configs, costs, sequence chunks,
+pipeline layouts, parallelizing a stage, tied embeddings across stages, clipping; after another, torch's schedules
+extended (orders from a file or for sequence chunks, gradient accumulation, forward-only evaluation).
 
-A pipeline stage is the model trimmed (keep_only): layers in a ModuleDict keyed by global index, forward skips
-what a stage lacks, no module passed into another's forward (the tracer needs that), and every tensor's initial
-value drawn from its full-model name alone (init_tensor_), so that any split starts from the same weights.
-"""
+A pipeline stage is the model trimmed (keep_only): layers in a ModuleDict keyed by global index, forward skips what a
+stage lacks, no module passed into another's forward (the tracer needs that), and every tensor's initial value drawn
+from its full-model name alone (init_tensor_), so that any split starts from the same weights."""
 
 import collections
 import csv
@@ -53,9 +50,7 @@ class LlamaConfig:
     initializer_range: float = 0.02
     head_dim: int | None = None  # size of each attention head; None: hidden_size / num_attention_heads
     tie_word_embeddings: bool = False  # the head is the embedding matrix (Llama 3.2 1B and 3B, SmolLM)
-    # Llama 3.1+ long-context RoPE: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"}; None: plain RoPE.
-    rope_scaling: dict | None = None
+    rope_scaling: dict | None = None  # Llama 3.1+ long-context RoPE (config_from_hf's llama3 keys); None: plain RoPE
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -76,9 +71,8 @@ def rope_inv_freq(config: LlamaConfig, device=None) -> Tensor:
     inv_freq = 1.0 / (config.rope_theta ** exponents)
     if config.rope_scaling is None:
         return inv_freq
-    # Llama 3.1's long-context adjustment (as transformers computes it): wavelengths shorter than
-    # original_max / high_freq_factor stay, those longer than original_max / low_freq_factor are slowed down
-    # by `factor`, and the ones between are interpolated smoothly.
+    # Llama 3.1's long-context scaling (as transformers computes it): wavelengths under original_max / high_freq_factor
+    # stay, those over original_max / low_freq_factor slow by `factor`, those between are interpolated smoothly.
     factor, low, high, context = (config.rope_scaling[key] for key in (
         "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))
     wavelength = 2 * math.pi / inv_freq
@@ -91,10 +85,8 @@ def rope_inv_freq(config: LlamaConfig, device=None) -> Tensor:
 
 def rope_tables(inv_freq: Tensor, seq_len: int, dtype: torch.dtype,
                 positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    # Positions start at 0: every stage sees whole sequences, so each one can rebuild the same tables from the
-    # sequence length alone and nothing but hidden states has to travel between stages. With packed documents,
-    # positions [batch, seq] (document_positions) restart with each document: tables [batch, 1, seq, head_dim].
-    # The tables are computed in fp32 and only then cast, as in HF, so bf16 runs rotate by the same angles.
+    # Positions from 0: each stage (whole sequences) rebuilds the tables from the length alone, so only hidden states
+    # travel. Document positions: tables [batch, 1, seq, head_dim]. fp32, then cast (as HF): bf16 rotates alike.
     if positions is None:
         angles = torch.outer(torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32), inv_freq.float())
     else:  # the same products, a row per sequence
@@ -112,25 +104,21 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------------------------------------
 # Packed documents kept apart (--document-masking)
 #
-# The token files hold documents one after another (bos, ids, eos) and a window cuts across them. Kept apart, a token
-# attends only to the earlier tokens of its own document and its rotary position counts from the document's start: it
-# computes what it computes alone. What carries the boundaries is each token's position in its document, plain integers
-# [batch, seq]: a pipeline schedule cuts them into microbatches with the tokens and hands every stage its microbatch's.
-# Each stage builds the mask from them once (attention_mask, in its forward) and hands it to each of its layers. No mask
-# object crosses a stage or goes through the schedules' autograd (torchtitan #1723, #3584).
+# Token files hold documents back to back (bos, ids, eos); a window cuts across them. Kept apart, a token attends only
+# to its document's earlier tokens, its rotary position from the document's start: as if alone. Boundaries travel as
+# positions in documents, [batch, seq] integers a schedule cuts with the tokens; each stage builds the mask once
+# (attention_mask): no mask object crosses a stage or goes through the schedules' autograd (torchtitan #1723, #3584).
 
 def document_positions(input_ids: Tensor, bos_id: int) -> Tensor:
-    """Each token's position in its document [batch, seq]: 0 at every bos, then counting up; a window's tokens
-    before its first bos are the tail of a document, counted from 0 too."""
+    """Each token's position in its document [batch, seq], from 0 at every bos and at the window's start (a tail)."""
     index = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
     return index - torch.where(input_ids == bos_id, index, 0).cummax(-1).values  # minus where the document began
 
 
 def document_mask_mod(positions: Tensor, offset: int = 0):
-    """FlexAttention's mask_mod of packed documents: query q sees key k when k is q or before it, and no earlier
-    than q's document's first token. Evaluated on index grids it is also the dense mask (document_mask).
-    offset: the queries are a sequence's chunk from token `offset` on (SeqChunk), the keys its tokens from 0 on:
-    query q is token offset + q, and its document may have begun in an earlier chunk (its position says where)."""
+    """FlexAttention's mask_mod of packed documents: query q sees key k at or before it, not before its document's
+    start; on index grids, document_mask. offset: the queries are a chunk from token `offset` on (SeqChunk), the keys
+    the sequence's from 0: query q is token offset + q, its document maybe begun in an earlier chunk."""
     starts = offset + torch.arange(positions.shape[-1], device=positions.device) - positions  # each document start
 
     def mask_mod(b, h, q, k):
@@ -151,10 +139,8 @@ def _compiled_flex():  # compiled on first use (torch.compile costs seconds to s
 
 
 def attention_mask(positions: Tensor, offset: int = 0) -> Tensor | BlockMask:
-    """What every attention layer of a stage takes of a microbatch's positions [batch, seq], built once by the stage
-    (LlamaModel.forward) for all its layers, and not again in a checkpointed layer's recompute: on a GPU,
-    FlexAttention's BlockMask (which blocks of keys each block of queries sees); elsewhere the dense mask. offset:
-    a chunk's, whose queries see the keys of the sequence's earlier chunks too (document_mask_mod)."""
+    """A stage's mask for all its layers (built once by LlamaModel.forward, not in recomputes) from positions: on a GPU
+    FlexAttention's BlockMask (which key blocks each query block sees), else the dense mask. offset: a chunk's."""
     if positions.is_cuda:
         (batch, seq), mask_mod = positions.shape, document_mask_mod(positions, offset)
         return _compiled_flex()[0](mask_mod, batch, None, seq, offset + seq, device=positions.device)
@@ -162,10 +148,9 @@ def attention_mask(positions: Tensor, offset: int = 0) -> Tensor | BlockMask:
 
 
 def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask) -> Tensor:
-    """Attention of q [batch, heads, seq, head_dim] within documents, mask attention_mask's. On a GPU, FlexAttention
-    compiled: one fused kernel that skips the blocks of keys no query of theirs may see (with several documents a
-    window, fewer FLOPs than causal). Elsewhere (torch 2.13's FlexAttention has no CPU backward) SDPA with the
-    dense mask [batch, 1, seq, seq] from the same mask_mod, whose masked scores weigh exactly 0."""
+    """Attention of q [batch, heads, seq, head_dim] within documents (mask: attention_mask's). On a GPU, compiled
+    FlexAttention: one fused kernel skipping key blocks no query there may see (several documents a window: fewer FLOPs
+    than causal). Elsewhere (torch 2.13's FlexAttention has no CPU backward) SDPA, dense mask: masked scores weigh 0."""
     if isinstance(mask, BlockMask):  # a compiled layer takes it as an input: one graph for every microbatch's
         return _compiled_flex()[1](q, k, v, block_mask=mask, enable_gqa=True)
     if not q.is_cpu:  # traced on meta (the tracer), run on a GPU: CUDA's fused kernels take a mask, but with it
@@ -177,22 +162,18 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask
 # ----------------------------------------------------------------------------------------------------------
 # Sequence chunks (--seq-chunks, Seq1F1B): the keys and values of a sequence's earlier chunks
 #
-# A sequence cut into S consecutive chunks runs as S forward calls in order and S backward calls, last chunk first
-# (Seq1F1B, Sun et al., arXiv 2406.03488): a pipeline then holds chunks in flight, not whole sequences. Exact:
-# chunk j's queries attend to the keys and values of its sequence's chunks 0..j, which each attention layer keeps
-# per (sequence, chunk) in its kv_chunks, outside autograd, so that chunk j's backward does not run the earlier
-# chunks' (their own calls do, later); the gradient it gives them is summed in their entry, and chunk i's backward
-# adds it to its own keys' and values' (_ChunkKV): no gradient stops at a chunk boundary. That node lies on the
-# path from the chunk's output to its input, so a backward of the input alone (zero-bubble's I) runs it too. Held:
-# each entry is its chunk's own keys and values until that chunk's backward; chunk j's attention saves its whole
-# prefix's (a copy: SDPA takes them whole), unless its layer is checkpointed. A later chunk of one stream takes its
-# places in the sequence as positions: its mask over the earlier chunks is one document's (document_mask_mod).
+# A sequence cut into S chunks runs as S forward calls in order, S backward calls last chunk first (Seq1F1B, Sun et al.,
+# arXiv 2406.03488): a pipeline holds chunks in flight, not sequences. Exact: chunk j's queries attend to chunks 0..j's
+# keys and values, kept per (sequence, chunk) in each attention layer's kv_chunks, outside autograd, so chunk j's
+# backward runs no earlier chunk's (their own calls do, later): its gradient for them is summed in their entry, which
+# chunk i's backward adds to its own (_ChunkKV): no gradient stops at a chunk boundary. On the output-to-input path,
+# that node runs in an input-only backward (zero-bubble's I) too. Held: an entry until its chunk's backward; chunk j's
+# attention saves its whole prefix (a copy: SDPA takes it whole) unless its layer is checkpointed.
 #
-# The chunk travels as a keyword argument, chunk=SeqChunk(...), to every layer's attention, as positions do: torch's
-# PipelineStage hands each microbatch's keywords to the stage's forward, the hand-written schedule passes them
-# itself, activation checkpointing to the recompute (a context around the stage's call would need a hook per
-# microbatch that torch's runtime lacks). torch 2.13's step() hands a non-tensor keyword to every microbatch alike:
-# the chunks go in pre-cut (step_chunks). With tp the entries hold the rank's heads, a chunk's whole length.
+# The chunk travels as a keyword, chunk=SeqChunk(...), to every layer's attention, as positions do (through torch's
+# PipelineStage, the hand-written schedule and activation checkpointing's recompute; a context around the stage's call
+# would need a per-microbatch hook torch's runtime lacks). torch 2.13's step() hands a non-tensor keyword to every
+# microbatch alike: chunks go in pre-cut (step_chunks). Under tp entries hold the rank's heads, the whole chunk.
 
 @dataclasses.dataclass(frozen=True)
 class SeqChunk:
@@ -217,10 +198,9 @@ class _ChunkEntry:
 
 
 class _ChunkKV(torch.autograd.Function):
-    """A chunk's k, v [batch, kv_heads, length, head_dim] -> its sequence's up to it. Forward keeps them for the later
-    chunks (the last chunk's has no reader), not in a checkpointed layer's recompute (in a backward: the entry is there
-    or freed). Backward gives the earlier chunks' entries their gradient, adds the later ones' to its own, frees it."""
-
+    """A chunk's k, v [batch, kv_heads, length, head_dim] -> its sequence's up to it. Forward keeps them for later
+    chunks (the last chunk has no reader), not in a checkpointed layer's recompute (in a backward the entry is there or
+    freed). Backward gives earlier chunks' entries their gradient, adds later ones' to its own, frees it."""
     @staticmethod
     def forward(ctx, k, v, cache: dict, chunk: SeqChunk, tracked: bool):
         prefix = [cache[chunk.sequence, i] for i in range(chunk.index)]
@@ -268,10 +248,9 @@ def chunk_keys_values(cache: dict, chunk: SeqChunk, k: Tensor, v: Tensor, ctx=No
 
 @torch.library.custom_op("llama::chunk_kv", mutates_args=())
 def traced_chunk_kv(k: Tensor, v: Tensor, chunk: Tensor, layer: int, keys: int) -> tuple[Tensor, Tensor]:
-    """chunk_keys_values in a graph traced whole (the tracer's: torch.export keeps this op whole, and no SeqChunk or
-    dict passes): chunk, a SeqChunk's fields; layer, a kv_key. The keys and values come padded with zeros to `keys`,
-    the sequence's length: one shape for every chunk (the mask hides them). Autograd: _ChunkKV's forward (run here;
-    training's setup_context takes its ctx next) and backward."""
+    """chunk_keys_values in a graph traced whole (the tracer's: torch.export keeps the op whole, passes no SeqChunk
+    or dict): chunk, a SeqChunk's fields; layer, a kv_key. k, v come zero-padded to `keys`, the sequence's length:
+    one shape for all chunks (the mask hides the pad). Autograd: _ChunkKV's (forward here; setup_context takes ctx)."""
     ctx = traced_chunk_kv.pending = torch.autograd.function.FunctionCtx()
     k, v = chunk_keys_values(LlamaAttention.kv_caches[layer], SeqChunk(*chunk.tolist()), k, v, ctx)
     ctx.length = k.shape[2]  # the prefix's and the chunk's keys: what the backward splits
@@ -304,9 +283,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor | None = None, mask: Tensor | BlockMask | None = None,
                 chunk: SeqChunk | Tensor | None = None) -> Tensor:
-        """x [batch, seq, hidden]; positions: each token's place in its document [batch, seq] (None: the
-        window is one sequence, causal), mask: attention_mask(positions), which the stage built for all its layers.
-        chunk: x is that chunk of its sequence, which attends to the earlier chunks' keys and values too."""
+        """x [batch, seq, hidden]; positions [batch, seq]: token places in their documents (None: causal), mask: the
+        stage's attention_mask(positions). chunk: x is that chunk, attending to its sequence's earlier chunks too."""
         batch, seq_len, _ = x.shape
         if traced := isinstance(chunk, Tensor):  # traced_chunk_kv's: positions the whole sequence's [batch, seq]
             keys = torch.arange(positions.shape[1], device=x.device)  # every key: one shape for every chunk
@@ -358,16 +336,14 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm; any of them may be missing on a pipeline stage."""
-
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config) for i in range(config.num_hidden_layers)})
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # True: each layer builds its own document mask, as when traced whole, then split into stages (the tracer).
-        # Built once before a stage's first layer, the mask would fall in the stage before (pipeline() cuts before
-        # the layer) and cross to it; cut after the module before instead, the stage's graph would take positions
-        # ahead of the activations it receives, which torch 2.13 hands a later stage first (positions by keyword).
+        # True (the tracer, traced whole then split): each layer builds its own mask. Built before a stage's first
+        # layer, it would fall in the stage before (pipeline() cuts there) and cross; cut after the one before, the
+        # graph would take positions first, yet torch 2.13 hands a later stage activations first (positions by keyword).
         self.mask_in_each_layer = False
 
     def forward(self, x: Tensor, positions: Tensor | None = None, chunk: SeqChunk | None = None) -> Tensor:
@@ -391,17 +367,14 @@ class LlamaForPretraining(nn.Module):
         self.config = config
         self.base_model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # True: forward stops at the final norm and the loss applies the head, a piece of the sequence at a time
-        # (chunked_loss), so that the whole [batch, seq, vocab] logits never exist. The head stays a part of
-        # this module all the same: its weight is trained, sharded and saved with the rest.
+        # True: forward stops at the final norm; the loss applies the head a piece of the sequence at a time
+        # (chunked_loss), never making the whole [batch, seq, vocab] logits. The head is still trained, sharded, saved.
         self.head_in_loss = False
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """With tie_word_embeddings, make the head use the embedding's matrix, when this module holds both. Only for a
-        model whose embedding and head are in one stage: stages that hold just one of them keep their own copy, which
-        the training scripts keep equal (TiedEmbedding there). to_empty() allocates shared parameters separately, so
-        call this again after it."""
+        """With tie_word_embeddings, the head uses the embedding's matrix where this module holds both (a stage of one
+        keeps its copy, kept equal by TiedEmbedding). to_empty() unties shared parameters: call this again after it."""
         if self.config.tie_word_embeddings and self.base_model.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.base_model.embed_tokens.weight
 
@@ -424,27 +397,22 @@ class LlamaForPretraining(nn.Module):
         return self
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, chunk: SeqChunk | None = None) -> Tensor:
-        """Token ids [batch, seq] -> logits [batch, seq, vocab]; hidden states on a stage without the head, or with
-        head_in_loss (chunked_loss applies it). positions: packed documents kept apart (document_positions); None: one
-        causal stream. chunk: the input is that chunk of its sequences (cut_sequences), after their earlier chunks."""
+        """Token ids [batch, seq] -> logits [batch, seq, vocab] (hidden states without the head, or with head_in_loss);
+        positions (document_positions; None: one causal stream) and chunk (cut_sequences) go to LlamaModel."""
         h = self.base_model(input_ids, positions, chunk=chunk)
         return self.lm_head(h) if self.lm_head is not None and not self.head_in_loss else h
 
     def init_weights(self, seed: int) -> None:
-        """Give every parameter and buffer its initial value, the same for a given seed on any stage layout (on real
-        devices only: call it after ``to_empty``; see ``init_tensor_``)."""
+        """Initialize every parameter and buffer, the same for a seed at any layout (init_tensor_; after to_empty)."""
         for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
             init_tensor_(name, tensor, seed, self.config)
 
 
 @torch.no_grad()
 def init_tensor_(name: str, tensor: Tensor, seed: int, config: LlamaConfig) -> None:
-    """Initialize one parameter or buffer in place, from its name in the full model alone. Linear and embedding weights
-    ~ N(0, initializer_range) as in HF Llama, norm weights = 1, RoPE frequencies recomputed. Each tensor draws from its
-    own generator seeded by (seed, module name), so its value does not depend on which other tensors exist in this
-    process or in what order they are visited: any split of the model, by hand or by a tracer, starts from the same
-    weights as long as it knows the full-model names. A DTensor (a shard of tensor parallelism, FSDP2 or both) gets its
-    piece of those same values: the whole tensor is drawn, this rank's block copied out of it, the whole freed."""
+    """Initialize one parameter or buffer in place from its full-model name alone, as HF Llama does. Each draws from its
+    own generator, seeded by (seed, module name), whatever else this process holds, in any order: any split, by hand or
+    traced, starts alike. A DTensor (a tp and/or FSDP2 shard) gets its block of the whole tensor, drawn then freed."""
     if isinstance(tensor, DTensor):
         whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
         init_tensor_(name, whole, seed, config)
@@ -461,14 +429,11 @@ def init_tensor_(name: str, tensor: Tensor, seed: int, config: LlamaConfig) -> N
         module_name = name.removesuffix(".weight")
         if config.tie_word_embeddings and module_name == "lm_head":  # one matrix: the embedding's values
             module_name = "base_model.embed_tokens"
-        tensor.normal_(0.0, config.initializer_range, generator=_module_generator(seed, module_name, tensor.device))
+        digest = hashlib.sha256(f"{seed}:{module_name}".encode()).digest()  # the tensor's own generator
+        generator = torch.Generator(device=tensor.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        tensor.normal_(0.0, config.initializer_range, generator=generator)
     else:
         raise ValueError(f"no initializer for {name!r}")
-
-
-def _module_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -506,24 +471,19 @@ def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_sh
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Around the model, for the scripts and tools: presets and Hugging Face configs, costs, cutting sequences into
-# chunks, pipeline layouts, parallelizing a stage, tied embeddings across stages, clipping.
+# Around the model, for the scripts and tools (the opening docstring lists what)
 #
-# Named shapes for --model. `small` is LlamaConfig's defaults (the size of GPT-2 small); the llama-* entries use
-# the layer shapes of the Llama 3 family (plain RoPE, no long-context frequency scaling, untied head; a real
-# checkpoint brings its own config with --init-from). The vocabulary comes from the tokenizer, not a preset.
+# --model's shapes: `small`: LlamaConfig's defaults (GPT-2 small); llama-* the Llama 3 family's layers (plain RoPE, no
+# long-context scaling, untied head; real checkpoints bring theirs: --init-from). The vocabulary: the tokenizer's.
+_LLAMA3 = dict(num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)  # every llama-* preset's
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=1024),
     "small": dict(),
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
-    "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-                     num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
-    "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                      num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
+    "llama-1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32),
+    "llama-3b": dict(_LLAMA3, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24),
+    "llama-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
+    "llama-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64),
 }
 
 
@@ -538,9 +498,7 @@ def config_from_preset(name: str, vocab_size: int, num_layers: int | None = None
 # ----------------------------------------------------------------------------------------------------------
 # Hugging Face Llama: config.json -> LlamaConfig (export.hf_config writes one), and tensor names
 #
-# model.py computes what transformers' LlamaForCausalLM computes, with the same tensor names but for one prefix
-# and the same RoPE layout (rotate-half), so weights need no permutation, only renaming.
-
+# Same math, names (but one prefix) and RoPE layout (rotate-half) as transformers' LlamaForCausalLM: no permutation.
 OURS, THEIRS = "base_model.", "model."
 # transformers' LlamaConfig defaults, for fields a config.json leaves out (configuration_llama.py).
 HF_DEFAULTS = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
@@ -552,19 +510,16 @@ def hf_name(name: str) -> str:
     return THEIRS + name[len(OURS):] if name.startswith(OURS) else name
 
 
-# The largest sizes config_from_hf takes: every tensor dimension within torch's 32-bit indexing, so plan.py's
-# sums of bytes and FLOPs stay finite; twice the deepest Llama's 126 layers, as the balanced split tries
-# layers^2 layouts (256 layers: 0.14 s for each stage count and cost that plan.py --gpus searches).
+# config_from_hf's limits: sizes within torch's 32-bit indexing (plan.py's sums of bytes and FLOPs stay finite);
+# layers: twice the deepest Llama's 126 (a balanced split tries layers^2 layouts: 0.14 s a stage count and cost).
 MAX_SIZE, MAX_LAYERS = 2 ** 31 - 1, 256
 
 
 def config_from_hf(hf: dict) -> LlamaConfig:
-    """The LlamaConfig of a Hugging Face config.json. What model.py does not compute, and a size or number that
-    no model has, is refused with a ValueError that names the field."""
+    """A config.json's LlamaConfig; ValueError, naming the field, for what model.py does not compute or no model has."""
     if not isinstance(hf, dict):
         shown = json.dumps(hf)
-        raise ValueError(f"config.json is {shown if len(shown) <= 40 else shown[:37] + '...'}, not an object of "
-                         "fields")
+        raise ValueError(f"config.json is {shown if len(shown) <= 40 else shown[:37] + '...'}, not an object of fields")
 
     def refuse(field, why):
         raise ValueError(f"config.json {field} = {json.dumps(hf.get(field))}: {why}; this project trains Llama "
@@ -597,14 +552,12 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     if not isinstance(hf.get(field) or {}, dict):
         wrong(field, hf[field], "must be an object of RoPE settings (or null)")
     rope = dict(hf.get(field) or {})
-    theta = hf.get("rope_theta", rope.pop("rope_theta", HF_DEFAULTS["rope_theta"]))
-    rope.pop("rope_theta", None)
+    theta = hf.get("rope_theta", rope.pop("rope_theta", HF_DEFAULTS["rope_theta"]))  # (popped either way)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         refuse(field, "partial rotary embeddings are not implemented")
-    if rope_type == "default":
-        scaling = None
-    elif rope_type == "llama3":
+    scaling = None  # rope_type default: plain RoPE
+    if rope_type == "llama3":
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         if any(key not in rope for key in keys):
             refuse(field, f"llama3 scaling needs {', '.join(keys)}")
@@ -614,13 +567,12 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         size(f"{field} original_max_position_embeddings", rope["original_max_position_embeddings"])
         if rope["high_freq_factor"] <= rope["low_freq_factor"]:  # the smooth band divides by their difference
             wrong(f"{field} high_freq_factor", rope["high_freq_factor"], "must exceed low_freq_factor")
-    else:
+    elif rope_type != "default":
         refuse(field, f"rope_type {rope_type} is not implemented (only default and llama3)")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        if key not in hf:
-            raise ValueError(f"config.json has no {key}")
-    sizes = {key: size(key, hf[key], MAX_LAYERS if key == "num_hidden_layers" else MAX_SIZE)
-             for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    if missing := [key for key in required if key not in hf]:
+        raise ValueError(f"config.json has no {missing[0]}")
+    sizes = {key: size(key, hf[key], MAX_LAYERS if key == "num_hidden_layers" else MAX_SIZE) for key in required}
     heads = sizes["num_attention_heads"]
     # Absent or null: transformers' defaults (as many KV heads as heads; hidden_size / heads per head).
     kv_heads = heads if hf.get("num_key_value_heads") is None else size("num_key_value_heads",
@@ -644,32 +596,30 @@ def config_from_hf(hf: dict) -> LlamaConfig:
 # What the model costs: parameters, FLOPs, MFU, and how many pieces the loss is cut into
 
 def parameter_counts(config: LlamaConfig, tp: int = 1) -> dict[str, float]:
-    """The parameters of one decoder layer ("layer"), of the embedding and of the head with the final norm, that
-    one of tp tensor-parallel ranks holds: tensor parallelism splits every matrix tp ways, each rank holds the
-    norms' gains whole. The one count that FLOPs, the layouts' costs and plan.py's memory are computed from."""
+    """Parameters of a decoder layer ("layer"), the embedding, and the head with the final norm on one of tp ranks
+    (matrices split tp ways, norms' gains whole): the one count FLOPs, layout costs and plan.py's memory come from."""
     h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads
     matrices = h * (2 * q + 2 * kv * config.head_dim) + 3 * h * config.intermediate_size  # q, o, k, v; the MLP's 3
     return {"layer": matrices / tp + 2 * h, "embed": config.vocab_size * h / tp, "head": config.vocab_size * h / tp + h}
 
 
 def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
-    """Training FLOPs per token, 6N + 12·L·H·Q·T (PaLM, appendix B): N the parameters outside the embedding
-    lookup (it does no multiply), L layers, H query heads, Q head size, T sequence length (attention)."""
+    """Training FLOPs per token, 6N + 12·L·H·Q·T (PaLM, appendix B): N the parameters but the embedding lookup's (no
+    multiply), L layers, H query heads, Q head size, T sequence length (attention)."""
     params, q = parameter_counts(config), config.num_attention_heads * config.head_dim
     n = config.num_hidden_layers * params["layer"] + params["head"]
     return 6 * n + 12 * config.num_hidden_layers * q * seq_len
 
 
-# NVIDIA's data sheets, dense (without sparsity), FLOP/s per GPU: (bf16 on tensor cores, fp32). The scripts leave
-# TF32 off (torch's default for matmuls), so an fp32 run's matmuls run at the fp32 peak, not TF32's.
+# NVIDIA's data sheets, dense FLOP/s per GPU: (bf16 on tensor cores, fp32; TF32 is off, torch's default for matmuls).
 PEAK_FLOPS = {"H100": (989.5e12, 67e12), "H100 PCIe": (756.5e12, 51e12), "H100 NVL": (835.5e12, 60e12),
               "H200": (989.5e12, 67e12), "H200 NVL": (835.5e12, 60e12), "GH200": (989.5e12, 67e12),
               "A100": (312e12, 19.5e12), "L40S": (362e12, 91.6e12), "L4": (121e12, 30.3e12)}  # H100, H200: SXM
 
 
 def peak_flops(gpu: str, dtype: torch.dtype) -> float | None:
-    """The dense peak of a GPU named as torch.cuda.get_device_name names it ("NVIDIA H100 80GB HBM3": an SXM,
-    "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB") for dtype; None for a GPU not in PEAK_FLOPS."""
+    """The dense peak for dtype of a GPU named as torch.cuda.get_device_name does ("NVIDIA H100 80GB HBM3": an SXM,
+    "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB"); None for one not in PEAK_FLOPS."""
     words = set(gpu.replace("-", " ").split())
     found = [name for name in PEAK_FLOPS if set(name.split()) <= words]  # all its words: "H100 NVL", not "L4"
     return PEAK_FLOPS[max(found, key=len)][dtype == torch.float32] if found else None  # the most specific
@@ -677,8 +627,7 @@ def peak_flops(gpu: str, dtype: torch.dtype) -> float | None:
 
 def mfu(tokens_per_s: float, config: LlamaConfig, seq_len: int, device: torch.device, dtype: torch.dtype,
         gpus: int) -> float | None:
-    """Model FLOPs utilization: the model's FLOPs per second over the GPUs' dense peak for the computation's
-    dtype (bf16 autocast, or fp32); None where the peak is not known (the CPU, other GPUs)."""
+    """Model FLOPs utilization over the GPUs' dense peak in dtype; None if unknown (CPU, other GPUs)."""
     peak = peak_flops(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
     return tokens_per_s * flops_per_token(config, seq_len) / (peak * gpus) if peak else None
 
@@ -701,12 +650,11 @@ def loss_chunks(requested: int, config: LlamaConfig, microbatch: tuple[int, int]
 # Cutting sequences into chunks (--seq-chunks S, --chunk-split): their lengths, and the chunks of a microbatch
 
 def chunk_lengths(seq_len: int, chunks: int, config: LlamaConfig, how: str = "even", multiple: int = 1) -> list[int]:
-    """The lengths of `chunks` consecutive chunks of a sequence of seq_len tokens, each a multiple of `multiple`
-    (sequence parallelism's tp): "even", all alike; "compute", of equal FLOPs (the authors' uniform_comp): causal
-    attention reads a token's whole prefix, so a later chunk costs more per token and is cut shorter. A decoder
-    layer's training FLOPs up to token x: 6 N x for its matrices plus 12 H Q per key read (PaLM's count, as
-    flops_per_token), 6 H Q x (x + 1) over the prefix; the boundaries solve that quadratic for equal shares, then
-    round to the multiple. ValueError, one line, naming the flag: chunks that do not fit."""
+    """The lengths of `chunks` consecutive chunks of seq_len tokens, each a multiple of `multiple` (sequence
+    parallelism's tp): "even", all alike; "compute", of equal FLOPs (the authors' uniform_comp): causal attention reads
+    a token's whole prefix, so later chunks cost more per token and are cut shorter. A layer's training FLOPs up to
+    token x: 6 N x for its matrices plus 12 H Q per key read (flops_per_token's count), 6 H Q x (x + 1) over the
+    prefix; boundaries solve the quadratic for equal shares, rounded. Misfits: a one-line ValueError naming the flag."""
     if not 1 <= chunks <= seq_len // multiple:
         raise ValueError(f"--seq-chunks {chunks}: give 1 to {seq_len // multiple} chunks for --seq-len {seq_len}"
                          + (f" ({multiple} tokens a chunk at least, one per tensor-parallel rank)" * (multiple > 1)))
@@ -721,20 +669,18 @@ def chunk_lengths(seq_len: int, chunks: int, config: LlamaConfig, how: str = "ev
     if how != "compute":
         raise ValueError(f"--chunk-split {how}: give even or compute")
     linear, attention = 6 * parameter_counts(config)["layer"], 6 * config.num_attention_heads * config.head_dim
-    total = linear * seq_len + attention * seq_len * (seq_len + 1)
-    ends = []
+    total, ends = linear * seq_len + attention * seq_len * (seq_len + 1), []
     for j in range(1, chunks):  # attention x^2 + (linear + attention) x = j/chunks of the total
         b = linear + attention
-        x = (-b + math.sqrt(b * b + 4 * attention * total * j / chunks)) / (2 * attention)
-        x = round(x / multiple) * multiple
+        x = round((-b + math.sqrt(b * b + 4 * attention * total * j / chunks)) / (2 * attention) / multiple) * multiple
         ends.append(min(max(x, (ends[-1] if ends else 0) + multiple), seq_len - (chunks - j) * multiple))
     ends.append(seq_len)
     return [end - start for start, end in zip([0] + ends, ends)]
 
 
 class Chunk(NamedTuple):
-    """One chunk of a microbatch's sequences, what a schedule runs as a microbatch: the model's input and keyword
-    arguments (positions, chunk) and the loss's targets and divisor (chunked_loss's tokens)."""
+    """A chunk of a microbatch's sequences, run by a schedule as a microbatch: the model's input and keywords
+    (positions, chunk), the loss's targets and divisor (chunked_loss's tokens)."""
     inputs: Tensor
     targets: Tensor
     positions: Tensor | None
@@ -744,12 +690,10 @@ class Chunk(NamedTuple):
 
 def cut_sequences(inputs: Tensor, targets: Tensor, positions: Tensor | None, lengths: list[int],
                   sequence: int = 0) -> list[Chunk]:
-    """A microbatch's inputs, targets and positions ([batch, seq] each; positions: document_positions over the
-    whole sequences, None without documents) cut into chunks of `lengths` (chunk_lengths), in order, slot `sequence`
-    (which sequences in flight: they must differ between microbatches whose chunks interleave). A chunk's tokens: its
-    sequences' count of targets over the chunks, so that each chunk's loss is its sum over that and the chunks'
-    mean is the sequences' loss. One chunk: the microbatch as it is, no chunk (today's path, bit for bit). None for
-    what a stage does not read (a pipeline's inputs after its first stage, targets before its last): None pieces."""
+    """A microbatch's inputs, targets and positions ([batch, seq] each; positions: document_positions of the whole
+    sequences, or None) cut into chunks of `lengths` (chunk_lengths), in order, in slot `sequence` (must differ between
+    microbatches whose chunks interleave), with chunked_loss's tokens. One chunk: the microbatch as it is, bit for bit.
+    None (what a stage does not read: inputs after the first, targets before the last): None pieces."""
     if len(lengths) == 1:
         return [Chunk(inputs, targets, positions, None, None)]
     tokens = (targets != -100).sum().clamp(min=1) / len(lengths) if targets is not None else None
@@ -762,31 +706,25 @@ def cut_sequences(inputs: Tensor, targets: Tensor, positions: Tensor | None, len
 # ----------------------------------------------------------------------------------------------------------
 # Cutting the layers into pipeline stages
 #
-# A pipeline runs at the pace of its slowest stage: every other stage waits for it, each microbatch. Cutting the
-# layers evenly ignores that the last stage also computes the head and the loss over the whole vocabulary (on
-# the tiny model about 4.6 decoder layers of work; on llama-8b with a 128k vocabulary about 1.8) and the first
-# stage the embedding. The balanced layout chooses the contiguous boundaries that minimize the slowest stage's
-# forward + backward cost, estimated per token:
+# A pipeline runs at its slowest stage's pace: the others wait for it each microbatch. Even cuts ignore the last stage's
+# head and loss over the whole vocabulary (4.6 layers' work on tiny, 1.8 on llama-8b's 128k vocabulary) and the first's
+# embedding. The balanced layout's contiguous boundaries minimize the slowest stage's forward + backward cost per token:
 #
-#     layer  6 N_layer + 12 H Q T   every weight multiplies twice in backward, once in forward (N_layer: the
-#                                   layer's parameters), plus attention over T positions (PaLM)
+#     layer  6 N_layer + 12 H Q T   N_layer weights, 3 multiplies each (2 in backward), attention over T (PaLM)
 #     head   6 h V                  the projection to the vocabulary (the loss itself is a few ops per logit)
 #     embed  6 h                    a lookup forward, a scatter-add backward
 #
-# With activation checkpointing a layer runs its forward again in backward: 4/3 of its cost (the head is not
-# checkpointed, so the balance moves a little towards fewer layers on the last stage). A head heavier than a
-# layer cannot be balanced by whole layers alone: the first and the last stage may then hold no decoder layer
-# (the embedding alone; the final norm, the head and the loss alone), as Megatron's and torchtitan's layouts
-# allow. On the tiny model with 3 stages that takes the slowest stage from 53 % of the work to 43 %. (plan.py
-# --trace balances on times measured on the machine instead.)
+# Checkpointing runs a layer's forward again in backward: 4/3 of its cost (not the head's: a little fewer layers go to
+# the last stage). A head heavier than a layer cannot be balanced by whole layers: the first and the last stage may then
+# hold no layer (the embedding alone; the norm, head and loss alone), as Megatron's and torchtitan's layouts allow (tiny
+# model, 3 stages: the slowest stage from 53 % of the work to 43 %). (plan.py --trace: on measured times.)
 
 def estimated_costs(config: LlamaConfig, seq_len: int, recompute: bool | str = False,
                     loss_chunks: int = 1) -> dict[str, float]:
-    """Forward + backward FLOPs per token of one decoder layer (with its recomputed forward, when activation
-    checkpointing: "recompute" says how much of "layer" that is), the head with the loss (its forward twice with
-    a chunked loss: "head_recompute"), and the embedding. recompute: True or "full" (--activation-checkpointing's
-    SPEC) for every layer; selective recomputes no matmul (no FLOPs counted), and a SPEC per stage is balanced as
-    none (its counts are of the layers the split gives a stage)."""
+    """Forward + backward FLOPs per token of a decoder layer (with its recomputed forward under checkpointing:
+    "recompute", that part of "layer"), the head with the loss (its forward twice with a chunked loss:
+    "head_recompute"), and the embedding. recompute: True or "full" (the SPEC) for every layer; selective recomputes no
+    matmul (no FLOPs counted); a SPEC per stage is balanced as none (its counts depend on the split)."""
     params, q = parameter_counts(config), config.num_attention_heads * config.head_dim
     layer = 6 * params["layer"] + 12 * q * seq_len
     again = layer / 3 if recompute in (True, "full") else 0.0  # the forward is a third of forward + backward
@@ -809,16 +747,13 @@ def even(num_layers: int, num_stages: int) -> list[range]:
 
 
 def from_sizes(sizes: list[int]) -> list[range]:
-    bounds = [0]
-    for size in sizes:
-        bounds.append(bounds[-1] + size)
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     return [range(bounds[i], bounds[i + 1]) for i in range(len(sizes))]
 
 
 def balanced(num_layers: int, num_stages: int, costs: dict[str, float]) -> list[range]:
-    """The contiguous layout whose slowest stage costs least (stage_costs). Every stage between the first and the
-    last holds at least one layer; those two may hold none, but only where that makes the slowest stage faster.
-    Of the layouts as fast, the most even: the second slowest stage the cheapest, then the third, and so on."""
+    """The contiguous layout whose slowest stage costs least (stage_costs): inner stages hold layers, the ends none only
+    where that is faster. Of those as fast, the most even: the second slowest cheapest, then the third..."""
     return from_sizes(_balanced_sizes(num_layers, num_stages, costs["layer"], costs["embed"], costs["head"]))
 
 
@@ -826,9 +761,8 @@ def balanced(num_layers: int, num_stages: int, costs: dict[str, float]) -> list[
 def _balanced_sizes(num_layers: int, num_stages: int, layer: float, first: float, last: float) -> tuple[int, ...]:
     if num_stages == 1:
         return (num_layers,)
-    # Every decoder layer costs the same, so a layout is the layer counts a and b of its first and last stage: the
-    # stages between share the rest as evenly as whole layers allow (the later ones taking the extra ones), which
-    # makes the slowest of them, and each of them, as cheap as it can be. So every (a, b) is tried: O(layers^2).
+    # Layers cost alike: a layout is its end stages' layer counts a, b, the stages between sharing the rest as evenly
+    # as whole layers allow (later ones the extras), each as cheap as can be. Every (a, b) is tried: O(layers^2).
     inner, best, found = num_stages - 2, None, None
     for a in range(num_layers + 1):
         for b in range(num_layers - a + 1):
@@ -852,8 +786,7 @@ def _balanced_sizes(num_layers: int, num_stages: int, layer: float, first: float
 
 
 def max_stages(num_layers: int) -> int:
-    """The most pipeline stages a model of num_layers can make: one a layer, and a first stage of the embedding
-    alone and a last one of the head alone."""
+    """The most pipeline stages num_layers make: one a layer, and the embedding alone first, the head alone last."""
     return num_layers + 2
 
 
@@ -942,8 +875,7 @@ def describe_layout(layout: list[range], costs: dict[str, float], vocab: int = 0
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Per decoder layer: activation checkpointing and compilation (on hand-split, traced and FSDP-wrapped stages),
-# and tensor parallelism
+# Per decoder layer: activation checkpointing and compile (hand-split, traced or FSDP stages); tensor parallelism
 
 def merged_stages(modules: list[nn.Module]) -> nn.Module:
     """One module holding the parameters of a rank's stage modules under their full-model names (shared, not
@@ -968,16 +900,11 @@ def decoder_layers(modules) -> list[nn.Module]:
     return [m for _, m in sorted(layers.values(), key=lambda pair: pair[0])]
 
 
-CHECKPOINTING = ("none", "selective", "full")
-
-
 def checkpointing_plan(spec: str | bool, num_stages: int | None = None, stages=None) -> list[str | int]:
-    """--activation-checkpointing SPEC, one entry per stage: "none"; "selective" (each layer keeps the outputs of
-    SELECTIVE_SAVE's ops, its matmuls and attention, and recomputes the rest); "full" (each layer keeps its input
-    alone and runs its forward again); or a count N (the stage's first N layers full, the rest none; layout()
-    refuses an N beyond the stage's layers, or, given once for all, beyond the largest stage's). One entry is
-    every stage's; else one per stage, separated by commas (num_stages; None: not checked); of `stages` alone
-    where given (a rank's). True is "full", False "none" (the flag before it took a SPEC). ValueError, one line."""
+    """--activation-checkpointing SPEC, an entry per stage: "none"; "selective" (SELECTIVE_SAVE's outputs kept, the rest
+    recomputed); "full" (a layer's input kept, its forward rerun); or a count N (a stage's first N layers full, the rest
+    none; at most its layers: layout()). One entry for all stages, or one per stage, comma-separated (num_stages; None:
+    unchecked); of `stages` alone if given (a rank's). True/False: full/none (the old flag). ValueError, one line."""
     if isinstance(spec, bool):
         spec = "full" if spec else "none"
     entries = [int(e) if e.isdigit() else e for e in spec.split(",")]
@@ -997,17 +924,13 @@ def checkpointing_plan(spec: str | bool, num_stages: int | None = None, stages=N
 
 
 def layer_checkpointing(entry: str | int, layers: int) -> list[str]:
-    """What each of a stage's `layers` decoder layers does under its checkpointing_plan entry: none, selective or
-    full (a count: the first that many full)."""
+    """Each of a stage's `layers` layers' mode by its checkpointing_plan entry (a count: the first that many full)."""
     return [("full" if i < entry else "none") if isinstance(entry, int) else entry for i in range(layers)]
 
 
 def checkpoint_layers(modules, how: str | int | list = "full") -> None:
-    """Activation checkpointing of each decoder layer, as `how` says (a checkpointing_plan entry for every module,
-    or a list of one per module): "full" keeps only the layer's input for backward and runs its forward again there
-    (non-reentrant torch.utils.checkpoint: FSDP's hooks and autocast work inside; the same ops, so the same
-    numbers, bit for bit); "selective" keeps what SELECTIVE_SAVE's ops give out besides and recomputes only the
-    rest. Done on the layer modules, so it works on traced stages too."""
+    """Checkpoint each decoder layer as `how` says (a checkpointing_plan entry for all modules, or a list of one each)
+    with checkpoint_once: FSDP's hooks and autocast work inside; same ops, same numbers, bit for bit."""
     seen = set()
     for module, entry in zip(modules, how if isinstance(how, list) else [how] * len(modules)):
         layers = [layer for layer in decoder_layers([module]) if id(layer) not in seen]
@@ -1025,13 +948,11 @@ def _checkpointed(forward, selective: bool = False):
 
 
 def _saved_ops() -> frozenset:
-    """SELECTIVE_SAVE: torchtitan's selective policy (op level). Kept: the matmuls' outputs (a layer's seven
-    projections: aten.mm under F.linear); attention's (CPU: the flash kernel for the CPU; CUDA: flash, efficient,
-    cuDNN; under --document-masking on a GPU FlexAttention's higher-order op, which torchtitan keeps too: not run
-    here, its backward has no CPU kernel); and with --tp the reduce-scatters of sequence parallelism (torchtitan's
-    choice: not redone in backward). Recomputed: the norms, RoPE, SiLU and the product, the residual adds, casts,
-    views, and the all-gathers and all-reduces (as full checkpointing redoes them). torchtitan's policy recomputes
-    every second mm; this keeps all, the issue's policy: less recomputation, more memory (plan.py counts it)."""
+    """SELECTIVE_SAVE: torchtitan's selective policy (op level). Kept: matmul outputs (a layer's seven projections'
+    aten.mm), attention's (the SDPA kernels below; FlexAttention's op on a GPU, as torchtitan: not run here, no CPU
+    backward), and with --tp sequence parallelism's reduce-scatters (torchtitan's choice). Recomputed: norms, RoPE, SiLU
+    and product, residual adds, casts, views, all-gathers and all-reduces (as full checkpointing). torchtitan recomputes
+    every second mm; this keeps all (the issue's policy): less recomputation, more memory (plan.py counts it)."""
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     names = [(aten, "mm"), (aten, "addmm"), (aten, "bmm"), (aten, "_scaled_dot_product_flash_attention_for_cpu"),
              (aten, "_scaled_dot_product_flash_attention"), (aten, "_scaled_dot_product_efficient_attention"),
@@ -1041,6 +962,7 @@ def _saved_ops() -> frozenset:
 
 
 SELECTIVE_SAVE = _saved_ops()
+CHECKPOINTING = ("none", "selective", "full")  # checkpointing_plan's modes
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
@@ -1049,9 +971,8 @@ def _selective_policy(ctx, op, *args, **kwargs):
 
 
 class _Reusable(dict):
-    """A selective checkpoint's store of one op's outputs: torch marks an output consumed once the recomputation
-    took it, and refuses a second recomputation. checkpoint_once may recompute a region once more (a read it did
-    not keep): there that op runs again instead, the same op on the same inputs."""
+    """A selective checkpoint's store of an op's outputs. torch marks an output consumed once recomputed and refuses a
+    second recomputation, which checkpoint_once may need (a read it did not keep): the op then runs again."""
     def __setitem__(self, key, value):
         super().__setitem__(key, torch.utils.checkpoint._RECOMPUTE if value is torch.utils.checkpoint._CONSUMED
                             else value)
@@ -1067,15 +988,13 @@ def _selective_contexts():
 
 def checkpoint_once(function, *args, context_fn=None, **kwargs):
     """torch.utils.checkpoint (non-reentrant) of function(*args, **kwargs), recomputed once however many backward calls
-    read it. torch recomputes a region once per autograd call (graph task), and the zero-bubble schedules' split
-    backward makes several per microbatch: I (the input gradient) one, W (the weight gradients) one per group of
-    weights, and W runs again the nodes of I where a weight's gradient branches off (retain_graph), so it reads their
-    saved tensors a second time. torch.utils.checkpoint.GraphExecGroup lets several calls share one recompute but
-    refuses a tensor read twice. So: one group per region, every read made under it, and a tensor that W reads again
-    kept from its first read until its node is freed (after W; after the node's own run in a plain backward, as torch
-    frees it). The rest is freed once read, as torch does: a split backward holds from I to W the inputs of the weights'
-    ops, not the whole layer. Should W read a freed one after all, the region is recomputed once more under a new group:
-    slower, never wrong. context_fn: torch.utils.checkpoint's (a selective checkpoint's modes: _selective_contexts)."""
+    read it. torch recomputes once per autograd call (graph task); a zero-bubble split backward makes several: I (input
+    gradient) one, W (weight gradients) one per weight group, W rerunning I's nodes where a weight's gradient branches
+    off (retain_graph), rereading their saved tensors. torch's GraphExecGroup shares one recompute among calls but
+    refuses a tensor read twice. So: one group per region, every read under it, and a tensor W reads again kept from its
+    first read until its node is freed (after W; in a plain backward after its run, as torch frees it). The rest is
+    freed once read, as torch does: from I to W a split backward holds the weights' ops' inputs, not the whole layer.
+    Should W read a freed one, the region reruns under a new group: slower, never wrong. context_fn: torch's."""
     context = {"context_fn": context_fn} if context_fn else {}
     # Traced by torch.compile, or a torch before 2.13 (no GraphExecGroup): torch's own, a recompute per call.
     if torch.compiler.is_compiling() or not hasattr(torch.utils.checkpoint, "GraphExecGroup"):
@@ -1105,9 +1024,8 @@ def checkpoint_once(function, *args, context_fn=None, **kwargs):
 
 
 def _weights_only(fn, budget: int = 8) -> bool:
-    """Whether autograd node fn leads to parameters and nothing else, within a few nodes (a weight's transpose,
-    cast or view): where a node of the input gradient branches off to a weight, which the weight gradient (W)
-    runs again (torch's stage_backward_input calls it an intermediate of a parameter group)."""
+    """Whether autograd node fn leads to parameters alone within few nodes (transpose, cast, view): where the input
+    gradient branches to a weight, which W runs again (stage_backward_input's intermediate of a parameter group)."""
     stack, found = [fn], False
     while stack:
         if (fn := stack.pop()) is None:
@@ -1135,11 +1053,9 @@ def _grad_as_weight(weight: DTensor) -> None:
 
 
 def sum_partial_grads(params) -> None:
-    """Sum the gradients left as partial sums over the tensor-parallel ranks (Partial DTensors: the norms' gains
-    under sequence parallelism), all of them in one all-reduce. They add up over a step's microbatches as partial
-    sums, so one reduction a step is enough (clip_grad_norm_ does it): reduced after each microbatch's backward, it
-    was 2 x layers + 1 all-reduces a microbatch. With FSDP2 (--dp) none is left: its once-a-step reduction sums
-    them."""
+    """Sum the gradients left as partial sums over the tensor-parallel ranks (Partial DTensors: the norms' gains under
+    sequence parallelism) in one all-reduce. Partial sums add up over a step's microbatches: one reduction a step
+    (clip_grad_norm_'s), not 2 x layers + 1 all-reduces a microbatch. With FSDP2 (--dp) its own reduction sums them."""
     partial = [p for p in params if isinstance(p.grad, DTensor) and p.grad.placements != p.placements]
     if not partial:
         return
@@ -1154,17 +1070,13 @@ SHARD_OUT = {"output_layouts": Shard(1)}  # a row-wise layer's partial sums redu
 
 
 def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool = True) -> None:
-    """Tensor parallelism of a model or stage over tp_mesh (a 1-D DeviceMesh): Megatron-LM's plan (Shoeybi et al.
-    2019) as PyTorch's tensor-parallel tutorial and torchtitan apply it. Applied to the stage on the meta device
-    (materialize allocates it after), before activation checkpointing, compile and FSDP2.
-
-    In each decoder layer q/k/v and gate/up are split by output (each rank its own attention heads and its
-    slice of the MLP), o and down by input (each rank a partial sum); the embedding by vocabulary rows, the head
-    by vocabulary columns, its logits left sharded for loss_parallel. Without sequence parallelism the partial
-    sums are all-reduced and every layer's output is whole on every rank. With it (Korthikanti et al. 2022; local
-    heads for RoPE and GQA) they are reduce-scattered by sequence instead: the residual stream, the norms and what
-    crosses to the next stage are each rank's [batch, seq / tp, hidden] piece, all-gathered only where attention
-    and the MLP need every position."""
+    """Tensor parallelism of a model or stage over tp_mesh (a 1-D DeviceMesh; the order: parallelize): Megatron-LM's
+    plan (Shoeybi et al. 2019), as PyTorch's tutorial and torchtitan. Each layer's q/k/v and gate/up split by output
+    (each rank its heads and MLP slice), o and down by input (each rank a partial sum); the embedding by vocabulary
+    rows, the head by columns, logits left sharded for loss_parallel. Without sequence parallelism partial sums are
+    all-reduced (every layer's output whole on every rank); with it (Korthikanti et al. 2022; local heads for RoPE and
+    GQA) they are reduce-scattered by sequence: the residual stream, norms and what crosses to the next stage are each
+    rank's [batch, seq / tp, hidden] piece, all-gathered only where attention and the MLP need every position."""
     if tp_mesh.size() == 1:
         return
     sp = sequence_parallel
@@ -1186,23 +1098,19 @@ def tensor_parallel(model: LlamaForPretraining, tp_mesh, sequence_parallel: bool
             model.base_model.embed_tokens.register_forward_hook(lambda module, args, output: output.clone())
     if model.base_model.norm is not None and sp:  # its output, the stage's, stays a plain [batch, seq/tp, hidden]
         parallelize_module(model.base_model.norm, tp_mesh, SequenceParallel(use_local_output=True))
-        # to_local() returns a view of the rank's piece. FSDP2 (--dp) hooks its backward onto a stage's output, and
-        # an in-place op on a view would drop that hook (its all-gather: wrong gradients), so it warns of any view.
-        # Nothing here writes to a stage's output in place; a copy (a microbatch's piece) makes that hold for sure.
+        # to_local() gives a view of the rank's piece; FSDP2 (--dp) warns of any: an in-place op on a view drops its
+        # backward hook on a stage's output (its all-gather: wrong gradients). None here; a copy makes sure.
         model.base_model.norm.register_forward_hook(lambda module, args, output: output.clone())
     if model.lm_head is not None:  # the loss gathers each piece of the sequence it takes (chunked_loss)
         parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(
             input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False))
-    # A gradient laid out otherwise than its weight: DTensor has no row-wise rule for the embedding's backward
-    # (the whole [vocab, hidden] gradient on each rank), and a norm's gain over sequence pieces gets each rank's
-    # partial sum. Once accumulated, the embedding's takes its weight's layout (a slice, no message), so the tied
-    # copy's sum sees it; the norms' partial sums add up over the microbatches and are summed once a step
-    # (sum_partial_grads, from clip_grad_norm_), so clipping and AdamW see the weight's layout.
+    # A gradient laid out unlike its weight: the embedding's (no DTensor row-wise rule for its backward: each rank the
+    # whole [vocab, hidden]) takes its weight's layout once accumulated (a slice, no message) for the tied copy's sum,
+    # and norms' partial sums (sequence pieces) wait for sum_partial_grads: clipping and AdamW see weight layouts.
     for param in model.parameters():
         if isinstance(param, DTensor):
             param.register_post_accumulate_grad_hook(_grad_as_weight)
     model.tie_weights()  # one stage, tied: the head takes the embedding's (sharded alike) matrix again
-
 
 
 def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_parallel: bool = True,
@@ -1233,13 +1141,10 @@ def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_par
 
 
 def materialize(modules: list[nn.Module], config: LlamaConfig, device: torch.device, seed: int) -> None:
-    """Allocate a rank's stage modules, built on the meta device (and parallelized there, as torchtitan does), and
-    give every parameter and buffer its initial value by its full-model name (init_tensor_): the full model's
-    weights, bit for bit, at any layout. to_empty allocates only this rank's shards; then one whole tensor at a
-    time is drawn and this rank's piece copied out of it. So a rank holds at most its shards and the largest
-    whole tensor of its stages (plan.py's start-up peak): llama-70b at pp 4 x dp 2 x tp 8 (2 stages a rank),
-    8.2 GiB on rank 0 (4.3 of shards, 3.9 of the head drawn whole), where allocating its stages whole before
-    tensor parallelism and FSDP2 split them took 68 GiB."""
+    """Allocate a rank's stage modules (built, parallelized on meta as torchtitan) and initialize each tensor
+    (init_tensor_: the same weights, bit for bit, at any layout). A rank holds at most its shards (to_empty) and largest
+    whole tensor (drawn one at a time): plan.py's start-up peak. llama-70b at pp 4 x dp 2 x tp 8 (2 stages a rank):
+    8.2 GiB on rank 0 (4.3 of shards, 3.9 of the head drawn whole), not 68 GiB as whole stages before tp and FSDP2."""
     for module in modules:
         holders = {}  # each parameter's places (module, name): a tied one has two
         for owner in module.modules():
@@ -1263,11 +1168,10 @@ def materialize(modules: list[nn.Module], config: LlamaConfig, device: torch.dev
 
 
 def cast_between_stages(stage: nn.Module, dtype: torch.dtype) -> None:
-    """What a stage module gives out to the next stage in dtype (bf16: half the bytes of fp32, as Megatron-LM and
-    torchtitan send), its floating input taken back to fp32: the stage computes as on one process (the residual
-    stream fp32 under autocast), and the gradient sent back is rounded to dtype once, on its way. The last stage
-    (it holds the head) gives its hidden states to the loss in fp32: with tensor parallelism the head sums their
-    gradient over the tp ranks, in fp32 as every gradient sum here."""
+    """What a stage module gives out to the next stage in dtype (bf16: half fp32's bytes, as Megatron-LM and torchtitan
+    send), its floating input taken back to fp32: the stage computes as on one process (residual stream fp32 under
+    autocast), the gradient sent back rounded to dtype once, on its way. The last stage (the head's) gives the loss
+    fp32: under tp the head sums their gradient over the ranks, in fp32 as every gradient sum here."""
     stage.register_forward_pre_hook(lambda module, args: tuple(
         a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args))  # positions: int
     if getattr(stage, "lm_head", None) is None:
@@ -1455,8 +1359,7 @@ def groups_of(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 # ==========================================================================================================
-# Extending torch's schedules: orders from a file, backwards merged where no gradient waits, gradient
-# accumulation, and evaluation where torch's eval() cannot run
+# Extending torch's schedules: file orders, backwards merged where no gradient waits, accumulation, forward-only eval
 
 # ----------------------------------------------------------------------------------------------------------
 # A pipeline order from a file (--schedule FILE.csv), in torch's compute-only CSV form, run by torch's runtime
@@ -1466,8 +1369,7 @@ MAX_ORDER_MICROBATCHES = 1000  # torch 2.13 lowers an order in time that grows w
 
 
 def _action(cell: str):
-    """A cell's _Action: 0F1, or torch's (0F3;3B1)OVERLAP_F_B (DualPipeV's: one forward's and another backward's,
-    run one after the other); None if it is neither."""
+    """A cell's _Action: 0F1, or torch's (0F3;3B1)OVERLAP_F_B (DualPipeV's: a forward, another's backward); or None."""
     if cell.startswith("(") and cell.endswith(")OVERLAP_F_B"):
         parts = [_action(part) for part in cell[1:-len(")OVERLAP_F_B")].split(";")]
         return None if None in parts else _Action(-1, _ComputationType.OVERLAP_F_B, None, tuple(parts))
@@ -1505,17 +1407,14 @@ class PipelineOrder:
 
 
 def merge_backwards(schedule, order: dict | None = None, stage_ranks: dict | None = None):
-    """Run an input gradient (I) that its own weight gradient (W: the same stage and microbatch) follows next on the
-    rank as one backward (B), where the gradient goes to no other rank: one autograd call instead of I's one and W's one
-    per group of weights, which walks the graph again from what I kept (measured on small, one stage: I + W 1.07-1.16 x
-    a B, with and without checkpointing; docs/faster-and-smaller.md). Where the input gradient goes to another rank, a B
-    would send it only after the weights' part: that rank would wait W's time longer, so there they stay apart (torch's
-    own _merge_bw merges every such pair, and is never called). Stage 0 sends no gradient; on a rank whose next stage
-    down is its own (the V's turn), the next backward there comes after W anyway. The rest is as the order says (W's put
-    off, DualPipeV's overlapped cells). order: the compute-only order to run (a file's), stage_ranks its stage -> rank
-    map; None: the schedule's own (torch's classes). Lowered again as torch lowers a compute-only order (sends and
-    receives, FSDP, gradient reduction), unless it is the schedule's own and nothing merged. A schedule without an order
-    (GPipe, 1F1B) is returned as it is."""
+    """Run an input gradient (I) and its own weight gradient (W: same stage, microbatch) next on the rank as one
+    backward (B) where the gradient goes to no other rank: one autograd call, not I's and W's one per weight group,
+    which walks the graph again from what I kept (small, one stage: I + W 1.07-1.16 x a B, checkpointed or not;
+    docs/faster-and-smaller.md). Where it goes to another rank, a B would send it after the weights' part, that rank
+    waiting W's time longer: there they stay apart (torch's unused _merge_bw merges every pair). Stage 0 sends no
+    gradient; where the next stage down is the rank's own (the V's turn) its backward comes after W anyway. The rest as
+    the order says (W's put off, DualPipeV's overlapped cells). order: a file's order, stage_ranks its stage -> rank
+    map; None: the schedule's own (torch's classes), lowered again only if merged. No order (GPipe, 1F1B): as is."""
     own, order = order is None, order or getattr(schedule, "pipeline_order", None)
     if order is None or not isinstance(schedule, _PipelineScheduleRuntime):
         return schedule
@@ -1528,8 +1427,7 @@ def merge_backwards(schedule, order: dict | None = None, stage_ranks: dict | Non
 
 
 def _merged(order: dict, rank_of: dict) -> tuple[dict, bool]:
-    """merge_backwards' order (idle steps dropped: a rank waits for its inputs without one), and whether a pair
-    merged."""
+    """merge_backwards' order (idle steps dropped: a rank waits for inputs without them), and whether it merged."""
     merged, changed = {}, False
     for rank, acts in order.items():
         merged[rank] = []
@@ -1547,13 +1445,10 @@ def _merged(order: dict, rank_of: dict) -> tuple[dict, bool]:
 
 def read_order(path: str, world_size: int, dp: int, tp: int, microbatches: int, stages_per_rank: int | None,
                compile: bool) -> PipelineOrder | None:
-    """--schedule FILE.csv: the order in torch's compute-only CSV form, a row per pipeline rank, a cell per step
-    (0F1: stage 0's forward of microbatch 1; I, W: a backward's input and weight halves; B: both; empty: idle),
-    read and checked before anything runs: each stage's F, and I and W or B, of each microbatch once; as torch
-    checks an order (_validate_schedule; _add_send_recv, which finds an order that cannot progress), as given and
-    as merge_backwards runs it; stages placed looped or V-shaped as the scripts place them; and against the flags
-    (--dp, --tp, --microbatches, --stages-per-rank: None where not given, --compile) and the processes. None for
-    a schedule by name. A mistake is a ValueError of one line that names --schedule and the flag."""
+    """--schedule FILE.csv: torch's compute-only CSV form, a row per pipeline rank, a cell per step (0F1: stage 0's
+    forward of microbatch 1; I, W: a backward's input and weight halves; B: both; empty: idle), checked before anything
+    runs (as given and as merged): torch's checks, then the scripts' stage placements, the flags and the processes.
+    Mistakes: one-line ValueErrors naming --schedule and the flag; None for a schedule's name."""
     if not path.lower().endswith(".csv"):
         return None
     try:
@@ -1623,9 +1518,8 @@ def read_order(path: str, world_size: int, dp: int, tp: int, microbatches: int, 
                          "rank; leave the flag out")
     if compile and any(sub.computation_type in ("I", "W") for acts in actions.values() for a in filter(None, acts)
                        for sub in a.sub_actions or [a]):
-        # torch 2.13 refuses stages compiled by torch.compile(module) for its own zero-bubble schedules, whose weight
-        # half failed on them (pytorch #161904, open; _check_torch_compile_compatibility), and checks no order its
-        # runtime is given. (It misses the scripts' in-place layer.compile(), no OptimizedModule: not tested here.)
+        # torch 2.13 refuses torch.compile(module)'d stages for its zero-bubble schedules (weight halves failed: pytorch
+        # #161904, open), but not an order for its runtime, nor in-place layer.compile() (untested).
         raise ValueError(f"--compile: --schedule {path} splits backwards into I and W, which torch 2.13 does not "
                          "support on compiled stages (pytorch #161904); leave --compile out, or give an order of B "
                          "actions")
@@ -1666,32 +1560,26 @@ def step_chunks(schedule, inputs, targets, positions, losses: list, train: bool 
 # Gradient accumulation (--accumulate K) under torch's schedules
 
 def accumulate_into(schedule, step: int, steps: int) -> None:
-    """Before schedule step `step` (from 0) of the `steps` an optimizer step takes. torch ends every schedule step
-    in each stage's perform_reduce_grad: FSDP2's reduce-scatter of the step's gradients, then their division by the
-    microbatches (scale_grads). Run K times, that would reduce-scatter K times and divide the first steps' sums
-    again at each later step (torchtitan #1733's moving average). So the first K - 1 steps skip it: their
-    backwards already run with FSDP's gradient sync off and its parameters kept unsharded (torch's stage sets both
-    for every backward but a step's last), so the gradients add up, unsharded, across the steps; the last step
-    reduce-scatters the sum once and divides it by all K x m microbatches. K = 1: torch's own path, untouched."""
+    """Before schedule step `step` (from 0) of an optimizer step's `steps`. torch ends each in every stage's
+    perform_reduce_grad: FSDP2's reduce-scatter, then division by the microbatches (scale_grads); K times, that would
+    reduce-scatter K times and divide the first steps' sums again at each later step (torchtitan #1733's moving
+    average). So the first K - 1 skip it: their backwards already run with FSDP's gradient sync off, parameters
+    unsharded (torch's stage sets both for all but a step's last backward), so gradients add up; the last
+    reduce-scatters the sum once, divided by all K x m microbatches. K = 1: torch's own path."""
     for stage in getattr(schedule, "_stages", None) or [schedule._stage]:  # a multi-stage schedule's, or the one
         vars(stage).pop("perform_reduce_grad", None)  # the previous step's choice undone: torch's method again
         if step < steps - 1:
             stage.perform_reduce_grad = lambda scale: None
-        elif steps > 1:
-            stage.perform_reduce_grad = functools.partial(_reduce_all_steps, stage, steps)
-
-
-def _reduce_all_steps(stage, steps: int, scale: int) -> None:
-    type(stage).perform_reduce_grad(stage, scale * steps)  # scale: torch's microbatch count (scale_grads)
+        elif steps > 1:  # scale: torch's microbatch count (scale_grads)
+            stage.perform_reduce_grad = lambda scale, stage=stage: type(stage).perform_reduce_grad(stage, scale * steps)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Evaluation where torch's eval() cannot run: a forward-only pass through this rank's stages
 
 def forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, dtype, loss_fn, losses, documents):
-    """Every microbatch forward through this rank's stages, in the order of their index: stage s only ever
-    waits for stage s - 1, which every rank runs earlier, and sends do not wait, so no rank waits on itself. Each
-    message is a batch of one in the pipeline's group, on both sides: NCCL runs it on the group's communicator."""
+    """Each microbatch forward through this rank's stages by index: stage s waits only for s - 1, run earlier on every
+    rank; sends do not wait (no rank waits on itself). Messages: one-op batches in the pipeline's group, both sides."""
     first, held, sends = pipeline_stages[0], {}, []  # held: (stage, microbatch) -> an output for a stage here
     peer = first.stage_index_to_group_rank  # group ranks; a lone send or receive would make a pair's communicator
     message = lambda op, t, s: dist.batch_isend_irecv([dist.P2POp(op, t, group=first.group, group_peer=peer[s])])
@@ -1710,4 +1598,3 @@ def forward_only(pipeline_stages, inputs, targets, microbatches, hidden_shape, d
                 sends += message(dist.isend, out.contiguous(), s + 1)  # waited for at the end
     for work in sends:
         work.wait()
-
