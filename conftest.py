@@ -794,9 +794,12 @@ def tokenizer_file(tmp_path_factory) -> Path:
 
 # -- Parity: one step of every split and schedule at each layout, on real gloo ranks
 
-def parity_config(layers: int) -> LlamaConfig:
-    """The parity tests' model: a vocabulary of 98, which 2 tensor-parallel ranks take in halves."""
-    return small_config(vocab=98, layers=layers)
+def parity_config(layers: int, tied: bool = False) -> LlamaConfig:
+    """The parity tests' model: a vocabulary of 98, which 2 tensor-parallel ranks take in halves; tied: its head the
+    embedding's matrix (the "tied" variants: --vocab-parallel's one slice of it serves both)."""
+    config = small_config(vocab=98, layers=layers)
+    config.tie_word_embeddings = tied
+    return config
 
 
 def split_layers(split: int | tuple, num_stages: int) -> list[range]:
@@ -836,12 +839,12 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
             positions = model_module.document_positions(x, BOS) if documents else None  # as the scripts do
             masks.clear()
             order = variant_order(base, out_dir, world_size, dp, tp, m)  # "zbh1.csv": a file's (schedule_file)
-            stages = [pp_rank] if kind == "manual" else order.stages(pp_rank) if order else \
+            stages = [pp_rank] if kind in BY_HAND else order.stages(pp_rank) if order else \
                 gpipe.stage_ids(base, pp_rank, pp, 2)
             num_stages = pp * len(stages)
             first, last = 0 in stages, num_stages - 1 in stages
             layers = split_layers(split, num_stages)
-            config = parity_config(layer_count(split))
+            config, vocab = parity_config(layer_count(split), kind == "tied"), kind in ("vocab", "tied")
             if kind in ("library", "tracer"):
                 build, script = (library_pipeline, gpipe) if kind == "library" else (traced_pipeline, tracer)
                 model, built, schedule, loss_fn = build(config, base, stages, layers, mesh, shape, m, documents,
@@ -850,7 +853,8 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
             else:
                 with torch.device("meta"):
                     model = LlamaForPretraining(config)
-                partition = manual.partition_model(model, pp_rank, pp, mesh.get_group("pp"), layers, trim=True)
+                partition = manual.partition_model(model, pp_rank, pp, mesh.get_group("pp"), layers, trim=True,
+                                                   vocab=mesh if vocab else None)
                 model_module.parallelize([model], mesh, torch.float32)
                 model_module.materialize([model], config, env.device, 11)
                 partition.sequence_shards = tp  # sequence parallelism with tp > 1, as the scripts' default
@@ -864,11 +868,11 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                     parts = [[t.chunk(k)[i] if t is not None else None for t in (x, y, positions)] for i in range(k)]
                     losses = []  # of each schedule step: their mean is the optimizer step's
                     for i, (xi, yi, pi) in enumerate(parts):
-                        if kind == "manual":
+                        if kind in BY_HAND:  # --vocab-parallel: every rank reads the tokens and the targets
                             with manual.compute(env, tp):
                                 losses.append(manual.SCHEDULES[name.split(":")[0]](
-                                    partition, xi.chunk(m) if first else [None] * m,
-                                    yi.chunk(m) if last else [None] * m, env.device, torch.float32,
+                                    partition, xi.chunk(m) if first or vocab else [None] * m,
+                                    yi.chunk(m) if last or vocab else [None] * m, env.device, torch.float32,
                                     loss_chunks=8,  # as the library's loss above
                                     positions=pi.chunk(m) if documents else None, shape=shape, window=(i, k),
                                     **seq_chunks(name, shape[1], config, tp)))
@@ -884,10 +888,11 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                 # schedule's eval(), or the script's own forward pass where torch's cannot serve (V-shaped).
                 evaluations = []  # a schedule step's microbatches at a time, as the scripts evaluate
                 for xi, yi, pi in parts:
-                    if kind == "manual":
+                    if kind in BY_HAND:
                         with manual.compute(env, tp):
                             evaluations.append(manual.eval_step_pipeline(
-                                partition, xi.chunk(m) if first else [None] * m, yi.chunk(m) if last else [None] * m,
+                                partition, xi.chunk(m) if first or vocab else [None] * m,
+                                yi.chunk(m) if last or vocab else [None] * m,
                                 env.device, torch.float32, loss_chunks=8,
                                 positions=pi.chunk(m) if documents else None, shape=shape,
                                 **seq_chunks(name, shape[1], config, tp)))
@@ -930,9 +935,11 @@ def seq_chunks(name: str, seq_len: int, config, tp: int) -> dict:
 
 def fsdp_groups(modules: list) -> int:
     """The FSDP2 units among modules that hold parameters of their own (a stage's root over its layers alone holds
-    none): each reduce-scatters its gradients once a step."""
+    none; --vocab-parallel's slices, DTensors over the pipeline ranks, are not FSDP2's): each reduce-scatters its
+    gradients once a step."""
     units = [m for module in modules for m in module.modules() if isinstance(m, FSDPModule)]
     inner = {u: {p for v in u.modules() if v is not u and isinstance(v, FSDPModule) for p in v.parameters()}
+             | {p for p in u.parameters() if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("pp",)}
              for u in units}
     return sum(bool(set(u.parameters()) - inner[u]) for u in units)
 
@@ -1070,6 +1077,7 @@ def _chunks_tp_worker(rank, world_size, store_path, out_dir, batch, variants):
     dist.destroy_process_group()
 
 
+BY_HAND = ("manual", "vocab", "tied")  # the hand-written script's pipeline; "vocab", "tied": with --vocab-parallel
 EVERY_SPLIT_AND_SCHEDULE = [*(("library", s) for s in gpipe.SCHEDULES), *(("tracer", s) for s in tracer.SCHEDULES),
                             *(("manual", s) for s in manual.SCHEDULES)]
 # Per schedule, a split of 4 layers over 2 pipeline ranks whose end stages hold no decoder layer (the embedding
@@ -1150,6 +1158,19 @@ PARITY_LAYOUTS[2, 1, 1] += [("manual", "1f1b:3:compute", 4, True)]
 PARITY_LAYOUTS[3, 1, 1] += [("manual", "1f1b:4", 6, True), ("manual", "afab:3:compute", (0, 4, 0), False)]
 PARITY_LAYOUTS[2, 2, 1] += [("manual", "1f1b:2", (0, 4), True)]
 PARITY_LAYOUTS[2, 1, 2] += [("manual", "1f1b:3:compute", 4, True)]
+# --vocab-parallel by hand ("vocab"): the embedding, the head and the loss over every pipeline rank by vocabulary
+# rows (98: 49 each at 2 ranks; 33, 33, 32 at 3), AFAB and 1F1B, with documents, layerless ends, sequence chunks
+# (their output passes in forward order), with replicas (the slices outside FSDP2).
+PARITY_LAYOUTS[2, 1, 1] += [("vocab", "afab", 4, False), ("vocab", "1f1b", (4, 0), True), ("vocab", "afab:2", 4, True),
+                            ("vocab", "1f1b:2", (0, 4), False)]
+PARITY_LAYOUTS[3, 1, 1] += [("vocab", "afab", (0, 4, 0), False), ("vocab", "1f1b", 6, False),
+                            ("vocab", "1f1b:2", 4, True)]
+PARITY_LAYOUTS[2, 2, 1] += [("vocab", "1f1b", 4, True), ("vocab", "afab:2", (0, 4), False)]
+# Tied ("tied"): one slice of the matrix on each rank serves the embedding and the head, its gradients added there.
+PARITY_LAYOUTS[2, 1, 1] += [("tied", "1f1b:2", 4, True)]
+PARITY_LAYOUTS[3, 1, 1] += [("tied", "afab", 6, False)]
+PARITY_LAYOUTS[2, 2, 1] += [("tied", "1f1b", (0, 4), False)]
+PARITY_LAYOUTS[4, 1, 1] = [("vocab", "1f1b", 4, True), ("vocab", "afab", (0, 2, 2, 0), False)]  # 25, 25, 25, 23 rows
 # Sequences cut into chunks (--seq-chunks S; "1f1b:2": S 2), run by torch's runtime in an order made for them
 # (model.chunk_order): GPipe's and Seq1F1B's at S 2 and 4, with documents across the chunks (16 tokens: at S 4 the
 # documents at 5 and 11 span chunk boundaries); under FSDP2 and tensor (sequence) parallelism too; at 3 stages.
@@ -1180,6 +1201,10 @@ ACCUMULATED_LAYOUTS = {
                 ("library", "1f1b:4", 4, True)],  # --seq-chunks 4: 16 chunks a replica, 8 a schedule step
     (2, 1, 2): [("library", "1f1b", 4, False), ("library", "dualpipev", 4, True), ("manual", "afab", 4, False)],
 }
+# --vocab-parallel: the embeddings' gradients each schedule step, the slices' averaged over the replicas once an
+# optimizer step (after its last schedule step's)
+ACCUMULATED_LAYOUTS[2, 1, 1] += [("vocab", "afab", 4, True)]
+ACCUMULATED_LAYOUTS[2, 2, 1] += [("vocab", "1f1b:2", (0, 4), False)]
 ACCUMULATE, ACCUMULATED_MICROBATCHES = 2, 8  # schedule steps an optimizer step; microbatches a replica, in all
 
 

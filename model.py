@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining.schedules import (_Action, _add_send_recv, _ComputationType,
                                                     _PipelineScheduleRuntime, _validate_schedule)
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
@@ -351,7 +351,7 @@ class LlamaModel(nn.Module):
         # the same positions (--document-masking), the whole sequence's whatever tp shards, and builds their mask once
         # for all its layers (a block mask on a GPU; none on a stage of no layer). chunk: x is that chunk of its
         # sequences (positions the chunk's; a later chunk of one stream's, its places, so its mask is built once too).
-        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        h = self.embed_tokens(x) if self.embed_tokens is not None and not x.is_floating_point() else x  # embed_all's
         if positions is None and chunk is not None and chunk.index > 0:
             positions = torch.arange(chunk.offset, chunk.offset + chunk.length, device=x.device).expand(len(x), -1)
         once = positions is not None and len(self.layers) > 0 and not self.mask_in_each_layer
@@ -378,19 +378,22 @@ class LlamaForPretraining(nn.Module):
         if self.config.tie_word_embeddings and self.base_model.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.base_model.embed_tokens.weight
 
-    def keep_only(self, layers, embed: bool, head: bool) -> "LlamaForPretraining":
-        """Trim the model in place to one pipeline stage: the decoder layers given (by global index), the
-        embedding if embed, the final norm and the head if head. Names stay the full model's ("layers.4" is
-        layer 4 on any stage), so checkpoints line up whatever the split. Called on the meta device, before
-        anything is allocated."""
+    def keep_only(self, layers, embed: bool, head: bool, vocab=None) -> "LlamaForPretraining":
+        """Trim the model in place to one pipeline stage: the decoder layers given (by global index), the embedding
+        if embed, the final norm and the head if head; with vocab (the pipeline ranks' 1-D mesh, --vocab-parallel)
+        this rank's rows of both, DTensors (VocabParallel). Names stay the full model's ("layers.4" is layer 4 on
+        any stage): checkpoints line up whatever the split. On the meta device, before anything is allocated."""
         for key in list(self.base_model.layers.keys()):
             if int(key) not in layers:
                 del self.base_model.layers[key]
-        if not embed:
+        if not embed and vocab is None:
             self.base_model.embed_tokens = None
         if not head:
             self.base_model.norm = None
-            self.lm_head = None
+            self.lm_head = None if vocab is None else self.lm_head
+        for module in (self.base_model.embed_tokens, self.lm_head) if vocab is not None else ():
+            module.weight = nn.Parameter(distribute_tensor(module.weight, vocab, [Shard(0)], src_data_rank=None))
+        self.tie_weights()
         return self
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, chunk: SeqChunk | None = None) -> Tensor:
@@ -437,25 +440,25 @@ def init_tensor_(name: str, tensor: Tensor, seed: int, config: LlamaConfig) -> N
 # The loss
 
 def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_shards: int = 1,
-                 tokens: Tensor | None = None) -> Tensor:
-    """The mean cross-entropy of head(hidden) [batch, seq, vocab] against targets [batch, seq] (-100: ignored),
-    without the whole logits: the sequence is cut into `chunks` pieces, each one's logits computed in fp32,
-    turned into its summed loss and freed; backward computes them again, a piece at a time (activation
-    checkpointing of the head and the loss). So the loss holds at most one piece's logits and their gradient,
-    1/chunks of the plain loss's, for one more forward of the head. chunks 1: the plain loss, nothing
-    recomputed. Gradients equal the plain loss's to rounding (tested to 1e-6).
-
-    head: a callable (the head module): with tensor parallelism a vocabulary-parallel head returns logits
-    sharded over the vocabulary (a DTensor), and the loss runs inside loss_parallel(), forward and backward.
-    sequence_shards: with sequence parallelism, hidden is this rank's piece [batch, seq / n, hidden] of the
-    sequence and the head gathers each chunk of it from the n ranks, in rank order: the targets of chunk i are
-    then every rank's chunk i. tokens: what the sum is divided by instead of the targets' own count: for a chunk of
-    sequences (--seq-chunks), their count over the chunks (cut_sequences' tokens), so that every token weighs as
-    in the whole sequences' loss, and the mean over the chunks, as a schedule takes it over microbatches, is theirs."""
+                 tokens: Tensor | None = None, pad: int | None = None) -> Tensor:
+    """The mean cross-entropy of head(hidden) [batch, seq, vocab] against targets [batch, seq] (-100, and pad: a Hugging
+    Face model's padding, ignored), without the whole logits: the sequence is cut into `chunks` pieces, each one's
+    logits computed in fp32, turned into its summed loss and freed; backward computes them again, a piece at a time
+    (activation checkpointing of the head and the loss). So the loss holds at most one piece's logits and their
+    gradient, 1/chunks of the plain loss's, for one more forward of the head. chunks 1: the plain loss, nothing
+    recomputed. Gradients equal the plain loss's to rounding (tested to 1e-6). head: a callable (the head module): with
+    tensor parallelism a vocabulary-parallel head returns logits sharded over the vocabulary (a DTensor), and the loss
+    runs inside loss_parallel(), forward and backward. sequence_shards: with sequence parallelism, hidden is this rank's
+    piece [batch, seq / n, hidden] of the sequence and the head gathers each chunk of it from the n ranks, in rank
+    order: the targets of chunk i are then every rank's chunk i. tokens: what the sum is divided by instead of the
+    targets' own count: for a chunk of sequences (--seq-chunks), their count over the chunks (cut_sequences' tokens), so
+    that every token weighs as in the whole sequences' loss, and the mean over the chunks, as a schedule takes it over
+    microbatches, is theirs."""
     def piece(h, y):
         logits = head(h)
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="sum")
 
+    targets = targets.masked_fill(targets == pad, -100) if pad is not None else targets
     ys = targets.view(targets.shape[0], sequence_shards, -1).chunk(chunks, -1)  # [batch, ranks, positions]
     if chunks == 1 or not torch.is_grad_enabled():
         total = sum(piece(h, y) for h, y in zip(hidden.chunk(chunks, 1), ys))
@@ -788,10 +791,17 @@ def max_stages(num_layers: int) -> int:
 
 
 def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recompute: bool | str = False,
-           loss_chunks: int = 1, tp: int = 1) -> list[range]:
-    """The layers of each stage: spec "balanced" (by estimated_costs), "even", or layers per stage ("5,1"; the
-    first and the last may be 0). What the model's shape rules out (more stages than it has layers but for two
-    layerless ends, --seq-len, --tp, --split, --activation-checkpointing's entries) is a ValueError."""
+           loss_chunks: int = 1, tp: int = 1, vocab: bool = False) -> list[range]:
+    """The layers of each stage: spec "balanced" (by estimated_costs; vocab, --vocab-parallel: of the layers
+    alone), "even", or layers per stage ("5,1"; the first and the last may be 0). What the model's shape rules
+    out (more stages than it has layers but for two layerless ends, --seq-len, --tp, --split,
+    --activation-checkpointing's entries, --vocab-parallel's) is a ValueError."""
+    if vocab and tp > 1:
+        raise ValueError("--vocab-parallel with --tp: the vocabulary is split over the pipeline ranks alone; leave "
+                         "out one of --vocab-parallel and --tp")
+    if vocab and 0 < config.vocab_size <= (num_stages - 1) * -(-config.vocab_size // num_stages):  # 0: unknown
+        raise ValueError(f"--vocab-parallel: a vocabulary of {config.vocab_size} leaves pipeline rank {num_stages - 1}"
+                         f" of {num_stages} no rows (torch.chunk's); leave --vocab-parallel out or use fewer ranks")
     if num_stages > max_stages(config.num_hidden_layers):
         raise ValueError(f"{num_stages} pipeline stages but the model has {config.num_hidden_layers} layers: each "
                          "stage needs one, but for a first stage of the embedding alone and a last one of the head "
@@ -807,8 +817,8 @@ def layout(spec: str, config: LlamaConfig, num_stages: int, seq_len: int, recomp
     if spec == "even":
         stages = even(config.num_hidden_layers, num_stages)
     elif spec == "balanced":
-        stages = balanced(config.num_hidden_layers, num_stages,
-                          estimated_costs(config, seq_len, recompute, loss_chunks))
+        costs = estimated_costs(config, seq_len, recompute, loss_chunks) | ({"embed": 0, "head": 0} if vocab else {})
+        stages = balanced(config.num_hidden_layers, num_stages, costs)
     else:
         stages = from_sizes([int(size) for size in spec.split(",")])
     one, most = isinstance(recompute, str) and "," not in recompute, max(map(len, stages))  # one: every stage's
@@ -849,14 +859,17 @@ def check_layout(spec: str, num_layers: int | None = None, num_stages: int | Non
                          "balanced, even)")
 
 
-def describe_layout(layout: list[range], costs: dict[str, float]) -> str:
-    """[embed + layers 0-3 (41%)] [layers 4-5 (30%)] [norm + head (29%)]: each stage and its share of the cost."""
-    shares = stage_costs(layout, costs)
+def describe_layout(layout: list[range], costs: dict[str, float], vocab: int = 0) -> str:
+    """[embed + layers 0-3 (41%)] [layers 4-5 (30%)] [norm + head (29%)]: each stage and its share of the cost.
+    vocab (--vocab-parallel, the vocabulary's size): each stage's rows of both, their cost spread alike."""
+    n, rows, spread = len(layout), -(-vocab // len(layout)), (costs["embed"] + costs["head"]) / len(layout)
+    shares = [len(r) * costs["layer"] + spread for r in layout] if vocab else stage_costs(layout, costs)
     total, parts = sum(shares), []
     for stage, layers in enumerate(layout):
-        pieces = (["embed"] if stage == 0 else []) + (
+        pieces = (["embed"] if stage == 0 and not vocab else []) + (
             [f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"]
-            if len(layers) else []) + (["norm + head"] if stage == len(layout) - 1 else [])
+            if len(layers) else []) + ([["norm + head"], ["norm"]][bool(vocab)] if stage == n - 1 else []) + (
+            [f"vocab {stage * rows}-{min(vocab, stage * rows + rows) - 1}"] if vocab else [])
         parts.append(f"[{' + '.join(pieces)} ({shares[stage] / total:.0%})]")
     return " ".join(parts)
 
@@ -1118,9 +1131,10 @@ def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_par
         # reshard_after_forward=False: a stage runs forward once per microbatch, and gathering its parameters
         # again for each would multiply the all-gathers by the microbatches (torchtitan's choice too). bf16:
         # parameters gathered in bf16, gradients reduced in fp32; a stage's root gives out fp32 (as with dp 1).
-        for module in decoder_layers(modules) + modules:
+        for module in decoder_layers(modules) + modules:  # (--vocab-parallel's slices, over "pp": VocabParallel's)
+            pp = {p for p in module.parameters() if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("pp",)}
             fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=MixedPrecisionPolicy(
-                dtype, torch.float32, torch.float32 if module in modules else None))
+                dtype, torch.float32, torch.float32 if module in modules else None), ignored_params=pp)
     if dtype != torch.float32:  # after FSDP2's hooks: its output cast comes first
         for module in modules:
             cast_between_stages(module, dtype)
@@ -1216,6 +1230,8 @@ def clip_grad_norm_(params, max_norm: float, copies=(), tp: int = 1) -> Tensor:
     clipped but counted once. Sums the partial gradients first (sum_partial_grads). Collective."""
     def tp_copies(p) -> int:  # a tensor every tensor-parallel rank holds whole (a norm's gain) is counted once
         names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+        if names == ("pp",):  # --vocab-parallel's slice (VocabParallel): every replica holds a copy
+            return dist.get_world_size() // p.device_mesh.size()
         return tp if "tp" not in names or p.placements[names.index("tp")].is_replicate() else 1
 
     params, skip, squares = [p for p in params if p.grad is not None], {id(p) for p in copies}, []
@@ -1242,6 +1258,104 @@ def synchronize(device: torch.device) -> None:
     nccl_rules.py records each call, on the CPU too: the replay has the host wait there for every call issued."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Vocabulary parallelism over the pipeline ranks (--vocab-parallel, the hand-written pipeline)
+#
+# Yeung et al., MLSys 2025: each pipeline rank holds its rows (torch.chunk's) of the embedding and of the head (tied:
+# one slice), DTensors: checkpoints hold whole matrices. Input layer, a step's: each rank looks up its rows (0 for
+# other ids), a reduce sums them onto the first stage; their gradients are broadcast back. Output layer, each
+# microbatch's: the final hidden states broadcast, each rank's logits slice (chunked_loss's pieces and weights),
+# all-reduces of the softmax's maximum and of (sum of exponentials, target's logit); the slice's head gradient in
+# closed form (softmax - one-hot), the hidden states' reduced onto the last stage. One order on every rank.
+
+class VocabParallel:
+    """This rank's rows of the vocabulary layers (keep_only's vocab) and their passes; mesh: the run's (pp, dp)."""
+
+    def __init__(self, model: LlamaForPretraining, mesh):
+        self.embed, self.head, self.group, self.replicas = (model.base_model.embed_tokens.weight, model.lm_head.weight,
+                                                            mesh.get_group("pp"), mesh.get_group("dp"))
+        self.rank, self.last = dist.get_rank(self.group), dist.get_world_size(self.group) - 1
+        (self.rows, _), (self.start, _) = compute_local_shape_and_global_offset(
+            self.embed.shape, self.embed.device_mesh, self.embed.placements)  # this rank's rows, from start on
+
+    def _own(self, ids: Tensor) -> tuple[Tensor, Tensor]:  # indices into this rank's rows, and which ids are its
+        local = ids.to(self.embed.device) - self.start
+        return local.clamp(0, self.rows - 1), (local >= 0) & (local < self.rows)
+
+    @torch.no_grad()
+    @torch.profiler.record_function("vocab embed")
+    def embed_all(self, chunks: list[Chunk]) -> list[Chunk]:
+        """A step's microbatches (cut_sequences' chunks), their inputs embedded on the first stage (its inputs)."""
+        self.ids = [c.inputs for c in chunks]  # for embed_backward
+        out = [torch.where(own[..., None], self.embed.to_local()[i], 0.0) for i, own in map(self._own, self.ids)]
+        dist.reduce(flat := torch.cat([e.flatten() for e in out]), group_dst=0, group=self.group)
+        out = [e.copy_(f.view_as(e)) for e, f in zip(out, flat.split([e.numel() for e in out]))]  # not views (FSDP2)
+        return [c._replace(inputs=e) for c, e in zip(chunks, out)] if self.rank == 0 else chunks
+
+    @torch.no_grad()
+    @torch.profiler.record_function("vocab embed backward")
+    def embed_backward(self, chunks: list[Chunk], last: bool = True) -> None:
+        """embed_all's (chunks) gradients broadcast, each rank adds its rows'; last: averaged over the replicas."""
+        h, ids = self.embed.shape[1], self.ids
+        flat = torch.cat([c.inputs.grad.flatten() for c in chunks]) if self.rank == 0 else torch.empty(
+            sum(x.numel() for x in ids) * h, device=self.embed.device)
+        dist.broadcast(flat, group_src=0, group=self.group)
+        total = torch.zeros_like(self.embed.to_local())
+        for (i, own), g in zip(map(self._own, ids), flat.split([x.numel() * h for x in ids])):
+            total.index_add_(0, i[own], g.view(*own.shape, h)[own])
+        _add_grad(self.embed, total)
+        grads = [p.grad.to_local() for p in {id(p): p for p in (self.embed, self.head)}.values()]
+        if last and (replicas := dist.get_world_size(self.replicas)) > 1:
+            dist.all_reduce(flat := torch.cat([g.flatten() for g in grads]), group=self.replicas)
+            for g, f in zip(grads, flat.div_(replicas).split([g.numel() for g in grads])):
+                g.copy_(f.view_as(g))
+
+    @torch.profiler.record_function("vocab output")
+    def output(self, out: Tensor, chunk: Chunk, chunks: int = 1, divisor: int = 1) -> tuple[Tensor, Tensor]:
+        """A microbatch's (chunk's) loss, chunked_loss's, on every rank, of the last stage's out (sent in autocast's
+        dtype); with grad the head's of loss / divisor added, the last stage's out a scalar to backward from."""
+        device, y = self.head.device, chunk.targets.to(self.head.device)
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
+        h = out.detach().to(dtype) if self.rank == self.last else torch.empty((*y.shape, self.head.shape[1]),
+                                                                              dtype=dtype, device=device)
+        dist.broadcast(h, group_src=self.last, group=self.group)
+        weight, train, counted = self.head.to_local(), torch.is_grad_enabled(), y != -100
+        tokens = counted.sum().clamp(min=1) if chunk.tokens is None else chunk.tokens
+        total, grads, head, weights = torch.zeros((), device=device), [], torch.zeros_like(weight), counted / tokens
+        with torch.no_grad():
+            for hp, yp, w in zip(h.chunk(chunks, 1), y.chunk(chunks, 1), (weights / divisor).chunk(chunks, 1)):
+                logits = F.linear(hp, weight).float()  # [batch, piece, rows]
+                dist.all_reduce(top := logits.amax(-1), op=dist.ReduceOp.MAX, group=self.group)
+                exps, (i, own) = (logits - top[..., None]).exp_(), self._own(yp)
+                pair = torch.stack([exps.sum(-1), torch.where(own, logits.gather(-1, i[..., None])[..., 0], 0.0)])
+                dist.all_reduce(pair, group=self.group)
+                total += torch.where(yp != -100, pair[0].log() + top - pair[1], 0.0).sum()
+                if train:  # d loss / d logits: (softmax - one-hot) x the token's weight
+                    g = exps.div_(pair[0][..., None]).scatter_add_(-1, i[..., None], -own[..., None].float())
+                    g = (g * w[..., None]).to(hp.dtype)
+                    grads.append((g @ weight.to(g.dtype)).float())
+                    head += (g.flatten(0, 1).T @ hp.flatten(0, 1)).float()
+        if not train:
+            return total / tokens, out
+        _add_grad(self.head, head)
+        dist.reduce(grad := torch.cat(grads, 1), group_dst=self.last, group=self.group)
+        return total / tokens, (out * grad).sum() if self.rank == self.last else out
+
+
+def _add_grad(param: nn.Parameter, grad: Tensor) -> None:  # into a DTensor parameter's .grad, as autograd adds
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    param.grad.to_local().add_(grad)
+
+
+def groups_of(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's: matrices decayed, gains not; no group empty (torch cannot load one's state on resume); one kind of
+    tensor a group for fused AdamW (plain, or DTensors of one mesh: --vocab-parallel's slices apart)."""
+    kind = lambda p: (p.ndim >= 2, getattr(p, "device_mesh", None))  # noqa: E731
+    return [{"params": [p for p in model.parameters() if kind(p) == k], "weight_decay": weight_decay * k[0]}
+            for k in dict.fromkeys(map(kind, model.parameters()))]
 
 
 # ==========================================================================================================

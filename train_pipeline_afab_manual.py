@@ -9,8 +9,7 @@
 What torch.distributed.pipelining does, by hand: each rank keeps a slice of the layers and passes activations
 forward, gradients back. Needs model.py, checkpoint.py. The functions keep the calls of the torch-pipeline-
 parallelism guide (users test them): partition_model(model, rank, world_size) with .layers, forward_stage(partition,
-hidden_states), train_step_pipeline_afab, _1f1b, eval_step_pipeline(model, inputs, targets, device, dtype).
-"""
+hidden_states), train_step_pipeline_afab, _1f1b, eval_step_pipeline(model, inputs, targets, device, dtype)."""
 
 import argparse
 import contextlib
@@ -32,9 +31,9 @@ from torch.profiler import record_function
 
 import checkpoint
 from checkpoint import Parser, ScheduleChoices, UsageError, collective_errors, number, whole
-from model import (PRESETS, LlamaForPretraining, TiedEmbedding, attention_mask, chunk_lengths, chunked_loss,
-                   clip_grad_norm_, config_from_preset, cut_sequences, describe_layout, document_mask,
-                   document_positions, estimated_costs, even, layout, loss_chunks, materialize, parallelize,
+from model import (PRESETS, LlamaForPretraining, TiedEmbedding, VocabParallel, attention_mask, chunk_lengths,
+                   chunked_loss, clip_grad_norm_, config_from_preset, cut_sequences, describe_layout, document_mask,
+                   document_positions, estimated_costs, even, groups_of, layout, loss_chunks, materialize, parallelize,
                    synchronize)
 
 # ----------------------------------------------------------------------------------------------------------
@@ -81,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-chunks", type=whole(1), default=1, help="cut each sequence into this many chunks that flow "
                    "through the pipeline as microbatches (Seq1F1B: the first stage holds p + S - 1 chunks instead of "
                    "p sequences); 1: whole sequences")
+    g.add_argument("--vocab-parallel", action="store_true", help="embedding, head, loss by vocabulary on all stages")
     g.add_argument("--chunk-split", choices=["even", "compute"], default="even", help="--seq-chunks' lengths: even, "
                    "or of equal compute (later chunks shorter: attention reads each token's whole prefix)")
     g = p.add_argument_group("checkpoints and output")
@@ -130,7 +130,7 @@ def main(args):
     # --- the split: this rank's slice trimmed on meta; tensor parallelism, checkpointing, compile, FSDP2; its shards
     with torch.device("meta"):
         model = LlamaForPretraining(config)  # with one stage, a tied head is the embedding's (else TiedEmbedding)
-    partition = partition_model(model, pp_rank, pp, group=mesh.get_group("pp"), layout=layers, trim=True)
+    partition = partition_model(model, pp_rank, pp, mesh.get_group("pp"), layers, True, args.vocab_parallel and mesh)
     parallelize([model], mesh, env.dtype, args.sequence_parallel, args.activation_checkpointing, args.compile,
                 [pp_rank])  # its stage: checkpointed as --activation-checkpointing's entry for it says
     materialize([model], config, env.device, args.seed)  # a shard at a time: the full model's weights, any layout
@@ -138,9 +138,10 @@ def main(args):
 
     # --- the schedule: AFAB or 1F1B by hand, over send/recv between the pipeline ranks of this replica
     window = f", {args.accumulate} x {args.microbatches} microbatches an optimizer step" if args.accumulate > 1 else ""
+    costs = estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks)
     say(f"model {name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size} | "
         f"{num_stages} stage(s) on {env.world_size} process(es) = {pp} pipeline x {dp} data x {tp} tensor: "
-        f"{describe_layout(layers, estimated_costs(config, args.seq_len, args.activation_checkpointing, chunks))}"
+        f"{describe_layout(layers, costs, config.vocab_size * args.vocab_parallel)}"
         f" | {args.schedule}{window} by hand | {env.device.type} {str(env.dtype).removeprefix('torch.')}", flush=True)
 
     # --- optimizer, tied embedding, resume: from here on the same in every script
@@ -156,10 +157,10 @@ def main(args):
     def through_pipeline(schedule, inputs, targets, part=0, parts=1, **window):  # this replica's rows (their
         share, m = args.batch_size // (dp * parts), args.microbatches  # part-th of parts) in, as m microbatches
         rows = slice((dp_rank * parts + part) * share, (dp_rank * parts + part + 1) * share)  # each sequence in
-        inputs = inputs[rows].to(env.device) if has_first or args.document_masking else None  # chunks of lengths;
-        positions = document_positions(inputs, meta["bos_id"]) if args.document_masking else None  # the mean loss
-        targets = targets[rows].to(env.device) if has_last else None  # over the replicas out
-        mbs = [x.chunk(m) if x is not None else [None] * m for x in (inputs if has_first else None, targets, positions)]
+        inputs = inputs[rows].to(env.device) if has_first or partition.vocab or args.document_masking else None
+        positions = document_positions(inputs, meta["bos_id"]) if args.document_masking else None  # chunks of
+        targets = targets[rows].to(env.device) if has_last or partition.vocab else None  # lengths; the loss, the
+        mbs = [x.chunk(m) if x is not None else [None] * m for x in (inputs, targets, positions)]  # replicas' mean, out
         with compute(env, tp):  # in the computation's dtype between stages (model.cast_between_stages casts to it)
             loss = schedule(partition, *mbs[:2], env.device, env.dtype, loss_chunks=chunks, positions=mbs[2],
                             shape=microbatch, lengths=lengths, **window)
@@ -257,7 +258,7 @@ def stage_layout(config, num_stages: int, args) -> tuple[list[range], list[int]]
     microbatch = (args.batch_size // (args.dp * args.microbatches * args.accumulate), args.seq_len)
     try:
         return (layout(args.split, config, num_stages, args.seq_len, args.activation_checkpointing,
-                       loss_chunks(args.loss_chunks, config, microbatch, args.tp), args.tp),
+                       loss_chunks(args.loss_chunks, config, microbatch, args.tp), args.tp, args.vocab_parallel),
                 chunk_lengths(args.seq_len, args.seq_chunks, config, args.chunk_split,
                               args.tp if args.sequence_parallel else 1))  # a chunk's positions shard tp ways
     except ValueError as e:
@@ -382,10 +383,11 @@ class Partition:
     group: dist.ProcessGroup | None = None  # the pipeline's ranks; None: the default group is the pipeline
     trimmed: bool = False  # the model holds this part alone: its own forward runs it
     sequence_shards: int = 1  # sequence parallelism: the stage holds 1/shards of the positions (tensor_parallel)
+    vocab: VocabParallel | None = None  # --vocab-parallel: the embedding, head and loss over all the pipeline ranks
 
 
 def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.ProcessGroup | None = None,
-                    layout: list[range] | None = None, trim: bool = False) -> Partition:
+                    layout: list[range] | None = None, trim: bool = False, vocab=None) -> Partition:
     """This pipeline rank's part of model.py's LlamaForPretraining or a Hugging Face LlamaForCausalLM: its layers
     (layout's, default even), the embedding on the first rank, the final norm and head on the last. The model stays
     whole, any rank's part may be taken of it, unless trim (model.py's): then it is cut down to the part in place."""
@@ -398,9 +400,9 @@ def partition_model(model: nn.Module, rank: int, world_size: int, group: dist.Pr
     if len(layers) != len(keep):
         raise ValueError("partition_model: the model was already trimmed to another part")
     if trim:  # main's, on the meta device: only the stage is allocated, the optimizer and checkpoints take it so
-        model.keep_only(keep, rank == 0, rank == world_size - 1)
-        model.head_in_loss = True  # its forward stops at the final norm, the loss applies the head (loss_fn)
-    return Partition(model, rank, world_size, layers, group, trim)
+        model.keep_only(keep, rank == 0, rank == world_size - 1, vocab["pp"] if vocab else None)  # vocab: the mesh
+        model.head_in_loss = True  # its forward stops at the final norm, the loss applies the head (Step.forward)
+    return Partition(model, rank, world_size, layers, group, trim, vocab=VocabParallel(model, vocab) if vocab else None)
 
 
 def forward_stage(partition: Partition, hidden_states: torch.Tensor, positions: torch.Tensor | None = None, chunk=None):
@@ -424,14 +426,6 @@ def forward_stage(partition: Partition, hidden_states: torch.Tensor, positions: 
     return base.norm(h) if rank == partition.world_size - 1 else h
 
 
-def loss_fn(partition: Partition, hidden: torch.Tensor, targets: torch.Tensor, chunks: int, tokens=None):
-    """The mean cross-entropy of the head's logits, chunks pieces at a time (tokens: a chunk's divisor, Chunk's)."""
-    model = partition.model
-    if not isinstance(model, LlamaForPretraining) and getattr(model.config, "pad_token_id", None) is not None:
-        targets = targets.masked_fill(targets == model.config.pad_token_id, -100)  # a Hugging Face model's padding
-    return chunked_loss(model.lm_head, hidden, targets, chunks, partition.sequence_shards, tokens)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # The schedule: point-to-point messages, and AFAB and 1F1B over them
 
@@ -444,7 +438,7 @@ class Step:
         self.partition, self.device, self.dtype, self.chunks, self.window = part, device, dtype, loss_chunks, window
         self.rank, self.first, self.last = part.rank, part.rank == 0, part.rank == part.world_size - 1
         # saved: microbatch -> (input, output or loss); held: sends for the next receive; sends: the last ones alone
-        self.saved, self.loss, self.held, self.sends = {}, torch.zeros((), device=device), [], []
+        self.saved, self.loss, self.held, self.sends, self.passed = {}, torch.zeros((), device=device), [], [], 0
         # Sequence s of m in S chunks of lengths (model.cut_sequences) runs as microbatches s * S + j, forward in
         # order, backward last chunk first (Seq1F1B: it gives the earlier chunks' K/V their gradient); shapes: lengths'.
         m, S, sizes = len(inputs), len(lengths or [0]), [shape or x.shape for x in inputs]  # sizes: (batch, seq)
@@ -453,6 +447,7 @@ class Step:
         self.shapes = [(b, n // part.sequence_shards, part.model.config.hidden_size)
                        for b, seq in sizes for n in lengths or [seq]]
         self.microbatches, self.backwards = len(self.items), [s * S + j for s in range(m) for j in reversed(range(S))]
+        self.vocab, self.items = part.vocab, part.vocab.embed_all(self.items) if part.vocab else self.items
 
     def message(self, op, tensor, stage: int, label, hold: bool = False) -> torch.Tensor:
         """Send (dist.isend) tensor to a stage, or receive (dist.irecv) one of that shape. NCCL does not buffer a send
@@ -473,28 +468,33 @@ class Step:
         self.sends = [(work, ops) for work in works] if alone else self.sends
         return tensor
 
-    def forward(self, i: int, hold: bool) -> None:
-        # A received tensor, a leaf that requires grad: this stage's backward stops there, d(loss)/d(x) left in x.grad
-        c = self.items[i]
+    def forward(self, i: int, hold: bool) -> None:  # x: a leaf that requires grad, d(loss)/d(x) left in x.grad
+        c, part = self.items[i], self.partition
         x = c.inputs.to(self.device) if self.first else self.message(dist.irecv, self.shapes[i], self.rank - 1, i)
-        x.requires_grad_(not self.first)
+        x.requires_grad_(x.is_floating_point())  # (--vocab-parallel: the first stage's inputs embedded already)
         with record_function(f"forward {i}"):
-            out = forward_stage(self.partition, x, c.positions, c.chunk)
-            if self.last:  # divided by the microbatches (and steps accumulated): the gradients add up to their mean's
-                out = loss_fn(self.partition, out, c.targets.to(self.device), self.chunks, c.tokens) / self.microbatches
-                self.loss += out.detach()
+            out = forward_stage(part, x, c.positions, c.chunk)
+            if self.last and not self.vocab:  # the mean cross-entropy, chunks pieces at a time (tokens: a chunk's
+                out = chunked_loss(part.model.lm_head, out, c.targets.to(self.device), self.chunks,  # divisor; pad:
+                                   part.sequence_shards, c.tokens, getattr(part.model.config, "pad_token_id", None))
+                self.loss += (out := out / self.microbatches).detach()  # HF's); over microbatches x steps: the mean's
                 out = out / self.window[1] if self.window[1] > 1 else out  # (k = 1: nothing more, bit for bit)
         if not self.last:  # values only travel; the graph stays here in `out` for this stage's backward
             self.message(dist.isend, out.detach().to(self.dtype), self.rank + 1, i, hold)
         self.saved[i] = (x, out)
 
+    def outputs(self, upto: int) -> None:  # --vocab-parallel: the output passes up to upto, alike on every rank;
+        for j in range(self.passed, upto if self.vocab else 0):  # the last stage's out: a scalar to backward from
+            ce, out = self.vocab.output(self.saved[j][1], self.items[j], self.chunks, len(self.items) * self.window[1])
+            self.saved[j], self.loss, self.passed = (self.saved[j][0], out), self.loss + ce / self.microbatches, j + 1
+
     def backward(self, i: int, hold: bool) -> None:
+        self.outputs(i + 1)  # --vocab-parallel: before the receive; a sequence's first backward (its last chunk's)
         x, out = self.saved.pop(i)  # dropping it frees this microbatch's activations after the backward
         grad = None if self.last else self.message(dist.irecv, self.shapes[i], self.rank + 1, i).to(out.dtype)
         if isinstance(model := self.partition.model, FSDPModule):
-            # With replicas, every backward adds into the unsharded gradient and only the last one (microbatch
-            # m - 1, in AFAB and 1F1B alike, chunk 0 of it with chunks, of the optimizer step's last schedule step)
-            # reduce-scatters the sum: once per optimizer step, not m (x --accumulate) times.
+            # With replicas each backward adds into the unsharded gradient; the optimizer step's last (microbatch
+            # m - 1's, chunk 0 with chunks, AFAB and 1F1B alike) alone reduce-scatters: not m (x --accumulate) times.
             last = i == self.backwards[-1] and self.window[0] == self.window[1] - 1
             model.set_requires_gradient_sync(last)
             model.set_reshard_after_backward(last)
@@ -507,6 +507,8 @@ class Step:
     def finish(self) -> torch.Tensor | None:
         for work, _ in self.sends:  # none is held: a send is held only for a receive that follows
             work.wait()
+        if self.vocab and torch.is_grad_enabled():  # the embeddings' gradients; at an optimizer step's end, averaged
+            self.vocab.embed_backward(self.items, self.window[0] == self.window[1] - 1)  # over the replicas
         return self.loss if self.last else None
 
 
@@ -548,6 +550,7 @@ def eval_step_pipeline(model, inputs, targets, device, dtype, *, loss_chunks=1, 
     step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape, lengths=lengths)
     for i in range(step.microbatches):
         step.forward(i, hold=False)
+        step.outputs(i + 1)  # --vocab-parallel
         step.saved.pop(i)
     for module in (m for m in step.partition.model.modules() if isinstance(m, FSDPModule)):
         module.reshard()  # gathered for the forwards; no backward frees them
@@ -561,11 +564,8 @@ SCHEDULES = {"afab": train_step_pipeline_afab, "1f1b": train_step_pipeline_1f1b}
 # Training: the optimizer and its learning rate (the run's summary: checkpoint.summary)
 
 def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
-    # Decay matrices only, not norm gains (the same on any split); no empty group (an embedding-only stage has no
-    # gains, and torch cannot load an empty group's state on resume); fused: one kernel per group, CUDA or CPU.
-    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    # Decay matrices only, not norm gains (the same on any split); fused: one kernel per group, CUDA or CPU.
+    return torch.optim.AdamW(groups_of(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def lr_at(step: int, args) -> float:
