@@ -10,6 +10,7 @@
     python benchmark.py --documents --ranks 1 --seq-len 1024  # --document-masking vs causal attention
     python benchmark.py --seq-chunks 4 --budget 900 --batch-size 2 --microbatches 2 --seq-len 1024 -- --model small
                                                               # 1F1B whole vs in 4 chunks; the longest --seq-len
+    python benchmark.py --vocab-parallel --ranks 3            # the hand-written 1F1B with and without it
     python benchmark.py --variants 1f1b -- --layers 2         # flags after -- go to every run
     python benchmark.py --variants 1f1b,zbvzerobubble,gen.csv # an order of plan.py --write-schedule gen.csv too
     torchrun --nproc_per_node 2 benchmark.py measure-memory OUT.json train_pipeline_gpipe.py --steps 2 ...
@@ -590,6 +591,8 @@ def planned_runs(args) -> int:
         return (args.repeats + 1) * len(chosen(SPLITS, "one process", args.variants))
     if args.documents:
         return args.repeats * 2
+    if args.vocab_parallel:
+        return (args.repeats + 1) * 2
     if args.seq_chunks > 1:  # the search: 2 runs per variant of the gpipe script if plan.py's estimate is right
         chunked = chosen(seq_chunk_variants(args.seq_chunks), "1f1b", args.variants)
         return (args.repeats + 2) * len(chunked) + 2 * sum(
@@ -696,6 +699,8 @@ def compare(args):
             return documents(args, workdir)
         if args.seq_chunks > 1:
             return seq_chunks(args, workdir)
+        if args.vocab_parallel:
+            return vocab_parallel(args, workdir)
         variants = timed_variants(args)
         results = {name: {"step_times": []} for name in variants}
         for repeat in range(args.repeats):
@@ -924,6 +929,43 @@ def documents(args, workdir):
     finish(args, "\n".join(lines), results, name="documents")
 
 
+def vocab_parallel(args, workdir):
+    """The hand-written 1F1B at --ranks with and without --vocab-parallel (the embedding, the head and the loss by
+    vocabulary rows on every rank), alternating: step time; each rank's share of the step's work from the last
+    run's trace; the bytes of parameters, gradients, AdamW state and activations each rank holds (measure-memory)."""
+    variants = {"1f1b (by hand)": [], "1f1b (by hand) --vocab-parallel": ["--vocab-parallel"]}
+    results = {name: {"step_times": []} for name in variants}
+    for repeat in range(args.repeats):
+        for name, extra in variants.items():
+            last = repeat == args.repeats - 1
+            trace = trace_dir(args, name)
+            summary, _ = run(args, "train_pipeline_afab_manual.py", "1f1b", args.steps, workdir,
+                             extra=[*extra, "--trace", trace] if last else extra)
+            results[name]["step_times"].append(summary["median_step_time"])
+            if last:
+                traced(results[name], trace)
+                busy = [statistics.median(s["busy"] for s in r["steps"]) for r in read_trace(trace).values()]
+                results[name]["work_share_per_rank"] = [b / sum(busy) for b in busy]
+            timed(args, repeat, name, summary)
+    for name, extra in variants.items():  # untimed: what each rank holds
+        results[name]["memory"], _ = memory(args, "train_pipeline_afab_manual.py", "1f1b", workdir, extra=extra)
+    base = statistics.median(results["1f1b (by hand)"]["step_times"])
+    lines = [f"The hand-written 1F1B, {args.ranks} ranks, batch {args.batch_size} x {args.seq_len}, "
+             f"{args.microbatches} microbatches, {args.repeats} alternating runs of {args.steps} steps (OMP_NUM_THREADS="
+             f"{os.environ.get('OMP_NUM_THREADS', '1')}); flags for every run: {' '.join(args.script_args) or '-'}. "
+             "Work: each rank's busy time in a traced step, as a share of all ranks'.", "",
+             "| variant | median step (ms) | vs without | bubble (measured) | work per rank | params per rank (MiB) "
+             "| AdamW state per rank (MiB) | peak activations per rank (MiB) |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        r["median_step_time"] = median = statistics.median(r["step_times"])
+        shares = " / ".join(f"{share:.0%}" for share in r["work_share_per_rank"])
+        held = [", ".join(f"{b / 2**20:.2f}" for b in r["memory"][f"{kind}_bytes_per_rank"])
+                for kind in ("param", "optimizer", "activation")]
+        lines.append(f"| {name} | {median * 1e3:.1f} | {median / base:.2f} | {r['bubble']:.1%} | {shares} | "
+                     f"{' | '.join(held)} |")
+    finish(args, "\n".join(lines), results, name="vocab_parallel")
+
+
 PLAN_FLAGS = {"--model": 1, "--layers": 1, "--init-from": 1, "--document-masking": 0, "--device": 1, "--precision": 1,
               "--split": 1, "--activation-checkpointing": 1, "--loss-chunks": 1, "--tp": 1, "--dp": 1}
 
@@ -1112,6 +1154,8 @@ def outputs(args) -> list[str]:
                                         if (ranks or args.ranks) > 1]
     elif args.documents:
         name, traced_names = "documents", []
+    elif args.vocab_parallel:
+        name, traced_names = "vocab_parallel", ["1f1b (by hand)", "1f1b (by hand) --vocab-parallel"]
     elif args.seq_chunks > 1:
         name, traced_names = "seq_chunks", list(chosen(seq_chunk_variants(args.seq_chunks), "1f1b", args.variants))
     else:
@@ -1208,6 +1252,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=number(positive=False), default=0, metavar="MIB",
                         help="with --seq-chunks: also the longest --seq-len whose fullest rank holds at most MIB of "
                              "activations, whole and in chunks (measure-memory runs); 0: none (default: %(default)s)")
+    parser.add_argument("--vocab-parallel", action="store_true",
+                        help="compare the hand-written 1F1B with and without --vocab-parallel instead: step time, "
+                             "each rank's share of the work, what each rank holds")
     parser.add_argument("--out", default="bench", help="output folder (default: %(default)s)")
     parser.add_argument("--force", action="store_true",
                         help="replace the results of an earlier run in --out (only what benchmark.py wrote)")

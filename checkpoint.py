@@ -1421,7 +1421,8 @@ def traced_run(args, env, config: LlamaConfig, layers: list[range], chunks: int)
             "device": env.device.type, "dtype": str(env.dtype).removeprefix("torch."),
             "processes": env.world_size, "sequence_parallel": args.sequence_parallel and args.tp > 1,
             "activation_checkpointing": args.activation_checkpointing, "loss_chunks": chunks,
-            "document_masking": args.document_masking, "seq_chunks": args.seq_chunks}
+            "document_masking": args.document_masking, "seq_chunks": args.seq_chunks,
+            "vocab_parallel": getattr(args, "vocab_parallel", False)}  # the hand-written script's
 
 
 def profiler(args, env, step: int, config: LlamaConfig, layers: list[range], chunks: int):

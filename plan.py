@@ -65,10 +65,11 @@ longest rank's span (docs/plan-vs-the-zero-bubble-paper.md). No script runs them
 FILE.csv writes --schedule's order (any of the eleven) as torch's _PipelineScheduleRuntime loads a custom
 schedule (one row per pipeline rank: its compute actions in order, such as 0F1, 1I0, 1W0).
 
---vocab-parallel (with --schedule afab or 1f1b; issue 54, not in the scripts yet) plans the embedding and the
+--vocab-parallel (with --schedule afab or 1f1b, the hand-written script's: it runs it) plans the embedding and the
 head with its loss split by vocabulary rows over all pipeline ranks (Vocabulary Parallelism, Yeung et al., MLSys
 2025): every rank 1/p of their work and rows, their collectives over the pipeline group at the node bandwidths,
-the layers alone balanced, 1F1B's activations plus two microbatches' (the paper's Vocab-1). The schedules list
+the layers alone balanced, 1F1B's activations plus two microbatches' (the paper's Vocab-1; the script's plainer
+variant holds 1F1B's and, on its first rank, the step's input embeddings: docs/pipeline-by-hand.md). The schedules list
 prints both hand-written schedules with it beside the plain ones either way; --gpus proposes it where it is
 faster (docs/layouts.md).
 
@@ -1148,7 +1149,7 @@ def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
     if not steps:
         raise ValueError(f"{path}: no ProfilerStep spans; not a trace written by the scripts' --trace")
     thread = steps[0].get("pid"), steps[0]["tid"]  # the main thread: the labels, the waits; on a CPU the backward
-    compute, losses, recvs, op_ends = [], [], [], []
+    compute, losses, recvs, op_ends, collectives, vocab = [], [], [], [], [], []
     lookups, made, nodes = [], [], []  # embedding ops; (start, sequence number) of ops; autograd's backward nodes
     for e in events:
         start, end, name = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e["name"]
@@ -1165,8 +1166,12 @@ def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
                     lookups.append((start, end, number))
         elif name == "loss":
             losses.append((start, end))
+        elif name.startswith("vocab "):  # --vocab-parallel's passes (model.VocabParallel): work, less their waits
+            vocab.append((start, end))
         elif name == "gloo:recv":
             recvs.append((start, end))
+        elif name in ("gloo:broadcast", "gloo:reduce", "gloo:all_reduce"):  # --vocab-parallel's: waits in its passes
+            collectives.append((start, end))
         elif (actions := compute_actions(name)) is not None:
             compute.append((start, end, actions))
     kernels = _gpu_kernels(events, path)
@@ -1177,7 +1182,7 @@ def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
             i = bisect.bisect_right(op_ends, end) - 1  # start of the compute action waiting: whichever is latest
             waiting_in = [s for s, e, _ in compute if s <= end <= e]
             blocked.append((max(start, op_ends[i] if i >= 0 else start, max(waiting_in, default=start)), end))
-        blocked = _union(blocked)
+        blocked = _union(blocked + [(s, e) for s, e in collectives if any(lo <= s and e <= hi for lo, hi in vocab)])
         busy_in = lambda spans: _minus(_union(spans), blocked)  # noqa: E731
     else:  # a GPU's: the kernels launched in the spans; waiting where only point-to-point kernels run
         launches = [launch for launch, _, _, _ in kernels if launch is not None]
@@ -1187,7 +1192,7 @@ def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
         def busy_in(spans):
             return _union([(s, e) for lo, hi in spans for _, s, e, p2p in kernels[bisect.bisect_left(
                 launches, lo):bisect.bisect_right(launches, hi)] if not p2p])
-    work = _union([(s, e) for s, e, _ in compute] + losses)
+    work = _union([(s, e) for s, e, _ in compute] + losses + vocab)
     rank = {"steps": [], "stages": {}, "segments": [], "spans": [], "run": trace.get("run")}
     for e in steps:
         lo, hi = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6
@@ -1382,6 +1387,9 @@ def traced_run(args, ranks: dict[int, dict], planned: dict) -> dict:
             planned["model"]) <= set(run["model"]):
         raise UsageError(f"--trace {args.trace}: rank{first}.json does not say what run it measured (traced before "
                          "the scripts wrote that into the trace); trace the run again with the scripts' --trace")
+    if run.get("vocab_parallel"):  # its embedding and head ran on every rank, outside the stages' passes
+        raise UsageError(f"--trace {args.trace}: traced with --vocab-parallel, whose vocabulary passes run on every "
+                         "rank; give its stage times (--vocab-parallel --stage-times), or trace a run without it")
     if run["seq_chunks"] > 1:  # its microbatches were chunks: a part's time there is a chunk's, not a sequence's
         raise UsageError(f"--trace {args.trace}: traced with --seq-chunks {run['seq_chunks']}, whose microbatches are "
                          "chunks of a sequence; trace a run of whole sequences (--seq-chunks 1)")
@@ -2269,9 +2277,9 @@ def search(args) -> list[dict]:
               f"{', activation checkpointing' if row['checkpointing'] else ''}: step {show_seconds(row['step'])} "
               f"({tokens / row['step']:,.0f} tokens/s), bubble {row['bubble']:.0%}, {show_bytes(row['memory'])} "
               "per GPU")
-        if vocab:  # the hand-written script's flag (issue 54)
+        if vocab:  # the hand-written script's flag
             row["command"] = command(args, {**row, "schedule": name.split()[0], "by_hand": True}) + " --vocab-parallel"
-            print(f"   {row['command']}   (--vocab-parallel: issue 54, not in the script yet)")
+            print(f"   {row['command']}")
             continue
         row["command"] = command(args, row)
         print(f"   {row['command']}")
@@ -2329,7 +2337,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "microbatches' activations), zb1p and zb2p (its heuristic, capped at p or 2p microbatches' "
                         "activations), zbvauto (its V, capped at 1F1B's); --write-schedule writes one out to run")
     g.add_argument("--vocab-parallel", action="store_true",
-                   help="(issue 54, the hand-written script's afab and 1f1b; not in the scripts yet) the embedding and "
+                   help="(the hand-written script's, with afab or 1f1b) the embedding and "
                         "the head with its loss split by vocabulary over all pipeline ranks: plan the memory table "
                         "for it (the schedules list it beside the plain split either way)")
     g.add_argument("--write-schedule", metavar="FILE.csv",

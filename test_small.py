@@ -6215,7 +6215,8 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypat
             "documents": ["--documents", "--ranks", "1", "--batch-size", "4", "--microbatches", "2", "--out",
                           "documents"],
             "chunks": ["--seq-chunks", "2", "--variants", "1f1b --seq-chunks 2", "--batch-size", "4", "--microbatches",
-                       "2", "--out", "chunks"]}
+                       "2", "--out", "chunks"],
+            "vocab": ["--vocab-parallel", "--batch-size", "4", "--microbatches", "2", "--out", "vocab"]}
     # The sweep as users run it (its runs under torchrun); the other modes' runs with their ranks forked.
     sweep = run_script(0, "benchmark.py", *jobs.pop("sweep"), *small, cwd=tmp_path, wait=False)
     monkeypatch.chdir(tmp_path)
@@ -6299,6 +6300,31 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypat
         assert planned == pytest.approx(measured, rel=0.1), (name, row)
     assert rows["1f1b"]["vs whole (its script's, else 1f1b)"] == "1.00" and float(
         rows["1f1b --seq-chunks 2"]["rank 0 vs whole"]) < 1, table
+
+    # The hand-written 1F1B with and without --vocab-parallel: each rank's share of the traced work (its vocabulary
+    # passes counted, their collectives' waits not), and what it holds: the 2 layers one a stage, and with the flag
+    # the vocabulary's rows split evenly, so every rank the same parameters, the same in all as without.
+    table = (tmp_path / "vocab" / "vocab_parallel.md").read_text()
+    rows = {row["variant"]: row for row in markdown_table_of(table, "| variant | median step (ms)")}
+    assert list(rows) == ["1f1b (by hand)", "1f1b (by hand) --vocab-parallel"], table
+    for name, row in rows.items():
+        shares = [float(x.rstrip("%")) for x in row["work per rank"].split(" / ")]
+        assert len(shares) == 2 and min(shares) > 0 and abs(sum(shares) - 100) <= 1, (name, row)
+        assert 0 < float(row["bubble (measured)"].rstrip("%")) < 100, (name, row)
+    plain, spread = ([float(x) for x in row["params per rank (MiB)"].split(",")] for row in rows.values())
+    assert spread[0] == spread[1] and sum(spread) == pytest.approx(sum(plain), abs=0.02) and plain[0] != plain[1]
+    trace = tmp_path / "vocab" / "1f1b_by_hand_vocab_parallel.trace"
+    for rank, read in plan.read_trace(str(trace)).items():  # a step's work holds its vocabulary passes' own time
+        events = [e for e in json.loads((trace / f"rank{rank}.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+        (lo, hi), *_ = read["spans"]
+        spans = [(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in events if e["name"].startswith("vocab ")]
+        waits = [(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in events if e["name"] in (
+            "gloo:broadcast", "gloo:reduce", "gloo:all_reduce")]
+        own = sum(e - s for s, e in spans if lo <= s <= hi) - sum(
+            e - s for s, e in waits if lo <= s <= hi and any(a <= s and e <= b for a, b in spans))
+        assert read["steps"][0]["busy"] >= own > 0, (rank, read["steps"][0], own)
+    assert "traced with --vocab-parallel, whose vocabulary passes run on every rank" in refused(
+        capsys, plan.main, "--processes", "2", "--layers", "2", "--trace", str(trace))
 
 
 @pytest.mark.parametrize("factor", [1.0, 1.25, 0.5])

@@ -35,8 +35,8 @@ import checkpoint
 from checkpoint import Parser, ScheduleChoices, UsageError, collective_errors, number, whole
 from model import (PRESETS, LlamaForPretraining, TiedEmbedding, accumulate_into, chunk_lengths, chunk_order,
                    chunked_loss, clip_grad_norm_, config_from_preset, describe_layout, document_positions,
-                   estimated_costs, forward_only, layout, loss_chunks, materialize, merge_backwards, merged_stages,
-                   parallelize, read_order, step_chunks, synchronize)
+                   estimated_costs, forward_only, groups_of, layout, loss_chunks, materialize, merge_backwards,
+                   merged_stages, parallelize, read_order, step_chunks, synchronize)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
              "loopedbfs": ScheduleLoopedBFS, "interleavedzerobubble": ScheduleInterleavedZeroBubble,
@@ -492,11 +492,8 @@ def eval_step(schedule, pipeline_stages: list, inputs, targets, env: Env, tp: in
 # Training: the optimizer and its learning rate (the run's summary: checkpoint.summary)
 
 def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
-    # Decay matrices only, not norm gains (the same on any split); no empty group (an embedding-only stage has no
-    # gains, and torch cannot load an empty group's state on resume); fused: one kernel per group, CUDA or CPU.
-    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    # Decay matrices only, not norm gains (the same on any split); fused: one kernel per group, CUDA or CPU.
+    return torch.optim.AdamW(groups_of(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def lr_at(step: int, args) -> float:
