@@ -324,10 +324,27 @@ def kill_job(proc) -> None:
             pass
 
 
+_PORTS = iter(range(1 << 30))
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no test of this worker had, free now, from below the kernel's ephemeral range. A port bound to 0 came
+    from that range, where every connection (gloo's many) takes its own end: one was taken before a job's store
+    bound it ("address already in use", seen in the suite). Each xdist worker has its own part of the ports."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    workers, worker = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1)), os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    share = (low - 10000) // workers
+    for n in _PORTS:
+        port = 10000 + int(worker.removeprefix("gw") or 0) * share + n % share
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:  # a port something else holds
+                continue
 
 
 def launch_ranks(world_size: int, script: str, *args, cwd) -> list:
