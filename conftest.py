@@ -928,7 +928,9 @@ def _layout_worker(rank, world_size, store_path, out_dir, variants, batch, pp, d
                 "loss": loss if last and reports else None, "eval": evaluated if last and reports else None,
                 "activations": meter.peak_bytes, "masks": len(masks), "calls": calls.recording(), "stages": stages,
                 "views": sum("returned a view tensor" in str(w.message) for w in caught),
-                "fsdp_units": fsdp_groups(modules),
+                "fsdp_units": fsdp_groups(modules),  # and --vocab-parallel's slices, each a replica's rows' shape:
+                "slices": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()  # reduce-scattered once
+                           if isinstance(p, DTensor) and "pp" in p.device_mesh.mesh_dim_names},
                 "dp_group": mesh.get_group("dp").group_name}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -952,11 +954,11 @@ def seq_chunks(name: str, seq_len: int, config, tp: int) -> dict:
 
 def fsdp_groups(modules: list) -> int:
     """The FSDP2 units among modules that hold parameters of their own (a stage's root over its layers alone holds
-    none; --vocab-parallel's slices, DTensors over the pipeline ranks, are not FSDP2's): each reduce-scatters its
-    gradients once a step."""
+    none; --vocab-parallel's slices, DTensors over the pipeline ranks and the replicas, are not FSDP2's): each
+    reduce-scatters its gradients once a step."""
     units = [m for module in modules for m in module.modules() if isinstance(m, FSDPModule)]
     inner = {u: {p for v in u.modules() if v is not u and isinstance(v, FSDPModule) for p in v.parameters()}
-             | {p for p in u.parameters() if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("pp",)}
+             | {p for p in u.parameters() if isinstance(p, DTensor) and "pp" in p.device_mesh.mesh_dim_names}
              for u in units}
     return sum(bool(set(u.parameters()) - inner[u]) for u in units)
 
@@ -1177,7 +1179,8 @@ PARITY_LAYOUTS[2, 2, 1] += [("manual", "1f1b:2", (0, 4), True)]
 PARITY_LAYOUTS[2, 1, 2] += [("manual", "1f1b:3:compute", 4, True)]
 # --vocab-parallel by hand ("vocab"): the embedding, the head and the loss over every pipeline rank by vocabulary
 # rows (98: 49 each at 2 ranks; 33, 33, 32 at 3), AFAB and 1F1B, with documents, layerless ends, sequence chunks
-# (their output passes in forward order), with replicas (the slices outside FSDP2).
+# (their output passes in forward order), with replicas (the slices outside FSDP2, sharded over the replicas too:
+# 25 and 24 of a rank's 49 rows at 2 x 2).
 PARITY_LAYOUTS[2, 1, 1] += [("vocab", "afab", 4, False), ("vocab", "1f1b", (4, 0), True), ("vocab", "afab:2", 4, True),
                             ("vocab", "1f1b:2", (0, 4), False)]
 PARITY_LAYOUTS[3, 1, 1] += [("vocab", "afab", (0, 4, 0), False), ("vocab", "1f1b", 6, False),
@@ -1218,8 +1221,8 @@ ACCUMULATED_LAYOUTS = {
                 ("library", "1f1b:4", 4, True)],  # --seq-chunks 4: 16 chunks a replica, 8 a schedule step
     (2, 1, 2): [("library", "1f1b", 4, False), ("library", "dualpipev", 4, True), ("manual", "afab", 4, False)],
 }
-# --vocab-parallel: the embeddings' gradients each schedule step, the slices' averaged over the replicas once an
-# optimizer step (after its last schedule step's)
+# --vocab-parallel: the embeddings' gradients each schedule step, the slices' reduce-scattered over the replicas
+# (averaged) once an optimizer step (after its last schedule step's)
 ACCUMULATED_LAYOUTS[2, 1, 1] += [("vocab", "afab", 4, True)]
 ACCUMULATED_LAYOUTS[2, 2, 1] += [("vocab", "1f1b:2", (0, 4), False)]
 ACCUMULATE, ACCUMULATED_MICROBATCHES = 2, 8  # schedule steps an optimizer step; microbatches a replica, in all

@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining.schedules import (_Action, _add_send_recv, _ComputationType,
                                                     _PipelineScheduleRuntime, _validate_schedule)
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
@@ -1131,8 +1131,8 @@ def parallelize(modules: list[nn.Module], mesh, dtype: torch.dtype, sequence_par
         # reshard_after_forward=False: a stage runs forward once per microbatch, and gathering its parameters
         # again for each would multiply the all-gathers by the microbatches (torchtitan's choice too). bf16:
         # parameters gathered in bf16, gradients reduced in fp32; a stage's root gives out fp32 (as with dp 1).
-        for module in decoder_layers(modules) + modules:  # (--vocab-parallel's slices, over "pp": VocabParallel's)
-            pp = {p for p in module.parameters() if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("pp",)}
+        for module in decoder_layers(modules) + modules:  # (--vocab-parallel's slices, over pp x dp: VocabParallel's)
+            pp = {p for p in module.parameters() if isinstance(p, DTensor) and "pp" in p.device_mesh.mesh_dim_names}
             fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=MixedPrecisionPolicy(
                 dtype, torch.float32, torch.float32 if module in modules else None), ignored_params=pp)
     if dtype != torch.float32:  # after FSDP2's hooks: its output cast comes first
@@ -1230,7 +1230,7 @@ def clip_grad_norm_(params, max_norm: float, copies=(), tp: int = 1) -> Tensor:
     clipped but counted once. Sums the partial gradients first (sum_partial_grads). Collective."""
     def tp_copies(p) -> int:  # a tensor every tensor-parallel rank holds whole (a norm's gain) is counted once
         names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-        if names == ("pp",):  # --vocab-parallel's slice (VocabParallel): every replica holds a copy
+        if "pp" in names:  # --vocab-parallel's slice (VocabParallel), over pp x dp: each tensor-parallel rank's copy
             return dist.get_world_size() // p.device_mesh.size()
         return tp if "tp" not in names or p.placements[names.index("tp")].is_replicate() else 1
 
@@ -1269,16 +1269,32 @@ def synchronize(device: torch.device) -> None:
 # microbatch's: the final hidden states broadcast, each rank's logits slice (chunked_loss's pieces and weights),
 # all-reduces of the softmax's maximum and of (sum of exponentials, target's logit); the slice's head gradient in
 # closed form (softmax - one-hot), the hidden states' reduced onto the last stage. One order on every rank.
+# With --dp each replica holds 1/dp of its rank's rows (Shard(0), Shard(0) over pp x dp) and of their AdamW state.
+# Not by FSDP2: its hooks reduce autograd's gradients, and these are closed-form. So as FSDP2 does, by hand: each
+# schedule step gathers the rows over the replicas (embed_all), the passes add into that copy's .grad, and an
+# optimizer step's last reduce-scatters it, averaged, into the shards' (embed_backward).
 
 class VocabParallel:
-    """This rank's rows of the vocabulary layers (keep_only's vocab) and their passes; mesh: the run's (pp, dp)."""
+    """This rank's rows of the vocabulary layers (keep_only's vocab) and their passes; mesh: the run's (pp, dp, tp)."""
 
     def __init__(self, model: LlamaForPretraining, mesh):
-        self.embed, self.head, self.group, self.replicas = (model.base_model.embed_tokens.weight, model.lm_head.weight,
-                                                            mesh.get_group("pp"), mesh.get_group("dp"))
+        self.slices, self.group, self.dp = mesh["pp", "dp"], mesh.get_group("pp"), mesh["dp"].size()
+        for module in (model.base_model.embed_tokens, model.lm_head):  # keep_only's rows, a replica's share of them
+            module.weight = nn.Parameter(distribute_tensor(torch.empty(module.weight.shape, device="meta"),
+                                                           self.slices, [Shard(0), Shard(0)], src_data_rank=None))
+        model.tie_weights()
+        self.embed, self.head = self.params = (model.base_model.embed_tokens.weight, model.lm_head.weight)
+        self.whole = dict.fromkeys(self.params)  # each slice's (tied: one) copy gathered over the replicas (dp > 1)
         self.rank, self.last = dist.get_rank(self.group), dist.get_world_size(self.group) - 1
         (self.rows, _), (self.start, _) = compute_local_shape_and_global_offset(
-            self.embed.shape, self.embed.device_mesh, self.embed.placements)  # this rank's rows, from start on
+            self.embed.shape, mesh["pp"], [Shard(0)])  # this rank's rows, from start on
+
+    def _gather(self) -> None:  # the slices whole for a schedule step's passes, the step's gradients so far in .grad
+        for p, whole in self.whole.items() if self.dp > 1 else ():  # (the last step's copy freed first)
+            grad, self.whole[p] = getattr(whole, "grad", None), None
+            self.whole[p] = p.redistribute(placements=[Shard(0), Replicate()])  # all-gathered over the replicas
+            self.whole[p].grad = grad
+        self.embed, self.head = (self.whole[p] if self.dp > 1 else p for p in self.params)
 
     def _own(self, ids: Tensor) -> tuple[Tensor, Tensor]:  # indices into this rank's rows, and which ids are its
         local = ids.to(self.embed.device) - self.start
@@ -1289,6 +1305,7 @@ class VocabParallel:
     def embed_all(self, chunks: list[Chunk]) -> list[Chunk]:
         """A step's microbatches (cut_sequences' chunks), their inputs embedded on the first stage (its inputs)."""
         self.ids = [c.inputs for c in chunks]  # for embed_backward
+        self._gather()
         out = [torch.where(own[..., None], self.embed.to_local()[i], 0.0) for i, own in map(self._own, self.ids)]
         dist.reduce(flat := torch.cat([e.flatten() for e in out]), group_dst=0, group=self.group)
         out = [e.copy_(f.view_as(e)) for e, f in zip(out, flat.split([e.numel() for e in out]))]  # not views (FSDP2)
@@ -1306,11 +1323,11 @@ class VocabParallel:
         for (i, own), g in zip(map(self._own, ids), flat.split([x.numel() * h for x in ids])):
             total.index_add_(0, i[own], g.view(*own.shape, h)[own])
         _add_grad(self.embed, total)
-        grads = [p.grad.to_local() for p in {id(p): p for p in (self.embed, self.head)}.values()]
-        if last and (replicas := dist.get_world_size(self.replicas)) > 1:
-            dist.all_reduce(flat := torch.cat([g.flatten() for g in grads]), group=self.replicas)
-            for g, f in zip(grads, flat.div_(replicas).split([g.numel() for g in grads])):
-                g.copy_(f.view_as(g))
+        for p, whole in self.whole.items() if last and self.dp > 1 else ():  # reduce-scattered over the replicas
+            grad = DTensor.from_local(whole.grad.to_local(), self.slices, [Shard(0), Partial()], shape=p.shape,
+                                      stride=p.stride()).redistribute(placements=p.placements)
+            _add_grad(p, grad.to_local().div_(self.dp))  # their mean, as FSDP2's
+            self.whole[p] = None
 
     @torch.profiler.record_function("vocab output")
     def output(self, out: Tensor, chunk: Chunk, chunks: int = 1, divisor: int = 1) -> tuple[Tensor, Tensor]:

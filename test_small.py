@@ -1312,6 +1312,12 @@ def test_every_split_and_schedule_gives_the_unsplit_gradients(parity_run):
         vocab = {"base_model.embed_tokens.weight", "lm_head.weight"} if variant[0] in ("vocab", "tied") else set()
         assert [k for k in keys if k in vocab] == sorted(vocab) * pp, variant
         assert sorted([k for k in keys if k not in vocab] + [*vocab]) == sorted(reference.state_dict()), variant
+        # Each rank holds its replica's share (torch.chunk's) of its pipeline rank's rows of each slice (tied: one),
+        # (Shard(0), Shard(0)) over (pp, dp): at 2 x 2 the 98 rows in 25, 24 | 25, 24; AdamW's state follows them.
+        for r, result in enumerate(ranks):
+            rows = len(torch.arange(98).chunk(pp)[r // (dp * tp)].chunk(dp)[r // tp % dp])
+            assert result[variant]["slices"] == dict.fromkeys(sorted(vocab)[:1 + (variant[0] == "vocab")],
+                                                              (rows, 32)), (variant, r)
         # No stage gives out a view (tensor parallelism's to_local(), of the final norm or of the embedding alone):
         # FSDP2 warns of one, since an in-place op on it would drop its backward hook.
         assert not [r[variant]["views"] for r in ranks if r[variant]["views"]], variant
@@ -1365,10 +1371,11 @@ def test_accumulated_schedule_steps_give_the_unsplit_gradients_and_reduce_scatte
         loss, expected, _ = references[layer_count(variant[2]), variant[3]]
         assert_unsplit(variant, ranks, loss, expected)
         nccl_rules.check([result[variant]["calls"] for result in ranks])
-        for r, result in enumerate(ranks):
-            reduced = sum(e.get("name") == "reduce_scatter" and e.get("group") == result[variant]["dp_group"]
-                          for e in result[variant]["calls"]["events"])
-            assert reduced == (result[variant]["fsdp_units"] if dp > 1 else 0), (variant, r, reduced)
+        for r, result in enumerate(ranks):  # (--vocab-parallel's slices too, each once: DTensor's reduce-scatter)
+            reduced = sum(e.get("name", "").startswith("reduce_scatter") and e.get("group") == result[variant][
+                "dp_group"] for e in result[variant]["calls"]["events"])
+            units = result[variant]["fsdp_units"] + len(result[variant]["slices"])
+            assert reduced == (units if dp > 1 else 0), (variant, r, reduced)
 
 
 ZERO_BUBBLE = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")  # the schedules that split a backward
@@ -2584,14 +2591,15 @@ def test_vocab_parallel_resumes_without_it_on_other_layouts_and_back_and_exports
                                                                                                    reference_run):
     # --vocab-parallel's checkpoints hold the whole embedding and head (each rank saves its rows of a DTensor): the
     # reference's step 4 (GPipe, 2 x 2, no vocabulary split) resumed by hand with it on 3 ranks (1F1B, evaluated
-    # every 4 steps, its calls recorded: the whole run under NCCL's rules); its step 8 on 2 ranks without it; its
-    # step 12 with it on 2 stages x 2 replicas (the slices' gradients averaged over them), in 2 accumulated
-    # schedule steps. Each continues the reference within fp32 drift; exported, the matrices are whole.
+    # every 4 steps, its calls recorded: the whole run under NCCL's rules); its step 8 with it on 2 stages x 2
+    # replicas (the slices sharded over them too, their gradients reduce-scattered), in 2 accumulated schedule
+    # steps; that run's step 12 on 2 ranks without it. Each continues the reference within fp32 drift; exported,
+    # the matrices are whole.
     reference_dir, reference = reference_run
     runs = [("vocab3", 3, reference_dir, 4, ["--vocab-parallel", "--schedule", "1f1b", "--eval-every", "4"]),
-            ("plain2", 2, tmp_path / "vocab3", 8, []),
-            ("vocab2x2", 4, tmp_path / "vocab3", 12, ["--vocab-parallel", "--dp", "2", "--accumulate", "2",
-                                                      "--microbatches", "2"])]
+            ("vocab2x2", 4, tmp_path / "vocab3", 8, ["--vocab-parallel", "--dp", "2", "--accumulate", "2",
+                                                     "--microbatches", "2"]),
+            ("plain2", 2, tmp_path / "vocab2x2", 12, [])]
     for name, nproc, source, step, flags in runs:
         start = f"step-{step:08d}"
         shutil.copytree(source / "checkpoints" / start, tmp_path / name / "checkpoints" / start)
@@ -2608,6 +2616,11 @@ def test_vocab_parallel_resumes_without_it_on_other_layouts_and_back_and_exports
             assert ("vocab 2731-5461 (" if nproc == 3 else "vocab 4096-8191 (") in result.stdout, result.stdout
         if name == "vocab3":
             assert "eval at step 8: loss" in result.stdout and "eval at step 16: loss" in result.stdout
+    # At 2 x 2 each rank saved a quarter of the head, and of its AdamW state: what it held (2048 of the 8192 rows).
+    index = FileSystemReader(str(tmp_path / "vocab2x2" / "checkpoints" / "step-00000012")).read_metadata()
+    for key in ("model.lm_head.weight", "optim.state.lm_head.weight.exp_avg", "optim.state.lm_head.weight.exp_avg_sq"):
+        chunks = sorted((c.offsets[0], c.sizes[0]) for c in index.state_dict_metadata[key].chunks)
+        assert chunks == [(i * 2048, 2048) for i in range(4)], (key, chunks)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     result = run_script(0, "export.py", tmp_path / "vocab3" / "checkpoints", tmp_path / "vocab.pt", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
