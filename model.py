@@ -53,10 +53,9 @@ class LlamaConfig:
     rope_scaling: dict | None = None  # Llama 3.1+ long-context RoPE (config_from_hf's llama3 keys); None: plain RoPE
 
     def __post_init__(self):
-        if self.head_dim is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise ValueError("hidden_size must be a multiple of num_attention_heads (or give head_dim)")
-            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be a multiple of num_attention_heads (or give head_dim)")
+        self.head_dim = self.hidden_size // self.num_attention_heads if self.head_dim is None else self.head_dim
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.rope_scaling is not None and self.rope_scaling.get("rope_type") != "llama3":
@@ -77,20 +76,18 @@ def rope_inv_freq(config: LlamaConfig, device=None) -> Tensor:
         "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))
     wavelength = 2 * math.pi / inv_freq
     scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
-    smooth = (context / wavelength - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelength < context / high) * ~(wavelength > context / low)
-    return torch.where(medium, smoothed, scaled)
+    smooth = (context / wavelength - low) / (high - low)  # in the medium band, between the two:
+    return torch.where(~(wavelength < context / high) * ~(wavelength > context / low),
+                       (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
 def rope_tables(inv_freq: Tensor, seq_len: int, dtype: torch.dtype,
                 positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
     # Positions from 0: each stage (whole sequences) rebuilds the tables from the length alone, so only hidden states
-    # travel. Document positions: tables [batch, 1, seq, head_dim]. fp32, then cast (as HF): bf16 rotates alike.
-    if positions is None:
-        angles = torch.outer(torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32), inv_freq.float())
-    else:  # the same products, a row per sequence
-        angles = positions[:, None, :, None].float() * inv_freq.float()
+    # travel. Document positions: tables [batch, 1, seq, head_dim], the same products a row per sequence. fp32, then
+    # cast (as HF): bf16 rotates alike.
+    angles = (torch.outer(torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32), inv_freq.float())
+              if positions is None else positions[:, None, :, None].float() * inv_freq.float())
     angles = torch.cat((angles, angles), dim=-1)  # [seq, head_dim], or [batch, 1, seq, head_dim]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -120,10 +117,7 @@ def document_mask_mod(positions: Tensor, offset: int = 0):
     start; on index grids, document_mask. offset: the queries are a chunk from token `offset` on (SeqChunk), the keys
     the sequence's from 0: query q is token offset + q, its document maybe begun in an earlier chunk."""
     starts = offset + torch.arange(positions.shape[-1], device=positions.device) - positions  # each document start
-
-    def mask_mod(b, h, q, k):
-        return (k <= q + offset) & (k >= starts[b, q])
-    return mask_mod
+    return lambda b, h, q, k: (k <= q + offset) & (k >= starts[b, q])
 
 
 def document_mask(positions: Tensor, offset: int = 0) -> Tensor:
@@ -455,18 +449,14 @@ def chunked_loss(head, hidden: Tensor, targets: Tensor, chunks: int, sequence_sh
     that every token weighs as in the whole sequences' loss, and the mean over the chunks, as a schedule takes it over
     microbatches, is theirs."""
     def piece(h, y):
-        logits = head(h)
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="sum")
+        return F.cross_entropy(head(h).flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="sum")
 
     targets = targets.masked_fill(targets == pad, -100) if pad is not None else targets
     ys = targets.view(targets.shape[0], sequence_shards, -1).chunk(chunks, -1)  # [batch, ranks, positions]
-    if chunks == 1 or not torch.is_grad_enabled():
-        total = sum(piece(h, y) for h, y in zip(hidden.chunk(chunks, 1), ys))
-    else:
-        total = sum(torch.utils.checkpoint.checkpoint(piece, h, y, use_reentrant=False)
-                    for h, y in zip(hidden.chunk(chunks, 1), ys))
-    if isinstance(total, DTensor):  # loss_parallel's sum: replicated over the tensor-parallel ranks
-        total = total.to_local()
+    plain = chunks == 1 or not torch.is_grad_enabled()
+    total = sum(piece(h, y) if plain else torch.utils.checkpoint.checkpoint(piece, h, y, use_reentrant=False)
+                for h, y in zip(hidden.chunk(chunks, 1), ys))
+    total = total.to_local() if isinstance(total, DTensor) else total  # loss_parallel's sum, replicated over tp
     return total / ((targets != -100).sum().clamp(min=1) if tokens is None else tokens)
 
 
@@ -489,10 +479,8 @@ PRESETS: dict[str, dict] = {
 
 def config_from_preset(name: str, vocab_size: int, num_layers: int | None = None) -> LlamaConfig:
     """The preset's config with the tokenizer's vocabulary and, optionally, another number of layers."""
-    overrides = dict(PRESETS[name], vocab_size=vocab_size)
-    if num_layers is not None:
-        overrides["num_hidden_layers"] = num_layers
-    return LlamaConfig(**overrides)
+    layers = {"num_hidden_layers": num_layers} if num_layers is not None else {}
+    return LlamaConfig(**dict(PRESETS[name], vocab_size=vocab_size) | layers)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -575,8 +563,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     sizes = {key: size(key, hf[key], MAX_LAYERS if key == "num_hidden_layers" else MAX_SIZE) for key in required}
     heads = sizes["num_attention_heads"]
     # Absent or null: transformers' defaults (as many KV heads as heads; hidden_size / heads per head).
-    kv_heads = heads if hf.get("num_key_value_heads") is None else size("num_key_value_heads",
-                                                                         hf["num_key_value_heads"])
+    kv_heads = heads if hf.get(kv := "num_key_value_heads") is None else size(kv, hf[kv])
     head_dim = None if hf.get("head_dim") is None else size("head_dim", hf["head_dim"])
     if heads % kv_heads:
         wrong("num_key_value_heads", kv_heads, f"must divide num_attention_heads ({heads})")
@@ -641,10 +628,8 @@ def loss_chunks(requested: int, config: LlamaConfig, microbatch: tuple[int, int]
     a position each). So 1, the plain loss with nothing recomputed, where the logits are small (the tiny
     model's, 16 MiB: pieces would only add the head's recomputation), and 8 for llama-8b's 128k vocabulary at
     8192 tokens with tp 2 (2 GiB)."""
-    if requested:
-        return requested
     logits = microbatch[0] * microbatch[1] * config.vocab_size / tp * 4
-    return max(1, min(microbatch[1], math.ceil(logits / LOSS_PIECE_BYTES)))
+    return requested or max(1, min(microbatch[1], math.ceil(logits / LOSS_PIECE_BYTES)))
 
 # ----------------------------------------------------------------------------------------------------------
 # Cutting sequences into chunks (--seq-chunks S, --chunk-split): their lengths, and the chunks of a microbatch
@@ -669,13 +654,11 @@ def chunk_lengths(seq_len: int, chunks: int, config: LlamaConfig, how: str = "ev
     if how != "compute":
         raise ValueError(f"--chunk-split {how}: give even or compute")
     linear, attention = 6 * parameter_counts(config)["layer"], 6 * config.num_attention_heads * config.head_dim
-    total, ends = linear * seq_len + attention * seq_len * (seq_len + 1), []
-    for j in range(1, chunks):  # attention x^2 + (linear + attention) x = j/chunks of the total
-        b = linear + attention
+    total, ends, b = linear * seq_len + attention * seq_len * (seq_len + 1), [], linear + attention
+    for j in range(1, chunks):  # attention x^2 + b x = j/chunks of the total
         x = round((-b + math.sqrt(b * b + 4 * attention * total * j / chunks)) / (2 * attention) / multiple) * multiple
         ends.append(min(max(x, (ends[-1] if ends else 0) + multiple), seq_len - (chunks - j) * multiple))
-    ends.append(seq_len)
-    return [end - start for start, end in zip([0] + ends, ends)]
+    return [end - start for start, end in zip([0] + ends, ends + [seq_len])]
 
 
 class Chunk(NamedTuple):
@@ -1286,8 +1269,8 @@ class VocabParallel:
         self.embed, self.head = self.params = (model.base_model.embed_tokens.weight, model.lm_head.weight)
         self.whole = dict.fromkeys(self.params)  # each slice's (tied: one) copy gathered over the replicas (dp > 1)
         self.rank, self.last = dist.get_rank(self.group), dist.get_world_size(self.group) - 1
-        (self.rows, _), (self.start, _) = compute_local_shape_and_global_offset(
-            self.embed.shape, mesh["pp"], [Shard(0)])  # this rank's rows, from start on
+        (self.rows, _), (self.start, _) = compute_local_shape_and_global_offset(self.embed.shape, mesh["pp"],
+                                                                                [Shard(0)])  # this rank's rows
 
     def _gather(self) -> None:  # the slices whole for a schedule step's passes, the step's gradients so far in .grad
         for p, whole in self.whole.items() if self.dp > 1 else ():  # (the last step's copy freed first)
