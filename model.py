@@ -1273,7 +1273,7 @@ class VocabParallel:
                                                                                 [Shard(0)])  # this rank's rows
 
     def _gather(self) -> None:  # the slices whole for a schedule step's passes, the step's gradients so far in .grad
-        for p, whole in self.whole.items() if self.dp > 1 else ():  # (the last step's copy freed first)
+        for p, whole in self.whole.items() if self.dp > 1 else ():  # (the last window's copy freed first)
             grad, self.whole[p] = getattr(whole, "grad", None), None
             self.whole[p] = p.redistribute(placements=[Shard(0), Replicate()])  # all-gathered over the replicas
             self.whole[p].grad = grad
@@ -1310,7 +1310,7 @@ class VocabParallel:
             grad = DTensor.from_local(whole.grad.to_local(), self.slices, [Shard(0), Partial()], shape=p.shape,
                                       stride=p.stride()).redistribute(placements=p.placements)
             _add_grad(p, grad.to_local().div_(self.dp))  # their mean, as FSDP2's
-            self.whole[p] = None
+            self.whole[p] = self.embed = self.head = None  # the copies freed until the next step's gather
 
     @torch.profiler.record_function("vocab output")
     def output(self, out: Tensor, chunk: Chunk, chunks: int = 1, divisor: int = 1) -> tuple[Tensor, Tensor]:
