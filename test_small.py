@@ -3927,10 +3927,10 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
         "eval_one": (0, "train_pipeline_gpipe.py", ["--steps", "0"]),
         "eval3": (3, "train_pipeline_afab_manual.py", ["--steps", "0"]),
         # --vocab-parallel: each rank reads its rows of the tied matrix (one slice serves the embedding and the
-        # head), in 2 accumulated schedule steps; and an evaluation alone
+        # head), in 2 accumulated schedule steps; and an evaluation alone, at 2 stages x 2 replicas (a quarter each)
         "vocab3": (3, "train_pipeline_afab_manual.py", [*train, "--vocab-parallel", "--schedule", "1f1b",
                                                         "--accumulate", "2"]),
-        "vocab_eval2": (2, "train_pipeline_afab_manual.py", ["--steps", "0", "--vocab-parallel"]),
+        "vocab_eval2x2": (4, "train_pipeline_afab_manual.py", ["--steps", "0", "--vocab-parallel", "--dp", "2"]),
     }
     procs = {name: run_script(n, *(recorded(tmp_path / f"{name}.calls", script) if n else [script]), *common, *flags,
                               "--metrics", f"{name}.jsonl", "--checkpoint-dir", name, cwd=tmp_path, wait=False)
@@ -3946,7 +3946,7 @@ def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models
                      else 4)
     assert [e["step"] for e in rows["one"][1]] == [2, 4] and [e["step"] for e in rows["eval_one"][1]] == [0]
     assert rows["eval3"][0] == [] and not (tmp_path / "eval3").exists()  # evaluated only, nothing written
-    for name in ("gpipe3", "manual2xtp2", "tracer2", "one2x2", "eval3", "vocab3", "vocab_eval2"):
+    for name in ("gpipe3", "manual2xtp2", "tracer2", "one2x2", "eval3", "vocab3", "vocab_eval2x2"):
         reference = rows["eval_one" if "eval" in name else "one"]
         assert_same_trajectory(rows[name][0], reference[0], name)
         # An evaluation after step s sees the weights that step s + 1 starts from.
