@@ -3893,6 +3893,99 @@ def documented_python_block(marker: str) -> str:
     return block[block.index("```python\n") + 10:block.index("\n```", block.index("```python"))]
 
 
+class _ReadsRecorded:
+    """safetensors' safe_open, reading as it does, recording the tensor data asked of it: (name, [(start, stop)] per
+    dimension) for each slice taken of a get_slice, (name, None) for a whole get_tensor. Headers (shapes) are not
+    data: get_shape passes unrecorded."""
+
+    def __init__(self, opened, reads: list):
+        self.opened, self.reads = opened, reads
+
+    def __enter__(self):
+        self.file = self.opened.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.opened.__exit__(*exc)
+
+    def keys(self):
+        return self.file.keys()
+
+    def metadata(self):
+        return self.file.metadata()
+
+    def get_tensor(self, name):
+        self.reads.append((name, None))
+        return self.file.get_tensor(name)
+
+    def get_slice(self, name):
+        whole, reads = self.file.get_slice(name), self.reads
+
+        class Slice:
+            def get_shape(self):
+                return whole.get_shape()
+
+            def get_dtype(self):
+                return whole.get_dtype()
+
+            def __getitem__(self, index):
+                index = index if isinstance(index, tuple) else (index,)
+                reads.append((name, [(s.start, s.stop) for s in index]))
+                return whole[index]
+        return Slice()
+
+
+def _vocab_rows_worker(rank, world_size, store_path, out_dir, hf_root):
+    """Each Hugging Face model loaded as --init-from loads it (checkpoint.load_weights) into this rank's
+    --vocab-parallel stage, built as the hand-written script builds it, with safetensors' safe_open recording what
+    is read: the reads, this rank's rows of the embedding and the head as loaded, and where its slice starts."""
+    import safetensors
+    mesh = start_group(rank, world_size, store_path)
+    try:
+        results = {}
+        for name in ("untied", "tied"):
+            source = os.path.join(hf_root, name)
+            config = checkpoint.read_hf_config(source)
+            with torch.device("meta"):
+                model = LlamaForPretraining(config)
+            partition = manual.partition_model(model, rank, world_size, mesh.get_group("pp"),
+                                               even(config.num_hidden_layers, world_size), True, mesh)
+            model_module.parallelize([model], mesh, torch.float32)
+            model_module.materialize([model], config, torch.device("cpu"), 3)
+            reads, real = [], safetensors.safe_open
+            with unittest.mock.patch.object(safetensors, "safe_open",
+                                            lambda *a, **k: _ReadsRecorded(real(*a, **k), reads)):
+                checkpoint.load_weights(source, model, config)
+            results[name] = {"reads": reads, "start": partition.vocab.start, "rows": partition.vocab.rows,
+                             "embed": model.base_model.embed_tokens.weight.to_local().clone(),
+                             "head": model.lm_head.weight.to_local().clone()}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_init_from_hugging_face_with_vocab_parallel_reads_each_ranks_rows_only(tmp_path, hf_models):
+    # --init-from a Hugging Face directory with --vocab-parallel: each of 3 pipeline ranks reads only its rows of
+    # the embedding and of the head (torch.chunk's: 2731, 2731, 2730 of 8192) from the safetensors file, through
+    # the real loading path (checkpoint.load_weights: DCP's HuggingFaceStorageReader, whose get_slice reads the
+    # bytes of the rows asked for), and holds exactly those rows; tied: one read of the embedding's rows serves
+    # both. A rank that read a whole matrix, or another's rows, fails here.
+    from safetensors.torch import load_file
+    run_workers(_vocab_rows_worker, 3, args=(3, str(tmp_path / "store"), str(tmp_path), str(hf_models)))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(3)]
+    for name in ("untied", "tied"):
+        stored = load_file(hf_models / name / "model.safetensors")
+        matrices = ["model.embed_tokens.weight"] + ([] if name == "tied" else ["lm_head.weight"])
+        assert [(r[name]["start"], r[name]["rows"]) for r in ranks] == [(0, 2731), (2731, 2731), (5462, 2730)]
+        for r in ranks:
+            own, rows = r[name]["start"], r[name]["rows"]
+            vocab = [(key, span) for key, span in r[name]["reads"] if key in matrices]
+            assert sorted(vocab) == sorted((key, [(own, own + rows), (0, 64)]) for key in matrices), (name, vocab)
+            for ours, theirs in (("embed", "model.embed_tokens.weight"), ("head", matrices[-1])):
+                assert torch.equal(r[name][ours], stored[theirs][own:own + rows]), (name, ours)
+        assert all(span is not None for r in ranks for _, span in r[name]["reads"])  # no whole get_tensor
+
+
 def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models, data_dir):
     import transformers
 
