@@ -4237,23 +4237,28 @@ def test_the_plan_counts_each_schedules_activations(parity_run):
     # parallelism, the norms' and the residual stream's activations on 1/tp of the positions; with documents, the
     # rotary tables of each sequence. (Not the tracer's stages with documents: traced for any device, their
     # attention copies K/V heads as a GPU's masked kernel needs, which plan.py, planning the GPipe script, omits.)
+    # --vocab-parallel ("vocab", "tied"; AFAB and 1F1B, with replicas, a stage of no layer): what plan.py counts of
+    # its variant (vocab_held, vocab_peaks): the layers', the first rank's step embeddings and their gradients, the
+    # last's hidden states' gradient, as the meter counts them.
     (pp, dp, tp), variants, (inputs, targets), ranks = parity_run
     (microbatches, _), world_size = parity_step((pp, dp, tp)), pp * dp * tp
     # (Not the orders from files: plan.py replays the schedules it names; a file's order is checked for parity. Not
     # the hand-written pipeline's sequence chunks, "1f1b:4": checked for parity and NCCL's rules.)
     for kind, name, split, documents in ((k, n, s, d) for k, n, s, d in variants
-                                         if not (k == "tracer" and d) and not n.endswith(".csv") and ":" not in n
-                                         and k not in ("vocab", "tied")):  # (plan.py's --vocab-parallel: not here)
-        sizes = plan.activation_bytes(parity_config(layer_count(split)),
-                                      len(inputs) // (dp * microbatches) * inputs.shape[1], inputs.shape[1], False,
-                                      tp, 8, tp, documents)
+                                         if not (k == "tracer" and d) and not n.endswith(".csv") and ":" not in n):
+        tokens, config = len(inputs) // (dp * microbatches) * inputs.shape[1], parity_config(layer_count(split))
+        sizes = plan.activation_bytes(config, tokens, inputs.shape[1], False, tp, 8, tp, documents)
         library = {"afab": "gpipe"}.get(name, name)
-        per_rank = 1 if kind == "manual" else 2
+        per_rank = 1 if kind in ("manual", "vocab", "tied") else 2
         num_stages = pp * len(gpipe.stage_ids(library, 0, pp, per_rank))
         layout = split_layers(split, num_stages)
+        vocab = kind in ("vocab", "tied")
+        held = plan.vocab_held(layout, sizes, False, tokens, config.hidden_size) if vocab else \
+            plan.stage_held(layout, sizes, False)
         peak = plan.replay(plan.schedule_orders(library, pp, microbatches, per_rank), [1.0] * num_stages,
-                           [2.0] * num_stages, plan.stage_held(layout, sizes, False),
-                           plan.stage_between(layout, sizes))["peak"]
+                           [2.0] * num_stages, held, plan.stage_between(layout, sizes))
+        peak = (plan.vocab_peaks(peak, held, library, microbatches, tokens, config.hidden_size) if vocab
+                else peak)["peak"]
         measured = [r[kind, name, split, documents]["activations"] for r in ranks]
         # The meter counts a storage whole: the token ids the embedding saves and the targets the loss saves are
         # views of the whole batch's (2 KiB), plan.py counts a microbatch's own. Seen on stages without layers.
