@@ -34,7 +34,8 @@ activation bytes per rank.
 
 measure-memory runs a training script's main() in this process (under torchrun: on every rank) inside an
 ActivationMeter (the peak bytes of tensors autograd saves for backward, parameters left out, and of the
-gradients the zero-bubble schedules keep from a backward's input half to its weight half), and counts after
+gradients the zero-bubble schedules keep from a backward's input half to its weight half; with --vocab-parallel
+also the first rank's step embeddings and their gradients, held till the step's end), and counts after
 each optimizer step the bytes of parameters, gradients and AdamW state the rank holds (with FSDP its shards),
 and the bytes it sends to other stages a step, with --async-checkpoint the bytes of the copy of its state it
 stages in CPU memory for a background save, and the peak bytes its start-up allocates (model.materialize: its
@@ -195,7 +196,9 @@ class ActivationMeter:
     """Peak bytes of activations held for backward while active: the tensors autograd saves, counted through its
     saved-tensor hooks, and the gradients the zero-bubble schedules keep from a microbatch's input gradient (I)
     to its weight gradient (W), and the outputs a selective checkpoint keeps (model._Reusable, the store torch's
-    selective checkpointing fills in forward and empties as its recomputation takes them back).
+    selective checkpointing fills in forward and empties as its recomputation takes them back), and with
+    --vocab-parallel the first rank's step embeddings and their gradients (model.VocabParallel: held from embed_all
+    to embed_backward, not saved by autograd).
 
     Parameters (which autograd also saves, e.g. a linear's weight) are not activations and are not counted: an
     nn.Parameter, or a view of one (FSDP2's unsharded parameters, gathered for the step, are Parameters too). A
@@ -213,11 +216,14 @@ class ActivationMeter:
         self.current = self.peak_bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._kept: dict[int, list[int]] = {}  # id(param_groups) -> the storages its gradients hold, until W
-        stage = torch.distributed.pipelining.stage
+        self._embedded: list[int] = []  # --vocab-parallel: the first rank's step embeddings and their gradients
+        stage, vocab = torch.distributed.pipelining.stage, model.VocabParallel
         self._split = [unittest.mock.patch.object(stage, "stage_backward_input", self._input_grad(stage)),
                        unittest.mock.patch.object(stage, "stage_backward_weight", self._weight_grad(stage)),
                        unittest.mock.patch.object(model._Reusable, "__setitem__",
-                                                  self._stored(model._Reusable.__setitem__))]
+                                                  self._stored(model._Reusable.__setitem__)),
+                       unittest.mock.patch.object(vocab, "embed_all", self._embed_all(vocab.embed_all)),
+                       unittest.mock.patch.object(vocab, "embed_backward", self._embed_backward(vocab.embed_backward))]
 
     def _hold(self, tensor) -> list[int]:
         ptrs = []
@@ -293,6 +299,27 @@ class ActivationMeter:
                 held[id(store)][key] = [ptr for tensor in kept for ptr in self._hold(tensor)]
             original(store, key, value)
         return setitem
+
+    def _embed_all(self, original):
+        def embed_all(vocab, chunks):  # --vocab-parallel's first rank: the step's m embeddings, its forwards' inputs,
+            chunks = original(vocab, chunks)  # held from here (its first layer saves each for a while too: counted
+            if vocab.rank == 0 and torch.is_grad_enabled():  # once), and each one's gradient from its backward,
+                for c in chunks:  # till the step's embed_backward reads them (a forward-only step: none)
+                    self._embedded += self._hold(c.inputs)
+                    c.inputs.requires_grad_()  # (as the step's forward makes it, to take the gradient's hook)
+                    c.inputs.register_post_accumulate_grad_hook(lambda t: self._embedded.extend(self._hold(t.grad)))
+            return chunks
+        return embed_all
+
+    def _embed_backward(self, original):
+        def embed_backward(vocab, *args, **kwargs):
+            try:
+                return original(vocab, *args, **kwargs)
+            finally:
+                for ptr in self._embedded:
+                    self._release(ptr)
+                self._embedded = []
+        return embed_backward
 
     def __enter__(self):
         for patch in self._split:
@@ -932,7 +959,8 @@ def documents(args, workdir):
 def vocab_parallel(args, workdir):
     """The hand-written 1F1B at --ranks with and without --vocab-parallel (the embedding, the head and the loss by
     vocabulary rows on every rank), alternating: step time; each rank's share of the step's work from the last
-    run's trace; the bytes of parameters, gradients, AdamW state and activations each rank holds (measure-memory)."""
+    run's trace; the bytes of parameters, gradients, AdamW state and activations each rank holds (measure-memory),
+    and the activations plan.py plans for it."""
     variants = {"1f1b (by hand)": [], "1f1b (by hand) --vocab-parallel": ["--vocab-parallel"]}
     results = {name: {"step_times": []} for name in variants}
     for repeat in range(args.repeats):
@@ -947,33 +975,40 @@ def vocab_parallel(args, workdir):
                 busy = [statistics.median(s["busy"] for s in r["steps"]) for r in read_trace(trace).values()]
                 results[name]["work_share_per_rank"] = [b / sum(busy) for b in busy]
             timed(args, repeat, name, summary)
-    for name, extra in variants.items():  # untimed: what each rank holds
+    note = ""
+    for name, extra in variants.items():  # untimed: what each rank holds, and what plan.py plans it holds
         results[name]["memory"], _ = memory(args, "train_pipeline_afab_manual.py", "1f1b", workdir, extra=extra)
+        try:
+            results[name]["planned"] = planned(args, args.seq_len, 1, extra)["ranks"]
+        except UsageError as e:
+            note = f"plan.py: {e}"
     base = statistics.median(results["1f1b (by hand)"]["step_times"])
     lines = [f"The hand-written 1F1B, {args.ranks} ranks, batch {args.batch_size} x {args.seq_len}, "
              f"{args.microbatches} microbatches, {args.repeats} alternating runs of {args.steps} steps (OMP_NUM_THREADS="
              f"{os.environ.get('OMP_NUM_THREADS', '1')}); flags for every run: {' '.join(args.script_args) or '-'}. "
              "Work: each rank's busy time in a traced step, as a share of all ranks'.", "",
              "| variant | median step (ms) | vs without | bubble (measured) | work per rank | params per rank (MiB) "
-             "| AdamW state per rank (MiB) | peak activations per rank (MiB) |", "|---|---|---|---|---|---|---|---|"]
+             "| AdamW state per rank (MiB) | peak activations per rank (MiB) | planned (plan.py) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         r["median_step_time"] = median = statistics.median(r["step_times"])
         shares = " / ".join(f"{share:.0%}" for share in r["work_share_per_rank"])
         held = [", ".join(f"{b / 2**20:.2f}" for b in r["memory"][f"{kind}_bytes_per_rank"])
                 for kind in ("param", "optimizer", "activation")]
+        plan_mib = ", ".join(f"{row['activations_flagged'] / 2**20:.2f}" for row in r.get("planned", [])) or "-"
         lines.append(f"| {name} | {median * 1e3:.1f} | {median / base:.2f} | {r['bubble']:.1%} | {shares} | "
-                     f"{' | '.join(held)} |")
-    finish(args, "\n".join(lines), results, name="vocab_parallel")
+                     f"{' | '.join(held)} | {plan_mib} |")
+    finish(args, "\n".join([*lines, *(["", note] if note else [])]), results, name="vocab_parallel")
 
 
 PLAN_FLAGS = {"--model": 1, "--layers": 1, "--init-from": 1, "--document-masking": 0, "--device": 1, "--precision": 1,
               "--split": 1, "--activation-checkpointing": 1, "--loss-chunks": 1, "--tp": 1, "--dp": 1}
 
 
-def planned(args, seq_len: int, chunks: int) -> dict:
+def planned(args, seq_len: int, chunks: int, extra=()) -> dict:
     """plan.py's plan of a 1F1B run of these flags at seq_len tokens in `chunks` chunks (its report, what it prints
-    left out); given the flags after -- that plan.py shares with the scripts. A UsageError where plan.py (or the
-    scripts) refuses them, such as a --seq-len beyond the model's positions."""
+    left out); given the flags after -- that plan.py shares with the scripts, and extra (such as --vocab-parallel).
+    A UsageError where plan.py (or the scripts) refuses them, such as a --seq-len beyond the model's positions."""
     argv, rest = [], list(args.script_args)
     while rest:
         flag, _, value = rest.pop(0).partition("=")
@@ -986,7 +1021,7 @@ def planned(args, seq_len: int, chunks: int) -> dict:
     plan_args = plan.build_parser().parse_args(
         ["--processes", str(args.ranks), "--seq-len", str(seq_len), "--batch-size", str(args.batch_size),
          "--microbatches", str(args.microbatches), "--schedule", "1f1b", "--seq-chunks", str(chunks),
-         "--data", args.data, *argv])
+         "--data", args.data, *argv, *extra])
     with contextlib.redirect_stdout(io.StringIO()):
         return plan.plan(plan_args)
 

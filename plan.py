@@ -68,8 +68,10 @@ schedule (one row per pipeline rank: its compute actions in order, such as 0F1, 
 --vocab-parallel (with --schedule afab or 1f1b, the hand-written script's: it runs it) plans the embedding and the
 head with its loss split by vocabulary rows over all pipeline ranks (Vocabulary Parallelism, Yeung et al., MLSys
 2025): every rank 1/p of their work and rows, their collectives over the pipeline group at the node bandwidths,
-the layers alone balanced, 1F1B's activations plus two microbatches' (the paper's Vocab-1; the script's plainer
-variant holds 1F1B's and, on its first rank, the step's input embeddings: docs/pipeline-by-hand.md). The schedules list
+the layers alone balanced, and what the script's variant holds (plainer than the paper's Vocab-1, which holds p + 2
+microbatches' activations): the layers' as without the flag, on the first rank the step's m input embeddings and
+their gradients, on every rank its slices, their gradients and AdamW state and, for a moment, one loss piece's logits
+slice and the head's gradient (docs/pipeline-by-hand.md). The schedules list
 prints both hand-written schedules with it beside the plain ones either way; --gpus proposes it where it is
 faster (docs/layouts.md).
 
@@ -212,12 +214,13 @@ def stage_params(config: LlamaConfig, layout: list[range], tp: int = 1, vocab: i
     first, the final norm and the head on the last (a tied head is a copy there, unless one stage holds both).
     Tensor parallelism splits every matrix tp ways; the norms' gains are held whole by each rank. vocab > 1
     (--vocab-parallel over that many stages): every stage holds its slice of the embedding's and of the head's rows
-    (vocab_rows; tied: one slice serves both), the last the final norm."""
+    (slice_rows; tied: one slice serves both), the last the final norm. With --dp the slices count as sharded over
+    the replicas as FSDP2 shards the layers (rank_memory's 1/dp: what sharding them gives; replicated, a replica
+    holds its rank's whole slice, its gradient and AdamW state)."""
     if vocab > 1:
-        params = parameter_counts(dataclasses.replace(config, vocab_size=vocab_rows(config, vocab)), tp)
-        rows = params["embed"] + (0 if config.tie_word_embeddings else params["head"] - config.hidden_size)
-        return [len(layers) * params["layer"] + rows + (config.hidden_size if s == len(layout) - 1 else 0)
-                for s, layers in enumerate(layout)]
+        layer, h = parameter_counts(config, tp)["layer"], config.hidden_size
+        return [len(layers) * layer + slice_rows(config, vocab, s) * h * (1 if config.tie_word_embeddings else 2)
+                + (h if s == len(layout) - 1 else 0) for s, layers in enumerate(layout)]
     params = parameter_counts(config, tp)
     layer, embed, last = params["layer"], params["embed"], params["head"]
     if len(layout) == 1 and config.tie_word_embeddings:
@@ -230,16 +233,16 @@ def startup_bytes(config: LlamaConfig, layout: list[range], stages: list[int], d
                   vocab: int = 1) -> float:
     """The most bytes a rank holds at start-up (model.materialize): it allocates its stages' shards one stage after
     the other and, when sharded, draws each tensor of the stage whole, one at a time, to keep its piece: the
-    shards so far and the largest whole tensor of the stage at hand (vocab > 1: stage_params' slices)."""
+    shards so far and the largest whole tensor of the stage at hand (vocab > 1: stage_params' slices, each drawn from
+    the whole matrix, a DTensor over the pipeline ranks, as a shard is)."""
     h, params = config.hidden_size, stage_params(config, layout, tp, vocab)
-    rows = vocab_rows(config, vocab)
     held = peak = 0.0
     for s in stages:
         largest = max(h, *((config.num_attention_heads * config.head_dim * h, config.intermediate_size * h)
                            if len(layout[s]) else ()),  # q and o, gate, up and down (k and v are smaller)
-                      *((rows * h,) if vocab > 1 or s in (0, len(layout) - 1) else ()))  # the embedding, the head
+                      *((config.vocab_size * h,) if vocab > 1 or s in (0, len(layout) - 1) else ()))  # embedding, head
         held += 4 * params[s] / dp
-        peak = max(peak, held + (4 * largest if dp * tp > 1 else 0))  # unsharded: each drawn in place
+        peak = max(peak, held + (4 * largest if dp * tp * vocab > 1 else 0))  # unsharded: each drawn in place
     return peak
 
 
@@ -1514,21 +1517,43 @@ def with_vocab(times: tuple, added: float) -> tuple[list, list, tuple]:
             ([g + added / 2 for g in grad], [w + added / 2 for w in weight]))
 
 
-def vocab_held(layout: list[range], sizes: dict, sliced: dict, checkpointing, tokens: int, hidden: int,
-               shards: int) -> list[float]:
-    """stage_held under --vocab-parallel: each stage's layers, and on every stage the head's activations of its
-    vocabulary slice (sliced: activation_bytes of V / p rows; the final norm's on the last stage only) and the
-    token ids its lookup reads."""
-    last, norm = len(layout) - 1, tokens * 4 * (2 * hidden + 1) / shards
-    return [h + sliced["head"] - (0.0 if s == last else norm) + sizes["embed"]
+def slice_rows(config: LlamaConfig, pp: int, rank: int) -> int:
+    """The rows pipeline rank `rank` holds: torch.chunk's (model.keep_only's Shard(0)), vocab_rows on each rank but
+    the last, which holds what is left."""
+    return max(0, min(vocab_rows(config, pp), config.vocab_size - rank * vocab_rows(config, pp)))
+
+
+def vocab_held(layout: list[range], sizes: dict, checkpointing, tokens: int, hidden: int) -> list[float]:
+    """stage_held under --vocab-parallel, per microbatch from its forward to its backward, as the script holds it
+    (model.VocabParallel): each stage's layers, the final norm's on the last stage; the head and the loss keep
+    nothing for a backward (the output pass computes the head's gradient at once). Less, on the first stage, its
+    input, which its first layer saves (held apart, all m at once: vocab_peaks), if it has a layer."""
+    first = 4.0 * tokens * hidden if len(layout[0]) else 0.0  # fp32: embed_all's sum of the rows' lookups
+    return [h + (tokens * 4 * (2 * hidden + 1) if s == len(layout) - 1 else 0.0) - (first if s == 0 else 0.0)
             for s, h in enumerate(stage_held(layout, without_vocab(sizes), checkpointing))]
 
 
-def vocab_peaks(result: dict, held: list[float], schedule: str) -> dict:
-    """A replay's peaks under --vocab-parallel: 1F1B's plus two microbatches' activations on each rank (the
-    paper's Vocab-1 holds p + 2 on the first rank, 1F1B p); AFAB holds every microbatch either way."""
-    extra = 2 if schedule == "1f1b" else 0
-    return {**result, "peak": {r: p + extra * held[r] for r, p in result["peak"].items()}}
+def vocab_peaks(result: dict, held: list[float], schedule: str, m: int, tokens: int, hidden: int) -> dict:
+    """A replay's peaks (of vocab_held's bytes) as the script's --vocab-parallel holds them, its plainer variant
+    than the paper's Vocab-1 (p + 2 microbatches' activations): the layers' as without the flag; on the first rank
+    the step's m input embeddings from its start (embed_all embeds them all at once) and each one's gradient from
+    its backward to the step's end (embed_backward), in AFAB's order or 1F1B's (p in flight); on the last rank the
+    hidden states' gradient of one microbatch, from its output pass to its backward just after (that pass runs
+    per microbatch, its logits slice gone before the next: rank_memory's loss column, vocab_transient)."""
+    embedding, last = 4.0 * tokens * hidden, len(result["peak"]) - 1  # fp32, each: the embedding's dtype
+    cap = m if schedule == "gpipe" else last + 1  # microbatches in flight on the first rank at the j-th backward
+    first = max([min(cap, m - j) * held[0] + (m + j) * embedding for j in range(m)] + [2 * m * embedding])
+    return {**result, "peak": {r: first if r == 0 else p + (embedding if r == last else 0.0)
+                               for r, p in result["peak"].items()}}
+
+
+def vocab_transient(config: LlamaConfig, tokens: int, pp: int, chunks: int, half: bool) -> float:
+    """What a rank's output pass holds for a moment (rank_memory's loss column), every rank alike: one loss piece's
+    fp32 logits slice (V / p rows), their exponentials and their gradient (3 x 4 bytes each); the head's gradient
+    summed over the pieces and each piece's product (2 slices' worth, fp32); the hidden states broadcast (compute
+    dtype) and their gradient's pieces and sum (fp32)."""
+    rows, h = vocab_rows(config, pp), config.hidden_size
+    return 3 * 4 * tokens / chunks * rows + 2 * 4 * rows * h + tokens * h * ((2 if half else 4) + 2 * 4)
 
 
 def check_vocab_parallel(args, pp: int) -> None:
@@ -1675,9 +1700,6 @@ def plan(args) -> dict:
     chunks = loss_chunks(args.loss_chunks, config, (tokens // args.seq_len, args.seq_len), tp)
     sizes = activation_bytes(config, tokens, args.seq_len, half, tp, chunks, shards(args, tp), args.document_masking,
                              mask_bytes)
-    # Each rank's vocabulary slice's (--vocab-parallel): the head's activations and logits of V / p rows.
-    sliced = activation_bytes(dataclasses.replace(config, vocab_size=vocab_rows(config, pp)), tokens, args.seq_len,
-                              half, tp, chunks, shards(args, tp), args.document_masking, mask_bytes)
     stages_of = {r: stage_ids(placement(schedule), r, pp, per_rank) for r in range(pp)}
     report = {"ranks": [], "schedules": {}}
     print(f"plan: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
@@ -1770,8 +1792,8 @@ def plan(args) -> dict:
         return with_vocab(plain, vocab_work + vocab_collectives(config, tokens, pp, dp, tp, half, args))
 
     def held_vocab(lay: list[range], checkpointing) -> tuple[list[float], list[float]]:
-        return (vocab_held(lay, sizes, sliced, checkpointing, tokens, config.hidden_size, shards(args, tp)),
-                stage_between(lay, sizes, checkpointing))
+        return vocab_held(lay, sizes, checkpointing, tokens, config.hidden_size), stage_between(lay, sizes,
+                                                                                                checkpointing)
 
     def orders_of(name: str, lay: list[range], stages_per_rank: int) -> dict:  # torch's, or generated for lay
         if name in GENERATED:
@@ -1819,9 +1841,9 @@ def plan(args) -> dict:
     written = chunk_orders(schedule, pp, m, S) if S > 1 else chosen  # (--write-schedule's)
     if S > 1:  # the chunks' order, each chunk its own time and bytes
         result = {ac: chunk_result(schedule, layout, spec if ac == "flagged" else ac) for ac in result}
-    if vp:  # Vocab-1's two more microbatches in flight
-        result = {ac: vocab_peaks(r, held(layout, spec if ac == "flagged" else ac)[0], schedule)
-                  for ac, r in result.items()}
+    if vp:  # the first rank's embeddings and their gradients, the last's hidden states' gradient
+        result = {ac: vocab_peaks(r, held(layout, spec if ac == "flagged" else ac)[0], schedule, m, tokens,
+                                  config.hidden_size) for ac, r in result.items()}
     if args.trace:  # (as fast as the traced split: where the rest of the layout is the traced run's)
         print(f"balanced on these times: --split {report['split']}, step {result[False]['step'] * 1e3:.4g} ms "
               "replayed" + ("" if carried else f" ({traced['step'] / result[False]['step']:.2f} x as fast as the "
@@ -1835,8 +1857,9 @@ def plan(args) -> dict:
     other = args.activation_checkpointing not in ("none", "full")  # selective, or per stage: a column of its own
     print(f"\nper pipeline rank, {unit_name} (each of its replicas and tensor-parallel ranks holds the same) | param "
           "| grad | AdamW | gathered during a step (dp > 1) | activations held | with --activation-checkpointing | "
-          + (f"with --activation-checkpointing {args.activation_checkpointing} | " if other else "") +
-          f"the loss's logits ({chunks} piece{'s' if chunks > 1 else ''}) | start-up: shards + the largest whole "
+          + (f"with --activation-checkpointing {args.activation_checkpointing} | " if other else "")
+          + ("the output pass's logits slice and head gradient" if vp else "the loss's logits")
+          + f" ({chunks} piece{'s' if chunks > 1 else ''}) | start-up: shards + the largest whole "
           "tensor | total, as flagged | sent to other "
           "stages a step" + (" | CPU memory: the checkpoint staged for --async-checkpoint" if args.async_checkpoint
                              else ""))
@@ -1847,7 +1870,8 @@ def plan(args) -> dict:
         sent = [s + m * steps * vocab_bytes(config, tokens, pp, half) for s in sent]
     for r in range(pp):
         row = rank_memory(sum(params[s] for s in stages_of[r]), dp, result[False]["peak"][r],
-                          result[True]["peak"][r], sliced["loss"] if vp else sizes["loss"] if r == last_rank else 0,
+                          result[True]["peak"][r], vocab_transient(config, tokens, pp, chunks, half) if vp
+                          else sizes["loss"] if r == last_rank else 0,
                           sizes["layer"], False, half, startup_bytes(config, layout, stages_of[r], dp, tp,
                                                                      pp if vp else 1),
                           (result["flagged"]["peak"][r], recomputing(layout, sizes, spec, stages_of[r]))
@@ -1912,7 +1936,8 @@ def plan(args) -> dict:
                 name, pp, m, each.stages_per_rank, times(lay), *holds(lay, ac), message, orders)
                    for ac in (False, True)]
             if key.endswith("--vocab-parallel"):
-                out = [vocab_peaks(o, holds(lay, ac)[0], name) for o, ac in zip(out, (False, True))]
+                out = [vocab_peaks(o, holds(lay, ac)[0], name, m, tokens, config.hidden_size)
+                       for o, ac in zip(out, (False, True))]
             seconds = steps * out[0]["step"]  # K schedule steps one after the other: K fills and drains
             ideal = sum(f + b for f, b in zip(*times(lay)[:2])) * m * steps / pp  # all work, no bubble
             report["schedules"][key] = {"step": seconds, "bubble": out[0]["bubble"],
@@ -2030,12 +2055,10 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
                           checkpointing, per_rank, trial)
     stages = stage_held(layout, sizes, checkpointing)
     if vocab:  # each rank's share of the vocabulary layers and the collectives, its slice's activations
-        sliced = activation_bytes(dataclasses.replace(config, vocab_size=vocab_rows(config, pp)), tokens,
-                                  args.seq_len, bf16(trial), tp, chunks, shards(args, tp), args.document_masking)
         rate = args.peak_tflops * 1e12 * args.efficiency
         times = with_vocab(times, (costs["head"] + costs["embed"]) * tokens / rate / pp
                            + vocab_collectives(config, tokens, pp, dp, tp, bf16(trial), trial))
-        stages = vocab_held(layout, sizes, sliced, checkpointing, tokens, config.hidden_size, shards(args, tp))
+        stages = vocab_held(layout, sizes, checkpointing, tokens, config.hidden_size)
     forward, backward, split = times
     if S > 1:  # the chunks' order, each chunk its own time and bytes (plan()'s --seq-chunks)
         share = 12 * config.num_attention_heads * config.head_dim * args.seq_len / estimated_costs(
@@ -2051,9 +2074,10 @@ def evaluate(args, config: LlamaConfig, pp: int, dp: int, tp: int, schedule: str
         result = replay(schedule_orders(schedule, pp, m, ns.stages_per_rank), forward, backward,
                         stages, stage_between(layout, sizes, checkpointing), split)
     if vocab:
-        result = vocab_peaks(result, stages, schedule)
+        result = vocab_peaks(result, stages, schedule, m, tokens, config.hidden_size)
     memory = max(rank_memory(held[r], dp, result["peak"][r], result["peak"][r],
-                             sliced["loss"] if vocab else sizes["loss"] if len(layout) - 1 in per_rank[r] else 0,
+                             vocab_transient(config, tokens, pp, chunks, bf16(trial)) if vocab
+                             else sizes["loss"] if len(layout) - 1 in per_rank[r] else 0,
                              sizes["layer"], checkpointing, bf16(trial),
                              startup_bytes(config, layout, per_rank[r], dp, tp, pp if vocab else 1)
                              )["total"] for r in range(pp))

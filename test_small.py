@@ -3906,6 +3906,99 @@ def documented_python_block(marker: str) -> str:
     return block[block.index("```python\n") + 10:block.index("\n```", block.index("```python"))]
 
 
+class _ReadsRecorded:
+    """safetensors' safe_open, reading as it does, recording the tensor data asked of it: (name, [(start, stop)] per
+    dimension) for each slice taken of a get_slice, (name, None) for a whole get_tensor. Headers (shapes) are not
+    data: get_shape passes unrecorded."""
+
+    def __init__(self, opened, reads: list):
+        self.opened, self.reads = opened, reads
+
+    def __enter__(self):
+        self.file = self.opened.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.opened.__exit__(*exc)
+
+    def keys(self):
+        return self.file.keys()
+
+    def metadata(self):
+        return self.file.metadata()
+
+    def get_tensor(self, name):
+        self.reads.append((name, None))
+        return self.file.get_tensor(name)
+
+    def get_slice(self, name):
+        whole, reads = self.file.get_slice(name), self.reads
+
+        class Slice:
+            def get_shape(self):
+                return whole.get_shape()
+
+            def get_dtype(self):
+                return whole.get_dtype()
+
+            def __getitem__(self, index):
+                index = index if isinstance(index, tuple) else (index,)
+                reads.append((name, [(s.start, s.stop) for s in index]))
+                return whole[index]
+        return Slice()
+
+
+def _vocab_rows_worker(rank, world_size, store_path, out_dir, hf_root):
+    """Each Hugging Face model loaded as --init-from loads it (checkpoint.load_weights) into this rank's
+    --vocab-parallel stage, built as the hand-written script builds it, with safetensors' safe_open recording what
+    is read: the reads, this rank's rows of the embedding and the head as loaded, and where its slice starts."""
+    import safetensors
+    mesh = start_group(rank, world_size, store_path)
+    try:
+        results = {}
+        for name in ("untied", "tied"):
+            source = os.path.join(hf_root, name)
+            config = checkpoint.read_hf_config(source)
+            with torch.device("meta"):
+                model = LlamaForPretraining(config)
+            partition = manual.partition_model(model, rank, world_size, mesh.get_group("pp"),
+                                               even(config.num_hidden_layers, world_size), True, mesh)
+            model_module.parallelize([model], mesh, torch.float32)
+            model_module.materialize([model], config, torch.device("cpu"), 3)
+            reads, real = [], safetensors.safe_open
+            with unittest.mock.patch.object(safetensors, "safe_open",
+                                            lambda *a, **k: _ReadsRecorded(real(*a, **k), reads)):
+                checkpoint.load_weights(source, model, config)
+            results[name] = {"reads": reads, "start": partition.vocab.start, "rows": partition.vocab.rows,
+                             "embed": model.base_model.embed_tokens.weight.to_local().clone(),
+                             "head": model.lm_head.weight.to_local().clone()}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_init_from_hugging_face_with_vocab_parallel_reads_each_ranks_rows_only(tmp_path, hf_models):
+    # --init-from a Hugging Face directory with --vocab-parallel: each of 3 pipeline ranks reads only its rows of
+    # the embedding and of the head (torch.chunk's: 2731, 2731, 2730 of 8192) from the safetensors file, through
+    # the real loading path (checkpoint.load_weights: DCP's HuggingFaceStorageReader, whose get_slice reads the
+    # bytes of the rows asked for), and holds exactly those rows; tied: one read of the embedding's rows serves
+    # both. A rank that read a whole matrix, or another's rows, fails here.
+    from safetensors.torch import load_file
+    run_workers(_vocab_rows_worker, 3, args=(3, str(tmp_path / "store"), str(tmp_path), str(hf_models)))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(3)]
+    for name in ("untied", "tied"):
+        stored = load_file(hf_models / name / "model.safetensors")
+        matrices = ["model.embed_tokens.weight"] + ([] if name == "tied" else ["lm_head.weight"])
+        assert [(r[name]["start"], r[name]["rows"]) for r in ranks] == [(0, 2731), (2731, 2731), (5462, 2730)]
+        for r in ranks:
+            own, rows = r[name]["start"], r[name]["rows"]
+            vocab = [(key, span) for key, span in r[name]["reads"] if key in matrices]
+            assert sorted(vocab) == sorted((key, [(own, own + rows), (0, 64)]) for key in matrices), (name, vocab)
+            for ours, theirs in (("embed", "model.embed_tokens.weight"), ("head", matrices[-1])):
+                assert torch.equal(r[name][ours], stored[theirs][own:own + rows]), (name, ours)
+        assert all(span is not None for r in ranks for _, span in r[name]["reads"])  # no whole get_tensor
+
+
 def test_init_from_hugging_face_trains_evaluates_and_exports(tmp_path, hf_models, data_dir):
     import transformers
 
@@ -4157,23 +4250,28 @@ def test_the_plan_counts_each_schedules_activations(parity_run):
     # parallelism, the norms' and the residual stream's activations on 1/tp of the positions; with documents, the
     # rotary tables of each sequence. (Not the tracer's stages with documents: traced for any device, their
     # attention copies K/V heads as a GPU's masked kernel needs, which plan.py, planning the GPipe script, omits.)
+    # --vocab-parallel ("vocab", "tied"; AFAB and 1F1B, with replicas, a stage of no layer): what plan.py counts of
+    # its variant (vocab_held, vocab_peaks): the layers', the first rank's step embeddings and their gradients, the
+    # last's hidden states' gradient, as the meter counts them.
     (pp, dp, tp), variants, (inputs, targets), ranks = parity_run
     (microbatches, _), world_size = parity_step((pp, dp, tp)), pp * dp * tp
     # (Not the orders from files: plan.py replays the schedules it names; a file's order is checked for parity. Not
     # the hand-written pipeline's sequence chunks, "1f1b:4": checked for parity and NCCL's rules.)
     for kind, name, split, documents in ((k, n, s, d) for k, n, s, d in variants
-                                         if not (k == "tracer" and d) and not n.endswith(".csv") and ":" not in n
-                                         and k not in ("vocab", "tied")):  # (plan.py's --vocab-parallel: not here)
-        sizes = plan.activation_bytes(parity_config(layer_count(split)),
-                                      len(inputs) // (dp * microbatches) * inputs.shape[1], inputs.shape[1], False,
-                                      tp, 8, tp, documents)
+                                         if not (k == "tracer" and d) and not n.endswith(".csv") and ":" not in n):
+        tokens, config = len(inputs) // (dp * microbatches) * inputs.shape[1], parity_config(layer_count(split))
+        sizes = plan.activation_bytes(config, tokens, inputs.shape[1], False, tp, 8, tp, documents)
         library = {"afab": "gpipe"}.get(name, name)
-        per_rank = 1 if kind == "manual" else 2
+        per_rank = 1 if kind in ("manual", "vocab", "tied") else 2
         num_stages = pp * len(gpipe.stage_ids(library, 0, pp, per_rank))
         layout = split_layers(split, num_stages)
+        vocab = kind in ("vocab", "tied")
+        held = plan.vocab_held(layout, sizes, False, tokens, config.hidden_size) if vocab else \
+            plan.stage_held(layout, sizes, False)
         peak = plan.replay(plan.schedule_orders(library, pp, microbatches, per_rank), [1.0] * num_stages,
-                           [2.0] * num_stages, plan.stage_held(layout, sizes, False),
-                           plan.stage_between(layout, sizes))["peak"]
+                           [2.0] * num_stages, held, plan.stage_between(layout, sizes))
+        peak = (plan.vocab_peaks(peak, held, library, microbatches, tokens, config.hidden_size) if vocab
+                else peak)["peak"]
         measured = [r[kind, name, split, documents]["activations"] for r in ranks]
         # The meter counts a storage whole: the token ids the embedding saves and the targets the loss saves are
         # views of the whole batch's (2 KiB), plan.py counts a microbatch's own. Seen on stages without layers.
@@ -4680,8 +4778,11 @@ def test_the_planned_vocabulary_parallel_speed_up_is_the_papers(tmp_path, capsys
 def test_the_vocabulary_parallel_plan_holds_a_slice_of_the_vocabulary_on_every_rank(tied, tmp_path, capsys):
     # The memory table under --vocab-parallel (8 ranks, the 4B shapes at 256k): every rank holds 1/8 of the
     # embedding's and of the head's rows (tied: one slice for both), so the parameters over all ranks are the plain
-    # split's (tied: less the head's copy on the last stage); every rank computes a logits slice of 1/8 of the
-    # last rank's; 1F1B's first rank holds p + 2 microbatches' activations (the paper's Vocab-1), its slice's too.
+    # split's (tied: less the head's copy on the last stage); every rank's output pass holds for a moment one loss
+    # piece's logits slice, 1/8 of the last rank's logits, and the head's gradient; the activations are what the
+    # script's variant holds: 1F1B's layers' (p - r microbatches on rank r), on the first rank the step's 128 input
+    # embeddings and, after each one's backward, its gradient (till the step's end), on the last the hidden states'
+    # gradient of one microbatch (from its output pass to its backward).
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**VOCAB_PARALLEL_4B, "tie_word_embeddings": tied}))
     argv = ["--processes", "8", "--model", str(path), "--seq-len", "2048", "--batch-size", "128", "--microbatches",
@@ -4693,12 +4794,16 @@ def test_the_vocabulary_parallel_plan_holds_a_slice_of_the_vocabulary_on_every_r
                                                                                                else 0))
     assert len({r["param"] for r in spread[:-1]}) == 1 and spread[-1]["param"] == pytest.approx(
         spread[0]["param"] + 4 * config.hidden_size)  # the final norm's gain, on the last stage
-    assert [r["loss"] for r in plain] == [0] * 7 + [pytest.approx(8 * spread[0]["loss"])]
-    assert all(r["loss"] == spread[0]["loss"] for r in spread)
+    h, piece = config.hidden_size, 3 * 4 * 2048 // 8  # a piece's fp32 logits, exponentials, gradient, per row
+    assert plain[-1]["loss"] == pytest.approx(256000 * piece)
+    assert all(r["loss"] == pytest.approx(32000 * piece + 2 * 4 * 32000 * h + 2048 * h * (2 + 8)) for r in spread)
     sizes = plan.activation_bytes(config, 2048, 2048, True, chunks=8)
-    sliced = plan.activation_bytes(dataclasses.replace(config, vocab_size=32000), 2048, 2048, True, chunks=8)
-    held = plan.vocab_held(even(32, 8), sizes, sliced, False, 2048, config.hidden_size, 1)
-    assert spread[0]["activations"] == pytest.approx(10 * held[0])
+    held, embedding = plan.vocab_held(even(32, 8), sizes, False, 2048, h), 4 * 2048 * h  # (each fp32)
+    assert held[0] == pytest.approx(plan.stage_held(even(32, 8), sizes, False)[0] - sizes["embed"] - embedding)
+    assert spread[0]["activations"] == pytest.approx(max(min(8, 128 - j) * held[0] + (128 + j) * embedding
+                                                         for j in range(128)))
+    assert [r["activations"] for r in spread[1:]] == pytest.approx([(8 - r) * held[r] for r in range(1, 7)]
+                                                                   + [held[7] + embedding])
     assert max(r["total"] for r in spread) < max(r["total"] for r in plain)
     # Sent a step: the hidden states to the next stage, and each microbatch's collectives (four bf16 hidden states,
     # three fp32 all-reduces of a number per token, 7/8 of it in a ring).
@@ -6328,6 +6433,18 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypat
         assert 0 < float(row["bubble (measured)"].rstrip("%")) < 100, (name, row)
     plain, spread = ([float(x) for x in row["params per rank (MiB)"].split(",")] for row in rows.values())
     assert spread[0] == spread[1] and sum(spread) == pytest.approx(sum(plain), abs=0.02) and plain[0] != plain[1]
+    # plan.py's memory rows are what the runs measured (measure-memory), within 10 % as for the other layouts
+    # (test_the_plan_counts_what_the_runs_hold), with --vocab-parallel what its variant holds: each rank's slices,
+    # their gradients and AdamW state; the layers' activations, on the first rank the step's embeddings and, from each
+    # one's backward, its gradient (the meter counts them till the step's end), on the last the hidden states' gradient
+    # of one microbatch; its start-up drawing each whole matrix to keep its rows.
+    for name, r in json.loads((tmp_path / "vocab" / "vocab_parallel.json").read_text())["results"].items():
+        for kind, key in (("param", "param"), ("grad", "grad"), ("optimizer", "optimizer"), ("startup", "startup"),
+                          ("activation", "activations_flagged")):
+            assert r["memory"][f"{kind}_bytes_per_rank"] == pytest.approx([row[key] for row in r["planned"]],
+                                                                           rel=0.1), (name, kind, r["planned"])
+        planned = [float(x) for x in rows[name]["planned (plan.py)"].split(",")]
+        assert planned == pytest.approx([row["activations_flagged"] / 2**20 for row in r["planned"]], abs=0.005)
     trace = tmp_path / "vocab" / "1f1b_by_hand_vocab_parallel.trace"
     for rank, read in plan.read_trace(str(trace)).items():  # a step's work holds its vocabulary passes' own time
         events = [e for e in json.loads((trace / f"rank{rank}.json").read_text())["traceEvents"] if e.get("ph") == "X"]
