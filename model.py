@@ -1290,9 +1290,13 @@ class VocabParallel:
         """A step's microbatches (cut_sequences' chunks), their inputs embedded on the first stage (its inputs)."""
         self.ids = [c.inputs for c in chunks]  # for embed_backward
         out = [torch.where(own[..., None], self.embed.to_local()[i], 0.0) for i, own in map(self._own, self.ids)]
-        dist.reduce(flat := torch.cat([e.flatten() for e in out]), group_dst=0, group=self.group)
+        self.works = [dist.reduce(flat := torch.cat([e.flatten() for e in out]), group_dst=0, group=self.group,
+                                  async_op=True)]  # the others need none of it: waited at their next output pass
+        if self.rank:
+            return chunks
+        self.works.pop().wait()
         out = [e.copy_(f.view_as(e)) for e, f in zip(out, flat.split([e.numel() for e in out]))]  # not views (FSDP2)
-        return [c._replace(inputs=e) for c, e in zip(chunks, out)] if self.rank == 0 else chunks
+        return [c._replace(inputs=e) for c, e in zip(chunks, out)]
 
     @torch.no_grad()
     @torch.profiler.record_function("vocab embed backward")
@@ -1301,10 +1305,13 @@ class VocabParallel:
         h, ids = self.embed.shape[1], self.ids
         flat = torch.cat([c.inputs.grad.flatten() for c in chunks]) if self.rank == 0 else torch.empty(
             sum(x.numel() for x in ids) * h, device=self.embed.device)
-        dist.broadcast(flat, group_src=0, group=self.group)
+        sent = dist.broadcast(flat, group_src=0, group=self.group, async_op=True)  # the first stage adds its rows
+        if self.rank:  # while it sends them; the others once they are in
+            sent.wait()
         total = torch.zeros_like(self.embed.to_local())
         for (i, own), g in zip(map(self._own, ids), flat.split([x.numel() * h for x in ids])):
             total.index_add_(0, i[own], g.view(*own.shape, h)[own])
+        sent.wait()
         _add_grad(self.embed, total)
         grads = [p.grad.to_local() for p in {id(p): p for p in (self.embed, self.head)}.values()]
         if last and (replicas := dist.get_world_size(self.replicas)) > 1:
@@ -1316,11 +1323,14 @@ class VocabParallel:
     def output(self, out: Tensor, chunk: Chunk, chunks: int = 1, divisor: int = 1) -> tuple[Tensor, Tensor]:
         """A microbatch's (chunk's) loss, chunked_loss's, on every rank, of the last stage's out (sent in autocast's
         dtype); with grad the head's of loss / divisor added, the last stage's out a scalar to backward from."""
-        device, y = self.head.device, chunk.targets.to(self.head.device)
+        while self.works:  # this rank's reduces that it needs nothing of (embed_all's, the last pass's): done by now
+            self.works.pop().wait()
+        device, y, last = self.head.device, chunk.targets.to(self.head.device), self.rank == self.last
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
-        h = out.detach().to(dtype) if self.rank == self.last else torch.empty((*y.shape, self.head.shape[1]),
-                                                                              dtype=dtype, device=device)
-        dist.broadcast(h, group_src=self.last, group=self.group)
+        h = out.detach().to(dtype) if last else torch.empty((*y.shape, self.head.shape[1]), dtype=dtype, device=device)
+        sent = dist.broadcast(h, group_src=self.last, group=self.group, async_op=True)  # the last stage computes
+        if not last:  # its own slice while it sends (waited at the end)
+            sent.wait()
         weight, train, counted = self.head.to_local(), torch.is_grad_enabled(), y != -100
         tokens = counted.sum().clamp(min=1) if chunk.tokens is None else chunk.tokens
         total, grads, head, weights = torch.zeros((), device=device), [], torch.zeros_like(weight), counted / tokens
@@ -1337,11 +1347,14 @@ class VocabParallel:
                     g = (g * w[..., None]).to(hp.dtype)
                     grads.append((g @ weight.to(g.dtype)).float())
                     head += (g.flatten(0, 1).T @ hp.flatten(0, 1)).float()
+        sent.wait()
         if not train:
             return total / tokens, out
-        _add_grad(self.head, head)
-        dist.reduce(grad := torch.cat(grads, 1), group_dst=self.last, group=self.group)
-        return total / tokens, (out * grad).sum() if self.rank == self.last else out
+        _add_grad(self.head, head)  # the hidden states' gradient summed onto the last stage; the others go on
+        self.works += [dist.reduce(grad := torch.cat(grads, 1), group_dst=self.last, group=self.group, async_op=True)]
+        if last:
+            self.works.pop().wait()
+        return total / tokens, (out * grad).sum() if last else out
 
 
 def _add_grad(param: nn.Parameter, grad: Tensor) -> None:  # into a DTensor parameter's .grad, as autograd adds

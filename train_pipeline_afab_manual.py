@@ -433,7 +433,7 @@ class Step:
     """One step of AFAB or 1F1B on this rank, each forward, backward, send and receive labelled for --trace."""
 
     def __init__(self, model, inputs, targets, device, dtype, loss_chunks=1, positions=None, shape=None, window=(0, 1),
-                 lengths=None):
+                 lengths=None, afab=False):
         part = model if isinstance(model, Partition) else partition_model(model, dist.get_rank(), dist.get_world_size())
         self.partition, self.device, self.dtype, self.chunks, self.window = part, device, dtype, loss_chunks, window
         self.rank, self.first, self.last = part.rank, part.rank == 0, part.rank == part.world_size - 1
@@ -448,6 +448,8 @@ class Step:
                        for b, seq in sizes for n in lengths or [seq]]
         self.microbatches, self.backwards = len(self.items), [s * S + j for s in range(m) for j in reversed(range(S))]
         self.vocab, self.items = part.vocab, part.vocab.embed_all(self.items) if part.vocab else self.items
+        d = part.world_size - 1 - part.rank  # --vocab-parallel: where this rank runs the output passes (outputs)
+        self.ahead, self.lead = d if afab else self.microbatches, d if S == 1 else 0
 
     def message(self, op, tensor, stage: int, label, hold: bool = False) -> torch.Tensor:
         """Send (dist.isend) tensor to a stage, or receive (dist.irecv) one of that shape. NCCL does not buffer a send
@@ -479,17 +481,23 @@ class Step:
                                    part.sequence_shards, c.tokens, getattr(part.model.config, "pad_token_id", None))
                 self.loss += (out := out / self.microbatches).detach()  # HF's); over microbatches x steps: the mean's
                 out = out / self.window[1] if self.window[1] > 1 else out  # (k = 1: nothing more, bit for bit)
+        self.saved[i] = (x, out)
+        self.outputs(i + 1 - self.ahead)  # --vocab-parallel: before the send (outputs)
         if not self.last:  # values only travel; the graph stays here in `out` for this stage's backward
             self.message(dist.isend, out.detach().to(self.dtype), self.rank + 1, i, hold)
-        self.saved[i] = (x, out)
 
-    def outputs(self, upto: int) -> None:  # --vocab-parallel: the output passes up to upto, alike on every rank;
-        for j in range(self.passed, upto if self.vocab else 0):  # the last stage's out: a scalar to backward from
+    def outputs(self, upto: int) -> None:
+        """--vocab-parallel: the output passes of the microbatches before upto, in order (the last stage's out: a
+        scalar to backward from). A pass's collectives meet every rank's, and NCCL runs a rank's collectives and
+        batches in issue order on one communicator: each rank runs pass i where its messages agree, as early as they
+        allow: the last stage after its forward i; a rank d stages before it in AFAB after its forward i + d, in 1F1B
+        after its backward i - d (Seq1F1B: before its backward i), each before the send; not all before backward i."""
+        for j in range(self.passed, min(upto, self.microbatches) if self.vocab else 0):
             ce, out = self.vocab.output(self.saved[j][1], self.items[j], self.chunks, len(self.items) * self.window[1])
             self.saved[j], self.loss, self.passed = (self.saved[j][0], out), self.loss + ce / self.microbatches, j + 1
 
     def backward(self, i: int, hold: bool) -> None:
-        self.outputs(i + 1)  # --vocab-parallel: before the receive; a sequence's first backward (its last chunk's)
+        self.outputs(i + max(self.lead, 1))  # --vocab-parallel: before the receive (outputs)
         x, out = self.saved.pop(i)  # dropping it frees this microbatch's activations after the backward
         grad = None if self.last else self.message(dist.irecv, self.shapes[i], self.rank + 1, i).to(out.dtype)
         if isinstance(model := self.partition.model, FSDPModule):
@@ -501,12 +509,13 @@ class Step:
             model.set_is_last_backward(last)
         with record_function(f"backward {i}"):
             out.backward(grad)  # the last stage from its scaled loss, the others from the received gradient
+        self.outputs(i + 1 + self.lead)  # --vocab-parallel: before the send (outputs)
         if not self.first:
             self.message(dist.isend, x.grad.to(self.dtype), self.rank - 1, i, hold)
 
     def finish(self) -> torch.Tensor | None:
-        for work, _ in self.sends:  # none is held: a send is held only for a receive that follows
-            work.wait()
+        for work in [w for w, _ in self.sends] + (self.vocab.works if self.vocab else []):  # none is held: a send
+            work.wait()  # is held only for a receive that follows; --vocab-parallel: the other ranks' last reduce
         if self.vocab and torch.is_grad_enabled():  # the embeddings' gradients; at an optimizer step's end, averaged
             self.vocab.embed_backward(self.items, self.window[0] == self.window[1] - 1)  # over the replicas
         return self.loss if self.last else None
@@ -518,9 +527,10 @@ def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chun
     of microbatches' token ids (None where unread; then shape: their (batch, seq)); dtype: of what is sent; window:
     (k, K), schedule step k of K of an optimizer step (--accumulate); lengths: of each sequence's chunks (None: whole).
     The last rank's mean microbatch loss, else None; gradients only in this rank's part, added to what they hold."""
-    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape, window, lengths)
+    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape, window, lengths, afab=True)
     for i in range(step.microbatches):
         step.forward(i, hold=False)
+    step.outputs(step.microbatches)  # --vocab-parallel: the passes left, before any backward's receive
     for i in step.backwards:
         step.backward(i, hold=False)
     return step.finish()
