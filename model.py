@@ -728,8 +728,7 @@ def estimated_costs(config: LlamaConfig, seq_len: int, recompute: bool | str = F
     params, q = parameter_counts(config), config.num_attention_heads * config.head_dim
     layer = 6 * params["layer"] + 12 * q * seq_len
     again = layer / 3 if recompute in (True, "full") else 0.0  # the forward is a third of forward + backward
-    head = 6 * params["head"]
-    head_again = head / 3 if loss_chunks > 1 else 0.0
+    head, head_again = 6 * params["head"], 2 * params["head"] * (loss_chunks > 1)  # (again: its forward, a third)
     return {"layer": layer + again, "recompute": again, "head": head + head_again, "head_recompute": head_again,
             "embed": 6 * config.hidden_size}
 
@@ -747,8 +746,7 @@ def even(num_layers: int, num_stages: int) -> list[range]:
 
 
 def from_sizes(sizes: list[int]) -> list[range]:
-    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    return [range(bounds[i], bounds[i + 1]) for i in range(len(sizes))]
+    return [range(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
 
 
 def balanced(num_layers: int, num_stages: int, costs: dict[str, float]) -> list[range]:
@@ -1290,13 +1288,10 @@ class VocabParallel:
         """A step's microbatches (cut_sequences' chunks), their inputs embedded on the first stage (its inputs)."""
         self.ids = [c.inputs for c in chunks]  # for embed_backward
         out = [torch.where(own[..., None], self.embed.to_local()[i], 0.0) for i, own in map(self._own, self.ids)]
-        self.works = [dist.reduce(flat := torch.cat([e.flatten() for e in out]), group_dst=0, group=self.group,
-                                  async_op=True)]  # the others need none of it: waited at their next output pass
-        if self.rank:
-            return chunks
-        self.works.pop().wait()
-        out = [e.copy_(f.view_as(e)) for e, f in zip(out, flat.split([e.numel() for e in out]))]  # not views (FSDP2)
-        return [c._replace(inputs=e) for c, e in zip(chunks, out)]
+        self.works = list(filter(None, [dist.reduce(flat := torch.cat([e.flatten() for e in out]), group_dst=0,
+                                                    group=self.group, async_op=self.rank > 0)]))  # the other ranks
+        return [c._replace(inputs=e.copy_(f.view_as(e))) for c, e, f in zip(chunks, out, flat.split(  # need none of
+            [e.numel() for e in out]))] if self.rank == 0 else chunks  # it (output waits); not views (FSDP2)
 
     @torch.no_grad()
     @torch.profiler.record_function("vocab embed backward")
@@ -1305,13 +1300,10 @@ class VocabParallel:
         h, ids = self.embed.shape[1], self.ids
         flat = torch.cat([c.inputs.grad.flatten() for c in chunks]) if self.rank == 0 else torch.empty(
             sum(x.numel() for x in ids) * h, device=self.embed.device)
-        sent = dist.broadcast(flat, group_src=0, group=self.group, async_op=True)  # the first stage adds its rows
-        if self.rank:  # while it sends them; the others once they are in
-            sent.wait()
+        dist.broadcast(flat, group_src=0, group=self.group)
         total = torch.zeros_like(self.embed.to_local())
         for (i, own), g in zip(map(self._own, ids), flat.split([x.numel() * h for x in ids])):
             total.index_add_(0, i[own], g.view(*own.shape, h)[own])
-        sent.wait()
         _add_grad(self.embed, total)
         grads = [p.grad.to_local() for p in {id(p): p for p in (self.embed, self.head)}.values()]
         if last and (replicas := dist.get_world_size(self.replicas)) > 1:
@@ -1323,14 +1315,12 @@ class VocabParallel:
     def output(self, out: Tensor, chunk: Chunk, chunks: int = 1, divisor: int = 1) -> tuple[Tensor, Tensor]:
         """A microbatch's (chunk's) loss, chunked_loss's, on every rank, of the last stage's out (sent in autocast's
         dtype); with grad the head's of loss / divisor added, the last stage's out a scalar to backward from."""
-        while self.works:  # this rank's reduces that it needs nothing of (embed_all's, the last pass's): done by now
-            self.works.pop().wait()
         device, y, last = self.head.device, chunk.targets.to(self.head.device), self.rank == self.last
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
         h = out.detach().to(dtype) if last else torch.empty((*y.shape, self.head.shape[1]), dtype=dtype, device=device)
-        sent = dist.broadcast(h, group_src=self.last, group=self.group, async_op=True)  # the last stage computes
-        if not last:  # its own slice while it sends (waited at the end)
-            sent.wait()
+        self.works.append(dist.broadcast(h, group_src=self.last, group=self.group, async_op=True))  # the last stage
+        while len(self.works) > last:  # computes its slice while it sends h; before it, the reduces this rank needs
+            self.works.pop(0).wait()  # nothing of (embed_all's, the last pass's), complete by now
         weight, train, counted = self.head.to_local(), torch.is_grad_enabled(), y != -100
         tokens = counted.sum().clamp(min=1) if chunk.tokens is None else chunk.tokens
         total, grads, head, weights = torch.zeros((), device=device), [], torch.zeros_like(weight), counted / tokens
@@ -1347,13 +1337,11 @@ class VocabParallel:
                     g = (g * w[..., None]).to(hp.dtype)
                     grads.append((g @ weight.to(g.dtype)).float())
                     head += (g.flatten(0, 1).T @ hp.flatten(0, 1)).float()
-        sent.wait()
         if not train:
             return total / tokens, out
         _add_grad(self.head, head)  # the hidden states' gradient summed onto the last stage; the others go on
-        self.works += [dist.reduce(grad := torch.cat(grads, 1), group_dst=self.last, group=self.group, async_op=True)]
-        if last:
-            self.works.pop().wait()
+        self.works += filter(None, [dist.reduce(grad := torch.cat(grads, 1), group_dst=self.last, group=self.group,
+                                                async_op=not last)])  # waited at the next pass, or Step.finish
         return total / tokens, (out * grad).sum() if last else out
 
 
@@ -1449,8 +1437,7 @@ def _merged(order: dict, rank_of: dict) -> tuple[dict, bool]:
             if last and (last.computation_type, action.computation_type) == ("I", "W") and (
                     last.stage_index, last.microbatch_index) == (action.stage_index, action.microbatch_index) and (
                     action.stage_index == 0 or rank_of[action.stage_index - 1] == rank):
-                merged[rank][-1], changed = _Action(action.stage_index, _ComputationType("B"),
-                                                   action.microbatch_index), True
+                merged[rank][-1], changed = last._replace(computation_type=_ComputationType("B")), True
             else:
                 merged[rank].append(action)
     return merged, changed

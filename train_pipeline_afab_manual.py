@@ -433,7 +433,7 @@ class Step:
     """One step of AFAB or 1F1B on this rank, each forward, backward, send and receive labelled for --trace."""
 
     def __init__(self, model, inputs, targets, device, dtype, loss_chunks=1, positions=None, shape=None, window=(0, 1),
-                 lengths=None, afab=False):
+                 lengths=None):
         part = model if isinstance(model, Partition) else partition_model(model, dist.get_rank(), dist.get_world_size())
         self.partition, self.device, self.dtype, self.chunks, self.window = part, device, dtype, loss_chunks, window
         self.rank, self.first, self.last = part.rank, part.rank == 0, part.rank == part.world_size - 1
@@ -444,28 +444,24 @@ class Step:
         m, S, sizes = len(inputs), len(lengths or [0]), [shape or x.shape for x in inputs]  # sizes: (batch, seq)
         self.items = [c for s, (x, y, p) in enumerate(zip(inputs, targets, positions or [None] * m))
                       for c in cut_sequences(x, y, p, lengths or [sizes[s][1]], s)]
-        self.shapes = [(b, n // part.sequence_shards, part.model.config.hidden_size)
-                       for b, seq in sizes for n in lengths or [seq]]
+        self.shapes, self.lead = [(b, n // part.sequence_shards, part.model.config.hidden_size) for b, seq in sizes
+                                  for n in lengths or [seq]], (part.world_size - 1 - part.rank) * (S == 1)  # outputs
         self.microbatches, self.backwards = len(self.items), [s * S + j for s in range(m) for j in reversed(range(S))]
         self.vocab, self.items = part.vocab, part.vocab.embed_all(self.items) if part.vocab else self.items
-        d = part.world_size - 1 - part.rank  # --vocab-parallel: where this rank runs the output passes (outputs)
-        self.ahead, self.lead = d if afab else self.microbatches, d if S == 1 else 0
 
     def message(self, op, tensor, stage: int, label, hold: bool = False) -> torch.Tensor:
         """Send (dist.isend) tensor to a stage, or receive (dist.irecv) one of that shape. NCCL does not buffer a send
         and runs a rank's calls on a communicator in issue order: a send that the rank's next receive crosses (1F1B's
         steady state) is held and goes with it in one batch_isend_irecv, which NCCL starts together, as torch's 1F1B.
-        A receiving batch is waited for (wait() orders NCCL's stream, not the host); sends alone, till the next go."""
+        A receiving batch is waited for (wait() orders NCCL's stream, not the host); sends, once the next are issued."""
         tensor = torch.empty(tensor, dtype=self.dtype, device=self.device) if isinstance(tensor, tuple) else tensor
         self.held.append(dist.P2POp(op, tensor.contiguous(), group=self.partition.group, group_peer=stage))
         if hold:
             return tensor
         ops, self.held, alone = self.held, [], op is dist.isend
-        for work, _ in self.sends if alone else ():
-            work.wait()
         with record_function(f"{'send' if alone else 'recv'} {label}"):
             works = dist.batch_isend_irecv(ops)
-        for work in () if alone else works:
+        for work in [w for w, _ in self.sends] if alone else works:  # (the sends before, once these are issued)
             work.wait()
         self.sends = [(work, ops) for work in works] if alone else self.sends
         return tensor
@@ -481,35 +477,29 @@ class Step:
                                    part.sequence_shards, c.tokens, getattr(part.model.config, "pad_token_id", None))
                 self.loss += (out := out / self.microbatches).detach()  # HF's); over microbatches x steps: the mean's
                 out = out / self.window[1] if self.window[1] > 1 else out  # (k = 1: nothing more, bit for bit)
-        self.saved[i] = (x, out)
-        self.outputs(i + 1 - self.ahead)  # --vocab-parallel: before the send (outputs)
         if not self.last:  # values only travel; the graph stays here in `out` for this stage's backward
             self.message(dist.isend, out.detach().to(self.dtype), self.rank + 1, i, hold)
+        self.saved[i] = (x, out)
 
-    def outputs(self, upto: int) -> None:
-        """--vocab-parallel: the output passes of the microbatches before upto, in order (the last stage's out: a
-        scalar to backward from). A pass's collectives meet every rank's, and NCCL runs a rank's collectives and
-        batches in issue order on one communicator: each rank runs pass i where its messages agree, as early as they
-        allow: the last stage after its forward i; a rank d stages before it in AFAB after its forward i + d, in 1F1B
-        after its backward i - d (Seq1F1B: before its backward i), each before the send; not all before backward i."""
+    def outputs(self, upto: int) -> None:  # --vocab-parallel: the passes before upto in order (the last stage's
+        # out: a scalar to backward from), each where all ranks' messages agree (NCCL runs a rank's collectives and
+        # batches on a communicator in issue order), earliest: 1F1B's pass i d = lead stages up after backward i - d
         for j in range(self.passed, min(upto, self.microbatches) if self.vocab else 0):
             ce, out = self.vocab.output(self.saved[j][1], self.items[j], self.chunks, len(self.items) * self.window[1])
             self.saved[j], self.loss, self.passed = (self.saved[j][0], out), self.loss + ce / self.microbatches, j + 1
 
     def backward(self, i: int, hold: bool) -> None:
-        self.outputs(i + max(self.lead, 1))  # --vocab-parallel: before the receive (outputs)
+        self.outputs(i + max(self.lead, 1))  # --vocab-parallel: before the receive (pass i: AFAB, Seq1F1B)
         x, out = self.saved.pop(i)  # dropping it frees this microbatch's activations after the backward
         grad = None if self.last else self.message(dist.irecv, self.shapes[i], self.rank + 1, i).to(out.dtype)
         if isinstance(model := self.partition.model, FSDPModule):
             # With replicas each backward adds into the unsharded gradient; the optimizer step's last (microbatch
             # m - 1's, chunk 0 with chunks, AFAB and 1F1B alike) alone reduce-scatters: not m (x --accumulate) times.
-            last = i == self.backwards[-1] and self.window[0] == self.window[1] - 1
-            model.set_requires_gradient_sync(last)
-            model.set_reshard_after_backward(last)
-            model.set_is_last_backward(last)
+            for f in (model.set_requires_gradient_sync, model.set_reshard_after_backward, model.set_is_last_backward):
+                f(i == self.backwards[-1] and self.window[0] == self.window[1] - 1)
         with record_function(f"backward {i}"):
             out.backward(grad)  # the last stage from its scaled loss, the others from the received gradient
-        self.outputs(i + 1 + self.lead)  # --vocab-parallel: before the send (outputs)
+        self.outputs(i + 1 + self.lead)  # --vocab-parallel: 1F1B's pass i + d, before the send (outputs)
         if not self.first:
             self.message(dist.isend, x.grad.to(self.dtype), self.rank - 1, i, hold)
 
@@ -527,10 +517,10 @@ def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chun
     of microbatches' token ids (None where unread; then shape: their (batch, seq)); dtype: of what is sent; window:
     (k, K), schedule step k of K of an optimizer step (--accumulate); lengths: of each sequence's chunks (None: whole).
     The last rank's mean microbatch loss, else None; gradients only in this rank's part, added to what they hold."""
-    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape, window, lengths, afab=True)
+    step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape, window, lengths)
     for i in range(step.microbatches):
         step.forward(i, hold=False)
-    step.outputs(step.microbatches)  # --vocab-parallel: the passes left, before any backward's receive
+    step.outputs(step.microbatches)  # --vocab-parallel: every pass, between the phases (all ranks wait there)
     for i in step.backwards:
         step.backward(i, hold=False)
     return step.finish()
