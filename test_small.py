@@ -1688,7 +1688,7 @@ def test_the_nccl_rules_replay_finds_crossed_sends_and_passes_torchs_1f1b(tmp_pa
     assert [sum(e.get("kind") == "split" for e in r["events"]) for r in recorded["mesh"]] == [2, 2]  # pp's two
     # Rule 1 (no buffering) decides: on gloo every one of them completed, as the recordings show.
     assert all(r["events"] for rank in ranks for r in rank.values() if isinstance(r, dict))
-    # A rank keeps its last batch of sends (waited for before the next sends go), not the step's 16 outputs (or
+    # A rank keeps its last batch of sends (waited for once the next sends are issued), not the step's 16 outputs (or
     # gradients) and their shapes.
     assert [rank["held"] for rank in ranks] == [1, 1] and all(rank["held as it was"] >= 32 for rank in ranks)
 
