@@ -728,7 +728,7 @@ def estimated_costs(config: LlamaConfig, seq_len: int, recompute: bool | str = F
     params, q = parameter_counts(config), config.num_attention_heads * config.head_dim
     layer = 6 * params["layer"] + 12 * q * seq_len
     again = layer / 3 if recompute in (True, "full") else 0.0  # the forward is a third of forward + backward
-    head, head_again = 6 * params["head"], 2 * params["head"] * (loss_chunks > 1)  # (again: its forward, a third)
+    head, head_again = 6 * params["head"], 2.0 * params["head"] * (loss_chunks > 1)  # (again: its forward, a third)
     return {"layer": layer + again, "recompute": again, "head": head + head_again, "head_recompute": head_again,
             "embed": 6 * config.hidden_size}
 

@@ -505,7 +505,7 @@ class Step:
 
     def finish(self) -> torch.Tensor | None:
         for work in [w for w, _ in self.sends] + (self.vocab.works if self.vocab else []):  # none is held: a send
-            work.wait()  # is held only for a receive that follows; --vocab-parallel: the other ranks' last reduce
+            work.wait()  # is held only for a receive that follows; --vocab-parallel: a last pass's call in flight
         if self.vocab and torch.is_grad_enabled():  # the embeddings' gradients; at an optimizer step's end, averaged
             self.vocab.embed_backward(self.items, self.window[0] == self.window[1] - 1)  # over the replicas
         return self.loss if self.last else None
