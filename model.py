@@ -711,8 +711,7 @@ def estimated_costs(config: LlamaConfig, seq_len: int, recompute: bool | str = F
     params, q = parameter_counts(config), config.num_attention_heads * config.head_dim
     layer = 6 * params["layer"] + 12 * q * seq_len
     again = layer / 3 if recompute in (True, "full") else 0.0  # the forward is a third of forward + backward
-    head = 6 * params["head"]
-    head_again = head / 3 if loss_chunks > 1 else 0.0
+    head, head_again = 6 * params["head"], 2.0 * params["head"] * (loss_chunks > 1)  # (again: its forward, a third)
     return {"layer": layer + again, "recompute": again, "head": head + head_again, "head_recompute": head_again,
             "embed": 6 * config.hidden_size}
 
@@ -730,8 +729,7 @@ def even(num_layers: int, num_stages: int) -> list[range]:
 
 
 def from_sizes(sizes: list[int]) -> list[range]:
-    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    return [range(bounds[i], bounds[i + 1]) for i in range(len(sizes))]
+    return [range(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
 
 
 def balanced(num_layers: int, num_stages: int, costs: dict[str, float]) -> list[range]:
@@ -1290,9 +1288,10 @@ class VocabParallel:
         self.ids = [c.inputs for c in chunks]  # for embed_backward
         self._gather()
         out = [torch.where(own[..., None], self.embed.to_local()[i], 0.0) for i, own in map(self._own, self.ids)]
-        dist.reduce(flat := torch.cat([e.flatten() for e in out]), group_dst=0, group=self.group)
-        out = [e.copy_(f.view_as(e)) for e, f in zip(out, flat.split([e.numel() for e in out]))]  # not views (FSDP2)
-        return [c._replace(inputs=e) for c, e in zip(chunks, out)] if self.rank == 0 else chunks
+        self.works = list(filter(None, [dist.reduce(flat := torch.cat([e.flatten() for e in out]), group_dst=0,
+                                                    group=self.group, async_op=self.rank > 0)]))  # the other ranks
+        return [c._replace(inputs=e.copy_(f.view_as(e))) for c, e, f in zip(chunks, out, flat.split(  # need none of
+            [e.numel() for e in out]))] if self.rank == 0 else chunks  # it (output waits); not views (FSDP2)
 
     @torch.no_grad()
     @torch.profiler.record_function("vocab embed backward")
@@ -1316,11 +1315,12 @@ class VocabParallel:
     def output(self, out: Tensor, chunk: Chunk, chunks: int = 1, divisor: int = 1) -> tuple[Tensor, Tensor]:
         """A microbatch's (chunk's) loss, chunked_loss's, on every rank, of the last stage's out (sent in autocast's
         dtype); with grad the head's of loss / divisor added, the last stage's out a scalar to backward from."""
-        device, y = self.head.device, chunk.targets.to(self.head.device)
+        device, y, last = self.head.device, chunk.targets.to(self.head.device), self.rank == self.last
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
-        h = out.detach().to(dtype) if self.rank == self.last else torch.empty((*y.shape, self.head.shape[1]),
-                                                                              dtype=dtype, device=device)
-        dist.broadcast(h, group_src=self.last, group=self.group)
+        h = out.detach().to(dtype) if last else torch.empty((*y.shape, self.head.shape[1]), dtype=dtype, device=device)
+        self.works.append(dist.broadcast(h, group_src=self.last, group=self.group, async_op=True))  # the last stage
+        while len(self.works) > last:  # computes its slice while it sends h; before it, the reduces this rank needs
+            self.works.pop(0).wait()  # nothing of (embed_all's, the last pass's), complete by now
         weight, train, counted = self.head.to_local(), torch.is_grad_enabled(), y != -100
         tokens = counted.sum().clamp(min=1) if chunk.tokens is None else chunk.tokens
         total, grads, head, weights = torch.zeros((), device=device), [], torch.zeros_like(weight), counted / tokens
@@ -1339,9 +1339,10 @@ class VocabParallel:
                     head += (g.flatten(0, 1).T @ hp.flatten(0, 1)).float()
         if not train:
             return total / tokens, out
-        _add_grad(self.head, head)
-        dist.reduce(grad := torch.cat(grads, 1), group_dst=self.last, group=self.group)
-        return total / tokens, (out * grad).sum() if self.rank == self.last else out
+        _add_grad(self.head, head)  # the hidden states' gradient summed onto the last stage; the others go on
+        self.works += filter(None, [dist.reduce(grad := torch.cat(grads, 1), group_dst=self.last, group=self.group,
+                                                async_op=not last)])  # waited at the next pass, or Step.finish
+        return total / tokens, (out * grad).sum() if last else out
 
 
 def _add_grad(param: nn.Parameter, grad: Tensor) -> None:  # into a DTensor parameter's .grad, as autograd adds
@@ -1436,8 +1437,7 @@ def _merged(order: dict, rank_of: dict) -> tuple[dict, bool]:
             if last and (last.computation_type, action.computation_type) == ("I", "W") and (
                     last.stage_index, last.microbatch_index) == (action.stage_index, action.microbatch_index) and (
                     action.stage_index == 0 or rank_of[action.stage_index - 1] == rank):
-                merged[rank][-1], changed = _Action(action.stage_index, _ComputationType("B"),
-                                                   action.microbatch_index), True
+                merged[rank][-1], changed = last._replace(computation_type=_ComputationType("B")), True
             else:
                 merged[rank].append(action)
     return merged, changed

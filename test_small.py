@@ -1428,6 +1428,36 @@ def test_every_split_and_schedule_completes_under_nccls_rules(parity_run):
             assert not any("op" in e for e in recordings[0]["events"]), variant
             continue
         nccl_rules.check(recordings)
+        if variant[0] in ("vocab", "tied"):
+            assert_vocab_overlapped(variant, recordings, parity_step((pp, 1, 1))[0])
+
+
+def assert_vocab_overlapped(variant, recordings: list[dict], microbatches: int) -> None:
+    """--vocab-parallel's collectives, as recorded (and replayed above, async ones included: issued, waited later):
+    a reduce a rank needs nothing of (the embeddings' onto the first stage, the hidden states' gradient onto the
+    last) is left in flight there, waited for only after later calls, and at once where its result is read; in
+    1F1B of whole sequences, output pass i (a broadcast from the last stage) runs on a rank d stages before the last
+    after its backward i - d: min(k + d, m) passes before the rank receives its k-th gradient (each just before its
+    backward k, as it was, would be k + 1), so the passes' collectives overlap other ranks' work, not wait for it."""
+    for recording in recordings:
+        events = recording["events"]
+        group = next(e["group"] for e in events if e.get("name") == "broadcast")  # the pipeline's
+        ranks = recording["groups"][group]["ranks"]
+        r, last = ranks.index(recording["rank"]), len(ranks) - 1
+        for i, e in enumerate(events):
+            if e.get("name") == "reduce" and e["group"] == group:
+                waited_at_once = e["op"] in events[i + 1].get("wait", [])
+                assert waited_at_once == (r == e["root"]), (variant, r, e)  # the destination alone waits at once
+                if not waited_at_once:  # a wait for it follows all the same (the next pass, or the step's end)
+                    assert any(e["op"] in later.get("wait", []) for later in events[i + 2:]), (variant, r, e)
+        if variant[1] == "1f1b" and r < last:
+            passes, got = 0, []
+            for e in events:
+                passes += e.get("name") == "broadcast" and e["root"] == last
+                if e.get("kind") == "recv" and e["peer"] == ranks[r + 1]:
+                    got.append(passes)
+            d = last - r
+            assert got == [min(k + d, microbatches) for k in range(microbatches)], (variant, r, got)
 
 
 class _StepAsItWas(manual.Step):
@@ -1665,7 +1695,7 @@ def test_the_nccl_rules_replay_finds_crossed_sends_and_passes_torchs_1f1b(tmp_pa
     assert [sum(e.get("kind") == "split" for e in r["events"]) for r in recorded["mesh"]] == [2, 2]  # pp's two
     # Rule 1 (no buffering) decides: on gloo every one of them completed, as the recordings show.
     assert all(r["events"] for rank in ranks for r in rank.values() if isinstance(r, dict))
-    # A rank keeps its last batch of sends (waited for before the next sends go), not the step's 16 outputs (or
+    # A rank keeps its last batch of sends (waited for once the next sends are issued), not the step's 16 outputs (or
     # gradients) and their shapes.
     assert [rank["held"] for rank in ranks] == [1, 1] and all(rank["held as it was"] >= 32 for rank in ranks)
 

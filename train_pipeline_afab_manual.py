@@ -444,8 +444,8 @@ class Step:
         m, S, sizes = len(inputs), len(lengths or [0]), [shape or x.shape for x in inputs]  # sizes: (batch, seq)
         self.items = [c for s, (x, y, p) in enumerate(zip(inputs, targets, positions or [None] * m))
                       for c in cut_sequences(x, y, p, lengths or [sizes[s][1]], s)]
-        self.shapes = [(b, n // part.sequence_shards, part.model.config.hidden_size)
-                       for b, seq in sizes for n in lengths or [seq]]
+        self.shapes, self.lead = [(b, n // part.sequence_shards, part.model.config.hidden_size) for b, seq in sizes
+                                  for n in lengths or [seq]], (part.world_size - 1 - part.rank) * (S == 1)  # outputs
         self.microbatches, self.backwards = len(self.items), [s * S + j for s in range(m) for j in reversed(range(S))]
         self.vocab, self.items = part.vocab, part.vocab.embed_all(self.items) if part.vocab else self.items
 
@@ -453,17 +453,15 @@ class Step:
         """Send (dist.isend) tensor to a stage, or receive (dist.irecv) one of that shape. NCCL does not buffer a send
         and runs a rank's calls on a communicator in issue order: a send that the rank's next receive crosses (1F1B's
         steady state) is held and goes with it in one batch_isend_irecv, which NCCL starts together, as torch's 1F1B.
-        A receiving batch is waited for (wait() orders NCCL's stream, not the host); sends alone, till the next go."""
+        A receiving batch is waited for (wait() orders NCCL's stream, not the host); sends, once the next are issued."""
         tensor = torch.empty(tensor, dtype=self.dtype, device=self.device) if isinstance(tensor, tuple) else tensor
         self.held.append(dist.P2POp(op, tensor.contiguous(), group=self.partition.group, group_peer=stage))
         if hold:
             return tensor
         ops, self.held, alone = self.held, [], op is dist.isend
-        for work, _ in self.sends if alone else ():
-            work.wait()
         with record_function(f"{'send' if alone else 'recv'} {label}"):
             works = dist.batch_isend_irecv(ops)
-        for work in () if alone else works:
+        for work in [w for w, _ in self.sends] if alone else works:  # (the sends before, once these are issued)
             work.wait()
         self.sends = [(work, ops) for work in works] if alone else self.sends
         return tensor
@@ -483,30 +481,31 @@ class Step:
             self.message(dist.isend, out.detach().to(self.dtype), self.rank + 1, i, hold)
         self.saved[i] = (x, out)
 
-    def outputs(self, upto: int) -> None:  # --vocab-parallel: the output passes up to upto, alike on every rank;
-        for j in range(self.passed, upto if self.vocab else 0):  # the last stage's out: a scalar to backward from
+    def outputs(self, upto: int) -> None:  # --vocab-parallel: the passes before upto in order (the last stage's
+        # out: a scalar to backward from), each where all ranks' messages agree (NCCL runs a rank's collectives and
+        # batches on a communicator in issue order), earliest: 1F1B's pass i d = lead stages up after backward i - d
+        for j in range(self.passed, min(upto, self.microbatches) if self.vocab else 0):
             ce, out = self.vocab.output(self.saved[j][1], self.items[j], self.chunks, len(self.items) * self.window[1])
             self.saved[j], self.loss, self.passed = (self.saved[j][0], out), self.loss + ce / self.microbatches, j + 1
 
     def backward(self, i: int, hold: bool) -> None:
-        self.outputs(i + 1)  # --vocab-parallel: before the receive; a sequence's first backward (its last chunk's)
+        self.outputs(i + max(self.lead, 1))  # --vocab-parallel: before the receive (pass i: AFAB, Seq1F1B)
         x, out = self.saved.pop(i)  # dropping it frees this microbatch's activations after the backward
         grad = None if self.last else self.message(dist.irecv, self.shapes[i], self.rank + 1, i).to(out.dtype)
         if isinstance(model := self.partition.model, FSDPModule):
             # With replicas each backward adds into the unsharded gradient; the optimizer step's last (microbatch
             # m - 1's, chunk 0 with chunks, AFAB and 1F1B alike) alone reduce-scatters: not m (x --accumulate) times.
-            last = i == self.backwards[-1] and self.window[0] == self.window[1] - 1
-            model.set_requires_gradient_sync(last)
-            model.set_reshard_after_backward(last)
-            model.set_is_last_backward(last)
+            for f in (model.set_requires_gradient_sync, model.set_reshard_after_backward, model.set_is_last_backward):
+                f(i == self.backwards[-1] and self.window[0] == self.window[1] - 1)
         with record_function(f"backward {i}"):
             out.backward(grad)  # the last stage from its scaled loss, the others from the received gradient
+        self.outputs(i + 1 + self.lead)  # --vocab-parallel: 1F1B's pass i + d, before the send (outputs)
         if not self.first:
             self.message(dist.isend, x.grad.to(self.dtype), self.rank - 1, i, hold)
 
     def finish(self) -> torch.Tensor | None:
-        for work, _ in self.sends:  # none is held: a send is held only for a receive that follows
-            work.wait()
+        for work in [w for w, _ in self.sends] + (self.vocab.works if self.vocab else []):  # none is held: a send
+            work.wait()  # is held only for a receive that follows; --vocab-parallel: a last pass's call in flight
         if self.vocab and torch.is_grad_enabled():  # the embeddings' gradients; at an optimizer step's end, averaged
             self.vocab.embed_backward(self.items, self.window[0] == self.window[1] - 1)  # over the replicas
         return self.loss if self.last else None
@@ -521,6 +520,7 @@ def train_step_pipeline_afab(model, inputs, targets, device, dtype, *, loss_chun
     step = Step(model, inputs, targets, device, dtype, loss_chunks, positions, shape, window, lengths)
     for i in range(step.microbatches):
         step.forward(i, hold=False)
+    step.outputs(step.microbatches)  # --vocab-parallel: every pass, between the phases (all ranks wait there)
     for i in step.backwards:
         step.backward(i, hold=False)
     return step.finish()
