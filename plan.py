@@ -1153,15 +1153,17 @@ def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
         raise ValueError(f"{path}: no ProfilerStep spans; not a trace written by the scripts' --trace")
     thread = steps[0].get("pid"), steps[0]["tid"]  # the main thread: the labels, the waits; on a CPU the backward
     compute, losses, recvs, op_ends, collectives, vocab = [], [], [], [], [], []
-    lookups, made, nodes = [], [], []  # embedding ops; (start, sequence number) of ops; autograd's backward nodes
+    lookups, made, nodes, ops = [], [], [], []  # embedding ops; (start, sequence number) of ops; autograd's backward nodes
     for e in events:
         start, end, name = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e["name"]
         if e.get("cat") == "cpu_op" and name.startswith("autograd::engine::evaluate_function: "):
             nodes.append((start, end, e.get("args", {}).get("Sequence number")))  # on a GPU: autograd's thread
+        if name in ("gloo:broadcast", "gloo:reduce", "gloo:all_reduce"):  # --vocab-parallel's, on gloo's own thread
+            collectives.append((start, end))
         if (e.get("pid"), e["tid"]) != thread:
             continue
         if e.get("cat") == "cpu_op":
-            op_ends.append(end)
+            op_ends.append(end), ops.append((start, end))
             number = e.get("args", {}).get("Sequence number")
             if number is not None and not name.startswith("autograd::engine::evaluate_function: "):
                 made.append((start, number))
@@ -1173,8 +1175,6 @@ def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
             vocab.append((start, end))
         elif name == "gloo:recv":
             recvs.append((start, end))
-        elif name in ("gloo:broadcast", "gloo:reduce", "gloo:all_reduce"):  # --vocab-parallel's: waits in its passes
-            collectives.append((start, end))
         elif (actions := compute_actions(name)) is not None:
             compute.append((start, end, actions))
     kernels = _gpu_kernels(events, path)
@@ -1185,7 +1185,12 @@ def _read_rank(path: str, mtime_ns: int, size: int) -> dict:
             i = bisect.bisect_right(op_ends, end) - 1  # start of the compute action waiting: whichever is latest
             waiting_in = [s for s, e, _ in compute if s <= end <= e]
             blocked.append((max(start, op_ends[i] if i >= 0 else start, max(waiting_in, default=start)), end))
-        blocked = _union(blocked + [(s, e) for s, e in collectives if any(lo <= s and e <= hi for lo, hi in vocab)])
+        running = _union(ops)  # a vocabulary pass's collective: blocked from the main thread's last operator before
+        for start, end in collectives:  # its end, unless one runs then (a call left in flight: the rank computes)
+            i, j = bisect.bisect_right(op_ends, end) - 1, bisect.bisect_right(running, (end, math.inf)) - 1
+            if any(lo <= start and end <= hi for lo, hi in vocab) and not (j >= 0 and running[j][1] >= end):
+                blocked.append((max(start, op_ends[i] if i >= 0 else start), end))
+        blocked = _union(blocked)
         busy_in = lambda spans: _minus(_union(spans), blocked)  # noqa: E731
     else:  # a GPU's: the kernels launched in the spans; waiting where only point-to-point kernels run
         launches = [launch for launch, _, _, _ in kernels if launch is not None]

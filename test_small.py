@@ -6485,6 +6485,8 @@ def test_benchmark_writes_its_tables_in_every_mode(tmp_path, data_dir, monkeypat
         own = sum(e - s for s, e in spans if lo <= s <= hi) - sum(
             e - s for s, e in waits if lo <= s <= hi and any(a <= s and e <= b for a, b in spans))
         assert read["steps"][0]["busy"] >= own > 0, (rank, read["steps"][0], own)
+        # and the passes' collective waits (gloo records them on its own thread) are read as waiting, not work
+        assert any(a <= s and t <= b for s, t, kind in read["segments"] if kind == "waiting" for a, b in spans), rank
     assert "traced with --vocab-parallel, whose vocabulary passes run on every rank" in refused(
         capsys, plan.main, "--processes", "2", "--layers", "2", "--trace", str(trace))
 
