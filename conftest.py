@@ -7,6 +7,7 @@ helpers it calls by name.
 
 import atexit
 import contextlib
+import copy
 import functools
 import json
 import math
@@ -542,11 +543,29 @@ def library_pipeline(config, name: str, stages: list, layers: list, mesh, shape:
     return model_module.merged_stages(modules), built, schedule, loss_fn
 
 
+_TRACES, _trace = {}, tracer.traced_pipeline
+
+
+def _traced_once(model, example, split_points, kwargs=None):
+    """tracer.traced_pipeline of a meta model, each (config, split, input shapes) traced once a process: a copy of that
+    trace for each later variant (a trace is ~2 s of CPU, most of a parity launch's; a copy 0.1 s). The trace of the
+    same meta model, points and inputs is the same graph; each variant's stages, built from its own copy, are its own."""
+    key = (repr(model.config), model.lm_head is None, model.base_model.mask_in_each_layer, example.shape,
+           example.dtype, tuple(split_points.items()), tuple((k, v.shape, v.dtype) for k, v in (kwargs or {}).items()))
+    if key not in _TRACES:
+        _TRACES[key] = _trace(model, example, split_points, kwargs)
+    with warnings.catch_warnings():  # torch.export's own use of a deprecated pytree class, as the tracer's
+        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+        return copy.deepcopy(_TRACES[key])
+
+
 def traced_pipeline(config, name: str, stages: list, layers: list, mesh, shape: tuple, microbatches: int,
                     documents: bool = False, chunks: int = 8, seed: int = 11, order=None,
                     checkpointing: bool | str = False, seq_chunks: int = 1):
-    """The same, as the tracer script builds it (documents: traced with --document-masking's positions)."""
-    modules, pipe = tracer.traced_modules(config, stages, layers, shape, documents, seq_chunks)
+    """The same, as the tracer script builds it (documents: traced with --document-masking's positions); a trace this
+    process made before for the same shape, split and inputs, copied (_traced_once)."""
+    with unittest.mock.patch.object(tracer, "traced_pipeline", _traced_once):
+        modules, pipe = tracer.traced_modules(config, stages, layers, shape, documents, seq_chunks)
     model_module.parallelize(modules, mesh, torch.float32, activation_checkpointing=checkpointing, stages=stages)
     model_module.materialize(modules, config, torch.device("cpu"), seed)
     built = [tracer.pipeline_stage(pipe, s, torch.device("cpu"), mesh.get_group("pp"), torch.float32) for s in stages]
