@@ -1543,12 +1543,14 @@ def vocab_peaks(result: dict, held: list[float], schedule: str, m: int, tokens: 
     than the paper's Vocab-1 (p + 2 microbatches' activations): the layers' as without the flag; on the first rank
     the step's m input embeddings from its start (embed_all embeds them all at once) and each one's gradient from
     its backward to the step's end (embed_backward), in AFAB's order or 1F1B's (p in flight); on the last rank the
-    hidden states' gradient of one microbatch, from its output pass to its backward just after (that pass runs
-    per microbatch, its logits slice gone before the next: rank_memory's loss column, vocab_transient)."""
+    hidden states' gradient of each microbatch from its output pass to its backward: 1F1B's one at a time (its
+    backward follows), AFAB's all m (every pass between the phases); a pass's logits slice is gone before the
+    next (rank_memory's loss column, vocab_transient)."""
     embedding, last = 4.0 * tokens * hidden, len(result["peak"]) - 1  # fp32, each: the embedding's dtype
     cap = m if schedule == "gpipe" else last + 1  # microbatches in flight on the first rank at the j-th backward
     first = max([min(cap, m - j) * held[0] + (m + j) * embedding for j in range(m)] + [2 * m * embedding])
-    return {**result, "peak": {r: first if r == 0 else p + (embedding if r == last else 0.0)
+    return {**result, "peak": {r: first if r == 0 else p + (embedding * (m if schedule == "gpipe" else 1)
+                                                             if r == last else 0.0)
                                for r, p in result["peak"].items()}}
 
 
